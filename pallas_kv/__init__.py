@@ -1,0 +1,15 @@
+"""pallas_kv: Pallas GPU kernels for the decode step of LLM attention."""
+
+from pallas_kv.api import decode_attention as decode_attention
+from pallas_kv.api import last_impl as last_impl
+from pallas_kv.api import mla_decode_attention as mla_decode_attention
+from pallas_kv.api import paged_decode_attention as paged_decode_attention
+from pallas_kv.cache import KVCache as KVCache
+from pallas_kv.cache import PagedKVCache as PagedKVCache
+from pallas_kv.reference import decode_attention_reference as decode_attention_reference
+from pallas_kv.reference import mla_decode_attention_reference as mla_decode_attention_reference
+from pallas_kv.reference import paged_decode_attention_reference as paged_decode_attention_reference
+from pallas_kv.runtime import checked as checked
+from pallas_kv.runtime import interpret as interpret
+
+__version__ = "0.1.0"

@@ -1,0 +1,177 @@
+"""Trace-time checks of the public arguments, shared by the ops and their references.
+
+Every check raises ValueError (bad value) or NotImplementedError (valid but unsupported) with a
+message naming the argument, what it got and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import jax.numpy as jnp
+import numpy as np
+
+MAX_NEW_TOKENS = 16
+QUERY_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# Cache dtypes; int8 and fp8 caches are dequantised with k_scale / v_scale.
+CACHE_DTYPES = QUERY_DTYPES + (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """The static description of one call, after validation."""
+  batch: int
+  num_queries: int  # S, new tokens per sequence
+  num_heads: int  # Hq
+  num_kv_heads: int  # Hkv
+  head_dim: int  # D of q and k
+  v_head_dim: int
+  capacity: int  # T: tokens a sequence can hold (max_pages * page_size when paged)
+  page_size: int | None  # None for a contiguous cache
+  num_pages: int | None
+
+  @property
+  def group_size(self) -> int:
+    return self.num_heads // self.num_kv_heads
+
+
+def _dtype_name(dtype) -> str:
+  return jnp.dtype(dtype).name
+
+
+def _check_dtype(name: str, x, allowed) -> None:
+  if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in allowed]:
+    raise ValueError(
+        f"{name} has dtype {_dtype_name(x.dtype)}; expected one of "
+        f"{', '.join(_dtype_name(d) for d in allowed)}")
+
+
+def _check_integer(name: str, x, shape: tuple[int, ...]) -> None:
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array (int32); got dtype {_dtype_name(x.dtype)}")
+  if tuple(x.shape) != shape:
+    raise ValueError(f"{name} has shape {tuple(x.shape)}; expected {shape}")
+
+
+def query_as_rank4(q):
+  """Returns (q as [B, S, Hq, D], whether the caller passed the single-token form [B, Hq, D])."""
+  if q.ndim == 3:
+    return q[:, None], True
+  if q.ndim == 4:
+    if q.shape[1] > MAX_NEW_TOKENS:
+      raise NotImplementedError(
+          f"q has {q.shape[1]} new tokens (q.shape={tuple(q.shape)}); at most {MAX_NEW_TOKENS} are "
+          "supported per decode step")
+    if q.shape[1] < 1:
+      raise ValueError(f"q has no new tokens: q.shape={tuple(q.shape)}")
+    return q, False
+  raise ValueError(f"q must have rank 3 [B, Hq, D] or rank 4 [B, S, Hq, D]; got shape {tuple(q.shape)}")
+
+
+def check_options(*, scale, softcap, window, sinks, k_scale, v_scale, num_heads: int,
+                  num_kv_heads: int) -> None:
+  if scale is not None:
+    if not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
+      raise ValueError(f"scale must be a finite positive Python number or None; got {scale!r}")
+  if softcap is not None:
+    if not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap <= 0:
+      raise ValueError(f"softcap must be a finite positive Python number or None; got {softcap!r}")
+  if window is not None:
+    if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1:
+      raise ValueError(f"window must be a positive Python int or None; got {window!r}")
+  if sinks is not None:
+    if not hasattr(sinks, "shape") or tuple(sinks.shape) != (num_heads,):
+      raise ValueError(f"sinks must be an array of shape [Hq]=({num_heads},); got "
+                       f"{getattr(sinks, 'shape', type(sinks).__name__)}")
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+      raise ValueError(f"sinks must be floating point; got dtype {_dtype_name(sinks.dtype)}")
+  for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+    if s is None or isinstance(s, numbers.Real) and not isinstance(s, bool):
+      continue
+    if not hasattr(s, "shape") or tuple(s.shape) not in ((), (num_kv_heads,)):
+      raise ValueError(f"{name} must be a number, a scalar array or an array of shape "
+                       f"[Hkv]=({num_kv_heads},); got {getattr(s, 'shape', type(s).__name__)}")
+
+
+def _check_heads(num_heads: int, num_kv_heads: int, kv_name: str) -> None:
+  if num_kv_heads < 1 or num_heads % num_kv_heads:
+    raise ValueError(f"q has {num_heads} heads and {kv_name} has {num_kv_heads} kv heads; the number of "
+                     "q heads must be a multiple of the number of kv heads (MHA, GQA or MQA)")
+
+
+def validate_dense(q, k, v, lengths) -> Problem:
+  q4, _ = query_as_rank4(q)
+  b, s, hq, d = q4.shape
+  _check_dtype("q", q, QUERY_DTYPES)
+  for name, x in (("k", k), ("v", v)):
+    if x.ndim != 4:
+      raise ValueError(f"{name} must have rank 4 [B, T, Hkv, D]; got shape {tuple(x.shape)}")
+    _check_dtype(name, x, CACHE_DTYPES)
+  if k.shape != v.shape:
+    raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
+  if k.dtype != v.dtype:
+    raise ValueError(f"k and v must have the same dtype; got {_dtype_name(k.dtype)} and {_dtype_name(v.dtype)}")
+  if k.shape[0] != b:
+    raise ValueError(f"k has batch {k.shape[0]} but q has batch {b}")
+  if k.shape[3] != d:
+    raise ValueError(f"k has head_dim {k.shape[3]} but q has head_dim {d}")
+  _check_heads(hq, k.shape[2], "k")
+  _check_integer("lengths", lengths, (b,))
+  return Problem(batch=b, num_queries=s, num_heads=hq, num_kv_heads=k.shape[2], head_dim=d,
+                 v_head_dim=d, capacity=k.shape[1], page_size=None, num_pages=None)
+
+
+def _check_block_tables(block_tables, batch: int) -> None:
+  if block_tables.ndim != 2:
+    raise ValueError(f"block_tables must have rank 2 [B, max_pages_per_seq]; got shape {tuple(block_tables.shape)}")
+  _check_integer("block_tables", block_tables, (batch, block_tables.shape[1]))
+
+
+def validate_paged(q, k_pages, v_pages, block_tables, lengths) -> Problem:
+  q4, _ = query_as_rank4(q)
+  b, s, hq, d = q4.shape
+  _check_dtype("q", q, QUERY_DTYPES)
+  for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+    if x.ndim != 4:
+      raise ValueError(f"{name} must have rank 4 [P, page_size, Hkv, D]; got shape {tuple(x.shape)}")
+    _check_dtype(name, x, CACHE_DTYPES)
+  if k_pages.shape != v_pages.shape:
+    raise ValueError(f"k_pages and v_pages must have the same shape; got {tuple(k_pages.shape)} and "
+                     f"{tuple(v_pages.shape)}")
+  if k_pages.dtype != v_pages.dtype:
+    raise ValueError(f"k_pages and v_pages must have the same dtype; got {_dtype_name(k_pages.dtype)} and "
+                     f"{_dtype_name(v_pages.dtype)}")
+  if k_pages.shape[3] != d:
+    raise ValueError(f"k_pages has head_dim {k_pages.shape[3]} but q has head_dim {d}")
+  _check_heads(hq, k_pages.shape[2], "k_pages")
+  _check_block_tables(block_tables, b)
+  _check_integer("lengths", lengths, (b,))
+  num_pages, page_size = k_pages.shape[:2]
+  return Problem(batch=b, num_queries=s, num_heads=hq, num_kv_heads=k_pages.shape[2], head_dim=d,
+                 v_head_dim=d, capacity=block_tables.shape[1] * page_size, page_size=page_size,
+                 num_pages=num_pages)
+
+
+def validate_mla(q, kv_pages, block_tables, lengths, v_head_dim) -> Problem:
+  q4, _ = query_as_rank4(q)
+  b, s, hq, d = q4.shape
+  _check_dtype("q", q, QUERY_DTYPES)
+  if kv_pages.ndim != 3:
+    raise ValueError(f"kv_pages must have rank 3 [P, page_size, Dqk]; got shape {tuple(kv_pages.shape)}")
+  _check_dtype("kv_pages", kv_pages, CACHE_DTYPES)
+  if kv_pages.shape[2] != d:
+    raise ValueError(f"kv_pages has Dqk {kv_pages.shape[2]} but q has head_dim {d}")
+  if isinstance(v_head_dim, bool) or not isinstance(v_head_dim, numbers.Integral) or not 0 < v_head_dim <= d:
+    raise ValueError(f"v_head_dim must be an int in [1, Dqk={d}]; got {v_head_dim!r}")
+  _check_block_tables(block_tables, b)
+  _check_integer("lengths", lengths, (b,))
+  num_pages, page_size = kv_pages.shape[:2]
+  return Problem(batch=b, num_queries=s, num_heads=hq, num_kv_heads=1, head_dim=d,
+                 v_head_dim=int(v_head_dim), capacity=block_tables.shape[1] * page_size,
+                 page_size=page_size, num_pages=num_pages)
+
+
+def default_scale(head_dim: int) -> float:
+  return 1.0 / float(np.sqrt(head_dim))

@@ -1,0 +1,38 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import harness  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+  if harness.gpu_available():
+    return
+  skip = pytest.mark.skip(reason="needs a CUDA GPU: none is present on this machine")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)
+
+
+@pytest.fixture
+def mosaic_interpret():
+  """The `interpret=` value that runs a Mosaic GPU kernel in interpret mode on the CPU."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  return plgpu.InterpretGPUParams()
+
+
+@pytest.fixture
+def triton_interpret():
+  """The `interpret=` value that runs a Pallas Triton kernel on the CPU."""
+  return True
+
+
+@pytest.fixture
+def interpret_mode():
+  """Runs the library's kernel impls in interpret mode for the duration of a test."""
+  import pallas_kv
+  with pallas_kv.interpret():
+    yield

@@ -1,0 +1,137 @@
+"""Reusable test harness: random cases, tolerance checks, interpret and lowering helpers.
+
+Kernel tests build cases with `make_case`, run a kernel impl (in interpret mode on the CPU) and
+compare with `assert_matches_reference` against the float32 reference on the same inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Relative error ||out - ref|| / ||ref|| allowed per input dtype (DESIGN.md).
+TOLERANCE = {
+    jnp.dtype(jnp.bfloat16): 1e-2,
+    jnp.dtype(jnp.float16): 1e-2,
+    jnp.dtype(jnp.float32): 1e-5,
+}
+
+
+def relative_error(out, ref) -> float:
+  out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+  ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+  denom = np.linalg.norm(ref)
+  return float(np.linalg.norm(out - ref) / (denom if denom > 0 else 1.0))
+
+
+def assert_matches_reference(out, ref, dtype, *, tolerance: float | None = None, what: str = "out") -> float:
+  """Asserts out is NaN-free and within the dtype's relative tolerance of ref; returns the error."""
+  out_np = np.asarray(jnp.asarray(out, jnp.float32))
+  ref_np = np.asarray(jnp.asarray(ref, jnp.float32))
+  assert out_np.shape == ref_np.shape, f"{what}: shape {out_np.shape} != reference {ref_np.shape}"
+  assert not np.isnan(out_np).any(), f"{what} has NaN"
+  tol = TOLERANCE[jnp.dtype(dtype)] if tolerance is None else tolerance
+  err = relative_error(out_np, ref_np)
+  assert err < tol, f"{what}: relative error {err:.3e} >= {tol:.0e}"
+  return err
+
+
+def assert_lse_matches(lse, ref_lse, dtype) -> None:
+  """LSE: -inf exactly where the reference has no keys, close elsewhere."""
+  lse, ref_lse = np.asarray(lse, np.float64), np.asarray(ref_lse, np.float64)
+  assert not np.isnan(lse).any(), "lse has NaN"
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+  finite = np.isfinite(ref_lse)
+  tol = 10 * TOLERANCE[jnp.dtype(dtype)]
+  np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=tol, atol=tol)
+
+
+@dataclasses.dataclass
+class Case:
+  """One random decode problem, contiguous and (when page_size is set) the same data paged."""
+  q: jax.Array  # [B, S, Hq, D] or [B, Hq, D]
+  k: jax.Array  # [B, T, Hkv, D]
+  v: jax.Array
+  lengths: jax.Array  # int32 [B]
+  page_size: int | None = None
+  k_pages: jax.Array | None = None  # [P, page_size, Hkv, D]
+  v_pages: jax.Array | None = None
+  block_tables: jax.Array | None = None  # int32 [B, T // page_size]
+
+  @property
+  def dtype(self):
+    return self.q.dtype
+
+
+def random_lengths(rng: np.random.Generator, batch: int, capacity: int, *, include_zero: bool = True):
+  """Ragged lengths covering 0, the full capacity and values that are not multiples of a tile."""
+  lengths = rng.integers(1, capacity + 1, size=batch)
+  specials = [capacity, 0] if include_zero else [capacity]
+  for i, value in enumerate(specials[:batch]):
+    lengths[-(i + 1)] = value
+  return jnp.asarray(lengths, jnp.int32)
+
+
+def paginate(dense, page_size: int, rng: np.random.Generator, *, spare_pages: int = 3, permutation=None):
+  """Scatters dense [B, T, ...] into a shuffled page pool; returns (pages, block_tables, permutation)."""
+  b, t = dense.shape[:2]
+  if t % page_size:
+    raise ValueError(f"capacity {t} is not a multiple of page_size {page_size}")
+  per_seq = t // page_size
+  num_pages = b * per_seq + spare_pages
+  if permutation is None:
+    permutation = rng.permutation(num_pages)
+  block_tables = jnp.asarray(permutation[: b * per_seq].reshape(b, per_seq), jnp.int32)
+  filler = jnp.asarray(rng.standard_normal((num_pages, page_size) + dense.shape[2:]), dense.dtype)
+  pages = filler.at[block_tables.reshape(-1)].set(dense.reshape(b * per_seq, page_size, *dense.shape[2:]))
+  return pages, block_tables, permutation
+
+
+def make_case(seed: int, *, batch: int = 3, seq_len: int = 64, num_heads: int = 4, num_kv_heads: int = 2,
+              head_dim: int = 32, num_queries: int | None = None, dtype=jnp.float32, page_size: int | None = None,
+              lengths=None, kv_dtype=None) -> Case:
+  """A random case. num_queries=None gives the single-token form q [B, Hq, D]."""
+  rng = np.random.default_rng(seed)
+  kv_dtype = dtype if kv_dtype is None else kv_dtype
+  s = 1 if num_queries is None else num_queries
+  q = jnp.asarray(rng.standard_normal((batch, s, num_heads, head_dim)), dtype)
+  if num_queries is None:
+    q = q[:, 0]
+  def kv():
+    x = rng.standard_normal((batch, seq_len, num_kv_heads, head_dim))
+    if jnp.issubdtype(kv_dtype, jnp.integer):
+      return jnp.asarray(np.clip(np.round(x * 40), -127, 127), kv_dtype)
+    return jnp.asarray(x, kv_dtype)
+  k, v = kv(), kv()
+  if lengths is None:
+    lengths = random_lengths(rng, batch, seq_len)
+  else:
+    lengths = jnp.asarray(lengths, jnp.int32)
+  case = Case(q=q, k=k, v=v, lengths=lengths)
+  if page_size is not None:
+    case.page_size = page_size
+    case.k_pages, case.block_tables, perm = paginate(k, page_size, rng)
+    case.v_pages, _, _ = paginate(v, page_size, rng, permutation=perm)
+  return case
+
+
+def shape_dtype_structs(*args):
+  return [jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a for a in args]
+
+
+def lower_for_cuda(fn, *args):
+  """Lowers jit(fn) for CUDA on this (possibly CPU-only) machine; Mosaic GPU layout inference runs.
+
+  args may be arrays or ShapeDtypeStructs. Returns the jax.export.Exported.
+  """
+  return jax.export.export(jax.jit(fn), platforms=["cuda"])(*shape_dtype_structs(*args))
+
+
+def gpu_available() -> bool:
+  try:
+    return bool(jax.devices("gpu"))
+  except RuntimeError:
+    return False

@@ -1,0 +1,183 @@
+"""The public ops on impl="xla": options, jit/vmap/grad, errors, interpret and checked modes."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+from jax.test_util import check_grads
+
+import pallas_kv as pkv
+from pallas_kv import runtime
+from harness import assert_lse_matches, assert_matches_reference, make_case
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("num_queries", [None, 4])
+def test_xla_impl_matches_reference(dtype, num_queries):
+  case = make_case(1, batch=3, seq_len=32, num_heads=8, num_kv_heads=2, head_dim=16, num_queries=num_queries,
+                   dtype=dtype)
+  sinks = jnp.linspace(-1.0, 1.0, 8)
+  out, lse = pkv.decode_attention(case.q, case.k, case.v, case.lengths, window=9, softcap=5.0, sinks=sinks,
+                                  return_lse=True, impl="xla")
+  ref, ref_lse = pkv.decode_attention_reference(case.q.astype(jnp.float32), case.k.astype(jnp.float32),
+                                                case.v.astype(jnp.float32), case.lengths, window=9, softcap=5.0,
+                                                sinks=sinks, return_lse=True)
+  assert out.dtype == dtype and lse.dtype == jnp.float32
+  assert out.shape == case.q.shape and lse.shape == case.q.shape[:-1]
+  assert_matches_reference(out, ref, dtype)
+  assert_lse_matches(lse, ref_lse, dtype)
+
+
+def test_paged_and_mla_xla_impl():
+  case = make_case(2, batch=2, seq_len=32, num_heads=4, num_kv_heads=2, head_dim=16, page_size=8,
+                   dtype=jnp.bfloat16)
+  out = pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths,
+                                   impl="xla")
+  ref = pkv.decode_attention_reference(case.q, case.k, case.v, case.lengths)
+  assert_matches_reference(out, ref, jnp.bfloat16)
+  kv = case.k_pages[:, :, 0, :]
+  out = pkv.mla_decode_attention(case.q, kv, case.block_tables, case.lengths, v_head_dim=8, impl="xla")
+  ref = pkv.mla_decode_attention_reference(case.q, kv, case.block_tables, case.lengths, v_head_dim=8)
+  assert out.shape == (2, 4, 8)
+  assert_matches_reference(out, ref, jnp.bfloat16)
+
+
+def test_zero_length_gives_zeros_and_no_nan():
+  case = make_case(3, batch=2, seq_len=16, lengths=[0, 0], num_queries=2)
+  sinks = jnp.ones((4,))
+  out, lse = pkv.decode_attention(case.q, case.k, case.v, case.lengths, sinks=sinks, return_lse=True, impl="xla")
+  np.testing.assert_array_equal(out, 0.0)
+  assert np.isneginf(np.asarray(lse)).all()
+  grads = jax.grad(lambda q, k: pkv.decode_attention(q, k, case.v, case.lengths, impl="xla").sum(),
+                   argnums=(0, 1))(case.q, case.k)
+  for g in grads:
+    assert np.isfinite(np.asarray(g)).all()
+
+
+def test_auto_runs_xla_on_cpu():
+  if runtime.gpu_device() is not None:
+    pytest.skip("this machine has a GPU: impl='auto' picks a kernel there")
+  case = make_case(4)
+  out = pkv.decode_attention(case.q, case.k, case.v, case.lengths)
+  assert pkv.last_impl() == "xla"
+  assert_matches_reference(out, pkv.decode_attention_reference(case.q, case.k, case.v, case.lengths), jnp.float32)
+
+
+def test_jit_matches_eager():
+  case = make_case(5, num_queries=2, dtype=jnp.bfloat16)
+  f = lambda q, k, v, n: pkv.decode_attention(q, k, v, n, window=6, impl="xla")
+  np.testing.assert_array_equal(jax.jit(f)(case.q, case.k, case.v, case.lengths),
+                                f(case.q, case.k, case.v, case.lengths))
+
+
+def test_vmap_over_extra_leading_axis_matches_loop():
+  cases = [make_case(10 + i, batch=2, seq_len=16) for i in range(3)]
+  stack = lambda name: jnp.stack([getattr(c, name) for c in cases])
+  f = lambda q, k, v, n: pkv.decode_attention(q, k, v, n, softcap=4.0, impl="xla")
+  batched = jax.vmap(f)(stack("q"), stack("k"), stack("v"), stack("lengths"))
+  for i, c in enumerate(cases):
+    np.testing.assert_allclose(batched[i], f(c.q, c.k, c.v, c.lengths), rtol=1e-6, atol=1e-6)
+
+
+def test_paged_vmap_matches_loop():
+  cases = [make_case(20 + i, batch=2, seq_len=16, page_size=4) for i in range(2)]
+  stack = lambda name: jnp.stack([getattr(c, name) for c in cases])
+  f = lambda q, kp, vp, bt, n: pkv.paged_decode_attention(q, kp, vp, bt, n, impl="xla")
+  batched = jax.vmap(f)(stack("q"), stack("k_pages"), stack("v_pages"), stack("block_tables"), stack("lengths"))
+  for i, c in enumerate(cases):
+    np.testing.assert_allclose(batched[i], f(c.q, c.k_pages, c.v_pages, c.block_tables, c.lengths),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_grad_matches_finite_differences():
+  case = make_case(6, batch=2, seq_len=8, num_heads=4, num_kv_heads=2, head_dim=8, lengths=[5, 8])
+  sinks = jnp.asarray([0.1, -0.2, 0.3, 0.0])
+  f = lambda q, k, v, s: pkv.decode_attention(q, k, v, case.lengths, softcap=3.0, sinks=s, impl="xla")
+  check_grads(f, (case.q, case.k, case.v, sinks), order=1, modes=["rev"], atol=1e-2, rtol=1e-2)
+
+
+# (description, call, exception type, message fragment)
+def _bad_inputs():
+  c = make_case(7, batch=2, seq_len=16, num_heads=4, num_kv_heads=2, head_dim=8, page_size=4)
+  q, k, v, n = c.q, c.k, c.v, c.lengths
+  d = pkv.decode_attention
+  p = lambda **kw: pkv.paged_decode_attention(kw.get("q", q), kw.get("kp", c.k_pages), kw.get("vp", c.v_pages),
+                                              kw.get("bt", c.block_tables), kw.get("n", n), impl="xla")
+  return [
+      ("q rank 2", lambda: d(q[0], k, v, n), ValueError, "q must have rank 3"),
+      ("k rank 3", lambda: d(q, k[0], v[0], n), ValueError, "k must have rank 4"),
+      ("batch mismatch", lambda: d(q[:1], k, v, n[:1]), ValueError, "batch"),
+      ("head_dim mismatch", lambda: d(q[..., :4], k, v, n), ValueError, "head_dim"),
+      ("heads not a multiple", lambda: d(jnp.concatenate([q, q[:, :1]], 1), k, v, n), ValueError, "multiple"),
+      ("k/v shape", lambda: d(q, k, v[:, :8], n), ValueError, "same shape"),
+      ("float lengths", lambda: d(q, k, v, n.astype(jnp.float32)), ValueError, "lengths must be an integer"),
+      ("lengths shape", lambda: d(q, k, v, n[:1]), ValueError, "lengths has shape"),
+      ("q dtype", lambda: d(q.astype(jnp.int32), k, v, n), ValueError, "q has dtype int32"),
+      ("kv dtype", lambda: d(q, k.astype(jnp.int32), v.astype(jnp.int32), n), ValueError, "k has dtype int32"),
+      ("negative scale", lambda: d(q, k, v, n, scale=-1.0), ValueError, "scale"),
+      ("zero softcap", lambda: d(q, k, v, n, softcap=0.0), ValueError, "softcap"),
+      ("window 0", lambda: d(q, k, v, n, window=0), ValueError, "window"),
+      ("float window", lambda: d(q, k, v, n, window=2.5), ValueError, "window"),
+      ("sinks shape", lambda: d(q, k, v, n, sinks=jnp.ones(3)), ValueError, "sinks"),
+      ("k_scale shape", lambda: d(q, k, v, n, k_scale=jnp.ones(5)), ValueError, "k_scale"),
+      ("too many tokens", lambda: d(jnp.zeros((2, 17, 4, 8)), k, v, n), NotImplementedError, "at most 16"),
+      ("unknown impl", lambda: d(q, k, v, n, impl="cuda"), ValueError, "impl must be one of"),
+      ("config on xla", lambda: d(q, k, v, n, impl="xla", config=object()), ValueError, "config"),
+      ("float block tables", lambda: p(bt=c.block_tables.astype(jnp.float32)), ValueError, "block_tables"),
+      ("block tables rank", lambda: p(bt=c.block_tables[0]), ValueError, "block_tables must have rank 2"),
+      ("pages rank", lambda: p(kp=c.k_pages[0], vp=c.v_pages[0]), ValueError, "k_pages must have rank 4"),
+      ("mla v_head_dim", lambda: pkv.mla_decode_attention(q, c.k_pages[:, :, 0], c.block_tables, n, v_head_dim=9,
+                                                           impl="xla"), ValueError, "v_head_dim"),
+  ]
+
+
+@pytest.mark.parametrize("index", range(len(_bad_inputs())), ids=[b[0] for b in _bad_inputs()])
+def test_bad_input_raises(index):
+  _, call, exc, fragment = _bad_inputs()[index]
+  with pytest.raises(exc, match=fragment):
+    call()
+
+
+def test_unbuilt_kernel_backend_raises_not_implemented():
+  from pallas_kv import api
+  try:
+    api._kernel_backend("triton")
+  except NotImplementedError as e:
+    case = make_case(8)
+    with pytest.raises(NotImplementedError, match="triton"):
+      pkv.decode_attention(case.q, case.k, case.v, case.lengths, impl="triton")
+  else:
+    pytest.skip("the triton backend is built; its own tests cover it")
+
+
+def test_interpret_switches(monkeypatch):
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  monkeypatch.delenv(runtime.INTERPRET_ENV_VAR, raising=False)
+  assert runtime.mosaic_gpu_interpret_params() is False and runtime.triton_interpret_flag() is False
+  with pkv.interpret():
+    assert isinstance(runtime.mosaic_gpu_interpret_params(), plgpu.InterpretGPUParams)
+    assert runtime.triton_interpret_flag() is True
+  assert runtime.interpret_enabled() is False
+  monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
+  assert isinstance(runtime.mosaic_gpu_interpret_params(), plgpu.InterpretGPUParams)
+  assert runtime.triton_interpret_flag() is True
+
+
+def test_checked_mode_reports_bad_lengths_and_pages():
+  case = make_case(9, batch=2, seq_len=16, page_size=4, lengths=[16, 5])
+  f = lambda bt, n: pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, bt, n, impl="xla")
+  with pkv.checked():
+    err, _ = checkify.checkify(jax.jit(f))(case.block_tables, case.lengths)
+    assert err.get() is None
+    err, _ = checkify.checkify(jax.jit(f))(case.block_tables, jnp.asarray([17, 5], jnp.int32))
+    assert "lengths must lie in" in err.get()
+    bad_tables = case.block_tables.at[1, 0].set(999)
+    err, _ = checkify.checkify(jax.jit(f))(bad_tables, case.lengths)
+    assert "page ids" in err.get()
+    # A bad id in a page past the sequence's length is never read: no error.
+    unused_bad = case.block_tables.at[1, 3].set(999)
+    err, _ = checkify.checkify(jax.jit(f))(unused_bad, case.lengths)
+    assert err.get() is None
