@@ -1,0 +1,278 @@
+"""Peer implementations of decode attention, run side by side with pallas_kv.
+
+Each `build_*` function takes an `OpSpec` and returns a `Runner` that accepts the
+same inputs as the pallas_kv op (one input set at a time, in pallas_kv layouts:
+q [B, Hq, D] or [B, S, Hq, D]; dense k, v [B, T, Hkv, D]; pages [P, page, Hkv, D];
+MLA kv_pages [P, page, Dqk]) and returns the output in the pallas_kv layout. A
+peer that cannot run raises: `PeerUnavailable` when something it needs is missing
+(torch, a GPU), `NotImplementedError` when it doesn't support the op or shape.
+
+Peers:
+  xla_einsum        plain jnp einsum + softmax in the input dtype (paged: gather
+                    the pages first), the naive XLA baseline; every op.
+  cudnn             jax.nn.dot_product_attention(implementation="cudnn"), the new
+                    tokens as queries with key padding from `lengths`; dense only.
+  torch             torch.nn.functional.scaled_dot_product_attention(enable_gqa=...)
+                    on [B, H, T, D] copies of the inputs; dense only.
+  jax_pallas_gqa    jax's deprecated Pallas Triton decode kernel
+                    (jax.experimental.pallas.ops.gpu.decode_attention.gqa); dense, S=1.
+  jax_pallas_paged  jax's deprecated Pallas Triton paged kernel
+                    (jax.experimental.pallas.ops.gpu.paged_attention); paged, S=1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+OPS = ("decode", "paged", "mla")
+
+
+class PeerUnavailable(RuntimeError):
+  """A peer's dependency (a package, a GPU) is missing on this machine."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+  """What a peer needs to know about the op beyond the arrays' shapes."""
+
+  op: str  # "decode" (dense), "paged" or "mla"
+  num_queries: int = 1  # S; with S == 1 q is [B, Hq, D], else [B, S, Hq, D]
+  full_lengths: bool = True  # every sequence at full capacity (no padding mask needed)
+  v_head_dim: int | None = None  # MLA: V is kv[..., :v_head_dim]
+
+  def __post_init__(self):
+    if self.op not in OPS:
+      raise ValueError(f"{self.op=} must be one of {OPS}")
+    if self.num_queries < 1:
+      raise ValueError(f"{self.num_queries=} must be >= 1")
+    if self.op == "mla" and not self.v_head_dim:
+      raise ValueError(f"{self.v_head_dim=} must be set for op='mla'")
+
+
+def _identity(args: tuple) -> tuple:
+  return args
+
+
+def _jax_to_numpy(out: Any) -> np.ndarray:
+  return np.asarray(jnp.asarray(out, jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class Runner:
+  """A callable under test plus how to feed it, time it and read its output."""
+
+  fn: Callable[..., Any]  # fn(*prepared_args) -> output; traceable if timer == "jax"
+  prepare: Callable[[tuple], tuple] = _identity  # untimed: op inputs -> fn's args
+  to_numpy: Callable[[Any], np.ndarray] = _jax_to_numpy  # output in op layout, f32
+  timer: str = "jax"  # key of benchmarks.timing.TIMERS
+
+
+def require_gpu(name: str) -> None:
+  backend = jax.default_backend()
+  if backend != "gpu":
+    raise PeerUnavailable(f"{name} needs a CUDA GPU; jax backend is {backend!r}")
+
+
+def _quiet(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """fn, with DeprecationWarnings hidden (deprecated jax ops warn when lowered)."""
+
+  def quiet_fn(*args):
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", DeprecationWarning)
+      return fn(*args)
+
+  return quiet_fn
+
+
+def _import_deprecated_jax_op(name: str):
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    return importlib.import_module(f"jax.experimental.pallas.ops.gpu.{name}")
+
+
+def query_positions(lengths: jax.Array, num_queries: int) -> jax.Array:
+  """[B, S] absolute position of each new token: the last S of lengths[b]."""
+  return lengths[:, None] - num_queries + jnp.arange(num_queries)[None, :]
+
+
+def visible_mask(lengths: jax.Array, num_queries: int, capacity: int) -> jax.Array:
+  """[B, S, T] bool: key t is visible to query s (causal, within the length)."""
+  pos = query_positions(lengths, num_queries)
+  return jnp.arange(capacity)[None, None, :] <= pos[:, :, None]
+
+
+def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
+  """[P, page, ...] pages + [B, n] table -> contiguous [B, n * page, ...]."""
+  gathered = pages[block_tables]  # [B, n, page, ...]
+  b, n, page = gathered.shape[:3]
+  return gathered.reshape(b, n * page, *gathered.shape[3:])
+
+
+def einsum_attention(q, k, v, lengths, *, scale: float | None = None):
+  """Naive attention in the input dtype. q [B,S,Hq,D]; k [B,T,Hkv,D]; v [B,T,Hkv,Dv]."""
+  b, s, hq, d = q.shape
+  t, hkv = k.shape[1], k.shape[2]
+  scale = 1.0 / math.sqrt(d) if scale is None else scale
+  qg = q.reshape(b, s, hkv, hq // hkv, d)
+  logits = jnp.einsum("bskgd,btkd->bkgst", qg, k) * jnp.asarray(scale, q.dtype)
+  mask = visible_mask(lengths, s, t)[:, None, None]  # [B, 1, 1, S, T]
+  logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+  probs = jax.nn.softmax(logits, axis=-1)
+  out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
+  return out.reshape(b, s, hq, v.shape[-1])
+
+
+def _as_4d(fn4: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+  """Lifts fn(q4, ...) on [B, S, Hq, D] queries to also take [B, Hq, D]."""
+
+  def fn(q, *args):
+    if q.ndim == 3:
+      return fn4(q[:, None], *args)[:, 0]
+    return fn4(q, *args)
+
+  return fn
+
+
+def build_xla_einsum(spec: OpSpec) -> Runner:
+  if spec.op == "decode":
+    def fn4(q, k, v, lengths):
+      return einsum_attention(q, k, v, lengths)
+  elif spec.op == "paged":
+    def fn4(q, k_pages, v_pages, block_tables, lengths):
+      k = gather_pages(k_pages, block_tables)
+      v = gather_pages(v_pages, block_tables)
+      return einsum_attention(q, k, v, lengths)
+  else:  # mla
+    dv = spec.v_head_dim
+
+    def fn4(q, kv_pages, block_tables, lengths):
+      kv = gather_pages(kv_pages, block_tables)[:, :, None, :]  # [B, T, 1, Dqk]
+      return einsum_attention(q, kv, kv[..., :dv], lengths)
+  return Runner(fn=jax.jit(_as_4d(fn4)))
+
+
+def build_cudnn(spec: OpSpec) -> Runner:
+  if spec.op != "decode":
+    raise NotImplementedError("cudnn peer: dense KV only (op=decode)")
+  require_gpu("cudnn")
+
+  def fn4(q, k, v, lengths):
+    b, s = q.shape[:2]
+    mask = None
+    if s > 1:  # the S new tokens are the last S: bottom-right-aligned causal
+      mask = visible_mask(lengths, s, k.shape[1])[:, None]  # [B, 1, S, T]
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask,
+        query_seq_lengths=jnp.full((b,), s, jnp.int32),
+        key_value_seq_lengths=lengths.astype(jnp.int32),
+        implementation="cudnn")
+
+  return Runner(fn=jax.jit(_as_4d(fn4)))
+
+
+def _import_torch():
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise PeerUnavailable(f"torch not importable ({e})") from None
+  if not torch.cuda.is_available():
+    raise PeerUnavailable("torch sees no CUDA device")
+  return torch
+
+
+def build_torch(spec: OpSpec) -> Runner:
+  if spec.op != "decode":
+    raise NotImplementedError("torch peer: dense KV only (op=decode)")
+  torch = _import_torch()
+  sdpa = torch.nn.functional.scaled_dot_product_attention
+  squeeze = spec.num_queries == 1
+
+  def prepare(args):
+    q, k, v, lengths = jax.block_until_ready(args)
+    if q.ndim == 3:
+      q = q[:, None]
+    s, t = q.shape[1], k.shape[1]
+    tq = torch.from_dlpack(q).transpose(1, 2).contiguous()  # [B, Hq, S, D]
+    tk = torch.from_dlpack(k).transpose(1, 2).contiguous()  # [B, Hkv, T, D]
+    tv = torch.from_dlpack(v).transpose(1, 2).contiguous()
+    mask = None
+    if not (spec.full_lengths and s == 1):  # [B, 1, S, T], True = attend
+      tl = torch.as_tensor(np.asarray(lengths), device=tk.device)
+      pos = tl[:, None] - s + torch.arange(s, device=tk.device)[None, :]
+      mask = torch.arange(t, device=tk.device)[None, None, :] <= pos[:, :, None]
+      mask = mask[:, None]
+    return tq, tk, tv, mask
+
+  def fn(tq, tk, tv, mask):
+    return sdpa(tq, tk, tv, attn_mask=mask, enable_gqa=tq.shape[1] != tk.shape[1])
+
+  def to_numpy(out):
+    out = out.transpose(1, 2)  # [B, S, Hq, Dv]
+    if squeeze:
+      out = out[:, 0]
+    return out.float().cpu().numpy()
+
+  return Runner(fn=fn, prepare=prepare, to_numpy=to_numpy, timer="torch")
+
+
+def build_jax_pallas_gqa(spec: OpSpec) -> Runner:
+  if spec.op != "decode":
+    raise NotImplementedError("jax_pallas_gqa peer: dense KV only (op=decode)")
+  if spec.num_queries != 1:
+    raise NotImplementedError("jax_pallas_gqa peer: one query per sequence only")
+  require_gpu("jax_pallas_gqa")
+  mod = _import_deprecated_jax_op("decode_attention")
+
+  def fn(q, k, v, lengths):
+    return mod.gqa(q, k, v, kv_seq_len=lengths)
+
+  return Runner(fn=_quiet(jax.jit(fn)))
+
+
+def _largest_divisor_at_most(n: int, cap: int) -> int:
+  return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+def build_jax_pallas_paged(spec: OpSpec) -> Runner:
+  if spec.op != "paged":
+    raise NotImplementedError("jax_pallas_paged peer: paged KV only (op=paged)")
+  if spec.num_queries != 1:
+    raise NotImplementedError("jax_pallas_paged peer: one query per sequence only")
+  require_gpu("jax_pallas_paged")
+  mod = _import_deprecated_jax_op("paged_attention")
+
+  def prepare(args):
+    q, k_pages, v_pages, block_tables, lengths = args
+    # That kernel does not scale the logits, and wants head-major pages.
+    q = q * jnp.asarray(1.0 / math.sqrt(q.shape[-1]), q.dtype)
+    k_pages = jnp.transpose(k_pages, (2, 0, 1, 3))  # [Hkv, P, page, D]
+    v_pages = jnp.transpose(v_pages, (2, 0, 1, 3))
+    return q, k_pages, v_pages, block_tables, lengths
+
+  def fn(q, k_pages, v_pages, block_tables, lengths):
+    pages_per_seq = block_tables.shape[1]
+    k_splits = _largest_divisor_at_most(pages_per_seq, 16)
+    per_split = pages_per_seq // k_splits
+    return mod.paged_attention(
+        q, k_pages, v_pages, block_tables, lengths, k_splits=k_splits,
+        pages_per_compute_block=_largest_divisor_at_most(per_split, 8))
+
+  return Runner(fn=_quiet(jax.jit(fn)), prepare=prepare)
+
+
+PEERS: dict[str, Callable[[OpSpec], Runner]] = {
+    "xla_einsum": build_xla_einsum,
+    "cudnn": build_cudnn,
+    "torch": build_torch,
+    "jax_pallas_gqa": build_jax_pallas_gqa,
+    "jax_pallas_paged": build_jax_pallas_paged,
+}

@@ -1,0 +1,160 @@
+"""Device-side timing for the decode benchmarks, without a profiler.
+
+JAX impls ("chain-diff"): host dispatch of one jitted call costs tens of µs (66-96 µs
+measured on the H200 machine here for a 4-argument jit), as much as a whole decode
+step at batch 1, so a host-timed loop of calls measures dispatch, not the kernel.
+Instead, one jitted program runs the op N times in a row, each call's inputs passed
+through `lax.optimization_barrier` together with the previous call's output (so
+XLA can neither merge identical calls nor overlap them, and nothing is copied),
+rotating among the input sets. Such a program takes about c + N * t on the host
+clock (c: dispatch and sync, paid once). Each sample times a chain of N = `iters`
+calls and one of 2N back to back and takes t = (T_2N - T_N) / N, which cancels c.
+The result is the median over `repeats` samples. Compilation and `warmup` runs of
+both chains come first.
+
+torch ("cuda-events"): CUDA events around a loop of `iters` calls, per repeat;
+the median. Such a loop is host-bound if enqueueing a call takes about as long
+as running it; the row says so.
+
+Rotating among input sets keeps a small KV cache from being served from L2
+(~60 MB on an H200): `num_rotating_sets` picks how many sets to make.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax import lax
+
+# L2 cache of an H200 is ~60 MB; rotate through at least 3x that.
+L2_BYTES = 60e6
+DEFAULT_ROTATE_BYTES = 3 * L2_BYTES
+MAX_ROTATING_SETS = 64
+# A torch loop whose enqueue time is above this fraction of the sample is host-bound.
+HOST_BOUND_FRACTION = 0.8
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """Per-call device time in seconds, and how it was measured."""
+
+  median_s: float
+  min_s: float
+  samples_s: tuple[float, ...]
+  method: str  # "chain-diff" (JAX), "chain" (JAX, fallback) or "cuda-events"
+  # chain-diff: fixed cost of one dispatch + sync; cuda-events: enqueue time per call.
+  overhead_s: float
+  host_bound: bool = False
+
+
+def num_rotating_sets(bytes_per_set: float, rotate_bytes: float,
+                      max_sets: int = MAX_ROTATING_SETS) -> int:
+  """How many input sets to rotate among so that together they overflow L2.
+
+  `rotate_bytes` is the least total size of the sets (0 turns rotation off).
+  """
+  if rotate_bytes <= 0 or bytes_per_set <= 0:
+    return 1
+  return max(1, min(max_sets, math.ceil(rotate_bytes / bytes_per_set)))
+
+
+def _check_counts(arg_sets: Sequence[tuple], iters: int, repeats: int) -> None:
+  if not arg_sets:
+    raise ValueError("arg_sets must hold at least one input set")
+  if iters < 1:
+    raise ValueError(f"{iters=} must be >= 1")
+  if repeats < 1:
+    raise ValueError(f"{repeats=} must be >= 1")
+
+
+def chain(fn: Callable[..., Any], num_calls: int) -> Callable[[list], list]:
+  """fn applied `num_calls` times in sequence, rotating over a list of arg sets."""
+
+  def run(arg_sets):
+    outs = []
+    for i in range(num_calls):
+      args = arg_sets[i % len(arg_sets)]
+      if outs:  # depend on the previous call; XLA must not look through this
+        args, _ = lax.optimization_barrier((args, outs[-1]))
+      outs.append(fn(*args))
+    return outs
+
+  return run
+
+
+def _wall(fn: Callable[[list], Any], arg_sets: list) -> float:
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(arg_sets))
+  return time.perf_counter() - t0
+
+
+def time_jax(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int,
+             iters: int, repeats: int) -> Timing:
+  """Device time of `fn(*args)` (a traceable JAX function) by chain differences."""
+  _check_counts(arg_sets, iters, repeats)
+  arg_sets = list(arg_sets)
+  with warnings.catch_warnings():  # deprecated peers warn while lowering
+    warnings.simplefilter("ignore", DeprecationWarning)
+    short = jax.jit(chain(fn, iters)).lower(arg_sets).compile()
+    long = jax.jit(chain(fn, 2 * iters)).lower(arg_sets).compile()
+  for _ in range(max(1, warmup)):
+    jax.block_until_ready((short(arg_sets), long(arg_sets)))
+  diffs, overheads, longs = [], [], []
+  for _ in range(repeats):
+    t_short = _wall(short, arg_sets)
+    t_long = _wall(long, arg_sets)
+    per_call = (t_long - t_short) / iters
+    diffs.append(per_call)
+    overheads.append(t_short - iters * per_call)
+    longs.append(t_long / (2 * iters))
+  if statistics.median(diffs) > 0:
+    return _summarize(diffs, "chain-diff", statistics.median(overheads))
+  # Too noisy to difference (tiny CPU cases): per-call time of the long chain,
+  # an upper bound that includes the dispatch cost.
+  return _summarize(longs, "chain", 0.0)
+
+
+def time_torch(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int,
+               iters: int, repeats: int) -> Timing:
+  """Device time of a torch CUDA `fn(*args)` with CUDA events around loops."""
+  import torch  # pylint: disable=g-import-not-at-top
+
+  _check_counts(arg_sets, iters, repeats)
+  n = len(arg_sets)
+  for i in range(max(1, warmup)):
+    fn(*arg_sets[i % n])
+  torch.cuda.synchronize()
+  samples, enqueues = [], []
+  k = 0
+  for _ in range(repeats):
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(iters):
+      fn(*arg_sets[k % n])
+      k += 1
+    end.record()
+    t1 = time.perf_counter()
+    end.synchronize()
+    samples.append(start.elapsed_time(end) * 1e-3 / iters)
+    enqueues.append((t1 - t0) / iters)
+  enqueue = statistics.median(enqueues)
+  timing = _summarize(samples, "cuda-events", enqueue)
+  return dataclasses.replace(
+      timing, host_bound=enqueue > HOST_BOUND_FRACTION * timing.median_s)
+
+
+TIMERS: dict[str, Callable[..., Timing]] = {"jax": time_jax, "torch": time_torch}
+
+
+def _summarize(samples: Sequence[float], method: str, overhead_s: float) -> Timing:
+  return Timing(median_s=statistics.median(samples), min_s=min(samples),
+                samples_s=tuple(samples), method=method, overhead_s=overhead_s)
