@@ -5,6 +5,7 @@ from pallas_kv.api import last_impl as last_impl
 from pallas_kv.api import mla_decode_attention as mla_decode_attention
 from pallas_kv.api import paged_decode_attention as paged_decode_attention
 from pallas_kv.cache import KVCache as KVCache
+from pallas_kv.config import DecodeConfig as DecodeConfig
 from pallas_kv.cache import PagedKVCache as PagedKVCache
 from pallas_kv.reference import decode_attention_reference as decode_attention_reference
 from pallas_kv.reference import mla_decode_attention_reference as mla_decode_attention_reference

@@ -33,6 +33,9 @@ def last_impl() -> str | None:
 
 def _kernel_backend(name: str):
   """The module implementing a kernel backend; NotImplementedError if it is not available."""
+  if name == "mosaic_gpu":
+    from pallas_kv.kernels.mosaic_gpu import backend
+    return backend
   raise NotImplementedError(f"impl={name!r}: this backend is not built yet; use impl='xla' or impl='auto'")
 
 
@@ -101,8 +104,76 @@ def _check_runtime_values(problem, lengths, block_tables=None) -> None:
 def _cast_output(result, dtype, return_lse: bool):
   if return_lse:
     out, lse = result
-    return out.astype(dtype), lse
+    return out.astype(dtype), lse.astype(jnp.float32)
   return result.astype(dtype)
+
+
+def _loop_when_vmapped(fn):
+  """fn takes unbatched arrays; under vmap, run it once per element of the mapped axis (lax.map).
+
+  The kernels see batch through their grid, not through Pallas' batching rules, so an extra
+  vmapped axis (e.g. layers) becomes a loop of kernel launches.
+  """
+  fn = jax.custom_batching.custom_vmap(fn)
+
+  @fn.def_vmap
+  def _rule(axis_size, in_batched, *args):
+    del axis_size
+    batched = [a for a, b in zip(args, in_batched) if b]
+
+    def one(slices):
+      it = iter(slices)
+      return fn(*[next(it) if b else a for a, b in zip(args, in_batched)])
+
+    out = jax.lax.map(one, batched)
+    return out, jax.tree_util.tree_map(lambda _: True, out)
+
+  return fn
+
+
+def _with_reference_gradient(kernel_fn, reference_fn, **arrays):
+  """kernel_fn(**arrays) forward; gradients from the float32 reference_fn(**arrays) (custom VJP).
+
+  Entries that are None stay out of the differentiated arguments.
+  """
+  names = tuple(name for name, value in arrays.items() if value is not None)
+  call = lambda fn, values: fn(**dict(zip(names, values)))
+  kernel = _loop_when_vmapped(lambda *values: call(kernel_fn, values))
+
+  @jax.custom_vjp
+  def op(*values):
+    return kernel(*values)
+
+  def op_fwd(*values):
+    return kernel(*values), values
+
+  def op_bwd(values, cotangent):
+    _, vjp = jax.vjp(lambda *vs: call(reference_fn, vs), *values)
+    return vjp(cotangent)
+
+  op.defvjp(op_fwd, op_bwd)
+  return op(*(arrays[name] for name in names))
+
+
+def _run(op: str, impl: str, config, problem, options, q, k, v, lengths, block_tables, *, sinks, k_scale, v_scale,
+         return_lse, reference_fn):
+  """Runs the chosen backend; reference_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale) is the oracle."""
+  name, backend = _choose_impl(impl, op, problem, options, (q.dtype, k.dtype), config)
+  dtype = q.dtype
+
+  def reference_call(q, k, v, lengths, block_tables=None, sinks=None, k_scale=None, v_scale=None):
+    return _cast_output(reference_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale), dtype, return_lse)
+
+  if backend is None:
+    return reference_call(q, k, v, lengths, block_tables, sinks, k_scale, v_scale)
+
+  def kernel_call(q, k, v, lengths, block_tables=None, sinks=None, k_scale=None, v_scale=None):
+    result = backend.run(op, q, k, v, lengths, block_tables, problem=problem, options=options, config=config,
+                         sinks=sinks, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
+    return _cast_output(result, dtype, return_lse)
+
+  return _with_reference_gradient(kernel_call, reference_call, q=q, k=k, v=v, lengths=lengths,
+                                  block_tables=block_tables, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 
 
 def decode_attention(q, k, v, lengths, *, scale=None, softcap=None, window=None, sinks=None, k_scale=None,
@@ -121,23 +192,23 @@ def decode_attention(q, k, v, lengths, *, scale=None, softcap=None, window=None,
     k_scale, v_scale: dequantization scales (a number, a scalar or [Hkv]) for int8/fp8 caches.
     return_lse: also return the natural-log LSE [B, (S,) Hq] float32 over the real keys (-inf if none).
     impl: "auto" | "mosaic_gpu" | "triton" | "xla".
-    config: an explicit kernel config for the chosen backend, else tuned, else heuristic.
+    config: an explicit kernel config (`pallas_kv.DecodeConfig`) for the chosen backend, else heuristic.
 
   Returns:
     out [B, (S,) Hq, D] in q's dtype, and lse when return_lse. Sequences of length 0 give zeros.
+    Gradients flow to q, k, v, sinks and the scales (kernel forward, float32 reference backward).
   """
   problem = validation.validate_dense(q, k, v, lengths)
   options = _options(problem, scale, softcap, window, sinks, k_scale, v_scale)
   _check_runtime_values(problem, lengths)
-  name, backend = _choose_impl(impl, "decode", problem, options, (q.dtype, k.dtype), config)
-  kwargs = dict(scale=options.scale, softcap=softcap, window=window, sinks=sinks, k_scale=k_scale,
-                v_scale=v_scale, return_lse=return_lse)
-  if backend is None:
-    result = reference.decode_attention_reference(q, k, v, lengths, **kwargs)
-  else:
-    result = backend.decode_attention(q, k, v, lengths, problem=problem, options=options, config=config,
-                                      **kwargs)
-  return _cast_output(result, q.dtype, return_lse)
+
+  def reference_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale):
+    return reference.decode_attention_reference(q, k, v, lengths, scale=options.scale, softcap=softcap,
+                                                window=window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+                                                return_lse=return_lse)
+
+  return _run("decode", impl, config, problem, options, q, k, v, lengths, None, sinks=sinks, k_scale=k_scale,
+              v_scale=v_scale, return_lse=return_lse, reference_fn=reference_fn)
 
 
 def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, softcap=None, window=None,
@@ -146,21 +217,20 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=
 
   k_pages, v_pages: [P, page_size, Hkv, D]; block_tables: int32 [B, max_pages_per_seq]; token t of
   sequence b lives in page block_tables[b, t // page_size] at slot t % page_size. Page ids are
-  clamped into [0, P) and pages past a sequence's length are never used. Other arguments and the
+  clamped into [0, P) and pages past a sequence's length are never read. Other arguments and the
   result are as in `decode_attention`, with T = max_pages_per_seq * page_size.
   """
   problem = validation.validate_paged(q, k_pages, v_pages, block_tables, lengths)
   options = _options(problem, scale, softcap, window, sinks, k_scale, v_scale)
   _check_runtime_values(problem, lengths, block_tables)
-  name, backend = _choose_impl(impl, "paged", problem, options, (q.dtype, k_pages.dtype), config)
-  kwargs = dict(scale=options.scale, softcap=softcap, window=window, sinks=sinks, k_scale=k_scale,
-                v_scale=v_scale, return_lse=return_lse)
-  if backend is None:
-    result = reference.paged_decode_attention_reference(q, k_pages, v_pages, block_tables, lengths, **kwargs)
-  else:
-    result = backend.paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, problem=problem,
-                                            options=options, config=config, **kwargs)
-  return _cast_output(result, q.dtype, return_lse)
+
+  def reference_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale):
+    return reference.paged_decode_attention_reference(q, k, v, block_tables, lengths, scale=options.scale,
+                                                      softcap=softcap, window=window, sinks=sinks, k_scale=k_scale,
+                                                      v_scale=v_scale, return_lse=return_lse)
+
+  return _run("paged", impl, config, problem, options, q, k_pages, v_pages, lengths, block_tables, sinks=sinks,
+              k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, reference_fn=reference_fn)
 
 
 def mla_decode_attention(q, kv_pages, block_tables, lengths, *, v_head_dim=512, scale=None, return_lse=False,
@@ -176,11 +246,12 @@ def mla_decode_attention(q, kv_pages, block_tables, lengths, *, v_head_dim=512, 
   problem = validation.validate_mla(q, kv_pages, block_tables, lengths, v_head_dim)
   options = _options(problem, scale, None, None, None, None, None)
   _check_runtime_values(problem, lengths, block_tables)
-  name, backend = _choose_impl(impl, "mla", problem, options, (q.dtype, kv_pages.dtype), config)
-  kwargs = dict(v_head_dim=v_head_dim, scale=options.scale, return_lse=return_lse)
-  if backend is None:
-    result = reference.mla_decode_attention_reference(q, kv_pages, block_tables, lengths, **kwargs)
-  else:
-    result = backend.mla_decode_attention(q, kv_pages, block_tables, lengths, problem=problem, options=options,
-                                          config=config, **kwargs)
-  return _cast_output(result, q.dtype, return_lse)
+
+  def reference_fn(q, kv, unused_v, lengths, block_tables, sinks, k_scale, v_scale):
+    return reference.mla_decode_attention_reference(q, kv, block_tables, lengths, v_head_dim=v_head_dim,
+                                                    scale=options.scale, return_lse=return_lse)
+
+  # The latent cache goes in as both k and v; the reference reads it as k only, so its whole
+  # gradient arrives there.
+  return _run("mla", impl, config, problem, options, q, kv_pages, kv_pages, lengths, block_tables, sinks=None,
+              k_scale=None, v_scale=None, return_lse=return_lse, reference_fn=reference_fn)

@@ -21,3 +21,30 @@ class AttentionOptions:
       raise ValueError(f"{self.softcap=} must be positive or None")
     if self.window is not None and self.window < 1:
       raise ValueError(f"{self.window=} must be a positive int or None")
+
+
+BLOCK_KV_CHOICES = (64, 128, 256)  # wgmma K and the TMA box
+MAX_STAGES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  """Tiling and pipelining of the split-K decode kernels.
+
+  block_kv: tokens per KV tile (one TMA copy per tile, or one per page when pages are smaller).
+  num_stages: depth of the SMEM ring of K and V tiles in flight.
+  num_splits: splits of each sequence's KV (split-K). None lets the heuristic fill the GPU from
+    the batch and length. A fixed number makes a sequence's result independent of what else is
+    in the batch: each split's share of tiles depends only on that sequence's length.
+  """
+  block_kv: int = 64
+  num_stages: int = 4
+  num_splits: int | None = None
+
+  def __post_init__(self):
+    if self.block_kv not in BLOCK_KV_CHOICES:
+      raise ValueError(f"{self.block_kv=} must be one of {BLOCK_KV_CHOICES}")
+    if not 1 <= self.num_stages <= MAX_STAGES:
+      raise ValueError(f"{self.num_stages=} must be in [1, {MAX_STAGES}]")
+    if self.num_splits is not None and self.num_splits < 1:
+      raise ValueError(f"{self.num_splits=} must be a positive int or None")

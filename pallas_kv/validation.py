@@ -55,19 +55,26 @@ def _check_integer(name: str, x, shape: tuple[int, ...]) -> None:
     raise ValueError(f"{name} has shape {tuple(x.shape)}; expected {shape}")
 
 
+def query_shape(q) -> tuple[int, int, int, int]:
+  """(B, S, Hq, D) of q [B, Hq, D] (S = 1) or [B, S, Hq, D]; works on arrays and ShapeDtypeStructs."""
+  shape = tuple(q.shape)
+  if len(shape) == 3:
+    return shape[0], 1, shape[1], shape[2]
+  if len(shape) == 4:
+    if shape[1] > MAX_NEW_TOKENS:
+      raise NotImplementedError(
+          f"q has {shape[1]} new tokens (q.shape={shape}); at most {MAX_NEW_TOKENS} are supported per "
+          "decode step")
+    if shape[1] < 1:
+      raise ValueError(f"q has no new tokens: q.shape={shape}")
+    return shape
+  raise ValueError(f"q must have rank 3 [B, Hq, D] or rank 4 [B, S, Hq, D]; got shape {shape}")
+
+
 def query_as_rank4(q):
   """Returns (q as [B, S, Hq, D], whether the caller passed the single-token form [B, Hq, D])."""
-  if q.ndim == 3:
-    return q[:, None], True
-  if q.ndim == 4:
-    if q.shape[1] > MAX_NEW_TOKENS:
-      raise NotImplementedError(
-          f"q has {q.shape[1]} new tokens (q.shape={tuple(q.shape)}); at most {MAX_NEW_TOKENS} are "
-          "supported per decode step")
-    if q.shape[1] < 1:
-      raise ValueError(f"q has no new tokens: q.shape={tuple(q.shape)}")
-    return q, False
-  raise ValueError(f"q must have rank 3 [B, Hq, D] or rank 4 [B, S, Hq, D]; got shape {tuple(q.shape)}")
+  query_shape(q)
+  return (q[:, None], True) if q.ndim == 3 else (q, False)
 
 
 def check_options(*, scale, softcap, window, sinks, k_scale, v_scale, num_heads: int,
@@ -102,8 +109,7 @@ def _check_heads(num_heads: int, num_kv_heads: int, kv_name: str) -> None:
 
 
 def validate_dense(q, k, v, lengths) -> Problem:
-  q4, _ = query_as_rank4(q)
-  b, s, hq, d = q4.shape
+  b, s, hq, d = query_shape(q)
   _check_dtype("q", q, QUERY_DTYPES)
   for name, x in (("k", k), ("v", v)):
     if x.ndim != 4:
@@ -130,8 +136,7 @@ def _check_block_tables(block_tables, batch: int) -> None:
 
 
 def validate_paged(q, k_pages, v_pages, block_tables, lengths) -> Problem:
-  q4, _ = query_as_rank4(q)
-  b, s, hq, d = q4.shape
+  b, s, hq, d = query_shape(q)
   _check_dtype("q", q, QUERY_DTYPES)
   for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
     if x.ndim != 4:
@@ -155,8 +160,7 @@ def validate_paged(q, k_pages, v_pages, block_tables, lengths) -> Problem:
 
 
 def validate_mla(q, kv_pages, block_tables, lengths, v_head_dim) -> Problem:
-  q4, _ = query_as_rank4(q)
-  b, s, hq, d = q4.shape
+  b, s, hq, d = query_shape(q)
   _check_dtype("q", q, QUERY_DTYPES)
   if kv_pages.ndim != 3:
     raise ValueError(f"kv_pages must have rank 3 [P, page_size, Dqk]; got shape {tuple(kv_pages.shape)}")

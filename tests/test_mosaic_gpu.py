@@ -1,0 +1,230 @@
+"""The Mosaic GPU decode kernel: interpret-mode numerics on the CPU, CUDA lowering, GPU runs."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kv as pkv
+from pallas_kv import heuristics
+from pallas_kv import validation
+from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
+from harness import assert_lse_matches, assert_matches_reference, lower_for_cuda, make_case
+
+IMPL = "mosaic_gpu"
+
+
+def _reference(case, **kw):
+  f32 = lambda x: x.astype(jnp.float32)
+  return pkv.decode_attention_reference(f32(case.q), f32(case.k), f32(case.v), case.lengths, return_lse=True, **kw)
+
+
+def _check(case, out_lse, **kw):
+  out, lse = out_lse
+  ref, ref_lse = _reference(case, **kw)
+  assert out.dtype == case.q.dtype
+  assert_matches_reference(out, ref, case.dtype)
+  assert_lse_matches(lse, ref_lse, case.dtype)
+
+
+# ---------------------------------------------------------------- interpret mode (CPU)
+
+@pytest.mark.parametrize("group,num_queries,num_splits", [
+    (1, None, 1), (4, None, 3), (8, 2, 2), (4, 3, 1),
+])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_dense_interpret(interpret_mode, group, num_queries, num_splits, dtype):
+  case = make_case(group * 10 + num_splits, batch=3, seq_len=320, num_heads=2 * group, num_kv_heads=2,
+                   head_dim=64, num_queries=num_queries, dtype=dtype, lengths=[320, 147, 0])
+  config = pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=num_splits)
+  out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL, config=config)
+  _check(case, out)
+
+
+@pytest.mark.parametrize("page_size", [8, 16, 64])
+def test_paged_interpret_shuffled(interpret_mode, page_size):
+  case = make_case(page_size, batch=2, seq_len=256, num_heads=8, num_kv_heads=2, head_dim=64, num_queries=2,
+                   dtype=jnp.bfloat16, page_size=page_size, lengths=[201, 256])
+  config = pkv.DecodeConfig(block_kv=64, num_stages=3, num_splits=2)
+  out = pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths,
+                                   return_lse=True, impl=IMPL, config=config)
+  _check(case, out)
+
+
+def test_options_interpret(interpret_mode):
+  case = make_case(5, batch=2, seq_len=320, num_heads=8, num_kv_heads=2, head_dim=64, num_queries=2,
+                   dtype=jnp.bfloat16, lengths=[320, 95])
+  kw = dict(softcap=1.5, window=100, sinks=jnp.linspace(-1.0, 2.0, 8), scale=0.2)
+  config = pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=3)
+  out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL, config=config,
+                             **kw)
+  _check(case, out, **kw)
+
+
+def test_zero_lengths_interpret(interpret_mode):
+  case = make_case(6, batch=2, seq_len=64, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
+                   lengths=[0, 0])
+  out, lse = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL,
+                                  config=pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=2))
+  np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+  assert np.isneginf(np.asarray(lse)).all()
+
+
+def test_fixed_splits_make_a_sequence_independent_of_its_batch(interpret_mode):
+  case = make_case(7, batch=3, seq_len=256, num_heads=8, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
+                   lengths=[256, 187, 120])
+  config = pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=2)
+  f = functools.partial(pkv.decode_attention, impl=IMPL, config=config)
+  whole = f(case.q, case.k, case.v, case.lengths)
+  alone = f(case.q[1:2], case.k[1:2], case.v[1:2], case.lengths[1:2])
+  np.testing.assert_array_equal(np.asarray(whole[1:2], np.float32), np.asarray(alone, np.float32))
+
+
+def test_grad_uses_reference_backward(interpret_mode):
+  case = make_case(8, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
+  config = pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=1)
+  loss = lambda impl, q, k: pkv.decode_attention(q, k, case.v, case.lengths, impl=impl,
+                                                 config=config if impl == IMPL else None).astype(jnp.float32).sum()
+  grads = jax.grad(functools.partial(loss, IMPL), argnums=(0, 1))(case.q, case.k)
+  want = jax.grad(functools.partial(loss, "xla"), argnums=(0, 1))(case.q, case.k)
+  for g, w in zip(grads, want):
+    assert_matches_reference(g, w, jnp.bfloat16)
+
+
+def test_race_detection_finds_none():
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  case = make_case(9, batch=1, seq_len=192, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
+                   lengths=[180])
+  q = case.q.reshape(1, 1, 4, 64)
+  out, lse = mgpu_decode.decode_partials(q, case.k, case.v, case.lengths, num_queries=1, num_splits=2, block_kv=64,
+                                         num_stages=2, scale=0.125,
+                                         interpret=plgpu.InterpretGPUParams(detect_races=True))
+  jax.block_until_ready(out)
+  # No public accessor exists for the interpreter's race state in jax 0.11.
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+  assert not gpu_callbacks.get_races().races_found
+
+
+def test_quantized_cache_is_refused_with_reason():
+  case = make_case(10, batch=1, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, kv_dtype=jnp.int8,
+                   dtype=jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="mosaic_gpu.*int8"):
+    pkv.decode_attention(case.q, case.k, case.v, case.lengths, k_scale=0.1, v_scale=0.1, impl=IMPL)
+
+
+def test_mla_is_refused_with_reason():
+  case = make_case(11, batch=1, seq_len=64, num_heads=4, num_kv_heads=1, head_dim=64, page_size=16,
+                   dtype=jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="MLA"):
+    pkv.mla_decode_attention(case.q, case.k_pages[:, :, 0], case.block_tables, case.lengths, v_head_dim=32,
+                             impl=IMPL)
+
+
+# ---------------------------------------------------------------- CUDA lowering (CPU)
+
+# The benchmark shapes: (heads, kv heads) x (batch, context) x (contiguous, page 16, page 64).
+BENCH_HEADS = [(32, 8), (64, 8)]
+BENCH_CASES = [(1, 32768), (8, 8192), (32, 4096), (64, 2048), (128, 4096)]
+
+
+def _bench_problem(heads, case, page_size):
+  (hq, hkv), (b, t) = heads, case
+  q = jax.ShapeDtypeStruct((b, hq, 128), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+  if page_size is None:
+    kv = jax.ShapeDtypeStruct((b, t, hkv, 128), jnp.bfloat16)
+    return (q, kv, kv, lengths), validation.validate_dense(q, kv, kv, lengths)
+  pages = jax.ShapeDtypeStruct((b * t // page_size, page_size, hkv, 128), jnp.bfloat16)
+  tables = jax.ShapeDtypeStruct((b, t // page_size), jnp.int32)
+  return (q, pages, pages, tables, lengths), validation.validate_paged(q, pages, pages, tables, lengths)
+
+
+def _shipped_configs():
+  """Every distinct (problem shape, config) the heuristic returns for the benchmark shapes."""
+  cases = []
+  for heads in BENCH_HEADS:
+    for case in BENCH_CASES:
+      for page_size in (None, 16, 64):
+        args, problem = _bench_problem(heads, case, page_size)
+        config = heuristics.mosaic_gpu_config(problem, None, num_sms=132)
+        cases.append(pytest.param(heads, case, page_size, config,
+                                  id=f"h{heads[0]}-{heads[1]}-b{case[0]}-t{case[1]}-page{page_size}"))
+  return cases
+
+
+@pytest.mark.parametrize("heads,case,page_size,config", _shipped_configs())
+def test_heuristic_configs_lower_for_cuda(heads, case, page_size, config):
+  args, _ = _bench_problem(heads, case, page_size)
+  op = pkv.decode_attention if page_size is None else pkv.paged_decode_attention
+  exported = lower_for_cuda(functools.partial(op, impl=IMPL, config=config), *args)
+  assert "mosaic_gpu" in exported.mlir_module() or "custom_call" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("num_queries,head_dim,group", [(4, 128, 8), (1, 64, 16), (1, 256, 4), (16, 128, 4)])
+def test_other_shapes_lower_for_cuda(num_queries, head_dim, group):
+  q = jax.ShapeDtypeStruct((2, num_queries, 2 * group, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 4096, 2, head_dim), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  lower_for_cuda(functools.partial(pkv.decode_attention, impl=IMPL, softcap=30.0, window=1024,
+                                   sinks=jnp.zeros((2 * group,))), q, kv, kv, lengths)
+
+
+# ---------------------------------------------------------------- on the GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 16, 64])
+@pytest.mark.parametrize("batch,seq_len,group", [(2, 4096, 4), (4, 2048, 8), (1, 8192, 16)])
+def test_gpu_matches_reference(batch, seq_len, group, page_size):
+  case = make_case(batch * 7 + group, batch=batch, seq_len=seq_len, num_heads=4 * group, num_kv_heads=4,
+                   head_dim=128, dtype=jnp.bfloat16, page_size=page_size, num_queries=2)
+  if page_size is None:
+    out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL)
+  else:
+    out = pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths,
+                                     return_lse=True, impl=IMPL)
+  _check(case, out)
+
+
+@pytest.mark.gpu
+def test_gpu_options_and_bit_identical_reruns():
+  case = make_case(3, batch=4, seq_len=4096, num_heads=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16,
+                   num_queries=3)
+  kw = dict(softcap=20.0, window=1000, sinks=jnp.linspace(-1.0, 1.0, 32))
+  f = jax.jit(functools.partial(pkv.decode_attention, impl=IMPL, return_lse=True, **kw))
+  first = f(case.q, case.k, case.v, case.lengths)
+  _check(case, first, **kw)
+  again = f(case.q, case.k, case.v, case.lengths)
+  np.testing.assert_array_equal(np.asarray(first[0], np.float32), np.asarray(again[0], np.float32))
+
+
+@pytest.mark.gpu
+def test_gpu_fixed_splits_batch_1_equals_batch_64():
+  case = make_case(4, batch=64, seq_len=2048, num_heads=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16)
+  f = jax.jit(functools.partial(pkv.decode_attention, impl=IMPL, config=pkv.DecodeConfig(num_splits=4)))
+  whole = f(case.q, case.k, case.v, case.lengths)
+  alone = f(case.q[5:6], case.k[5:6], case.v[5:6], case.lengths[5:6])
+  np.testing.assert_array_equal(np.asarray(whole[5:6], np.float32), np.asarray(alone, np.float32))
+
+
+@pytest.mark.gpu
+def test_gpu_auto_picks_mosaic_on_hopper():
+  from pallas_kv import runtime
+  if not runtime.is_hopper_or_newer():
+    pytest.skip("needs a Hopper GPU (compute capability 9.0+)")
+  case = make_case(5, batch=2, seq_len=1024, num_heads=8, num_kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
+  pkv.decode_attention(case.q, case.k, case.v, case.lengths)
+  assert pkv.last_impl() == IMPL
+
+
+def test_vmap_and_jit_match_a_loop_interpret(interpret_mode):
+  cases = [make_case(30 + i, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
+           for i in range(2)]
+  stack = lambda name: jnp.stack([getattr(c, name) for c in cases])
+  config = pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=2)
+  f = lambda q, k, v, n: pkv.decode_attention(q, k, v, n, impl=IMPL, config=config)
+  batched = jax.jit(jax.vmap(f))(stack("q"), stack("k"), stack("v"), stack("lengths"))
+  for i, c in enumerate(cases):
+    np.testing.assert_array_equal(np.asarray(batched[i], np.float32),
+                                  np.asarray(f(c.q, c.k, c.v, c.lengths), np.float32))
