@@ -27,7 +27,6 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -64,23 +63,23 @@ class KVTiling:
   def __post_init__(self):
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
     if self.role not in ("k", "v"):
-      raise ValueError(f"{self.role=} must be 'k' or 'v'")
+      raise ValueError(f"role={self.role!r} must be 'k' or 'v'")
     if self.dtype not in SUPPORTED_DTYPES:
-      raise NotImplementedError(f"{self.dtype=} of the KV cache must be one of bf16, fp16")
+      raise NotImplementedError(f"KV cache dtype {self.dtype} must be one of bf16, fp16")
     if self.head_dim not in SUPPORTED_HEAD_DIMS:
-      raise NotImplementedError(f"{self.head_dim=} must be one of {SUPPORTED_HEAD_DIMS}")
+      raise NotImplementedError(f"head_dim={self.head_dim} must be one of {SUPPORTED_HEAD_DIMS}")
     if self.block_kv % MIN_BLOCK_KV or not MIN_BLOCK_KV <= self.block_kv <= MAX_BLOCK_KV:
-      raise ValueError(f"{self.block_kv=} must be a multiple of {MIN_BLOCK_KV} in "
+      raise ValueError(f"block_kv={self.block_kv} must be a multiple of {MIN_BLOCK_KV} in "
                        f"[{MIN_BLOCK_KV}, {MAX_BLOCK_KV}] (wgmma K and TMA box)")
     if self.page_size is not None:
       ps = self.page_size
       if ps < MIN_PAGE_SIZE or ps & (ps - 1):
         raise NotImplementedError(
-            f"{self.page_size=} must be a power of two >= {MIN_PAGE_SIZE}")
+            f"page_size={self.page_size} must be a power of two >= {MIN_PAGE_SIZE}")
       if ps < self.block_kv and self.block_kv % ps:
-        raise ValueError(f"{self.page_size=} must divide {self.block_kv=}")
+        raise ValueError(f"page_size={self.page_size} must divide block_kv={self.block_kv}")
       if ps > self.block_kv and ps % self.block_kv:
-        raise ValueError(f"{self.page_size=} must be a multiple of {self.block_kv=}")
+        raise ValueError(f"page_size={self.page_size} must be a multiple of block_kv={self.block_kv}")
       if self.num_pages is None or self.max_pages is None:
         raise ValueError("paged KVTiling needs num_pages and max_pages")
 

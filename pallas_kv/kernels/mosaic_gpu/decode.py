@@ -9,6 +9,8 @@ the sliding window) are never loaded. Warp specialization:
   consumer warpgroups  each owns 64 packed query rows (all q heads of the KV head x all new
                        tokens, zero-padded to 64 for wgmma): S = Q K^T and O += P V on the
                        tensor cores, online softmax in float32 in the WGMMA register layout.
+                       Two consumers split 65..128 rows; with kv_groups=2 two consumers
+                       instead stream two splits' tiles from their own rings.
 
 Each split writes its softmax-normalised partial output and its natural-log LSE; the caller
 merges splits (`lse_tot = logsumexp(lse)`, `out = sum(exp(lse - lse_tot) * out)`).
@@ -64,17 +66,24 @@ def _consumer_registers(num_wgs: int) -> int:
   return int(min(256, (512 - PRODUCER_REGISTERS) / num_wgs) // 8 * 8)
 
 
-def kv_groups_for(*, row_wgs: int, num_splits: int, num_stages: int) -> int:
-  """Consumer warpgroups that stream different KV tiles in one program (1 or 2).
+def check_kv_groups(*, kv_groups: int, rows: int, num_splits: int, num_stages: int) -> None:
+  """Validates `kv_groups`: consumer warpgroups that stream different KV tiles in one program.
 
-  When the packed rows fit one warpgroup, two consumers each take one split's tiles from their
-  own ring pair: two softmax pipelines per SM keep up with HBM where one falls a little short.
-  Needs an even split count (a program serves two splits) and an even num_stages (the slots
-  are shared out equally).
+  kv_groups=2 gives each of two consumer warpgroups one split's tiles and its own ring pair
+  (two softmax pipelines per SM). It needs the packed rows to fit one warpgroup (rows <= 64),
+  an even split count (a program serves two splits; the grid has num_splits / 2 of them) and an
+  even num_stages (the slots are shared out equally).
   """
-  if row_wgs == 1 and num_splits % 2 == 0 and num_stages % 2 == 0:
-    return 2
-  return 1
+  if kv_groups == 1:
+    return
+  if kv_groups != 2:
+    raise ValueError(f"{kv_groups=} must be 1 or 2")
+  if rows > ROWS_PER_WG:
+    raise NotImplementedError(f"kv_groups=2 needs <= {ROWS_PER_WG} packed rows, got {rows}")
+  if num_splits % 2:
+    raise ValueError(f"kv_groups=2 needs an even num_splits, got {num_splits=}")
+  if num_stages % 2:
+    raise ValueError(f"kv_groups=2 needs an even num_stages, got {num_stages=}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,19 +165,12 @@ class DecodeSmem:
 
 
 def smem_bytes(*, rows: int, head_dim: int, dtype: Any, block_kv: int, num_stages: int,
-               page_size: int | None = None, num_splits: int | None = None) -> int:
-  """SMEM bytes one decode program needs (rows = num_queries * group size, before padding).
-
-  num_splits=None gives the larger of the one- and two-KV-group layouts (safe for any split count).
-  """
+               page_size: int | None = None, kv_groups: int = 1) -> int:
+  """SMEM bytes one decode program needs (rows = num_queries * group size, before padding)."""
   row_wgs, _ = row_blocking(rows)
   copies = block_kv // page_size if page_size is not None and page_size < block_kv else 1
-  splits = (1, 2) if num_splits is None else (num_splits,)
-  return max(DecodeSmem(head_dim=head_dim, dtype=dtype, block_kv=block_kv, num_stages=num_stages,
-                        row_wgs=row_wgs, copies_per_tile=copies,
-                        kv_groups=kv_groups_for(row_wgs=row_wgs, num_splits=n,
-                                                num_stages=num_stages)).nbytes
-             for n in splits)
+  return DecodeSmem(head_dim=head_dim, dtype=dtype, block_kv=block_kv, num_stages=num_stages,
+                    row_wgs=row_wgs, kv_groups=kv_groups, copies_per_tile=copies).nbytes
 
 
 def fits_smem(**kwargs) -> bool:
@@ -445,7 +447,7 @@ def _build(st: _Static, batch: int, num_kv_heads: int, interpret: Any):
 
 def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, num_splits: int,
                     block_kv: int, num_stages: int, scale: float, softcap: float | None = None,
-                    window: int | None = None, interpret: Any = False):
+                    window: int | None = None, kv_groups: int = 1, interpret: Any = False):
   """Split-K partials of decode attention over a contiguous or paged KV cache.
 
   q: [B, Hkv, R, D] in k's dtype (bf16 or fp16), R = num_queries * G packed rows, row
@@ -455,6 +457,9 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, nu
   dense:  k, v [B, T, Hkv, D]; block_tables None.
   paged:  k, v [P, page_size, Hkv, D]; block_tables int32 [B, max_pages]; token t of sequence
           b is at k[block_tables[b, t // page_size], t % page_size].
+  kv_groups: 1, or 2 to have two consumer warpgroups per program each stream one split's tiles
+    (needs <= 64 packed rows and even num_splits and num_stages; the grid then has num_splits/2
+    programs per (batch, head), so use it only where that still fills the GPU).
   interpret: False, True or a plgpu.InterpretGPUParams (run on the CPU in interpret mode).
 
   Returns (out [B, Hkv, num_splits, R, D] float32, the softmax-normalised output of each split;
@@ -502,13 +507,13 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, nu
     tiling = kv_tiling.KVTiling("k", block_kv, D, k.dtype, page_size=k.shape[1],
                                 num_pages=k.shape[0], max_pages=block_tables.shape[1])
 
+  check_kv_groups(kv_groups=kv_groups, rows=R, num_splits=num_splits, num_stages=num_stages)
   row_wgs, num_row_blocks = row_blocking(R)
   rows_padded = row_wgs * ROWS_PER_WG * num_row_blocks
   out_rows = R if num_row_blocks == 1 else rows_padded
   smem = DecodeSmem(head_dim=D, dtype=k.dtype, block_kv=block_kv, num_stages=num_stages,
                     row_wgs=row_wgs, copies_per_tile=tiling.copies_per_tile,
-                    kv_groups=kv_groups_for(row_wgs=row_wgs, num_splits=num_splits,
-                                            num_stages=num_stages),
+                    kv_groups=kv_groups,
                     stage_p=bool(interpret))
   gpu_smem = dataclasses.replace(smem, stage_p=False)   # the fit that matters on the GPU
   if not gpu_smem.fits:
