@@ -36,10 +36,12 @@ class DecodeConfig:
   num_splits: splits of each sequence's KV (split-K). None lets the heuristic fill the GPU from
     the batch and length. A fixed number makes a sequence's result independent of what else is
     in the batch: each split's share of tiles depends only on that sequence's length.
+  num_warps: warps per program (triton backend only).
   """
   block_kv: int = 64
   num_stages: int = 4
   num_splits: int | None = None
+  num_warps: int = 4
 
   def __post_init__(self):
     if self.block_kv not in BLOCK_KV_CHOICES:
@@ -48,3 +50,5 @@ class DecodeConfig:
       raise ValueError(f"{self.num_stages=} must be in [1, {MAX_STAGES}]")
     if self.num_splits is not None and self.num_splits < 1:
       raise ValueError(f"{self.num_splits=} must be a positive int or None")
+    if self.num_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(f"{self.num_warps=} must be a power of two in [1, 16]")
