@@ -23,7 +23,7 @@ class AttentionOptions:
       raise ValueError(f"{self.window=} must be a positive int or None")
 
 
-BLOCK_KV_CHOICES = (64, 128, 256)  # wgmma K and the TMA box
+BLOCK_KV_CHOICES = (16, 32, 64, 128, 256)  # the mosaic_gpu backend needs >= 64 (wgmma K)
 MAX_STAGES = 8
 
 
