@@ -6,7 +6,13 @@ from pallas_kv.api import mla_decode_attention as mla_decode_attention
 from pallas_kv.api import paged_decode_attention as paged_decode_attention
 from pallas_kv.cache import KVCache as KVCache
 from pallas_kv.config import DecodeConfig as DecodeConfig
+from pallas_kv.module import DecodeAttention as DecodeAttention
+from pallas_kv.module import MLAConfig as MLAConfig
 from pallas_kv.cache import PagedKVCache as PagedKVCache
+from pallas_kv.cache import PagedLatentCache as PagedLatentCache
+from pallas_kv.cache import PagePool as PagePool
+from pallas_kv.cache import release_sequences as release_sequences
+from pallas_kv.cache import reserve_pages as reserve_pages
 from pallas_kv.reference import decode_attention_reference as decode_attention_reference
 from pallas_kv.reference import mla_decode_attention_reference as mla_decode_attention_reference
 from pallas_kv.reference import paged_decode_attention_reference as paged_decode_attention_reference

@@ -38,6 +38,17 @@ def _new_positions(lengths, num_new: int):
   return lengths[:, None] + jnp.arange(num_new, dtype=lengths.dtype)[None, :]
 
 
+def _paged_slots(block_tables, lengths, page_size: int, num_pages: int, num_new: int):
+  """(page id, slot) [B, S] of each new token; page id num_pages (dropped by the scatter) where
+  the position is past the table or the table holds no page (a negative id: unallocated)."""
+  positions = _new_positions(lengths, num_new)
+  table_index = positions // page_size
+  max_pages = block_tables.shape[1]
+  pages = jnp.take_along_axis(block_tables, jnp.clip(table_index, 0, max_pages - 1), axis=1)
+  valid = (positions >= 0) & (table_index < max_pages) & (pages >= 0) & (pages < num_pages)
+  return jnp.where(valid, pages, num_pages), positions % page_size
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
@@ -86,23 +97,14 @@ class PagedKVCache:
   def capacity(self) -> int:
     return self.block_tables.shape[1] * self.page_size
 
-  def _slots(self, num_new: int):
-    """(page id, slot) of each new token; the page id is P (dropped) past the table's end."""
-    positions = _new_positions(self.lengths, num_new)
-    table_index = positions // self.page_size
-    in_table = (positions >= 0) & (table_index < self.block_tables.shape[1])
-    pages = jnp.take_along_axis(self.block_tables, jnp.clip(table_index, 0, self.block_tables.shape[1] - 1),
-                                axis=1)
-    pages = jnp.where(in_table, pages, self.k_pages.shape[0])
-    return pages, positions % self.page_size
-
   def append(self, k_new, v_new) -> PagedKVCache:
     """Writes S new tokens per sequence through the block table at positions lengths[b] + s."""
     k_new, v_new = _as_rank4(k_new, "k_new"), _as_rank4(v_new, "v_new")
     b = self.block_tables.shape[0]
     _check_new("k_new", k_new, b, self.k_pages.shape[2:], self.k_pages.dtype)
     _check_new("v_new", v_new, b, self.v_pages.shape[2:], self.v_pages.dtype)
-    pages, slots = self._slots(k_new.shape[1])
+    pages, slots = _paged_slots(self.block_tables, self.lengths, self.page_size, self.k_pages.shape[0],
+                                k_new.shape[1])
     k_pages = self.k_pages.at[pages, slots].set(k_new, mode="drop")
     v_pages = self.v_pages.at[pages, slots].set(v_new, mode="drop")
     return PagedKVCache(k_pages, v_pages, self.block_tables, self.lengths + k_new.shape[1])
@@ -111,3 +113,119 @@ class PagedKVCache:
     """A contiguous copy [B, max_pages * page_size, Hkv, D] of what the block tables point at."""
     return KVCache(reference.gather_pages(self.k_pages, self.block_tables),
                    reference.gather_pages(self.v_pages, self.block_tables), self.lengths)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedLatentCache:
+  """Paged MLA cache: one latent head per token. kv_pages [P, page_size, Dqk] (latent + rope),
+  block_tables int32 [B, max_pages], lengths int32 [B]."""
+  kv_pages: jax.Array
+  block_tables: jax.Array
+  lengths: jax.Array
+
+  @property
+  def page_size(self) -> int:
+    return self.kv_pages.shape[1]
+
+  @property
+  def capacity(self) -> int:
+    return self.block_tables.shape[1] * self.page_size
+
+  def append(self, kv_new) -> PagedLatentCache:
+    """Writes S new latent rows per sequence ([B, S, Dqk] or [B, Dqk]) through the block table."""
+    if kv_new.ndim == 2:
+      kv_new = kv_new[:, None]
+    if kv_new.ndim != 3:
+      raise ValueError(f"kv_new must have rank 2 [B, Dqk] or 3 [B, S, Dqk]; got shape {tuple(kv_new.shape)}")
+    _check_new("kv_new", kv_new[..., None, :], self.block_tables.shape[0], (1, self.kv_pages.shape[2]),
+               self.kv_pages.dtype)
+    pages, slots = _paged_slots(self.block_tables, self.lengths, self.page_size, self.kv_pages.shape[0],
+                                kv_new.shape[1])
+    kv_pages = self.kv_pages.at[pages, slots].set(kv_new, mode="drop")
+    return PagedLatentCache(kv_pages, self.block_tables, self.lengths + kv_new.shape[1])
+
+
+# ---------------------------------------------------------------------------- page pool
+
+UNALLOCATED = -1  # block table entry of a page not yet assigned
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagePool:
+  """Free pages of a pool of P pages, as a stack: free_pages[:num_free] are free ids.
+
+  All operations are array code (usable under jit). Sequences hold exactly the pages their
+  lengths need, in block-table order: sequence b holds ceil(lengths[b] / page_size) pages.
+  """
+  free_pages: jax.Array  # int32 [P]
+  num_free: jax.Array  # int32 []
+
+  @classmethod
+  def create(cls, num_pages: int) -> PagePool:
+    if num_pages < 1:
+      raise ValueError(f"num_pages must be >= 1; got {num_pages}")
+    # Reversed so that pages are handed out in increasing order (pops come from the top).
+    return cls(jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32), jnp.asarray(num_pages, jnp.int32))
+
+  @property
+  def num_pages(self) -> int:
+    return self.free_pages.shape[0]
+
+
+def _pages_held(lengths, page_size: int):
+  return (jnp.maximum(lengths, 0) + page_size - 1) // page_size
+
+
+def empty_block_tables(batch: int, max_pages_per_seq: int):
+  """A block table with no page assigned ([B, max_pages] of UNALLOCATED)."""
+  return jnp.full((batch, max_pages_per_seq), UNALLOCATED, jnp.int32)
+
+
+def reserve_pages(pool: PagePool, block_tables, lengths, num_new: int, page_size: int):
+  """Assigns the pages that appending num_new tokens to every sequence will need.
+
+  All or nothing: if the pool has too few free pages, or a sequence would outgrow its block
+  table, nothing changes and ok is False (callers must not append then; check it, e.g. with
+  `jax.experimental.checkify` or on the host).
+
+  Returns (pool, block_tables, ok: bool []).
+  """
+  if num_new < 0:
+    raise ValueError(f"num_new must be >= 0; got {num_new}")
+  batch, max_pages = block_tables.shape
+  held = _pages_held(lengths, page_size)
+  needed = _pages_held(lengths + num_new, page_size)
+  new_counts = needed - held  # [B]
+  total = jnp.sum(new_counts)
+  ok = (total <= pool.num_free) & jnp.all(needed <= max_pages)
+  first = jnp.cumsum(new_counts) - new_counts  # this sequence's first pop, counted from the top
+  max_new = -(-num_new // page_size) + 1  # static bound on new pages per sequence
+  tables = block_tables
+  rows = jnp.arange(batch)
+  for j in range(max_new):
+    take = ok & (j < new_counts)
+    stack_index = jnp.clip(pool.num_free - 1 - (first + j), 0, pool.num_pages - 1)
+    page = pool.free_pages[stack_index]
+    column = jnp.where(take, held + j, max_pages)  # out of range: dropped
+    tables = tables.at[rows, column].set(page, mode="drop")
+  num_free = jnp.where(ok, pool.num_free - total, pool.num_free)
+  return PagePool(pool.free_pages, num_free), tables, ok
+
+
+def release_sequences(pool: PagePool, block_tables, lengths, done, page_size: int):
+  """Returns the pages of finished sequences (done: bool [B]) to the pool and empties them.
+
+  Returns (pool, block_tables, lengths) with done sequences at length 0 and no pages.
+  """
+  batch, max_pages = block_tables.shape
+  held = _pages_held(lengths, page_size)
+  owned = done[:, None] & (jnp.arange(max_pages)[None, :] < held[:, None])  # [B, M]
+  flat_owned = owned.reshape(-1)
+  slot = pool.num_free + jnp.cumsum(flat_owned) - 1
+  slot = jnp.where(flat_owned, slot, pool.num_pages)  # out of range: dropped
+  free_pages = pool.free_pages.at[slot].set(block_tables.reshape(-1), mode="drop")
+  num_free = pool.num_free + jnp.sum(flat_owned)
+  tables = jnp.where(done[:, None], UNALLOCATED, block_tables)
+  return PagePool(free_pages, num_free.astype(jnp.int32)), tables, jnp.where(done, 0, lengths)

@@ -1,0 +1,211 @@
+"""DecodeAttention: the attention layer of a transformer's decode step, on pallas_kv's ops.
+
+A pure layer: `layer(params, x, cache) -> (y, cache)` projects the new tokens' hidden states to
+Q/K/V, applies RoPE at their positions, appends K/V to the cache, runs decode attention over
+the cache and projects out. Parameters and caches are pytrees, so the layer works under jit
+(donate the cache to update it in place), vmap, lax.scan over layers and grad.
+
+Standard attention (MHA/GQA/MQA) uses `KVCache` or `PagedKVCache`; the MLA variant (DeepSeek,
+absorbed form) uses `PagedLatentCache`, whose rows are [latent (kv_lora_rank) | rope key].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kv import api
+from pallas_kv import reference
+from pallas_kv.cache import KVCache
+from pallas_kv.cache import PagedKVCache
+from pallas_kv.cache import PagedLatentCache
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+  """Dimensions of multi-head latent attention (DeepSeek-V2/V3 defaults)."""
+  kv_lora_rank: int = 512
+  qk_nope_head_dim: int = 128
+  qk_rope_head_dim: int = 64
+  v_head_dim: int = 128
+
+  def __post_init__(self):
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name}={getattr(self, name)} must be positive")
+    if self.qk_rope_head_dim % 2:
+      raise ValueError(f"{self.qk_rope_head_dim=} must be even (RoPE rotates pairs)")
+
+
+def rope(x, positions, theta: float):
+  """Rotary position embedding (rotate-half form). x [B, S, H, D] (D even), positions [B, S]."""
+  d = x.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, D/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def causal_attention(q, k, v, *, scale: float, softcap=None, window=None, sinks=None):
+  """Plain XLA causal attention among L prompt tokens (prefill). q [B, L, Hq, D], k/v [B, L, Hkv, *]."""
+  b, l, hq, _ = q.shape
+  lengths = jnp.full((b,), l, jnp.int32)
+  # A prompt's token i attends to tokens j <= i: the decode reference with S = L gives exactly that.
+  out, _ = reference._attend(q, k.astype(jnp.float32), v.astype(jnp.float32), lengths, scale=scale,
+                             softcap=softcap, window=window, sinks=sinks)
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeAttention:
+  """Configuration of one attention layer; `init` makes its parameters, calling it runs a step.
+
+  hidden_size: model width. num_heads / num_kv_heads / head_dim: query heads, KV heads (GQA) and
+  their size (ignored by the MLA variant, which takes its sizes from `mla`). rope_theta: RoPE base.
+  window, softcap, use_sinks: the attention options of `pallas_kv.decode_attention`.
+  impl: backend of the decode attention ("auto", "mosaic_gpu", "triton", "xla").
+  """
+  hidden_size: int
+  num_heads: int
+  num_kv_heads: int = 1
+  head_dim: int = 128
+  rope_theta: float = 10000.0
+  window: int | None = None
+  softcap: float | None = None
+  use_sinks: bool = False
+  mla: MLAConfig | None = None
+  param_dtype: str = "float32"
+  impl: str = "auto"
+
+  def __post_init__(self):
+    if self.hidden_size < 1 or self.num_heads < 1:
+      raise ValueError(f"hidden_size={self.hidden_size} and num_heads={self.num_heads} must be positive")
+    if self.mla is None:
+      if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+        raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+      if self.head_dim % 2:
+        raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+    elif self.window is not None or self.softcap is not None or self.use_sinks:
+      raise NotImplementedError("window, softcap and sinks are not supported with MLA")
+    if self.impl not in api.IMPLS:
+      raise ValueError(f"impl must be one of {api.IMPLS}; got {self.impl!r}")
+
+  @property
+  def scale(self) -> float:
+    if self.mla is None:
+      return 1.0 / math.sqrt(self.head_dim)
+    return 1.0 / math.sqrt(self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim)
+
+  # ------------------------------------------------------------------------ parameters
+
+  def init(self, key) -> dict:
+    """Random parameters (fan-in scaled normal)."""
+    dtype = jnp.dtype(self.param_dtype)
+    h, n = self.hidden_size, self.num_heads
+    normal = lambda key, shape, fan_in: (jax.random.normal(key, shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
+    keys = iter(jax.random.split(key, 8))
+    if self.mla is None:
+      d, nkv = self.head_dim, self.num_kv_heads
+      params = dict(wq=normal(next(keys), (h, n, d), h), wk=normal(next(keys), (h, nkv, d), h),
+                    wv=normal(next(keys), (h, nkv, d), h), wo=normal(next(keys), (n, d, h), n * d))
+      if self.use_sinks:
+        params["sinks"] = jax.random.normal(next(keys), (n,), jnp.float32)
+      return params
+    m = self.mla
+    return dict(
+        wq=normal(next(keys), (h, n, m.qk_nope_head_dim + m.qk_rope_head_dim), h),
+        w_dkv=normal(next(keys), (h, m.kv_lora_rank), h),  # down-projection to the latent
+        w_kr=normal(next(keys), (h, m.qk_rope_head_dim), h),  # shared rope key
+        w_uk=normal(next(keys), (n, m.qk_nope_head_dim, m.kv_lora_rank), m.kv_lora_rank),
+        w_uv=normal(next(keys), (n, m.kv_lora_rank, m.v_head_dim), m.kv_lora_rank),
+        wo=normal(next(keys), (n, m.v_head_dim, h), n * m.v_head_dim))
+
+  # ------------------------------------------------------------------------ the step
+
+  def __call__(self, params: dict, x, cache, positions=None, *, config=None):
+    """One decode step. x [B, S, hidden] (S <= 16 new tokens) or [B, hidden] -> (y like x, cache).
+
+    positions [B, S] default to the cache's lengths + arange(S) (the new tokens follow the
+    cached ones). For a paged cache the pages for the new tokens must be reserved first
+    (`pallas_kv.cache.reserve_pages`). config: an explicit kernel config.
+    """
+    single = x.ndim == 2
+    if single:
+      x = x[:, None]
+    if positions is None:
+      positions = cache.lengths[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None, :]
+    if self.mla is None:
+      y, cache = self._standard_step(params, x, cache, positions, config)
+    else:
+      y, cache = self._mla_step(params, x, cache, positions, config)
+    return (y[:, 0] if single else y), cache
+
+  def _project_qkv(self, params, x, positions):
+    q = jnp.einsum("bsh,hnd->bsnd", x, params["wq"])
+    k = jnp.einsum("bsh,hnd->bsnd", x, params["wk"])
+    v = jnp.einsum("bsh,hnd->bsnd", x, params["wv"])
+    return rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta), v
+
+  def _standard_step(self, params, x, cache, positions, config):
+    q, k, v = self._project_qkv(params, x, positions)
+    kv_dtype = cache.k.dtype if isinstance(cache, KVCache) else cache.k_pages.dtype
+    cache = cache.append(k.astype(kv_dtype), v.astype(kv_dtype))
+    options = dict(scale=self.scale, softcap=self.softcap, window=self.window, sinks=params.get("sinks"),
+                   impl=self.impl, config=config)
+    q = q.astype(kv_dtype)
+    if isinstance(cache, KVCache):
+      out = api.decode_attention(q, cache.k, cache.v, cache.lengths, **options)
+    elif isinstance(cache, PagedKVCache):
+      out = api.paged_decode_attention(q, cache.k_pages, cache.v_pages, cache.block_tables, cache.lengths, **options)
+    else:
+      raise ValueError(f"cache must be a KVCache or PagedKVCache for standard attention; got {type(cache).__name__}")
+    y = jnp.einsum("bsnd,ndh->bsh", out.astype(x.dtype), params["wo"])
+    return y, cache
+
+  def _mla_latents(self, params, x, positions):
+    """Absorbed query [B, S, H, rank + rope] and the cache rows [B, S, rank + rope] of the new tokens."""
+    m = self.mla
+    q = jnp.einsum("bsh,hnd->bsnd", x, params["wq"])
+    q_nope, q_rope = q[..., :m.qk_nope_head_dim], q[..., m.qk_nope_head_dim:]
+    q_latent = jnp.einsum("bsnd,ndc->bsnc", q_nope, params["w_uk"])  # W_UK absorbed into the query
+    q_rope = rope(q_rope, positions, self.rope_theta)
+    latent = x @ params["w_dkv"]  # [B, S, rank]
+    k_rope = rope((x @ params["w_kr"])[:, :, None, :], positions, self.rope_theta)[:, :, 0]
+    return jnp.concatenate([q_latent, q_rope], -1), jnp.concatenate([latent, k_rope], -1)
+
+  def _mla_step(self, params, x, cache, positions, config):
+    if not isinstance(cache, PagedLatentCache):
+      raise ValueError(f"cache must be a PagedLatentCache for MLA; got {type(cache).__name__}")
+    q, rows = self._mla_latents(params, x, positions)
+    cache = cache.append(rows.astype(cache.kv_pages.dtype))
+    out_latent = api.mla_decode_attention(q.astype(cache.kv_pages.dtype), cache.kv_pages, cache.block_tables,
+                                          cache.lengths, v_head_dim=self.mla.kv_lora_rank, scale=self.scale,
+                                          impl=self.impl, config=config)
+    v = jnp.einsum("bsnc,ncv->bsnv", out_latent.astype(x.dtype), params["w_uv"])
+    return jnp.einsum("bsnv,nvh->bsh", v, params["wo"]), cache
+
+  # ------------------------------------------------------------------------ prefill
+
+  def prefill(self, params: dict, x, cache):
+    """Runs a whole prompt x [B, L, hidden] through the layer with plain XLA causal attention,
+    appending its K/V to an empty cache (lengths 0; pages reserved for a paged cache)."""
+    positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+    if self.mla is not None:
+      q, rows = self._mla_latents(params, x, positions)
+      cache = cache.append(rows.astype(cache.kv_pages.dtype))
+      kv = rows.astype(cache.kv_pages.dtype)[:, :, None, :]
+      out = causal_attention(q, kv, kv[..., :self.mla.kv_lora_rank], scale=self.scale)
+      v = jnp.einsum("bsnc,ncv->bsnv", out.astype(x.dtype), params["w_uv"])
+      return jnp.einsum("bsnv,nvh->bsh", v, params["wo"]), cache
+    q, k, v = self._project_qkv(params, x, positions)
+    kv_dtype = cache.k.dtype if isinstance(cache, KVCache) else cache.k_pages.dtype
+    k, v = k.astype(kv_dtype), v.astype(kv_dtype)
+    cache = cache.append(k, v)
+    out = causal_attention(q.astype(kv_dtype), k, v, scale=self.scale, softcap=self.softcap, window=self.window,
+                           sinks=params.get("sinks"))
+    return jnp.einsum("bsnd,ndh->bsh", out.astype(x.dtype), params["wo"]), cache
