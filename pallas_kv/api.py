@@ -36,6 +36,9 @@ def _kernel_backend(name: str):
   if name == "mosaic_gpu":
     from pallas_kv.kernels.mosaic_gpu import backend
     return backend
+  if name == "triton":
+    from pallas_kv.kernels.triton import backend
+    return backend
   raise NotImplementedError(f"impl={name!r}: this backend is not built yet; use impl='xla' or impl='auto'")
 
 

@@ -37,11 +37,20 @@ class DecodeConfig:
     the batch and length. A fixed number makes a sequence's result independent of what else is
     in the batch: each split's share of tiles depends only on that sequence's length.
   num_warps: warps per program (triton backend only).
+  kv_groups: 1, or 2 to have two consumer warpgroups per program each stream one split's tiles
+    (mosaic_gpu only; needs <= 64 packed rows and even num_splits and num_stages).
+  pipeline_qk: issue the QK^T wgmma of tile i+1 before the softmax of tile i, so that the tensor
+    cores and the softmax overlap (FA3-style intra-warpgroup pipelining; mosaic_gpu only).
+  persistent: launch one program per SM that loops over the (kv head, split, batch) work items,
+    keeping the KV ring streaming across items (mosaic_gpu only; kv_groups must be 1).
   """
   block_kv: int = 64
   num_stages: int = 4
   num_splits: int | None = None
   num_warps: int = 4
+  kv_groups: int = 1
+  pipeline_qk: bool = False
+  persistent: bool = False
 
   def __post_init__(self):
     if self.block_kv not in BLOCK_KV_CHOICES:
@@ -52,3 +61,11 @@ class DecodeConfig:
       raise ValueError(f"{self.num_splits=} must be a positive int or None")
     if self.num_warps not in (1, 2, 4, 8, 16):
       raise ValueError(f"{self.num_warps=} must be a power of two in [1, 16]")
+    if self.kv_groups not in (1, 2):
+      raise ValueError(f"{self.kv_groups=} must be 1 or 2")
+    if not isinstance(self.pipeline_qk, bool):
+      raise ValueError(f"{self.pipeline_qk=} must be a bool")
+    if not isinstance(self.persistent, bool):
+      raise ValueError(f"{self.persistent=} must be a bool")
+    if self.persistent and self.kv_groups != 1:
+      raise ValueError(f"{self.persistent=} needs kv_groups=1, got {self.kv_groups=}")

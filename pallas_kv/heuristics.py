@@ -49,3 +49,64 @@ def mosaic_gpu_config(problem, config: DecodeConfig | None, *, num_sms: int | No
                                num_sms=num_sms or runtime.num_sms())
     config = dataclasses.replace(config, num_splits=splits)
   return config
+
+
+# The triton backend: several programs share an SM (Triton pipelines each program's loads).
+TRITON_PROGRAMS_PER_SM = 2
+TRITON_DEFAULT_BLOCK_KV = 64
+TRITON_DEFAULT_STAGES = 3
+# DecodeConfig fields the triton backend does not implement, with the value it needs.
+TRITON_UNSUPPORTED_FIELDS = {"kv_groups": 1, "pipeline_qk": False, "persistent": False}
+
+
+def triton_block_kv_for_page(page_size: int, block_kv: int = TRITON_DEFAULT_BLOCK_KV) -> int | None:
+  """The largest tile <= block_kv that a page of page_size tokens can serve, or None.
+
+  A tile must lie within one page (block_kv divides page_size) or cover whole pages (page_size
+  divides block_kv); block_kv is a power of two >= 16.
+  """
+  from pallas_kv.kernels.triton import decode as triton_decode
+  if page_size < 1:
+    return None
+  if page_size & (page_size - 1) == 0:   # a power of two: any tile size works
+    return block_kv
+  largest_pow2_divisor = page_size & -page_size
+  if largest_pow2_divisor < triton_decode.MIN_BLOCK_KV:
+    return None
+  return min(block_kv, largest_pow2_divisor)
+
+
+def triton_config(problem, config: DecodeConfig | None, *, num_sms: int | None = None) -> DecodeConfig:
+  """Explicit config, else the heuristic one, with the split count filled in (triton backend)."""
+  from pallas_kv.kernels.triton import decode as triton_decode
+  rows = problem.num_queries * problem.group_size
+  block_rows, row_blocks = triton_decode.row_blocking(rows, problem.head_dim)
+  if config is None:
+    block_kv = TRITON_DEFAULT_BLOCK_KV
+    if problem.page_size is not None:
+      block_kv = triton_block_kv_for_page(problem.page_size, block_kv) or block_kv
+    config = DecodeConfig(block_kv=block_kv, num_stages=TRITON_DEFAULT_STAGES,
+                          num_warps=8 if block_rows * problem.head_dim >= 128 * 128 else 4)
+    # Fewer stages, then smaller tiles, until the tiles in flight fit in shared memory.
+    fits = lambda c: triton_decode.fits_smem(head_dim=problem.head_dim, itemsize=2, block_kv=c.block_kv,
+                                             num_stages=c.num_stages, block_rows=block_rows)
+    while not fits(config):
+      if config.num_stages > 2:
+        config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+      elif config.block_kv > triton_decode.MIN_BLOCK_KV:
+        config = dataclasses.replace(config, block_kv=config.block_kv // 2)
+      else:
+        break
+  else:
+    for name, default in TRITON_UNSUPPORTED_FIELDS.items():
+      value = getattr(config, name, default)
+      if value != default:
+        raise ValueError(f"config.{name}={value!r} is a mosaic_gpu option; the triton backend needs {default!r}")
+    if problem.page_size is not None:
+      triton_decode.check_page_size(problem.page_size, config.block_kv)
+  if config.num_splits is None:
+    splits = choose_num_splits(batch=problem.batch, num_kv_heads=problem.num_kv_heads, row_blocks=row_blocks,
+                               capacity=problem.capacity, block_kv=config.block_kv,
+                               num_sms=num_sms or runtime.num_sms(), programs_per_sm=TRITON_PROGRAMS_PER_SM)
+    config = dataclasses.replace(config, num_splits=splits)
+  return config

@@ -141,6 +141,10 @@ class Ring:
     plgpu.barrier_wait(self.produced.at[slot])
     return self.slots.at[slot]
 
+  def slot(self, step):
+    """The slot of `step`, [*block_shape] SMEM, without waiting (the caller has waited)."""
+    return self.slots.at[self._slot(step)]
+
   def release(self, step):
     """Marks the slot of `step` free (one arrival per consumer warpgroup)."""
     plgpu.barrier_arrive(self.consumed.at[self._slot(step)])

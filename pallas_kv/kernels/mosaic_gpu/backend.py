@@ -50,6 +50,8 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: De
       None if block_tables is None else jnp.clip(block_tables.astype(jnp.int32), 0, problem.num_pages - 1),
       num_queries=problem.num_queries, num_splits=config.num_splits, block_kv=config.block_kv,
       num_stages=config.num_stages, scale=options.scale, softcap=options.softcap, window=options.window,
+      kv_groups=config.kv_groups, pipeline_qk=config.pipeline_qk,
+      persistent_programs=runtime.num_sms() if config.persistent else None,
       interpret=runtime.mosaic_gpu_interpret_params())
   out, lse = out[:, :, :, :num_rows], lse[:, :, :, :num_rows]  # drop the rows padded for wgmma
   row_sinks = None
