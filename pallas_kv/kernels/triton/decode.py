@@ -1,0 +1,379 @@
+"""Split-K flash-decoding partials on the Pallas Triton backend (portable GPUs: Ampere, ROCm).
+
+One program per (kv head [x row block], split, sequence). It loads the packed query rows of its
+KV head (every q head of the group x every new token, padded to a power of two >= 16 for
+`pl.dot`) and streams the KV tiles of its split: a range of `block_kv`-token tiles computed at
+run time from `lengths`, so tiles past the end of a sequence (or before its sliding window)
+are never loaded. Triton software-pipelines the tile loads of the loop (`num_stages`); the
+online softmax runs in float32 (exp2 on log2-scaled logits).
+
+Pallas Triton has no scalar prefetch: the block table row of the sequence is an ordinary input
+and page ids are read inside the loop. A tile is one slice of one page when block_kv divides
+the page size, else a per-token gather over block_kv / page_size pages.
+
+Each split writes its softmax-normalised partial output and its natural-log LSE (-inf and 0
+for a split without valid keys); the caller merges splits (`pallas_kv.combine.merge_splits`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+KV_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+HEAD_DIMS = (64, 128, 256)
+MIN_DOT_DIM = 16   # tl.dot needs every dimension >= 16
+MIN_BLOCK_KV = 16
+# Packed query rows one program keeps in registers (accumulator [rows, D] float32); more rows
+# are split over programs, each of which re-reads its KV head.
+MAX_ROWS_PER_PROGRAM = {64: 128, 128: 128, 256: 64}
+# Shared memory the pipelined K and V tiles may take: fits an A100 (164 KiB per block) as well
+# as Hopper (227 KiB).
+SMEM_BUDGET_BYTES = 160 * 1024
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+DEPRECATION_MESSAGE = "The Pallas Triton backend is deprecated"
+
+
+def _cdiv(a, b):
+  return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def row_blocking(rows: int, head_dim: int) -> tuple[int, int]:
+  """(rows per program, row blocks in the grid) for `rows` packed rows.
+
+  Rows per program is a power of two >= 16 (tl.dot and Triton tensor shapes).
+  """
+  block = max(MIN_DOT_DIM, _next_pow2(rows))
+  block = min(block, MAX_ROWS_PER_PROGRAM[head_dim])
+  return block, _cdiv(rows, block)
+
+
+def smem_bytes(*, head_dim: int, itemsize: int, block_kv: int, num_stages: int, block_rows: int) -> int:
+  """Estimated shared memory of one program: num_stages K and V tiles in flight, plus Q."""
+  tile = block_kv * head_dim * itemsize
+  return max(num_stages, 1) * 2 * tile + block_rows * head_dim * itemsize
+
+
+def fits_smem(**kwargs) -> bool:
+  """Whether `smem_bytes(**kwargs)` is within SMEM_BUDGET_BYTES."""
+  return smem_bytes(**kwargs) <= SMEM_BUDGET_BYTES
+
+
+def check_page_size(page_size: int, block_kv: int) -> None:
+  """block_kv must divide the page size, or be a multiple of it."""
+  if page_size % block_kv and block_kv % page_size:
+    raise ValueError(f"block_kv={block_kv} must divide page_size={page_size} or be a multiple of it")
+
+
+# ---------------------------------------------------------------- jax's deprecation warning
+
+def _quiet_lowering_rule():
+  """The Triton pallas_call lowering, run with jax's Pallas Triton deprecation warning hidden.
+
+  jax warns while lowering (at jit time, not at our call), so the library's kernels carry their
+  own CompilerParams class whose lowering rule hides that one warning; users' own Pallas Triton
+  kernels still warn. This needs jax internals: returns (register, rule), or None when they are
+  not there (then our kernels warn like any other).
+  """
+  try:
+    from jax._src.pallas import core as pallas_core
+    from jax._src.pallas.triton import pallas_call_registration
+    register = pallas_core.register_lowering_rule
+    lowering = pallas_call_registration.pallas_call_lowering
+  except (ImportError, AttributeError):
+    return None
+
+  def rule(ctx, *args, **params):
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", message=DEPRECATION_MESSAGE, category=DeprecationWarning)
+      return lowering(ctx, *args, **params)
+
+  return register, rule
+
+
+@dataclasses.dataclass(frozen=True)
+class CompilerParams(pltr.CompilerParams):
+  """`pltr.CompilerParams` of the library's own kernels (see `_quiet_lowering_rule`)."""
+
+
+_hook = _quiet_lowering_rule()
+if _hook is not None:
+  _hook[0](CompilerParams, _hook[1], "gpu")
+  _compiler_params_class = CompilerParams
+else:
+  _compiler_params_class = pltr.CompilerParams
+
+
+# ---------------------------------------------------------------- the kernel
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """Everything the kernel body needs to know at trace time."""
+  num_queries: int      # S
+  group: int            # G
+  block_rows: int       # packed rows per program (power of two >= 16)
+  num_row_blocks: int
+  num_splits: int
+  capacity: int         # tokens addressable per sequence (T, or max_pages * page_size)
+  block_kv: int
+  head_dim: int
+  page_size: int | None   # None: contiguous cache
+  max_pages: int | None
+  scale: float
+  softcap: float | None
+  window: int | None
+
+  @property
+  def paged(self) -> bool:
+    return self.page_size is not None
+
+
+def _tile_range(length, split, st: _Static):
+  """This split's tiles [t0, t1), and the sub-range [a, c) that needs no masking.
+
+  Query s (0 <= s < S) sits at p = L - S + s and sees keys t <= p, t > p - window. Every split
+  gets an equal share of the tiles that hold visible keys, so a sequence's partials depend
+  only on its own length.
+  """
+  bkv, S = st.block_kv, st.num_queries
+  first_key = 0 if st.window is None else jnp.maximum(length - S + 1 - st.window, 0)
+  first_tile = first_key // bkv
+  end_tile = (length + bkv - 1) // bkv
+  num_tiles = jnp.maximum(end_tile - first_tile, 0)
+  per_split = (num_tiles + st.num_splits - 1) // st.num_splits
+  t0 = jnp.minimum(first_tile + split * per_split, end_tile)
+  t1 = jnp.minimum(t0 + per_split, end_tile)
+  # Tiles every query sees whole: keys <= L - S (the first query's position) and, with a
+  # window, keys > L - 1 - window (the last query's window start).
+  full_hi = jnp.maximum(length - S + 1, 0) // bkv
+  full_lo = 0 if st.window is None else (jnp.maximum(length - st.window, 0) + bkv - 1) // bkv
+  a = jnp.clip(full_lo, t0, t1)
+  c = jnp.clip(full_hi, a, t1)
+  return t0, t1, a, c
+
+
+def _load_tile(kv_ref, block_tables_ref, tile, length, st: _Static, *, masked: bool):
+  """Tile `tile` ([block_kv, D]) of one KV head; with `masked`, tokens >= length read as 0."""
+  bkv, D = st.block_kv, st.head_dim
+  start = tile * bkv
+  tokens = start + jnp.arange(bkv, dtype=jnp.int32)   # [bkv]
+  if not st.paged:
+    ref = kv_ref.at[pl.ds(pl.multiple_of(start, bkv), bkv), :]   # [bkv, D] of [T, D]
+  elif bkv <= st.page_size:
+    # The tile is one slice of one page.
+    page = block_tables_ref[start // st.page_size]
+    offset = pl.multiple_of(start % st.page_size, bkv)
+    ref = kv_ref.at[page, pl.ds(offset, bkv), :]
+  else:
+    # The tile spans bkv / page_size pages: gather token by token.
+    page_index = jnp.minimum(tokens // st.page_size, st.max_pages - 1)
+    pages = block_tables_ref[page_index]   # [bkv]
+    slots = tokens % st.page_size
+    ref = kv_ref.at[pages[:, None], slots[:, None], jnp.arange(D, dtype=jnp.int32)[None, :]]
+  if not masked:
+    return pltr.load(ref)
+  mask = jnp.broadcast_to((tokens < length)[:, None], (bkv, D))
+  return pltr.load(ref, mask=mask, other=0)
+
+
+def _dot(a, b, *, trans_b: bool = False):
+  """a @ b (or a @ b.T) with a float32 result; Triton needs every dimension >= 16."""
+  contract = (((1,), (1 if trans_b else 0,)), ((), ()))
+  return lax.dot_general(a, b, contract, preferred_element_type=jnp.float32)
+
+
+def _kernel(q_ref,            # [block_rows, D]   packed rows of this (sequence, kv head, row block)
+            k_ref,            # [T, D] | [P, page_size, D]   this kv head
+            v_ref,            # same as k_ref
+            lengths_ref,      # [B] int32
+            *refs, st: _Static):
+  if st.paged:
+    block_tables_ref, *refs = refs   # [max_pages] int32, this sequence's row (ids already in [0, P))
+  else:
+    block_tables_ref = None
+  (out_ref,                   # [block_rows, D] f32
+   lse_ref,                   # [block_rows] f32
+   ) = refs
+  head_block, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  row0 = 0 if st.num_row_blocks == 1 else (head_block % st.num_row_blocks) * st.block_rows
+  length = jnp.clip(lengths_ref[b], 0, st.capacity)
+  t0, t1, a, c = _tile_range(length, split, st)
+  bkv, G = st.block_kv, st.group
+
+  q = q_ref[...]   # [block_rows, D]
+  rows = jnp.arange(st.block_rows, dtype=jnp.int32)[:, None] + row0   # [block_rows, 1]
+  cols = jnp.arange(bkv, dtype=jnp.int32)[None, :]                    # [1, bkv]
+
+  def step(tile, carry, *, masked: bool):
+    acc, m_i, l_i = carry
+    k = _load_tile(k_ref, block_tables_ref, tile, length, st, masked=masked)   # [bkv, D]
+    s = _dot(q, k, trans_b=True)   # [block_rows, bkv] f32
+    # Logits in log2 units so that the softmax runs on exp2.
+    if st.softcap is not None:
+      s = jnp.tanh(s * (st.scale / st.softcap)) * (st.softcap * LOG2E)
+    else:
+      s = s * (st.scale * LOG2E)
+    if masked:
+      # Row r is query s_r = r // G at p = L - S + s_r. With x = t - (L - S):
+      # t <= p  <=>  x * G <= r;   t > p - window  <=>  r < (x + window) * G.
+      x_g = (cols + (tile * bkv - length + st.num_queries)) * G   # [1, bkv]
+      valid = x_g <= rows
+      if st.window is not None:
+        valid = valid & (rows < x_g + st.window * G)
+      s = jnp.where(valid, s, -jnp.inf)
+    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    # A row with no valid key yet keeps m = -inf: shift by 0 then, so that exp2 gives 0, not NaN.
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m_i - m_use)
+    p = jnp.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + jnp.sum(p, axis=1)
+    v = _load_tile(v_ref, block_tables_ref, tile, length, st, masked=masked)   # [bkv, D]
+    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+    return acc, m_new, l_i
+
+  carry = (jnp.zeros((st.block_rows, st.head_dim), jnp.float32),
+           jnp.full((st.block_rows,), -jnp.inf, jnp.float32),
+           jnp.zeros((st.block_rows,), jnp.float32))
+  carry = lax.fori_loop(t0, a, functools.partial(step, masked=True), carry)
+  carry = lax.fori_loop(a, c, functools.partial(step, masked=False), carry)
+  acc, m_i, l_i = lax.fori_loop(c, t1, functools.partial(step, masked=True), carry)
+
+  has_keys = l_i > 0
+  l_safe = jnp.where(has_keys, l_i, 1.0)
+  out_ref[...] = acc / l_safe[:, None]
+  lse_ref[...] = jnp.where(has_keys, m_i * LN2 + jnp.log(l_safe), -jnp.inf)
+
+
+def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width: int | None,
+           num_warps: int, num_stages: int, dtype, interpret: bool):
+  """Grid, BlockSpecs and compiler params for one static config; returns the pallas_call."""
+  D, nrb, R = st.head_dim, st.num_row_blocks, st.block_rows
+  head = lambda hb: hb // nrb
+  row_block = lambda hb: hb % nrb
+  q_spec = pl.BlockSpec((None, None, R, D), lambda hb, s, b: (b, head(hb), row_block(hb), 0))
+  if st.paged:
+    num_pages, page_size = kv_shape[:2]
+    kv_spec = pl.BlockSpec((num_pages, page_size, None, D), lambda hb, s, b: (0, 0, head(hb), 0))
+  else:
+    kv_spec = pl.BlockSpec((None, kv_shape[1], None, D), lambda hb, s, b: (b, 0, head(hb), 0))
+  in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((batch,), lambda hb, s, b: (0,))]
+  if st.paged:
+    in_specs.append(pl.BlockSpec((None, table_width), lambda hb, s, b: (b, 0)))
+  out_specs = [
+      pl.BlockSpec((None, None, None, R, D), lambda hb, s, b: (b, head(hb), s, row_block(hb), 0)),
+      pl.BlockSpec((None, None, None, R), lambda hb, s, b: (b, head(hb), s, row_block(hb))),
+  ]
+  out_shape = [
+      jax.ShapeDtypeStruct((batch, num_kv_heads, st.num_splits, nrb * R, D), jnp.float32),
+      jax.ShapeDtypeStruct((batch, num_kv_heads, st.num_splits, nrb * R), jnp.float32),
+  ]
+  kind = f"paged{st.page_size}" if st.paged else "dense"
+  name = (f"pallas_kv_triton_decode_{kind}_r{R}x{nrb}_d{D}_bkv{st.block_kv}_sp{st.num_splits}"
+          f"_{jnp.dtype(dtype).name}")
+  return pl.pallas_call(
+      functools.partial(_kernel, st=st),
+      # grid[0] varies fastest: the KV heads of one token range sit side by side in HBM.
+      grid=(num_kv_heads * nrb, st.num_splits, batch),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      compiler_params=_compiler_params_class(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name=name,
+  )
+
+
+def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, num_splits: int, block_kv: int,
+                    num_stages: int, num_warps: int, scale: float, softcap: float | None = None,
+                    window: int | None = None, interpret: bool = False):
+  """Split-K partials of decode attention over a contiguous or paged KV cache.
+
+  q: [B, Hkv, R, D] in k's dtype (bf16 or fp16), R = num_queries * G packed rows, row
+  r = s * G + g is query token s (of S = num_queries new tokens) for q head kv_head * G + g.
+  Query token s of sequence b is at position p = lengths[b] - S + s; it attends to keys t with
+  t <= p and (if window) t > p - window.
+  dense:  k, v [B, T, Hkv, D]; block_tables None.
+  paged:  k, v [P, page_size, Hkv, D]; block_tables int32 [B, max_pages] with ids in [0, P);
+          token t of sequence b is k[block_tables[b, t // page_size], t % page_size].
+  lengths: int32 [B] (clamped into [0, capacity]).
+  interpret: run the kernel in Pallas interpret mode (CPU).
+
+  Returns (out [B, Hkv, num_splits, R, D] float32, each split's softmax-normalised output;
+  lse [B, Hkv, num_splits, R] float32, natural-log sum-exp of the split's logits, -inf (and out
+  0) where the split saw no valid key). logits = scale * q.k, then softcap * tanh(logits /
+  softcap) if softcap. Tokens at or past lengths[b] are never read as values (masked loads).
+  """
+  if q.ndim != 4:
+    raise ValueError(f"q must be [B, Hkv, R, D], got {q.shape=}")
+  if k.ndim != 4 or v.shape != k.shape:
+    raise ValueError(f"k and v must have one 4-d shape, got {k.shape=} {v.shape=}")
+  B, Hkv, R, D = q.shape
+  if k.shape[2:] != (Hkv, D):
+    raise ValueError(f"k's heads and head_dim {k.shape[2:]=} must match q's {(Hkv, D)}")
+  if jnp.dtype(k.dtype) not in KV_DTYPES:
+    raise ValueError(f"k.dtype={jnp.dtype(k.dtype).name} must be bfloat16 or float16")
+  if q.dtype != k.dtype or v.dtype != k.dtype:
+    raise ValueError(f"q, k, v must share a dtype, got {q.dtype=} {k.dtype=} {v.dtype=}")
+  if D not in HEAD_DIMS:
+    raise ValueError(f"head_dim={D} must be one of {HEAD_DIMS}")
+  if num_queries < 1 or R % num_queries:
+    raise ValueError(f"{num_queries=} must be >= 1 and divide the packed rows {R=}")
+  if num_splits < 1:
+    raise ValueError(f"{num_splits=} must be >= 1")
+  if num_stages < 1:
+    raise ValueError(f"{num_stages=} must be >= 1")
+  if block_kv < MIN_BLOCK_KV or block_kv & (block_kv - 1):
+    raise ValueError(f"{block_kv=} must be a power of two >= {MIN_BLOCK_KV}")
+  if lengths.shape != (B,) or lengths.dtype != jnp.int32:
+    raise ValueError(f"lengths must be int32 [{B}], got {lengths.shape=} {lengths.dtype=}")
+  if not scale > 0:
+    raise ValueError(f"{scale=} must be positive")
+  if softcap is not None and not softcap > 0:
+    raise ValueError(f"{softcap=} must be positive or None")
+  if window is not None and window < 1:
+    raise ValueError(f"{window=} must be a positive int or None")
+
+  if block_tables is None:
+    if k.shape[0] != B:
+      raise ValueError(f"dense k must be [B={B}, T, Hkv, D], got {k.shape=}")
+    page_size = max_pages = None
+    capacity = k.shape[1]
+  else:
+    if block_tables.ndim != 2 or block_tables.shape[0] != B or block_tables.dtype != jnp.int32:
+      raise ValueError(f"block_tables must be int32 [B={B}, max_pages], got {block_tables.shape=} "
+                       f"{block_tables.dtype=}")
+    page_size, max_pages = k.shape[1], block_tables.shape[1]
+    check_page_size(page_size, block_kv)
+    capacity = page_size * max_pages
+
+  block_rows, num_row_blocks = row_blocking(R, D)
+  st = _Static(num_queries=num_queries, group=R // num_queries, block_rows=block_rows,
+               num_row_blocks=num_row_blocks, num_splits=num_splits, capacity=capacity, block_kv=block_kv,
+               head_dim=D, page_size=page_size, max_pages=max_pages, scale=float(scale),
+               softcap=None if softcap is None else float(softcap),
+               window=None if window is None else int(window))
+  rows_padded = block_rows * num_row_blocks
+  if rows_padded != R:
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, rows_padded - R), (0, 0)))
+  args = (q, k, v, lengths) if block_tables is None else (q, k, v, lengths, block_tables)
+  call = _build(st, batch=B, num_kv_heads=Hkv, kv_shape=k.shape,
+                table_width=None if block_tables is None else max_pages, num_warps=num_warps,
+                num_stages=num_stages, dtype=k.dtype, interpret=bool(interpret))
+  with warnings.catch_warnings():
+    # Eager calls lower here; jit-time lowering goes through CompilerParams' quiet rule.
+    warnings.filterwarnings("ignore", message=DEPRECATION_MESSAGE, category=DeprecationWarning)
+    out, lse = call(*args)
+  return out[:, :, :, :R], lse[..., :R]

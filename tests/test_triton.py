@@ -1,0 +1,330 @@
+"""The Pallas Triton decode kernel: interpret-mode numerics on the CPU, CUDA lowering, GPU runs."""
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+import pallas_kv as pkv
+from pallas_kv import heuristics
+from pallas_kv import validation
+from pallas_kv.kernels.triton import decode as triton_decode
+from harness import assert_lse_matches, assert_matches_reference, make_case, shape_dtype_structs
+
+IMPL = "triton"
+
+
+def _reference(case, **kw):
+  f32 = lambda x: x.astype(jnp.float32)
+  return pkv.decode_attention_reference(f32(case.q), f32(case.k), f32(case.v), case.lengths, return_lse=True, **kw)
+
+
+def _check(case, out_lse, **kw):
+  out, lse = out_lse
+  ref, ref_lse = _reference(case, **kw)
+  assert out.dtype == case.q.dtype
+  assert_matches_reference(out, ref, case.dtype)
+  assert_lse_matches(lse, ref_lse, case.dtype)
+
+
+def _paged(case, **kw):
+  return pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths,
+                                    return_lse=True, impl=IMPL, **kw)
+
+
+# ---------------------------------------------------------------- interpret mode (CPU)
+
+# seq_len 200 is not a multiple of block_kv: the last tile runs past the cache's capacity.
+@pytest.mark.parametrize("group,num_queries,num_splits,dtype", [
+    (1, None, 1, jnp.bfloat16), (4, None, 3, jnp.bfloat16), (8, 2, 2, jnp.bfloat16), (4, 2, 4, jnp.float16),
+])
+def test_dense_interpret(interpret_mode, group, num_queries, num_splits, dtype):
+  case = make_case(group * 10 + num_splits, batch=3, seq_len=200, num_heads=2 * group, num_kv_heads=2,
+                   head_dim=64, num_queries=num_queries, dtype=dtype, lengths=[200, 77, 0])
+  config = pkv.DecodeConfig(block_kv=32, num_stages=2, num_splits=num_splits)
+  out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL, config=config)
+  _check(case, out)
+
+
+# block_kv 32: pages of 8 and 16 are gathered token by token, a page of 64 holds two tiles.
+@pytest.mark.parametrize("page_size", [8, 16, 64])
+def test_paged_interpret_shuffled(interpret_mode, page_size):
+  case = make_case(page_size, batch=2, seq_len=128, num_heads=8, num_kv_heads=2, head_dim=64, num_queries=2,
+                   dtype=jnp.bfloat16, page_size=page_size, lengths=[101, 128])
+  _check(case, _paged(case, config=pkv.DecodeConfig(block_kv=32, num_stages=3, num_splits=2)))
+
+
+def test_options_interpret(interpret_mode):
+  case = make_case(5, batch=2, seq_len=192, num_heads=8, num_kv_heads=2, head_dim=64, num_queries=2,
+                   dtype=jnp.bfloat16, lengths=[192, 95])
+  kw = dict(softcap=1.5, window=70, sinks=jnp.linspace(-1.0, 2.0, 8), scale=0.2)
+  config = pkv.DecodeConfig(block_kv=32, num_stages=2, num_splits=3)
+  out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL, config=config,
+                             **kw)
+  _check(case, out, **kw)
+
+
+def test_paged_window_sinks_heuristic_config_interpret(interpret_mode):
+  case = make_case(12, batch=2, seq_len=128, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
+                   page_size=16, lengths=[128, 50])
+  kw = dict(window=40, sinks=jnp.linspace(0.0, 1.0, 4))
+  _check(case, _paged(case, **kw), **kw)
+
+
+def test_row_blocks_interpret(interpret_mode):
+  # 9 new tokens x 16 q heads = 144 packed rows: two programs of 128 rows per kv head.
+  case = make_case(13, batch=1, seq_len=64, num_heads=16, num_kv_heads=1, head_dim=64, num_queries=9,
+                   dtype=jnp.bfloat16, lengths=[60])
+  assert triton_decode.row_blocking(144, 64) == (128, 2)
+  out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL,
+                             config=pkv.DecodeConfig(block_kv=16, num_stages=2, num_splits=2))
+  _check(case, out)
+
+
+def test_zero_lengths_interpret(interpret_mode):
+  case = make_case(6, batch=2, seq_len=64, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
+                   lengths=[0, 0])
+  out, lse = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL,
+                                  config=pkv.DecodeConfig(block_kv=32, num_stages=2, num_splits=2))
+  np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+  assert np.isneginf(np.asarray(lse)).all()
+
+
+def test_partials_of_empty_splits_interpret():
+  # 40 tokens = 3 tiles of 16 over 4 splits: split 3 is empty, as is every split of length 0.
+  case = make_case(14, batch=2, seq_len=64, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
+                   lengths=[0, 40])
+  q = case.q.reshape(2, 1, 4, 64)
+  out, lse = triton_decode.decode_partials(q, case.k, case.v, case.lengths, num_queries=1, num_splits=4,
+                                           block_kv=16, num_stages=2, num_warps=4, scale=0.125, interpret=True)
+  assert out.shape == (2, 1, 4, 4, 64) and lse.shape == (2, 1, 4, 4)
+  lse, out = np.asarray(lse), np.asarray(out)
+  assert np.isneginf(lse[0]).all() and np.isneginf(lse[1, :, 3]).all() and np.isfinite(lse[1, :, :3]).all()
+  np.testing.assert_array_equal(out[0], 0.0)
+  np.testing.assert_array_equal(out[1, :, 3], 0.0)
+
+
+def test_fixed_splits_make_a_sequence_independent_of_its_batch(interpret_mode):
+  case = make_case(7, batch=3, seq_len=128, num_heads=8, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
+                   lengths=[128, 107, 60])
+  config = pkv.DecodeConfig(block_kv=32, num_stages=2, num_splits=2)
+  f = functools.partial(pkv.decode_attention, impl=IMPL, config=config)
+  whole = f(case.q, case.k, case.v, case.lengths)
+  alone = f(case.q[1:2], case.k[1:2], case.v[1:2], case.lengths[1:2])
+  np.testing.assert_array_equal(np.asarray(whole[1:2], np.float32), np.asarray(alone, np.float32))
+
+
+def test_grad_uses_reference_backward(interpret_mode):
+  case = make_case(8, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
+  config = pkv.DecodeConfig(block_kv=32, num_stages=2, num_splits=1)
+  loss = lambda impl, q, k: pkv.decode_attention(q, k, case.v, case.lengths, impl=impl,
+                                                 config=config if impl == IMPL else None).astype(jnp.float32).sum()
+  grads = jax.grad(functools.partial(loss, IMPL), argnums=(0, 1))(case.q, case.k)
+  want = jax.grad(functools.partial(loss, "xla"), argnums=(0, 1))(case.q, case.k)
+  for g, w in zip(grads, want):
+    assert_matches_reference(g, w, jnp.bfloat16)
+
+
+def test_vmap_and_jit_match_a_loop_interpret(interpret_mode):
+  cases = [make_case(30 + i, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
+           for i in range(2)]
+  stack = lambda name: jnp.stack([getattr(c, name) for c in cases])
+  config = pkv.DecodeConfig(block_kv=32, num_stages=2, num_splits=2)
+  f = jax.jit(lambda q, k, v, n: pkv.decode_attention(q, k, v, n, impl=IMPL, config=config))
+  batched = jax.jit(jax.vmap(f))(stack("q"), stack("k"), stack("v"), stack("lengths"))
+  for i, c in enumerate(cases):
+    np.testing.assert_array_equal(np.asarray(batched[i], np.float32),
+                                  np.asarray(f(c.q, c.k, c.v, c.lengths), np.float32))
+
+
+# ---------------------------------------------------------------- refusals and config errors
+
+def test_quantized_cache_is_refused_with_reason():
+  case = make_case(10, batch=1, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, kv_dtype=jnp.int8,
+                   dtype=jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="triton.*int8"):
+    pkv.decode_attention(case.q, case.k, case.v, case.lengths, k_scale=0.1, v_scale=0.1, impl=IMPL)
+
+
+def test_mla_is_refused_with_reason():
+  case = make_case(11, batch=1, seq_len=64, num_heads=4, num_kv_heads=1, head_dim=64, page_size=16,
+                   dtype=jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="MLA"):
+    pkv.mla_decode_attention(case.q, case.k_pages[:, :, 0], case.block_tables, case.lengths, v_head_dim=32,
+                             impl=IMPL)
+
+
+def test_other_head_dims_and_page_sizes_are_refused_with_reason():
+  case = make_case(15, batch=1, seq_len=96, num_heads=4, num_kv_heads=2, head_dim=96, dtype=jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="triton.*head_dim 96"):
+    pkv.decode_attention(case.q, case.k, case.v, case.lengths, impl=IMPL)
+  case = make_case(16, batch=1, seq_len=72, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
+                   page_size=24)
+  with pytest.raises(NotImplementedError, match="page_size 24"):
+    _paged(case)
+
+
+def test_bad_explicit_configs_raise_value_error():
+  case = make_case(17, batch=1, seq_len=96, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
+                   page_size=48)
+  with pytest.raises(ValueError, match="block_kv=32 must divide page_size=48"):
+    _paged(case, config=pkv.DecodeConfig(block_kv=32))
+  if "kv_groups" in pkv.DecodeConfig.__dataclass_fields__:
+    with pytest.raises(ValueError, match="kv_groups.*mosaic_gpu"):
+      pkv.decode_attention(case.q, case.k, case.v, case.lengths, impl=IMPL,
+                           config=pkv.DecodeConfig(kv_groups=2, num_splits=2))
+
+
+# ---------------------------------------------------------------- CUDA lowering (CPU)
+
+# Pallas Triton asks the device for its compute capability while lowering: on a machine with no
+# GPU it needs an abstract CUDA device. jax.export also refuses the Triton custom call unless its
+# (absent) compatibility guarantee is waived.
+TRITON_TARGET = "__gpu$xla.gpu.triton"
+LOWERING_DEVICE = "NVIDIA H200"
+
+
+def _lower_for_cuda(fn, *args):
+  mesh = jax.sharding.AbstractMesh(
+      (1,), ("x",), abstract_device=jax.sharding.AbstractDevice(LOWERING_DEVICE, 132, "cuda"))
+  with jax.sharding.use_abstract_mesh(mesh):
+    exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
+                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)])(
+                                     *shape_dtype_structs(*args))
+  assert TRITON_TARGET in exported.mlir_module()
+  return exported
+
+
+# The benchmark shapes: (heads, kv heads) x (batch, context) x (contiguous, page 16, page 64).
+BENCH_HEADS = [(32, 8), (64, 8)]
+BENCH_CASES = [(1, 32768), (8, 8192), (32, 4096), (64, 2048), (128, 4096)]
+
+
+def _bench_problem(heads, case, page_size):
+  (hq, hkv), (b, t) = heads, case
+  q = jax.ShapeDtypeStruct((b, hq, 128), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+  if page_size is None:
+    kv = jax.ShapeDtypeStruct((b, t, hkv, 128), jnp.bfloat16)
+    return (q, kv, kv, lengths), validation.validate_dense(q, kv, kv, lengths)
+  pages = jax.ShapeDtypeStruct((b * t // page_size, page_size, hkv, 128), jnp.bfloat16)
+  tables = jax.ShapeDtypeStruct((b, t // page_size), jnp.int32)
+  return (q, pages, pages, tables, lengths), validation.validate_paged(q, pages, pages, tables, lengths)
+
+
+def _shipped_configs():
+  """Every (problem shape, config) the heuristic returns for the benchmark shapes."""
+  cases = []
+  for heads in BENCH_HEADS:
+    for case in BENCH_CASES:
+      for page_size in (None, 16, 64):
+        _, problem = _bench_problem(heads, case, page_size)
+        config = heuristics.triton_config(problem, None, num_sms=132)
+        cases.append(pytest.param(heads, case, page_size, config,
+                                  id=f"h{heads[0]}-{heads[1]}-b{case[0]}-t{case[1]}-page{page_size}"))
+  return cases
+
+
+@pytest.mark.parametrize("heads,case,page_size,config", _shipped_configs())
+def test_heuristic_configs_lower_for_cuda(heads, case, page_size, config):
+  args, _ = _bench_problem(heads, case, page_size)
+  op = pkv.decode_attention if page_size is None else pkv.paged_decode_attention
+  _lower_for_cuda(functools.partial(op, impl=IMPL, config=config), *args)
+
+
+@pytest.mark.parametrize("num_queries,head_dim,group,page_size", [
+    (4, 128, 8, None), (1, 64, 16, 8), (1, 256, 4, 256), (16, 128, 16, 48), (16, 256, 16, None),
+])
+def test_other_shapes_lower_for_cuda(num_queries, head_dim, group, page_size):
+  q = jax.ShapeDtypeStruct((2, num_queries, 2 * group, head_dim), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  kw = dict(impl=IMPL, softcap=30.0, window=1024, sinks=jnp.zeros((2 * group,)))
+  if page_size is None:
+    kv = jax.ShapeDtypeStruct((2, 4000, 2, head_dim), jnp.float16)   # capacity not a multiple of any tile
+    _lower_for_cuda(functools.partial(pkv.decode_attention, **kw), q, kv, kv, lengths)
+  else:
+    pages = jax.ShapeDtypeStruct((2 * 4800 // page_size + 3, page_size, 2, head_dim), jnp.bfloat16)
+    tables = jax.ShapeDtypeStruct((2, 4800 // page_size), jnp.int32)
+    _lower_for_cuda(functools.partial(pkv.paged_decode_attention, **kw), q, pages, pages, tables, lengths)
+
+
+def test_deprecation_warning_is_hidden_for_our_kernels_only():
+  args, _ = _bench_problem((32, 8), (8, 8192), None)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    _lower_for_cuda(functools.partial(pkv.decode_attention, impl=IMPL), *args)
+  assert not [w for w in caught if issubclass(w.category, DeprecationWarning)]
+
+  def users_own_kernel(x):
+    def kernel(x_ref, o_ref):
+      o_ref[...] = x_ref[...] * 2
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+  with pytest.warns(DeprecationWarning, match="Pallas Triton backend is deprecated"):
+    _lower_for_cuda(users_own_kernel, jax.ShapeDtypeStruct((16, 16), jnp.float32))
+
+
+# ---------------------------------------------------------------- on the GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 16, 64])
+@pytest.mark.parametrize("batch,seq_len,group", [(2, 4096, 4), (4, 2048, 8), (1, 8192, 16)])
+def test_gpu_matches_reference(batch, seq_len, group, page_size):
+  case = make_case(batch * 7 + group, batch=batch, seq_len=seq_len, num_heads=4 * group, num_kv_heads=4,
+                   head_dim=128, dtype=jnp.bfloat16, page_size=page_size, num_queries=2)
+  if page_size is None:
+    out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL)
+  else:
+    out = _paged(case)
+  _check(case, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,page_size,block_kv", [(64, 8, 64), (256, 128, 32), (128, 48, 16), (128, 32, 128)])
+def test_gpu_head_dims_and_pages(head_dim, page_size, block_kv):
+  case = make_case(head_dim + page_size, batch=3, seq_len=1152, num_heads=8, num_kv_heads=2, head_dim=head_dim,
+                   dtype=jnp.float16, page_size=page_size, num_queries=3)
+  _check(case, _paged(case, config=pkv.DecodeConfig(block_kv=block_kv, num_stages=3)))
+
+
+@pytest.mark.gpu
+def test_gpu_capacity_not_a_multiple_of_the_tile_and_row_blocks():
+  case = make_case(2, batch=3, seq_len=4000, num_heads=64, num_kv_heads=4, head_dim=128, dtype=jnp.bfloat16,
+                   num_queries=16, lengths=[4000, 3999, 17])
+  out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL)
+  _check(case, out)
+
+
+@pytest.mark.gpu
+def test_gpu_options_and_bit_identical_reruns():
+  case = make_case(3, batch=4, seq_len=4096, num_heads=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16,
+                   num_queries=3)
+  kw = dict(softcap=20.0, window=1000, sinks=jnp.linspace(-1.0, 1.0, 32))
+  f = jax.jit(functools.partial(pkv.decode_attention, impl=IMPL, return_lse=True, **kw))
+  first = f(case.q, case.k, case.v, case.lengths)
+  _check(case, first, **kw)
+  again = f(case.q, case.k, case.v, case.lengths)
+  np.testing.assert_array_equal(np.asarray(first[0], np.float32), np.asarray(again[0], np.float32))
+
+
+@pytest.mark.gpu
+def test_gpu_fixed_splits_batch_1_equals_batch_64():
+  case = make_case(4, batch=64, seq_len=2048, num_heads=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16)
+  f = jax.jit(functools.partial(pkv.decode_attention, impl=IMPL, config=pkv.DecodeConfig(num_splits=4)))
+  whole = f(case.q, case.k, case.v, case.lengths)
+  alone = f(case.q[5:6], case.k[5:6], case.v[5:6], case.lengths[5:6])
+  np.testing.assert_array_equal(np.asarray(whole[5:6], np.float32), np.asarray(alone, np.float32))
+
+
+@pytest.mark.gpu
+def test_gpu_auto_picks_triton_before_hopper():
+  from pallas_kv import runtime
+  if runtime.is_hopper_or_newer():
+    pytest.skip("impl='auto' picks mosaic_gpu on Hopper and newer")
+  case = make_case(5, batch=2, seq_len=1024, num_heads=8, num_kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
+  pkv.decode_attention(case.q, case.k, case.v, case.lengths)
+  assert pkv.last_impl() == IMPL
