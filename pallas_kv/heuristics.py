@@ -1,10 +1,15 @@
-"""Split count and tile choice from the shape and the device."""
+"""Split count and tile choice from the shape and the device.
+
+Order of choice: an explicit config, else a tuned one for this device kind (`pallas_kv.tuned`),
+else the heuristic. A split count left as None is filled in from the batch and the SM count.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
 from pallas_kv import runtime
+from pallas_kv import tuned
 from pallas_kv.config import DecodeConfig
 
 # A split shorter than this many tiles spends more on its prologue and the combine than it saves.
@@ -31,9 +36,18 @@ def choose_num_splits(*, batch: int, num_kv_heads: int, row_blocks: int, capacit
   return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
-def mosaic_gpu_config(problem, config: DecodeConfig | None, *, num_sms: int | None = None) -> DecodeConfig:
-  """Explicit config, else the heuristic one, with the split count filled in."""
+def tuned_config(backend: str, problem, dtype, device_kind: str | None = None) -> DecodeConfig | None:
+  """The tuned config for this call on the local (or named) device kind, if the tuned file has one."""
+  op = "decode" if problem.page_size is None else "paged"
+  return tuned.lookup(backend, tuned.shape_key(op, problem, dtype), device_kind or runtime.device_kind())
+
+
+def mosaic_gpu_config(problem, config: DecodeConfig | None, *, dtype="bfloat16", num_sms: int | None = None,
+                      device_kind: str | None = None) -> DecodeConfig:
+  """Explicit config, else tuned, else the heuristic one, with the split count filled in."""
   from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
+  if config is None:
+    config = tuned_config("mosaic_gpu", problem, dtype, device_kind)
   if config is None:
     config = DecodeConfig()
     rows = problem.num_queries * problem.group_size
@@ -76,11 +90,14 @@ def triton_block_kv_for_page(page_size: int, block_kv: int = TRITON_DEFAULT_BLOC
   return min(block_kv, largest_pow2_divisor)
 
 
-def triton_config(problem, config: DecodeConfig | None, *, num_sms: int | None = None) -> DecodeConfig:
-  """Explicit config, else the heuristic one, with the split count filled in (triton backend)."""
+def triton_config(problem, config: DecodeConfig | None, *, dtype="bfloat16", num_sms: int | None = None,
+                  device_kind: str | None = None) -> DecodeConfig:
+  """Explicit config, else tuned, else the heuristic one, with the split count filled in (triton backend)."""
   from pallas_kv.kernels.triton import decode as triton_decode
   rows = problem.num_queries * problem.group_size
   block_rows, row_blocks = triton_decode.row_blocking(rows, problem.head_dim)
+  if config is None:
+    config = tuned_config("triton", problem, dtype, device_kind)
   if config is None:
     block_kv = TRITON_DEFAULT_BLOCK_KV
     if problem.page_size is not None:

@@ -1,0 +1,162 @@
+r"""Autotuner: times kernel configs per shape on this GPU and writes the winners to the tuned file.
+
+  python -m benchmarks.tune --flagfile=configs/gqa_h200.flags --backend=mosaic_gpu
+  python -m benchmarks.tune --flagfile=configs/paged16_h200.flags --backend=mosaic_gpu --space=full
+
+Shapes come from the same flags as benchmarks/decode.py (--op, --cases, heads, dtype, ...).
+Every candidate is checked against the float32 reference before it is timed; a candidate that
+fails, does not fit or raises is skipped. Winners are merged into
+`pallas_kv/tuned/<device kind>.json` (or --out), keyed so that nearby shapes find them
+(`pallas_kv.tuned`). `--smoke` tunes a tiny case in interpret mode on a CPU (tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+import pathlib
+from collections.abc import Iterable, Sequence
+
+from absl import app
+from absl import flags
+import jax
+import numpy as np
+
+try:
+  from benchmarks import decode as bench
+  from benchmarks import timing
+except ImportError:  # run as a script
+  import decode as bench  # type: ignore[no-redef]
+  import timing  # type: ignore[no-redef]
+
+import pallas_kv as pkv
+from pallas_kv import heuristics
+from pallas_kv import runtime
+from pallas_kv import tuned
+from pallas_kv import validation
+
+FLAGS = flags.FLAGS
+# The shape flags are benchmarks/decode.py's; these are the tuner's own.
+flags.DEFINE_enum("backend", "mosaic_gpu", ["mosaic_gpu", "triton"], "backend to tune")
+flags.DEFINE_enum("space", "fast", ["smoke", "fast", "full"], "candidate space")
+flags.DEFINE_string("out", None, "tuned file to merge into (default: the device kind's file)")
+flags.DEFINE_bool("smoke", False, "tiny case in interpret mode (CPU)")
+
+
+def candidate_space(backend: str, space: str) -> list[dict]:
+  """Config fields to try; num_splits None means 'the heuristic's', a number scales it."""
+  if space == "smoke":
+    return [dict(block_kv=64, num_stages=2), dict(block_kv=64, num_stages=3)]
+  if backend == "triton":
+    grid = dict(block_kv=(32, 64, 128), num_stages=(2, 3, 4), num_warps=(4, 8), split_scale=(0.5, 1, 2))
+  elif space == "fast":
+    grid = dict(block_kv=(64, 128), num_stages=(2, 3, 4), split_scale=(0.5, 1, 2))
+  else:
+    grid = dict(block_kv=(64, 128), num_stages=(2, 3, 4), split_scale=(0.5, 1, 2), pipeline_qk=(False, True),
+                kv_groups=(1, 2))
+  names = list(grid)
+  return [dict(zip(names, values)) for values in itertools.product(*grid.values())]
+
+
+def _known_fields() -> set[str]:
+  return {f.name for f in dataclasses.fields(pkv.DecodeConfig)}
+
+
+def make_config(backend: str, problem, fields: dict, dtype) -> pkv.DecodeConfig | None:
+  """A concrete DecodeConfig from candidate fields, or None if it is invalid for this problem."""
+  fields = dict(fields)
+  scale = fields.pop("split_scale", 1)
+  fields = {k: v for k, v in fields.items() if k in _known_fields()}  # options this version lacks
+  try:
+    base = pkv.DecodeConfig(**fields)
+    fill = heuristics.mosaic_gpu_config if backend == "mosaic_gpu" else heuristics.triton_config
+    splits = fill(problem, dataclasses.replace(base, num_splits=None), dtype=dtype).num_splits
+    return dataclasses.replace(base, num_splits=max(1, int(round(splits * scale))))
+  except (ValueError, NotImplementedError):
+    return None
+
+
+def _problem(case: bench.Case, args: tuple):
+  if case.op == "decode":
+    return validation.validate_dense(*args)
+  return validation.validate_paged(*args)
+
+
+def tune_case(case: bench.Case, sweep: bench.Sweep, backend: str, candidates: Iterable[dict], key) -> dict | None:
+  """Times every valid candidate on one case; returns the winning entry (or None)."""
+  lengths = bench.make_lengths(case, key)
+  args = bench.make_inputs(case, key, lengths)
+  ref, _ = bench.reference_output(case, args)
+  problem = _problem(case, args)
+  op = {"decode": pkv.decode_attention, "paged": pkv.paged_decode_attention}[case.op]
+  seen, results = set(), []
+  for fields in candidates:
+    config = make_config(backend, problem, fields, case.dtype)
+    if config is None or config in seen:
+      continue
+    seen.add(config)
+    fn = jax.jit(functools.partial(op, impl=backend, config=config))
+    try:
+      err = bench.relative_error(np.asarray(fn(*args), np.float32), ref)
+      if not err <= bench.TOLERANCE[case.dtype]:
+        print(f"  {config}: rel err {err:.2e} fails the check; skipped", flush=True)
+        continue
+      t = timing.time_jax(fn, [args], warmup=sweep.warmup, iters=sweep.iters, repeats=sweep.repeats)
+    except (ValueError, NotImplementedError) as e:
+      print(f"  {config}: {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
+      continue
+    results.append((t.median_s, config, err))
+    print(f"  {t.median_s * 1e6:9.1f} us  err {err:.1e}  {config}", flush=True)
+  if not results:
+    return None
+  seconds, best, err = min(results, key=lambda r: r[0])
+  kv_bytes = case.costs(int(np.sum(np.asarray(lengths))))["kv_bytes"]
+  return dict(backend=backend, key=tuned.shape_key(case.op, problem, case.dtype), config=best,
+              time_us=seconds * 1e6, tbps=kv_bytes / seconds / 1e12, rel_err=err, candidates=len(results))
+
+
+def merge(path: pathlib.Path, device_kind: str, new_entries: Sequence[dict]) -> None:
+  """Writes new entries into the tuned file, replacing those with the same backend and key."""
+  old = []
+  if path.exists():
+    old = json.loads(path.read_text())["entries"]
+  replaced = {(e["backend"], json.dumps(e["key"], sort_keys=True)) for e in new_entries}
+  kept = [e for e in old if (e["backend"], json.dumps(e["key"], sort_keys=True)) not in replaced]
+  tuned.write(path, device_kind, kept + list(new_entries), jax_version=jax.__version__)
+
+
+def run(sweep: bench.Sweep, backend: str, space: str, out: pathlib.Path | None = None,
+        device_kind: str | None = None) -> list[dict]:
+  device_kind = device_kind or runtime.device_kind()
+  out = out or tuned.tuned_dir() / f"{tuned.device_slug(device_kind)}.json"
+  entries = []
+  key = jax.random.key(sweep.seed)
+  for batch, seq_len in sweep.cases:
+    key, case_key = jax.random.split(key)
+    case = bench.Case.from_sweep(sweep, batch, seq_len)
+    print(f"== {case.describe()}  backend={backend}", flush=True)
+    entry = tune_case(case, sweep, backend, candidate_space(backend, space), case_key)
+    if entry is not None:
+      entries.append(entry)
+      print(f"  best: {entry['config']}  {entry['time_us']:.1f} us  {entry['tbps']:.2f} TB/s", flush=True)
+  merge(out, device_kind, entries)
+  print(f"# wrote {len(entries)} entries to {out}", flush=True)
+  return entries
+
+
+def main(argv):
+  del argv
+  out = pathlib.Path(FLAGS.out) if FLAGS.out else None
+  if FLAGS.smoke:
+    sweep = bench.Sweep(op="decode", impls=("xla",), cases=((2, 256),), num_heads=4, num_kv_heads=2, head_dim=64,
+                        iters=1, repeats=1, warmup=0)
+    with pkv.interpret():
+      run(sweep, FLAGS.backend, "smoke", out)
+    return
+  run(bench.sweep_from_flags(), FLAGS.backend, FLAGS.space, out)
+
+
+if __name__ == "__main__":
+  app.run(main)

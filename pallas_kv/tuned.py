@@ -1,0 +1,96 @@
+"""Tuned kernel configs per device kind: the file format, loading and the nearest-shape lookup.
+
+`benchmarks/tune.py` writes `<dir>/<device slug>.json`; the heuristics consult it when no
+explicit config is given (explicit > tuned > heuristic). The directory is `pallas_kv/tuned/`
+(shipped with the package) unless the environment variable PALLAS_KV_TUNED_DIR names another.
+
+A file holds entries {"backend", "key": {...}, "config": {...}}. A lookup matches the key's
+exact fields (op, head_dim, group size, new tokens, page size, dtype) and, among those, takes the
+entry nearest in log2(batch x kv heads) and log2(capacity); entries further than
+MAX_LOG2_DISTANCE away are ignored, so a far shape falls back to the heuristic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import pathlib
+import re
+
+from pallas_kv.config import DecodeConfig
+
+TUNED_DIR_ENV_VAR = "PALLAS_KV_TUNED_DIR"
+FORMAT_VERSION = 1
+MAX_LOG2_DISTANCE = 2.0
+EXACT_FIELDS = ("op", "head_dim", "group_size", "num_queries", "page_size", "dtype")
+
+
+def tuned_dir() -> pathlib.Path:
+  override = os.environ.get(TUNED_DIR_ENV_VAR)
+  return pathlib.Path(override) if override else pathlib.Path(__file__).parent / "tuned"
+
+
+def device_slug(device_kind: str) -> str:
+  """'NVIDIA H200' -> 'nvidia_h200' (the file name of a device kind)."""
+  return re.sub(r"[^a-z0-9]+", "_", device_kind.lower()).strip("_")
+
+
+def shape_key(op: str, problem, dtype) -> dict:
+  """The key of a call: exact fields plus the sizes that the nearest-shape match uses."""
+  import jax.numpy as jnp
+  return dict(op=op, head_dim=problem.head_dim, group_size=problem.group_size, num_queries=problem.num_queries,
+              page_size=problem.page_size, dtype=jnp.dtype(dtype).name,
+              programs=problem.batch * problem.num_kv_heads, capacity=problem.capacity)
+
+
+def _distance(a: dict, b: dict) -> float:
+  return (abs(math.log2(a["programs"]) - math.log2(b["programs"])) +
+          abs(math.log2(a["capacity"]) - math.log2(b["capacity"])))
+
+
+@functools.lru_cache(maxsize=None)
+def _load(path: str) -> tuple:
+  p = pathlib.Path(path)
+  if not p.exists():
+    return ()
+  data = json.loads(p.read_text())
+  if data.get("format_version") != FORMAT_VERSION:
+    raise ValueError(f"{p}: format_version {data.get('format_version')!r}; expected {FORMAT_VERSION}")
+  return tuple(data["entries"])
+
+
+def clear_cache() -> None:
+  _load.cache_clear()
+
+
+def lookup(backend: str, key: dict, device_kind: str) -> DecodeConfig | None:
+  """The tuned config of the nearest matching entry, or None."""
+  entries = _load(str(tuned_dir() / f"{device_slug(device_kind)}.json"))
+  best, best_distance = None, MAX_LOG2_DISTANCE
+  for entry in entries:
+    if entry["backend"] != backend or any(entry["key"].get(f) != key[f] for f in EXACT_FIELDS):
+      continue
+    distance = _distance(entry["key"], key)
+    if distance <= best_distance:
+      best, best_distance = entry, distance
+  if best is None:
+    return None
+  config = DecodeConfig(**best["config"])
+  if best_distance > 0:  # the split count was tuned for another size: let the heuristic refit it
+    config = dataclasses.replace(config, num_splits=None)
+  return config
+
+
+def write(path, device_kind: str, entries: list[dict], **metadata) -> None:
+  """Writes a tuned file: entries are {"backend", "key", "config": DecodeConfig or dict, ...}."""
+  rows = []
+  for entry in entries:
+    config = entry["config"]
+    rows.append(entry | {"config": dataclasses.asdict(config) if isinstance(config, DecodeConfig) else config})
+  data = dict(format_version=FORMAT_VERSION, device_kind=device_kind, **metadata, entries=rows)
+  pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+  pathlib.Path(path).write_text(json.dumps(data, indent=1) + "\n")
+  clear_cache()

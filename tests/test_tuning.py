@@ -1,0 +1,97 @@
+"""Tuned configs: the file round-trips, lookups find near shapes, the heuristics use them."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_kv as pkv
+from pallas_kv import heuristics
+from pallas_kv import tuned
+from pallas_kv import validation
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEVICE = "Test GPU 9000"
+
+
+def _problem(batch, seq_len, page_size=None, heads=(32, 8)):
+  q = jax.ShapeDtypeStruct((batch, heads[0], 128), jnp.bfloat16)
+  n = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  if page_size is None:
+    kv = jax.ShapeDtypeStruct((batch, seq_len, heads[1], 128), jnp.bfloat16)
+    return validation.validate_dense(q, kv, kv, n)
+  pages = jax.ShapeDtypeStruct((batch * seq_len // page_size, page_size, heads[1], 128), jnp.bfloat16)
+  tables = jax.ShapeDtypeStruct((batch, seq_len // page_size), jnp.int32)
+  return validation.validate_paged(q, pages, pages, tables, n)
+
+
+@pytest.fixture
+def tuned_file(tmp_path, monkeypatch):
+  monkeypatch.setenv(tuned.TUNED_DIR_ENV_VAR, str(tmp_path))
+  config = pkv.DecodeConfig(block_kv=128, num_stages=3, num_splits=5)
+  entries = [dict(backend="mosaic_gpu", key=tuned.shape_key("decode", _problem(8, 8192), "bfloat16"), config=config)]
+  path = tmp_path / f"{tuned.device_slug(DEVICE)}.json"
+  tuned.write(path, DEVICE, entries)
+  yield path, config
+  tuned.clear_cache()
+
+
+def test_tuned_file_round_trips(tuned_file):
+  path, config = tuned_file
+  data = json.loads(path.read_text())
+  assert data["device_kind"] == DEVICE and data["format_version"] == tuned.FORMAT_VERSION
+  assert pkv.DecodeConfig(**data["entries"][0]["config"]) == config
+
+
+def test_explicit_beats_tuned_beats_heuristic(tuned_file):
+  _, config = tuned_file
+  problem = _problem(8, 8192)
+  assert heuristics.mosaic_gpu_config(problem, None, device_kind=DEVICE) == config
+  explicit = pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=7)
+  assert heuristics.mosaic_gpu_config(problem, explicit, device_kind=DEVICE) == explicit
+  # Another device kind has no file: the heuristic decides.
+  assert heuristics.mosaic_gpu_config(problem, None, device_kind="Other GPU") != config
+
+
+def test_nearby_shapes_find_the_entry_and_refit_splits(tuned_file):
+  _, config = tuned_file
+  near = heuristics.mosaic_gpu_config(_problem(16, 8192), None, device_kind=DEVICE, num_sms=132)
+  assert (near.block_kv, near.num_stages) == (config.block_kv, config.num_stages)
+  assert near.num_splits != config.num_splits  # refit by the heuristic for the other batch
+  far = heuristics.mosaic_gpu_config(_problem(128, 1024), None, device_kind=DEVICE)
+  assert far.block_kv != config.block_kv or far.num_stages != config.num_stages
+  # Exact fields must match: a paged call does not take a dense entry.
+  paged = heuristics.mosaic_gpu_config(_problem(8, 8192, page_size=16), None, device_kind=DEVICE)
+  assert (paged.block_kv, paged.num_stages) != (config.block_kv, config.num_stages)
+
+
+def test_bad_format_version_is_refused(tmp_path, monkeypatch):
+  monkeypatch.setenv(tuned.TUNED_DIR_ENV_VAR, str(tmp_path))
+  (tmp_path / "bad_gpu.json").write_text(json.dumps(dict(format_version=99, entries=[])))
+  tuned.clear_cache()
+  with pytest.raises(ValueError, match="format_version"):
+    tuned.lookup("mosaic_gpu", tuned.shape_key("decode", _problem(1, 1024), "bfloat16"), "Bad GPU")
+  tuned.clear_cache()
+
+
+def test_tuner_smoke_writes_a_file_the_heuristics_use(tmp_path):
+  out = tmp_path / "cpu.json"
+  result = subprocess.run([sys.executable, "-m", "benchmarks.tune", "--smoke", f"--out={out}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  data = json.loads(out.read_text())
+  entry = data["entries"][0]
+  assert entry["backend"] == "mosaic_gpu" and entry["rel_err"] < 1e-2
+  os.environ[tuned.TUNED_DIR_ENV_VAR] = str(tmp_path)
+  try:
+    tuned.clear_cache()
+    problem = _problem(2, 256, heads=(4, 2))
+    problem = validation.Problem(**{**problem.__dict__, "head_dim": 64})
+    assert heuristics.mosaic_gpu_config(problem, None, device_kind="cpu") == pkv.DecodeConfig(**entry["config"])
+  finally:
+    del os.environ[tuned.TUNED_DIR_ENV_VAR]
+    tuned.clear_cache()
