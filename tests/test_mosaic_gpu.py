@@ -228,3 +228,86 @@ def test_vmap_and_jit_match_a_loop_interpret(interpret_mode):
   for i, c in enumerate(cases):
     np.testing.assert_array_equal(np.asarray(batched[i], np.float32),
                                   np.asarray(f(c.q, c.k, c.v, c.lengths), np.float32))
+
+
+# ---------------------------------------------------------------- opt-in pipeline variants
+
+def _partials_case(case, **kw):
+  """decode_partials + combine for a [B, Hq, D] case (dense, or paged when case.page_size)."""
+  from pallas_kv import combine
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  rows = combine.pack_queries(case.q[:, None], case.k.shape[2])
+  args = ((rows, case.k_pages, case.v_pages, case.lengths, case.block_tables) if case.page_size
+          else (rows, case.k, case.v, case.lengths))
+  out, lse = mgpu_decode.decode_partials(*args, num_queries=1, scale=case.q.shape[-1] ** -0.5,
+                                         interpret=plgpu.InterpretGPUParams(), **kw)
+  out, lse = combine.merge_splits(out, lse)
+  return combine.unpack_rows(out, 1)[:, 0].astype(case.q.dtype), combine.unpack_rows(lse, 1)[:, 0]
+
+
+@pytest.mark.parametrize("page_size,options", [
+    (None, dict(pipeline_qk=True, num_splits=3)),
+    (None, dict(pipeline_qk=True, persistent_programs=4, num_splits=2)),
+    (16, dict(persistent_programs=3, num_splits=2)),
+    (64, dict(pipeline_qk=True, persistent_programs=5, num_splits=1)),
+], ids=["pqk-splits3", "pqk-persistent4", "persistent3-page16", "pqk-persistent5-page64"])
+def test_pipeline_variants_interpret(page_size, options):
+  # Persistent programs fewer than the work items (B x Hkv x splits) so that each loops over several.
+  case = make_case(40, batch=3, seq_len=256, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
+                   page_size=page_size, lengths=[201, 0, 256])
+  _check(case, _partials_case(case, block_kv=64, num_stages=2, **options))
+
+
+def test_variant_configs_through_the_api_interpret(interpret_mode):
+  case = make_case(41, batch=2, seq_len=192, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
+                   lengths=[150, 192])
+  for config in (pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=2, pipeline_qk=True, persistent=True),
+                 pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=2, kv_groups=2)):
+    out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL, config=config)
+    _check(case, out)
+
+
+def test_variant_options_are_validated():
+  with pytest.raises(ValueError, match="kv_groups"):
+    pkv.DecodeConfig(kv_groups=3)
+  with pytest.raises(ValueError, match="persistent"):
+    pkv.DecodeConfig(persistent=True, kv_groups=2)
+  with pytest.raises(ValueError, match="pipeline_qk"):
+    pkv.DecodeConfig(pipeline_qk=1)
+  q = jnp.zeros((1, 1, 4, 64), jnp.bfloat16)
+  kv = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+  call = functools.partial(mgpu_decode.decode_partials, q, kv, kv, jnp.array([128], jnp.int32), num_queries=1,
+                           num_splits=1, block_kv=64, scale=0.1)
+  with pytest.raises(ValueError, match="num_stages"):
+    call(num_stages=1, pipeline_qk=True)
+  with pytest.raises(ValueError, match="_probe"):
+    call(num_stages=2, _probe="no_such_stage")
+
+
+def _variant_lowering_cases():
+  full = [(1, 32768), (8, 8192), (32, 4096), (64, 2048), (128, 4096)]
+  cases = [(dict(pipeline_qk=True, persistent=True), c, None) for c in full]
+  cases += [(dict(pipeline_qk=True, persistent=True), c, 16) for c in [(8, 8192), (128, 4096)]]
+  for fields in (dict(pipeline_qk=True), dict(persistent=True), dict(block_kv=128, num_stages=3),
+                 dict(kv_groups=2, num_splits=2)):
+    cases += [(fields, (128, 4096), None), (fields, (8, 8192), 16)]
+  return [pytest.param(f, c, p, id="-".join(f"{k}={v}" for k, v in f.items()) + f"-b{c[0]}-t{c[1]}-page{p}")
+          for f, c, p in cases]
+
+
+@pytest.mark.parametrize("fields,case,page_size", _variant_lowering_cases())
+def test_variant_configs_lower_for_cuda(fields, case, page_size):
+  args, problem = _bench_problem((32, 8), case, page_size)
+  config = heuristics.mosaic_gpu_config(problem, pkv.DecodeConfig(**fields), num_sms=132)
+  op = pkv.decode_attention if page_size is None else pkv.paged_decode_attention
+  lower_for_cuda(functools.partial(op, impl=IMPL, config=config), *args)
+
+
+@pytest.mark.parametrize("probe", mgpu_decode.PROBES)
+def test_probes_lower_for_cuda(probe):
+  # Measurement-only kernels (benchmarks/kernel_variants.py); their results are wrong by design.
+  q = jax.ShapeDtypeStruct((128, 8, 4, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((128, 4096, 8, 128), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((128,), jnp.int32)
+  lower_for_cuda(functools.partial(mgpu_decode.decode_partials, num_queries=1, num_splits=1, block_kv=64,
+                                   num_stages=4, scale=0.1, _probe=probe), q, kv, kv, lengths)

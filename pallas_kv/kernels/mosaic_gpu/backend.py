@@ -41,7 +41,7 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: De
         k_scale, v_scale, return_lse: bool):
   """Runs a call that `unsupported_reason` accepted. k, v are the caches (pages when paged)."""
   del op, k_scale, v_scale  # refused by unsupported_reason: quantized caches, MLA
-  config = heuristics.mosaic_gpu_config(problem, config)
+  config = heuristics.mosaic_gpu_config(problem, config, dtype=k.dtype)
   q4, single = validation.query_as_rank4(q)
   rows = combine.pack_queries(q4, problem.num_kv_heads).astype(k.dtype)  # [B, Hkv, S*G, D]
   num_rows = rows.shape[2]

@@ -1,0 +1,314 @@
+r"""Mosaic GPU decode kernel variants side by side: one GPU call measures them all.
+
+Usage (from the repository root; GPU, <= ~6 minutes on an H200 including compiles):
+
+  PYTHONPATH=. python3 -m benchmarks.kernel_variants --json=$OUT/variants.json
+  PYTHONPATH=. python3 -m benchmarks.kernel_variants --smoke      # CPU, interpret mode, < 1 min
+
+What it times (heads 32/8, head_dim 128, bf16, full lengths; benchmarks/timing.py chain-diff,
+input sets rotated to overflow L2):
+  op rows      the full op `pallas_kv.decode_attention(..., impl="mosaic_gpu", config=...)` (and
+               `paged_decode_attention`, page 16, shuffled) for each variant of VARIANTS, on
+               (B, T) in (1, 32768), (8, 8192), (32, 4096), (64, 2048), (128, 4096) and paged at
+               B=8 and B=128. `baseline` runs first and `baseline_again` last in each shape:
+               their spread is the noise. Every op row is checked against the float32 reference.
+  probe rows   the kernel alone (`decode_partials`, no combine) at B=128 and B=1: `kernel` is
+               the baseline kernel, `probe:*` leave out one consumer stage (results wrong by
+               design, not checked). kernel vs baseline at B=1 = the combine's share.
+Shapes run in order of interest; once `--budget_s` is spent the rest are recorded as skipped.
+Prints one table (variant x shape, TB/s of the bytes moved as in benchmarks/decode.py) at the end
+and writes every row to --json. Exit status 1 if a non-probe variant errors or fails the check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import decode as decode_bench
+from benchmarks import timing
+
+# name -> (DecodeConfig fields, shapes it runs on: None = all). num_splits None = the heuristic's.
+VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...] | None]] = {
+    "baseline": ({}, None),
+    "pipeline_qk": ({"pipeline_qk": True}, None),
+    "persistent": ({"persistent": True}, None),
+    "pqk+persistent": ({"pipeline_qk": True, "persistent": True}, None),
+    "bkv128_st3": ({"block_kv": 128, "num_stages": 3}, None),
+    "kv_groups2": ({"kv_groups": 2}, ("B1 T32768", "B8 T8192", "B8 T8192 p16")),
+    "splits_x2": ({"splits_factor": 2}, ("B1 T32768", "B8 T8192")),
+    "baseline_again": ({}, None),
+}
+PROBE_SHAPES = ("B128 T4096", "B1 T32768")
+PROBES = ("no_qk", "no_softmax", "no_pv", "loads_only")
+
+# (batch, seq_len, page_size), in the order they run (most informative first).
+GPU_SHAPES = ((128, 4096, None), (64, 2048, None), (1, 32768, None), (32, 4096, None),
+              (8, 8192, None), (128, 4096, 16), (8, 8192, 16))
+SMOKE_SHAPES = ((1, 128, None), (1, 128, 16))
+SMOKE_PROBE_SHAPES = ("B1 T128",)
+# In --smoke, the paged shape runs only these (interpret mode is slow; the tests cover the rest).
+SMOKE_PAGED_VARIANTS = ("baseline", "pqk+persistent")
+SMOKE_SKIPPED_VARIANTS = ("splits_x2", "baseline_again")   # same code paths as others
+
+
+def shape_name(batch: int, seq_len: int, page_size: int | None) -> str:
+  return f"B{batch} T{seq_len}" + (f" p{page_size}" if page_size else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  smoke: bool
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  warmup: int
+  iters: int
+  repeats: int
+  rotate_bytes: float
+  budget_s: float
+
+
+def _case(s: Settings, batch: int, seq_len: int, page_size: int | None) -> decode_bench.Case:
+  return decode_bench.Case(
+      op="decode" if page_size is None else "paged", batch=batch, seq_len=seq_len,
+      num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+      v_head_dim=s.head_dim, num_queries=1, page_size=page_size or 16, shuffle_pages=True,
+      dtype="bfloat16", ragged=False)
+
+
+def _problem(args: tuple, paged: bool):
+  from pallas_kv import validation
+  return validation.validate_paged(*args) if paged else validation.validate_dense(*args)
+
+
+def _config(fields: dict[str, Any], args: tuple, paged: bool):
+  """The DecodeConfig of a variant; num_splits from the heuristic unless it says otherwise."""
+  import pallas_kv as pkv
+  from pallas_kv import heuristics
+  fields = dict(fields)
+  factor = fields.pop("splits_factor", 1)
+  base = dataclasses.replace(pkv.DecodeConfig(), **fields)
+  splits = heuristics.mosaic_gpu_config(_problem(args, paged), base).num_splits
+  splits *= factor
+  if base.kv_groups == 2:
+    splits = max(2, splits + splits % 2)
+  return dataclasses.replace(base, num_splits=splits)
+
+
+def _op_fn(config, paged: bool):
+  import pallas_kv as pkv
+  op = pkv.paged_decode_attention if paged else pkv.decode_attention
+  return jax.jit(functools.partial(op, impl="mosaic_gpu", config=config))
+
+
+def _kernel_fn(config, problem, paged: bool, probe: str | None):
+  """The kernel alone on the op's arguments: partials, no combine (probe: results wrong)."""
+  from pallas_kv import combine
+  from pallas_kv import runtime
+  from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
+
+  def fn(q, k, v, *rest):
+    block_tables, lengths = (rest[0], rest[1]) if paged else (None, rest[0])
+    rows = combine.pack_queries(q[:, None], problem.num_kv_heads).astype(k.dtype)
+    return mgpu_decode.decode_partials(
+        rows, k, v, lengths, block_tables, num_queries=1, num_splits=config.num_splits,
+        block_kv=config.block_kv, num_stages=config.num_stages, scale=problem.head_dim ** -0.5,
+        interpret=runtime.mosaic_gpu_interpret_params(), _probe=probe)
+
+  return jax.jit(fn)
+
+
+def _time(fn, input_sets, s: Settings) -> dict[str, Any]:
+  t = timing.time_jax(fn, input_sets, warmup=s.warmup, iters=s.iters, repeats=s.repeats)
+  return {"time_us": t.median_s * 1e6, "min_us": t.min_s * 1e6,
+          "samples_us": [x * 1e6 for x in t.samples_s], "timer": t.method}
+
+
+def run_shape(s: Settings, batch: int, seq_len: int, page_size: int | None, key, deadline: float,
+              probe_shapes: Sequence[str]) -> list[dict[str, Any]]:
+  name = shape_name(batch, seq_len, page_size)
+  paged = page_size is not None
+  case = _case(s, batch, seq_len, page_size)
+  key_len, key_in = jax.random.split(key)
+  lengths = decode_bench.make_lengths(case, key_len)
+  total_keys = int(jnp.sum(lengths))
+  costs = case.costs(total_keys)
+  num_sets = timing.num_rotating_sets(case.kv_capacity_bytes, s.rotate_bytes)
+  input_sets = [decode_bench.make_inputs(case, k, lengths) for k in jax.random.split(key_in, num_sets)]
+  ref, _ = decode_bench.reference_output(case, input_sets[0])
+  problem = _problem(input_sets[0], paged)
+  base = {"shape": name, "batch": batch, "seq_len": seq_len, "page_size": page_size,
+          "num_heads": s.num_heads, "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
+          "num_sets": num_sets, **costs}
+  todo: list[tuple[str, str | None, Any]] = []   # (variant, probe, fields)
+  for variant, (fields, only) in VARIANTS.items():
+    if s.smoke:
+      if variant not in SMOKE_SKIPPED_VARIANTS and (not paged or variant in SMOKE_PAGED_VARIANTS):
+        todo.append((variant, None, fields))
+    elif only is None or name in only:
+      todo.append((variant, None, fields))
+  if name in probe_shapes:
+    # Kernel-only rows go before baseline_again so that it still closes the shape.
+    last = [todo.pop()] if todo[-1][0] == "baseline_again" else []
+    todo += [("kernel", None, {})] + [(f"probe:{p}", p, {}) for p in PROBES] + last
+  rows = []
+  for variant, probe, fields in todo:
+    row: dict[str, Any] = {**base, "variant": variant,
+                           "kind": "op" if variant != "kernel" and probe is None else "kernel"}
+    if time.perf_counter() > deadline:
+      rows.append({**row, "status": "skipped", "reason": "over --budget_s"})
+      continue
+    t0 = time.perf_counter()
+    try:
+      config = _config(fields, input_sets[0], paged)
+      row["config"] = dataclasses.asdict(config)
+      if row["kind"] == "op":
+        fn = _op_fn(config, paged)
+        out = np.asarray(jnp.asarray(fn(*input_sets[0]), jnp.float32))
+        row["rel_err"] = decode_bench.relative_error(out, ref)
+        row["check_ok"] = bool(row["rel_err"] <= decode_bench.TOLERANCE["bfloat16"])
+      else:
+        fn = _kernel_fn(config, problem, paged, probe)
+        row["probe"] = probe
+      if s.smoke and not (variant == "baseline" and not paged):
+        jax.block_until_ready(fn(*input_sets[0]))   # interpret mode: run once, don't time
+        row["status"] = "ran"
+      else:
+        row.update(_time(fn, input_sets, s), status="ok")
+        row["tbps"] = costs["bytes"] / (row["time_us"] * 1e-6) / 1e12
+    except Exception as e:  # pylint: disable=broad-except
+      row.update(status="error", reason=f"{type(e).__name__}: {str(e).strip()[:300]}",
+                 traceback=traceback.format_exc())
+    row["wall_s"] = time.perf_counter() - t0
+    rows.append(row)
+    print(_row_line(row), flush=True)
+  return rows
+
+
+def _row_line(row: dict[str, Any]) -> str:
+  head = f"{row['shape']:<14}{row['variant']:<18}"
+  if row["status"] == "ok":
+    err = f"  err {row['rel_err']:.1e}" if "rel_err" in row else ""
+    bad = "  CHECK FAILED" if row.get("check_ok") is False else ""
+    return (f"{head}{row['time_us']:9.2f} us {row['tbps']:6.3f} TB/s  ({row['timer']}, "
+            f"{row['wall_s']:.1f}s wall){err}{bad}")
+  if row["status"] == "ran":
+    err = f"  err {row['rel_err']:.1e}" if "rel_err" in row else ""
+    return f"{head}ran{err}  ({row['wall_s']:.1f}s)"
+  return f"{head}{row['status']}: {row.get('reason', '')}"
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+  """Variant x shape: TB/s ('-' not run, 'err', 'skip', 'FAIL' for a failed check)."""
+  shapes = list(dict.fromkeys(r["shape"] for r in rows))
+  variants = list(dict.fromkeys(r["variant"] for r in rows))
+  cell = {(r["variant"], r["shape"]): r for r in rows}
+  width = max(12, *(len(x) + 1 for x in shapes))
+  lines = [f"{'TB/s':<18}" + "".join(f"{x:>{width}}" for x in shapes)]
+  for v in variants:
+    parts = []
+    for x in shapes:
+      r = cell.get((v, x))
+      if r is None:
+        parts.append("-")
+      elif r["status"] == "ok":
+        parts.append(f"{r['tbps']:.3f}" + ("!" if r.get("check_ok") is False else ""))
+      else:
+        parts.append({"error": "err", "skipped": "skip", "ran": "ran"}[r["status"]])
+    lines.append(f"{v:<18}" + "".join(f"{p:>{width}}" for p in parts))
+  lines.append("(! = failed the numerics check; probe:* rows are wrong by design, kernel-only)")
+  return "\n".join(lines)
+
+
+def failed_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+  return [r for r in rows if not r["variant"].startswith("probe:") and
+          (r["status"] == "error" or r.get("check_ok") is False)]
+
+
+def run(s: Settings, shapes, probe_shapes, json_path: str | None) -> list[dict[str, Any]]:
+  start = time.perf_counter()
+  deadline = start + s.budget_s
+  print(f"# kernel variants  device={decode_bench.device_description()}  jax={jax.__version__}  "
+        f"smoke={s.smoke}  iters={s.iters} repeats={s.repeats}  budget {s.budget_s:.0f}s",
+        flush=True)
+  rows = []
+  key = jax.random.key(0)
+  for batch, seq_len, page_size in shapes:
+    key, sub = jax.random.split(key)
+    try:
+      rows += run_shape(s, batch, seq_len, page_size, sub, deadline, probe_shapes)
+    except Exception as e:  # pylint: disable=broad-except  (input or reference failed)
+      rows.append({"shape": shape_name(batch, seq_len, page_size), "variant": "baseline",
+                   "kind": "op", "status": "error", "reason": f"{type(e).__name__}: {e}"[:300],
+                   "traceback": traceback.format_exc()})
+      print(f"{rows[-1]['shape']}: {rows[-1]['reason']}", flush=True)
+  print(f"\n# total {time.perf_counter() - start:.0f}s\n" + format_table(rows), flush=True)
+  if json_path:
+    meta = {"device": decode_bench.device_description(), "jax_version": jax.__version__}
+    with open(json_path, "w") as f:
+      json.dump([{**r, **meta} for r in rows], f, indent=1)
+    print(f"# wrote {len(rows)} rows to {json_path}", flush=True)
+  return rows
+
+
+# --json, --iters, --repeats and --warmup are benchmarks.decode's flags (imported above); unset,
+# they default here to 20 iters, 5 repeats, 2 warm-up runs.
+_JSON = decode_bench._JSON
+_ITERS = decode_bench._ITERS
+_REPEATS = decode_bench._REPEATS
+_WARMUP = decode_bench._WARMUP
+_SMOKE = flags.DEFINE_boolean("smoke", False, "CPU: tiny shapes in interpret mode (< 1 minute).")
+_BUDGET_S = flags.DEFINE_float("budget_s", 320.0, "Wall seconds after which remaining rows are "
+                               "skipped (the whole run, compiles included, should stay < 6 min).")
+_VARIANTS = flags.DEFINE_list("variants", None, f"Subset of {','.join(VARIANTS)} (default all).")
+
+
+def _or(value, default):
+  return default if value is None else value
+
+
+def main(argv: Sequence[str]) -> int:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  if _VARIANTS.value:
+    unknown = set(_VARIANTS.value) - set(VARIANTS)
+    if unknown:
+      raise app.UsageError(f"--variants: unknown {sorted(unknown)}; choose from {list(VARIANTS)}")
+    for name in list(VARIANTS):
+      if name not in _VARIANTS.value:
+        del VARIANTS[name]
+  if _SMOKE.value:
+    import pallas_kv
+    s = Settings(smoke=True, num_heads=4, num_kv_heads=1, head_dim=64, warmup=0, iters=1,
+                 repeats=1, rotate_bytes=0.0, budget_s=_BUDGET_S.value)
+    with pallas_kv.interpret():
+      rows = run(s, SMOKE_SHAPES, SMOKE_PROBE_SHAPES, _JSON.value)
+  else:
+    if jax.default_backend() != "gpu":
+      raise app.UsageError("needs a GPU; use --smoke on a CPU")
+    s = Settings(smoke=False, num_heads=32, num_kv_heads=8, head_dim=128, warmup=_or(_WARMUP.value, 2),
+                 iters=_or(_ITERS.value, 20), repeats=_or(_REPEATS.value, 5),
+                 rotate_bytes=timing.DEFAULT_ROTATE_BYTES, budget_s=_BUDGET_S.value)
+    rows = run(s, GPU_SHAPES, PROBE_SHAPES, _JSON.value)
+  failed = failed_rows(rows)
+  for r in failed:
+    print(f"FAILED: {r['variant']} on {r['shape']}: {r.get('reason') or 'rel_err %.3g' % r['rel_err']}",
+          file=sys.stderr)
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  app.run(main)
