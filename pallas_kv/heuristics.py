@@ -53,7 +53,7 @@ def mosaic_gpu_config(problem, config: DecodeConfig | None, *, dtype="bfloat16",
     rows = problem.num_queries * problem.group_size
     # Fewer stages when the packed rows need two consumer warpgroups or D is large.
     while config.num_stages > 2 and not mgpu_decode.fits_smem(
-        rows=rows, head_dim=problem.head_dim, dtype="bfloat16", block_kv=config.block_kv,
+        rows=rows, head_dim=problem.head_dim, dtype=dtype, block_kv=config.block_kv,
         num_stages=config.num_stages, page_size=problem.page_size):
       config = dataclasses.replace(config, num_stages=config.num_stages - 1)
   if config.num_splits is None:
@@ -61,6 +61,8 @@ def mosaic_gpu_config(problem, config: DecodeConfig | None, *, dtype="bfloat16",
     splits = choose_num_splits(batch=problem.batch, num_kv_heads=problem.num_kv_heads, row_blocks=row_blocks,
                                capacity=problem.capacity, block_kv=config.block_kv,
                                num_sms=num_sms or runtime.num_sms())
+    # With two KV groups a program serves two splits: twice the splits keep the grid as full.
+    splits *= config.kv_groups
     config = dataclasses.replace(config, num_splits=splits)
   return config
 
