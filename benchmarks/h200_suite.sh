@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The measurement suite on an H200, in parts that each fit one ~10-minute command.
+#   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged step tune
+# Results (JSON, logs) go to $OUT if set, else bench_out/. Run from the repository root with the
+# machine's own python3 (jax with CUDA); nothing is installed.
+set -uo pipefail
+out="${OUT:-bench_out}"
+mkdir -p "$out"
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
+quiet() { grep -v -e '^[IW][0-9]' -e 'Warning'; }
+status=0
+for part in "$@"; do
+  case "$part" in
+    tests)    python3 -m pytest -q -m gpu tests 2>&1 | tail -25 | tee "$out/gpu_tests.log" ;;
+    variants) python3 -m benchmarks.kernel_variants --json="$out/variants.json" 2>&1 | quiet | tee "$out/variants.log" ;;
+    gqa)      python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags --repeats=5 \
+                --json="$out/gqa.json" 2>&1 | quiet | tee "$out/gqa.log" ;;
+    paged)    for ps in 16 64; do
+                python3 -m benchmarks.decode --flagfile=configs/paged${ps}_h200.flags --repeats=5 \
+                  --json="$out/paged$ps.json" 2>&1 | quiet | tee "$out/paged$ps.log"
+              done ;;
+    step)     python3 -m benchmarks.step --impl=auto,triton,xla --batch=1,8,32,128 --context=1024,8192,32768 \
+                --json="$out/step.json" 2>&1 | quiet | tee "$out/step.log" ;;
+    tune)     python3 -m benchmarks.tune --flagfile=configs/gqa_h200.flags --backend=mosaic_gpu \
+                --out="$out/tuned.json" 2>&1 | quiet | tee "$out/tune.log" ;;
+    *) echo "unknown part: $part (tests variants gqa paged step tune)"; status=2 ;;
+  esac
+done
+exit $status
