@@ -122,12 +122,42 @@ def shape_dtype_structs(*args):
   return [jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a for a in args]
 
 
-def lower_for_cuda(fn, *args):
-  """Lowers jit(fn) for CUDA on this (possibly CPU-only) machine; Mosaic GPU layout inference runs.
+# Pallas Triton lowers to this custom call; jax.export refuses it unless told it is expected.
+TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
+# The CUDA device lowering assumes on a machine without one (Pallas Triton asks for a device).
+LOWERING_DEVICE = jax.sharding.AbstractDevice("NVIDIA H200", 132, "cuda")
 
-  args may be arrays or ShapeDtypeStructs. Returns the jax.export.Exported.
+
+def lower_for_cuda(fn, *args):
+  """Lowers jit(fn) for CUDA on this (possibly CPU-only) machine and returns the jax.export.Exported.
+
+  Mosaic GPU lowering runs its layout inference here; Pallas Triton lowers to Triton IR (its
+  compile to PTX happens only on a GPU). args may be arrays or ShapeDtypeStructs.
   """
-  return jax.export.export(jax.jit(fn), platforms=["cuda"])(*shape_dtype_structs(*args))
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=LOWERING_DEVICE)
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.export.export(jax.jit(fn), platforms=["cuda"],
+                             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)])(
+                                 *shape_dtype_structs(*args))
+
+
+# The benchmark shapes of DESIGN.md: (heads, kv heads) x (batch, context), head_dim 128, bf16.
+BENCH_HEADS = [(32, 8), (64, 8)]
+BENCH_CASES = [(1, 32768), (8, 8192), (32, 4096), (64, 2048), (128, 4096)]
+
+
+def bench_problem(heads, case, page_size):
+  """(ShapeDtypeStruct args of the op, validated Problem) of one benchmark shape; paged if page_size."""
+  from pallas_kv import validation
+  (hq, hkv), (b, t) = heads, case
+  q = jax.ShapeDtypeStruct((b, hq, 128), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+  if page_size is None:
+    kv = jax.ShapeDtypeStruct((b, t, hkv, 128), jnp.bfloat16)
+    return (q, kv, kv, lengths), validation.validate_dense(q, kv, kv, lengths)
+  pages = jax.ShapeDtypeStruct((b * t // page_size, page_size, hkv, 128), jnp.bfloat16)
+  tables = jax.ShapeDtypeStruct((b, t // page_size), jnp.int32)
+  return (q, pages, pages, tables, lengths), validation.validate_paged(q, pages, pages, tables, lengths)
 
 
 def gpu_available() -> bool:

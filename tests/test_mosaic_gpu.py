@@ -11,7 +11,7 @@ import pallas_kv as pkv
 from pallas_kv import heuristics
 from pallas_kv import validation
 from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
-from harness import assert_lse_matches, assert_matches_reference, lower_for_cuda, make_case
+from harness import BENCH_CASES, BENCH_HEADS, assert_lse_matches, assert_matches_reference, bench_problem, lower_for_cuda, make_case
 
 IMPL = "mosaic_gpu"
 
@@ -125,29 +125,13 @@ def test_mla_is_refused_with_reason():
 # ---------------------------------------------------------------- CUDA lowering (CPU)
 
 # The benchmark shapes: (heads, kv heads) x (batch, context) x (contiguous, page 16, page 64).
-BENCH_HEADS = [(32, 8), (64, 8)]
-BENCH_CASES = [(1, 32768), (8, 8192), (32, 4096), (64, 2048), (128, 4096)]
-
-
-def _bench_problem(heads, case, page_size):
-  (hq, hkv), (b, t) = heads, case
-  q = jax.ShapeDtypeStruct((b, hq, 128), jnp.bfloat16)
-  lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
-  if page_size is None:
-    kv = jax.ShapeDtypeStruct((b, t, hkv, 128), jnp.bfloat16)
-    return (q, kv, kv, lengths), validation.validate_dense(q, kv, kv, lengths)
-  pages = jax.ShapeDtypeStruct((b * t // page_size, page_size, hkv, 128), jnp.bfloat16)
-  tables = jax.ShapeDtypeStruct((b, t // page_size), jnp.int32)
-  return (q, pages, pages, tables, lengths), validation.validate_paged(q, pages, pages, tables, lengths)
-
-
 def _shipped_configs():
   """Every distinct (problem shape, config) the heuristic returns for the benchmark shapes."""
   cases = []
   for heads in BENCH_HEADS:
     for case in BENCH_CASES:
       for page_size in (None, 16, 64):
-        args, problem = _bench_problem(heads, case, page_size)
+        args, problem = bench_problem(heads, case, page_size)
         config = heuristics.mosaic_gpu_config(problem, None, num_sms=132)
         cases.append(pytest.param(heads, case, page_size, config,
                                   id=f"h{heads[0]}-{heads[1]}-b{case[0]}-t{case[1]}-page{page_size}"))
@@ -156,10 +140,11 @@ def _shipped_configs():
 
 @pytest.mark.parametrize("heads,case,page_size,config", _shipped_configs())
 def test_heuristic_configs_lower_for_cuda(heads, case, page_size, config):
-  args, _ = _bench_problem(heads, case, page_size)
+  args, _ = bench_problem(heads, case, page_size)
   op = pkv.decode_attention if page_size is None else pkv.paged_decode_attention
   exported = lower_for_cuda(functools.partial(op, impl=IMPL, config=config), *args)
-  assert "mosaic_gpu" in exported.mlir_module() or "custom_call" in exported.mlir_module()
+  module = exported.mlir_module()
+  assert "custom_call @mosaic_gpu" in module and "pallas_kv_decode" in module  # our kernel, not a fallback
 
 
 @pytest.mark.parametrize("num_queries,head_dim,group", [(4, 128, 8), (1, 64, 16), (1, 256, 4), (16, 128, 4)])
@@ -297,7 +282,7 @@ def _variant_lowering_cases():
 
 @pytest.mark.parametrize("fields,case,page_size", _variant_lowering_cases())
 def test_variant_configs_lower_for_cuda(fields, case, page_size):
-  args, problem = _bench_problem((32, 8), case, page_size)
+  args, problem = bench_problem((32, 8), case, page_size)
   config = heuristics.mosaic_gpu_config(problem, pkv.DecodeConfig(**fields), num_sms=132)
   op = pkv.decode_attention if page_size is None else pkv.paged_decode_attention
   lower_for_cuda(functools.partial(op, impl=IMPL, config=config), *args)

@@ -13,7 +13,7 @@ import pallas_kv as pkv
 from pallas_kv import heuristics
 from pallas_kv import validation
 from pallas_kv.kernels.triton import decode as triton_decode
-from harness import assert_lse_matches, assert_matches_reference, make_case, shape_dtype_structs
+from harness import BENCH_CASES, BENCH_HEADS, TRITON_CUSTOM_CALL, assert_lse_matches, assert_matches_reference, bench_problem, lower_for_cuda, make_case
 
 IMPL = "triton"
 
@@ -184,79 +184,54 @@ def test_bad_explicit_configs_raise_value_error():
 # Pallas Triton asks the device for its compute capability while lowering: on a machine with no
 # GPU it needs an abstract CUDA device. jax.export also refuses the Triton custom call unless its
 # (absent) compatibility guarantee is waived.
-TRITON_TARGET = "__gpu$xla.gpu.triton"
-LOWERING_DEVICE = "NVIDIA H200"
-
-
-def _lower_for_cuda(fn, *args):
-  mesh = jax.sharding.AbstractMesh(
-      (1,), ("x",), abstract_device=jax.sharding.AbstractDevice(LOWERING_DEVICE, 132, "cuda"))
-  with jax.sharding.use_abstract_mesh(mesh):
-    exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
-                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)])(
-                                     *shape_dtype_structs(*args))
-  assert TRITON_TARGET in exported.mlir_module()
-  return exported
-
-
 # The benchmark shapes: (heads, kv heads) x (batch, context) x (contiguous, page 16, page 64).
-BENCH_HEADS = [(32, 8), (64, 8)]
-BENCH_CASES = [(1, 32768), (8, 8192), (32, 4096), (64, 2048), (128, 4096)]
-
-
-def _bench_problem(heads, case, page_size):
-  (hq, hkv), (b, t) = heads, case
-  q = jax.ShapeDtypeStruct((b, hq, 128), jnp.bfloat16)
-  lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
-  if page_size is None:
-    kv = jax.ShapeDtypeStruct((b, t, hkv, 128), jnp.bfloat16)
-    return (q, kv, kv, lengths), validation.validate_dense(q, kv, kv, lengths)
-  pages = jax.ShapeDtypeStruct((b * t // page_size, page_size, hkv, 128), jnp.bfloat16)
-  tables = jax.ShapeDtypeStruct((b, t // page_size), jnp.int32)
-  return (q, pages, pages, tables, lengths), validation.validate_paged(q, pages, pages, tables, lengths)
-
-
 def _shipped_configs():
   """Every (problem shape, config) the heuristic returns for the benchmark shapes."""
   cases = []
   for heads in BENCH_HEADS:
     for case in BENCH_CASES:
       for page_size in (None, 16, 64):
-        _, problem = _bench_problem(heads, case, page_size)
+        _, problem = bench_problem(heads, case, page_size)
         config = heuristics.triton_config(problem, None, num_sms=132)
         cases.append(pytest.param(heads, case, page_size, config,
                                   id=f"h{heads[0]}-{heads[1]}-b{case[0]}-t{case[1]}-page{page_size}"))
   return cases
 
 
+def _lower_triton(fn, *args):
+  exported = lower_for_cuda(fn, *args)
+  assert TRITON_CUSTOM_CALL in exported.mlir_module()
+  return exported
+
+
 @pytest.mark.parametrize("heads,case,page_size,config", _shipped_configs())
-def test_heuristic_configs_lower_for_cuda(heads, case, page_size, config):
-  args, _ = _bench_problem(heads, case, page_size)
+def test_heuristic_configs_lower_triton(heads, case, page_size, config):
+  args, _ = bench_problem(heads, case, page_size)
   op = pkv.decode_attention if page_size is None else pkv.paged_decode_attention
-  _lower_for_cuda(functools.partial(op, impl=IMPL, config=config), *args)
+  _lower_triton(functools.partial(op, impl=IMPL, config=config), *args)
 
 
 @pytest.mark.parametrize("num_queries,head_dim,group,page_size", [
     (4, 128, 8, None), (1, 64, 16, 8), (1, 256, 4, 256), (16, 128, 16, 48), (16, 256, 16, None),
 ])
-def test_other_shapes_lower_for_cuda(num_queries, head_dim, group, page_size):
+def test_other_shapes_lower_triton(num_queries, head_dim, group, page_size):
   q = jax.ShapeDtypeStruct((2, num_queries, 2 * group, head_dim), jnp.bfloat16)
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
   kw = dict(impl=IMPL, softcap=30.0, window=1024, sinks=jnp.zeros((2 * group,)))
   if page_size is None:
     kv = jax.ShapeDtypeStruct((2, 4000, 2, head_dim), jnp.float16)   # capacity not a multiple of any tile
-    _lower_for_cuda(functools.partial(pkv.decode_attention, **kw), q, kv, kv, lengths)
+    _lower_triton(functools.partial(pkv.decode_attention, **kw), q, kv, kv, lengths)
   else:
     pages = jax.ShapeDtypeStruct((2 * 4800 // page_size + 3, page_size, 2, head_dim), jnp.bfloat16)
     tables = jax.ShapeDtypeStruct((2, 4800 // page_size), jnp.int32)
-    _lower_for_cuda(functools.partial(pkv.paged_decode_attention, **kw), q, pages, pages, tables, lengths)
+    _lower_triton(functools.partial(pkv.paged_decode_attention, **kw), q, pages, pages, tables, lengths)
 
 
 def test_deprecation_warning_is_hidden_for_our_kernels_only():
-  args, _ = _bench_problem((32, 8), (8, 8192), None)
+  args, _ = bench_problem((32, 8), (8, 8192), None)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    _lower_for_cuda(functools.partial(pkv.decode_attention, impl=IMPL), *args)
+    _lower_triton(functools.partial(pkv.decode_attention, impl=IMPL), *args)
   assert not [w for w in caught if issubclass(w.category, DeprecationWarning)]
 
   def users_own_kernel(x):
@@ -265,7 +240,7 @@ def test_deprecation_warning_is_hidden_for_our_kernels_only():
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
 
   with pytest.warns(DeprecationWarning, match="Pallas Triton backend is deprecated"):
-    _lower_for_cuda(users_own_kernel, jax.ShapeDtypeStruct((16, 16), jnp.float32))
+    _lower_triton(users_own_kernel, jax.ShapeDtypeStruct((16, 16), jnp.float32))
 
 
 # ---------------------------------------------------------------- on the GPU
