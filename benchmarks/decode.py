@@ -7,6 +7,7 @@ Usage (from the repository root):
   python -m benchmarks.decode --op=paged --page_size=64 --cases=8x8192 \
       --impl=auto,xla_einsum,jax_pallas_paged
   python -m benchmarks.decode --op=mla --num_heads=128 --batch=64,128 --seq_len=4096,8192
+  python -m benchmarks.decode --flagfile=configs/gemma2_9b.flags --csv=/tmp/g.csv --plot=/tmp/g.png
 
 Each case (op x batch x seq_len) prints one table row per impl: median time per
 call, TB/s of the bytes that must move (the KV of the valid tokens, plus q and the
@@ -19,6 +20,19 @@ prints "error (reason)".
 Impls: pallas_kv's own `auto`, `mosaic_gpu`, `triton`, `xla` (the `impl=` argument),
 and the peers of benchmarks/peers.py: `xla_einsum`, `cudnn`, `torch`,
 `jax_pallas_gqa`, `jax_pallas_paged`.
+
+Attention options (op=decode and paged): `--softcap=50`, `--window=4096`, `--sinks`
+(random float32 per-head sink logits, one array per case) go to the pallas_kv impls,
+to the reference and to the peers that can express them (`xla_einsum`); the other
+peers report the row n/a. With a window the bytes and flops count only the keys
+inside it (min(length, window + S - 1) per sequence), and the rotating input sets
+are sized by that read, not by the capacity.
+
+Outputs besides the tables: `--json` (every row), `--csv` (one line per impl x case,
+the scalar fields of the JSON rows), `--plot=PATH.png` (TB/s against context length
+per impl, and against batch when the sweep has several batches; needs the `plot`
+extra, matplotlib; without it the run says so and goes on). `benchmarks/report.py`
+turns the JSON into a RESULTS.md section. Named model sweeps: configs/*.flags.
 
 Defaults: flags left unset take a per-platform default (see `default_sweep`). On a
 CPU (`default_is_cpu()`), one tiny case (B=2, T=256, heads 4/2, D=64, impls
@@ -41,9 +55,12 @@ defaults.
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import datetime
 import functools
 import json
+import math
 import sys
 import traceback
 from collections.abc import Sequence
@@ -83,6 +100,10 @@ GPU_IMPLS = {
 }
 CPU_CASES = ((2, 256),)
 CPU_IMPLS = ("xla", "xla_einsum")
+# The float32 reference runs over batch chunks of about this many bytes of
+# float32 KV and logits, so a case that fills the GPU can still be checked.
+REFERENCE_CHUNK_BYTES = 2**30
+GIB = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +132,9 @@ class Sweep:
   peak_tflops: float = PEAK_TFLOPS
   mla_qk_dim: int = MLA_QK_DIM
   mla_v_dim: int = MLA_V_DIM
+  softcap: float | None = None  # attention options (op=decode and paged)
+  window: int | None = None
+  sinks: bool = False  # random per-head sink logits
 
   def __post_init__(self):
     if self.op not in OPS:
@@ -138,6 +162,14 @@ class Sweep:
           f"{self.num_heads=} must be a multiple of {self.num_kv_heads=}")
     if self.mla_v_dim > self.mla_qk_dim:
       raise ValueError(f"{self.mla_v_dim=} must be <= {self.mla_qk_dim=}")
+    if self.softcap is not None and not (math.isfinite(self.softcap) and self.softcap > 0):
+      raise ValueError(f"{self.softcap=} must be a finite number > 0")
+    if self.window is not None and self.window < 1:
+      raise ValueError(f"{self.window=} must be >= 1")
+    if self.op == "mla" and (self.softcap is not None or self.window is not None
+                             or self.sinks):
+      raise ValueError(f"op='mla' takes no softcap, window or sinks; got "
+                       f"{self.softcap=}, {self.window=}, {self.sinks=}")
 
 
 def default_is_cpu() -> bool:
@@ -201,6 +233,9 @@ class Case:
   shuffle_pages: bool
   dtype: str
   ragged: bool
+  softcap: float | None = None
+  window: int | None = None
+  sinks: bool = False
 
   @classmethod
   def from_sweep(cls, sweep: Sweep, batch: int, seq_len: int) -> Case:
@@ -211,7 +246,8 @@ class Case:
         head_dim=sweep.mla_qk_dim if mla else sweep.head_dim,
         v_head_dim=sweep.mla_v_dim if mla else sweep.head_dim,
         num_queries=sweep.num_queries, page_size=sweep.page_size,
-        shuffle_pages=sweep.shuffle_pages, dtype=sweep.dtype, ragged=sweep.ragged)
+        shuffle_pages=sweep.shuffle_pages, dtype=sweep.dtype, ragged=sweep.ragged,
+        softcap=sweep.softcap, window=sweep.window, sinks=sweep.sinks)
 
   @property
   def itemsize(self) -> int:
@@ -237,6 +273,30 @@ class Case:
     per_token = self.head_dim if self.op == "mla" else 2 * self.num_kv_heads * self.head_dim
     return tokens * per_token * self.itemsize
 
+  def attended_keys(self, lengths: jax.Array | np.ndarray) -> int:
+    """Keys that must be read: sum of lengths, or of min(length, window + S - 1)."""
+    lengths = np.asarray(lengths, np.int64)
+    if self.window is not None:
+      lengths = np.minimum(lengths, self.window + self.num_queries - 1)
+    return int(lengths.sum())
+
+  def rotation_bytes(self, kv_bytes: float) -> float:
+    """KV bytes per input set that count for L2 defeat: the capacity, or with a
+    window the windowed read `kv_bytes` (a long cache is mostly never read)."""
+    if self.window is None:
+      return self.kv_capacity_bytes
+    return min(self.kv_capacity_bytes, kv_bytes)
+
+  def footprint(self, rotate_bytes: float) -> tuple[int, int]:
+    """(input sets, their total KV capacity bytes) at full lengths."""
+    kv_bytes = self.costs(self.attended_keys(np.full(self.batch, self.seq_len)))["kv_bytes"]
+    num_sets = timing.num_rotating_sets(self.rotation_bytes(kv_bytes), rotate_bytes)
+    return num_sets, num_sets * self.kv_capacity_bytes
+
+  @property
+  def options(self) -> tuple[str, ...]:
+    return op_spec(self).options
+
   def costs(self, total_keys: int) -> dict[str, float]:
     """Bytes that must move and flops, for `total_keys` = sum of lengths."""
     if self.op == "mla":  # one latent row per token, read once for K and V
@@ -256,8 +316,9 @@ class Case:
     paged = ""
     if self.op != "decode":
       paged = f" page={self.page_size}{' shuffled' if self.shuffle_pages else ''}"
+    options = "".join(f" {o}" for o in self.options)
     return (f"{self.op} B={self.batch} T={self.seq_len} {heads} "
-            f"S={self.num_queries} {self.dtype}{paged}")
+            f"S={self.num_queries} {self.dtype}{paged}{options}")
 
 
 def make_lengths(case: Case, key: jax.Array) -> jax.Array:
@@ -294,6 +355,20 @@ def make_inputs(case: Case, key: jax.Array, lengths: jax.Array) -> tuple:
   return q, kv_pages, block_tables, lengths
 
 
+def make_sinks(case: Case, key: jax.Array) -> jax.Array:
+  """float32 [Hq] per-head sink logits (gpt-oss learns one per head)."""
+  return jax.random.normal(key, (case.num_heads,), jnp.float32)
+
+
+def make_input_sets(case: Case, key: jax.Array, lengths: jax.Array,
+                    num_sets: int) -> list[tuple]:
+  """`num_sets` random input sets; with sinks each ends with the same sinks array."""
+  key_sinks, key_sets = jax.random.split(key)
+  extra = (make_sinks(case, key_sinks),) if case.sinks else ()
+  return [make_inputs(case, k, lengths) + extra
+          for k in jax.random.split(key_sets, num_sets)]
+
+
 def _upcast(args: tuple) -> tuple:
   return tuple(a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a
                for a in args)
@@ -307,22 +382,66 @@ def _import_pallas_kv():
   return pallas_kv
 
 
+def _with_options(fn, case: Case):
+  """fn(*op_args, [sinks]) calling a pallas_kv function with the case's options."""
+  if case.op == "mla":
+    return fn
+  fn = functools.partial(fn, softcap=case.softcap, window=case.window)
+  if not case.sinks:
+    return fn
+
+  def with_sinks(*args):
+    return fn(*args[:-1], sinks=args[-1])
+
+  return with_sinks
+
+
+def reference_chunk(case: Case) -> int:
+  """Sequences per reference call: the largest divisor of B whose float32 KV and
+  logits fit in REFERENCE_CHUNK_BYTES (at least 1)."""
+  tokens = case.kv_capacity_bytes // case.itemsize // case.batch  # KV elements
+  logits = case.pages_per_seq * case.page_size if case.op != "decode" else case.seq_len
+  per_seq = 4 * (tokens + 2 * logits * case.num_heads * case.num_queries)
+  return peers.largest_divisor_at_most(case.batch, max(1, REFERENCE_CHUNK_BYTES // per_seq))
+
+
+def _batch_slice(case: Case, args: tuple, b0: int, b1: int) -> tuple:
+  """The inputs of sequences [b0, b1); paged: their pages, gathered in table order."""
+  extra = args[-1:] if case.sinks else ()
+  op_args = args[:-1] if case.sinks else args
+  q, lengths = op_args[0][b0:b1], op_args[-1][b0:b1]
+  if case.op == "decode":
+    return (q, op_args[1][b0:b1], op_args[2][b0:b1], lengths) + extra
+  tables = op_args[-2][b0:b1]
+  own_tables = jnp.arange(tables.size, dtype=jnp.int32).reshape(tables.shape)
+  pools = tuple(pool[tables.reshape(-1)] for pool in op_args[1:-2])
+  return (q,) + pools + (own_tables, lengths) + extra
+
+
 def reference_output(case: Case, args: tuple) -> tuple[np.ndarray, str]:
-  """Float32 reference on float32-upcast inputs, and which reference ran."""
-  f32 = _upcast(args)
+  """Float32 reference on float32-upcast inputs, and which reference ran.
+
+  Runs over batch chunks (`reference_chunk`) so its float32 copies stay small.
+  """
   try:
     pkv = _import_pallas_kv()
-    ref = {
+    ref = _with_options({
         "decode": pkv.decode_attention_reference,
         "paged": pkv.paged_decode_attention_reference,
         "mla": functools.partial(pkv.mla_decode_attention_reference,
                                  v_head_dim=case.v_head_dim),
-    }[case.op]
+    }[case.op], case)
     source = "pallas_kv reference"
   except peers.PeerUnavailable:  # before the library exists: the same math in f32
     ref = peers.build_xla_einsum(op_spec(case)).fn
     source = "einsum f32 (pallas_kv not importable)"
-  return np.asarray(jax.jit(ref)(*f32), np.float32), source
+  ref_f32 = jax.jit(lambda *a: ref(*_upcast(a)))
+  chunk = reference_chunk(case)
+  if chunk == case.batch:
+    return np.asarray(ref_f32(*args), np.float32), source
+  outs = [np.asarray(ref_f32(*_batch_slice(case, args, b0, b0 + chunk)), np.float32)
+          for b0 in range(0, case.batch, chunk)]
+  return np.concatenate(outs), f"{source}, {case.batch // chunk} batch chunks"
 
 
 def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
@@ -335,18 +454,29 @@ def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
 def op_spec(case: Case) -> peers.OpSpec:
   return peers.OpSpec(op=case.op, num_queries=case.num_queries,
                       full_lengths=not case.ragged,
-                      v_head_dim=case.v_head_dim if case.op == "mla" else None)
+                      v_head_dim=case.v_head_dim if case.op == "mla" else None,
+                      softcap=case.softcap, window=case.window, sinks=case.sinks)
 
 
 def build_pallas_kv(impl: str, spec: peers.OpSpec) -> peers.Runner:
-  """A runner for pallas_kv's own op with `impl=impl`."""
+  """A runner for pallas_kv's own op with `impl=impl` and the spec's options."""
   pkv = _import_pallas_kv()
   fn = {
       "decode": pkv.decode_attention,
       "paged": pkv.paged_decode_attention,
       "mla": functools.partial(pkv.mla_decode_attention, v_head_dim=spec.v_head_dim),
   }[spec.op]
-  return peers.Runner(fn=jax.jit(functools.partial(fn, impl=impl)))
+  fn = functools.partial(fn, impl=impl)
+  if spec.op == "mla":
+    return peers.Runner(fn=jax.jit(fn))
+  fn = functools.partial(fn, softcap=spec.softcap, window=spec.window)
+  if spec.sinks:
+    plain = fn
+
+    def fn(*args):  # the sinks array comes last
+      return plain(*args[:-1], sinks=args[-1])
+
+  return peers.Runner(fn=jax.jit(fn))
 
 
 def _auto_choice() -> str | None:
@@ -414,15 +544,17 @@ def run_case(case: Case, sweep: Sweep, key: jax.Array) -> tuple[list[dict], dict
   key_len, key_in = jax.random.split(key)
   lengths = make_lengths(case, key_len)
   total_keys = int(jnp.sum(lengths))
-  costs = case.costs(total_keys)
-  num_sets = timing.num_rotating_sets(case.kv_capacity_bytes, sweep.rotate_bytes)
-  input_sets = [make_inputs(case, k, lengths)
-                for k in jax.random.split(key_in, num_sets)]
+  attended_keys = case.attended_keys(lengths)
+  costs = case.costs(attended_keys)
+  num_sets = timing.num_rotating_sets(case.rotation_bytes(costs["kv_bytes"]),
+                                      sweep.rotate_bytes)
+  input_sets = make_input_sets(case, key_in, lengths, num_sets)
   ref, ref_source = None, "-"
   if sweep.check:
     ref, ref_source = reference_output(case, input_sets[0])
   info = {**dataclasses.asdict(case), **costs, "total_keys": total_keys,
-          "num_sets": num_sets, "reference": ref_source}
+          "attended_keys": attended_keys, "num_sets": num_sets,
+          "reference": ref_source}
   rows = []
   for impl in sweep.impls:
     row = run_impl(impl, case, sweep, input_sets, ref, costs)
@@ -437,7 +569,10 @@ _HEADER = (f"{'impl':<17}{'time us':>10}{'TB/s':>8}{'TFLOP/s':>9}{'roofline':>10
 
 
 def format_table(info: dict, rows: Sequence[dict]) -> str:
-  lengths = ("ragged" if info["ragged"] else "full") + f" ({info['total_keys']} keys)"
+  lengths = ("ragged" if info["ragged"] else "full") + f" ({info['total_keys']} keys"
+  if info["attended_keys"] != info["total_keys"]:
+    lengths += f", {info['attended_keys']} in the window"
+  lengths += ")"
   title = (f"== {Case(**{f.name: info[f.name] for f in dataclasses.fields(Case)}).describe()}"
            f"  lengths={lengths}  KV {info['kv_bytes'] / 1e6:.1f} MB"
            f"  sets={info['num_sets']}  check: {info['reference']}")
@@ -470,9 +605,88 @@ def device_description() -> str:
   return f"{dev.platform}:{getattr(dev, 'device_kind', '?')} x{jax.device_count()}"
 
 
+def _is_scalar(value: Any) -> bool:
+  return value is None or isinstance(value, (str, bool, int, float))
+
+
+def write_csv(rows: Sequence[dict], path: str) -> None:
+  """One line per row; the columns are the rows' scalar fields, in first-seen order."""
+  columns: dict[str, None] = {}
+  for row in rows:
+    columns.update((k, None) for k, v in row.items() if _is_scalar(v))
+  with open(path, "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+    writer.writeheader()
+    for row in rows:
+      writer.writerow({k: "" if row.get(k) is None else row[k] for k in columns})
+
+
+def _plot_group(rows: Sequence[dict], x: str, fixed: str) -> tuple[list[dict], str]:
+  """The ok rows along `x` at the `fixed` value with the most distinct x (ties: the
+  largest); all rows if no value has two. Returns (rows, a label of the subset)."""
+  by_fixed: dict[int, set[int]] = {}
+  for r in rows:
+    by_fixed.setdefault(r[fixed], set()).add(r[x])
+  best = max(by_fixed, key=lambda v: (len(by_fixed[v]), v))
+  if len(by_fixed[best]) < 2:
+    return list(rows), f"all cases ({fixed} varies)"
+  return [r for r in rows if r[fixed] == best], f"{fixed}={best}"
+
+
+def plot_available() -> bool:
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    return False
+  return True
+
+
+def write_plot(rows: Sequence[dict], path: str) -> None:
+  """TB/s against context length per impl; a second panel against batch when the
+  rows have several batches. Needs matplotlib (the `plot` extra)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  ok = [r for r in rows if r.get("status") == "ok"]
+  panels = [("seq_len", "batch", "context length (tokens)")]
+  if len({r["batch"] for r in ok}) > 1:
+    panels.append(("batch", "seq_len", "batch"))
+  fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+  impls = list(dict.fromkeys(r["impl"] for r in ok))
+  for ax, (x, fixed, xlabel) in zip(axes[0], panels):
+    group, subset = _plot_group(ok, x, fixed) if ok else ([], "no rows")
+    # Across varying `fixed` values a connecting line would zigzag: markers only.
+    style = "" if subset.startswith("all cases") else "-"
+    for impl in impls:
+      points = sorted((r[x], r["tbps"]) for r in group if r["impl"] == impl)
+      if points:
+        ax.plot(*zip(*points), marker="o", linestyle=style, label=impl)
+    if group:
+      ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("TB/s of KV read")
+    ax.set_title(subset)
+    ax.grid(True, alpha=0.3)
+    if impls:
+      ax.legend(fontsize="small")
+  if ok:
+    case = Case(**{f.name: ok[0][f.name] for f in dataclasses.fields(Case)
+                   if f.name in ok[0]})
+    heads = case.describe().split(" ", 3)[3]  # without op, B and T
+    fig.suptitle(f"{case.op} {heads}  ({ok[0].get('device', '')})", fontsize="medium")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def run(sweep: Sweep | None = None, *, json_path: str | None = None,
+        csv_path: str | None = None, plot_path: str | None = None,
         out: TextIO | None = None, **overrides: Any) -> list[dict]:
   """Runs a sweep, prints one table per case to `out`, returns all rows.
+
+  Also writes the rows as JSON to `json_path`, CSV to `csv_path` and a PNG plot to
+  `plot_path` (if matplotlib is installed; else one line says so).
 
   `sweep` defaults to `default_sweep(overrides.get("op", "decode"))`; keyword
   overrides replace its fields, e.g. `run(op="paged", cases=((2, 256),))`.
@@ -487,6 +701,7 @@ def run(sweep: Sweep | None = None, *, json_path: str | None = None,
         f"warmup={sweep.warmup} iters={sweep.iters} repeats={sweep.repeats}",
         file=out, flush=True)
   all_rows = []
+  date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
   key = jax.random.key(sweep.seed)
   for batch, seq_len in sweep.cases:
     key, case_key = jax.random.split(key)
@@ -494,12 +709,22 @@ def run(sweep: Sweep | None = None, *, json_path: str | None = None,
     rows, info = run_case(case, sweep, case_key)
     print(format_table(info, rows), file=out, flush=True)
     print(file=out, flush=True)
-    all_rows.extend({**r, "device": device, "jax_version": jax.__version__}
-                    for r in rows)
+    all_rows.extend({**r, "device": device, "jax_version": jax.__version__,
+                     "date": date} for r in rows)
   if json_path:
     with open(json_path, "w") as f:
       json.dump(all_rows, f, indent=1)
     print(f"# wrote {len(all_rows)} rows to {json_path}", file=out, flush=True)
+  if csv_path:
+    write_csv(all_rows, csv_path)
+    print(f"# wrote {len(all_rows)} rows to {csv_path}", file=out, flush=True)
+  if plot_path:
+    if plot_available():
+      write_plot(all_rows, plot_path)
+      print(f"# wrote the plot to {plot_path}", file=out, flush=True)
+    else:
+      print("# --plot: matplotlib (the plot extra, pip install -e '.[plot]') is not "
+            "installed; no plot written", file=out, flush=True)
   return all_rows
 
 
@@ -544,6 +769,18 @@ _PEAK_TBPS = flags.DEFINE_float("peak_tbps", PEAK_TBPS, "Roofline HBM read TB/s.
 _PEAK_TFLOPS = flags.DEFINE_float("peak_tflops", PEAK_TFLOPS, "Roofline TFLOP/s.")
 _MLA_QK_DIM = flags.DEFINE_integer("mla_qk_dim", MLA_QK_DIM, "MLA q/k dim (latent+rope).")
 _MLA_V_DIM = flags.DEFINE_integer("mla_v_dim", MLA_V_DIM, "MLA value dim.")
+_SOFTCAP = flags.DEFINE_float(
+    "softcap", None, "Logit soft cap (logits -> c * tanh(logits / c)); decode and paged. "
+    "Peers that cannot express it report n/a.")
+_WINDOW = flags.DEFINE_integer(
+    "window", None, "Sliding window: a query at p sees keys in (p - window, p]; decode "
+    "and paged. Bytes and flops count only the keys in the window.")
+_SINKS = flags.DEFINE_boolean(
+    "sinks", False, "Random float32 per-head sink logits (gpt-oss); decode and paged.")
+_CSV = flags.DEFINE_string("csv", None, "Write the rows' scalar fields as CSV here.")
+_PLOT = flags.DEFINE_string(
+    "plot", None, "Write a PNG of TB/s against context length (and batch) per impl "
+    "here; needs matplotlib (the plot extra).")
 
 
 def _ints(values: Sequence[str], name: str) -> tuple[int, ...]:
@@ -562,6 +799,7 @@ def sweep_from_flags() -> Sweep:
       "check": _CHECK.value, "strict": _STRICT.value,
       "peak_tbps": _PEAK_TBPS.value, "peak_tflops": _PEAK_TFLOPS.value,
       "mla_qk_dim": _MLA_QK_DIM.value, "mla_v_dim": _MLA_V_DIM.value,
+      "softcap": _SOFTCAP.value, "window": _WINDOW.value, "sinks": _SINKS.value,
   }
   optional = {"num_heads": _NUM_HEADS, "num_kv_heads": _NUM_KV_HEADS,
               "head_dim": _HEAD_DIM, "page_size": _PAGE_SIZE, "warmup": _WARMUP,
@@ -587,7 +825,7 @@ def main(argv: Sequence[str]) -> int:
     sweep = sweep_from_flags()
   except ValueError as e:
     raise app.UsageError(str(e)) from None
-  rows = run(sweep, json_path=_JSON.value)
+  rows = run(sweep, json_path=_JSON.value, csv_path=_CSV.value, plot_path=_PLOT.value)
   failed = failed_rows(rows)
   for r in failed:
     print(f"FAILED: {r['impl']} on {r['op']} B={r['batch']} T={r['seq_len']}: "

@@ -3,13 +3,16 @@
 Each `build_*` function takes an `OpSpec` and returns a `Runner` that accepts the
 same inputs as the pallas_kv op (one input set at a time, in pallas_kv layouts:
 q [B, Hq, D] or [B, S, Hq, D]; dense k, v [B, T, Hkv, D]; pages [P, page, Hkv, D];
-MLA kv_pages [P, page, Dqk]) and returns the output in the pallas_kv layout. A
-peer that cannot run raises: `PeerUnavailable` when something it needs is missing
-(torch, a GPU), `NotImplementedError` when it doesn't support the op or shape.
+MLA kv_pages [P, page, Dqk]) and returns the output in the pallas_kv layout. With
+`OpSpec.sinks` every input set ends with one more array, the per-head sink logits
+(float32 [Hq]). A peer that cannot run raises: `PeerUnavailable` when something it
+needs is missing (torch, a GPU) or when it cannot express an attention option of
+the spec (softcap, window, sinks: the row is n/a, never plain attention passed off
+as the option), `NotImplementedError` when it doesn't support the op or shape.
 
 Peers:
   xla_einsum        plain jnp einsum + softmax in the input dtype (paged: gather
-                    the pages first), the naive XLA baseline; every op.
+                    the pages first), the naive XLA baseline; every op and option.
   cudnn             jax.nn.dot_product_attention(implementation="cudnn"), the new
                     tokens as queries with key padding from `lengths`; dense only.
   torch             torch.nn.functional.scaled_dot_product_attention(enable_gqa=...)
@@ -23,6 +26,7 @@ Peers:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
 import warnings
@@ -48,6 +52,21 @@ class OpSpec:
   num_queries: int = 1  # S; with S == 1 q is [B, Hq, D], else [B, S, Hq, D]
   full_lengths: bool = True  # every sequence at full capacity (no padding mask needed)
   v_head_dim: int | None = None  # MLA: V is kv[..., :v_head_dim]
+  softcap: float | None = None  # logits -> softcap * tanh(logits / softcap)
+  window: int | None = None  # a query at position p sees keys in (p - window, p]
+  sinks: bool = False  # the last input is a float32 [Hq] array of per-head sink logits
+
+  @property
+  def options(self) -> tuple[str, ...]:
+    """The attention options set, e.g. ("softcap=50", "sinks")."""
+    named = []
+    if self.softcap is not None:
+      named.append(f"softcap={self.softcap:g}")
+    if self.window is not None:
+      named.append(f"window={self.window}")
+    if self.sinks:
+      named.append("sinks")
+    return tuple(named)
 
   def __post_init__(self):
     if self.op not in OPS:
@@ -56,6 +75,8 @@ class OpSpec:
       raise ValueError(f"{self.num_queries=} must be >= 1")
     if self.op == "mla" and not self.v_head_dim:
       raise ValueError(f"{self.v_head_dim=} must be set for op='mla'")
+    if self.op == "mla" and self.options:
+      raise ValueError(f"op='mla' takes no attention options; got {self.options}")
 
 
 def _identity(args: tuple) -> tuple:
@@ -93,6 +114,12 @@ def _quiet(fn: Callable[..., Any]) -> Callable[..., Any]:
   return quiet_fn
 
 
+def reject_options(name: str, spec: OpSpec) -> None:
+  """Raises PeerUnavailable if `spec` asks for options the peer `name` cannot express."""
+  if spec.options:
+    raise PeerUnavailable(f"{name} peer cannot express {', '.join(spec.options)}")
+
+
 def _import_deprecated_jax_op(name: str):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -104,10 +131,15 @@ def query_positions(lengths: jax.Array, num_queries: int) -> jax.Array:
   return lengths[:, None] - num_queries + jnp.arange(num_queries)[None, :]
 
 
-def visible_mask(lengths: jax.Array, num_queries: int, capacity: int) -> jax.Array:
-  """[B, S, T] bool: key t is visible to query s (causal, within the length)."""
-  pos = query_positions(lengths, num_queries)
-  return jnp.arange(capacity)[None, None, :] <= pos[:, :, None]
+def visible_mask(lengths: jax.Array, num_queries: int, capacity: int,
+                 window: int | None = None) -> jax.Array:
+  """[B, S, T] bool: key t is visible to query s (causal, within the length and window)."""
+  pos = query_positions(lengths, num_queries)[:, :, None]
+  t = jnp.arange(capacity)[None, None, :]
+  mask = t <= pos
+  if window is not None:
+    mask &= t > pos - window
+  return mask
 
 
 def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
@@ -117,16 +149,31 @@ def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
   return gathered.reshape(b, n * page, *gathered.shape[3:])
 
 
-def einsum_attention(q, k, v, lengths, *, scale: float | None = None):
-  """Naive attention in the input dtype. q [B,S,Hq,D]; k [B,T,Hkv,D]; v [B,T,Hkv,Dv]."""
+def einsum_attention(q, k, v, lengths, *, scale: float | None = None,
+                     softcap: float | None = None, window: int | None = None,
+                     sinks: jax.Array | None = None):
+  """Naive attention in the input dtype. q [B,S,Hq,D]; k [B,T,Hkv,D]; v [B,T,Hkv,Dv].
+
+  softcap, window: as in pallas_kv; sinks [Hq]: per-head logit of a virtual key
+  with no value that joins the softmax denominator.
+  """
   b, s, hq, d = q.shape
   t, hkv = k.shape[1], k.shape[2]
+  g = hq // hkv
   scale = 1.0 / math.sqrt(d) if scale is None else scale
-  qg = q.reshape(b, s, hkv, hq // hkv, d)
+  qg = q.reshape(b, s, hkv, g, d)
   logits = jnp.einsum("bskgd,btkd->bkgst", qg, k) * jnp.asarray(scale, q.dtype)
-  mask = visible_mask(lengths, s, t)[:, None, None]  # [B, 1, 1, S, T]
+  if softcap is not None:
+    cap = jnp.asarray(softcap, logits.dtype)
+    logits = cap * jnp.tanh(logits / cap)
+  mask = visible_mask(lengths, s, t, window)[:, None, None]  # [B, 1, 1, S, T]
   logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
-  probs = jax.nn.softmax(logits, axis=-1)
+  if sinks is not None:  # one more column, dropped after the softmax
+    sink = jnp.broadcast_to(sinks.astype(logits.dtype).reshape(1, hkv, g, 1, 1),
+                            (b, hkv, g, s, 1))
+    probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :t]
+  else:
+    probs = jax.nn.softmax(logits, axis=-1)
   out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
   return out.reshape(b, s, hq, v.shape[-1])
 
@@ -143,14 +190,15 @@ def _as_4d(fn4: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
 
 
 def build_xla_einsum(spec: OpSpec) -> Runner:
+  attend = functools.partial(einsum_attention, softcap=spec.softcap, window=spec.window)
   if spec.op == "decode":
-    def fn4(q, k, v, lengths):
-      return einsum_attention(q, k, v, lengths)
+    def fn4(q, k, v, lengths, sinks=None):
+      return attend(q, k, v, lengths, sinks=sinks)
   elif spec.op == "paged":
-    def fn4(q, k_pages, v_pages, block_tables, lengths):
+    def fn4(q, k_pages, v_pages, block_tables, lengths, sinks=None):
       k = gather_pages(k_pages, block_tables)
       v = gather_pages(v_pages, block_tables)
-      return einsum_attention(q, k, v, lengths)
+      return attend(q, k, v, lengths, sinks=sinks)
   else:  # mla
     dv = spec.v_head_dim
 
@@ -163,6 +211,7 @@ def build_xla_einsum(spec: OpSpec) -> Runner:
 def build_cudnn(spec: OpSpec) -> Runner:
   if spec.op != "decode":
     raise NotImplementedError("cudnn peer: dense KV only (op=decode)")
+  reject_options("cudnn", spec)
   require_gpu("cudnn")
 
   def fn4(q, k, v, lengths):
@@ -192,6 +241,7 @@ def _import_torch():
 def build_torch(spec: OpSpec) -> Runner:
   if spec.op != "decode":
     raise NotImplementedError("torch peer: dense KV only (op=decode)")
+  reject_options("torch", spec)
   torch = _import_torch()
   sdpa = torch.nn.functional.scaled_dot_product_attention
   squeeze = spec.num_queries == 1
@@ -229,6 +279,7 @@ def build_jax_pallas_gqa(spec: OpSpec) -> Runner:
     raise NotImplementedError("jax_pallas_gqa peer: dense KV only (op=decode)")
   if spec.num_queries != 1:
     raise NotImplementedError("jax_pallas_gqa peer: one query per sequence only")
+  reject_options("jax_pallas_gqa", spec)
   require_gpu("jax_pallas_gqa")
   mod = _import_deprecated_jax_op("decode_attention")
 
@@ -238,7 +289,7 @@ def build_jax_pallas_gqa(spec: OpSpec) -> Runner:
   return Runner(fn=_quiet(jax.jit(fn)))
 
 
-def _largest_divisor_at_most(n: int, cap: int) -> int:
+def largest_divisor_at_most(n: int, cap: int) -> int:
   return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
 
 
@@ -247,6 +298,7 @@ def build_jax_pallas_paged(spec: OpSpec) -> Runner:
     raise NotImplementedError("jax_pallas_paged peer: paged KV only (op=paged)")
   if spec.num_queries != 1:
     raise NotImplementedError("jax_pallas_paged peer: one query per sequence only")
+  reject_options("jax_pallas_paged", spec)
   require_gpu("jax_pallas_paged")
   mod = _import_deprecated_jax_op("paged_attention")
 
@@ -260,11 +312,11 @@ def build_jax_pallas_paged(spec: OpSpec) -> Runner:
 
   def fn(q, k_pages, v_pages, block_tables, lengths):
     pages_per_seq = block_tables.shape[1]
-    k_splits = _largest_divisor_at_most(pages_per_seq, 16)
+    k_splits = largest_divisor_at_most(pages_per_seq, 16)
     per_split = pages_per_seq // k_splits
     return mod.paged_attention(
         q, k_pages, v_pages, block_tables, lengths, k_splits=k_splits,
-        pages_per_compute_block=_largest_divisor_at_most(per_split, 8))
+        pages_per_compute_block=largest_divisor_at_most(per_split, 8))
 
   return Runner(fn=_quiet(jax.jit(fn)), prepare=prepare)
 

@@ -1,14 +1,26 @@
-r"""Markdown tables from the JSON rows that `benchmarks/decode.py --json=...` writes.
+r"""Markdown for RESULTS.md from the JSON rows that `benchmarks/decode.py --json=...` writes.
 
   python -m benchmarks.report benchmarks/results/2026-11-29_h200_gqa.json [more.json ...]
+      One table per file: a row per case, a column per impl, each cell "TB/s (µs)" of KV read.
 
-One table per file: a row per case, a column per impl, each cell "TB/s (µs)" of KV read.
+  python -m benchmarks.report llama3_8b.json [more.json ...] \
+      --command="python -m benchmarks.decode --flagfile=configs/llama3_8b.flags --json=llama3_8b.json"
+      A whole RESULTS.md section: a header with the date, GPU and jax version (from the rows;
+      --date overrides), the command, then per shape family (op, heads, dtype, options) three
+      tables, median time (µs), TB/s of KV read and % of the roofline, a column per impl, and
+      the reasons of n/a or error cells and the largest relative error of the pallas_kv rows.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import re
 import sys
+from collections.abc import Sequence
+
+_OPTION_FIELDS = ("softcap", "window", "sinks")
 
 
 def case_label(row: dict) -> str:
@@ -37,13 +49,132 @@ def table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def main(paths: list[str]) -> None:
-  for path in paths:
+# ------------------------------------------------------------------ sections
+
+METRICS = (  # (title, row field, format)
+    ("Median time per call (µs)", "time_us", "{:.1f}"),
+    ("TB/s of KV read", "tbps", "{:.2f}"),
+    ("% of roofline max(bytes / peak TB/s, flops / peak TFLOP/s)", "roofline_pct", "{:.0f}%"),
+)
+
+
+def gpu_name(device: str) -> str:
+  """"gpu:NVIDIA H200 x1" -> "NVIDIA H200"; "x4" is kept as "4x NVIDIA H200"."""
+  platform, _, kind = device.partition(":")
+  kind = kind or platform
+  match = re.fullmatch(r"(.*) x(\d+)", kind)
+  if not match:
+    return kind
+  name, count = match.group(1), int(match.group(2))
+  return name if count == 1 else f"{count}x {name}"
+
+
+def family(row: dict) -> str:
+  """What the rows of one table share: op, heads, head dims, dtype, S, paging, options."""
+  if row["op"] == "mla":
+    heads = f"{row['num_heads']} heads, latent {row['head_dim']}/{row['v_head_dim']}"
+  else:
+    heads = f"heads {row['num_heads']}/{row['num_kv_heads']}, head_dim {row['head_dim']}"
+  parts = [{"decode": "dense", "paged": "paged", "mla": "MLA"}[row["op"]], heads, row["dtype"],
+           f"{row['num_queries']} new token{'s' if row['num_queries'] > 1 else ''}",
+           "ragged lengths" if row.get("ragged") else "full lengths"]
+  if row["op"] != "decode":
+    parts.append(f"page {row['page_size']}" + (" shuffled" if row.get("shuffle_pages") else ""))
+  if row.get("softcap") is not None:
+    parts.append(f"softcap {row['softcap']:g}")
+  if row.get("window") is not None:
+    parts.append(f"window {row['window']}")
+  if row.get("sinks"):
+    parts.append("sinks")
+  return ", ".join(parts)
+
+
+def _cell(row: dict | None, field: str, fmt: str) -> str:
+  if row is None:
+    return "–"
+  if row.get("status", "ok") != "ok":
+    return row["status"]
+  text = fmt.format(row[field])
+  if row.get("ours") and row.get("check_ok") is False:
+    text += " ✗"
+  return text
+
+
+def section(rows: Sequence[dict], *, command: str | None = None, date: str | None = None,
+            sources: Sequence[str] = ()) -> str:
+  """A RESULTS.md section (markdown) for `rows` of one or more runs."""
+  rows = list(rows)
+  devices = list(dict.fromkeys(gpu_name(r["device"]) for r in rows if r.get("device")))
+  versions = list(dict.fromkeys(r["jax_version"] for r in rows if r.get("jax_version")))
+  if date is None:
+    dates = sorted({r["date"] for r in rows if r.get("date")})
+    date = " to ".join(dict.fromkeys((dates[0], dates[-1]))) if dates else "date unknown"
+  lines = [f"## {date} — {', '.join(devices) or 'device unknown'}, "
+           f"jax {', '.join(versions) or 'unknown'}", ""]
+  if command:
+    lines += [f"Command: `{command}`", ""]
+  if sources:
+    lines += ["Rows: " + ", ".join(f"`{s}`" for s in sources) + ".", ""]
+  lines += ["Cells are medians per call; n/a: the impl cannot run this case (reasons below); "
+            "✗: failed the numerics check.", ""]
+  families: dict[str, list[dict]] = {}
+  for row in rows:
+    families.setdefault(family(row), []).append(row)
+  for name, group in families.items():
+    impls = list(dict.fromkeys(r["impl"] for r in group))
+    cases: dict[tuple[int, int], dict[str, dict]] = {}
+    for r in group:
+      cases.setdefault((r["batch"], r["seq_len"]), {})[r["impl"]] = r
+    lines += [f"### {name[0].upper()}{name[1:]}", ""]
+    for title, field, fmt in METRICS:
+      lines += [f"{title}:", "", "| B × T | " + " | ".join(impls) + " |",
+                "|---" * (len(impls) + 1) + "|"]
+      for (b, t), by_impl in cases.items():
+        cells = [_cell(by_impl.get(i), field, fmt) for i in impls]
+        lines.append(f"| {b} × {t} | " + " | ".join(cells) + " |")
+      lines.append("")
+    reasons = dict.fromkeys(f"{r['impl']}: {r['status']} ({r.get('reason', '')})"
+                            for r in group if r.get("status", "ok") != "ok")
+    if reasons:
+      lines += ["Not run: " + "; ".join(reasons) + ".", ""]
+    errs = [r["rel_err"] for r in group if r.get("ours") and r.get("rel_err") is not None]
+    if errs:
+      failed = sum(r.get("check_ok") is False for r in group)
+      lines += [f"Largest relative error of the pallas_kv rows against the float32 reference: "
+                f"{max(errs):.1e}" + (f" ({failed} failed the check)." if failed else "."), ""]
+  return "\n".join(lines).rstrip() + "\n"
+
+
+def _date_from_path(path: str) -> str | None:
+  match = re.match(r"(\d{4}-\d{2}-\d{2})", os.path.basename(path))
+  return match.group(1) if match else None
+
+
+def main(argv: Sequence[str]) -> None:
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("paths", nargs="+", help="JSON files from benchmarks/decode.py --json")
+  parser.add_argument("--command", help="the command that made the rows; prints a whole section")
+  parser.add_argument("--date", help="the section's date (default: the rows' date, else the "
+                      "file name's YYYY-MM-DD prefix)")
+  parser.add_argument("--section", action="store_true",
+                      help="print a whole section even without --command")
+  args = parser.parse_args(argv)
+  loaded = []
+  for path in args.paths:
     with open(path) as f:
-      rows = json.load(f)
-    print(f"`{path}`\n")
-    print(table(rows))
-    print()
+      loaded.append((path, json.load(f)))
+  if args.command is None and not args.section:
+    for path, rows in loaded:
+      print(f"`{path}`\n")
+      print(table(rows))
+      print()
+    return
+  rows = [r for _, rs in loaded for r in rs]
+  date = args.date
+  if date is None and not any(r.get("date") for r in rows):
+    date = next(filter(None, (_date_from_path(p) for p, _ in loaded)), None)
+  print(section(rows, command=args.command, date=date, sources=[p for p, _ in loaded]))
 
 
 if __name__ == "__main__":

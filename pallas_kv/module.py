@@ -56,7 +56,7 @@ def causal_attention(q, k, v, *, scale: float, softcap=None, window=None, sinks=
   b, l, hq, _ = q.shape
   lengths = jnp.full((b,), l, jnp.int32)
   # A prompt's token i attends to tokens j <= i: the decode reference with S = L gives exactly that.
-  out, _ = reference._attend(q, k.astype(jnp.float32), v.astype(jnp.float32), lengths, scale=scale,
+  out, _ = reference.attend(q, k.astype(jnp.float32), v.astype(jnp.float32), lengths, scale=scale,
                              softcap=softcap, window=window, sinks=sinks)
   return out
 

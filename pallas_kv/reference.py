@@ -44,8 +44,9 @@ def key_mask(lengths, num_queries: int, capacity: int, window: int | None):
   return mask
 
 
-def _attend(q4, k, v, lengths, *, scale, softcap, window, sinks):
-  """q4 [B, S, Hq, D], k [B, T, Hkv, D] f32, v [B, T, Hkv, Dv] f32 -> (out [B, S, Hq, Dv], lse [B, S, Hq])."""
+def attend(q4, k, v, lengths, *, scale, softcap=None, window=None, sinks=None):
+  """The shared float32 core: q4 [B, S, Hq, D], k [B, T, Hkv, D] f32, v [B, T, Hkv, Dv] f32 ->
+  (out [B, S, Hq, Dv], lse [B, S, Hq]). No validation and no limit on S (prefill uses it too)."""
   b, s, hq, d = q4.shape
   t, hkv = k.shape[1], k.shape[2]
   g = hq // hkv
@@ -91,7 +92,7 @@ def decode_attention_reference(q, k, v, lengths, *, scale=None, softcap=None, wi
   scale = validation.default_scale(prob.head_dim) if scale is None else scale
   kf = _dequantize(k, k_scale, prob.num_kv_heads)
   vf = _dequantize(v, v_scale, prob.num_kv_heads)
-  out, lse = _attend(q4, kf, vf, lengths, scale=scale, softcap=softcap, window=window, sinks=sinks)
+  out, lse = attend(q4, kf, vf, lengths, scale=scale, softcap=softcap, window=window, sinks=sinks)
   return _finish(out, lse, single, return_lse)
 
 
@@ -117,7 +118,7 @@ def paged_decode_attention_reference(q, k_pages, v_pages, block_tables, lengths,
   scale = validation.default_scale(prob.head_dim) if scale is None else scale
   kf = _dequantize(gather_pages(k_pages, block_tables), k_scale, prob.num_kv_heads)
   vf = _dequantize(gather_pages(v_pages, block_tables), v_scale, prob.num_kv_heads)
-  out, lse = _attend(q4, kf, vf, lengths, scale=scale, softcap=softcap, window=window, sinks=sinks)
+  out, lse = attend(q4, kf, vf, lengths, scale=scale, softcap=softcap, window=window, sinks=sinks)
   return _finish(out, lse, single, return_lse)
 
 
@@ -130,6 +131,6 @@ def mla_decode_attention_reference(q, kv_pages, block_tables, lengths, *, v_head
   q4, single = validation.query_as_rank4(q)
   scale = validation.default_scale(prob.head_dim) if scale is None else scale
   kv = gather_pages(kv_pages, block_tables).astype(jnp.float32)[:, :, None, :]  # [B, T, 1, Dqk]
-  out, lse = _attend(q4, kv, kv[..., :v_head_dim], lengths, scale=scale, softcap=None, window=None,
+  out, lse = attend(q4, kv, kv[..., :v_head_dim], lengths, scale=scale, softcap=None, window=None,
                      sinks=None)
   return _finish(out, lse, single, return_lse)

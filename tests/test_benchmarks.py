@@ -1,11 +1,15 @@
 """The benchmark programs run their CPU defaults end to end; flagfiles parse; rows are checked."""
 
+import csv
 import glob
 import io
+import json
 import os
 import subprocess
 import sys
 
+from absl import flags
+import jax
 import numpy as np
 import pytest
 
@@ -13,7 +17,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from benchmarks import decode as decode_bench  # noqa: E402
+from benchmarks import peers  # noqa: E402
+from benchmarks import report  # noqa: E402
 from benchmarks import step as step_bench  # noqa: E402
+from benchmarks import timing  # noqa: E402
+
+# Each GPU case's rotating input sets must fit well inside an H200 (~139 GiB) beside the
+# peers' copies and the float32 reference (which runs in batch chunks).
+MAX_CASE_KV_BYTES = 60 * 2**30
+OPTIONS = {"softcap": {"softcap": 0.5}, "window": {"window": 5}, "sinks": {"sinks": True}}
 
 
 @pytest.mark.parametrize("op", ["decode", "paged", "mla"])
@@ -43,19 +55,146 @@ def test_unbuilt_or_unavailable_impls_are_reported_not_raised():
 @pytest.mark.parametrize("flagfile", sorted(glob.glob(os.path.join(REPO, "configs", "*.flags"))),
                          ids=os.path.basename)
 def test_flagfiles_parse_into_valid_sweeps(flagfile):
-  code = ("import sys; from absl import flags; from benchmarks import decode as d; "
-          "flags.FLAGS(['decode', '--flagfile=' + sys.argv[1]]); s = d.sweep_from_flags(); "
-          "print('SWEEP', s.op, len(s.cases), ','.join(s.impls))")
-  result = subprocess.run([sys.executable, "-c", code, flagfile], capture_output=True, text=True, cwd=REPO,
-                          timeout=300)
-  assert "SWEEP" in result.stdout, result.stderr[-2000:]
+  with open(flagfile) as f:
+    header = f.readline()
+  assert header.startswith("# "), f"{flagfile} must start with a comment naming the model/sweep"
+  try:
+    flags.FLAGS(["decode", f"--flagfile={flagfile}"])
+    sweep = decode_bench.sweep_from_flags()
+  finally:
+    flags.FLAGS.unparse_flags()
+  assert sweep.cases and sweep.impls
+  if os.path.basename(flagfile).startswith("cpu_"):
+    return
+  rotate_bytes = max(sweep.rotate_bytes, timing.DEFAULT_ROTATE_BYTES)  # the GPU default
+  for batch, seq_len in sweep.cases:
+    _, kv_bytes = decode_bench.Case.from_sweep(sweep, batch, seq_len).footprint(rotate_bytes)
+    assert kv_bytes <= MAX_CASE_KV_BYTES, (batch, seq_len, kv_bytes / 2**30)
 
 
-def test_decode_benchmark_cpu_default_runs_end_to_end():
-  result = subprocess.run([sys.executable, "-m", "benchmarks.decode", "--flagfile=configs/cpu_smoke.flags"],
+def test_decode_benchmark_cpu_default_runs_end_to_end(tmp_path):
+  csv_path, json_path = tmp_path / "rows.csv", tmp_path / "rows.json"
+  result = subprocess.run([sys.executable, "-m", "benchmarks.decode", "--flagfile=configs/cpu_smoke.flags",
+                           f"--csv={csv_path}", f"--json={json_path}"],
                           capture_output=True, text=True, cwd=REPO, timeout=600)
   assert result.returncode == 0, result.stderr[-2000:]
   assert "xla_einsum" in result.stdout
+  with open(csv_path, newline="") as f:
+    csv_rows = list(csv.DictReader(f))
+  with open(json_path) as f:
+    json_rows = json.load(f)
+  assert [r["impl"] for r in csv_rows] == [r["impl"] for r in json_rows] == ["xla", "xla_einsum"]
+  assert "samples_us" not in csv_rows[0]  # lists stay in the JSON
+  for c, j in zip(csv_rows, json_rows):
+    assert float(c["time_us"]) == pytest.approx(j["time_us"]) and c["device"] == j["device"]
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_option_reaches_impls_and_reference(option):
+  sweep = decode_bench.Sweep(cases=((2, 16),), num_heads=4, num_kv_heads=2, head_dim=64, **OPTIONS[option])
+  case = decode_bench.Case.from_sweep(sweep, 2, 16)
+  plain = decode_bench.Case.from_sweep(decode_bench.Sweep(num_heads=4, num_kv_heads=2, head_dim=64), 2, 16)
+  lengths = decode_bench.make_lengths(case, jax.random.key(0))
+  args = decode_bench.make_input_sets(case, jax.random.key(1), lengths, 1)[0]
+  ref, _ = decode_bench.reference_output(case, args)
+  ref_plain, _ = decode_bench.reference_output(plain, args[:4])
+  assert decode_bench.relative_error(ref_plain, ref) > 1e-3  # the option changed the reference
+  for impl in ("xla", "xla_einsum"):  # each with the option matches the reference with it
+    out = decode_bench.build_runner(impl, decode_bench.op_spec(case)).fn(*args)
+    assert decode_bench.relative_error(np.asarray(out, np.float32), ref) < 1e-2, impl
+
+
+def test_option_rows_match_reference_and_peers_without_it_are_na():
+  rows = decode_bench.run(op="decode", cases=((2, 64),), impls=("xla", "cudnn", "torch", "jax_pallas_gqa"),
+                          num_heads=4, num_kv_heads=2, head_dim=64, softcap=2.0, window=24, sinks=True,
+                          warmup=0, iters=1, repeats=1, out=io.StringIO())
+  xla_row = rows[0]
+  assert (xla_row["softcap"], xla_row["window"], xla_row["sinks"]) == (2.0, 24, True)
+  assert xla_row["status"] == "ok" and xla_row["rel_err"] < 1e-2
+  assert xla_row["attended_keys"] == 2 * 24 and xla_row["kv_bytes"] == 2 * 24 * 2 * 2 * 64 * 2
+  for row in rows[1:]:
+    assert row["status"] == "n/a" and "cannot express softcap=2, window=24, sinks" in row["reason"], row
+  assert not decode_bench.failed_rows(rows)
+
+
+@pytest.mark.parametrize("peer", ["cudnn", "torch", "jax_pallas_gqa", "jax_pallas_paged"])
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_peers_without_an_option_report_it_unavailable(peer, option):
+  op = "paged" if peer == "jax_pallas_paged" else "decode"
+  with pytest.raises(peers.PeerUnavailable, match=f"{peer} peer cannot express {option}"):
+    peers.PEERS[peer](peers.OpSpec(op=op, **OPTIONS[option]))
+
+
+def test_mla_rejects_options():
+  with pytest.raises(ValueError, match="op='mla' takes no"):
+    decode_bench.Sweep(op="mla", window=128)
+
+
+def test_reference_in_batch_chunks_matches_one_call(monkeypatch):
+  for op in ("decode", "paged"):
+    sweep = decode_bench.Sweep(op=op, cases=((4, 32),), num_heads=4, num_kv_heads=2, head_dim=64,
+                               page_size=8, softcap=3.0, sinks=True)
+    case = decode_bench.Case.from_sweep(sweep, 4, 32)
+    lengths = decode_bench.make_lengths(case, jax.random.key(0))
+    args = decode_bench.make_input_sets(case, jax.random.key(1), lengths, 1)[0]
+    whole, _ = decode_bench.reference_output(case, args)
+    monkeypatch.setattr(decode_bench, "REFERENCE_CHUNK_BYTES", 1)
+    chunked, source = decode_bench.reference_output(case, args)
+    monkeypatch.undo()
+    assert "4 batch chunks" in source
+    np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-6)
+
+
+def _fake_rows():
+  rows = []
+  for batch, seq_len in ((1, 1024), (1, 8192), (8, 8192), (32, 8192)):
+    for impl, tbps in (("auto", 3.0), ("xla_einsum", 1.0), ("cudnn", None)):
+      row = {"op": "decode", "batch": batch, "seq_len": seq_len, "num_heads": 32, "num_kv_heads": 8,
+             "head_dim": 128, "v_head_dim": 128, "num_queries": 1, "page_size": 16, "shuffle_pages": True,
+             "dtype": "bfloat16", "ragged": False, "softcap": 50.0, "window": None, "sinks": False,
+             "impl": impl, "ours": impl == "auto", "device": "gpu:NVIDIA H200 x1", "jax_version": "0.11.2",
+             "date": "2026-11-29"}
+      if tbps is None:
+        row.update(status="n/a", reason="PeerUnavailable: cudnn peer cannot express softcap=50")
+      else:
+        row.update(status="ok", tbps=tbps, time_us=batch * seq_len / tbps / 1e3, roofline_pct=tbps / 0.045,
+                   rel_err=1e-3, check_ok=True)
+      rows.append(row)
+  return rows
+
+
+def test_plot_is_written_when_matplotlib_is_installed(tmp_path):
+  pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
+  path = tmp_path / "sweep.png"
+  decode_bench.write_plot(_fake_rows(), str(path))
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_so_and_goes_on(tmp_path, monkeypatch):
+  monkeypatch.setattr(decode_bench, "plot_available", lambda: False)
+  out = io.StringIO()
+  rows = decode_bench.run(op="decode", cases=((1, 32),), impls=("xla",), num_heads=2, num_kv_heads=1, head_dim=64,
+                          warmup=0, iters=1, repeats=1, check=False, plot_path=str(tmp_path / "p.png"), out=out)
+  assert rows[0]["status"] == "ok" and not (tmp_path / "p.png").exists()
+  assert "matplotlib" in out.getvalue() and "not installed" in out.getvalue()
+
+
+def test_report_renders_a_section_from_json_rows(tmp_path, capsys):
+  path = tmp_path / "rows.json"
+  path.write_text(json.dumps(_fake_rows()))
+  report.main([str(path)])  # the old usage: one TB/s (µs) table per file
+  assert "| B1 T1024 32/8 | 3.00 (0) | 1.00 (1) |" in capsys.readouterr().out
+  report.main(["--command=python -m benchmarks.decode --flagfile=configs/gemma2_9b.flags", str(path)])
+  text = capsys.readouterr().out
+  assert text.startswith("## 2026-11-29 — NVIDIA H200, jax 0.11.2\n")
+  assert "Command: `python -m benchmarks.decode --flagfile=configs/gemma2_9b.flags`" in text
+  assert "### Dense, heads 32/8, head_dim 128, bfloat16, 1 new token, full lengths, softcap 50" in text
+  assert "| B × T | auto | xla_einsum | cudnn |" in text
+  assert "| 8 × 8192 | 3.00 | 1.00 | n/a |" in text  # TB/s
+  assert "| 8 × 8192 | 21.8 | 65.5 | n/a |" in text  # µs
+  assert "| 8 × 8192 | 67% | 22% | n/a |" in text  # roofline
+  assert "cudnn peer cannot express softcap=50" in text
 
 
 def test_step_benchmark_runs():
