@@ -141,16 +141,12 @@ def test_bad_input_raises(index):
     call()
 
 
-def test_unbuilt_kernel_backend_raises_not_implemented():
-  from pallas_kv import api
-  try:
-    api._kernel_backend("triton")
-  except NotImplementedError as e:
-    case = make_case(8)
-    with pytest.raises(NotImplementedError, match="triton"):
-      pkv.decode_attention(case.q, case.k, case.v, case.lengths, impl="triton")
-  else:
-    pytest.skip("the triton backend is built; its own tests cover it")
+@pytest.mark.parametrize("impl", ["mosaic_gpu", "triton"])
+def test_kernel_backend_that_cannot_serve_raises_with_reason(impl):
+  case = make_case(8, page_size=16, head_dim=64, dtype=jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match=f"impl='{impl}' cannot run this mla call: MLA"):
+    pkv.mla_decode_attention(case.q, case.k_pages[:, :, 0], case.block_tables, case.lengths, v_head_dim=32,
+                             impl=impl)
 
 
 def test_interpret_switches(monkeypatch):
