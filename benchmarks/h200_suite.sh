@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The measurement suite on an H200, in parts that each fit one ~10-minute command.
 #   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged step tune
+#   (and scaling8k scaling32k on a machine with several GPUs)
 # Results (JSON, logs) go to $OUT if set, else bench_out/. Run from the repository root with the
 # machine's own python3 (jax with CUDA); nothing is installed.
 set -uo pipefail
@@ -23,7 +24,11 @@ for part in "$@"; do
                 --json="$out/step.json" 2>&1 | quiet | tee "$out/step.log" ;;
     tune)     python3 -m benchmarks.tune --flagfile=configs/gqa_h200.flags --backend=mosaic_gpu \
                 --out="$out/tuned.json" 2>&1 | quiet | tee "$out/tune.log" ;;
-    *) echo "unknown part: $part (tests variants gqa paged step tune)"; status=2 ;;
+    scaling8k|scaling32k)
+              ctx=$([ "$part" = scaling8k ] && echo 8192 || echo 32768)
+              python3 -m benchmarks.scaling --flagfile=configs/scaling_h200.flags --seq_len=$ctx \
+                --json="$out/$part.json" 2>&1 | quiet | tee "$out/$part.log" ;;
+    *) echo "unknown part: $part (tests variants gqa paged step tune scaling8k scaling32k)"; status=2 ;;
   esac
 done
 exit $status
