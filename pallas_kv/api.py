@@ -17,6 +17,7 @@ from jax.experimental import checkify
 
 from pallas_kv import reference
 from pallas_kv import runtime
+from pallas_kv import tuned
 from pallas_kv import validation
 from pallas_kv.config import AttentionOptions
 
@@ -65,6 +66,7 @@ def _choose_impl(impl: str, op: str, problem, options, dtypes, config) -> tuple[
       raise NotImplementedError(f"impl={impl!r} cannot run this {op} call: {reason}")
     _last_impl = impl
     return impl, backend
+  serving = {}  # kernel backends that run on this device and serve this call, in preference order
   for name in KERNEL_IMPLS:
     if not _device_can_run(name):
       continue
@@ -73,10 +75,16 @@ def _choose_impl(impl: str, op: str, problem, options, dtypes, config) -> tuple[
     except NotImplementedError:
       continue
     if backend.unsupported_reason(op, problem, options, dtypes) is None:
-      _last_impl = name
-      return name, backend
-  _last_impl = "xla"
-  return "xla", None
+      serving[name] = backend
+  if not serving:
+    _last_impl = "xla"
+    return "xla", None
+  name = next(iter(serving))
+  if op != "mla":  # where the tuned file timed several backends on this shape, the fastest wins
+    key = tuned.shape_key(op, problem, dtypes[1])
+    name = tuned.fastest_backend(tuple(serving), key, runtime.device_kind()) or name
+  _last_impl = name
+  return name, serving[name]
 
 
 def _options(problem, scale, softcap, window, sinks, k_scale, v_scale) -> AttentionOptions:

@@ -66,8 +66,8 @@ def clear_cache() -> None:
   _load.cache_clear()
 
 
-def lookup(backend: str, key: dict, device_kind: str) -> DecodeConfig | None:
-  """The tuned config of the nearest matching entry, or None."""
+def nearest_entry(backend: str, key: dict, device_kind: str) -> tuple[dict, float] | None:
+  """(entry, distance) of the nearest entry of this backend matching key's exact fields, or None."""
   entries = _load(str(tuned_dir() / f"{device_slug(device_kind)}.json"))
   best, best_distance = None, MAX_LOG2_DISTANCE
   for entry in entries:
@@ -76,12 +76,29 @@ def lookup(backend: str, key: dict, device_kind: str) -> DecodeConfig | None:
     distance = _distance(entry["key"], key)
     if distance <= best_distance:
       best, best_distance = entry, distance
-  if best is None:
+  return None if best is None else (best, best_distance)
+
+
+def lookup(backend: str, key: dict, device_kind: str) -> DecodeConfig | None:
+  """The tuned config of the nearest matching entry, or None."""
+  found = nearest_entry(backend, key, device_kind)
+  if found is None:
     return None
-  config = DecodeConfig(**best["config"])
-  if best_distance > 0:  # the split count was tuned for another size: let the heuristic refit it
+  entry, distance = found
+  config = DecodeConfig(**entry["config"])
+  if distance > 0:  # the split count was tuned for another size: let the heuristic refit it
     config = dataclasses.replace(config, num_splits=None)
   return config
+
+
+def fastest_backend(backends, key: dict, device_kind: str) -> str | None:
+  """Among backends tuned on the same nearest shape, the one that measured fastest (else None)."""
+  found = {b: nearest_entry(b, key, device_kind) for b in backends}
+  timed = [(f[0]["time_us"], b, json.dumps(f[0]["key"], sort_keys=True)) for b, f in found.items()
+           if f is not None and "time_us" in f[0]]
+  if len(timed) < 2 or len({shape for _, _, shape in timed}) != 1:
+    return None  # nothing to compare, or tuned on different shapes
+  return min(timed)[1]
 
 
 def write(path, device_kind: str, entries: list[dict], **metadata) -> None:

@@ -95,3 +95,26 @@ def test_tuner_smoke_writes_a_file_the_heuristics_use(tmp_path):
   finally:
     del os.environ[tuned.TUNED_DIR_ENV_VAR]
     tuned.clear_cache()
+
+
+@pytest.mark.parametrize("faster", ["mosaic_gpu", "triton", None])
+def test_auto_picks_the_backend_the_tuned_file_measured_faster(tmp_path, monkeypatch, faster):
+  from pallas_kv import api
+  from pallas_kv.config import AttentionOptions
+  monkeypatch.setenv(tuned.TUNED_DIR_ENV_VAR, str(tmp_path))
+  monkeypatch.setattr(api, "_device_can_run", lambda name: True)  # as on a Hopper GPU
+  monkeypatch.setattr(api.runtime, "device_kind", lambda: DEVICE)
+  problem = _problem(32, 4096)
+  key = tuned.shape_key("decode", problem, "bfloat16")
+  if faster is not None:
+    times = {"mosaic_gpu": 150.0, "triton": 160.0} if faster == "mosaic_gpu" else {"mosaic_gpu": 150.0,
+                                                                                   "triton": 140.0}
+    tuned.write(tmp_path / f"{tuned.device_slug(DEVICE)}.json", DEVICE,
+                [dict(backend=b, key=key, config=pkv.DecodeConfig(), time_us=t) for b, t in times.items()])
+  tuned.clear_cache()
+  try:
+    name, _ = api._choose_impl("auto", "decode", problem, AttentionOptions(scale=0.1),
+                               (jnp.bfloat16, jnp.bfloat16), None)
+  finally:
+    tuned.clear_cache()
+  assert name == (faster or "mosaic_gpu")  # no tuned times: the preference order
