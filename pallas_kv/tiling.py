@@ -156,3 +156,28 @@ def kv_tilings(*, block_kv: int, head_dim: int, dtype: Any, page_size: int | Non
   common = dict(block_kv=block_kv, head_dim=head_dim, dtype=dtype, page_size=page_size,
                 num_pages=num_pages, max_pages=max_pages)
   return KVTiling(role="k", **common), KVTiling(role="v", **common)
+
+
+def split_tile_range(length, split, *, block_kv: int, num_queries: int, num_splits: int, window: int | None):
+  """Tiles [t0, t1) of split `split` of a sequence of `length` tokens, and the sub-range [a, c)
+  whose tiles every new token sees whole (no masking needed). Shared by every backend.
+
+  New token s (0 <= s < S) sits at p = L - S + s and sees keys t <= p, t > p - window. Every
+  split gets an equal share of the tiles that hold visible keys (earlier splits never fewer than
+  later ones), so a sequence's partials depend only on its own length and num_splits; tiles
+  before the window or past the length belong to no split and are never loaded.
+  """
+  first_key = 0 if window is None else jnp.maximum(length - num_queries + 1 - window, 0)
+  first_tile = first_key // block_kv
+  end_tile = (length + block_kv - 1) // block_kv
+  num_tiles = jnp.maximum(end_tile - first_tile, 0)
+  per_split = (num_tiles + num_splits - 1) // num_splits
+  t0 = jnp.minimum(first_tile + split * per_split, end_tile)
+  t1 = jnp.minimum(t0 + per_split, end_tile)
+  # Whole tiles: keys <= L - S (the first token's position) and, with a window, keys
+  # >= L - window (the last token's window start).
+  full_hi = jnp.maximum(length - num_queries + 1, 0) // block_kv
+  full_lo = 0 if window is None else (jnp.maximum(length - window, 0) + block_kv - 1) // block_kv
+  a = jnp.clip(full_lo, t0, t1)
+  c = jnp.clip(full_hi, a, t1)
+  return t0, t1, a, c

@@ -28,6 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kv import tiling as kv_tiling
+
 KV_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 HEAD_DIMS = (64, 128, 256)
 MIN_DOT_DIM = 16   # tl.dot needs every dimension >= 16
@@ -142,27 +144,9 @@ class _Static:
 
 
 def _tile_range(length, split, st: _Static):
-  """This split's tiles [t0, t1), and the sub-range [a, c) that needs no masking.
-
-  Query s (0 <= s < S) sits at p = L - S + s and sees keys t <= p, t > p - window. Every split
-  gets an equal share of the tiles that hold visible keys, so a sequence's partials depend
-  only on its own length.
-  """
-  bkv, S = st.block_kv, st.num_queries
-  first_key = 0 if st.window is None else jnp.maximum(length - S + 1 - st.window, 0)
-  first_tile = first_key // bkv
-  end_tile = (length + bkv - 1) // bkv
-  num_tiles = jnp.maximum(end_tile - first_tile, 0)
-  per_split = (num_tiles + st.num_splits - 1) // st.num_splits
-  t0 = jnp.minimum(first_tile + split * per_split, end_tile)
-  t1 = jnp.minimum(t0 + per_split, end_tile)
-  # Tiles every query sees whole: keys <= L - S (the first query's position) and, with a
-  # window, keys > L - 1 - window (the last query's window start).
-  full_hi = jnp.maximum(length - S + 1, 0) // bkv
-  full_lo = 0 if st.window is None else (jnp.maximum(length - st.window, 0) + bkv - 1) // bkv
-  a = jnp.clip(full_lo, t0, t1)
-  c = jnp.clip(full_hi, a, t1)
-  return t0, t1, a, c
+  """This split's tiles [t0, t1) and the unmasked sub-range [a, c) (`tiling.split_tile_range`)."""
+  return kv_tiling.split_tile_range(length, split, block_kv=st.block_kv, num_queries=st.num_queries,
+                                    num_splits=st.num_splits, window=st.window)
 
 
 def _load_tile(kv_ref, block_tables_ref, tile, length, st: _Static, *, masked: bool):
