@@ -49,6 +49,18 @@ def assert_lse_matches(lse, ref_lse, dtype) -> None:
   np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=tol, atol=tol)
 
 
+def check_against_reference(case, out_lse, **options):
+  """(out, lse) of a kernel impl vs the float32 reference on the case's float32-upcast inputs."""
+  import pallas_kv as pkv
+  out, lse = out_lse
+  f32 = lambda x: x.astype(jnp.float32)
+  ref, ref_lse = pkv.decode_attention_reference(f32(case.q), f32(case.k), f32(case.v), case.lengths,
+                                                return_lse=True, **options)
+  assert out.dtype == case.q.dtype
+  assert_matches_reference(out, ref, case.dtype)
+  assert_lse_matches(lse, ref_lse, case.dtype)
+
+
 @dataclasses.dataclass
 class Case:
   """One random decode problem, contiguous and (when page_size is set) the same data paged."""

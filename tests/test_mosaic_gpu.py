@@ -11,22 +11,10 @@ import pallas_kv as pkv
 from pallas_kv import heuristics
 from pallas_kv import validation
 from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
-from harness import BENCH_CASES, BENCH_HEADS, assert_lse_matches, assert_matches_reference, bench_problem, lower_for_cuda, make_case
+from harness import (BENCH_CASES, BENCH_HEADS, assert_matches_reference, bench_problem, check_against_reference,
+                     lower_for_cuda, make_case)
 
 IMPL = "mosaic_gpu"
-
-
-def _reference(case, **kw):
-  f32 = lambda x: x.astype(jnp.float32)
-  return pkv.decode_attention_reference(f32(case.q), f32(case.k), f32(case.v), case.lengths, return_lse=True, **kw)
-
-
-def _check(case, out_lse, **kw):
-  out, lse = out_lse
-  ref, ref_lse = _reference(case, **kw)
-  assert out.dtype == case.q.dtype
-  assert_matches_reference(out, ref, case.dtype)
-  assert_lse_matches(lse, ref_lse, case.dtype)
 
 
 # ---------------------------------------------------------------- interpret mode (CPU)
@@ -40,7 +28,7 @@ def test_dense_interpret(interpret_mode, group, num_queries, num_splits, dtype):
                    head_dim=64, num_queries=num_queries, dtype=dtype, lengths=[320, 147, 0])
   config = pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=num_splits)
   out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL, config=config)
-  _check(case, out)
+  check_against_reference(case, out)
 
 
 @pytest.mark.parametrize("page_size", [8, 16, 64])
@@ -50,7 +38,7 @@ def test_paged_interpret_shuffled(interpret_mode, page_size):
   config = pkv.DecodeConfig(block_kv=64, num_stages=3, num_splits=2)
   out = pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths,
                                    return_lse=True, impl=IMPL, config=config)
-  _check(case, out)
+  check_against_reference(case, out)
 
 
 def test_options_interpret(interpret_mode):
@@ -60,7 +48,7 @@ def test_options_interpret(interpret_mode):
   config = pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=3)
   out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL, config=config,
                              **kw)
-  _check(case, out, **kw)
+  check_against_reference(case, out, **kw)
 
 
 def test_zero_lengths_interpret(interpret_mode):
@@ -156,43 +144,6 @@ def test_other_shapes_lower_for_cuda(num_queries, head_dim, group):
                                    sinks=jnp.zeros((2 * group,))), q, kv, kv, lengths)
 
 
-# ---------------------------------------------------------------- on the GPU
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("page_size", [None, 16, 64])
-@pytest.mark.parametrize("batch,seq_len,group", [(2, 4096, 4), (4, 2048, 8), (1, 8192, 16)])
-def test_gpu_matches_reference(batch, seq_len, group, page_size):
-  case = make_case(batch * 7 + group, batch=batch, seq_len=seq_len, num_heads=4 * group, num_kv_heads=4,
-                   head_dim=128, dtype=jnp.bfloat16, page_size=page_size, num_queries=2)
-  if page_size is None:
-    out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL)
-  else:
-    out = pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths,
-                                     return_lse=True, impl=IMPL)
-  _check(case, out)
-
-
-@pytest.mark.gpu
-def test_gpu_options_and_bit_identical_reruns():
-  case = make_case(3, batch=4, seq_len=4096, num_heads=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16,
-                   num_queries=3)
-  kw = dict(softcap=20.0, window=1000, sinks=jnp.linspace(-1.0, 1.0, 32))
-  f = jax.jit(functools.partial(pkv.decode_attention, impl=IMPL, return_lse=True, **kw))
-  first = f(case.q, case.k, case.v, case.lengths)
-  _check(case, first, **kw)
-  again = f(case.q, case.k, case.v, case.lengths)
-  np.testing.assert_array_equal(np.asarray(first[0], np.float32), np.asarray(again[0], np.float32))
-
-
-@pytest.mark.gpu
-def test_gpu_fixed_splits_batch_1_equals_batch_64():
-  case = make_case(4, batch=64, seq_len=2048, num_heads=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16)
-  f = jax.jit(functools.partial(pkv.decode_attention, impl=IMPL, config=pkv.DecodeConfig(num_splits=4)))
-  whole = f(case.q, case.k, case.v, case.lengths)
-  alone = f(case.q[5:6], case.k[5:6], case.v[5:6], case.lengths[5:6])
-  np.testing.assert_array_equal(np.asarray(whole[5:6], np.float32), np.asarray(alone, np.float32))
-
-
 @pytest.mark.gpu
 def test_gpu_auto_picks_mosaic_on_hopper():
   from pallas_kv import runtime
@@ -240,7 +191,7 @@ def test_pipeline_variants_interpret(page_size, options):
   # Persistent programs fewer than the work items (B x Hkv x splits) so that each loops over several.
   case = make_case(40, batch=3, seq_len=256, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
                    page_size=page_size, lengths=[201, 0, 256])
-  _check(case, _partials_case(case, block_kv=64, num_stages=2, **options))
+  check_against_reference(case, _partials_case(case, block_kv=64, num_stages=2, **options))
 
 
 def test_variant_configs_through_the_api_interpret(interpret_mode):
@@ -249,7 +200,7 @@ def test_variant_configs_through_the_api_interpret(interpret_mode):
   for config in (pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=2, pipeline_qk=True, persistent=True),
                  pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=2, kv_groups=2)):
     out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL, config=config)
-    _check(case, out)
+    check_against_reference(case, out)
 
 
 def test_variant_options_are_validated():

@@ -13,22 +13,10 @@ import pallas_kv as pkv
 from pallas_kv import heuristics
 from pallas_kv import validation
 from pallas_kv.kernels.triton import decode as triton_decode
-from harness import BENCH_CASES, BENCH_HEADS, TRITON_CUSTOM_CALL, assert_lse_matches, assert_matches_reference, bench_problem, lower_for_cuda, make_case
+from harness import (BENCH_CASES, BENCH_HEADS, TRITON_CUSTOM_CALL, assert_matches_reference, bench_problem,
+                     check_against_reference, lower_for_cuda, make_case)
 
 IMPL = "triton"
-
-
-def _reference(case, **kw):
-  f32 = lambda x: x.astype(jnp.float32)
-  return pkv.decode_attention_reference(f32(case.q), f32(case.k), f32(case.v), case.lengths, return_lse=True, **kw)
-
-
-def _check(case, out_lse, **kw):
-  out, lse = out_lse
-  ref, ref_lse = _reference(case, **kw)
-  assert out.dtype == case.q.dtype
-  assert_matches_reference(out, ref, case.dtype)
-  assert_lse_matches(lse, ref_lse, case.dtype)
 
 
 def _paged(case, **kw):
@@ -47,7 +35,7 @@ def test_dense_interpret(interpret_mode, group, num_queries, num_splits, dtype):
                    head_dim=64, num_queries=num_queries, dtype=dtype, lengths=[200, 77, 0])
   config = pkv.DecodeConfig(block_kv=32, num_stages=2, num_splits=num_splits)
   out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL, config=config)
-  _check(case, out)
+  check_against_reference(case, out)
 
 
 # block_kv 32: pages of 8 and 16 are gathered token by token, a page of 64 holds two tiles.
@@ -55,7 +43,7 @@ def test_dense_interpret(interpret_mode, group, num_queries, num_splits, dtype):
 def test_paged_interpret_shuffled(interpret_mode, page_size):
   case = make_case(page_size, batch=2, seq_len=128, num_heads=8, num_kv_heads=2, head_dim=64, num_queries=2,
                    dtype=jnp.bfloat16, page_size=page_size, lengths=[101, 128])
-  _check(case, _paged(case, config=pkv.DecodeConfig(block_kv=32, num_stages=3, num_splits=2)))
+  check_against_reference(case, _paged(case, config=pkv.DecodeConfig(block_kv=32, num_stages=3, num_splits=2)))
 
 
 def test_options_interpret(interpret_mode):
@@ -65,14 +53,14 @@ def test_options_interpret(interpret_mode):
   config = pkv.DecodeConfig(block_kv=32, num_stages=2, num_splits=3)
   out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL, config=config,
                              **kw)
-  _check(case, out, **kw)
+  check_against_reference(case, out, **kw)
 
 
 def test_paged_window_sinks_heuristic_config_interpret(interpret_mode):
   case = make_case(12, batch=2, seq_len=128, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
                    page_size=16, lengths=[128, 50])
   kw = dict(window=40, sinks=jnp.linspace(0.0, 1.0, 4))
-  _check(case, _paged(case, **kw), **kw)
+  check_against_reference(case, _paged(case, **kw), **kw)
 
 
 def test_row_blocks_interpret(interpret_mode):
@@ -82,7 +70,7 @@ def test_row_blocks_interpret(interpret_mode):
   assert triton_decode.row_blocking(144, 64) == (128, 2)
   out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL,
                              config=pkv.DecodeConfig(block_kv=16, num_stages=2, num_splits=2))
-  _check(case, out)
+  check_against_reference(case, out)
 
 
 def test_zero_lengths_interpret(interpret_mode):
@@ -243,27 +231,12 @@ def test_deprecation_warning_is_hidden_for_our_kernels_only():
     _lower_triton(users_own_kernel, jax.ShapeDtypeStruct((16, 16), jnp.float32))
 
 
-# ---------------------------------------------------------------- on the GPU
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("page_size", [None, 16, 64])
-@pytest.mark.parametrize("batch,seq_len,group", [(2, 4096, 4), (4, 2048, 8), (1, 8192, 16)])
-def test_gpu_matches_reference(batch, seq_len, group, page_size):
-  case = make_case(batch * 7 + group, batch=batch, seq_len=seq_len, num_heads=4 * group, num_kv_heads=4,
-                   head_dim=128, dtype=jnp.bfloat16, page_size=page_size, num_queries=2)
-  if page_size is None:
-    out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL)
-  else:
-    out = _paged(case)
-  _check(case, out)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim,page_size,block_kv", [(64, 8, 64), (256, 128, 32), (128, 48, 16), (128, 32, 128)])
 def test_gpu_head_dims_and_pages(head_dim, page_size, block_kv):
   case = make_case(head_dim + page_size, batch=3, seq_len=1152, num_heads=8, num_kv_heads=2, head_dim=head_dim,
                    dtype=jnp.float16, page_size=page_size, num_queries=3)
-  _check(case, _paged(case, config=pkv.DecodeConfig(block_kv=block_kv, num_stages=3)))
+  check_against_reference(case, _paged(case, config=pkv.DecodeConfig(block_kv=block_kv, num_stages=3)))
 
 
 @pytest.mark.gpu
@@ -271,28 +244,7 @@ def test_gpu_capacity_not_a_multiple_of_the_tile_and_row_blocks():
   case = make_case(2, batch=3, seq_len=4000, num_heads=64, num_kv_heads=4, head_dim=128, dtype=jnp.bfloat16,
                    num_queries=16, lengths=[4000, 3999, 17])
   out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL)
-  _check(case, out)
-
-
-@pytest.mark.gpu
-def test_gpu_options_and_bit_identical_reruns():
-  case = make_case(3, batch=4, seq_len=4096, num_heads=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16,
-                   num_queries=3)
-  kw = dict(softcap=20.0, window=1000, sinks=jnp.linspace(-1.0, 1.0, 32))
-  f = jax.jit(functools.partial(pkv.decode_attention, impl=IMPL, return_lse=True, **kw))
-  first = f(case.q, case.k, case.v, case.lengths)
-  _check(case, first, **kw)
-  again = f(case.q, case.k, case.v, case.lengths)
-  np.testing.assert_array_equal(np.asarray(first[0], np.float32), np.asarray(again[0], np.float32))
-
-
-@pytest.mark.gpu
-def test_gpu_fixed_splits_batch_1_equals_batch_64():
-  case = make_case(4, batch=64, seq_len=2048, num_heads=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16)
-  f = jax.jit(functools.partial(pkv.decode_attention, impl=IMPL, config=pkv.DecodeConfig(num_splits=4)))
-  whole = f(case.q, case.k, case.v, case.lengths)
-  alone = f(case.q[5:6], case.k[5:6], case.v[5:6], case.lengths[5:6])
-  np.testing.assert_array_equal(np.asarray(whole[5:6], np.float32), np.asarray(alone, np.float32))
+  check_against_reference(case, out)
 
 
 @pytest.mark.gpu
