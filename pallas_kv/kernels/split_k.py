@@ -30,6 +30,36 @@ def unsupported_reason(op: str, problem, options, dtypes, *, backend: str, head_
   return None
 
 
+def check_partials_args(q, k, v, lengths, *, num_queries: int, num_splits: int, num_stages: int, scale: float,
+                        softcap: float | None, window: int | None) -> None:
+  """The argument checks every backend's `decode_partials` makes (q packed as [B, Hkv, R, D])."""
+  if q.ndim != 4:
+    raise ValueError(f"q must be [B, Hkv, R, D], got {q.shape=}")
+  if k.ndim != 4 or v.shape != k.shape:
+    raise ValueError(f"k and v must have one 4-d shape, got {k.shape=} {v.shape=}")
+  B, Hkv, R, D = q.shape
+  if k.shape[2:] != (Hkv, D):
+    raise ValueError(f"k's heads and head_dim {k.shape[2:]=} must match q's {(Hkv, D)}")
+  if jnp.dtype(k.dtype) not in KV_DTYPES:
+    raise ValueError(f"k.dtype={jnp.dtype(k.dtype).name} must be bfloat16 or float16")
+  if q.dtype != k.dtype or v.dtype != k.dtype:
+    raise ValueError(f"q, k, v must share a dtype, got {q.dtype=} {k.dtype=} {v.dtype=}")
+  if num_queries < 1 or R % num_queries:
+    raise ValueError(f"{num_queries=} must be >= 1 and divide the packed rows {R=}")
+  if num_splits < 1:
+    raise ValueError(f"{num_splits=} must be >= 1")
+  if num_stages < 1:
+    raise ValueError(f"{num_stages=} must be >= 1")
+  if lengths.shape != (B,) or lengths.dtype != jnp.int32:
+    raise ValueError(f"lengths must be int32 [{B}], got {lengths.shape=} {lengths.dtype=}")
+  if not scale > 0:
+    raise ValueError(f"{scale=} must be positive")
+  if softcap is not None and not softcap > 0:
+    raise ValueError(f"{softcap=} must be positive or None")
+  if window is not None and window < 1:
+    raise ValueError(f"{window=} must be a positive int or None")
+
+
 def run(partials: Callable, q, k, lengths, block_tables, *, problem, sinks, return_lse: bool):
   """Packs q into kernel rows, calls partials(rows, lengths, block_tables) -> (out, lse) per split
   ([B, Hkv, splits, >= R, D], [B, Hkv, splits, >= R]), merges the splits and unpacks the rows.

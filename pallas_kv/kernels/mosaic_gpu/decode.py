@@ -31,6 +31,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kv import pipeline as kv_pipeline
 from pallas_kv import tiling as kv_tiling
+from pallas_kv.kernels import split_k
 
 ROWS_PER_WG = 64            # wgmma M: packed query rows per consumer warpgroup
 MAX_COMPUTE_WGS = 2         # 2 consumers + 1 producer = 384 threads
@@ -644,29 +645,9 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, nu
   Keys past lengths[b] inside the last loaded tile are masked with p = 0, so cache memory there
   must hold finite values (0 * inf would be NaN); TMA zero-fills past the end of the array.
   """
-  if q.ndim != 4:
-    raise ValueError(f"q must be [B, Hkv, R, D], got {q.shape=}")
-  if k.ndim != 4 or v.shape != k.shape:
-    raise ValueError(f"k and v must have one 4-d shape, got {k.shape=} {v.shape=}")
+  split_k.check_partials_args(q, k, v, lengths, num_queries=num_queries, num_splits=num_splits,
+                              num_stages=num_stages, scale=scale, softcap=softcap, window=window)
   B, Hkv, R, D = q.shape
-  if k.shape[2:] != (Hkv, D):
-    raise ValueError(f"k's heads and head_dim {k.shape[2:]=} must match q's {(Hkv, D)}")
-  if q.dtype != k.dtype or v.dtype != k.dtype:
-    raise ValueError(f"q, k, v must share a dtype, got {q.dtype=} {k.dtype=} {v.dtype=}")
-  if num_queries < 1 or R % num_queries:
-    raise ValueError(f"{num_queries=} must be >= 1 and divide the packed rows {R=}")
-  if num_splits < 1:
-    raise ValueError(f"{num_splits=} must be >= 1")
-  if num_stages < 1:
-    raise ValueError(f"{num_stages=} must be >= 1")
-  if lengths.shape != (B,) or lengths.dtype != jnp.int32:
-    raise ValueError(f"lengths must be int32 [{B}], got {lengths.shape=} {lengths.dtype=}")
-  if not scale > 0:
-    raise ValueError(f"{scale=} must be positive")
-  if softcap is not None and not softcap > 0:
-    raise ValueError(f"{softcap=} must be positive or None")
-  if window is not None and window < 1:
-    raise ValueError(f"{window=} must be a positive int or None")
   if persistent_programs is not None and persistent_programs < 1:
     raise ValueError(f"{persistent_programs=} must be a positive int or None")
   group = R // num_queries

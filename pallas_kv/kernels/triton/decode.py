@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kv import tiling as kv_tiling
+from pallas_kv.kernels import split_k
 
 KV_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 HEAD_DIMS = (64, 128, 256)
@@ -300,35 +301,13 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, nu
   0) where the split saw no valid key). logits = scale * q.k, then softcap * tanh(logits /
   softcap) if softcap. Tokens at or past lengths[b] are never read as values (masked loads).
   """
-  if q.ndim != 4:
-    raise ValueError(f"q must be [B, Hkv, R, D], got {q.shape=}")
-  if k.ndim != 4 or v.shape != k.shape:
-    raise ValueError(f"k and v must have one 4-d shape, got {k.shape=} {v.shape=}")
+  split_k.check_partials_args(q, k, v, lengths, num_queries=num_queries, num_splits=num_splits,
+                              num_stages=num_stages, scale=scale, softcap=softcap, window=window)
   B, Hkv, R, D = q.shape
-  if k.shape[2:] != (Hkv, D):
-    raise ValueError(f"k's heads and head_dim {k.shape[2:]=} must match q's {(Hkv, D)}")
-  if jnp.dtype(k.dtype) not in KV_DTYPES:
-    raise ValueError(f"k.dtype={jnp.dtype(k.dtype).name} must be bfloat16 or float16")
-  if q.dtype != k.dtype or v.dtype != k.dtype:
-    raise ValueError(f"q, k, v must share a dtype, got {q.dtype=} {k.dtype=} {v.dtype=}")
   if D not in HEAD_DIMS:
     raise ValueError(f"head_dim={D} must be one of {HEAD_DIMS}")
-  if num_queries < 1 or R % num_queries:
-    raise ValueError(f"{num_queries=} must be >= 1 and divide the packed rows {R=}")
-  if num_splits < 1:
-    raise ValueError(f"{num_splits=} must be >= 1")
-  if num_stages < 1:
-    raise ValueError(f"{num_stages=} must be >= 1")
   if block_kv < MIN_BLOCK_KV or block_kv & (block_kv - 1):
     raise ValueError(f"{block_kv=} must be a power of two >= {MIN_BLOCK_KV}")
-  if lengths.shape != (B,) or lengths.dtype != jnp.int32:
-    raise ValueError(f"lengths must be int32 [{B}], got {lengths.shape=} {lengths.dtype=}")
-  if not scale > 0:
-    raise ValueError(f"{scale=} must be positive")
-  if softcap is not None and not softcap > 0:
-    raise ValueError(f"{softcap=} must be positive or None")
-  if window is not None and window < 1:
-    raise ValueError(f"{window=} must be a positive int or None")
 
   if block_tables is None:
     if k.shape[0] != B:
