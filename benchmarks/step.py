@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kv as pkv
-from pallas_kv import cache as kv_cache
 
 FLAGS = flags.FLAGS
 

@@ -18,7 +18,6 @@ sharded like q.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 from jax.sharding import AxisType

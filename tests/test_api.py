@@ -1,6 +1,5 @@
 """The public ops on impl="xla": options, jit/vmap/grad, errors, interpret and checked modes."""
 
-import os
 
 import jax
 import jax.numpy as jnp

@@ -1,7 +1,6 @@
 """DecodeAttention, page pool management, the tiny end-to-end decoder, shard_map scale-out."""
 
 import dataclasses
-import functools
 import os
 import subprocess
 import sys

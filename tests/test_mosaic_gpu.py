@@ -4,14 +4,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import pallas_kv as pkv
 from pallas_kv import heuristics
-from pallas_kv import validation
 from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
-from harness import (BENCH_CASES, BENCH_HEADS, assert_matches_reference, bench_problem, check_against_reference,
+from harness import (BENCH_CASES, BENCH_HEADS, bench_problem, check_against_reference,
                      lower_for_cuda, make_case)
 
 IMPL = "mosaic_gpu"
@@ -51,36 +49,6 @@ def test_options_interpret(interpret_mode):
   check_against_reference(case, out, **kw)
 
 
-def test_zero_lengths_interpret(interpret_mode):
-  case = make_case(6, batch=2, seq_len=64, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
-                   lengths=[0, 0])
-  out, lse = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL,
-                                  config=pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=2))
-  np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
-  assert np.isneginf(np.asarray(lse)).all()
-
-
-def test_fixed_splits_make_a_sequence_independent_of_its_batch(interpret_mode):
-  case = make_case(7, batch=3, seq_len=256, num_heads=8, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
-                   lengths=[256, 187, 120])
-  config = pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=2)
-  f = functools.partial(pkv.decode_attention, impl=IMPL, config=config)
-  whole = f(case.q, case.k, case.v, case.lengths)
-  alone = f(case.q[1:2], case.k[1:2], case.v[1:2], case.lengths[1:2])
-  np.testing.assert_array_equal(np.asarray(whole[1:2], np.float32), np.asarray(alone, np.float32))
-
-
-def test_grad_uses_reference_backward(interpret_mode):
-  case = make_case(8, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
-  config = pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=1)
-  loss = lambda impl, q, k: pkv.decode_attention(q, k, case.v, case.lengths, impl=impl,
-                                                 config=config if impl == IMPL else None).astype(jnp.float32).sum()
-  grads = jax.grad(functools.partial(loss, IMPL), argnums=(0, 1))(case.q, case.k)
-  want = jax.grad(functools.partial(loss, "xla"), argnums=(0, 1))(case.q, case.k)
-  for g, w in zip(grads, want):
-    assert_matches_reference(g, w, jnp.bfloat16)
-
-
 def test_race_detection_finds_none():
   from jax.experimental.pallas import mosaic_gpu as plgpu
   case = make_case(9, batch=1, seq_len=192, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
@@ -93,21 +61,6 @@ def test_race_detection_finds_none():
   # No public accessor exists for the interpreter's race state in jax 0.11.
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
   assert not gpu_callbacks.get_races().races_found
-
-
-def test_quantized_cache_is_refused_with_reason():
-  case = make_case(10, batch=1, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, kv_dtype=jnp.int8,
-                   dtype=jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match="mosaic_gpu.*int8"):
-    pkv.decode_attention(case.q, case.k, case.v, case.lengths, k_scale=0.1, v_scale=0.1, impl=IMPL)
-
-
-def test_mla_is_refused_with_reason():
-  case = make_case(11, batch=1, seq_len=64, num_heads=4, num_kv_heads=1, head_dim=64, page_size=16,
-                   dtype=jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match="MLA"):
-    pkv.mla_decode_attention(case.q, case.k_pages[:, :, 0], case.block_tables, case.lengths, v_head_dim=32,
-                             impl=IMPL)
 
 
 # ---------------------------------------------------------------- CUDA lowering (CPU)
@@ -152,18 +105,6 @@ def test_gpu_auto_picks_mosaic_on_hopper():
   case = make_case(5, batch=2, seq_len=1024, num_heads=8, num_kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
   pkv.decode_attention(case.q, case.k, case.v, case.lengths)
   assert pkv.last_impl() == IMPL
-
-
-def test_vmap_and_jit_match_a_loop_interpret(interpret_mode):
-  cases = [make_case(30 + i, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
-           for i in range(2)]
-  stack = lambda name: jnp.stack([getattr(c, name) for c in cases])
-  config = pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=2)
-  f = lambda q, k, v, n: pkv.decode_attention(q, k, v, n, impl=IMPL, config=config)
-  batched = jax.jit(jax.vmap(f))(stack("q"), stack("k"), stack("v"), stack("lengths"))
-  for i, c in enumerate(cases):
-    np.testing.assert_array_equal(np.asarray(batched[i], np.float32),
-                                  np.asarray(f(c.q, c.k, c.v, c.lengths), np.float32))
 
 
 # ---------------------------------------------------------------- opt-in pipeline variants

@@ -1,6 +1,5 @@
 """The float32 references against an independent float64 loop implementation."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
