@@ -10,7 +10,10 @@ rotating among the input sets. Such a program takes about c + N * t on the host
 clock (c: dispatch and sync, paid once). Each sample times a chain of N = `iters`
 calls and one of 2N back to back and takes t = (T_2N - T_N) / N, which cancels c.
 The result is the median over `repeats` samples. Compilation and `warmup` runs of
-both chains come first.
+both chains come first. Host jitter on the two wall-clock readings is ~0.1 ms, so a
+short chain of a fast op (20 calls of 45 µs = 0.9 ms) gives samples ±10% apart; the
+chain is therefore lengthened until it runs for `MIN_CHAIN_S` of device time (from
+one pilot sample), up to `MAX_CHAIN_CALLS` calls.
 
 torch ("cuda-events"): CUDA events around a loop of `iters` calls, per repeat;
 the median. Such a loop is host-bound if enqueueing a call takes about as long
@@ -37,6 +40,10 @@ from jax import lax
 L2_BYTES = 60e6
 DEFAULT_ROTATE_BYTES = 3 * L2_BYTES
 MAX_ROTATING_SETS = 64
+# Shortest device time of the short chain, and the most calls one chain may hold
+# (each call is a call site in the compiled program, so compile time grows with it).
+MIN_CHAIN_S = 5e-3
+MAX_CHAIN_CALLS = 128
 # A torch loop whose enqueue time is above this fraction of the sample is host-bound.
 HOST_BOUND_FRACTION = 0.8
 
@@ -52,6 +59,7 @@ class Timing:
   # chain-diff: fixed cost of one dispatch + sync; cuda-events: enqueue time per call.
   overhead_s: float
   host_bound: bool = False
+  calls: int = 0  # calls per short chain (chain-diff) or per timed loop (cuda-events)
 
 
 def num_rotating_sets(bytes_per_set: float, rotate_bytes: float,
@@ -95,16 +103,42 @@ def _wall(fn: Callable[[list], Any], arg_sets: list) -> float:
   return time.perf_counter() - t0
 
 
-def time_jax(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int,
-             iters: int, repeats: int) -> Timing:
-  """Device time of `fn(*args)` (a traceable JAX function) by chain differences."""
-  _check_counts(arg_sets, iters, repeats)
-  arg_sets = list(arg_sets)
+def chain_length(per_call_s: float, iters: int, *, min_chain_s: float = MIN_CHAIN_S,
+                 max_calls: int = MAX_CHAIN_CALLS) -> int:
+  """Calls per short chain: at least `iters`, more while the chain is shorter than `min_chain_s`."""
+  if per_call_s <= 0 or iters * per_call_s >= min_chain_s:
+    return iters
+  return max(iters, min(max_calls, math.ceil(min_chain_s / per_call_s)))
+
+
+def _compile_chains(fn, arg_sets, iters):
   with warnings.catch_warnings():  # deprecated peers warn while lowering
     warnings.simplefilter("ignore", DeprecationWarning)
     short = jax.jit(chain(fn, iters)).lower(arg_sets).compile()
     long = jax.jit(chain(fn, 2 * iters)).lower(arg_sets).compile()
+  return short, long
+
+
+def time_jax(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int,
+             iters: int, repeats: int, min_chain_s: float | None = None) -> Timing:
+  """Device time of `fn(*args)` (a traceable JAX function) by chain differences.
+
+  `iters` is the least number of calls per short chain; it grows (see module doc) when the
+  chain would run for less than `min_chain_s` (default: `MIN_CHAIN_S` on accelerators, 0 =
+  fixed on CPU, where interpret-mode calls are slow and compiles are what cost).
+  """
+  _check_counts(arg_sets, iters, repeats)
+  if min_chain_s is None:
+    min_chain_s = 0.0 if jax.default_backend() == "cpu" else MIN_CHAIN_S
+  arg_sets = list(arg_sets)
+  short, long = _compile_chains(fn, arg_sets, iters)
   for _ in range(max(1, warmup)):
+    jax.block_until_ready((short(arg_sets), long(arg_sets)))
+  pilot = (_wall(long, arg_sets) - _wall(short, arg_sets)) / iters
+  longer = chain_length(pilot, iters, min_chain_s=min_chain_s)
+  if longer != iters:
+    iters = longer
+    short, long = _compile_chains(fn, arg_sets, iters)
     jax.block_until_ready((short(arg_sets), long(arg_sets)))
   diffs, overheads, longs = [], [], []
   for _ in range(repeats):
@@ -115,10 +149,10 @@ def time_jax(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int,
     overheads.append(t_short - iters * per_call)
     longs.append(t_long / (2 * iters))
   if statistics.median(diffs) > 0:
-    return _summarize(diffs, "chain-diff", statistics.median(overheads))
+    return _summarize(diffs, "chain-diff", statistics.median(overheads), iters)
   # Too noisy to difference (tiny CPU cases): per-call time of the long chain,
   # an upper bound that includes the dispatch cost.
-  return _summarize(longs, "chain", 0.0)
+  return _summarize(longs, "chain", 0.0, iters)
 
 
 def time_torch(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int,
@@ -147,7 +181,7 @@ def time_torch(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int
     samples.append(start.elapsed_time(end) * 1e-3 / iters)
     enqueues.append((t1 - t0) / iters)
   enqueue = statistics.median(enqueues)
-  timing = _summarize(samples, "cuda-events", enqueue)
+  timing = _summarize(samples, "cuda-events", enqueue, iters)
   return dataclasses.replace(
       timing, host_bound=enqueue > HOST_BOUND_FRACTION * timing.median_s)
 
@@ -155,6 +189,6 @@ def time_torch(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int
 TIMERS: dict[str, Callable[..., Timing]] = {"jax": time_jax, "torch": time_torch}
 
 
-def _summarize(samples: Sequence[float], method: str, overhead_s: float) -> Timing:
+def _summarize(samples: Sequence[float], method: str, overhead_s: float, calls: int) -> Timing:
   return Timing(median_s=statistics.median(samples), min_s=min(samples),
-                samples_s=tuple(samples), method=method, overhead_s=overhead_s)
+                samples_s=tuple(samples), method=method, overhead_s=overhead_s, calls=calls)

@@ -10,6 +10,7 @@ import sys
 
 from absl import flags
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -203,3 +204,25 @@ def test_step_benchmark_runs():
   rows = step_bench.run(cases, ["xla"], iters=2, repeats=1)
   assert np.isfinite(rows[0]["step_us"])  # a timed number (it can be noise around 0 on a CPU)
   assert rows[0]["ran"] == "xla"
+
+
+@pytest.mark.parametrize("per_call_s,iters,expected", [
+    (45e-6, 20, 112),    # 0.9 ms chain lengthened to >= 5 ms
+    (10e-6, 20, 128),    # capped
+    (530e-6, 20, 20),    # already long enough
+    (-1e-6, 20, 20),     # a noisy negative pilot keeps the given length
+])
+def test_chain_length_grows_short_chains_up_to_the_cap(per_call_s, iters, expected):
+  from benchmarks import timing
+  n = timing.chain_length(per_call_s, iters, min_chain_s=5e-3, max_calls=128)
+  assert n == expected
+  assert n * max(per_call_s, 0) >= 5e-3 or n in (iters, 128)
+
+
+def test_time_jax_lengthens_the_chain_when_asked():
+  from benchmarks import timing
+  x = jnp.ones((8,), jnp.float32)
+  t = timing.time_jax(lambda a: a * 2.0, [(x,)], warmup=1, iters=2, repeats=2, min_chain_s=1.0)
+  assert t.calls > 2 and t.calls <= timing.MAX_CHAIN_CALLS
+  fixed = timing.time_jax(lambda a: a * 2.0, [(x,)], warmup=1, iters=2, repeats=2)
+  assert fixed.calls == 2  # CPU default: no lengthening
