@@ -712,9 +712,10 @@ def run(sweep: Sweep | None = None, *, json_path: str | None = None,
     print(file=out, flush=True)
     all_rows.extend({**r, "device": device, "jax_version": jax.__version__,
                      "date": date} for r in rows)
+    if json_path:  # after every case: a run cut short keeps the cases it finished
+      with open(json_path, "w") as f:
+        json.dump(all_rows, f, indent=1)
   if json_path:
-    with open(json_path, "w") as f:
-      json.dump(all_rows, f, indent=1)
     print(f"# wrote {len(all_rows)} rows to {json_path}", file=out, flush=True)
   if csv_path:
     write_csv(all_rows, csv_path)

@@ -93,7 +93,9 @@ def time_steps(layer, params, x, cache, *, iters: int, repeats: int) -> float:
   return statistics.median(samples)
 
 
-def run(cases: Sequence[StepCase], impls: Sequence[str], *, iters: int, repeats: int) -> list[dict]:
+def run(cases: Sequence[StepCase], impls: Sequence[str], *, iters: int, repeats: int,
+        json_path: str | None = None) -> list[dict]:
+  """Times every (case, impl); rewrites `json_path` after each row so a run cut short keeps them."""
   rows = []
   for case in cases:
     for impl in impls:
@@ -109,6 +111,9 @@ def run(cases: Sequence[StepCase], impls: Sequence[str], *, iters: int, repeats:
       detail = (f"{row['step_us']:10.1f} us/step {row['tokens_per_s']:12.0f} tok/s  ({row['ran']})"
                 if "step_us" in row else row["error"])
       print(f"B={case.batch:4d} ctx={case.context:6d} {impl:11s} {detail}", flush=True)
+      if json_path:
+        with open(json_path, "w") as f:
+          json.dump(rows, f, indent=1)
   return rows
 
 
@@ -126,10 +131,7 @@ def main(argv):
   cases = [StepCase(b, c, hidden, heads, kv_heads, head_dim, FLAGS.page_size, headroom=2 * iters)
            for b in batches for c in contexts]
   print(f"# DecodeAttention step  device={jax.devices()[0].device_kind}  jax={jax.__version__}")
-  rows = run(cases, impls, iters=iters, repeats=FLAGS.repeats)
-  if FLAGS.json:
-    with open(FLAGS.json, "w") as f:
-      json.dump(rows, f, indent=1)
+  run(cases, impls, iters=iters, repeats=FLAGS.repeats, json_path=FLAGS.json)
 
 
 if __name__ == "__main__":

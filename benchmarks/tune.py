@@ -143,7 +143,7 @@ def run(sweep: bench.Sweep, backend: str, space: str, out: pathlib.Path | None =
     if entry is not None:
       entries.append(entry)
       print(f"  best: {entry['config']}  {entry['time_us']:.1f} us  {entry['tbps']:.2f} TB/s", flush=True)
-  merge(out, device_kind, entries)
+      merge(out, device_kind, [entry])  # after every shape: a run cut short keeps what it finished
   print(f"# wrote {len(entries)} entries to {out}", flush=True)
   return entries
 

@@ -180,6 +180,27 @@ def test_variant_configs_lower_for_cuda(fields, case, page_size):
   lower_for_cuda(functools.partial(op, impl=IMPL, config=config), *args)
 
 
+def _tuned_h200_configs():
+  """The distinct configs the shipped H200 tuned file gives the benchmark shapes it was tuned on."""
+  seen, cases = set(), []
+  for case in BENCH_CASES:
+    args, problem = bench_problem((32, 8), case, None)
+    config = heuristics.tuned_config(IMPL, problem, "bfloat16", "NVIDIA H200")
+    if config not in seen:
+      seen.add(config)
+      cases.append(pytest.param(case, config, id=f"b{case[0]}-t{case[1]}"))
+  return cases
+
+
+@pytest.mark.parametrize("case,config", _tuned_h200_configs())
+def test_shipped_tuned_configs_lower_for_cuda(case, config):
+  # impl="auto" on an H200 runs these (pallas_kv/tuned/nvidia_h200.json, shipped with the package).
+  assert config is not None, "the package's H200 tuned file has no entry for a shape it was tuned on"
+  args, problem = bench_problem((32, 8), case, None)
+  config = heuristics.mosaic_gpu_config(problem, config, num_sms=132)
+  lower_for_cuda(functools.partial(pkv.decode_attention, impl=IMPL, config=config), *args)
+
+
 @pytest.mark.parametrize("probe", mgpu_decode.PROBES)
 def test_probes_lower_for_cuda(probe):
   # Measurement-only kernels (benchmarks/kernel_variants.py); their results are wrong by design.
