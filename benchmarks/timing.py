@@ -139,7 +139,10 @@ def time_jax(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int,
   if longer != iters:
     iters = longer
     short, long = _compile_chains(fn, arg_sets, iters)
-    jax.block_until_ready((short(arg_sets), long(arg_sets)))
+    # The GPU idles (and clocks down) while the longer chains compile: warm up again. With a single
+    # run here the first sample came out 1.5-3x slow on the H200 (benchmarks/results, 2026-11-29).
+    for _ in range(max(1, warmup)):
+      jax.block_until_ready((short(arg_sets), long(arg_sets)))
   diffs, overheads, longs = [], [], []
   for _ in range(repeats):
     t_short = _wall(short, arg_sets)
