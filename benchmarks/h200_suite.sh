@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The measurement suite on an H200, in parts that each fit one ~10-minute command.
-#   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged step tune tune_triton
+#   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged step tune tune_triton ncu
 #   (and scaling8k scaling32k on a machine with several GPUs)
 # Results (JSON, logs) go to $OUT if set, else bench_out/. Run from the repository root with the
 # machine's own python3 (jax with CUDA); nothing is installed.
@@ -28,11 +28,26 @@ for part in "$@"; do
               python3 -m benchmarks.tune --flagfile=configs/gqa_h200.flags --backend=$backend --repeats=5 \
                 --warmup=2 2>&1 | quiet | tee "$out/$part.log"
               cp pallas_kv/tuned/*.json "$out/" ;;
+    ncu)      # Nsight Compute counters of steady-state calls (registers, smem, occupancy, DRAM %);
+              # ~3 minutes; needs ncu with access to the counters.
+              if ! command -v ncu >/dev/null 2>&1; then echo "ncu: not on this machine" | tee "$out/ncu.log"; else
+                mkdir -p /tmp/ncu
+                for c in 128x4096 1x32768; do for impl in mosaic_gpu triton torch; do
+                  ncu --clock-control none --target-processes all --kernel-name regex:'pallas_kv|flash|fmha|sdpa' \
+                    --launch-skip 3 --launch-count 2 --section LaunchStats --section Occupancy \
+                    --section SpeedOfLight --export "/tmp/ncu/$impl-$c" --force-overwrite \
+                    python3 -m benchmarks.profile_kernel --flagfile=configs/gqa_h200.flags --impl=$impl \
+                    --cases=$c --warmup=2 --calls=3 2>&1 | tail -3
+                  ncu --import "/tmp/ncu/$impl-$c.ncu-rep" --page details --csv > "/tmp/ncu/$impl-$c.csv"
+                done; done
+                python3 -m benchmarks.ncu_summary /tmp/ncu/*.csv | tee "$out/ncu.log"
+                tar czf "$out/ncu_csv.tgz" -C /tmp/ncu $(cd /tmp/ncu && ls *.csv)
+              fi ;;
     scaling8k|scaling32k)
               ctx=$([ "$part" = scaling8k ] && echo 8192 || echo 32768)
               python3 -m benchmarks.scaling --flagfile=configs/scaling_h200.flags --seq_len=$ctx \
                 --json="$out/$part.json" 2>&1 | quiet | tee "$out/$part.log" ;;
-    *) echo "unknown part: $part (tests variants gqa paged step tune tune_triton scaling8k scaling32k)"; status=2 ;;
+    *) echo "unknown part: $part (tests variants gqa paged step tune tune_triton ncu scaling8k scaling32k)"; status=2 ;;
   esac
 done
 exit $status

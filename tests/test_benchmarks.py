@@ -226,3 +226,30 @@ def test_time_jax_lengthens_the_chain_when_asked():
   assert t.calls > 2 and t.calls <= timing.MAX_CHAIN_CALLS
   fixed = timing.time_jax(lambda a: a * 2.0, [(x,)], warmup=1, iters=2, repeats=2)
   assert fixed.calls == 2  # CPU default: no lengthening
+
+
+def test_profile_kernel_runs_each_impl_once_per_call_on_cpu(capsys):
+  from benchmarks import decode as bench
+  from benchmarks import profile_kernel
+  sweep = bench.Sweep(op="decode", impls=("xla", "cudnn"), cases=((2, 64),), num_heads=4, num_kv_heads=2,
+                      head_dim=32, iters=1, repeats=1, warmup=1)
+  lines = profile_kernel.run(sweep, calls=2)
+  assert lines[0].startswith("xla: 2 calls of decode B=2 T=64")
+  assert lines[1].startswith("cudnn: not run")  # a peer that needs a GPU says so, the rest go on
+
+
+def test_ncu_summary_reads_a_details_csv():
+  from benchmarks import ncu_summary
+  header = '"ID","Process ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"'
+  rows = [
+      '"0","7","pallas_kv_decode_dense_r4","GPU Speed Of Light Throughput","DRAM Throughput","%","91.52"',
+      '"0","7","pallas_kv_decode_dense_r4","Launch Statistics","Registers Per Thread","register/thread","168"',
+      '"0","7","pallas_kv_decode_dense_r4","Occupancy","Block Limit Registers","block","1"',
+      '"1","7","flash_fwd_splitkv_kernel","GPU Speed Of Light Throughput","DRAM Throughput","%","97.10"',
+  ]
+  launches = ncu_summary.read_launches(["==PROF== noise", header, *rows])
+  assert [l["kernel"] for l in launches] == ["pallas_kv_decode_dense_r4", "flash_fwd_splitkv_kernel"]
+  assert launches[0]["Registers Per Thread"] == "168 register/thread"
+  text = ncu_summary.format_rows(launches)
+  assert "DRAM %=91.52 %" in text and "blk lim regs=1 block" in text and "DRAM %=97.10 %" in text
+  assert "ach occ %=-" in text  # metrics a launch lacks show as '-'
