@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The measurement suite on an H200, in parts that each fit one ~10-minute command.
-#   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged step tune tune_triton ncu
+#   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged step tune tune_triton ncu loadpath
 #   (and scaling8k scaling32k on a machine with several GPUs)
 # Results (JSON, logs) go to $OUT if set, else bench_out/. Run from the repository root with the
 # machine's own python3 (jax with CUDA); nothing is installed.
@@ -14,6 +14,9 @@ for part in "$@"; do
   case "$part" in
     tests)    python3 -m pytest -q -m gpu tests 2>&1 | tail -25 | tee "$out/gpu_tests.log" ;;
     variants) python3 -m benchmarks.kernel_variants --json="$out/variants.json" 2>&1 | quiet | tee "$out/variants.log" ;;
+    loadpath) # the kernel's TMA ring with no math, under several ring shapes (~2-3 minutes)
+              python3 -m benchmarks.kernel_variants --variants=none --load_path --json="$out/loadpath.json" 2>&1 \
+                | quiet | tee "$out/loadpath.log" ;;
     gqa)      python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags --repeats=5 \
                 --json="$out/gqa.json" 2>&1 | quiet | tee "$out/gqa.log" ;;
     paged)    for ps in 16 64; do
@@ -47,7 +50,7 @@ for part in "$@"; do
               ctx=$([ "$part" = scaling8k ] && echo 8192 || echo 32768)
               python3 -m benchmarks.scaling --flagfile=configs/scaling_h200.flags --seq_len=$ctx \
                 --json="$out/$part.json" 2>&1 | quiet | tee "$out/$part.log" ;;
-    *) echo "unknown part: $part (tests variants gqa paged step tune tune_triton ncu scaling8k scaling32k)"; status=2 ;;
+    *) echo "unknown part: $part (tests variants loadpath gqa paged step tune tune_triton ncu scaling8k scaling32k)"; status=2 ;;
   esac
 done
 exit $status

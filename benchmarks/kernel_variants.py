@@ -15,6 +15,9 @@ input sets rotated to overflow L2):
   probe rows   the kernel alone (`decode_partials`, no combine) at B=128 and B=1: `kernel` is
                the baseline kernel, `probe:*` leave out one consumer stage (results wrong by
                design, not checked). kernel vs baseline at B=1 = the combine's share.
+`--load_path` adds `loads:*` rows on the probe shapes: the `loads_only` probe under each ring
+shape of LOAD_PATH (tile tokens x stages, persistent, two rings); `--variants=none --load_path`
+runs only the kernel-only rows (~2 minutes).
 Shapes run in order of interest; once `--budget_s` is spent the rest are recorded as skipped.
 Prints one table (variant x shape, TB/s of the bytes moved as in benchmarks/decode.py) at the end
 and writes every row to --json. Exit status 1 if a non-probe variant errors or fails the check.
@@ -53,6 +56,19 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...] | None]] = {
 }
 PROBE_SHAPES = ("B128 T4096", "B1 T32768")
 PROBES = ("no_qk", "no_softmax", "no_pv", "loads_only")
+# --load_path: the `loads_only` probe (the kernel's TMA ring with no math) under other ring
+# shapes, on PROBE_SHAPES. The full kernel reads within ~2% of its loads-only rate at B=128
+# (benchmarks/NOTES.md), so the ring shape that streams fastest is the kernel's ceiling.
+LOAD_PATH: dict[str, dict[str, Any]] = {
+    "bkv64_st4": {"block_kv": 64, "num_stages": 4},      # the shipped ring
+    "bkv64_st2": {"block_kv": 64, "num_stages": 2},
+    "bkv64_st6": {"block_kv": 64, "num_stages": 6},
+    "bkv64_st3": {"block_kv": 64, "num_stages": 3},
+    "bkv128_st2": {"block_kv": 128, "num_stages": 2},
+    "bkv128_st3": {"block_kv": 128, "num_stages": 3},
+    "bkv64_st4_persistent": {"block_kv": 64, "num_stages": 4, "persistent": True},
+    "bkv64_st4_kvg2": {"block_kv": 64, "num_stages": 4, "kv_groups": 2},
+}
 
 # (batch, seq_len, page_size), in the order they run (most informative first).
 GPU_SHAPES = ((128, 4096, None), (64, 2048, None), (1, 32768, None), (32, 4096, None),
@@ -126,6 +142,8 @@ def _kernel_fn(config, problem, paged: bool, probe: str | None):
     return mgpu_decode.decode_partials(
         rows, k, v, lengths, block_tables, num_queries=1, num_splits=config.num_splits,
         block_kv=config.block_kv, num_stages=config.num_stages, scale=problem.head_dim ** -0.5,
+        kv_groups=config.kv_groups, pipeline_qk=config.pipeline_qk,
+        persistent_programs=runtime.num_sms() if config.persistent else None,
         interpret=runtime.mosaic_gpu_interpret_params(), _probe=probe)
 
   return jax.jit(fn)
@@ -138,7 +156,7 @@ def _time(fn, input_sets, s: Settings) -> dict[str, Any]:
 
 
 def run_shape(s: Settings, batch: int, seq_len: int, page_size: int | None, key, deadline: float,
-              probe_shapes: Sequence[str]) -> list[dict[str, Any]]:
+              probe_shapes: Sequence[str], load_path: bool = False) -> list[dict[str, Any]]:
   name = shape_name(batch, seq_len, page_size)
   paged = page_size is not None
   case = _case(s, batch, seq_len, page_size)
@@ -162,8 +180,10 @@ def run_shape(s: Settings, batch: int, seq_len: int, page_size: int | None, key,
       todo.append((variant, None, fields))
   if name in probe_shapes:
     # Kernel-only rows go before baseline_again so that it still closes the shape.
-    last = [todo.pop()] if todo[-1][0] == "baseline_again" else []
+    last = [todo.pop()] if todo and todo[-1][0] == "baseline_again" else []
     todo += [("kernel", None, {})] + [(f"probe:{p}", p, {}) for p in PROBES] + last
+    if load_path:
+      todo += [(f"loads:{n}", "loads_only", f) for n, f in LOAD_PATH.items()]
   rows = []
   for variant, probe, fields in todo:
     row: dict[str, Any] = {**base, "variant": variant,
@@ -238,7 +258,7 @@ def failed_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
           (r["status"] == "error" or r.get("check_ok") is False)]
 
 
-def run(s: Settings, shapes, probe_shapes, json_path: str | None) -> list[dict[str, Any]]:
+def run(s: Settings, shapes, probe_shapes, json_path: str | None, load_path: bool = False) -> list[dict[str, Any]]:
   start = time.perf_counter()
   deadline = start + s.budget_s
   print(f"# kernel variants  device={decode_bench.device_description()}  jax={jax.__version__}  "
@@ -249,7 +269,7 @@ def run(s: Settings, shapes, probe_shapes, json_path: str | None) -> list[dict[s
   for batch, seq_len, page_size in shapes:
     key, sub = jax.random.split(key)
     try:
-      rows += run_shape(s, batch, seq_len, page_size, sub, deadline, probe_shapes)
+      rows += run_shape(s, batch, seq_len, page_size, sub, deadline, probe_shapes, load_path)
     except Exception as e:  # pylint: disable=broad-except  (input or reference failed)
       rows.append({"shape": shape_name(batch, seq_len, page_size), "variant": "baseline",
                    "kind": "op", "status": "error", "reason": f"{type(e).__name__}: {e}"[:300],
@@ -273,7 +293,10 @@ _WARMUP = decode_bench._WARMUP
 _SMOKE = flags.DEFINE_boolean("smoke", False, "CPU: tiny shapes in interpret mode (< 1 minute).")
 _BUDGET_S = flags.DEFINE_float("budget_s", 320.0, "Wall seconds after which remaining rows are "
                                "skipped (the whole run, compiles included, should stay < 6 min).")
-_VARIANTS = flags.DEFINE_list("variants", None, f"Subset of {','.join(VARIANTS)} (default all).")
+_VARIANTS = flags.DEFINE_list("variants", None, f"Subset of {','.join(VARIANTS)} (default all); "
+                              "'none' runs only the kernel-only rows.")
+_LOAD_PATH = flags.DEFINE_boolean("load_path", False, "Also time the loads-only probe under each "
+                                  f"ring shape of LOAD_PATH ({', '.join(LOAD_PATH)}) on the probe shapes.")
 
 
 def _or(value, default):
@@ -284,7 +307,7 @@ def main(argv: Sequence[str]) -> int:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   if _VARIANTS.value:
-    unknown = set(_VARIANTS.value) - set(VARIANTS)
+    unknown = set(_VARIANTS.value) - set(VARIANTS) - {"none"}
     if unknown:
       raise app.UsageError(f"--variants: unknown {sorted(unknown)}; choose from {list(VARIANTS)}")
     for name in list(VARIANTS):
@@ -295,14 +318,17 @@ def main(argv: Sequence[str]) -> int:
     s = Settings(smoke=True, num_heads=4, num_kv_heads=1, head_dim=64, warmup=0, iters=1,
                  repeats=1, rotate_bytes=0.0, budget_s=_BUDGET_S.value)
     with pallas_kv.interpret():
-      rows = run(s, SMOKE_SHAPES, SMOKE_PROBE_SHAPES, _JSON.value)
+      rows = run(s, SMOKE_SHAPES, SMOKE_PROBE_SHAPES, _JSON.value, _LOAD_PATH.value)
   else:
     if jax.default_backend() != "gpu":
       raise app.UsageError("needs a GPU; use --smoke on a CPU")
     s = Settings(smoke=False, num_heads=32, num_kv_heads=8, head_dim=128, warmup=_or(_WARMUP.value, 2),
                  iters=_or(_ITERS.value, 20), repeats=_or(_REPEATS.value, 5),
                  rotate_bytes=timing.DEFAULT_ROTATE_BYTES, budget_s=_BUDGET_S.value)
-    rows = run(s, GPU_SHAPES, PROBE_SHAPES, _JSON.value)
+    shapes = GPU_SHAPES
+    if not VARIANTS:  # kernel-only rows: only the shapes that have them
+      shapes = tuple(x for x in GPU_SHAPES if shape_name(*x) in PROBE_SHAPES)
+    rows = run(s, shapes, PROBE_SHAPES, _JSON.value, _LOAD_PATH.value)
   failed = failed_rows(rows)
   for r in failed:
     print(f"FAILED: {r['variant']} on {r['shape']}: {r.get('reason') or 'rel_err %.3g' % r['rel_err']}",

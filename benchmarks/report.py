@@ -9,6 +9,8 @@ r"""Markdown for RESULTS.md from the JSON rows that `benchmarks/decode.py --json
       --date overrides), the command, then per shape family (op, heads, dtype, options) three
       tables, median time (µs), TB/s of KV read and % of the roofline, a column per impl, and
       the reasons of n/a or error cells and the largest relative error of the pallas_kv rows.
+
+  --plot=FILE.png also saves the TB/s plot of the rows (needs the `plot` extra).
 """
 
 from __future__ import annotations
@@ -159,11 +161,19 @@ def main(argv: Sequence[str]) -> None:
                       "file name's YYYY-MM-DD prefix)")
   parser.add_argument("--section", action="store_true",
                       help="print a whole section even without --command")
+  parser.add_argument("--plot", help="also save the rows' TB/s plot (benchmarks/decode.py's) as this PNG")
   args = parser.parse_args(argv)
   loaded = []
   for path in args.paths:
     with open(path) as f:
       loaded.append((path, json.load(f)))
+  if args.plot:
+    from benchmarks import decode  # pylint: disable=g-import-not-at-top
+    if decode.plot_available():
+      decode.write_plot([r for _, rs in loaded for r in rs], args.plot)
+      print(f"# wrote {args.plot}")
+    else:
+      print("# --plot needs matplotlib (pip install 'pallas-kv[plot]'); no plot written")
   if args.command is None and not args.section:
     for path, rows in loaded:
       print(f"`{path}`\n")

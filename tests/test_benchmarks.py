@@ -253,3 +253,18 @@ def test_ncu_summary_reads_a_details_csv():
   text = ncu_summary.format_rows(launches)
   assert "DRAM %=91.52 %" in text and "blk lim regs=1 block" in text and "DRAM %=97.10 %" in text
   assert "ach occ %=-" in text  # metrics a launch lacks show as '-'
+
+
+def test_kernel_variants_load_path_rows_run_in_interpret_mode(monkeypatch):
+  import pallas_kv
+  from benchmarks import kernel_variants as kv
+  monkeypatch.setattr(kv, "VARIANTS", {})
+  monkeypatch.setattr(kv, "LOAD_PATH", dict(list(kv.LOAD_PATH.items())[:2]))
+  s = kv.Settings(smoke=True, num_heads=4, num_kv_heads=1, head_dim=64, warmup=0, iters=1, repeats=1,
+                  rotate_bytes=0.0, budget_s=600.0)
+  with pallas_kv.interpret():
+    rows = kv.run(s, kv.SMOKE_SHAPES[:1], kv.SMOKE_PROBE_SHAPES, None, load_path=True)
+  names = [r["variant"] for r in rows]
+  assert names == ["kernel", *(f"probe:{p}" for p in kv.PROBES), *(f"loads:{n}" for n in kv.LOAD_PATH)]
+  assert all(r["status"] == "ran" for r in rows), [(r["variant"], r.get("reason")) for r in rows]
+  assert rows[-1]["config"]["num_stages"] == list(kv.LOAD_PATH.values())[-1]["num_stages"]

@@ -209,3 +209,25 @@ def test_probes_lower_for_cuda(probe):
   lengths = jax.ShapeDtypeStruct((128,), jnp.int32)
   lower_for_cuda(functools.partial(mgpu_decode.decode_partials, num_queries=1, num_splits=1, block_kv=64,
                                    num_stages=4, scale=0.1, _probe=probe), q, kv, kv, lengths)
+
+
+def _load_path_cases():
+  from benchmarks import kernel_variants
+  return [pytest.param(name, fields, id=name) for name, fields in kernel_variants.LOAD_PATH.items()]
+
+
+@pytest.mark.parametrize("name,fields", _load_path_cases())
+@pytest.mark.parametrize("probe", ["loads_only", None])
+def test_load_path_rings_lower_for_cuda(name, fields, probe):
+  # benchmarks/kernel_variants.py --load_path times these rings with no math (probe) on the H200;
+  # the full kernel (probe None) must lower with each too, so that a faster ring can ship.
+  del name
+  args, problem = bench_problem((32, 8), (128, 4096), None)
+  config = heuristics.mosaic_gpu_config(problem, pkv.DecodeConfig(**fields), num_sms=132)
+  q, k, v, lengths = args
+  rows = jax.ShapeDtypeStruct((128, 8, 4, 128), jnp.bfloat16)
+  lower_for_cuda(functools.partial(mgpu_decode.decode_partials, num_queries=1, num_splits=config.num_splits,
+                                   block_kv=config.block_kv, num_stages=config.num_stages, scale=0.1,
+                                   kv_groups=config.kv_groups,
+                                   persistent_programs=132 if config.persistent else None, _probe=probe),
+                 rows, k, v, lengths)
