@@ -131,18 +131,21 @@ def time_jax(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int,
   if min_chain_s is None:
     min_chain_s = 0.0 if jax.default_backend() == "cpu" else MIN_CHAIN_S
   arg_sets = list(arg_sets)
-  short, long = _compile_chains(fn, arg_sets, iters)
-  for _ in range(max(1, warmup)):
-    jax.block_until_ready((short(arg_sets), long(arg_sets)))
+
+  def compile_and_warm_up(iters):
+    short, long = _compile_chains(fn, arg_sets, iters)
+    for _ in range(max(1, warmup)):
+      jax.block_until_ready((short(arg_sets), long(arg_sets)))
+    return short, long
+
+  short, long = compile_and_warm_up(iters)
   pilot = (_wall(long, arg_sets) - _wall(short, arg_sets)) / iters
   longer = chain_length(pilot, iters, min_chain_s=min_chain_s)
   if longer != iters:
+    # Warmed up again: the GPU idles (and clocks down) while the longer chains compile; with a
+    # single run the first sample came out 1.5-3x slow on the H200 (benchmarks/results, 2026-11-29).
     iters = longer
-    short, long = _compile_chains(fn, arg_sets, iters)
-    # The GPU idles (and clocks down) while the longer chains compile: warm up again. With a single
-    # run here the first sample came out 1.5-3x slow on the H200 (benchmarks/results, 2026-11-29).
-    for _ in range(max(1, warmup)):
-      jax.block_until_ready((short(arg_sets), long(arg_sets)))
+    short, long = compile_and_warm_up(iters)
   diffs, overheads, longs = [], [], []
   for _ in range(repeats):
     t_short = _wall(short, arg_sets)

@@ -184,7 +184,7 @@ def _tuned_h200_configs():
   """The distinct configs the shipped H200 tuned file gives the benchmark shapes it was tuned on."""
   seen, cases = set(), []
   for case in BENCH_CASES:
-    args, problem = bench_problem((32, 8), case, None)
+    _, problem = bench_problem((32, 8), case, None)
     config = heuristics.tuned_config(IMPL, problem, "bfloat16", "NVIDIA H200")
     if config not in seen:
       seen.add(config)
@@ -213,21 +213,15 @@ def test_probes_lower_for_cuda(probe):
 
 def _load_path_cases():
   from benchmarks import kernel_variants
-  return [pytest.param(name, fields, id=name) for name, fields in kernel_variants.LOAD_PATH.items()]
+  return [pytest.param(fields, id=name) for name, fields in kernel_variants.LOAD_PATH.items()]
 
 
-@pytest.mark.parametrize("name,fields", _load_path_cases())
+@pytest.mark.parametrize("fields", _load_path_cases())
 @pytest.mark.parametrize("probe", ["loads_only", None])
-def test_load_path_rings_lower_for_cuda(name, fields, probe):
+def test_load_path_rings_lower_for_cuda(fields, probe):
   # benchmarks/kernel_variants.py --load_path times these rings with no math (probe) on the H200;
   # the full kernel (probe None) must lower with each too, so that a faster ring can ship.
-  del name
+  from benchmarks import kernel_variants
   args, problem = bench_problem((32, 8), (128, 4096), None)
   config = heuristics.mosaic_gpu_config(problem, pkv.DecodeConfig(**fields), num_sms=132)
-  q, k, v, lengths = args
-  rows = jax.ShapeDtypeStruct((128, 8, 4, 128), jnp.bfloat16)
-  lower_for_cuda(functools.partial(mgpu_decode.decode_partials, num_queries=1, num_splits=config.num_splits,
-                                   block_kv=config.block_kv, num_stages=config.num_stages, scale=0.1,
-                                   kv_groups=config.kv_groups,
-                                   persistent_programs=132 if config.persistent else None, _probe=probe),
-                 rows, k, v, lengths)
+  lower_for_cuda(kernel_variants._kernel_fn(config, problem, paged=False, probe=probe), *args)
