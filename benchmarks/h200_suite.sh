@@ -31,17 +31,17 @@ for part in "$@"; do
               python3 -m benchmarks.tune --flagfile=configs/gqa_h200.flags --backend=$backend --repeats=5 \
                 --warmup=2 2>&1 | quiet | tee "$out/$part.log"
               cp pallas_kv/tuned/*.json "$out/" ;;
-    ncu)      # Nsight Compute counters of steady-state calls (registers, smem, occupancy, DRAM %);
-              # ~3 minutes; needs ncu with access to the counters.
+    ncu)      # Nsight Compute counters of one steady-state call (registers, smem, occupancy, DRAM %);
+              # a profiled process takes minutes (compiles run under ncu), so each one has its own limit.
               if ! command -v ncu >/dev/null 2>&1; then echo "ncu: not on this machine" | tee "$out/ncu.log"; else
                 mkdir -p /tmp/ncu
-                for c in 128x4096 1x32768; do for impl in mosaic_gpu triton torch; do
-                  ncu --clock-control none --target-processes all --kernel-name regex:'pallas_kv|flash|fmha|sdpa' \
-                    --launch-skip 3 --launch-count 2 --section LaunchStats --section Occupancy \
+                for c in 128x4096; do for impl in triton mosaic_gpu torch; do
+                  timeout 170 ncu --clock-control none --target-processes all --kernel-name regex:'pallas_kv|flash|fmha|sdpa' \
+                    --launch-skip 3 --launch-count 1 --section LaunchStats --section Occupancy \
                     --section SpeedOfLight --export "/tmp/ncu/$impl-$c" --force-overwrite \
                     python3 -m benchmarks.profile_kernel --flagfile=configs/gqa_h200.flags --impl=$impl \
                     --cases=$c --warmup=2 --calls=3 2>&1 | tail -3
-                  ncu --import "/tmp/ncu/$impl-$c.ncu-rep" --page details --csv > "/tmp/ncu/$impl-$c.csv"
+                  [ -f "/tmp/ncu/$impl-$c.ncu-rep" ] && ncu --import "/tmp/ncu/$impl-$c.ncu-rep" --page details --csv > "/tmp/ncu/$impl-$c.csv"
                 done; done
                 python3 -m benchmarks.ncu_summary /tmp/ncu/*.csv | tee "$out/ncu.log"
                 tar czf "$out/ncu_csv.tgz" -C /tmp/ncu $(cd /tmp/ncu && ls *.csv)
