@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The measurement suite on an H200, in parts that each fit one ~10-minute command.
 #   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged step tune tune_triton ncu loadpath
+#   tune-SWEEP-BACKEND (e.g. TUNE_CASES=32x8192,128x8192 ... tune-gpt_oss_120b-mosaic_gpu)
 #   (and scaling8k scaling32k on a machine with several GPUs)
 # Results (JSON, logs) go to $OUT if set, else bench_out/. Run from the repository root with the
 # machine's own python3 (jax with CUDA); nothing is installed.
@@ -31,6 +32,12 @@ for part in "$@"; do
               python3 -m benchmarks.tune --flagfile=configs/gqa_h200.flags --backend=$backend --repeats=5 \
                 --warmup=2 2>&1 | quiet | tee "$out/$part.log"
               cp pallas_kv/tuned/*.json "$out/" ;;
+    tune-*)   # tune-SWEEP-BACKEND: tune a configs/SWEEP.flags sweep (TUNE_CASES=BxT,... picks cases;
+              # ~1 minute per shape with the fast space), e.g. tune-gpt_oss_120b-triton
+              spec=${part#tune-}; backend=${spec##*-}; sweep=${spec%-*}
+              python3 -m benchmarks.tune --flagfile="configs/$sweep.flags" --backend="$backend" \
+                ${TUNE_CASES:+--cases=$TUNE_CASES} --repeats=5 --warmup=2 2>&1 | quiet | tee "$out/$part.log"
+              cp pallas_kv/tuned/*.json "$out/" ;;
     ncu)      # Nsight Compute counters of one steady-state call (registers, smem, occupancy, DRAM %);
               # a profiled process takes minutes (compiles run under ncu), so each one has its own limit.
               if ! command -v ncu >/dev/null 2>&1; then echo "ncu: not on this machine" | tee "$out/ncu.log"; else
@@ -50,7 +57,7 @@ for part in "$@"; do
               ctx=$([ "$part" = scaling8k ] && echo 8192 || echo 32768)
               python3 -m benchmarks.scaling --flagfile=configs/scaling_h200.flags --seq_len=$ctx \
                 --json="$out/$part.json" 2>&1 | quiet | tee "$out/$part.log" ;;
-    *) echo "unknown part: $part (tests variants loadpath gqa paged step tune tune_triton ncu scaling8k scaling32k)"; status=2 ;;
+    *) echo "unknown part: $part (tests variants loadpath gqa paged step tune tune_triton tune-SWEEP-BACKEND ncu scaling8k scaling32k)"; status=2 ;;
   esac
 done
 exit $status
