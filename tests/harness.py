@@ -172,6 +172,20 @@ def bench_problem(heads, case, page_size):
   return (q, pages, pages, tables, lengths), validation.validate_paged(q, pages, pages, tables, lengths)
 
 
+def shipped_tuned_h200_configs(backend: str):
+  """pytest params (case, config): the distinct configs the package's H200 tuned file gives
+  `backend` at the dense 32/8 benchmark shapes (None where it has no entry)."""
+  import pytest
+  from pallas_kv import heuristics
+  seen, params = set(), []
+  for case in BENCH_CASES:
+    _, problem = bench_problem((32, 8), case, None)
+    config = heuristics.tuned_config(backend, problem, "bfloat16", "NVIDIA H200")
+    if config not in seen:
+      seen.add(config)
+      params.append(pytest.param(case, config, id=f"b{case[0]}-t{case[1]}"))
+  return params
+
 def gpu_available() -> bool:
   try:
     return bool(jax.devices("gpu"))

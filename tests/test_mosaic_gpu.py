@@ -10,7 +10,7 @@ import pallas_kv as pkv
 from pallas_kv import heuristics
 from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
 from harness import (BENCH_CASES, BENCH_HEADS, bench_problem, check_against_reference,
-                     lower_for_cuda, make_case)
+                     lower_for_cuda, make_case, shipped_tuned_h200_configs)
 
 IMPL = "mosaic_gpu"
 
@@ -180,19 +180,7 @@ def test_variant_configs_lower_for_cuda(fields, case, page_size):
   lower_for_cuda(functools.partial(op, impl=IMPL, config=config), *args)
 
 
-def _tuned_h200_configs():
-  """The distinct configs the shipped H200 tuned file gives the benchmark shapes it was tuned on."""
-  seen, cases = set(), []
-  for case in BENCH_CASES:
-    _, problem = bench_problem((32, 8), case, None)
-    config = heuristics.tuned_config(IMPL, problem, "bfloat16", "NVIDIA H200")
-    if config not in seen:
-      seen.add(config)
-      cases.append(pytest.param(case, config, id=f"b{case[0]}-t{case[1]}"))
-  return cases
-
-
-@pytest.mark.parametrize("case,config", _tuned_h200_configs())
+@pytest.mark.parametrize("case,config", shipped_tuned_h200_configs(IMPL))
 def test_shipped_tuned_configs_lower_for_cuda(case, config):
   # impl="auto" on an H200 runs these (pallas_kv/tuned/nvidia_h200.json, shipped with the package).
   assert config is not None, "the package's H200 tuned file has no entry for a shape it was tuned on"

@@ -13,7 +13,7 @@ import pallas_kv as pkv
 from pallas_kv import heuristics
 from pallas_kv.kernels.triton import decode as triton_decode
 from harness import (BENCH_CASES, BENCH_HEADS, TRITON_CUSTOM_CALL, bench_problem,
-                     check_against_reference, lower_for_cuda, make_case)
+                     check_against_reference, lower_for_cuda, make_case, shipped_tuned_h200_configs)
 
 IMPL = "triton"
 
@@ -139,19 +139,7 @@ def test_heuristic_configs_lower_triton(heads, case, page_size, config):
   _lower_triton(functools.partial(op, impl=IMPL, config=config), *args)
 
 
-def _tuned_h200_configs():
-  """The distinct configs the shipped H200 tuned file gives the dense 32/8 benchmark shapes."""
-  seen, cases = set(), []
-  for case in BENCH_CASES:
-    _, problem = bench_problem((32, 8), case, None)
-    config = heuristics.tuned_config(IMPL, problem, "bfloat16", "NVIDIA H200")
-    if config not in seen:
-      seen.add(config)
-      cases.append(pytest.param(case, config, id=f"b{case[0]}-t{case[1]}"))
-  return cases
-
-
-@pytest.mark.parametrize("case,config", _tuned_h200_configs())
+@pytest.mark.parametrize("case,config", shipped_tuned_h200_configs(IMPL))
 def test_shipped_tuned_configs_lower_triton(case, config):
   # impl="auto" on an H200 runs these where they measured faster than mosaic_gpu's entries.
   assert config is not None, "the package's H200 tuned file has no triton entry for a shape it was tuned on"
