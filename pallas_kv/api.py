@@ -1,7 +1,7 @@
 """Public ops: validate, pick a backend and a config, run the kernels, combine.
 
 `impl` chooses the backend:
-  "xla"         the float32 reference (`pallas_kv.reference`), cast to q's dtype; runs anywhere.
+  "xla"         plain XLA ops (`pallas_kv.xla`, float32 math), cast to q's dtype; runs anywhere.
   "mosaic_gpu"  Mosaic GPU kernels (Hopper and newer).
   "triton"      Pallas Triton kernels (portable GPUs).
   "auto"        the fastest backend that serves the request on the local device, else "xla".
@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from pallas_kv import reference
 from pallas_kv import runtime
 from pallas_kv import tuned
 from pallas_kv import validation
+from pallas_kv import xla
 from pallas_kv.config import AttentionOptions
 
 IMPLS = ("auto", "mosaic_gpu", "triton", "xla")
@@ -32,7 +32,7 @@ def last_impl() -> str | None:
   return _last_impl
 
 
-def _kernel_backend(name: str):
+def kernel_backend(name: str):
   """The module implementing a kernel backend; NotImplementedError if it is not available."""
   if name == "mosaic_gpu":
     from pallas_kv.kernels.mosaic_gpu import backend
@@ -43,13 +43,13 @@ def _kernel_backend(name: str):
   raise NotImplementedError(f"impl={name!r}: this backend is not built yet; use impl='xla' or impl='auto'")
 
 
-def _device_can_run(name: str) -> bool:
+def device_can_run(name: str) -> bool:
   if name == "mosaic_gpu":
     return runtime.is_hopper_or_newer()
   return runtime.gpu_device() is not None
 
 
-def _choose_impl(impl: str, op: str, problem, options, dtypes, config) -> tuple[str, object | None]:
+def choose_impl(impl: str, op: str, problem, options, dtypes, config) -> tuple[str, object | None]:
   """Returns (backend name, backend module or None for xla)."""
   global _last_impl
   if impl not in IMPLS:
@@ -60,7 +60,7 @@ def _choose_impl(impl: str, op: str, problem, options, dtypes, config) -> tuple[
     _last_impl = "xla"
     return "xla", None
   if impl != "auto":
-    backend = _kernel_backend(impl)
+    backend = kernel_backend(impl)
     reason = backend.unsupported_reason(op, problem, options, dtypes)
     if reason:
       raise NotImplementedError(f"impl={impl!r} cannot run this {op} call: {reason}")
@@ -68,10 +68,10 @@ def _choose_impl(impl: str, op: str, problem, options, dtypes, config) -> tuple[
     return impl, backend
   serving = {}  # kernel backends that run on this device and serve this call, in preference order
   for name in KERNEL_IMPLS:
-    if not _device_can_run(name):
+    if not device_can_run(name):
       continue
     try:
-      backend = _kernel_backend(name)
+      backend = kernel_backend(name)
     except NotImplementedError:
       continue
     if backend.unsupported_reason(op, problem, options, dtypes) is None:
@@ -142,8 +142,8 @@ def _loop_when_vmapped(fn):
   return fn
 
 
-def _with_reference_gradient(kernel_fn, reference_fn, **arrays):
-  """kernel_fn(**arrays) forward; gradients from the float32 reference_fn(**arrays) (custom VJP).
+def _with_xla_gradient(kernel_fn, xla_fn, **arrays):
+  """kernel_fn(**arrays) forward; gradients from the float32 xla_fn(**arrays) (custom VJP).
 
   Entries that are None stay out of the differentiated arguments.
   """
@@ -159,7 +159,7 @@ def _with_reference_gradient(kernel_fn, reference_fn, **arrays):
     return kernel(*values), values
 
   def op_bwd(values, cotangent):
-    _, vjp = jax.vjp(lambda *vs: call(reference_fn, vs), *values)
+    _, vjp = jax.vjp(lambda *vs: call(xla_fn, vs), *values)
     return vjp(cotangent)
 
   op.defvjp(op_fwd, op_bwd)
@@ -167,23 +167,24 @@ def _with_reference_gradient(kernel_fn, reference_fn, **arrays):
 
 
 def _run(op: str, impl: str, config, problem, options, q, k, v, lengths, block_tables, *, sinks, k_scale, v_scale,
-         return_lse, reference_fn):
-  """Runs the chosen backend; reference_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale) is the oracle."""
-  name, backend = _choose_impl(impl, op, problem, options, (q.dtype, k.dtype), config)
+         return_lse, xla_fn):
+  """Runs the chosen backend; xla_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale) is the
+  "xla" impl (float32 results), which also gives the kernels their gradients."""
+  name, backend = choose_impl(impl, op, problem, options, (q.dtype, k.dtype), config)
   dtype = q.dtype
 
-  def reference_call(q, k, v, lengths, block_tables=None, sinks=None, k_scale=None, v_scale=None):
-    return _cast_output(reference_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale), dtype, return_lse)
+  def xla_call(q, k, v, lengths, block_tables=None, sinks=None, k_scale=None, v_scale=None):
+    return _cast_output(xla_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale), dtype, return_lse)
 
   if backend is None:
-    return reference_call(q, k, v, lengths, block_tables, sinks, k_scale, v_scale)
+    return xla_call(q, k, v, lengths, block_tables, sinks, k_scale, v_scale)
 
   def kernel_call(q, k, v, lengths, block_tables=None, sinks=None, k_scale=None, v_scale=None):
     result = backend.run(op, q, k, v, lengths, block_tables, problem=problem, options=options, config=config,
                          sinks=sinks, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
     return _cast_output(result, dtype, return_lse)
 
-  return _with_reference_gradient(kernel_call, reference_call, q=q, k=k, v=v, lengths=lengths,
+  return _with_xla_gradient(kernel_call, xla_call, q=q, k=k, v=v, lengths=lengths,
                                   block_tables=block_tables, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 
 
@@ -207,19 +208,19 @@ def decode_attention(q, k, v, lengths, *, scale=None, softcap=None, window=None,
 
   Returns:
     out [B, (S,) Hq, D] in q's dtype, and lse when return_lse. Sequences of length 0 give zeros.
-    Gradients flow to q, k, v, sinks and the scales (kernel forward, float32 reference backward).
+    Gradients flow to q, k, v, sinks and the scales (kernel forward, float32 "xla" backward).
   """
   problem = validation.validate_dense(q, k, v, lengths)
   options = _options(problem, scale, softcap, window, sinks, k_scale, v_scale)
   _check_runtime_values(problem, lengths)
 
-  def reference_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale):
-    return reference.decode_attention_reference(q, k, v, lengths, scale=options.scale, softcap=softcap,
-                                                window=window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-                                                return_lse=return_lse)
+  def xla_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale):
+    return xla.decode_attention(q, k, v, lengths, scale=options.scale, softcap=options.softcap,
+                                window=options.window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+                                return_lse=return_lse)
 
   return _run("decode", impl, config, problem, options, q, k, v, lengths, None, sinks=sinks, k_scale=k_scale,
-              v_scale=v_scale, return_lse=return_lse, reference_fn=reference_fn)
+              v_scale=v_scale, return_lse=return_lse, xla_fn=xla_fn)
 
 
 def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, softcap=None, window=None,
@@ -235,13 +236,13 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=
   options = _options(problem, scale, softcap, window, sinks, k_scale, v_scale)
   _check_runtime_values(problem, lengths, block_tables)
 
-  def reference_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale):
-    return reference.paged_decode_attention_reference(q, k, v, block_tables, lengths, scale=options.scale,
-                                                      softcap=softcap, window=window, sinks=sinks, k_scale=k_scale,
-                                                      v_scale=v_scale, return_lse=return_lse)
+  def xla_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale):
+    return xla.paged_decode_attention(q, k, v, block_tables, lengths, scale=options.scale, softcap=options.softcap,
+                                      window=options.window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+                                      return_lse=return_lse)
 
   return _run("paged", impl, config, problem, options, q, k_pages, v_pages, lengths, block_tables, sinks=sinks,
-              k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, reference_fn=reference_fn)
+              k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, xla_fn=xla_fn)
 
 
 def mla_decode_attention(q, kv_pages, block_tables, lengths, *, v_head_dim=512, scale=None, return_lse=False,
@@ -258,11 +259,11 @@ def mla_decode_attention(q, kv_pages, block_tables, lengths, *, v_head_dim=512, 
   options = _options(problem, scale, None, None, None, None, None)
   _check_runtime_values(problem, lengths, block_tables)
 
-  def reference_fn(q, kv, unused_v, lengths, block_tables, sinks, k_scale, v_scale):
-    return reference.mla_decode_attention_reference(q, kv, block_tables, lengths, v_head_dim=v_head_dim,
-                                                    scale=options.scale, return_lse=return_lse)
+  def xla_fn(q, kv, unused_v, lengths, block_tables, sinks, k_scale, v_scale):
+    return xla.mla_decode_attention(q, kv, block_tables, lengths, v_head_dim=v_head_dim, scale=options.scale,
+                                    return_lse=return_lse)
 
-  # The latent cache goes in as both k and v; the reference reads it as k only, so its whole
+  # The latent cache goes in as both k and v; the xla impl reads it as k only, so its whole
   # gradient arrives there.
   return _run("mla", impl, config, problem, options, q, kv_pages, kv_pages, lengths, block_tables, sinks=None,
-              k_scale=None, v_scale=None, return_lse=return_lse, reference_fn=reference_fn)
+              k_scale=None, v_scale=None, return_lse=return_lse, xla_fn=xla_fn)

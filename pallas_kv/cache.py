@@ -14,7 +14,17 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kv import reference
+
+def gather_pages(pages, block_tables):
+  """[P, page_size, ...] pages + [B, max_pages] table -> dense [B, max_pages * page_size, ...].
+
+  Page ids are clamped into [0, P), so a bad id reads a real page rather than out of bounds.
+  """
+  num_pages = pages.shape[0]
+  ids = jnp.clip(block_tables.astype(jnp.int32), 0, num_pages - 1)
+  dense = pages[ids]  # [B, max_pages, page_size, ...]
+  b, m, ps = dense.shape[:3]
+  return dense.reshape(b, m * ps, *pages.shape[2:])
 
 
 def _as_rank4(x, name: str):
@@ -111,8 +121,8 @@ class PagedKVCache:
 
   def dense_view(self) -> KVCache:
     """A contiguous copy [B, max_pages * page_size, Hkv, D] of what the block tables point at."""
-    return KVCache(reference.gather_pages(self.k_pages, self.block_tables),
-                   reference.gather_pages(self.v_pages, self.block_tables), self.lengths)
+    return KVCache(gather_pages(self.k_pages, self.block_tables), gather_pages(self.v_pages, self.block_tables),
+                   self.lengths)
 
 
 @jax.tree_util.register_dataclass

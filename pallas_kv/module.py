@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kv import api
-from pallas_kv import reference
+from pallas_kv import xla
 from pallas_kv.cache import KVCache
 from pallas_kv.cache import PagedKVCache
 from pallas_kv.cache import PagedLatentCache
@@ -55,9 +55,9 @@ def causal_attention(q, k, v, *, scale: float, softcap=None, window=None, sinks=
   """Plain XLA causal attention among L prompt tokens (prefill). q [B, L, Hq, D], k/v [B, L, Hkv, *]."""
   b, l, hq, _ = q.shape
   lengths = jnp.full((b,), l, jnp.int32)
-  # A prompt's token i attends to tokens j <= i: the decode reference with S = L gives exactly that.
-  out, _ = reference.attend(q, k.astype(jnp.float32), v.astype(jnp.float32), lengths, scale=scale,
-                             softcap=softcap, window=window, sinks=sinks)
+  # A prompt's token i attends to tokens j <= i: decode attention with S = L new tokens gives that.
+  out, _ = xla.attend(q, k.astype(jnp.float32), v.astype(jnp.float32), lengths, scale=scale,
+                      softcap=softcap, window=window, sinks=sinks)
   return out
 
 

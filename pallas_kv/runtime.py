@@ -35,19 +35,6 @@ def interpret_enabled() -> bool:
   return _interpret.get() or os.environ.get(INTERPRET_ENV_VAR, "0").strip().lower() in ("1", "true", "yes")
 
 
-def mosaic_gpu_interpret_params():
-  """The `interpret=` argument for Mosaic GPU kernels: InterpretGPUParams() in interpret mode, else False."""
-  if not interpret_enabled():
-    return False
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  return plgpu.InterpretGPUParams()
-
-
-def triton_interpret_flag() -> bool:
-  """The `interpret=` argument for Pallas Triton kernels."""
-  return interpret_enabled()
-
-
 @contextlib.contextmanager
 def checked(enabled: bool = True):
   """Within this context the ops add `checkify` checks of runtime values (lengths, page ids).

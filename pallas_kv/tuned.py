@@ -1,6 +1,6 @@
 """Tuned kernel configs per device kind: the file format, loading and the nearest-shape lookup.
 
-`benchmarks/tune.py` writes `<dir>/<device slug>.json`; the heuristics consult it when no
+`benchmarks/tune.py` writes `<dir>/<device slug>.json`; the backends' configs consult it when no
 explicit config is given (explicit > tuned > heuristic). The directory is `pallas_kv/tuned/`
 (shipped with the package) unless the environment variable PALLAS_KV_TUNED_DIR names another.
 
@@ -20,6 +20,7 @@ import os
 import pathlib
 import re
 
+from pallas_kv import runtime
 from pallas_kv.config import DecodeConfig
 
 TUNED_DIR_ENV_VAR = "PALLAS_KV_TUNED_DIR"
@@ -89,6 +90,12 @@ def lookup(backend: str, key: dict, device_kind: str) -> DecodeConfig | None:
   if distance > 0:  # the split count was tuned for another size: let the heuristic refit it
     config = dataclasses.replace(config, num_splits=None)
   return config
+
+
+def tuned_config(backend: str, problem, dtype, device_kind: str | None = None) -> DecodeConfig | None:
+  """The tuned config of `backend` for this call on the local (or named) device kind, if any."""
+  op = "decode" if problem.page_size is None else "paged"
+  return lookup(backend, shape_key(op, problem, dtype), device_kind or runtime.device_kind())
 
 
 def fastest_backend(backends, key: dict, device_kind: str) -> str | None:

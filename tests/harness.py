@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Relative error ||out - ref|| / ||ref|| allowed per input dtype (DESIGN.md).
+# Relative error ||out - ref|| / ||ref|| allowed per input dtype.
 TOLERANCE = {
     jnp.dtype(jnp.bfloat16): 1e-2,
     jnp.dtype(jnp.float16): 1e-2,
@@ -152,39 +152,6 @@ def lower_for_cuda(fn, *args):
                              disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)])(
                                  *shape_dtype_structs(*args))
 
-
-# The benchmark shapes of DESIGN.md: (heads, kv heads) x (batch, context), head_dim 128, bf16.
-BENCH_HEADS = [(32, 8), (64, 8)]
-BENCH_CASES = [(1, 32768), (8, 8192), (32, 4096), (64, 2048), (128, 4096)]
-
-
-def bench_problem(heads, case, page_size):
-  """(ShapeDtypeStruct args of the op, validated Problem) of one benchmark shape; paged if page_size."""
-  from pallas_kv import validation
-  (hq, hkv), (b, t) = heads, case
-  q = jax.ShapeDtypeStruct((b, hq, 128), jnp.bfloat16)
-  lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
-  if page_size is None:
-    kv = jax.ShapeDtypeStruct((b, t, hkv, 128), jnp.bfloat16)
-    return (q, kv, kv, lengths), validation.validate_dense(q, kv, kv, lengths)
-  pages = jax.ShapeDtypeStruct((b * t // page_size, page_size, hkv, 128), jnp.bfloat16)
-  tables = jax.ShapeDtypeStruct((b, t // page_size), jnp.int32)
-  return (q, pages, pages, tables, lengths), validation.validate_paged(q, pages, pages, tables, lengths)
-
-
-def shipped_tuned_h200_configs(backend: str):
-  """pytest params (case, config): the distinct configs the package's H200 tuned file gives
-  `backend` at the dense 32/8 benchmark shapes (None where it has no entry)."""
-  import pytest
-  from pallas_kv import heuristics
-  seen, params = set(), []
-  for case in BENCH_CASES:
-    _, problem = bench_problem((32, 8), case, None)
-    config = heuristics.tuned_config(backend, problem, "bfloat16", "NVIDIA H200")
-    if config not in seen:
-      seen.add(config)
-      params.append(pytest.param(case, config, id=f"b{case[0]}-t{case[1]}"))
-  return params
 
 def gpu_available() -> bool:
   try:

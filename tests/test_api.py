@@ -150,15 +150,16 @@ def test_kernel_backend_that_cannot_serve_raises_with_reason(impl):
 
 def test_interpret_switches(monkeypatch):
   from jax.experimental.pallas import mosaic_gpu as plgpu
+  from pallas_kv.kernels.mosaic_gpu import backend as mosaic_gpu_backend
   monkeypatch.delenv(runtime.INTERPRET_ENV_VAR, raising=False)
-  assert runtime.mosaic_gpu_interpret_params() is False and runtime.triton_interpret_flag() is False
+  assert runtime.interpret_enabled() is False and mosaic_gpu_backend.interpret_params() is False
   with pkv.interpret():
-    assert isinstance(runtime.mosaic_gpu_interpret_params(), plgpu.InterpretGPUParams)
-    assert runtime.triton_interpret_flag() is True
+    assert runtime.interpret_enabled() is True
+    assert isinstance(mosaic_gpu_backend.interpret_params(), plgpu.InterpretGPUParams)
   assert runtime.interpret_enabled() is False
   monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
-  assert isinstance(runtime.mosaic_gpu_interpret_params(), plgpu.InterpretGPUParams)
-  assert runtime.triton_interpret_flag() is True
+  assert runtime.interpret_enabled() is True
+  assert isinstance(mosaic_gpu_backend.interpret_params(), plgpu.InterpretGPUParams)
 
 
 def test_checked_mode_reports_bad_lengths_and_pages():

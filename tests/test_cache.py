@@ -1,4 +1,5 @@
-"""KV cache pytrees: appending through the block table, dense views, attention over shuffled pages."""
+"""KV cache pytrees (appending through the block table, dense views, attention over shuffled pages)
+and the page pool (reserve, release, exhaustion)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,6 +7,7 @@ import numpy as np
 import pytest
 
 import pallas_kv as pkv
+from pallas_kv import cache as kv_cache
 from harness import make_case, paginate
 
 
@@ -82,3 +84,64 @@ def test_paged_attention_over_shuffled_pages_equals_dense_view(page_size):
                                      impl="xla")
   dense = pkv.decode_attention(case.q, view.k, view.v, view.lengths, impl="xla")
   np.testing.assert_allclose(paged, dense, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------- page pool
+
+def _paged_cache(batch, max_pages, page_size, num_pages, num_kv_heads=2, head_dim=64, dtype=jnp.float32):
+  pages = jnp.zeros((num_pages, page_size, num_kv_heads, head_dim), dtype)
+  return pkv.PagedKVCache(pages, pages, kv_cache.empty_block_tables(batch, max_pages),
+                          jnp.zeros((batch,), jnp.int32))
+
+
+def test_reserve_assigns_distinct_pages_and_release_returns_them():
+  pool = pkv.PagePool.create(10)
+  tables = kv_cache.empty_block_tables(3, 4)
+  lengths = jnp.asarray([0, 0, 0], jnp.int32)
+  pool, tables, ok = pkv.reserve_pages(pool, tables, lengths, 5, 4)  # 2 pages each
+  assert bool(ok) and int(pool.num_free) == 4
+  held = np.asarray(tables)[:, :2]
+  assert len(set(held.ravel().tolist())) == 6 and (held >= 0).all()
+  assert (np.asarray(tables)[:, 2:] == kv_cache.UNALLOCATED).all()
+  lengths = lengths + 5
+  # Growing by 3 tokens from 5 to 8 needs no new page; to 9 needs one.
+  pool2, tables2, ok = pkv.reserve_pages(pool, tables, lengths, 3, 4)
+  assert bool(ok) and int(pool2.num_free) == 4
+  np.testing.assert_array_equal(tables2, tables)
+  pool3, tables3, ok = pkv.reserve_pages(pool, tables, lengths, 4, 4)
+  assert bool(ok) and int(pool3.num_free) == 1
+  assert len(set(np.asarray(tables3)[:, :3].ravel().tolist())) == 9
+  # Release sequence 1: its 3 pages return, the others keep theirs.
+  pool4, tables4, lengths4 = pkv.release_sequences(pool3, tables3, lengths + 4, jnp.asarray([False, True, False]), 4)
+  assert int(pool4.num_free) == 4
+  np.testing.assert_array_equal(lengths4, [9, 0, 9])
+  assert (np.asarray(tables4)[1] == kv_cache.UNALLOCATED).all()
+  free = set(np.asarray(pool4.free_pages)[: int(pool4.num_free)].tolist())
+  assert set(np.asarray(tables3)[1, :3].tolist()) <= free
+  assert not free & set(np.asarray(tables4)[[0, 2], :3].ravel().tolist())
+
+
+def test_exhausted_pool_changes_nothing_and_reports():
+  pool = pkv.PagePool.create(3)
+  tables = kv_cache.empty_block_tables(2, 4)
+  lengths = jnp.zeros((2,), jnp.int32)
+  new_pool, new_tables, ok = jax.jit(pkv.reserve_pages, static_argnums=(3, 4))(pool, tables, lengths, 8, 4)
+  assert not bool(ok)
+  np.testing.assert_array_equal(new_tables, tables)
+  assert int(new_pool.num_free) == 3
+  # Outgrowing the block table is refused the same way.
+  _, _, ok = pkv.reserve_pages(pkv.PagePool.create(100), tables, lengths, 17, 4)
+  assert not bool(ok)
+
+
+def test_append_to_unreserved_pages_is_dropped():
+  cache = _paged_cache(1, 2, 4, 3)
+  new = cache.append(jnp.ones((1, 2, 64)), jnp.ones((1, 2, 64)))
+  np.testing.assert_array_equal(new.k_pages, cache.k_pages)  # no page: nothing written, no wraparound
+
+
+def test_pool_errors_at_trace_time():
+  with pytest.raises(ValueError, match="num_pages"):
+    pkv.PagePool.create(0)
+  with pytest.raises(ValueError, match="num_new"):
+    pkv.reserve_pages(pkv.PagePool.create(2), kv_cache.empty_block_tables(1, 2), jnp.zeros((1,), jnp.int32), -1, 4)

@@ -1,5 +1,6 @@
-"""Checks every kernel backend must pass: interpret mode on the CPU, and GPU runs at realistic sizes
-(the `gpu` ones, skipped where there is no GPU). Backend-specific tests live in test_<backend>.py."""
+"""Checks every kernel backend must pass, parameterized by backend: interpret mode on the CPU, and
+GPU runs at realistic sizes (the `gpu` ones, skipped where there is no GPU). What only one backend
+has (its variants, its page-size rules, its CUDA lowering) lives in test_<backend>.py."""
 
 import functools
 
@@ -9,18 +10,66 @@ import numpy as np
 import pytest
 
 import pallas_kv as pkv
-from harness import assert_matches_reference, check_against_reference, make_case
+import sweeps
+from harness import TRITON_CUSTOM_CALL, assert_matches_reference, check_against_reference, lower_for_cuda, make_case
+from pallas_kv.kernels.mosaic_gpu import config as mosaic_gpu_config
+from pallas_kv.kernels.triton import config as triton_config
 
 KERNEL_IMPLS = ["mosaic_gpu", "triton"]
 # A small tile each backend accepts, for interpret-mode cases.
 SMALL_TILE = {"mosaic_gpu": 64, "triton": 32}
+# A context of 5 small tiles that each backend takes: Triton's is not a multiple of its tile (the
+# last tile runs past the cache); Mosaic GPU's TMA boxes stay inside it.
+SMALL_CONTEXT = {"mosaic_gpu": 320, "triton": 200}
 
 
-def _small_config(impl, num_splits):
-  return pkv.DecodeConfig(block_kv=SMALL_TILE[impl], num_stages=2, num_splits=num_splits)
+# How each backend fills in a config (explicit > tuned > heuristic), and what marks its kernel in
+# a module lowered for CUDA (not a fallback to XLA).
+RESOLVE_CONFIG = {"mosaic_gpu": mosaic_gpu_config.resolve_config, "triton": triton_config.resolve_config}
+KERNEL_IN_MODULE = {"mosaic_gpu": "custom_call @mosaic_gpu", "triton": TRITON_CUSTOM_CALL}
+
+
+def _small_config(impl, num_splits, num_stages=2):
+  return pkv.DecodeConfig(block_kv=SMALL_TILE[impl], num_stages=num_stages, num_splits=num_splits)
 
 
 # ---------------------------------------------------------------- interpret mode (CPU)
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("group,num_queries,num_splits,dtype", [
+    (1, None, 1, jnp.bfloat16), (4, None, 3, jnp.bfloat16), (8, 2, 2, jnp.bfloat16), (4, 3, 1, jnp.float16),
+], ids=["mha", "gqa4-splits3", "gqa8-s2-splits2", "gqa4-s3-fp16"])
+def test_dense_interpret(interpret_mode, impl, group, num_queries, num_splits, dtype):
+  t = SMALL_CONTEXT[impl]
+  case = make_case(group * 10 + num_splits, batch=3, seq_len=t, num_heads=2 * group, num_kv_heads=2,
+                   head_dim=64, num_queries=num_queries, dtype=dtype, lengths=[t, t // 2 - 13, 0])
+  out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=impl,
+                             config=_small_config(impl, num_splits))
+  check_against_reference(case, out)
+
+
+# Mosaic GPU: 8 and 16 fill one 64-token tile with several TMA copies, 64 is one copy.
+# Triton (tile 32): 8 and 16 are gathered token by token, a page of 64 holds two tiles.
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("page_size", [8, 16, 64])
+def test_paged_interpret_shuffled(interpret_mode, impl, page_size):
+  case = make_case(page_size, batch=2, seq_len=256, num_heads=8, num_kv_heads=2, head_dim=64, num_queries=2,
+                   dtype=jnp.bfloat16, page_size=page_size, lengths=[201, 256])
+  out = pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths,
+                                   return_lse=True, impl=impl, config=_small_config(impl, 2, num_stages=3))
+  check_against_reference(case, out)
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+def test_options_interpret(interpret_mode, impl):
+  t = SMALL_CONTEXT[impl]
+  case = make_case(5, batch=2, seq_len=t, num_heads=8, num_kv_heads=2, head_dim=64, num_queries=2,
+                   dtype=jnp.bfloat16, lengths=[t, 95])
+  kw = dict(softcap=1.5, window=70, sinks=jnp.linspace(-1.0, 2.0, 8), scale=0.2)
+  out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=impl,
+                             config=_small_config(impl, 3), **kw)
+  check_against_reference(case, out, **kw)
+
 
 @pytest.mark.parametrize("impl", KERNEL_IMPLS)
 def test_zero_lengths_interpret(interpret_mode, impl):
@@ -43,7 +92,7 @@ def test_fixed_splits_make_a_sequence_independent_of_its_batch(interpret_mode, i
 
 
 @pytest.mark.parametrize("impl", KERNEL_IMPLS)
-def test_grad_uses_reference_backward(interpret_mode, impl):
+def test_grad_uses_xla_backward(interpret_mode, impl):
   case = make_case(8, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
   config = _small_config(impl, 1)
   loss = lambda which, q, k: pkv.decode_attention(q, k, case.v, case.lengths, impl=which,
@@ -82,6 +131,34 @@ def test_mla_is_refused_with_reason(impl):
   with pytest.raises(NotImplementedError, match="MLA"):
     pkv.mla_decode_attention(case.q, case.k_pages[:, :, 0], case.block_tables, case.lengths, v_head_dim=32,
                              impl=impl)
+
+
+# ---------------------------------------------------------------- CUDA lowering (CPU)
+
+def _lower(impl, op, config, args):
+  exported = lower_for_cuda(functools.partial(op, impl=impl, config=config), *args)
+  module = exported.mlir_module()
+  assert KERNEL_IN_MODULE[impl] in module and "pallas_kv" in module  # our kernel, not a fallback
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("heads,case,page_size", sweeps.all_shapes(),
+                         ids=[sweeps.shape_id(*shape) for shape in sweeps.all_shapes()])
+def test_heuristic_configs_lower_for_cuda(impl, heads, case, page_size):
+  args, problem = sweeps.problem_args(heads, case, page_size)
+  config = RESOLVE_CONFIG[impl](problem, None, num_sms=132)
+  op = pkv.decode_attention if page_size is None else pkv.paged_decode_attention
+  _lower(impl, op, config, args)
+
+
+@pytest.mark.parametrize("impl,case,config", [
+    pytest.param(impl, case, config, id=f"{impl}-b{case[0]}-t{case[1]}")
+    for impl in KERNEL_IMPLS for case, config in sweeps.shipped_tuned_h200_configs(impl)])
+def test_shipped_tuned_configs_lower_for_cuda(impl, case, config):
+  # impl="auto" on an H200 runs these (pallas_kv/tuned/nvidia_h200.json, shipped with the package).
+  assert config is not None, f"the package's H200 tuned file has no {impl} entry for a shape it was tuned on"
+  args, problem = sweeps.problem_args(sweeps.sweep_heads()[0], case, None)
+  _lower(impl, pkv.decode_attention, RESOLVE_CONFIG[impl](problem, config, num_sms=132), args)
 
 
 # ---------------------------------------------------------------- on the GPU

@@ -1,4 +1,6 @@
-"""The Pallas Triton decode kernel: interpret-mode numerics on the CPU, CUDA lowering, GPU runs."""
+"""What only the Pallas Triton kernel has: its paged tiles (gathers, pages that are not powers of
+two), row blocks, empty splits, more shapes lowered for CUDA, the hidden deprecation warning.
+The checks every backend passes are in test_kernels.py."""
 
 import functools
 import warnings
@@ -10,10 +12,11 @@ import pytest
 from jax.experimental import pallas as pl
 
 import pallas_kv as pkv
-from pallas_kv import heuristics
+import sweeps
+from harness import TRITON_CUSTOM_CALL, check_against_reference, lower_for_cuda, make_case
+from pallas_kv.config import AttentionOptions
+from pallas_kv.kernels.triton import config as triton_config
 from pallas_kv.kernels.triton import decode as triton_decode
-from harness import (BENCH_CASES, BENCH_HEADS, TRITON_CUSTOM_CALL, bench_problem,
-                     check_against_reference, lower_for_cuda, make_case, shipped_tuned_h200_configs)
 
 IMPL = "triton"
 
@@ -24,36 +27,6 @@ def _paged(case, **kw):
 
 
 # ---------------------------------------------------------------- interpret mode (CPU)
-
-# seq_len 200 is not a multiple of block_kv: the last tile runs past the cache's capacity.
-@pytest.mark.parametrize("group,num_queries,num_splits,dtype", [
-    (1, None, 1, jnp.bfloat16), (4, None, 3, jnp.bfloat16), (8, 2, 2, jnp.bfloat16), (4, 2, 4, jnp.float16),
-])
-def test_dense_interpret(interpret_mode, group, num_queries, num_splits, dtype):
-  case = make_case(group * 10 + num_splits, batch=3, seq_len=200, num_heads=2 * group, num_kv_heads=2,
-                   head_dim=64, num_queries=num_queries, dtype=dtype, lengths=[200, 77, 0])
-  config = pkv.DecodeConfig(block_kv=32, num_stages=2, num_splits=num_splits)
-  out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL, config=config)
-  check_against_reference(case, out)
-
-
-# block_kv 32: pages of 8 and 16 are gathered token by token, a page of 64 holds two tiles.
-@pytest.mark.parametrize("page_size", [8, 16, 64])
-def test_paged_interpret_shuffled(interpret_mode, page_size):
-  case = make_case(page_size, batch=2, seq_len=128, num_heads=8, num_kv_heads=2, head_dim=64, num_queries=2,
-                   dtype=jnp.bfloat16, page_size=page_size, lengths=[101, 128])
-  check_against_reference(case, _paged(case, config=pkv.DecodeConfig(block_kv=32, num_stages=3, num_splits=2)))
-
-
-def test_options_interpret(interpret_mode):
-  case = make_case(5, batch=2, seq_len=192, num_heads=8, num_kv_heads=2, head_dim=64, num_queries=2,
-                   dtype=jnp.bfloat16, lengths=[192, 95])
-  kw = dict(softcap=1.5, window=70, sinks=jnp.linspace(-1.0, 2.0, 8), scale=0.2)
-  config = pkv.DecodeConfig(block_kv=32, num_stages=2, num_splits=3)
-  out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL, config=config,
-                             **kw)
-  check_against_reference(case, out, **kw)
-
 
 def test_paged_window_sinks_heuristic_config_interpret(interpret_mode):
   case = make_case(12, batch=2, seq_len=128, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
@@ -66,7 +39,7 @@ def test_row_blocks_interpret(interpret_mode):
   # 9 new tokens x 16 q heads = 144 packed rows: two programs of 128 rows per kv head.
   case = make_case(13, batch=1, seq_len=64, num_heads=16, num_kv_heads=1, head_dim=64, num_queries=9,
                    dtype=jnp.bfloat16, lengths=[60])
-  assert triton_decode.row_blocking(144, 64) == (128, 2)
+  assert triton_config.row_blocking(144, 64) == (128, 2)
   out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL,
                              config=pkv.DecodeConfig(block_kv=16, num_stages=2, num_splits=2))
   check_against_reference(case, out)
@@ -77,8 +50,10 @@ def test_partials_of_empty_splits_interpret():
   case = make_case(14, batch=2, seq_len=64, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
                    lengths=[0, 40])
   q = case.q.reshape(2, 1, 4, 64)
-  out, lse = triton_decode.decode_partials(q, case.k, case.v, case.lengths, num_queries=1, num_splits=4,
-                                           block_kv=16, num_stages=2, num_warps=4, scale=0.125, interpret=True)
+  out, lse = triton_decode.decode_partials(q, case.k, case.v, case.lengths, num_queries=1,
+                                           options=AttentionOptions(scale=0.125),
+                                           config=pkv.DecodeConfig(block_kv=16, num_stages=2, num_splits=4),
+                                           interpret=True)
   assert out.shape == (2, 1, 4, 4, 64) and lse.shape == (2, 1, 4, 4)
   lse, out = np.asarray(lse), np.asarray(out)
   assert np.isneginf(lse[0]).all() and np.isneginf(lse[1, :, 3]).all() and np.isfinite(lse[1, :, :3]).all()
@@ -101,51 +76,17 @@ def test_bad_explicit_configs_raise_value_error():
                    page_size=48)
   with pytest.raises(ValueError, match="block_kv=32 must divide page_size=48"):
     _paged(case, config=pkv.DecodeConfig(block_kv=32))
-  if "kv_groups" in pkv.DecodeConfig.__dataclass_fields__:
-    with pytest.raises(ValueError, match="kv_groups.*mosaic_gpu"):
-      pkv.decode_attention(case.q, case.k, case.v, case.lengths, impl=IMPL,
-                           config=pkv.DecodeConfig(kv_groups=2, num_splits=2))
+  with pytest.raises(ValueError, match="kv_groups.*mosaic_gpu"):
+    pkv.decode_attention(case.q, case.k, case.v, case.lengths, impl=IMPL,
+                         config=pkv.DecodeConfig(kv_groups=2, num_splits=2))
 
 
 # ---------------------------------------------------------------- CUDA lowering (CPU)
-
-# Pallas Triton asks the device for its compute capability while lowering: on a machine with no
-# GPU it needs an abstract CUDA device. jax.export also refuses the Triton custom call unless its
-# (absent) compatibility guarantee is waived.
-# The benchmark shapes: (heads, kv heads) x (batch, context) x (contiguous, page 16, page 64).
-def _shipped_configs():
-  """Every (problem shape, config) the heuristic returns for the benchmark shapes."""
-  cases = []
-  for heads in BENCH_HEADS:
-    for case in BENCH_CASES:
-      for page_size in (None, 16, 64):
-        _, problem = bench_problem(heads, case, page_size)
-        config = heuristics.triton_config(problem, None, num_sms=132)
-        cases.append(pytest.param(heads, case, page_size, config,
-                                  id=f"h{heads[0]}-{heads[1]}-b{case[0]}-t{case[1]}-page{page_size}"))
-  return cases
-
 
 def _lower_triton(fn, *args):
   exported = lower_for_cuda(fn, *args)
   assert TRITON_CUSTOM_CALL in exported.mlir_module()
   return exported
-
-
-@pytest.mark.parametrize("heads,case,page_size,config", _shipped_configs())
-def test_heuristic_configs_lower_triton(heads, case, page_size, config):
-  args, _ = bench_problem(heads, case, page_size)
-  op = pkv.decode_attention if page_size is None else pkv.paged_decode_attention
-  _lower_triton(functools.partial(op, impl=IMPL, config=config), *args)
-
-
-@pytest.mark.parametrize("case,config", shipped_tuned_h200_configs(IMPL))
-def test_shipped_tuned_configs_lower_triton(case, config):
-  # impl="auto" on an H200 runs these where they measured faster than mosaic_gpu's entries.
-  assert config is not None, "the package's H200 tuned file has no triton entry for a shape it was tuned on"
-  args, problem = bench_problem((32, 8), case, None)
-  config = heuristics.triton_config(problem, config, num_sms=132)
-  _lower_triton(functools.partial(pkv.decode_attention, impl=IMPL, config=config), *args)
 
 
 @pytest.mark.parametrize("num_queries,head_dim,group,page_size", [
@@ -165,7 +106,7 @@ def test_other_shapes_lower_triton(num_queries, head_dim, group, page_size):
 
 
 def test_deprecation_warning_is_hidden_for_our_kernels_only():
-  args, _ = bench_problem((32, 8), (8, 8192), None)
+  args, _ = sweeps.problem_args((32, 8), (8, 8192), None)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     _lower_triton(functools.partial(pkv.decode_attention, impl=IMPL), *args)

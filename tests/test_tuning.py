@@ -1,4 +1,4 @@
-"""Tuned configs: the file round-trips, lookups find near shapes, the heuristics use them."""
+"""Tuned configs: the file round-trips, lookups find near shapes, the backends' config choice uses them."""
 
 import json
 import os
@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_kv as pkv
-from pallas_kv import heuristics
 from pallas_kv import tuned
 from pallas_kv import validation
+from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICE = "Test GPU 9000"
@@ -50,22 +50,22 @@ def test_tuned_file_round_trips(tuned_file):
 def test_explicit_beats_tuned_beats_heuristic(tuned_file):
   _, config = tuned_file
   problem = _problem(8, 8192)
-  assert heuristics.mosaic_gpu_config(problem, None, device_kind=DEVICE) == config
+  assert mgpu_config.resolve_config(problem, None, device_kind=DEVICE) == config
   explicit = pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=7)
-  assert heuristics.mosaic_gpu_config(problem, explicit, device_kind=DEVICE) == explicit
+  assert mgpu_config.resolve_config(problem, explicit, device_kind=DEVICE) == explicit
   # Another device kind has no file: the heuristic decides.
-  assert heuristics.mosaic_gpu_config(problem, None, device_kind="Other GPU") != config
+  assert mgpu_config.resolve_config(problem, None, device_kind="Other GPU") != config
 
 
 def test_nearby_shapes_find_the_entry_and_refit_splits(tuned_file):
   _, config = tuned_file
-  near = heuristics.mosaic_gpu_config(_problem(16, 8192), None, device_kind=DEVICE, num_sms=132)
+  near = mgpu_config.resolve_config(_problem(16, 8192), None, device_kind=DEVICE, num_sms=132)
   assert (near.block_kv, near.num_stages) == (config.block_kv, config.num_stages)
   assert near.num_splits != config.num_splits  # refit by the heuristic for the other batch
-  far = heuristics.mosaic_gpu_config(_problem(128, 1024), None, device_kind=DEVICE)
+  far = mgpu_config.resolve_config(_problem(128, 1024), None, device_kind=DEVICE)
   assert far.block_kv != config.block_kv or far.num_stages != config.num_stages
   # Exact fields must match: a paged call does not take a dense entry.
-  paged = heuristics.mosaic_gpu_config(_problem(8, 8192, page_size=16), None, device_kind=DEVICE)
+  paged = mgpu_config.resolve_config(_problem(8, 8192, page_size=16), None, device_kind=DEVICE)
   assert (paged.block_kv, paged.num_stages) != (config.block_kv, config.num_stages)
 
 
@@ -78,7 +78,7 @@ def test_bad_format_version_is_refused(tmp_path, monkeypatch):
   tuned.clear_cache()
 
 
-def test_tuner_smoke_writes_a_file_the_heuristics_use(tmp_path):
+def test_tuner_smoke_writes_a_file_the_config_choice_uses(tmp_path):
   out = tmp_path / "cpu.json"
   result = subprocess.run([sys.executable, "-m", "benchmarks.tune", "--smoke", f"--out={out}"], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
@@ -91,7 +91,7 @@ def test_tuner_smoke_writes_a_file_the_heuristics_use(tmp_path):
     tuned.clear_cache()
     problem = _problem(2, 256, heads=(4, 2))
     problem = validation.Problem(**{**problem.__dict__, "head_dim": 64})
-    assert heuristics.mosaic_gpu_config(problem, None, device_kind="cpu") == pkv.DecodeConfig(**entry["config"])
+    assert mgpu_config.resolve_config(problem, None, device_kind="cpu") == pkv.DecodeConfig(**entry["config"])
   finally:
     del os.environ[tuned.TUNED_DIR_ENV_VAR]
     tuned.clear_cache()
@@ -102,7 +102,7 @@ def test_auto_picks_the_backend_the_tuned_file_measured_faster(tmp_path, monkeyp
   from pallas_kv import api
   from pallas_kv.config import AttentionOptions
   monkeypatch.setenv(tuned.TUNED_DIR_ENV_VAR, str(tmp_path))
-  monkeypatch.setattr(api, "_device_can_run", lambda name: True)  # as on a Hopper GPU
+  monkeypatch.setattr(api, "device_can_run", lambda name: True)  # as on a Hopper GPU
   monkeypatch.setattr(api.runtime, "device_kind", lambda: DEVICE)
   problem = _problem(32, 4096)
   key = tuned.shape_key("decode", problem, "bfloat16")
@@ -113,7 +113,7 @@ def test_auto_picks_the_backend_the_tuned_file_measured_faster(tmp_path, monkeyp
                 [dict(backend=b, key=key, config=pkv.DecodeConfig(), time_us=t) for b, t in times.items()])
   tuned.clear_cache()
   try:
-    name, _ = api._choose_impl("auto", "decode", problem, AttentionOptions(scale=0.1),
+    name, _ = api.choose_impl("auto", "decode", problem, AttentionOptions(scale=0.1),
                                (jnp.bfloat16, jnp.bfloat16), None)
   finally:
     tuned.clear_cache()

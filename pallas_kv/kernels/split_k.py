@@ -1,18 +1,46 @@
-"""What both kernel backends share around their split-K kernels: the calls they serve and the
-packing / merging of rows around a kernel's partials."""
+"""The split-K frame both kernel backends share.
+
+A kernel computes, per (sequence, kv head, split), the softmax-normalised partial output and LSE
+of its slice of the KV tiles; this module does everything around that:
+
+  rows        kernels see, per (batch, kv head), R = S * G packed query rows: row r = s * G + g
+              is new token s of q head kv_head * G + g, so every q head sharing a KV head is
+              served by one program (KV is read once per group);
+  tile range  which tiles each split of a sequence streams (`split_tile_range`);
+  split count how many splits fill the GPU (`choose_num_splits`);
+  merge       combining the splits' partials (`merge_splits`);
+  calls       which calls a split-K GQA kernel serves at all (`unsupported_reason`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax.numpy as jnp
 
-from pallas_kv import combine
+from pallas_kv import runtime
+from pallas_kv import tuned
 from pallas_kv import validation
+from pallas_kv.config import DecodeConfig
 
 KV_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_GROUP = 16
+# A split shorter than this many tiles spends more on its prologue and the merge than it saves.
+MIN_TILES_PER_SPLIT = 4
+MAX_SPLITS = 64
 
+
+def cdiv(a, b):
+  """Ceiling division of ints (or traced int arrays)."""
+  return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+  return cdiv(a, b) * b
+
+
+# ---------------------------------------------------------------- which calls, how many splits
 
 def unsupported_reason(op: str, problem, options, dtypes, *, backend: str, head_dims) -> str | None:
   """Why a split-K GQA backend cannot serve the call (MLA, quantized or other caches), or None."""
@@ -30,11 +58,116 @@ def unsupported_reason(op: str, problem, options, dtypes, *, backend: str, head_
   return None
 
 
-def check_partials_args(q, k, v, lengths, *, num_queries: int, num_splits: int, num_stages: int, scale: float,
-                        softcap: float | None, window: int | None) -> None:
-  """The argument checks every backend's `decode_partials` makes (q packed as [B, Hkv, R, D])."""
+def choose_num_splits(*, batch: int, num_kv_heads: int, row_blocks: int, capacity: int, block_kv: int,
+                      num_sms: int, programs_per_sm: int = 1) -> int:
+  """Splits per sequence so that the grid fills the GPU in about one wave.
+
+  No split when batch x kv heads already fill it, or when the context is short.
+  """
+  programs = batch * num_kv_heads * row_blocks
+  slots = num_sms * programs_per_sm
+  if programs >= slots:
+    return 1
+  by_occupancy = slots // programs
+  by_length = max(1, cdiv(capacity, block_kv) // MIN_TILES_PER_SPLIT)
+  return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def resolve_config(problem, config: DecodeConfig | None, *, backend: str, heuristic: Callable, row_blocks: int,
+                   programs_per_sm: int = 1, dtype, num_sms: int | None, device_kind: str | None) -> DecodeConfig:
+  """Explicit config, else the tuned one of `backend` for this device kind, else
+  heuristic(problem, dtype=dtype); a split count left as None is filled in so that the grid of
+  row_blocks programs per (sequence, kv head) fills the GPU (times kv_groups: a program then
+  serves that many splits)."""
+  if config is None:
+    config = tuned.tuned_config(backend, problem, dtype, device_kind)
+  if config is None:
+    config = heuristic(problem, dtype=dtype)
+  if config.num_splits is None:
+    splits = choose_num_splits(batch=problem.batch, num_kv_heads=problem.num_kv_heads, row_blocks=row_blocks,
+                               capacity=problem.capacity, block_kv=config.block_kv,
+                               num_sms=num_sms or runtime.num_sms(), programs_per_sm=programs_per_sm)
+    config = dataclasses.replace(config, num_splits=splits * config.kv_groups)
+  return config
+
+
+def split_tile_range(length, split, *, block_kv: int, num_queries: int, num_splits: int, window: int | None):
+  """Tiles [t0, t1) of split `split` of a sequence of `length` tokens, and the sub-range [a, c)
+  whose tiles every new token sees whole (no masking needed).
+
+  New token s (0 <= s < S) sits at p = L - S + s and sees keys t <= p, t > p - window. Every
+  split gets an equal share of the tiles that hold visible keys (earlier splits never fewer than
+  later ones), so a sequence's partials depend only on its own length and num_splits; tiles
+  before the window or past the length belong to no split and are never loaded.
+  """
+  first_key = 0 if window is None else jnp.maximum(length - num_queries + 1 - window, 0)
+  first_tile = first_key // block_kv
+  end_tile = (length + block_kv - 1) // block_kv
+  num_tiles = jnp.maximum(end_tile - first_tile, 0)
+  per_split = (num_tiles + num_splits - 1) // num_splits
+  t0 = jnp.minimum(first_tile + split * per_split, end_tile)
+  t1 = jnp.minimum(t0 + per_split, end_tile)
+  # Whole tiles: keys <= L - S (the first token's position) and, with a window, keys
+  # >= L - window (the last token's window start).
+  full_hi = jnp.maximum(length - num_queries + 1, 0) // block_kv
+  full_lo = 0 if window is None else (jnp.maximum(length - window, 0) + block_kv - 1) // block_kv
+  a = jnp.clip(full_lo, t0, t1)
+  c = jnp.clip(full_hi, a, t1)
+  return t0, t1, a, c
+
+
+# ---------------------------------------------------------------- rows and merging
+
+def pack_queries(q4, num_kv_heads: int):
+  """[B, S, Hq, D] -> [B, Hkv, S * G, D]."""
+  b, s, hq, d = q4.shape
+  g = hq // num_kv_heads
+  return q4.reshape(b, s, num_kv_heads, g, d).transpose(0, 2, 1, 3, 4).reshape(b, num_kv_heads, s * g, d)
+
+
+def unpack_rows(x, num_queries: int):
+  """[B, Hkv, S * G, ...] -> [B, S, Hq, ...], the inverse of pack_queries."""
+  b, hkv, r = x.shape[:3]
+  g = r // num_queries
+  rest = x.shape[3:]
+  x = x.reshape(b, hkv, num_queries, g, *rest)
+  x = jnp.moveaxis(x, 2, 1)  # [B, S, Hkv, G, ...]
+  return x.reshape(b, num_queries, hkv * g, *rest)
+
+
+def merge_splits(out, lse, sinks=None):
+  """Merges split-K partials.
+
+  Args:
+    out: [B, Hkv, splits, R, Dv] float32, each split's softmax-normalised output (0 where empty).
+    lse: [B, Hkv, splits, R] float32, each split's log-sum-exp (-inf where empty).
+    sinks: optional [Hkv, R] float32 sink logit of each packed row; joins the denominator only.
+  Returns:
+    (out [B, Hkv, R, Dv] float32, lse [B, Hkv, R] float32 over the real keys, -inf where none).
+  """
+  if out.shape[2] == 1 and sinks is None:  # one split is already the answer: skip the merge
+    return out[:, :, 0], lse[:, :, 0]
+  total = jnp.max(lse, axis=2)  # [B, Hkv, R]
+  shift = jnp.where(jnp.isfinite(total), total, 0.0)
+  weights = jnp.exp(lse - shift[:, :, None])  # empty splits weigh 0
+  norm = jnp.sum(weights, axis=2)
+  has_keys = norm > 0
+  lse_total = jnp.where(has_keys, jnp.log(jnp.where(has_keys, norm, 1.0)) + shift, -jnp.inf)
+  denom = norm
+  if sinks is not None:
+    denom = denom + jnp.exp(sinks[None].astype(jnp.float32) - shift)
+  merged = jnp.einsum("bhsr,bhsrd->bhrd", weights, out)
+  merged = merged / jnp.where(has_keys, denom, 1.0)[..., None]
+  return merged, lse_total
+
+
+# ---------------------------------------------------------------- around a kernel
+
+def check_packed_args(q, k, v, lengths, block_tables, *, num_queries: int) -> None:
+  """The layout every backend's `decode_partials` takes: q packed as [B, Hkv, R, D] in the cache
+  dtype, k and v alike, int32 lengths [B], int32 block_tables [B, max_pages] (paged only)."""
   if q.ndim != 4:
-    raise ValueError(f"q must be [B, Hkv, R, D], got {q.shape=}")
+    raise ValueError(f"q must be packed rows [B, Hkv, R, D], got {q.shape=}")
   if k.ndim != 4 or v.shape != k.shape:
     raise ValueError(f"k and v must have one 4-d shape, got {k.shape=} {v.shape=}")
   B, Hkv, R, D = q.shape
@@ -46,18 +179,14 @@ def check_partials_args(q, k, v, lengths, *, num_queries: int, num_splits: int, 
     raise ValueError(f"q, k, v must share a dtype, got {q.dtype=} {k.dtype=} {v.dtype=}")
   if num_queries < 1 or R % num_queries:
     raise ValueError(f"{num_queries=} must be >= 1 and divide the packed rows {R=}")
-  if num_splits < 1:
-    raise ValueError(f"{num_splits=} must be >= 1")
-  if num_stages < 1:
-    raise ValueError(f"{num_stages=} must be >= 1")
   if lengths.shape != (B,) or lengths.dtype != jnp.int32:
     raise ValueError(f"lengths must be int32 [{B}], got {lengths.shape=} {lengths.dtype=}")
-  if not scale > 0:
-    raise ValueError(f"{scale=} must be positive")
-  if softcap is not None and not softcap > 0:
-    raise ValueError(f"{softcap=} must be positive or None")
-  if window is not None and window < 1:
-    raise ValueError(f"{window=} must be a positive int or None")
+  if block_tables is None:
+    if k.shape[0] != B:
+      raise ValueError(f"dense k must be [B={B}, T, Hkv, D], got {k.shape=}")
+  elif block_tables.ndim != 2 or block_tables.shape[0] != B or block_tables.dtype != jnp.int32:
+    raise ValueError(f"block_tables must be int32 [B={B}, max_pages], got {block_tables.shape=} "
+                     f"{block_tables.dtype=}")
 
 
 def run(partials: Callable, q, k, lengths, block_tables, *, problem, sinks, return_lse: bool):
@@ -67,7 +196,7 @@ def run(partials: Callable, q, k, lengths, block_tables, *, problem, sinks, retu
   Lengths are clamped to [0, T] and page ids to [0, P) before the kernel sees them.
   """
   q4, single = validation.query_as_rank4(q)
-  rows = combine.pack_queries(q4, problem.num_kv_heads).astype(k.dtype)  # [B, Hkv, R = S*G, D]
+  rows = pack_queries(q4, problem.num_kv_heads).astype(k.dtype)  # [B, Hkv, R = S*G, D]
   num_rows = rows.shape[2]
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, problem.capacity)
   if block_tables is not None:
@@ -78,10 +207,10 @@ def run(partials: Callable, q, k, lengths, block_tables, *, problem, sinks, retu
   if sinks is not None:
     per_head = jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :, None],
                                 (1, problem.num_queries, problem.num_heads, 1))
-    row_sinks = combine.pack_queries(per_head, problem.num_kv_heads)[0, ..., 0]  # [Hkv, R]
-  out, lse = combine.merge_splits(out, lse, row_sinks)
-  out = combine.unpack_rows(out, problem.num_queries)
-  lse = combine.unpack_rows(lse, problem.num_queries)
+    row_sinks = pack_queries(per_head, problem.num_kv_heads)[0, ..., 0]  # [Hkv, R]
+  out, lse = merge_splits(out, lse, row_sinks)
+  out = unpack_rows(out, problem.num_queries)
+  lse = unpack_rows(lse, problem.num_queries)
   if single:
     out, lse = out[:, 0], lse[:, 0]
   return (out, lse) if return_lse else out

@@ -1,7 +1,8 @@
-"""Mosaic GPU (Hopper and newer) kernels."""
+"""Mosaic GPU (Hopper and newer) kernels.
 
-from pallas_kv.kernels.mosaic_gpu.decode import decode_partials as decode_partials
-from pallas_kv.kernels.mosaic_gpu.decode import DecodeSmem as DecodeSmem
-from pallas_kv.kernels.mosaic_gpu.decode import smem_bytes as smem_bytes
-from pallas_kv.kernels.mosaic_gpu.decode import fits_smem as fits_smem
-from pallas_kv.kernels.mosaic_gpu.decode import row_blocking as row_blocking
+  config.py    what the kernel supports, its SMEM layout and fit, the config choice
+  tiling.py    KV tiles in SMEM and where their tokens live in GMEM (contiguous or paged)
+  pipeline.py  the TMA ring: a producer fills SMEM slots, consumers wait and release them
+  decode.py    the split-K GQA decode kernel
+  backend.py   what `pallas_kv.api` calls
+"""

@@ -5,15 +5,15 @@ of its sequence, computed at run time from `lengths` so that tiles past the end 
 the sliding window) are never loaded. Warp specialization:
 
   producer warpgroup   walks the range and TMA-copies K and V tiles into two SMEM rings
-                       (`pallas_kv.pipeline.Ring`), up to num_stages tiles ahead;
+                       (`pipeline.Ring`), up to num_stages tiles ahead;
   consumer warpgroups  each owns 64 packed query rows (all q heads of the KV head x all new
                        tokens, zero-padded to 64 for wgmma): S = Q K^T and O += P V on the
-                       tensor cores, online softmax in float32 in the WGMMA register layout.
-                       Two consumers split 65..128 rows; with kv_groups=2 two consumers
-                       instead stream two splits' tiles from their own rings.
+                       tensor cores, online softmax in float32 in the WGMMA register layout
+                       (`TileMath`). Two consumers split 65..128 rows; with kv_groups=2 two
+                       consumers instead stream two splits' tiles from their own rings.
 
 Each split writes its softmax-normalised partial output and its natural-log LSE; the caller
-merges splits (`lse_tot = logsumexp(lse)`, `out = sum(exp(lse - lse_tot) * out)`).
+merges splits (`split_k.merge_splits`).
 """
 
 from __future__ import annotations
@@ -29,37 +29,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kv import pipeline as kv_pipeline
-from pallas_kv import tiling as kv_tiling
+from pallas_kv import runtime
+from pallas_kv.config import AttentionOptions
+from pallas_kv.config import DecodeConfig
+from pallas_kv.kernels import online_softmax
 from pallas_kv.kernels import split_k
+from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
+from pallas_kv.kernels.mosaic_gpu import pipeline
+from pallas_kv.kernels.mosaic_gpu import tiling
 
-ROWS_PER_WG = 64            # wgmma M: packed query rows per consumer warpgroup
-MAX_COMPUTE_WGS = 2         # 2 consumers + 1 producer = 384 threads
+ROWS_PER_WG = mgpu_config.ROWS_PER_WG
 PRODUCER_REGISTERS = 40     # the producer only issues TMA: give its registers to the consumers
-SMEM_CAPACITY_BYTES = 227 * 1024   # per thread block, Hopper (H100 / H200)
-# Scratch Mosaic GPU reserves for cross-warp reductions (CompilerParams default).
-_REDUCTION_SCRATCH_BYTES = plgpu.CompilerParams().reduction_scratch_bytes
 # TMA stores need 16-byte rows: the lse output is padded to a multiple of 4 float32 rows.
 _LSE_ROW_MULTIPLE = 4
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-
-
-def _cdiv(a, b):
-  return -(-a // b)
-
-
-def _round_up(a: int, b: int) -> int:
-  return _cdiv(a, b) * b
-
-
-def row_blocking(rows: int) -> tuple[int, int]:
-  """(consumer warpgroups per program, row blocks in the grid) for `rows` packed rows.
-
-  Rows beyond 2 x 64 are split over more programs (each re-reads the KV of its head).
-  """
-  num_wgs = min(_cdiv(rows, ROWS_PER_WG), MAX_COMPUTE_WGS)
-  return num_wgs, _cdiv(rows, num_wgs * ROWS_PER_WG)
 
 
 def _consumer_registers(num_wgs: int) -> int:
@@ -67,146 +49,48 @@ def _consumer_registers(num_wgs: int) -> int:
   return int(min(256, (512 - PRODUCER_REGISTERS) / num_wgs) // 8 * 8)
 
 
-def check_kv_groups(*, kv_groups: int, rows: int, num_splits: int, num_stages: int) -> None:
-  """Validates `kv_groups`: consumer warpgroups that stream different KV tiles in one program.
-
-  kv_groups=2 gives each of two consumer warpgroups one split's tiles and its own ring pair
-  (two softmax pipelines per SM). It needs the packed rows to fit one warpgroup (rows <= 64),
-  an even split count (a program serves two splits; the grid has num_splits / 2 of them) and an
-  even num_stages (the slots are shared out equally).
-  """
-  if kv_groups == 1:
-    return
-  if kv_groups != 2:
-    raise ValueError(f"{kv_groups=} must be 1 or 2")
-  if rows > ROWS_PER_WG:
-    raise NotImplementedError(f"kv_groups=2 needs <= {ROWS_PER_WG} packed rows, got {rows}")
-  if num_splits % 2:
-    raise ValueError(f"kv_groups=2 needs an even num_splits, got {num_splits=}")
-  if num_stages % 2:
-    raise ValueError(f"kv_groups=2 needs an even num_stages, got {num_stages=}")
-
-
 @dataclasses.dataclass(frozen=True)
-class DecodeSmem:
-  """The SMEM layout of one decode program; the single source for scratch and for fit checks.
+class TileMath:
+  """What a consumer warpgroup computes on each KV tile: Q K^T, the masked online softmax, P V.
 
-  q      [row_wgs, 64, D] dtype              packed queries, swizzled (wgmma A operand)
-  union  ( per KV group g: K ring g [stages / kv_groups, bkv, D], V ring g [same] )  streaming
-         | ( out [num_wgs, 64, D] f32, lse [num_wgs, 64] f32 )                  after the loop
-         (separate_out: rings and out/lse side by side, for a persistent program whose rings
-         keep streaming the next work item while one item's partial is stored)
-  barriers: produced + consumed per ring slot, q per row warpgroup, one among consumers.
-  `num_stages` counts the KV tile slots of each role (K or V) over all groups.
+  The production kernel uses this class as is. A measurement probe may subclass it and leave a
+  stage out (its results are then wrong by design) to see where the time goes; `name` goes into
+  the kernel name so that profiles tell them apart.
   """
-  head_dim: int
-  dtype: Any
-  block_kv: int
-  num_stages: int
-  row_wgs: int = 1          # consumer warpgroups that split the packed rows (64 each)
-  kv_groups: int = 1        # consumer warpgroups that split the KV tiles (own rings each)
-  copies_per_tile: int = 1
-  stage_p: bool = False     # P staged in SMEM for P @ V (interpret mode only)
-  separate_out: bool = False   # out/lse staging beside the rings, not aliasing them (persistent)
+  name: str = ""
 
-  def __post_init__(self):
-    object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
-    if self.num_stages % self.kv_groups:
-      raise ValueError(f"{self.num_stages=} must be a multiple of {self.kv_groups=}")
+  def qk(self, s_ref, q_tile, k_tile):
+    """Starts S = Q K^T into the accumulator s_ref [64, bkv] (q_tile [64, D], k_tile [bkv, D] SMEM)."""
+    plgpu.wgmma(s_ref, q_tile, k_tile.transpose((1, 0)))
 
-  @property
-  def num_wgs(self) -> int:
-    return self.row_wgs * self.kv_groups
+  def softmax(self, s, acc, m_i, l_i, *, tile, length, row0, masked: bool, st: "_Static"):
+    """(acc rescaled, m, l, P in the cache dtype) after tile `tile`'s raw scores s [64, bkv] f32."""
+    s = online_softmax.log2_logits(s, scale=st.options.scale, softcap=st.options.softcap)
+    if masked:
+      rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA) + row0
+      cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+      ok = online_softmax.visible(rows, cols, tile_start=tile * st.tiling.block_kv, length=length,
+                                  num_queries=st.num_queries, group=st.group, window=st.options.window)
+      s = jnp.where(ok, s, -jnp.inf)
+    acc, m_new, l_new, p = online_softmax.softmax_step(s, acc, m_i, l_i)
+    return acc, m_new, l_new, p.astype(st.tiling.dtype)
 
-  def ring_spec(self) -> kv_pipeline.RingSpec:
-    return kv_pipeline.RingSpec(
-        num_stages=self.num_stages // self.kv_groups, block_shape=(self.block_kv, self.head_dim),
-        dtype=self.dtype, transforms=kv_tiling.smem_transforms(self.dtype, self.head_dim),
-        copies_per_slot=self.copies_per_tile, num_consumers=self.row_wgs)
+  def pv(self, acc, p16, v_tile, p_smem=None):
+    """acc + P @ V on the tensor cores: acc [64, D] f32 (WGMMA layout), p16 [64, bkv], v_tile SMEM."""
+    if p_smem is None:
+      def mma(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v_tile)
+      return pl.run_state(mma)(plgpu.ACC.init(acc))
 
-  def scratch_types(self) -> dict[str, Any]:
-    ring = self.ring_spec()
-    rings, barriers = [], {}
-    for g in range(self.kv_groups):
-      rings += [ring.buffer_type(), ring.buffer_type()]
-      for role in ("k", "v"):
-        barriers[f"{role}{g}_produced"], barriers[f"{role}{g}_consumed"] = ring.barrier_types()
-    out_stage = (plgpu.SMEM((self.num_wgs, ROWS_PER_WG, self.head_dim), jnp.float32),
-                 plgpu.SMEM((self.num_wgs, ROWS_PER_WG), jnp.float32))
-    if self.separate_out:
-      buffers = dict(rings=tuple(rings), out_stage=out_stage)
-    else:
-      # Output staging reuses the rings' memory once every tile is consumed.
-      buffers = dict(union=plgpu.RefUnion(tuple(rings), out_stage))
-    scratch = dict(
-        q_smem=plgpu.SMEM((self.row_wgs, ROWS_PER_WG, self.head_dim), self.dtype,
-                          transforms=kv_tiling.smem_transforms(self.dtype, self.head_dim)),
-        **buffers,
-        q_barrier=plgpu.Barrier(num_barriers=self.row_wgs),
-        consumers_done=plgpu.Barrier(num_arrivals=self.num_wgs),
-        **barriers)
-    if self.stage_p:
-      scratch["p_smem"] = plgpu.SMEM(self._p_shape, self.dtype)
-    return scratch
+    # GPU interpret mode (jax 0.11.2) runs neither pl.run_state nor wgmma with a register
+    # operand: stage P in SMEM ([64, bkv]) and accumulate into a fresh accumulator instead.
+    p_smem[...] = p16
 
-  @property
-  def _p_shape(self) -> tuple[int, int, int]:
-    return (self.num_wgs, ROWS_PER_WG, self.block_kv)
+    def mma_staged(acc_ref):
+      plgpu.wgmma(acc_ref, p_smem, v_tile)
+      return acc_ref[...]
 
-  @property
-  def nbytes(self) -> int:
-    """SMEM bytes the kernel asks for (allocations aligned as Mosaic GPU aligns them)."""
-    ring = self.ring_spec()
-    align = kv_pipeline.align_up
-    rings = 2 * self.kv_groups * align(ring.buffer_bytes)
-    outputs = align(self.num_wgs * ROWS_PER_WG * self.head_dim * 4) + self.num_wgs * ROWS_PER_WG * 4
-    q = self.row_wgs * ROWS_PER_WG * self.head_dim * self.dtype.itemsize
-    barriers = (2 * self.kv_groups * ring.barrier_bytes
-                + (self.row_wgs + 1) * kv_pipeline.BARRIER_BYTES)
-    p = math.prod(self._p_shape) * self.dtype.itemsize if self.stage_p else 0
-    streaming = rings + align(outputs) if self.separate_out else max(rings, outputs)
-    return (align(q) + align(streaming) + align(p)
-            + align(_REDUCTION_SCRATCH_BYTES) + barriers)
-
-  @property
-  def fits(self) -> bool:
-    return self.nbytes <= SMEM_CAPACITY_BYTES
-
-
-def smem_bytes(*, rows: int, head_dim: int, dtype: Any, block_kv: int, num_stages: int,
-               page_size: int | None = None, kv_groups: int = 1, persistent: bool = False) -> int:
-  """SMEM bytes one decode program needs (rows = num_queries * group size, before padding)."""
-  row_wgs, _ = row_blocking(rows)
-  copies = block_kv // page_size if page_size is not None and page_size < block_kv else 1
-  return DecodeSmem(head_dim=head_dim, dtype=dtype, block_kv=block_kv, num_stages=num_stages,
-                    row_wgs=row_wgs, kv_groups=kv_groups, copies_per_tile=copies,
-                    separate_out=persistent).nbytes
-
-
-def fits_smem(**kwargs) -> bool:
-  """Whether a config fits in Hopper's 227 KiB of SMEM per block (same args as smem_bytes)."""
-  return smem_bytes(**kwargs) <= SMEM_CAPACITY_BYTES
-
-
-# Measurement-only variants of the consumer (`decode_partials(_probe=...)`): each leaves out a
-# stage so that a benchmark can tell where the time goes. Their results are WRONG by design;
-# nothing in the public API can select them.
-PROBES = ("no_qk", "no_softmax", "no_pv", "loads_only")
-
-
-def check_pipeline_options(*, pipeline_qk: bool, persistent: bool, kv_groups: int,
-                           num_stages: int, probe: str | None) -> None:
-  """Validates the combinations of pipeline_qk, persistent, kv_groups and probe."""
-  if pipeline_qk and num_stages < 2:
-    # The consumer holds tile i's K slot until tile i+1's QK^T is done.
-    raise ValueError(f"pipeline_qk=True needs num_stages >= 2, got {num_stages=}")
-  if persistent and kv_groups != 1:
-    raise NotImplementedError(f"persistent=True needs kv_groups=1, got {kv_groups=}")
-  if probe is not None:
-    if probe not in PROBES:
-      raise ValueError(f"_probe={probe!r} must be one of {PROBES} or None")
-    if pipeline_qk:
-      raise NotImplementedError("_probe applies to the pipeline_qk=False consumer only")
+    return acc + pl.run_scoped(mma_staged, plgpu.ACC(acc.shape, jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,16 +104,14 @@ class _Static:
   lse_rows: int         # rows of the lse array (out_rows rounded up to 4)
   num_splits: int       # partials per (batch, head): grid splits x kv_groups
   capacity: int         # tokens addressable per sequence
-  scale: float
-  softcap: float | None
-  window: int | None
-  tiling: kv_tiling.KVTiling
-  smem: DecodeSmem
+  options: AttentionOptions  # scale, softcap, window
+  tiling: tiling.KVTiling
+  smem: mgpu_config.DecodeSmem
   batch: int = 1
   num_kv_heads: int = 1
   pipeline_qk: bool = False
   num_programs: int | None = None   # persistent grid: programs looping over work items
-  probe: str | None = None          # measurement only, see PROBES
+  tile_math: TileMath = TileMath()
 
   @property
   def row_wgs(self) -> int:
@@ -258,9 +140,9 @@ class _Static:
 
 
 def _tile_range(length, split, st: _Static):
-  """This split's tiles [t0, t1) and the unmasked sub-range [a, c) (`tiling.split_tile_range`)."""
-  return kv_tiling.split_tile_range(length, split, block_kv=st.tiling.block_kv, num_queries=st.num_queries,
-                                    num_splits=st.num_splits, window=st.window)
+  """This split's tiles [t0, t1) and the unmasked sub-range [a, c) (`split_k.split_tile_range`)."""
+  return split_k.split_tile_range(length, split, block_kv=st.tiling.block_kv, num_queries=st.num_queries,
+                                  num_splits=st.num_splits, window=st.options.window)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,7 +220,7 @@ def _kernel(q_ref,            # [B, Hkv, rows_padded, D]   GMEM
   else:
     ring_slots, (out_smem, lse_smem) = scratch["union"]
   ring_spec = st.smem.ring_spec()
-  rings = [tuple(kv_pipeline.Ring(ring_spec, ring_slots[2 * g + i], scratch[f"{role}{g}_produced"],
+  rings = [tuple(pipeline.Ring(ring_spec, ring_slots[2 * g + i], scratch[f"{role}{g}_produced"],
                                   scratch[f"{role}{g}_consumed"])
                  for i, role in enumerate("kv"))
            for g in range(st.kv_groups)]
@@ -392,7 +274,7 @@ def _kernel(q_ref,            # [B, Hkv, rows_padded, D]   GMEM
                                   q_barrier)
         plgpu.barrier_wait(q_barrier)
         carry = _consume(q_tile, *rings[g], p_smem, item.length, row0, *item.ranges[g],
-                         steps_before, q_ref.dtype, st)
+                         steps_before, st)
         _write_partials(carry, out_smem.at[w], lse_smem.at[w], out_ref, lse_ref,
                         scratch["consumers_done"], b=item.b, head=item.head,
                         split=item.splits[g], rw=rw, row0=row0, st=st)
@@ -403,59 +285,25 @@ def _kernel(q_ref,            # [B, Hkv, rows_padded, D]   GMEM
         plgpu.wait_smem_to_gmem(0)
 
 
-def _consume(q_tile, k_ring, v_ring, p_smem, length, row0, t0, t1, a, c, step0, dtype,
-             st: _Static):
+def _consume(q_tile, k_ring, v_ring, p_smem, length, row0, t0, t1, a, c, step0, st: _Static):
   """Online softmax over tiles [t0, t1): masked head [t0, a), plain body [a, c), masked tail.
 
   Ring step step0 + i holds tile t0 + i.
   """
-  bkv = st.tiling.block_kv
-  D = st.tiling.head_dim
-  G = st.group
+  math_ = st.tile_math
   wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
-  probe = st.probe
-  s_type = plgpu.ACC((ROWS_PER_WG, bkv), jnp.float32)
-
-  def issue_qk(s_ref, k_tile):
-    if probe not in ("no_qk", "loads_only"):
-      plgpu.wgmma(s_ref, q_tile, k_tile.transpose((1, 0)))
+  s_type = plgpu.ACC((ROWS_PER_WG, st.tiling.block_kv), jnp.float32)
 
   def softmax(s, tile, acc, m_i, l_i, masked: bool):
-    """(acc rescaled, m, l, P in dtype) after tile `tile`'s logits s [64, bkv] f32."""
-    if probe == "no_softmax":
-      return acc, m_i, l_i, s.astype(dtype)
-    # Logits in log2 units so that exp2 (one MUFU op) does the softmax.
-    if st.softcap is not None:
-      s = jnp.tanh(s * (st.scale / st.softcap)) * (st.softcap * LOG2E)
-    else:
-      s = s * (st.scale * LOG2E)
-    if masked:
-      # Row r is query s_r = r // G at p = L - S + s_r. With x = t - (L - S):
-      # t <= p  <=>  x * G <= r;   t > p - window  <=>  r < (x + window) * G.
-      rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA) + row0
-      cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-      x_g = (cols + (tile * bkv - length + st.num_queries)) * G
-      valid = x_g <= rows
-      if st.window is not None:
-        valid = valid & (rows < x_g + st.window * G)
-      s = jnp.where(valid, s, -jnp.inf)
-    m_new = jnp.maximum(m_i, s.max(axis=1))
-    # A row with no valid key yet keeps m = -inf; shift by 0 then so that exp2 gives 0, not NaN.
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp2(m_i - m_use)
-    p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
-    l_i = l_i * alpha + p.sum(axis=1)
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    return acc, m_new, l_i, p.astype(dtype)
+    return math_.softmax(s, acc, m_i, l_i, tile=tile, length=length, row0=row0, masked=masked, st=st)
 
   def pv(acc, p16, i):
     v_tile = v_ring.wait(i)    # [bkv, D]
-    if probe not in ("no_pv", "loads_only"):
-      acc = _pv_update(acc, p16, v_tile, p_smem)
+    acc = math_.pv(acc, p16, v_tile, p_smem)
     v_ring.release(i)
     return acc
 
-  acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, D), jnp.float32), plgpu.Layout.WGMMA)
+  acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, st.tiling.head_dim), jnp.float32), plgpu.Layout.WGMMA)
   m_i = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), -jnp.inf, jnp.float32), wgmma_rows)
   l_i = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG,), jnp.float32), wgmma_rows)
 
@@ -466,15 +314,11 @@ def _consume(q_tile, k_ring, v_ring, p_smem, length, row0, t0, t1, a, c, step0, 
       k_tile = k_ring.wait(i)    # [bkv, D]
 
       def qk(s_ref):
-        issue_qk(s_ref, k_tile)
+        math_.qk(s_ref, q_tile, k_tile)
         return s_ref[...]
 
       s = pl.run_scoped(qk, s_type)   # [64, bkv]
       k_ring.release(i)
-      if probe == "loads_only":
-        v_ring.wait(i)
-        v_ring.release(i)
-        return acc, m_i, l_i
       acc, m_new, l_i, p16 = softmax(s, tile, acc, m_i, l_i, masked)
       return pv(acc, p16, i), m_new, l_i
 
@@ -487,7 +331,7 @@ def _consume(q_tile, k_ring, v_ring, p_smem, length, row0, t0, t1, a, c, step0, 
     def first(s_ref):
       @pl.when(t1 > t0)
       def _():
-        issue_qk(s_ref, k_ring.wait(step0))
+        math_.qk(s_ref, q_tile, k_ring.wait(step0))
       return s_ref[...]
 
     s0 = pl.run_scoped(first, s_type)
@@ -504,7 +348,7 @@ def _consume(q_tile, k_ring, v_ring, p_smem, length, row0, t0, t1, a, c, step0, 
       k_next = k_ring.slot(jnp.where(has_next, i + 1, i))
 
       def body(s_ref):
-        issue_qk(s_ref, k_next)
+        math_.qk(s_ref, q_tile, k_next)
         acc_new, m_new, l_new, p16 = softmax(s, tile, acc, m_i, l_i, masked)
         acc_new = pv(acc_new, p16, i)
         return acc_new, m_new, l_new, s_ref[...]
@@ -521,32 +365,10 @@ def _consume(q_tile, k_ring, v_ring, p_smem, length, row0, t0, t1, a, c, step0, 
   return carry[:3]
 
 
-def _pv_update(acc, p16, v_tile, p_smem=None):
-  """acc + P @ V on the tensor cores: acc [64, D] f32 (WGMMA layout), p16 [64, bkv], v_tile SMEM."""
-  if p_smem is None:
-    def pv(acc_ref):
-      plgpu.wgmma(acc_ref, p16, v_tile)
-    return pl.run_state(pv)(plgpu.ACC.init(acc))
-
-  # GPU interpret mode (jax 0.11.2) runs neither pl.run_state nor wgmma with a register
-  # operand: stage P in SMEM ([64, bkv]) and accumulate into a fresh accumulator instead.
-  p_smem[...] = p16
-
-  def mma(acc_ref):
-    plgpu.wgmma(acc_ref, p_smem, v_tile)
-    return acc_ref[...]
-
-  return acc + pl.run_scoped(mma, plgpu.ACC(acc.shape, jnp.float32))
-
-
 def _write_partials(carry, out_smem, lse_smem, out_ref, lse_ref, consumers_done, *,
                     b, head, split, rw: int, row0, st: _Static):
   """Normalises and stores one warpgroup's partial: out_smem [64, D] f32, lse_smem [64] f32."""
-  acc, m_i, l_i = carry
-  has_keys = l_i > 0
-  l_safe = jnp.where(has_keys, l_i, 1.0)
-  out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-  lse = jnp.where(has_keys, m_i * LN2 + jnp.log(l_safe), -jnp.inf)
+  out, lse = online_softmax.finalize(*carry)
   if st.persistent:
     # The staging buffers are this warpgroup's own; wait until the previous item's stores
     # have read them (the stores themselves may still be in flight).
@@ -591,8 +413,8 @@ def _build(st: _Static, interpret: Any):
     name += "_pqk"
   if st.persistent:
     name += f"_persist{st.num_programs}"
-  if st.probe is not None:
-    name += f"_PROBE_{st.probe}"
+  if st.tile_math.name:
+    name += f"_{st.tile_math.name}"
   if st.persistent:
     grid, grid_names = (st.num_programs,), ("program",)
   else:
@@ -613,29 +435,26 @@ def _build(st: _Static, interpret: Any):
   )
 
 
-def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, num_splits: int,
-                    block_kv: int, num_stages: int, scale: float, softcap: float | None = None,
-                    window: int | None = None, kv_groups: int = 1, pipeline_qk: bool = False,
-                    persistent_programs: int | None = None, interpret: Any = False,
-                    _probe: str | None = None):
+def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
+                    config: DecodeConfig, num_programs: int | None = None, tile_math: TileMath = TileMath(),
+                    interpret: Any = False):
   """Split-K partials of decode attention over a contiguous or paged KV cache.
 
   q: [B, Hkv, R, D] in k's dtype (bf16 or fp16), R = num_queries * G packed rows, row
   r = s * G + g is query token s (of num_queries S new tokens) for q head kv_head * G + g.
   Query token s of sequence b is at position p = lengths[b] - S + s; it attends to keys t with
-  t < lengths[b], t <= p, and (if window) t > p - window.
+  t < lengths[b], t <= p, and (if options.window) t > p - window.
   dense:  k, v [B, T, Hkv, D]; block_tables None.
   paged:  k, v [P, page_size, Hkv, D]; block_tables int32 [B, max_pages]; token t of sequence
           b is at k[block_tables[b, t // page_size], t % page_size].
-  kv_groups: 1, or 2 to have two consumer warpgroups per program each stream one split's tiles
-    (needs <= 64 packed rows and even num_splits and num_stages; the grid then has num_splits/2
-    programs per (batch, head), so use it only where that still fills the GPU).
-  pipeline_qk: issue tile i+1's Q K^T before tile i's softmax (needs num_stages >= 2).
-  persistent_programs: None for one program per work item (kv head [x row block], split
-    program, batch); else launch min(this, items) programs that each loop over the items
-    program, program + P, ... with their rings streaming on across items (e.g. the SM count).
+  options: scale, softcap and window of the call.
+  config: a resolved `DecodeConfig` (num_splits set; `config.resolve_config`), checked here by
+    `config.check_config`. With kv_groups=2 the grid has num_splits / 2 programs per (batch,
+    head), so use it only where that still fills the GPU.
+  num_programs: the programs a persistent config launches (default: the SM count); each loops
+    over the work items program, program + P, ... with its rings streaming on across items.
+  tile_math: what the consumers compute per tile (`TileMath`; probes subclass it).
   interpret: False, True or a plgpu.InterpretGPUParams (run on the CPU in interpret mode).
-  _probe: MEASUREMENT ONLY, results wrong by design: one of PROBES leaves out a consumer stage.
 
   Returns (out [B, Hkv, num_splits, R, D] float32, the softmax-normalised output of each split;
   lse [B, Hkv, num_splits, R] float32, natural-log sum-exp of the split's logits, -inf (and out
@@ -645,51 +464,32 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, nu
   Keys past lengths[b] inside the last loaded tile are masked with p = 0, so cache memory there
   must hold finite values (0 * inf would be NaN); TMA zero-fills past the end of the array.
   """
-  split_k.check_partials_args(q, k, v, lengths, num_queries=num_queries, num_splits=num_splits,
-                              num_stages=num_stages, scale=scale, softcap=softcap, window=window)
+  split_k.check_packed_args(q, k, v, lengths, block_tables, num_queries=num_queries)
   B, Hkv, R, D = q.shape
-  if persistent_programs is not None and persistent_programs < 1:
-    raise ValueError(f"{persistent_programs=} must be a positive int or None")
-  group = R // num_queries
-
+  page_size = None if block_tables is None else k.shape[1]
+  mgpu_config.check_config(config, rows=R, head_dim=D, dtype=k.dtype, page_size=page_size)
   if block_tables is None:
-    if k.shape[0] != B:
-      raise ValueError(f"dense k must be [B={B}, T, Hkv, D], got {k.shape=}")
-    tiling = kv_tiling.KVTiling("k", block_kv, D, k.dtype)
+    kv_tiling = tiling.KVTiling(config.block_kv, D, k.dtype)
   else:
-    if block_tables.ndim != 2 or block_tables.shape[0] != B or block_tables.dtype != jnp.int32:
-      raise ValueError(
-          f"block_tables must be int32 [B={B}, max_pages], got {block_tables.shape=} "
-          f"{block_tables.dtype=}")
-    tiling = kv_tiling.KVTiling("k", block_kv, D, k.dtype, page_size=k.shape[1],
-                                num_pages=k.shape[0], max_pages=block_tables.shape[1])
-
-  check_kv_groups(kv_groups=kv_groups, rows=R, num_splits=num_splits, num_stages=num_stages)
-  persistent = persistent_programs is not None
-  check_pipeline_options(pipeline_qk=pipeline_qk, persistent=persistent, kv_groups=kv_groups,
-                         num_stages=num_stages, probe=_probe)
-  row_wgs, num_row_blocks = row_blocking(R)
+    kv_tiling = tiling.KVTiling(config.block_kv, D, k.dtype, page_size=page_size, num_pages=k.shape[0],
+                                max_pages=block_tables.shape[1])
+  row_wgs, num_row_blocks = mgpu_config.row_blocking(R)
   rows_padded = row_wgs * ROWS_PER_WG * num_row_blocks
   out_rows = R if num_row_blocks == 1 else rows_padded
-  smem = DecodeSmem(head_dim=D, dtype=k.dtype, block_kv=block_kv, num_stages=num_stages,
-                    row_wgs=row_wgs, copies_per_tile=tiling.copies_per_tile,
-                    kv_groups=kv_groups, separate_out=persistent,
-                    stage_p=bool(interpret))
-  gpu_smem = dataclasses.replace(smem, stage_p=False)   # the fit that matters on the GPU
-  if not gpu_smem.fits:
-    raise ValueError(
-        f"{block_kv=} x {num_stages=} needs {gpu_smem.nbytes} bytes of SMEM for head_dim {D} and "
-        f"{R} packed rows{' (persistent)' if persistent else ''}, over the "
-        f"{SMEM_CAPACITY_BYTES} available; use fewer stages")
+  smem = mgpu_config.DecodeSmem.for_call(config, rows=R, head_dim=D, dtype=k.dtype, page_size=page_size,
+                                         stage_p=bool(interpret))
   st = _Static(
-      num_queries=num_queries, group=group, rows=R, num_row_blocks=num_row_blocks,
-      out_rows=out_rows, lse_rows=_round_up(out_rows, _LSE_ROW_MULTIPLE), num_splits=num_splits,
-      capacity=tiling.capacity(k.shape), scale=float(scale),
-      softcap=None if softcap is None else float(softcap),
-      window=None if window is None else int(window), tiling=tiling, smem=smem,
-      batch=B, num_kv_heads=Hkv, pipeline_qk=bool(pipeline_qk), probe=_probe)
-  if persistent:
-    st = dataclasses.replace(st, num_programs=min(int(persistent_programs), st.num_items))
+      num_queries=num_queries, group=R // num_queries, rows=R, num_row_blocks=num_row_blocks,
+      out_rows=out_rows, lse_rows=split_k.round_up(out_rows, _LSE_ROW_MULTIPLE),
+      num_splits=config.num_splits, capacity=kv_tiling.capacity(k.shape), options=options,
+      tiling=kv_tiling, smem=smem, batch=B, num_kv_heads=Hkv, pipeline_qk=config.pipeline_qk,
+      tile_math=tile_math)
+  if config.persistent:
+    if num_programs is None:
+      num_programs = runtime.num_sms()
+    if num_programs < 1:
+      raise ValueError(f"{num_programs=} must be a positive int or None")
+    st = dataclasses.replace(st, num_programs=min(int(num_programs), st.num_items))
 
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()

@@ -12,14 +12,13 @@ and page ids are read inside the loop. A tile is one slice of one page when bloc
 the page size, else a per-token gather over block_kv / page_size pages.
 
 Each split writes its softmax-normalised partial output and its natural-log LSE (-inf and 0
-for a split without valid keys); the caller merges splits (`pallas_kv.combine.merge_splits`).
+for a split without valid keys); the caller merges splits (`split_k.merge_splits`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import warnings
 
 import jax
@@ -28,57 +27,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kv import tiling as kv_tiling
+from pallas_kv.config import AttentionOptions
+from pallas_kv.config import DecodeConfig
+from pallas_kv.kernels import online_softmax
 from pallas_kv.kernels import split_k
+from pallas_kv.kernels.triton import config as triton_config
 
-KV_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-HEAD_DIMS = (64, 128, 256)
-MIN_DOT_DIM = 16   # tl.dot needs every dimension >= 16
-MIN_BLOCK_KV = 16
-# Packed query rows one program keeps in registers (accumulator [rows, D] float32); more rows
-# are split over programs, each of which re-reads its KV head.
-MAX_ROWS_PER_PROGRAM = {64: 128, 128: 128, 256: 64}
-# Shared memory the pipelined K and V tiles may take: fits an A100 (164 KiB per block) as well
-# as Hopper (227 KiB).
-SMEM_BUDGET_BYTES = 160 * 1024
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 DEPRECATION_MESSAGE = "The Pallas Triton backend is deprecated"
-
-
-def _cdiv(a, b):
-  return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
-
-
-def row_blocking(rows: int, head_dim: int) -> tuple[int, int]:
-  """(rows per program, row blocks in the grid) for `rows` packed rows.
-
-  Rows per program is a power of two >= 16 (tl.dot and Triton tensor shapes).
-  """
-  block = max(MIN_DOT_DIM, _next_pow2(rows))
-  block = min(block, MAX_ROWS_PER_PROGRAM[head_dim])
-  return block, _cdiv(rows, block)
-
-
-def smem_bytes(*, head_dim: int, itemsize: int, block_kv: int, num_stages: int, block_rows: int) -> int:
-  """Estimated shared memory of one program: num_stages K and V tiles in flight, plus Q."""
-  tile = block_kv * head_dim * itemsize
-  return max(num_stages, 1) * 2 * tile + block_rows * head_dim * itemsize
-
-
-def fits_smem(**kwargs) -> bool:
-  """Whether `smem_bytes(**kwargs)` is within SMEM_BUDGET_BYTES."""
-  return smem_bytes(**kwargs) <= SMEM_BUDGET_BYTES
-
-
-def check_page_size(page_size: int, block_kv: int) -> None:
-  """block_kv must divide the page size, or be a multiple of it."""
-  if page_size % block_kv and block_kv % page_size:
-    raise ValueError(f"block_kv={block_kv} must divide page_size={page_size} or be a multiple of it")
 
 
 # ---------------------------------------------------------------- jax's deprecation warning
@@ -135,9 +90,7 @@ class _Static:
   head_dim: int
   page_size: int | None   # None: contiguous cache
   max_pages: int | None
-  scale: float
-  softcap: float | None
-  window: int | None
+  options: AttentionOptions   # scale, softcap, window
 
   @property
   def paged(self) -> bool:
@@ -145,9 +98,9 @@ class _Static:
 
 
 def _tile_range(length, split, st: _Static):
-  """This split's tiles [t0, t1) and the unmasked sub-range [a, c) (`tiling.split_tile_range`)."""
-  return kv_tiling.split_tile_range(length, split, block_kv=st.block_kv, num_queries=st.num_queries,
-                                    num_splits=st.num_splits, window=st.window)
+  """This split's tiles [t0, t1) and the unmasked sub-range [a, c) (`split_k.split_tile_range`)."""
+  return split_k.split_tile_range(length, split, block_kv=st.block_kv, num_queries=st.num_queries,
+                                  num_splits=st.num_splits, window=st.options.window)
 
 
 def _load_tile(kv_ref, block_tables_ref, tile, length, st: _Static, *, masked: bool):
@@ -206,40 +159,22 @@ def _kernel(q_ref,            # [block_rows, D]   packed rows of this (sequence,
     acc, m_i, l_i = carry
     k = _load_tile(k_ref, block_tables_ref, tile, length, st, masked=masked)   # [bkv, D]
     s = _dot(q, k, trans_b=True)   # [block_rows, bkv] f32
-    # Logits in log2 units so that the softmax runs on exp2.
-    if st.softcap is not None:
-      s = jnp.tanh(s * (st.scale / st.softcap)) * (st.softcap * LOG2E)
-    else:
-      s = s * (st.scale * LOG2E)
+    s = online_softmax.log2_logits(s, scale=st.options.scale, softcap=st.options.softcap)
     if masked:
-      # Row r is query s_r = r // G at p = L - S + s_r. With x = t - (L - S):
-      # t <= p  <=>  x * G <= r;   t > p - window  <=>  r < (x + window) * G.
-      x_g = (cols + (tile * bkv - length + st.num_queries)) * G   # [1, bkv]
-      valid = x_g <= rows
-      if st.window is not None:
-        valid = valid & (rows < x_g + st.window * G)
-      s = jnp.where(valid, s, -jnp.inf)
-    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-    # A row with no valid key yet keeps m = -inf: shift by 0 then, so that exp2 gives 0, not NaN.
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp2(m_i - m_use)
-    p = jnp.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + jnp.sum(p, axis=1)
+      ok = online_softmax.visible(rows, cols, tile_start=tile * bkv, length=length, num_queries=st.num_queries,
+                                  group=G, window=st.options.window)
+      s = jnp.where(ok, s, -jnp.inf)
+    acc, m_new, l_new, p = online_softmax.softmax_step(s, acc, m_i, l_i)
     v = _load_tile(v_ref, block_tables_ref, tile, length, st, masked=masked)   # [bkv, D]
-    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
-    return acc, m_new, l_i
+    return acc + _dot(p.astype(v.dtype), v), m_new, l_new
 
   carry = (jnp.zeros((st.block_rows, st.head_dim), jnp.float32),
            jnp.full((st.block_rows,), -jnp.inf, jnp.float32),
            jnp.zeros((st.block_rows,), jnp.float32))
   carry = lax.fori_loop(t0, a, functools.partial(step, masked=True), carry)
   carry = lax.fori_loop(a, c, functools.partial(step, masked=False), carry)
-  acc, m_i, l_i = lax.fori_loop(c, t1, functools.partial(step, masked=True), carry)
-
-  has_keys = l_i > 0
-  l_safe = jnp.where(has_keys, l_i, 1.0)
-  out_ref[...] = acc / l_safe[:, None]
-  lse_ref[...] = jnp.where(has_keys, m_i * LN2 + jnp.log(l_safe), -jnp.inf)
+  carry = lax.fori_loop(c, t1, functools.partial(step, masked=True), carry)
+  out_ref[...], lse_ref[...] = online_softmax.finalize(*carry)
 
 
 def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width: int | None,
@@ -281,19 +216,21 @@ def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width:
   )
 
 
-def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, num_splits: int, block_kv: int,
-                    num_stages: int, num_warps: int, scale: float, softcap: float | None = None,
-                    window: int | None = None, interpret: bool = False):
+def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
+                    config: DecodeConfig, interpret: bool = False):
   """Split-K partials of decode attention over a contiguous or paged KV cache.
 
   q: [B, Hkv, R, D] in k's dtype (bf16 or fp16), R = num_queries * G packed rows, row
   r = s * G + g is query token s (of S = num_queries new tokens) for q head kv_head * G + g.
   Query token s of sequence b is at position p = lengths[b] - S + s; it attends to keys t with
-  t <= p and (if window) t > p - window.
+  t <= p and (if options.window) t > p - window.
   dense:  k, v [B, T, Hkv, D]; block_tables None.
   paged:  k, v [P, page_size, Hkv, D]; block_tables int32 [B, max_pages] with ids in [0, P);
           token t of sequence b is k[block_tables[b, t // page_size], t % page_size].
   lengths: int32 [B] (clamped into [0, capacity]).
+  options: scale, softcap and window of the call.
+  config: a resolved `DecodeConfig` (num_splits set; `config.resolve_config`), checked here by
+    `config.check_config`.
   interpret: run the kernel in Pallas interpret mode (CPU).
 
   Returns (out [B, Hkv, num_splits, R, D] float32, each split's softmax-normalised output;
@@ -301,40 +238,26 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, nu
   0) where the split saw no valid key). logits = scale * q.k, then softcap * tanh(logits /
   softcap) if softcap. Tokens at or past lengths[b] are never read as values (masked loads).
   """
-  split_k.check_partials_args(q, k, v, lengths, num_queries=num_queries, num_splits=num_splits,
-                              num_stages=num_stages, scale=scale, softcap=softcap, window=window)
+  split_k.check_packed_args(q, k, v, lengths, block_tables, num_queries=num_queries)
   B, Hkv, R, D = q.shape
-  if D not in HEAD_DIMS:
-    raise ValueError(f"head_dim={D} must be one of {HEAD_DIMS}")
-  if block_kv < MIN_BLOCK_KV or block_kv & (block_kv - 1):
-    raise ValueError(f"{block_kv=} must be a power of two >= {MIN_BLOCK_KV}")
-
   if block_tables is None:
-    if k.shape[0] != B:
-      raise ValueError(f"dense k must be [B={B}, T, Hkv, D], got {k.shape=}")
     page_size = max_pages = None
     capacity = k.shape[1]
   else:
-    if block_tables.ndim != 2 or block_tables.shape[0] != B or block_tables.dtype != jnp.int32:
-      raise ValueError(f"block_tables must be int32 [B={B}, max_pages], got {block_tables.shape=} "
-                       f"{block_tables.dtype=}")
     page_size, max_pages = k.shape[1], block_tables.shape[1]
-    check_page_size(page_size, block_kv)
     capacity = page_size * max_pages
+  triton_config.check_config(config, head_dim=D, page_size=page_size)
 
-  block_rows, num_row_blocks = row_blocking(R, D)
+  block_rows, num_row_blocks = triton_config.row_blocking(R, D)
   st = _Static(num_queries=num_queries, group=R // num_queries, block_rows=block_rows,
-               num_row_blocks=num_row_blocks, num_splits=num_splits, capacity=capacity, block_kv=block_kv,
-               head_dim=D, page_size=page_size, max_pages=max_pages, scale=float(scale),
-               softcap=None if softcap is None else float(softcap),
-               window=None if window is None else int(window))
+               num_row_blocks=num_row_blocks, num_splits=config.num_splits, capacity=capacity,
+               block_kv=config.block_kv, head_dim=D, page_size=page_size, max_pages=max_pages, options=options)
   rows_padded = block_rows * num_row_blocks
   if rows_padded != R:
     q = jnp.pad(q, ((0, 0), (0, 0), (0, rows_padded - R), (0, 0)))
   args = (q, k, v, lengths) if block_tables is None else (q, k, v, lengths, block_tables)
-  call = _build(st, batch=B, num_kv_heads=Hkv, kv_shape=k.shape,
-                table_width=None if block_tables is None else max_pages, num_warps=num_warps,
-                num_stages=num_stages, dtype=k.dtype, interpret=bool(interpret))
+  call = _build(st, batch=B, num_kv_heads=Hkv, kv_shape=k.shape, table_width=max_pages,
+                num_warps=config.num_warps, num_stages=config.num_stages, dtype=k.dtype, interpret=bool(interpret))
   with warnings.catch_warnings():
     # Eager calls lower here; jit-time lowering goes through CompilerParams' quiet rule.
     warnings.filterwarnings("ignore", message=DEPRECATION_MESSAGE, category=DeprecationWarning)

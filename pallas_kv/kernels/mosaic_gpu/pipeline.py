@@ -145,6 +145,13 @@ class Ring:
     """The slot of `step`, [*block_shape] SMEM, without waiting (the caller has waited)."""
     return self.slots.at[self._slot(step)]
 
-  def release(self, step):
-    """Marks the slot of `step` free (one arrival per consumer warpgroup)."""
+  def release(self, step, *, read_by_registers: bool = False):
+    """Marks the slot of `step` free (one arrival per consumer warpgroup).
+
+    TMA refills the slot through the async proxy. A consumer that read it only with wgmma (also
+    the async proxy) needs nothing more; one that loaded it into registers (ordinary loads)
+    passes read_by_registers=True, which fences those reads before the slot can be refilled.
+    """
+    if read_by_registers:
+      plgpu.commit_smem()
     plgpu.barrier_arrive(self.consumed.at[self._slot(step)])

@@ -1,0 +1,119 @@
+"""KV tiling for the Mosaic GPU decode kernels.
+
+A KV tile is `block_kv` consecutive tokens of one KV head, `[block_kv, head_dim]`, held in
+SMEM swizzled so that wgmma can read it directly: a K tile is read transposed (Q @ K^T), a V
+tile as is (P @ V); both caches share one tiling. `KVTiling` says how a tile is laid out in
+SMEM and where its tokens live in GMEM:
+
+  contiguous  kv [B, T, Hkv, D]                  tile j of sequence b = kv[b, j*bkv : (j+1)*bkv, h]
+  paged       kv [P, page_size, Hkv, D] + table  token t of b is kv[table[b, t // page_size],
+                                                 t % page_size, h]
+
+A paged tile is one TMA copy when a page holds one or more whole tiles (page_size >= block_kv),
+and `block_kv // page_size` copies into one SMEM slot when a tile spans several pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+def smem_transforms(dtype: Any, minor_dim: int) -> tuple[Any, ...]:
+  """Tiling + swizzle for a [rows, minor_dim] wgmma operand in SMEM."""
+  bits = jnp.dtype(dtype).itemsize * 8
+  swizzle = plgpu.find_swizzle(minor_dim * bits, "KV tile")
+  return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+@dataclasses.dataclass(frozen=True)
+class KVTiling:
+  """How a KV cache (K or V: they share it) is cut into SMEM tiles of `block_kv` tokens.
+
+  The config checks (`config.check_config`) have accepted block_kv and the page size.
+
+  Attributes:
+    block_kv: tokens per tile.
+    head_dim: D.
+    dtype: element type of the cache (bf16 / fp16).
+    page_size: None for a contiguous cache, else tokens per page.
+    num_pages: pages in the pool (paged only; page ids are clamped into range).
+    max_pages: block-table width (paged only; table columns are clamped into range).
+  """
+  block_kv: int
+  head_dim: int
+  dtype: Any
+  page_size: int | None = None
+  num_pages: int | None = None
+  max_pages: int | None = None
+
+  def __post_init__(self):
+    object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+    if self.page_size is not None and (self.num_pages is None or self.max_pages is None):
+      raise ValueError("a paged KVTiling needs num_pages and max_pages")
+
+  @property
+  def paged(self) -> bool:
+    return self.page_size is not None
+
+  @property
+  def block_shape(self) -> tuple[int, int]:
+    return (self.block_kv, self.head_dim)
+
+  @property
+  def transforms(self) -> tuple[Any, ...]:
+    return smem_transforms(self.dtype, self.head_dim)
+
+  @property
+  def copies_per_tile(self) -> int:
+    """TMA copies that fill one tile (= arrivals on the slot's produced barrier)."""
+    if self.paged and self.page_size < self.block_kv:
+      return self.block_kv // self.page_size
+    return 1
+
+  def capacity(self, kv_shape: Sequence[int]) -> int:
+    """Tokens addressable per sequence: T (contiguous) or max_pages * page_size."""
+    if self.paged:
+      return self.max_pages * self.page_size
+    return kv_shape[1]
+
+  @property
+  def rows_per_copy(self) -> int:
+    return self.block_kv // self.copies_per_tile
+
+  def tile_locations(self, tile, *, batch, block_tables_ref=None) -> list[tuple[Any, Any]]:
+    """Where KV tile `tile` of sequence `batch` lives: one (leading index, first row) per copy.
+
+    Contiguous: [(batch, tile * block_kv)]; paged: [(page id, row within the page), ...].
+    block_tables_ref: [B, max_pages] int32 in GMEM (paged only). Page ids are read here,
+    in-kernel, and clamped into the pool, so a bad or stale table entry never makes a copy read
+    out of bounds. K and V share the locations: compute them once per tile.
+    """
+    bkv = self.block_kv
+    if not self.paged:
+      return [(batch, tile * bkv)]
+    if block_tables_ref is None:
+      raise ValueError("paged KV needs block_tables")
+    ps = self.page_size
+
+    def page_id(column):
+      column = jnp.minimum(column, self.max_pages - 1)
+      return jnp.clip(block_tables_ref[batch, column], 0, self.num_pages - 1)
+
+    if ps >= bkv:
+      tiles_per_page = ps // bkv
+      return [(page_id(tile // tiles_per_page), (tile % tiles_per_page) * bkv)]
+    n = self.copies_per_tile
+    return [(page_id(tile * n + i), 0) for i in range(n)]
+
+  def tile_sources(self, kv_ref, locations, *, head) -> list[Any]:
+    """GMEM views [rows_per_copy, D] of `kv_ref` at `locations`, stacked in order = the tile.
+
+    kv_ref: [B, T, Hkv, D] (contiguous) or [P, page_size, Hkv, D] (paged), in GMEM.
+    """
+    rows = self.rows_per_copy
+    return [kv_ref.at[index, pl.ds(row, rows), head] for index, row in locations]

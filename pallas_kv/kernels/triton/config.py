@@ -1,0 +1,126 @@
+"""What the Pallas Triton decode kernel supports, its SMEM estimate, and its config choice.
+
+Order of choice: an explicit `DecodeConfig`, else a tuned one for this device kind
+(`pallas_kv.tuned`), else the heuristic here; a split count left as None is filled in from the
+batch and the SM count. `DecodeConfig` checks its own fields; `check_config` checks only what
+this kernel adds, and `decode_partials` runs it once per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pallas_kv.config import DecodeConfig
+from pallas_kv.kernels import split_k
+
+NAME = "triton"
+HEAD_DIMS = (64, 128, 256)
+MIN_DOT_DIM = 16   # tl.dot needs every dimension >= 16
+MIN_BLOCK_KV = 16
+# Packed query rows one program keeps in registers (accumulator [rows, D] float32); more rows
+# are split over programs, each of which re-reads its KV head.
+MAX_ROWS_PER_PROGRAM = {64: 128, 128: 128, 256: 64}
+# Shared memory the pipelined K and V tiles may take: fits an A100 (164 KiB per block) as well
+# as Hopper (227 KiB).
+SMEM_BUDGET_BYTES = 160 * 1024
+# Several programs share an SM (Triton pipelines each program's loads).
+PROGRAMS_PER_SM = 2
+DEFAULT_BLOCK_KV = 64
+DEFAULT_STAGES = 3
+# DecodeConfig fields this backend does not implement, with the value it needs.
+UNSUPPORTED_FIELDS = {"kv_groups": 1, "pipeline_qk": False, "persistent": False}
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def row_blocking(rows: int, head_dim: int) -> tuple[int, int]:
+  """(rows per program, row blocks in the grid) for `rows` packed rows.
+
+  Rows per program is a power of two >= 16 (tl.dot and Triton tensor shapes).
+  """
+  block = max(MIN_DOT_DIM, _next_pow2(rows))
+  block = min(block, MAX_ROWS_PER_PROGRAM[head_dim])
+  return block, split_k.cdiv(rows, block)
+
+
+def smem_bytes(*, head_dim: int, itemsize: int, block_kv: int, num_stages: int, block_rows: int) -> int:
+  """Estimated shared memory of one program: num_stages K and V tiles in flight, plus Q."""
+  tile = block_kv * head_dim * itemsize
+  return max(num_stages, 1) * 2 * tile + block_rows * head_dim * itemsize
+
+
+def fits_smem(**kwargs) -> bool:
+  """Whether `smem_bytes(**kwargs)` is within SMEM_BUDGET_BYTES."""
+  return smem_bytes(**kwargs) <= SMEM_BUDGET_BYTES
+
+
+def block_kv_for_page(page_size: int, block_kv: int = DEFAULT_BLOCK_KV) -> int | None:
+  """The largest tile <= block_kv that a page of page_size tokens can serve, or None.
+
+  A tile must lie within one page (block_kv divides page_size) or cover whole pages (page_size
+  divides block_kv); block_kv is a power of two >= 16.
+  """
+  if page_size < 1:
+    return None
+  if page_size & (page_size - 1) == 0:   # a power of two: any tile size works
+    return block_kv
+  largest_pow2_divisor = page_size & -page_size
+  if largest_pow2_divisor < MIN_BLOCK_KV:
+    return None
+  return min(block_kv, largest_pow2_divisor)
+
+
+def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
+  """Why this backend cannot serve the call, or None if it can."""
+  reason = split_k.unsupported_reason(op, problem, options, dtypes, backend=NAME, head_dims=HEAD_DIMS)
+  if reason is None and problem.page_size is not None and block_kv_for_page(problem.page_size) is None:
+    reason = f"page_size {problem.page_size} is not supported (a power of two, or a multiple of {MIN_BLOCK_KV})"
+  return reason
+
+
+def check_config(config: DecodeConfig, *, head_dim: int, page_size: int | None) -> None:
+  """What this kernel needs of a resolved config (num_splits set) beyond DecodeConfig's own rules."""
+  if config.num_splits is None:
+    raise ValueError("config.num_splits must be resolved (resolve_config) before the kernel runs")
+  for name, needed in UNSUPPORTED_FIELDS.items():
+    value = getattr(config, name)
+    if value != needed:
+      raise ValueError(f"config.{name}={value!r} is a mosaic_gpu option; the triton backend needs {needed!r}")
+  if head_dim not in HEAD_DIMS:
+    raise ValueError(f"head_dim={head_dim} must be one of {HEAD_DIMS}")
+  if page_size is not None and page_size % config.block_kv and config.block_kv % page_size:
+    raise ValueError(f"block_kv={config.block_kv} must divide page_size={page_size} or be a multiple of it")
+
+
+def heuristic_config(problem, *, dtype: Any = "bfloat16") -> DecodeConfig:
+  """The default tile, stages and warps: fewer stages, then smaller tiles, until the tiles in
+  flight fit in shared memory (split count left to `resolve_config`)."""
+  del dtype  # the estimate assumes 2-byte elements, the only cache dtypes this backend serves
+  block_rows, _ = row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
+  block_kv = DEFAULT_BLOCK_KV
+  if problem.page_size is not None:
+    block_kv = block_kv_for_page(problem.page_size, block_kv) or block_kv
+  config = DecodeConfig(block_kv=block_kv, num_stages=DEFAULT_STAGES,
+                        num_warps=8 if block_rows * problem.head_dim >= 128 * 128 else 4)
+  fits = lambda c: fits_smem(head_dim=problem.head_dim, itemsize=2, block_kv=c.block_kv, num_stages=c.num_stages,
+                             block_rows=block_rows)
+  while not fits(config):
+    if config.num_stages > 2:
+      config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+    elif config.block_kv > MIN_BLOCK_KV:
+      config = dataclasses.replace(config, block_kv=config.block_kv // 2)
+    else:
+      break
+  return config
+
+
+def resolve_config(problem, config: DecodeConfig | None, *, dtype: Any = "bfloat16", num_sms: int | None = None,
+                   device_kind: str | None = None) -> DecodeConfig:
+  """Explicit config, else tuned, else the heuristic one, with the split count filled in."""
+  _, row_blocks = row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
+  return split_k.resolve_config(problem, config, backend=NAME, heuristic=heuristic_config, row_blocks=row_blocks,
+                                programs_per_sm=PROGRAMS_PER_SM, dtype=dtype, num_sms=num_sms,
+                                device_kind=device_kind)
