@@ -19,7 +19,7 @@ input sets rotated to overflow L2):
 shape of LOAD_PATH (tile tokens x stages, persistent, two rings); `--variants=none --load_path`
 runs only the kernel-only rows (~2 minutes).
 Shapes run in order of interest; once `--budget_s` is spent the rest are recorded as skipped.
-Prints one table (variant x shape, TB/s of the bytes moved as in benchmarks/decode.py) at the end
+Prints one table (variant x shape, TB/s of the bytes moved as in benchmarks.decode) at the end
 and writes every row to --json. Exit status 1 if a non-probe variant errors or fails the check.
 """
 
@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import sys
 import time
 import traceback
 from collections.abc import Sequence
@@ -40,8 +38,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import decode as decode_bench
+import pallas_kv as pkv
+from benchmarks import cases
+from benchmarks import cli
+from benchmarks import output
 from benchmarks import timing
+from pallas_kv import validation
+from pallas_kv.config import AttentionOptions
+from pallas_kv.kernels import split_k
+from pallas_kv.kernels.mosaic_gpu import backend as mgpu_backend
+from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
+from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
+
+FLAGS = flags.FLAGS
 
 # name -> (DecodeConfig fields, shapes it runs on: None = all). num_splits None = the heuristic's.
 VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...] | None]] = {
@@ -55,7 +64,35 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...] | None]] = {
     "baseline_again": ({}, None),
 }
 PROBE_SHAPES = ("B128 T4096", "B1 T32768")
-PROBES = ("no_qk", "no_softmax", "no_pv", "loads_only")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeMath(mgpu_decode.TileMath):
+  """The kernel's tile math with some stages left out: MEASUREMENT ONLY, results wrong by design.
+
+  skip: any of "qk" (no Q K^T wgmma), "softmax" (P = the raw scores), "pv" (no P V wgmma). The
+  consumer still waits for and releases every K and V slot, so the load ring runs as in the kernel.
+  """
+  skip: frozenset[str] = frozenset()
+
+  def qk(self, s_ref, q_tile, k_tile):
+    if "qk" not in self.skip:
+      super().qk(s_ref, q_tile, k_tile)
+
+  def softmax(self, s, acc, m_i, l_i, *, st, **where):
+    if "softmax" in self.skip:
+      return acc, m_i, l_i, s.astype(st.tiling.dtype)
+    return super().softmax(s, acc, m_i, l_i, st=st, **where)
+
+  def pv(self, acc, p16, v_tile, p_smem=None):
+    if "pv" in self.skip:
+      return acc
+    return super().pv(acc, p16, v_tile, p_smem)
+
+
+# Each leaves out consumer stages so that a kernel-only row tells where the time goes.
+PROBES = {name: ProbeMath(name=f"probe_{name}", skip=frozenset(skip)) for name, skip in (
+    ("no_qk", {"qk"}), ("no_softmax", {"softmax"}), ("no_pv", {"pv"}), ("loads_only", {"qk", "softmax", "pv"}))}
 # --load_path: the `loads_only` probe (the kernel's TMA ring with no math) under other ring
 # shapes, on PROBE_SHAPES. The full kernel reads within ~2% of its loads-only rate at B=128
 # (benchmarks/NOTES.md), so the ring shape that streams fastest is the kernel's ceiling.
@@ -78,6 +115,10 @@ SMOKE_PROBE_SHAPES = ("B1 T128",)
 # In --smoke, the paged shape runs only these (interpret mode is slow; the tests cover the rest).
 SMOKE_PAGED_VARIANTS = ("baseline", "pqk+persistent")
 SMOKE_SKIPPED_VARIANTS = ("splits_x2", "baseline_again")   # same code paths as others
+# --warmup, --iters, --repeats on a GPU unless given (--smoke runs each call once, untimed).
+GPU_TIMING = {"warmup": 2, "iters": 20, "repeats": 5}
+# The fields of a timing.Timing that rows carry.
+ROW_TIMING_FIELDS = ("time_us", "min_us", "samples_us", "timer")
 
 
 def shape_name(batch: int, seq_len: int, page_size: int | None) -> str:
@@ -97,8 +138,8 @@ class Settings:
   budget_s: float
 
 
-def _case(s: Settings, batch: int, seq_len: int, page_size: int | None) -> decode_bench.Case:
-  return decode_bench.Case(
+def _case(s: Settings, batch: int, seq_len: int, page_size: int | None) -> cases.Case:
+  return cases.Case(
       op="decode" if page_size is None else "paged", batch=batch, seq_len=seq_len,
       num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
       v_head_dim=s.head_dim, num_queries=1, page_size=page_size or 16, shuffle_pages=True,
@@ -106,18 +147,15 @@ def _case(s: Settings, batch: int, seq_len: int, page_size: int | None) -> decod
 
 
 def _problem(args: tuple, paged: bool):
-  from pallas_kv import validation
   return validation.validate_paged(*args) if paged else validation.validate_dense(*args)
 
 
 def _config(fields: dict[str, Any], args: tuple, paged: bool):
   """The DecodeConfig of a variant; num_splits from the heuristic unless it says otherwise."""
-  import pallas_kv as pkv
-  from pallas_kv import heuristics
   fields = dict(fields)
   factor = fields.pop("splits_factor", 1)
   base = dataclasses.replace(pkv.DecodeConfig(), **fields)
-  splits = heuristics.mosaic_gpu_config(_problem(args, paged), base).num_splits
+  splits = mgpu_config.resolve_config(_problem(args, paged), base).num_splits
   splits *= factor
   if base.kv_groups == 2:
     splits = max(2, splits + splits % 2)
@@ -125,34 +163,28 @@ def _config(fields: dict[str, Any], args: tuple, paged: bool):
 
 
 def _op_fn(config, paged: bool):
-  import pallas_kv as pkv
   op = pkv.paged_decode_attention if paged else pkv.decode_attention
   return jax.jit(functools.partial(op, impl="mosaic_gpu", config=config))
 
 
-def _kernel_fn(config, problem, paged: bool, probe: str | None):
-  """The kernel alone on the op's arguments: partials, no combine (probe: results wrong)."""
-  from pallas_kv import combine
-  from pallas_kv import runtime
-  from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
+def kernel_fn(config, problem, paged: bool, probe: str | None):
+  """The kernel alone on the op's arguments: partials, no merge (a probe of PROBES: results wrong)."""
+  tile_math = mgpu_decode.TileMath() if probe is None else PROBES[probe]
+  options = AttentionOptions(scale=problem.head_dim ** -0.5)
 
   def fn(q, k, v, *rest):
     block_tables, lengths = (rest[0], rest[1]) if paged else (None, rest[0])
-    rows = combine.pack_queries(q[:, None], problem.num_kv_heads).astype(k.dtype)
-    return mgpu_decode.decode_partials(
-        rows, k, v, lengths, block_tables, num_queries=1, num_splits=config.num_splits,
-        block_kv=config.block_kv, num_stages=config.num_stages, scale=problem.head_dim ** -0.5,
-        kv_groups=config.kv_groups, pipeline_qk=config.pipeline_qk,
-        persistent_programs=runtime.num_sms() if config.persistent else None,
-        interpret=runtime.mosaic_gpu_interpret_params(), _probe=probe)
+    rows = split_k.pack_queries(q[:, None], problem.num_kv_heads).astype(k.dtype)
+    return mgpu_decode.decode_partials(rows, k, v, lengths, block_tables, num_queries=1, options=options,
+                                       config=config, tile_math=tile_math,
+                                       interpret=mgpu_backend.interpret_params())
 
   return jax.jit(fn)
 
 
 def _time(fn, input_sets, s: Settings) -> dict[str, Any]:
   t = timing.time_jax(fn, input_sets, warmup=s.warmup, iters=s.iters, repeats=s.repeats)
-  return {"time_us": t.median_s * 1e6, "min_us": t.min_s * 1e6,
-          "samples_us": [x * 1e6 for x in t.samples_s], "timer": t.method}
+  return output.timing_fields(t, ROW_TIMING_FIELDS)
 
 
 def run_shape(s: Settings, batch: int, seq_len: int, page_size: int | None, key, deadline: float,
@@ -161,12 +193,12 @@ def run_shape(s: Settings, batch: int, seq_len: int, page_size: int | None, key,
   paged = page_size is not None
   case = _case(s, batch, seq_len, page_size)
   key_len, key_in = jax.random.split(key)
-  lengths = decode_bench.make_lengths(case, key_len)
+  lengths = cases.make_lengths(case, key_len)
   total_keys = int(jnp.sum(lengths))
   costs = case.costs(total_keys)
   num_sets = timing.num_rotating_sets(case.kv_capacity_bytes, s.rotate_bytes)
-  input_sets = [decode_bench.make_inputs(case, k, lengths) for k in jax.random.split(key_in, num_sets)]
-  ref, _ = decode_bench.reference_output(case, input_sets[0])
+  input_sets = [cases.make_inputs(case, k, lengths) for k in jax.random.split(key_in, num_sets)]
+  ref, _ = cases.reference_output(case, input_sets[0])
   problem = _problem(input_sets[0], paged)
   base = {"shape": name, "batch": batch, "seq_len": seq_len, "page_size": page_size,
           "num_heads": s.num_heads, "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
@@ -198,10 +230,10 @@ def run_shape(s: Settings, batch: int, seq_len: int, page_size: int | None, key,
       if row["kind"] == "op":
         fn = _op_fn(config, paged)
         out = np.asarray(jnp.asarray(fn(*input_sets[0]), jnp.float32))
-        row["rel_err"] = decode_bench.relative_error(out, ref)
-        row["check_ok"] = bool(row["rel_err"] <= decode_bench.TOLERANCE["bfloat16"])
+        row["rel_err"] = cases.relative_error(out, ref)
+        row["check_ok"] = bool(row["rel_err"] <= cases.TOLERANCE["bfloat16"])
       else:
-        fn = _kernel_fn(config, problem, paged, probe)
+        fn = kernel_fn(config, problem, paged, probe)
         row["probe"] = probe
       if s.smoke and not (variant == "baseline" and not paged):
         jax.block_until_ready(fn(*input_sets[0]))   # interpret mode: run once, don't time
@@ -253,15 +285,15 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
-def failed_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-  return [r for r in rows if not r["variant"].startswith("probe:") and
-          (r["status"] == "error" or r.get("check_ok") is False)]
+def is_probe(row: dict[str, Any]) -> bool:
+  """A probe row: its results are wrong by design, so it never fails the run."""
+  return row["variant"].startswith("probe:")
 
 
 def run(s: Settings, shapes, probe_shapes, json_path: str | None, load_path: bool = False) -> list[dict[str, Any]]:
   start = time.perf_counter()
   deadline = start + s.budget_s
-  print(f"# kernel variants  device={decode_bench.device_description()}  jax={jax.__version__}  "
+  print(f"# kernel variants  device={output.device_description()}  jax={jax.__version__}  "
         f"smoke={s.smoke}  iters={s.iters} repeats={s.repeats}  budget {s.budget_s:.0f}s",
         flush=True)
   rows = []
@@ -276,65 +308,55 @@ def run(s: Settings, shapes, probe_shapes, json_path: str | None, load_path: boo
                    "traceback": traceback.format_exc()})
       print(f"{rows[-1]['shape']}: {rows[-1]['reason']}", flush=True)
   print(f"\n# total {time.perf_counter() - start:.0f}s\n" + format_table(rows), flush=True)
-  if json_path:
-    meta = {"device": decode_bench.device_description(), "jax_version": jax.__version__}
-    with open(json_path, "w") as f:
-      json.dump([{**r, **meta} for r in rows], f, indent=1)
-    print(f"# wrote {len(rows)} rows to {json_path}", flush=True)
+  meta = {"device": output.device_description(), "jax_version": jax.__version__}
+  output.save([{**r, **meta} for r in rows], json_path=json_path)
   return rows
 
 
-# --json, --iters, --repeats and --warmup are benchmarks.decode's flags (imported above); unset,
-# they default here to 20 iters, 5 repeats, 2 warm-up runs.
-_JSON = decode_bench._JSON
-_ITERS = decode_bench._ITERS
-_REPEATS = decode_bench._REPEATS
-_WARMUP = decode_bench._WARMUP
-_SMOKE = flags.DEFINE_boolean("smoke", False, "CPU: tiny shapes in interpret mode (< 1 minute).")
-_BUDGET_S = flags.DEFINE_float("budget_s", 320.0, "Wall seconds after which remaining rows are "
-                               "skipped (the whole run, compiles included, should stay < 6 min).")
-_VARIANTS = flags.DEFINE_list("variants", None, f"Subset of {','.join(VARIANTS)} (default all); "
-                              "'none' runs only the kernel-only rows.")
-_LOAD_PATH = flags.DEFINE_boolean("load_path", False, "Also time the loads-only probe under each "
-                                  f"ring shape of LOAD_PATH ({', '.join(LOAD_PATH)}) on the probe shapes.")
-
-
-def _or(value, default):
-  return default if value is None else value
+def define_flags() -> None:
+  """The shared timing and --json flags (`cli`), and this program's own."""
+  cli.define_timing_flags({name: f"{value} on a GPU" for name, value in GPU_TIMING.items()})
+  cli.define_output_flags(("json",))
+  flags.adopt_module_key_flags(cli)
+  flags.DEFINE_boolean("smoke", False, "CPU: tiny shapes in interpret mode (< 1 minute).")
+  flags.DEFINE_float("budget_s", 320.0, "Wall seconds after which remaining rows are "
+                     "skipped (the whole run, compiles included, should stay < 6 min).")
+  flags.DEFINE_list("variants", None, f"Subset of {','.join(VARIANTS)} (default all); "
+                    "'none' runs only the kernel-only rows.")
+  flags.DEFINE_boolean("load_path", False, "Also time the loads-only probe under each "
+                       f"ring shape of LOAD_PATH ({', '.join(LOAD_PATH)}) on the probe shapes.")
 
 
 def main(argv: Sequence[str]) -> int:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  if _VARIANTS.value:
-    unknown = set(_VARIANTS.value) - set(VARIANTS) - {"none"}
+  if FLAGS.variants:
+    unknown = set(FLAGS.variants) - set(VARIANTS) - {"none"}
     if unknown:
       raise app.UsageError(f"--variants: unknown {sorted(unknown)}; choose from {list(VARIANTS)}")
     for name in list(VARIANTS):
-      if name not in _VARIANTS.value:
+      if name not in FLAGS.variants:
         del VARIANTS[name]
-  if _SMOKE.value:
-    import pallas_kv
+  json_path = cli.output_paths().json
+  if FLAGS.smoke:
     s = Settings(smoke=True, num_heads=4, num_kv_heads=1, head_dim=64, warmup=0, iters=1,
-                 repeats=1, rotate_bytes=0.0, budget_s=_BUDGET_S.value)
-    with pallas_kv.interpret():
-      rows = run(s, SMOKE_SHAPES, SMOKE_PROBE_SHAPES, _JSON.value, _LOAD_PATH.value)
+                 repeats=1, rotate_bytes=0.0, budget_s=FLAGS.budget_s)
+    with pkv.interpret():
+      rows = run(s, SMOKE_SHAPES, SMOKE_PROBE_SHAPES, json_path, FLAGS.load_path)
   else:
     if jax.default_backend() != "gpu":
       raise app.UsageError("needs a GPU; use --smoke on a CPU")
-    s = Settings(smoke=False, num_heads=32, num_kv_heads=8, head_dim=128, warmup=_or(_WARMUP.value, 2),
-                 iters=_or(_ITERS.value, 20), repeats=_or(_REPEATS.value, 5),
-                 rotate_bytes=timing.DEFAULT_ROTATE_BYTES, budget_s=_BUDGET_S.value)
+    s = Settings(smoke=False, num_heads=32, num_kv_heads=8, head_dim=128,
+                 **{**GPU_TIMING, **cli.timing_flags().given()},
+                 rotate_bytes=timing.DEFAULT_ROTATE_BYTES, budget_s=FLAGS.budget_s)
     shapes = GPU_SHAPES
     if not VARIANTS:  # kernel-only rows: only the shapes that have them
       shapes = tuple(x for x in GPU_SHAPES if shape_name(*x) in PROBE_SHAPES)
-    rows = run(s, shapes, PROBE_SHAPES, _JSON.value, _LOAD_PATH.value)
-  failed = failed_rows(rows)
-  for r in failed:
-    print(f"FAILED: {r['variant']} on {r['shape']}: {r.get('reason') or 'rel_err %.3g' % r['rel_err']}",
-          file=sys.stderr)
-  return 1 if failed else 0
+    rows = run(s, shapes, PROBE_SHAPES, json_path, FLAGS.load_path)
+  return output.report_failures(output.failed_rows(rows, exempt=is_probe),
+                                lambda r: f"{r['variant']} on {r['shape']}")
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -1,4 +1,4 @@
-r"""Markdown for RESULTS.md from the JSON rows that `benchmarks/decode.py --json=...` writes.
+r"""Markdown for RESULTS.md from the JSON rows that `python -m benchmarks.decode --json=...` writes.
 
   python -m benchmarks.report benchmarks/results/2026-11-29_h200_gqa.json [more.json ...]
       One table per file: a row per case, a column per impl, each cell "TB/s (µs)" of KV read.
@@ -155,22 +155,22 @@ def _date_from_path(path: str) -> str | None:
 def main(argv: Sequence[str]) -> None:
   parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("paths", nargs="+", help="JSON files from benchmarks/decode.py --json")
+  parser.add_argument("paths", nargs="+", help="JSON files from python -m benchmarks.decode --json")
   parser.add_argument("--command", help="the command that made the rows; prints a whole section")
   parser.add_argument("--date", help="the section's date (default: the rows' date, else the "
                       "file name's YYYY-MM-DD prefix)")
   parser.add_argument("--section", action="store_true",
                       help="print a whole section even without --command")
-  parser.add_argument("--plot", help="also save the rows' TB/s plot (benchmarks/decode.py's) as this PNG")
+  parser.add_argument("--plot", help="also save the rows' TB/s plot (benchmarks.decode --plot's) as this PNG")
   args = parser.parse_args(argv)
   loaded = []
   for path in args.paths:
     with open(path) as f:
       loaded.append((path, json.load(f)))
   if args.plot:
-    from benchmarks import decode  # pylint: disable=g-import-not-at-top
-    if decode.plot_available():
-      decode.write_plot([r for _, rs in loaded for r in rs], args.plot)
+    from benchmarks import output  # pylint: disable=g-import-not-at-top  (imports jax)
+    if output.plot_available():
+      output.write_plot([r for _, rs in loaded for r in rs], args.plot)
       print(f"# wrote {args.plot}")
     else:
       print("# --plot needs matplotlib (pip install 'pallas-kv[plot]'); no plot written")

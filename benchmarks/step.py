@@ -13,7 +13,6 @@ the first step, as with a donated cache); time per step = difference / N (dispat
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import time
 from collections.abc import Sequence
@@ -23,13 +22,21 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 
+from benchmarks import cli
+from benchmarks import output
 import pallas_kv as pkv
 
 FLAGS = flags.FLAGS
+# --iters (steps per timed chain) and --repeats unless given.
+CPU_TIMING = {"iters": 2, "repeats": 5}
+GPU_TIMING = {"iters": 10, "repeats": 5}
 
 
 def define_flags():
   """Flags of this program (defined on demand so that importing it never clashes with others')."""
+  cli.define_timing_flags({name: f"CPU {CPU_TIMING[name]}, GPU {GPU_TIMING[name]}" for name in GPU_TIMING})
+  cli.define_output_flags(("json",))
+  flags.adopt_module_key_flags(cli)
   flags.DEFINE_list("impl", None, "decode attention backends (default: auto,xla on GPU; xla on CPU)")
   flags.DEFINE_list("batch", None, "batch sizes")
   flags.DEFINE_list("context", None, "cached tokens per sequence")
@@ -38,9 +45,6 @@ def define_flags():
   flags.DEFINE_integer("num_kv_heads", 8, "kv heads")
   flags.DEFINE_integer("head_dim", None, "head dim")
   flags.DEFINE_integer("page_size", 64, "tokens per page")
-  flags.DEFINE_integer("iters", None, "steps per timed chain")
-  flags.DEFINE_integer("repeats", 5, "timed samples (median)")
-  flags.DEFINE_string("json", None, "write the rows here")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +116,7 @@ def run(cases: Sequence[StepCase], impls: Sequence[str], *, iters: int, repeats:
                 if "step_us" in row else row["error"])
       print(f"B={case.batch:4d} ctx={case.context:6d} {impl:11s} {detail}", flush=True)
       if json_path:
-        with open(json_path, "w") as f:
-          json.dump(rows, f, indent=1)
+        output.write_json(rows, json_path)
   return rows
 
 
@@ -127,11 +130,11 @@ def main(argv):
   head_dim = FLAGS.head_dim or (64 if cpu else 128)
   heads, kv_heads = (4, 2) if cpu and FLAGS["num_heads"].using_default_value else (FLAGS.num_heads,
                                                                                     FLAGS.num_kv_heads)
-  iters = FLAGS.iters or (2 if cpu else 10)
-  cases = [StepCase(b, c, hidden, heads, kv_heads, head_dim, FLAGS.page_size, headroom=2 * iters)
+  counts = {**(CPU_TIMING if cpu else GPU_TIMING), **cli.timing_flags().given()}
+  cases = [StepCase(b, c, hidden, heads, kv_heads, head_dim, FLAGS.page_size, headroom=2 * counts["iters"])
            for b in batches for c in contexts]
   print(f"# DecodeAttention step  device={jax.devices()[0].device_kind}  jax={jax.__version__}")
-  run(cases, impls, iters=iters, repeats=FLAGS.repeats, json_path=FLAGS.json)
+  run(cases, impls, **counts, json_path=cli.output_paths().json)
 
 
 if __name__ == "__main__":

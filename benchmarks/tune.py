@@ -3,7 +3,7 @@ r"""Autotuner: times kernel configs per shape on this GPU and writes the winners
   python -m benchmarks.tune --flagfile=configs/gqa_h200.flags --backend=mosaic_gpu
   python -m benchmarks.tune --flagfile=configs/paged16_h200.flags --backend=mosaic_gpu --space=full
 
-Shapes come from the same flags as benchmarks/decode.py (--op, --cases, heads, dtype, ...).
+Shapes come from the same flags as benchmarks.decode (--op, --cases, heads, dtype, ...).
 Every candidate is checked against the float32 reference before it is timed; a candidate that
 fails, does not fit or raises is skipped. Winners are merged into
 `pallas_kv/tuned/<device kind>.json` (or --out), keyed so that nearby shapes find them
@@ -24,25 +24,27 @@ from absl import flags
 import jax
 import numpy as np
 
-try:
-  from benchmarks import decode as bench
-  from benchmarks import timing
-except ImportError:  # run as a script
-  import decode as bench  # type: ignore[no-redef]
-  import timing  # type: ignore[no-redef]
-
+from benchmarks import cases
+from benchmarks import cli
+from benchmarks import timing
 import pallas_kv as pkv
-from pallas_kv import heuristics
 from pallas_kv import runtime
 from pallas_kv import tuned
 from pallas_kv import validation
+from pallas_kv.kernels.mosaic_gpu import config as mosaic_gpu_config
+from pallas_kv.kernels.triton import config as triton_config
 
 FLAGS = flags.FLAGS
-# The shape flags are benchmarks/decode.py's; these are the tuner's own.
-flags.DEFINE_enum("backend", "mosaic_gpu", ["mosaic_gpu", "triton"], "backend to tune")
-flags.DEFINE_enum("space", "fast", ["smoke", "fast", "full"], "candidate space")
-flags.DEFINE_string("out", None, "tuned file to merge into (default: the device kind's file)")
-flags.DEFINE_bool("smoke", False, "tiny case in interpret mode (CPU)")
+
+
+def define_flags() -> None:
+  """The shape flags of benchmarks.decode (`cli.define_sweep_flags`) and the tuner's own."""
+  cli.define_sweep_flags()
+  flags.adopt_module_key_flags(cli)
+  flags.DEFINE_enum("backend", "mosaic_gpu", ["mosaic_gpu", "triton"], "backend to tune")
+  flags.DEFINE_enum("space", "fast", ["smoke", "fast", "full"], "candidate space")
+  flags.DEFINE_string("out", None, "tuned file to merge into (default: the device kind's file)")
+  flags.DEFINE_bool("smoke", False, "tiny case in interpret mode (CPU)")
 
 
 def candidate_space(backend: str, space: str) -> list[dict]:
@@ -75,24 +77,30 @@ def make_config(backend: str, problem, fields: dict, dtype) -> pkv.DecodeConfig 
   fields = {k: v for k, v in fields.items() if k in _known_fields()}  # options this version lacks
   try:
     base = pkv.DecodeConfig(**fields)
-    fill = heuristics.mosaic_gpu_config if backend == "mosaic_gpu" else heuristics.triton_config
+    fill = mosaic_gpu_config.resolve_config if backend == "mosaic_gpu" else triton_config.resolve_config
     splits = fill(problem, dataclasses.replace(base, num_splits=None), dtype=dtype).num_splits
-    return dataclasses.replace(base, num_splits=max(1, int(round(splits * scale))))
+    config = dataclasses.replace(base, num_splits=max(1, int(round(splits * scale))))
+    if backend == "mosaic_gpu":
+      mosaic_gpu_config.check_config(config, rows=problem.num_queries * problem.group_size,
+                                     head_dim=problem.head_dim, dtype=dtype, page_size=problem.page_size)
+    else:
+      triton_config.check_config(config, head_dim=problem.head_dim, page_size=problem.page_size)
+    return config
   except (ValueError, NotImplementedError):
     return None
 
 
-def _problem(case: bench.Case, args: tuple):
+def _problem(case: cases.Case, args: tuple):
   if case.op == "decode":
     return validation.validate_dense(*args)
   return validation.validate_paged(*args)
 
 
-def tune_case(case: bench.Case, sweep: bench.Sweep, backend: str, candidates: Iterable[dict], key) -> dict | None:
+def tune_case(case: cases.Case, sweep: cases.Sweep, backend: str, candidates: Iterable[dict], key) -> dict | None:
   """Times every valid candidate on one case; returns the winning entry (or None)."""
-  lengths = bench.make_lengths(case, key)
-  args = bench.make_inputs(case, key, lengths)
-  ref, _ = bench.reference_output(case, args)
+  lengths = cases.make_lengths(case, key)
+  args = cases.make_inputs(case, key, lengths)
+  ref, _ = cases.reference_output(case, args)
   problem = _problem(case, args)
   op = {"decode": pkv.decode_attention, "paged": pkv.paged_decode_attention}[case.op]
   seen, results = set(), []
@@ -103,8 +111,8 @@ def tune_case(case: bench.Case, sweep: bench.Sweep, backend: str, candidates: It
     seen.add(config)
     fn = jax.jit(functools.partial(op, impl=backend, config=config))
     try:
-      err = bench.relative_error(np.asarray(fn(*args), np.float32), ref)
-      if not err <= bench.TOLERANCE[case.dtype]:
+      err = cases.relative_error(np.asarray(fn(*args), np.float32), ref)
+      if not err <= cases.TOLERANCE[case.dtype]:
         print(f"  {config}: rel err {err:.2e} fails the check; skipped", flush=True)
         continue
       t = timing.time_jax(fn, [args], warmup=sweep.warmup, iters=sweep.iters, repeats=sweep.repeats)
@@ -131,7 +139,7 @@ def merge(path: pathlib.Path, device_kind: str, new_entries: Sequence[dict]) -> 
   tuned.write(path, device_kind, kept + list(new_entries), jax_version=jax.__version__)
 
 
-def run(sweep: bench.Sweep, backend: str, space: str, out: pathlib.Path | None = None,
+def run(sweep: cases.Sweep, backend: str, space: str, out: pathlib.Path | None = None,
         device_kind: str | None = None) -> list[dict]:
   device_kind = device_kind or runtime.device_kind()
   out = out or tuned.tuned_dir() / f"{tuned.device_slug(device_kind)}.json"
@@ -139,7 +147,7 @@ def run(sweep: bench.Sweep, backend: str, space: str, out: pathlib.Path | None =
   key = jax.random.key(sweep.seed)
   for batch, seq_len in sweep.cases:
     key, case_key = jax.random.split(key)
-    case = bench.Case.from_sweep(sweep, batch, seq_len)
+    case = cases.Case.from_sweep(sweep, batch, seq_len)
     print(f"== {case.describe()}  backend={backend}", flush=True)
     entry = tune_case(case, sweep, backend, candidate_space(backend, space), case_key)
     if entry is not None:
@@ -154,13 +162,14 @@ def main(argv):
   del argv
   out = pathlib.Path(FLAGS.out) if FLAGS.out else None
   if FLAGS.smoke:
-    sweep = bench.Sweep(op="decode", impls=("xla",), cases=((2, 256),), num_heads=4, num_kv_heads=2, head_dim=64,
+    sweep = cases.Sweep(op="decode", impls=("xla",), cases=((2, 256),), num_heads=4, num_kv_heads=2, head_dim=64,
                         iters=1, repeats=1, warmup=0)
     with pkv.interpret():
       run(sweep, FLAGS.backend, "smoke", out)
     return
-  run(bench.sweep_from_flags(), FLAGS.backend, FLAGS.space, out)
+  run(cli.sweep_from_flags(), FLAGS.backend, FLAGS.space, out)
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -17,9 +17,13 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks import cases  # noqa: E402
+from benchmarks import cli  # noqa: E402
 from benchmarks import decode as decode_bench  # noqa: E402
+from benchmarks import output  # noqa: E402
 from benchmarks import peers  # noqa: E402
 from benchmarks import report  # noqa: E402
+from benchmarks import runners  # noqa: E402
 from benchmarks import step as step_bench  # noqa: E402
 from benchmarks import timing  # noqa: E402
 
@@ -38,7 +42,7 @@ def test_decode_benchmark_rows_are_timed_and_checked(op):
   for row in rows:
     assert row["time_us"] > 0 and np.isfinite(row["tbps"])
     assert row["rel_err"] < 1e-2
-  assert not decode_bench.failed_rows(rows)
+  assert not output.failed_rows(rows)
   assert "xla_einsum" in out.getvalue()
 
 
@@ -59,18 +63,32 @@ def test_flagfiles_parse_into_valid_sweeps(flagfile):
   with open(flagfile) as f:
     header = f.readline()
   assert header.startswith("# "), f"{flagfile} must start with a comment naming the model/sweep"
-  try:
-    flags.FLAGS(["decode", f"--flagfile={flagfile}"])
-    sweep = decode_bench.sweep_from_flags()
-  finally:
-    flags.FLAGS.unparse_flags()
+  flag_values = flags.FlagValues()
+  cli.define_sweep_flags(flag_values)
+  flag_values(["decode", f"--flagfile={flagfile}"])
+  sweep = cli.sweep_from_flags(flag_values)
   assert sweep.cases and sweep.impls
   if os.path.basename(flagfile).startswith("cpu_"):
     return
   rotate_bytes = max(sweep.rotate_bytes, timing.DEFAULT_ROTATE_BYTES)  # the GPU default
   for batch, seq_len in sweep.cases:
-    _, kv_bytes = decode_bench.Case.from_sweep(sweep, batch, seq_len).footprint(rotate_bytes)
+    _, kv_bytes = cases.Case.from_sweep(sweep, batch, seq_len).footprint(rotate_bytes)
     assert kv_bytes <= MAX_CASE_KV_BYTES, (batch, seq_len, kv_bytes / 2**30)
+
+
+def test_shared_flags_read_back_as_given():
+  flag_values = flags.FlagValues()
+  cli.define_timing_flags({"iters": "3", "repeats": "5"}, flag_values)
+  cli.define_output_flags(("json",), flag_values)
+  flag_values(["program", "--iters=7", "--json=rows.json"])
+  assert cli.timing_flags(flag_values) == cli.TimingFlags(iters=7)
+  assert {"iters": 2, "repeats": 5, **cli.timing_flags(flag_values).given()} == {"iters": 7, "repeats": 5}
+  assert cli.output_paths(flag_values) == cli.OutputPaths(json="rows.json")
+  assert cli.parse_cases(["8x8192", "1X32"]) == ((8, 8192), (1, 32))
+  with pytest.raises(ValueError, match="must look like BATCHxCONTEXT, e.g. 64x8192"):
+    cli.parse_cases(["8x"], form="BATCHxCONTEXT", example="64x8192")
+  with pytest.raises(ValueError, match="--batch=1,b must be integers"):
+    cli.parse_ints(["1", "b"], "batch")
 
 
 def test_decode_benchmark_cpu_default_runs_end_to_end(tmp_path):
@@ -92,17 +110,17 @@ def test_decode_benchmark_cpu_default_runs_end_to_end(tmp_path):
 
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_option_reaches_impls_and_reference(option):
-  sweep = decode_bench.Sweep(cases=((2, 16),), num_heads=4, num_kv_heads=2, head_dim=64, **OPTIONS[option])
-  case = decode_bench.Case.from_sweep(sweep, 2, 16)
-  plain = decode_bench.Case.from_sweep(decode_bench.Sweep(num_heads=4, num_kv_heads=2, head_dim=64), 2, 16)
-  lengths = decode_bench.make_lengths(case, jax.random.key(0))
-  args = decode_bench.make_input_sets(case, jax.random.key(1), lengths, 1)[0]
-  ref, _ = decode_bench.reference_output(case, args)
-  ref_plain, _ = decode_bench.reference_output(plain, args[:4])
-  assert decode_bench.relative_error(ref_plain, ref) > 1e-3  # the option changed the reference
+  sweep = cases.Sweep(cases=((2, 16),), num_heads=4, num_kv_heads=2, head_dim=64, **OPTIONS[option])
+  case = cases.Case.from_sweep(sweep, 2, 16)
+  plain = cases.Case.from_sweep(cases.Sweep(num_heads=4, num_kv_heads=2, head_dim=64), 2, 16)
+  lengths = cases.make_lengths(case, jax.random.key(0))
+  args = cases.make_input_sets(case, jax.random.key(1), lengths, 1)[0]
+  ref, _ = cases.reference_output(case, args)
+  ref_plain, _ = cases.reference_output(plain, args[:4])
+  assert cases.relative_error(ref_plain, ref) > 1e-3  # the option changed the reference
   for impl in ("xla", "xla_einsum"):  # each with the option matches the reference with it
-    out = decode_bench.build_runner(impl, decode_bench.op_spec(case)).fn(*args)
-    assert decode_bench.relative_error(np.asarray(out, np.float32), ref) < 1e-2, impl
+    out = runners.build_runner(impl, cases.op_spec(case)).fn(*args)
+    assert cases.relative_error(np.asarray(out, np.float32), ref) < 1e-2, impl
 
 
 def test_option_rows_match_reference_and_peers_without_it_are_na():
@@ -115,7 +133,7 @@ def test_option_rows_match_reference_and_peers_without_it_are_na():
   assert xla_row["attended_keys"] == 2 * 24 and xla_row["kv_bytes"] == 2 * 24 * 2 * 2 * 64 * 2
   for row in rows[1:]:
     assert row["status"] == "n/a" and "cannot express softcap=2, window=24, sinks" in row["reason"], row
-  assert not decode_bench.failed_rows(rows)
+  assert not output.failed_rows(rows)
 
 
 @pytest.mark.parametrize("peer", ["cudnn", "torch", "jax_pallas_gqa", "jax_pallas_paged"])
@@ -128,19 +146,19 @@ def test_peers_without_an_option_report_it_unavailable(peer, option):
 
 def test_mla_rejects_options():
   with pytest.raises(ValueError, match="op='mla' takes no"):
-    decode_bench.Sweep(op="mla", window=128)
+    cases.Sweep(op="mla", window=128)
 
 
 def test_reference_in_batch_chunks_matches_one_call(monkeypatch):
   for op in ("decode", "paged"):
-    sweep = decode_bench.Sweep(op=op, cases=((4, 32),), num_heads=4, num_kv_heads=2, head_dim=64,
-                               page_size=8, softcap=3.0, sinks=True)
-    case = decode_bench.Case.from_sweep(sweep, 4, 32)
-    lengths = decode_bench.make_lengths(case, jax.random.key(0))
-    args = decode_bench.make_input_sets(case, jax.random.key(1), lengths, 1)[0]
-    whole, _ = decode_bench.reference_output(case, args)
-    monkeypatch.setattr(decode_bench, "REFERENCE_CHUNK_BYTES", 1)
-    chunked, source = decode_bench.reference_output(case, args)
+    sweep = cases.Sweep(op=op, cases=((4, 32),), num_heads=4, num_kv_heads=2, head_dim=64,
+                        page_size=8, softcap=3.0, sinks=True)
+    case = cases.Case.from_sweep(sweep, 4, 32)
+    lengths = cases.make_lengths(case, jax.random.key(0))
+    args = cases.make_input_sets(case, jax.random.key(1), lengths, 1)[0]
+    whole, _ = cases.reference_output(case, args)
+    monkeypatch.setattr(cases, "REFERENCE_CHUNK_BYTES", 1)
+    chunked, source = cases.reference_output(case, args)
     monkeypatch.undo()
     assert "4 batch chunks" in source
     np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-6)
@@ -167,13 +185,13 @@ def _fake_rows():
 def test_plot_is_written_when_matplotlib_is_installed(tmp_path):
   pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
   path = tmp_path / "sweep.png"
-  decode_bench.write_plot(_fake_rows(), str(path))
+  output.write_plot(_fake_rows(), str(path))
   with open(path, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_without_matplotlib_says_so_and_goes_on(tmp_path, monkeypatch):
-  monkeypatch.setattr(decode_bench, "plot_available", lambda: False)
+  monkeypatch.setattr(output, "plot_available", lambda: False)
   out = io.StringIO()
   rows = decode_bench.run(op="decode", cases=((1, 32),), impls=("xla",), num_heads=2, num_kv_heads=1, head_dim=64,
                           warmup=0, iters=1, repeats=1, check=False, plot_path=str(tmp_path / "p.png"), out=out)
@@ -213,14 +231,12 @@ def test_step_benchmark_runs():
     (-1e-6, 20, 20),     # a noisy negative pilot keeps the given length
 ])
 def test_chain_length_grows_short_chains_up_to_the_cap(per_call_s, iters, expected):
-  from benchmarks import timing
   n = timing.chain_length(per_call_s, iters, min_chain_s=5e-3, max_calls=128)
   assert n == expected
   assert n * max(per_call_s, 0) >= 5e-3 or n in (iters, 128)
 
 
 def test_time_jax_lengthens_the_chain_when_asked():
-  from benchmarks import timing
   x = jnp.ones((8,), jnp.float32)
   t = timing.time_jax(lambda a: a * 2.0, [(x,)], warmup=1, iters=2, repeats=2, min_chain_s=1.0)
   assert t.calls > 2 and t.calls <= timing.MAX_CHAIN_CALLS
@@ -229,9 +245,8 @@ def test_time_jax_lengthens_the_chain_when_asked():
 
 
 def test_profile_kernel_runs_each_impl_once_per_call_on_cpu(capsys):
-  from benchmarks import decode as bench
   from benchmarks import profile_kernel
-  sweep = bench.Sweep(op="decode", impls=("xla", "cudnn"), cases=((2, 64),), num_heads=4, num_kv_heads=2,
+  sweep = cases.Sweep(op="decode", impls=("xla", "cudnn"), cases=((2, 64),), num_heads=4, num_kv_heads=2,
                       head_dim=32, iters=1, repeats=1, warmup=1)
   lines = profile_kernel.run(sweep, calls=2)
   assert lines[0].startswith("xla: 2 calls of decode B=2 T=64")

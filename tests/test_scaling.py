@@ -1,4 +1,4 @@
-"""benchmarks/scaling.py: the CPU smoke run over 8 host devices end to end, and its mesh splits."""
+"""benchmarks.scaling: the CPU smoke run over 8 host devices end to end, and its mesh splits (shards.py)."""
 
 import json
 import math
@@ -10,6 +10,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from benchmarks import scaling  # noqa: E402  (defines no flags on import)
+from benchmarks import shards  # noqa: E402
 
 SMOKE_DEVICE_COUNTS = {1, 2, 4, 8}
 
@@ -17,7 +18,7 @@ SMOKE_DEVICE_COUNTS = {1, 2, 4, 8}
 def _smoke_env():
   """The CPU platform with no preset host device count, so --smoke asks for 8."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  xla_flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(scaling._DEVICE_COUNT_FLAG)]
+  xla_flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(scaling.DEVICE_COUNT_FLAG)]
   env["XLA_FLAGS"] = " ".join(xla_flags)
   env.pop("NCCL_NVLS_ENABLE", None)
   return env
@@ -54,11 +55,11 @@ def test_smoke_run_checks_and_times_every_device_count_and_mesh(tmp_path):
 
 
 def test_mesh_splits_follow_the_head_count():
-  specs = [scaling.parse_mesh(m) for m in scaling.MESH_NAMES]
-  assert scaling.default_device_counts(8) == (1, 2, 4, 8)
-  assert scaling.default_device_counts(6) == (1, 2, 4)
-  assert scaling.mesh_splits(1, specs, 8) == [(1, 1)]
-  assert scaling.mesh_splits(8, specs, 8) == [(8, 1), (1, 8), (4, 2)]
-  assert scaling.mesh_splits(8, specs, 2) == [(8, 1), (4, 2)]  # head shards divide the kv heads
-  assert scaling.mesh_splits(16, specs, 8) == [(16, 1), (4, 4)]
-  assert scaling.mesh_splits(4, [(2, 2), (2, 4)], 8) == [(2, 2)]  # explicit splits of other counts are left out
+  specs = [shards.parse_mesh(m) for m in shards.MESH_NAMES]
+  assert shards.default_device_counts(8) == (1, 2, 4, 8)
+  assert shards.default_device_counts(6) == (1, 2, 4)
+  assert shards.mesh_splits(1, specs, 8) == [(1, 1)]
+  assert shards.mesh_splits(8, specs, 8) == [(8, 1), (1, 8), (4, 2)]
+  assert shards.mesh_splits(8, specs, 2) == [(8, 1), (4, 2)]  # head shards divide the kv heads
+  assert shards.mesh_splits(16, specs, 8) == [(16, 1), (4, 4)]
+  assert shards.mesh_splits(4, [(2, 2), (2, 4)], 8) == [(2, 2)]  # explicit splits of other counts are left out

@@ -1,0 +1,63 @@
+"""Every impl a benchmark row can name, and the `peers.Runner` that calls it.
+
+pallas_kv's own impls are the values of its `impl=` argument; the peers are benchmarks/peers.py's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from benchmarks import peers
+
+OUR_IMPLS = ("auto", "mosaic_gpu", "triton", "xla")
+ALL_IMPLS = OUR_IMPLS + tuple(peers.PEERS)
+
+
+def import_pallas_kv():
+  """pallas_kv, or PeerUnavailable saying why it cannot be imported (its rows read n/a)."""
+  try:
+    import pallas_kv  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise peers.PeerUnavailable(f"pallas_kv not importable ({e})") from None
+  return pallas_kv
+
+
+def with_options(fn, spec: peers.OpSpec):
+  """fn(*op_args, [sinks]) calling a pallas_kv function with the spec's attention options."""
+  if spec.op == "mla":
+    return fn
+  fn = functools.partial(fn, softcap=spec.softcap, window=spec.window)
+  if not spec.sinks:
+    return fn
+
+  def with_sinks(*args):  # the sinks array comes last
+    return fn(*args[:-1], sinks=args[-1])
+
+  return with_sinks
+
+
+def build_pallas_kv(impl: str, spec: peers.OpSpec) -> peers.Runner:
+  """A runner for pallas_kv's own op with `impl=impl` and the spec's options."""
+  pkv = import_pallas_kv()
+  fn = {
+      "decode": pkv.decode_attention,
+      "paged": pkv.paged_decode_attention,
+      "mla": functools.partial(pkv.mla_decode_attention, v_head_dim=spec.v_head_dim),
+  }[spec.op]
+  return peers.Runner(fn=jax.jit(with_options(functools.partial(fn, impl=impl), spec)))
+
+
+def auto_choice() -> str | None:
+  """The backend pallas_kv's impl="auto" picked in the latest trace, if it says."""
+  last_impl = getattr(import_pallas_kv(), "last_impl", None)
+  return last_impl() if callable(last_impl) else None
+
+
+def build_runner(impl: str, spec: peers.OpSpec) -> peers.Runner:
+  if impl in OUR_IMPLS:
+    return build_pallas_kv(impl, spec)
+  if impl in peers.PEERS:
+    return peers.PEERS[impl](spec)
+  raise ValueError(f"unknown impl {impl!r}; choose from {ALL_IMPLS}")
