@@ -121,7 +121,7 @@ def test_packed_args_are_checked():
   kv = jnp.zeros((2, 128, 2, 64), jnp.bfloat16)
   lengths = jnp.zeros((2,), jnp.int32)
   split_k.check_packed_args(q, kv, kv, lengths, None, num_queries=2)
-  with pytest.raises(ValueError, match="share a dtype"):
+  with pytest.raises(ValueError, match="must share q.s dtype"):
     split_k.check_packed_args(q.astype(jnp.float16), kv, kv, lengths, None, num_queries=1)
   with pytest.raises(ValueError, match="num_queries=3"):
     split_k.check_packed_args(q, kv, kv, lengths, None, num_queries=3)

@@ -25,6 +25,8 @@ from pallas_kv import validation
 from pallas_kv.config import DecodeConfig
 
 KV_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# One-byte caches the kernels dequantize after the load (k_scale / v_scale).
+QUANTIZED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 MAX_GROUP = 16
 # A split shorter than this many tiles spends more on its prologue and the merge than it saves.
 MIN_TILES_PER_SPLIT = 4
@@ -163,9 +165,23 @@ def merge_splits(out, lse, sinks=None):
 
 # ---------------------------------------------------------------- around a kernel
 
-def check_packed_args(q, k, v, lengths, block_tables, *, num_queries: int) -> None:
-  """The layout every backend's `decode_partials` takes: q packed as [B, Hkv, R, D] in the cache
-  dtype, k and v alike, int32 lengths [B], int32 block_tables [B, max_pages] (paged only)."""
+def scale_kind(scale, k_shape) -> str | None:
+  """None (no scale), "head" (float32 [Hkv]) or "token" (float32 [*k_shape[:2], Hkv]: per token
+  and kv head, with the cache's leading dims: [B, T, Hkv] contiguous, [P, page_size, Hkv] paged)."""
+  if scale is None:
+    return None
+  hkv = k_shape[2]
+  if tuple(scale.shape) == (hkv,):
+    return "head"
+  if tuple(scale.shape) == (*k_shape[:2], hkv):
+    return "token"
+  raise ValueError(f"a scale must be [Hkv]=({hkv},) or [{k_shape[0]}, {k_shape[1]}, {hkv}]; got {tuple(scale.shape)}")
+
+
+def check_packed_args(q, k, v, lengths, block_tables, *, num_queries: int, k_scale=None, v_scale=None) -> None:
+  """The layout every backend's `decode_partials` takes: q packed as [B, Hkv, R, D] in bf16 or
+  fp16; k and v alike, in q's dtype or a one-byte dtype (QUANTIZED_DTYPES) with optional float32
+  scales (`scale_kind`); int32 lengths [B]; int32 block_tables [B, max_pages] (paged only)."""
   if q.ndim != 4:
     raise ValueError(f"q must be packed rows [B, Hkv, R, D], got {q.shape=}")
   if k.ndim != 4 or v.shape != k.shape:
@@ -173,10 +189,16 @@ def check_packed_args(q, k, v, lengths, block_tables, *, num_queries: int) -> No
   B, Hkv, R, D = q.shape
   if k.shape[2:] != (Hkv, D):
     raise ValueError(f"k's heads and head_dim {k.shape[2:]=} must match q's {(Hkv, D)}")
-  if jnp.dtype(k.dtype) not in KV_DTYPES:
-    raise ValueError(f"k.dtype={jnp.dtype(k.dtype).name} must be bfloat16 or float16")
-  if q.dtype != k.dtype or v.dtype != k.dtype:
-    raise ValueError(f"q, k, v must share a dtype, got {q.dtype=} {k.dtype=} {v.dtype=}")
+  if jnp.dtype(q.dtype) not in KV_DTYPES:
+    raise ValueError(f"q.dtype={jnp.dtype(q.dtype).name} must be bfloat16 or float16")
+  if v.dtype != k.dtype or (k.dtype != q.dtype and jnp.dtype(k.dtype) not in QUANTIZED_DTYPES):
+    raise ValueError(f"k and v must share q's dtype or a one-byte dtype "
+                     f"({', '.join(d.name for d in QUANTIZED_DTYPES)}), got {q.dtype=} {k.dtype=} {v.dtype=}")
+  for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+    if scale is not None:
+      if scale.dtype != jnp.float32:
+        raise ValueError(f"{name} must be float32, got {scale.dtype}")
+      scale_kind(scale, k.shape)
   if num_queries < 1 or R % num_queries:
     raise ValueError(f"{num_queries=} must be >= 1 and divide the packed rows {R=}")
   if lengths.shape != (B,) or lengths.dtype != jnp.int32:
