@@ -41,6 +41,9 @@ CPU_IMPLS = ("xla", "xla_einsum")
 # The float32 reference runs over batch chunks of about this many bytes of
 # float32 KV and logits, so a case that fills the GPU can still be checked.
 REFERENCE_CHUNK_BYTES = 2**30
+# One-byte caches (--kv_dtype), stored with a float32 scale per token and kv head.
+KV_QUANTIZED_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
+SCALE_BYTES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +75,7 @@ class Sweep:
   softcap: float | None = None  # attention options (op=decode and paged)
   window: int | None = None
   sinks: bool = False  # random per-head sink logits
+  kv_dtype: str | None = None  # the cache's dtype if not `dtype`: int8 / fp8 with per-token scales
 
   def __post_init__(self):
     if self.op not in OPS:
@@ -81,6 +85,10 @@ class Sweep:
       raise ValueError(f"{self.impls=}: unknown {unknown}; choose from {runners.ALL_IMPLS}")
     if self.dtype not in DTYPES:
       raise ValueError(f"{self.dtype=} must be one of {DTYPES}")
+    if self.kv_dtype is not None and self.kv_dtype not in DTYPES + KV_QUANTIZED_DTYPES:
+      raise ValueError(f"{self.kv_dtype=} must be one of {DTYPES + KV_QUANTIZED_DTYPES}")
+    if self.op == "mla" and self.kv_dtype not in (None, self.dtype):
+      raise ValueError(f"op='mla' takes no kv_dtype; got {self.kv_dtype=}")
     if not self.cases:
       raise ValueError(f"{self.cases=} must not be empty")
     for b, t in self.cases:
@@ -158,6 +166,7 @@ class Case:
   softcap: float | None = None
   window: int | None = None
   sinks: bool = False
+  kv_dtype: str | None = None  # None: `dtype`
 
   @classmethod
   def from_sweep(cls, sweep: Sweep, batch: int, seq_len: int) -> Case:
@@ -169,7 +178,8 @@ class Case:
         v_head_dim=sweep.mla_v_dim if mla else sweep.head_dim,
         num_queries=sweep.num_queries, page_size=sweep.page_size,
         shuffle_pages=sweep.shuffle_pages, dtype=sweep.dtype, ragged=sweep.ragged,
-        softcap=sweep.softcap, window=sweep.window, sinks=sweep.sinks)
+        softcap=sweep.softcap, window=sweep.window, sinks=sweep.sinks,
+        kv_dtype=None if sweep.kv_dtype in (None, sweep.dtype) else sweep.kv_dtype)
 
   @classmethod
   def from_row(cls, row: dict) -> Case:
@@ -178,7 +188,13 @@ class Case:
 
   @property
   def itemsize(self) -> int:
-    return jnp.dtype(self.dtype).itemsize
+    """Bytes of one cache element."""
+    return jnp.dtype(self.kv_dtype or self.dtype).itemsize
+
+  @property
+  def quantized(self) -> bool:
+    """A one-byte cache with per-token float32 scales (k_scale, v_scale inputs)."""
+    return self.kv_dtype in KV_QUANTIZED_DTYPES
 
   @property
   def pages_per_seq(self) -> int:
@@ -198,7 +214,8 @@ class Case:
     else:
       tokens = self.batch * self.pages_per_seq * self.page_size
     per_token = self.head_dim if self.op == "mla" else 2 * self.num_kv_heads * self.head_dim
-    return tokens * per_token * self.itemsize
+    scales = 2 * self.num_kv_heads * SCALE_BYTES if self.quantized else 0
+    return tokens * (per_token * self.itemsize + scales)
 
   def attended_keys(self, lengths: jax.Array | np.ndarray) -> int:
     """Keys that must be read: sum of lengths, or of min(length, window + S - 1)."""
@@ -228,10 +245,11 @@ class Case:
     """Bytes that must move and flops, for `total_keys` = sum of lengths."""
     if self.op == "mla":  # one latent row per token, read once for K and V
       kv = total_keys * self.head_dim * self.itemsize
-    else:
-      kv = total_keys * self.num_kv_heads * self.head_dim * 2 * self.itemsize
+    else:   # K and V of each kv head, and their per-token scales in a quantized cache
+      per_head = self.head_dim * self.itemsize + (SCALE_BYTES if self.quantized else 0)
+      kv = total_keys * self.num_kv_heads * 2 * per_head
     rows = self.batch * self.num_queries * self.num_heads
-    q_out = rows * (self.head_dim + self.v_head_dim) * self.itemsize
+    q_out = rows * (self.head_dim + self.v_head_dim) * jnp.dtype(self.dtype).itemsize
     flops = (2 * self.num_heads * self.num_queries
              * (self.head_dim + self.v_head_dim) * total_keys)
     return {"kv_bytes": kv, "bytes": kv + q_out, "flops": flops}
@@ -244,8 +262,9 @@ class Case:
     if self.op != "decode":
       paged = f" page={self.page_size}{' shuffled' if self.shuffle_pages else ''}"
     options = "".join(f" {o}" for o in self.options)
+    cache = f" cache={self.kv_dtype}" if self.kv_dtype else ""
     return (f"{self.op} B={self.batch} T={self.seq_len} {heads} "
-            f"S={self.num_queries} {self.dtype}{paged}{options}")
+            f"S={self.num_queries} {self.dtype}{cache}{paged}{options}")
 
 
 def make_lengths(case: Case, key: jax.Array) -> jax.Array:
@@ -256,9 +275,19 @@ def make_lengths(case: Case, key: jax.Array) -> jax.Array:
                             dtype=jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def make_inputs(case: Case, key: jax.Array, lengths: jax.Array) -> tuple:
-  """Random inputs of the op, in pallas_kv's argument order."""
+  """Random inputs of the op, in pallas_kv's argument order; a quantized cache's k_scale and
+  v_scale (per token, from quantizing normal values) follow."""
+  args = _make_op_inputs(case, key, lengths)
+  if not case.quantized:
+    return args
+  quantize = runners.import_pallas_kv().cache.quantize
+  (k, k_scale), (v, v_scale) = (quantize(x, case.kv_dtype) for x in args[1:3])
+  return (args[0], k, v) + args[3:] + (k_scale, v_scale)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _make_op_inputs(case: Case, key: jax.Array, lengths: jax.Array) -> tuple:
   dtype = jnp.dtype(case.dtype)
   kq, kk, kv, kp = jax.random.split(key, 4)
   q = jax.random.normal(kq, case.q_shape, dtype)
@@ -311,16 +340,20 @@ def reference_chunk(case: Case) -> int:
 
 
 def _batch_slice(case: Case, args: tuple, b0: int, b1: int) -> tuple:
-  """The inputs of sequences [b0, b1); paged: their pages, gathered in table order."""
+  """The inputs of sequences [b0, b1); paged: their pages (and per-token scales), gathered in
+  table order."""
   extra = args[-1:] if case.sinks else ()
   op_args = args[:-1] if case.sinks else args
+  scales = op_args[-2:] if case.quantized else ()
+  op_args = op_args[:-2] if case.quantized else op_args
   q, lengths = op_args[0][b0:b1], op_args[-1][b0:b1]
   if case.op == "decode":
-    return (q, op_args[1][b0:b1], op_args[2][b0:b1], lengths) + extra
+    return (q, op_args[1][b0:b1], op_args[2][b0:b1], lengths) + tuple(s[b0:b1] for s in scales) + extra
   tables = op_args[-2][b0:b1]
   own_tables = jnp.arange(tables.size, dtype=jnp.int32).reshape(tables.shape)
   pools = tuple(pool[tables.reshape(-1)] for pool in op_args[1:-2])
-  return (q,) + pools + (own_tables, lengths) + extra
+  scales = tuple(s[tables.reshape(-1)] for s in scales)
+  return (q,) + pools + (own_tables, lengths) + scales + extra
 
 
 def reference_output(case: Case, args: tuple) -> tuple[np.ndarray, str]:
@@ -361,4 +394,5 @@ def op_spec(case: Case) -> peers.OpSpec:
   return peers.OpSpec(op=case.op, num_queries=case.num_queries,
                       full_lengths=not case.ragged,
                       v_head_dim=case.v_head_dim if case.op == "mla" else None,
-                      softcap=case.softcap, window=case.window, sinks=case.sinks)
+                      softcap=case.softcap, window=case.window, sinks=case.sinks,
+                      kv_scales=case.quantized)

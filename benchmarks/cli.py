@@ -114,7 +114,8 @@ def output_paths(flag_values: flags.FlagValues = FLAGS) -> OutputPaths:
 
 # Sweep fields that are flags of the same name, taken as given or at their flag default...
 SWEEP_FLAGS = ("num_queries", "shuffle_pages", "dtype", "ragged", "seed", "check", "strict",
-               "peak_tbps", "peak_tflops", "mla_qk_dim", "mla_v_dim", "softcap", "window", "sinks")
+               "peak_tbps", "peak_tflops", "mla_qk_dim", "mla_v_dim", "softcap", "window", "sinks",
+               "kv_dtype")
 # ...and those whose flags default to None: then `cases.default_sweep` decides per platform.
 SWEEP_PLATFORM_FLAGS = ("num_heads", "num_kv_heads", "head_dim", "page_size", "rotate_bytes")
 
@@ -139,6 +140,9 @@ def define_sweep_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   flags.DEFINE_boolean("shuffle_pages", True, "Block tables are a random permutation of pages.",
                        **into)
   flags.DEFINE_enum("dtype", "bfloat16", cases.DTYPES, "Input dtype.", **into)
+  flags.DEFINE_enum("kv_dtype", None, cases.DTYPES + cases.KV_QUANTIZED_DTYPES,
+                    "Cache dtype if not --dtype; int8 / fp8 caches hold per-token float32 scales "
+                    "(peers report n/a). Decode and paged.", **into)
   flags.DEFINE_boolean("ragged", False, "Random lengths in [num_queries, seq_len].", **into)
   flags.DEFINE_integer("seed", 0, "Random seed of inputs and lengths.", **into)
   define_timing_flags({"warmup": "CPU 1, GPU 5", "iters": "CPU 3, GPU 20",

@@ -55,6 +55,7 @@ class OpSpec:
   softcap: float | None = None  # logits -> softcap * tanh(logits / softcap)
   window: int | None = None  # a query at position p sees keys in (p - window, p]
   sinks: bool = False  # the last input is a float32 [Hq] array of per-head sink logits
+  kv_scales: bool = False  # a one-byte cache: k_scale, v_scale follow the op's inputs (before sinks)
 
   @property
   def options(self) -> tuple[str, ...]:
@@ -66,6 +67,8 @@ class OpSpec:
       named.append(f"window={self.window}")
     if self.sinks:
       named.append("sinks")
+    if self.kv_scales:
+      named.append("kv_scales")
     return tuple(named)
 
   def __post_init__(self):

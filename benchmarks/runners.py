@@ -25,17 +25,23 @@ def import_pallas_kv():
 
 
 def with_options(fn, spec: peers.OpSpec):
-  """fn(*op_args, [sinks]) calling a pallas_kv function with the spec's attention options."""
+  """fn(*op_args, [k_scale, v_scale], [sinks]) calling a pallas_kv function with the spec's
+  attention options."""
   if spec.op == "mla":
     return fn
   fn = functools.partial(fn, softcap=spec.softcap, window=spec.window)
-  if not spec.sinks:
+  if not spec.sinks and not spec.kv_scales:
     return fn
 
-  def with_sinks(*args):  # the sinks array comes last
-    return fn(*args[:-1], sinks=args[-1])
+  def with_extras(*args):  # the scales, then the sinks array, come last
+    kw = {}
+    if spec.sinks:
+      args, kw["sinks"] = args[:-1], args[-1]
+    if spec.kv_scales:
+      args, kw["k_scale"], kw["v_scale"] = args[:-2], args[-2], args[-1]
+    return fn(*args, **kw)
 
-  return with_sinks
+  return with_extras
 
 
 def build_pallas_kv(impl: str, spec: peers.OpSpec) -> peers.Runner:
@@ -58,6 +64,8 @@ def auto_choice() -> str | None:
 def build_runner(impl: str, spec: peers.OpSpec) -> peers.Runner:
   if impl in OUR_IMPLS:
     return build_pallas_kv(impl, spec)
+  if impl in peers.PEERS and spec.kv_scales:
+    raise peers.PeerUnavailable("int8 / fp8 caches with scales: no peer of this benchmark takes them")
   if impl in peers.PEERS:
     return peers.PEERS[impl](spec)
   raise ValueError(f"unknown impl {impl!r}; choose from {ALL_IMPLS}")

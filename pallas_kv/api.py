@@ -89,13 +89,15 @@ def choose_impl(impl: str, op: str, problem, options, dtypes, config) -> tuple[s
 
 def _options(problem, scale, softcap, window, sinks, k_scale, v_scale) -> AttentionOptions:
   validation.check_options(scale=scale, softcap=softcap, window=window, sinks=sinks, k_scale=k_scale,
-                           v_scale=v_scale, num_heads=problem.num_heads, num_kv_heads=problem.num_kv_heads)
+                           v_scale=v_scale, num_heads=problem.num_heads, num_kv_heads=problem.num_kv_heads,
+                           token_shape=problem.scale_token_shape)
   return AttentionOptions(
       scale=float(validation.default_scale(problem.head_dim) if scale is None else scale),
       softcap=None if softcap is None else float(softcap),
       window=None if window is None else int(window),
       has_sinks=sinks is not None,
-      quantized=k_scale is not None or v_scale is not None)
+      k_scale=validation.scale_kind(k_scale, problem.scale_token_shape),
+      v_scale=validation.scale_kind(v_scale, problem.scale_token_shape))
 
 
 def _check_runtime_values(problem, lengths, block_tables=None) -> None:
@@ -201,7 +203,9 @@ def decode_attention(q, k, v, lengths, *, scale=None, softcap=None, window=None,
     softcap: logits become softcap * tanh(logits / softcap) after scaling.
     window: a query at position p attends to keys in (p - window, p].
     sinks: [Hq] per-head logit of a virtual token with no value that joins the softmax denominator.
-    k_scale, v_scale: dequantization scales (a number, a scalar or [Hkv]) for int8/fp8 caches.
+    k_scale, v_scale: dequantization scales of an int8/fp8 cache: a number or a scalar (the whole
+      cache), [Hkv] (one per kv head), or [B, T, Hkv] (one per token and kv head); the values
+      used are cache * scale.
     return_lse: also return the natural-log LSE [B, (S,) Hq] float32 over the real keys (-inf if none).
     impl: "auto" | "mosaic_gpu" | "triton" | "xla".
     config: an explicit kernel config (`pallas_kv.DecodeConfig`) for the chosen backend, else heuristic.
@@ -229,8 +233,9 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=
 
   k_pages, v_pages: [P, page_size, Hkv, D]; block_tables: int32 [B, max_pages_per_seq]; token t of
   sequence b lives in page block_tables[b, t // page_size] at slot t % page_size. Page ids are
-  clamped into [0, P) and pages past a sequence's length are never read. Other arguments and the
-  result are as in `decode_attention`, with T = max_pages_per_seq * page_size.
+  clamped into [0, P) and pages past a sequence's length are never read. Per-token scales are
+  [P, page_size, Hkv], addressed like the pages. Other arguments and the result are as in
+  `decode_attention`, with T = max_pages_per_seq * page_size.
   """
   problem = validation.validate_paged(q, k_pages, v_pages, block_tables, lengths)
   options = _options(problem, scale, softcap, window, sinks, k_scale, v_scale)

@@ -2,6 +2,13 @@
 
 All operations are pure array code usable under jit; with the cache donated
 (`jax.jit(step, donate_argnums=...)`) XLA updates the buffers in place.
+
+Quantized caches (int8, float8_e4m3fn, float8_e5m2) hold each value as round(x / scale) in the
+one-byte dtype, with `k_scale` / `v_scale` beside the cache: per token and kv head ([B, T, Hkv]
+contiguous, [P, page_size, Hkv] paged; computed on append from each new token's max |x| over
+head_dim: the accurate choice for int8), or one fixed scale given at creation (a number for the
+whole cache or [Hkv] per kv head), or none (scale 1; fp8 only). The ops take them as their
+k_scale / v_scale arguments.
 Tokens appended past a sequence's capacity are dropped (never written out of bounds) and
 `lengths` still grows, so `lengths > capacity` marks the overflow; the ops' checked mode
 (`pallas_kv.checked()`) reports it.
@@ -27,6 +34,52 @@ def gather_pages(pages, block_tables):
   return dense.reshape(b, m * ps, *pages.shape[2:])
 
 
+# The largest finite magnitude of each one-byte cache dtype: a per-token scale maps max |x| to it.
+QUANTIZED_MAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0,
+                 jnp.dtype(jnp.float8_e5m2): 57344.0}
+TOKEN_SCALES = "token"  # `scales` argument of the create methods: per token and kv head
+
+
+def is_quantized(dtype) -> bool:
+  return jnp.dtype(dtype) in QUANTIZED_MAX
+
+
+def quantize(x, dtype, scale=None):
+  """x [B, S, Hkv, D] float -> (values in the one-byte `dtype`, the scale used).
+
+  scale None: one per token and kv head, max |x| over D / QUANTIZED_MAX (returned [B, S, Hkv]
+  float32; an all-zero row gets scale 1). Else the given scale (a number or [Hkv]) divides x.
+  """
+  dtype = jnp.dtype(dtype)
+  x = x.astype(jnp.float32)
+  if scale is None:
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    scale = jnp.where(amax > 0, amax / QUANTIZED_MAX[dtype], 1.0)
+    scaled = x / scale[..., None]
+  else:
+    scale = jnp.asarray(scale, jnp.float32)
+    scaled = x / (scale[:, None] if scale.ndim == 1 else scale)
+  limit = QUANTIZED_MAX[dtype]
+  if jnp.issubdtype(dtype, jnp.integer):
+    scaled = jnp.round(scaled)
+  return jnp.clip(scaled, -limit, limit).astype(dtype), scale
+
+
+def _initial_scale(scales, token_shape):
+  """The scale field a create method starts with: None, ones of token_shape for TOKEN_SCALES
+  (unwritten tokens hold 0, whatever their scale), or the fixed float32 scale given."""
+  if scales is None:
+    return None
+  if isinstance(scales, str):
+    if scales != TOKEN_SCALES:
+      raise ValueError(f"scales must be None, {TOKEN_SCALES!r}, a number or an [Hkv] array; got {scales!r}")
+    return jnp.ones(token_shape, jnp.float32)
+  scale = jnp.asarray(scales, jnp.float32)
+  if scale.ndim not in (0, 1) or (scale.ndim == 1 and scale.shape[0] != token_shape[-1]):
+    raise ValueError(f"a fixed scale must be a number or [Hkv]=({token_shape[-1]},); got shape {scale.shape}")
+  return scale
+
+
 def _as_rank4(x, name: str):
   """[B, Hkv, D] (one token) or [B, S, Hkv, D] -> [B, S, Hkv, D]."""
   if x.ndim == 3:
@@ -39,8 +92,21 @@ def _as_rank4(x, name: str):
 def _check_new(name: str, new, batch: int, tail: tuple[int, ...], dtype) -> None:
   if new.shape[0] != batch or tuple(new.shape[2:]) != tail:
     raise ValueError(f"{name} has shape {tuple(new.shape)}; expected [B={batch}, S, {', '.join(map(str, tail))}]")
-  if new.dtype != dtype:
+  if is_quantized(dtype):
+    if not jnp.issubdtype(new.dtype, jnp.floating) or is_quantized(new.dtype):
+      raise ValueError(f"{name} has dtype {jnp.dtype(new.dtype).name}; a {jnp.dtype(dtype).name} cache takes "
+                       "floating-point values and quantizes them")
+  elif new.dtype != dtype:
     raise ValueError(f"{name} has dtype {jnp.dtype(new.dtype).name}; the cache holds {jnp.dtype(dtype).name}")
+
+
+def _store(new, dtype, scale):
+  """(values to write, per-token scales to write or None) for new [B, S, Hkv, D]."""
+  if not is_quantized(dtype):
+    return new, None
+  per_token = scale is not None and scale.ndim == 3
+  values, used = quantize(new, dtype, None if per_token else scale)
+  return values, (used if per_token else None)
 
 
 def _new_positions(lengths, num_new: int):
@@ -62,15 +128,22 @@ def _paged_slots(block_tables, lengths, page_size: int, num_pages: int, num_new:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-  """Contiguous cache: k, v [B, T, Hkv, D]; lengths int32 [B] valid tokens per sequence."""
+  """Contiguous cache: k, v [B, T, Hkv, D]; lengths int32 [B] valid tokens per sequence;
+  k_scale, v_scale: None, or the scales of a quantized cache ([B, T, Hkv], [Hkv] or a scalar)."""
   k: jax.Array
   v: jax.Array
   lengths: jax.Array
+  k_scale: jax.Array | None = None
+  v_scale: jax.Array | None = None
 
   @classmethod
-  def create(cls, batch: int, capacity: int, num_kv_heads: int, head_dim: int, dtype=jnp.bfloat16) -> KVCache:
+  def create(cls, batch: int, capacity: int, num_kv_heads: int, head_dim: int, dtype=jnp.bfloat16,
+             k_scales=None, v_scales=None) -> KVCache:
+    """An empty cache. For an int8 / fp8 dtype, k_scales / v_scales: "token" (per token, computed
+    on append), a fixed number or [Hkv] array, or None (scale 1)."""
     shape = (batch, capacity, num_kv_heads, head_dim)
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32),
+               _initial_scale(k_scales, shape[:3]), _initial_scale(v_scales, shape[:3]))
 
   @property
   def capacity(self) -> int:
@@ -84,20 +157,37 @@ class KVCache:
     _check_new("v_new", v_new, b, self.v.shape[2:], self.v.dtype)
     positions = _new_positions(self.lengths, k_new.shape[1])
     rows = jnp.arange(b)[:, None]
-    k = self.k.at[rows, positions].set(k_new, mode="drop")
-    v = self.v.at[rows, positions].set(v_new, mode="drop")
-    return KVCache(k, v, self.lengths + k_new.shape[1])
+    write = lambda cache, new: cache.at[rows, positions].set(new, mode="drop")
+    (k_new, k_scale_new), (v_new, v_scale_new) = (_store(k_new, self.k.dtype, self.k_scale),
+                                                  _store(v_new, self.v.dtype, self.v_scale))
+    k_scale = self.k_scale if k_scale_new is None else write(self.k_scale, k_scale_new)
+    v_scale = self.v_scale if v_scale_new is None else write(self.v_scale, v_scale_new)
+    return KVCache(write(self.k, k_new), write(self.v, v_new), self.lengths + k_new.shape[1], k_scale, v_scale)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
   """Paged cache: k_pages, v_pages [P, page_size, Hkv, D]; block_tables int32 [B, max_pages];
-  lengths int32 [B]. Token t of sequence b lives at [block_tables[b, t // page_size], t % page_size]."""
+  lengths int32 [B]. Token t of sequence b lives at [block_tables[b, t // page_size], t % page_size].
+  k_scale, v_scale: None, or the scales of a quantized cache ([P, page_size, Hkv] per token,
+  addressed like the pages; [Hkv] or a scalar fixed)."""
   k_pages: jax.Array
   v_pages: jax.Array
   block_tables: jax.Array
   lengths: jax.Array
+  k_scale: jax.Array | None = None
+  v_scale: jax.Array | None = None
+
+  @classmethod
+  def create(cls, batch: int, num_pages: int, page_size: int, max_pages_per_seq: int, num_kv_heads: int,
+             head_dim: int, dtype=jnp.bfloat16, k_scales=None, v_scales=None) -> PagedKVCache:
+    """An empty cache: a pool of num_pages pages and block tables with no page assigned (reserve
+    pages with `reserve_pages` before appending). k_scales / v_scales as in `KVCache.create`."""
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), empty_block_tables(batch, max_pages_per_seq),
+               jnp.zeros((batch,), jnp.int32), _initial_scale(k_scales, shape[:3]),
+               _initial_scale(v_scales, shape[:3]))
 
   @property
   def page_size(self) -> int:
@@ -115,14 +205,19 @@ class PagedKVCache:
     _check_new("v_new", v_new, b, self.v_pages.shape[2:], self.v_pages.dtype)
     pages, slots = _paged_slots(self.block_tables, self.lengths, self.page_size, self.k_pages.shape[0],
                                 k_new.shape[1])
-    k_pages = self.k_pages.at[pages, slots].set(k_new, mode="drop")
-    v_pages = self.v_pages.at[pages, slots].set(v_new, mode="drop")
-    return PagedKVCache(k_pages, v_pages, self.block_tables, self.lengths + k_new.shape[1])
+    write = lambda cache, new: cache.at[pages, slots].set(new, mode="drop")
+    (k_new, k_scale_new), (v_new, v_scale_new) = (_store(k_new, self.k_pages.dtype, self.k_scale),
+                                                  _store(v_new, self.v_pages.dtype, self.v_scale))
+    k_scale = self.k_scale if k_scale_new is None else write(self.k_scale, k_scale_new)
+    v_scale = self.v_scale if v_scale_new is None else write(self.v_scale, v_scale_new)
+    return PagedKVCache(write(self.k_pages, k_new), write(self.v_pages, v_new), self.block_tables,
+                        self.lengths + k_new.shape[1], k_scale, v_scale)
 
   def dense_view(self) -> KVCache:
     """A contiguous copy [B, max_pages * page_size, Hkv, D] of what the block tables point at."""
+    gather_scale = lambda s: gather_pages(s, self.block_tables) if s is not None and s.ndim == 3 else s
     return KVCache(gather_pages(self.k_pages, self.block_tables), gather_pages(self.v_pages, self.block_tables),
-                   self.lengths)
+                   self.lengths, gather_scale(self.k_scale), gather_scale(self.v_scale))
 
 
 @jax.tree_util.register_dataclass

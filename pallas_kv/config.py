@@ -13,7 +13,13 @@ class AttentionOptions:
   softcap: float | None = None
   window: int | None = None
   has_sinks: bool = False
-  quantized: bool = False  # k_scale or v_scale given
+  k_scale: str | None = None  # the kind of k_scale given: None, "head" or "token" (validation.scale_kind)
+  v_scale: str | None = None
+
+  @property
+  def quantized(self) -> bool:
+    """Scales were given (an int8 / fp8 cache, or a scaled 16-bit one)."""
+    return self.k_scale is not None or self.v_scale is not None
 
 
 BLOCK_KV_CHOICES = (16, 32, 64, 128, 256)  # the mosaic_gpu backend needs >= 64 (wgmma K)

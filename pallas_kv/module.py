@@ -22,6 +22,7 @@ from pallas_kv import xla
 from pallas_kv.cache import KVCache
 from pallas_kv.cache import PagedKVCache
 from pallas_kv.cache import PagedLatentCache
+from pallas_kv.cache import is_quantized
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,21 @@ def causal_attention(q, k, v, *, scale: float, softcap=None, window=None, sinks=
   out, _ = xla.attend(q, k.astype(jnp.float32), v.astype(jnp.float32), lengths, scale=scale,
                       softcap=softcap, window=window, sinks=sinks)
   return out
+
+
+def _kv_dtype(cache):
+  return cache.k.dtype if isinstance(cache, KVCache) else cache.k_pages.dtype
+
+
+def _query_dtype(kv_dtype):
+  """The queries' dtype: the cache's, or bfloat16 for an int8 / fp8 cache (widened in the kernel)."""
+  return jnp.dtype(jnp.bfloat16) if is_quantized(kv_dtype) else jnp.dtype(kv_dtype)
+
+
+def _as_cache_input(x, kv_dtype):
+  """New keys / values as the cache's append takes them: its dtype, or the projections as they
+  are for a quantized cache (which quantizes them)."""
+  return x if is_quantized(kv_dtype) else x.astype(kv_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,11 +169,11 @@ class DecodeAttention:
 
   def _standard_step(self, params, x, cache, positions, config):
     q, k, v = self._project_qkv(params, x, positions)
-    kv_dtype = cache.k.dtype if isinstance(cache, KVCache) else cache.k_pages.dtype
-    cache = cache.append(k.astype(kv_dtype), v.astype(kv_dtype))
+    kv_dtype = _kv_dtype(cache)
+    cache = cache.append(*(_as_cache_input(t, kv_dtype) for t in (k, v)))
     options = dict(scale=self.scale, softcap=self.softcap, window=self.window, sinks=params.get("sinks"),
-                   impl=self.impl, config=config)
-    q = q.astype(kv_dtype)
+                   k_scale=cache.k_scale, v_scale=cache.v_scale, impl=self.impl, config=config)
+    q = q.astype(_query_dtype(kv_dtype))
     if isinstance(cache, KVCache):
       out = api.decode_attention(q, cache.k, cache.v, cache.lengths, **options)
     elif isinstance(cache, PagedKVCache):
@@ -203,9 +219,11 @@ class DecodeAttention:
       v = jnp.einsum("bsnc,ncv->bsnv", out.astype(x.dtype), params["w_uv"])
       return jnp.einsum("bsnv,nvh->bsh", v, params["wo"]), cache
     q, k, v = self._project_qkv(params, x, positions)
-    kv_dtype = cache.k.dtype if isinstance(cache, KVCache) else cache.k_pages.dtype
-    k, v = k.astype(kv_dtype), v.astype(kv_dtype)
+    kv_dtype = _kv_dtype(cache)
+    k, v = (_as_cache_input(t, kv_dtype) for t in (k, v))
     cache = cache.append(k, v)
-    out = causal_attention(q.astype(kv_dtype), k, v, scale=self.scale, softcap=self.softcap, window=self.window,
-                           sinks=params.get("sinks"))
+    # A quantized cache's prompt attends over its unquantized keys and values.
+    dtype = _query_dtype(kv_dtype)
+    out = causal_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), scale=self.scale,
+                           softcap=self.softcap, window=self.window, sinks=params.get("sinks"))
     return jnp.einsum("bsnd,ndh->bsh", out.astype(x.dtype), params["wo"]), cache

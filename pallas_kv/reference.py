@@ -15,7 +15,8 @@ from pallas_kv import xla
 def _check(problem, *, scale, softcap=None, window=None, sinks=None, k_scale=None, v_scale=None) -> float:
   """Checks the options like the public op does; returns the scale with its default applied."""
   validation.check_options(scale=scale, softcap=softcap, window=window, sinks=sinks, k_scale=k_scale,
-                           v_scale=v_scale, num_heads=problem.num_heads, num_kv_heads=problem.num_kv_heads)
+                           v_scale=v_scale, num_heads=problem.num_heads, num_kv_heads=problem.num_kv_heads,
+                           token_shape=problem.scale_token_shape)
   return validation.default_scale(problem.head_dim) if scale is None else scale
 
 

@@ -36,6 +36,13 @@ class Problem:
   def group_size(self) -> int:
     return self.num_heads // self.num_kv_heads
 
+  @property
+  def scale_token_shape(self) -> tuple[int, int, int]:
+    """Shape of a per-token scale: the cache's leading dims and Hkv ([B, T, Hkv] or [P, page_size, Hkv])."""
+    if self.page_size is None:
+      return (self.batch, self.capacity, self.num_kv_heads)
+    return (self.num_pages, self.page_size, self.num_kv_heads)
+
 
 def _dtype_name(dtype) -> str:
   return jnp.dtype(dtype).name
@@ -77,8 +84,21 @@ def query_as_rank4(q):
   return (q[:, None], True) if q.ndim == 3 else (q, False)
 
 
+def scale_kind(scale, token_shape: tuple[int, ...]) -> str | None:
+  """The kind of a k_scale / v_scale argument: None, "head" (a number, a scalar or [Hkv]: one
+  per kv head or for the whole cache) or "token" (token_shape = the cache's [B, T, Hkv] or
+  [P, page_size, Hkv]: one per token and kv head). Call after `check_options`."""
+  if scale is None:
+    return None
+  if isinstance(scale, numbers.Real) or tuple(scale.shape) in ((), token_shape[-1:]):
+    return "head"
+  return "token"
+
+
 def check_options(*, scale, softcap, window, sinks, k_scale, v_scale, num_heads: int,
-                  num_kv_heads: int) -> None:
+                  num_kv_heads: int, token_shape: tuple[int, ...] | None = None) -> None:
+  """token_shape: the cache's leading dims and Hkv ([B, T, Hkv] or [P, page_size, Hkv]), the
+  shape of a per-token scale; None where the op takes none (MLA)."""
   if scale is not None:
     if not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
       raise ValueError(f"scale must be a finite positive Python number or None; got {scale!r}")
@@ -94,12 +114,16 @@ def check_options(*, scale, softcap, window, sinks, k_scale, v_scale, num_heads:
                        f"{getattr(sinks, 'shape', type(sinks).__name__)}")
     if not jnp.issubdtype(sinks.dtype, jnp.floating):
       raise ValueError(f"sinks must be floating point; got dtype {_dtype_name(sinks.dtype)}")
+  shapes = [(), (num_kv_heads,)] + ([tuple(token_shape)] if token_shape is not None else [])
   for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
     if s is None or isinstance(s, numbers.Real) and not isinstance(s, bool):
       continue
-    if not hasattr(s, "shape") or tuple(s.shape) not in ((), (num_kv_heads,)):
-      raise ValueError(f"{name} must be a number, a scalar array or an array of shape "
-                       f"[Hkv]=({num_kv_heads},); got {getattr(s, 'shape', type(s).__name__)}")
+    if not hasattr(s, "shape") or tuple(s.shape) not in shapes:
+      per_token = f", or per token and kv head {list(token_shape)}" if token_shape is not None else ""
+      raise ValueError(f"{name} must be a number, a scalar array, an array of shape [Hkv]=({num_kv_heads},)"
+                       f"{per_token}; got {getattr(s, 'shape', type(s).__name__)}")
+    if not jnp.issubdtype(s.dtype, jnp.floating):
+      raise ValueError(f"{name} must be floating point; got dtype {_dtype_name(s.dtype)}")
 
 
 def _check_heads(num_heads: int, num_kv_heads: int, kv_name: str) -> None:

@@ -18,14 +18,24 @@ from pallas_kv.cache import gather_pages
 
 
 def dequantize(x, scale):
-  """x [..., Hkv, D] in the cache dtype -> float32, times a scalar or per-kv-head [Hkv] scale."""
+  """x [B, T, Hkv, D] in the cache dtype -> float32, times a scale: a scalar, one per kv head
+  [Hkv], or one per token and kv head [B, T, Hkv]."""
   x = x.astype(jnp.float32)
   if scale is None:
     return x
   scale = jnp.asarray(scale, jnp.float32)
   if scale.ndim == 1:
     scale = scale.reshape(x.shape[-2], 1)
+  elif scale.ndim == 3:
+    scale = scale[..., None]
   return x * scale
+
+
+def _gather_scale(scale, block_tables):
+  """A per-token scale of a paged cache [P, page_size, Hkv] -> [B, T, Hkv]; other kinds as they are."""
+  if scale is None or jnp.ndim(scale) != 3:
+    return scale
+  return gather_pages(jnp.asarray(scale), block_tables)
 
 
 def query_positions(lengths, num_queries: int, capacity: int):
@@ -100,8 +110,9 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale,
                            sinks=None, k_scale=None, v_scale=None, return_lse=False):
   """Decode attention over a paged cache. See `pallas_kv.paged_decode_attention`."""
   return decode_attention(q, gather_pages(k_pages, block_tables), gather_pages(v_pages, block_tables), lengths,
-                          scale=scale, softcap=softcap, window=window, sinks=sinks, k_scale=k_scale,
-                          v_scale=v_scale, return_lse=return_lse)
+                          scale=scale, softcap=softcap, window=window, sinks=sinks,
+                          k_scale=_gather_scale(k_scale, block_tables), v_scale=_gather_scale(v_scale, block_tables),
+                          return_lse=return_lse)
 
 
 def mla_decode_attention(q, kv_pages, block_tables, lengths, *, v_head_dim, scale, return_lse=False):

@@ -1,6 +1,7 @@
 """The benchmark programs run their CPU defaults end to end; flagfiles parse; rows are checked."""
 
 import csv
+import dataclasses
 import glob
 import io
 import json
@@ -162,6 +163,26 @@ def test_reference_in_batch_chunks_matches_one_call(monkeypatch):
     monkeypatch.undo()
     assert "4 batch chunks" in source
     np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("op", ["decode", "paged"])
+def test_quantized_cache_rows_count_one_byte_elements_and_their_scales(op):
+  rows = decode_bench.run(op=op, cases=((2, 64),), impls=("xla", "xla_einsum"), num_heads=4, num_kv_heads=2,
+                          head_dim=64, page_size=16, kv_dtype="int8", sinks=True, warmup=0, iters=1, repeats=1,
+                          out=io.StringIO())
+  xla_row, peer_row = rows
+  assert xla_row["status"] == "ok" and xla_row["rel_err"] < 1e-2 and xla_row["kv_dtype"] == "int8"
+  # 2 x 64 keys x 2 kv heads x (K and V) x (64 int8 values + a float32 scale)
+  assert xla_row["kv_bytes"] == 2 * 64 * 2 * 2 * (64 + 4)
+  assert peer_row["status"] == "n/a" and "int8 / fp8" in peer_row["reason"]
+  # The scales reach the reference: dropping them changes it.
+  case = cases.Case.from_row(xla_row)
+  lengths = cases.make_lengths(case, jax.random.key(0))
+  args = cases.make_input_sets(case, jax.random.key(1), lengths, 1)[0]
+  ref, _ = cases.reference_output(case, args)
+  unscaled = dataclasses.replace(case, kv_dtype=None)
+  ref_unscaled, _ = cases.reference_output(unscaled, args[:-3] + args[-1:])
+  assert cases.relative_error(ref_unscaled, ref) > 1e-2
 
 
 def _fake_rows():

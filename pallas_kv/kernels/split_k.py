@@ -45,14 +45,16 @@ def round_up(a: int, b: int) -> int:
 # ---------------------------------------------------------------- which calls, how many splits
 
 def unsupported_reason(op: str, problem, options, dtypes, *, backend: str, head_dims) -> str | None:
-  """Why a split-K GQA backend cannot serve the call (MLA, quantized or other caches), or None."""
+  """Why a split-K GQA backend cannot serve the call (MLA, other caches), or None."""
   _, kv_dtype = dtypes
+  kv_dtype = jnp.dtype(kv_dtype)
   if op == "mla":
     return f"MLA is not implemented on the {backend} backend"
-  if jnp.dtype(kv_dtype) not in KV_DTYPES:
-    return f"the cache dtype {jnp.dtype(kv_dtype).name} is not supported (bfloat16 or float16)"
-  if options.quantized:
-    return "k_scale / v_scale (quantized caches) are not supported"
+  if kv_dtype not in KV_DTYPES + QUANTIZED_DTYPES:
+    return (f"the cache dtype {kv_dtype.name} is not supported "
+            f"({', '.join(d.name for d in KV_DTYPES + QUANTIZED_DTYPES)})")
+  if kv_dtype in KV_DTYPES and options.quantized:
+    return f"k_scale / v_scale on a {kv_dtype.name} cache are not supported (they dequantize int8 / fp8 caches)"
   if problem.head_dim not in head_dims:
     return f"head_dim {problem.head_dim} is not one of {tuple(head_dims)}"
   if problem.group_size > MAX_GROUP:
@@ -211,19 +213,40 @@ def check_packed_args(q, k, v, lengths, block_tables, *, num_queries: int, k_sca
                      f"{block_tables.dtype=}")
 
 
-def run(partials: Callable, q, k, lengths, block_tables, *, problem, sinks, return_lse: bool):
-  """Packs q into kernel rows, calls partials(rows, lengths, block_tables) -> (out, lse) per split
-  ([B, Hkv, splits, >= R, D], [B, Hkv, splits, >= R]), merges the splits and unpacks the rows.
+def compute_dtype(q_dtype, kv_dtype):
+  """The dtype of the kernels' matmul operands: a 16-bit cache's own; for a one-byte cache, q's
+  if it is 16-bit, else bfloat16 (the cache widens to it after the load)."""
+  if jnp.dtype(kv_dtype) in KV_DTYPES:
+    return jnp.dtype(kv_dtype)
+  return jnp.dtype(q_dtype) if jnp.dtype(q_dtype) in KV_DTYPES else jnp.dtype(jnp.bfloat16)
 
-  Lengths are clamped to [0, T] and page ids to [0, P) before the kernel sees them.
+
+def kernel_scale(scale, num_kv_heads: int):
+  """A public k_scale / v_scale as the kernels take it: None, float32 [Hkv] (a number or a scalar
+  broadcast to every head), or the per-token array in float32."""
+  if scale is None:
+    return None
+  scale = jnp.asarray(scale, jnp.float32)
+  return jnp.broadcast_to(scale, (num_kv_heads,)) if scale.ndim == 0 else scale
+
+
+def run(partials: Callable, q, k, lengths, block_tables, *, problem, sinks, return_lse: bool, k_scale=None,
+        v_scale=None):
+  """Packs q into kernel rows, calls partials(rows, lengths, block_tables, k_scale, v_scale) ->
+  (out, lse) per split ([B, Hkv, splits, >= R, D], [B, Hkv, splits, >= R]), merges the splits and
+  unpacks the rows.
+
+  Lengths are clamped to [0, T] and page ids to [0, P) before the kernel sees them; scales come
+  as `kernel_scale` makes them.
   """
   q4, single = validation.query_as_rank4(q)
-  rows = pack_queries(q4, problem.num_kv_heads).astype(k.dtype)  # [B, Hkv, R = S*G, D]
+  rows = pack_queries(q4, problem.num_kv_heads).astype(compute_dtype(q.dtype, k.dtype))  # [B, Hkv, R = S*G, D]
   num_rows = rows.shape[2]
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, problem.capacity)
   if block_tables is not None:
     block_tables = jnp.clip(block_tables.astype(jnp.int32), 0, problem.num_pages - 1)
-  out, lse = partials(rows, lengths, block_tables)
+  out, lse = partials(rows, lengths, block_tables, kernel_scale(k_scale, problem.num_kv_heads),
+                      kernel_scale(v_scale, problem.num_kv_heads))
   out, lse = out[:, :, :, :num_rows], lse[:, :, :, :num_rows]  # drop rows a kernel padded
   row_sinks = None
   if sinks is not None:

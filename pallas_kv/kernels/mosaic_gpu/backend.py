@@ -7,6 +7,7 @@ the split-K kernel between the row packing and split merging that both backends 
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kv import runtime
@@ -16,7 +17,14 @@ from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
 
 NAME = mgpu_config.NAME
-unsupported_reason = mgpu_config.unsupported_reason
+
+
+def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
+  """Why this backend cannot serve the call, or None if it can."""
+  reason = mgpu_config.unsupported_reason(op, problem, options, dtypes)
+  if reason is None and jnp.dtype(dtypes[1]) in split_k.QUANTIZED_DTYPES:
+    reason = f"{jnp.dtype(dtypes[1]).name} caches are not supported on mosaic_gpu yet"
+  return reason
 
 
 def interpret_params():
@@ -27,11 +35,13 @@ def interpret_params():
 def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: DecodeConfig | None, sinks,
         k_scale, v_scale, return_lse: bool):
   """Runs a call that `unsupported_reason` accepted. k, v are the caches (pages when paged)."""
-  del op, k_scale, v_scale  # refused by unsupported_reason: quantized caches, MLA
+  del op  # refused by unsupported_reason: MLA
   config = mgpu_config.resolve_config(problem, config, dtype=k.dtype)
 
-  def partials(rows, lengths, block_tables):
+  def partials(rows, lengths, block_tables, k_scale, v_scale):
+    scales = {} if k_scale is None and v_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
     return mgpu_decode.decode_partials(rows, k, v, lengths, block_tables, num_queries=problem.num_queries,
-                                       options=options, config=config, interpret=interpret_params())
+                                       options=options, config=config, interpret=interpret_params(), **scales)
 
-  return split_k.run(partials, q, k, lengths, block_tables, problem=problem, sinks=sinks, return_lse=return_lse)
+  return split_k.run(partials, q, k, lengths, block_tables, problem=problem, sinks=sinks, return_lse=return_lse,
+                     k_scale=k_scale, v_scale=v_scale)

@@ -20,11 +20,13 @@ unsupported_reason = triton_config.unsupported_reason
 def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: DecodeConfig | None, sinks,
         k_scale, v_scale, return_lse: bool):
   """Runs a call that `unsupported_reason` accepted. k, v are the caches (pages when paged)."""
-  del op, k_scale, v_scale  # refused by unsupported_reason: quantized caches, MLA
+  del op  # refused by unsupported_reason: MLA
   config = triton_config.resolve_config(problem, config, dtype=k.dtype)
 
-  def partials(rows, lengths, block_tables):
+  def partials(rows, lengths, block_tables, k_scale, v_scale):
     return triton_decode.decode_partials(rows, k, v, lengths, block_tables, num_queries=problem.num_queries,
-                                         options=options, config=config, interpret=runtime.interpret_enabled())
+                                         options=options, config=config, k_scale=k_scale, v_scale=v_scale,
+                                         interpret=runtime.interpret_enabled())
 
-  return split_k.run(partials, q, k, lengths, block_tables, problem=problem, sinks=sinks, return_lse=return_lse)
+  return split_k.run(partials, q, k, lengths, block_tables, problem=problem, sinks=sinks, return_lse=return_lse,
+                     k_scale=k_scale, v_scale=v_scale)

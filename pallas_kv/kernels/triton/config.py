@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax.numpy as jnp
+
 from pallas_kv.config import DecodeConfig
 from pallas_kv.kernels import split_k
 
@@ -98,15 +100,15 @@ def check_config(config: DecodeConfig, *, head_dim: int, page_size: int | None) 
 def heuristic_config(problem, *, dtype: Any = "bfloat16") -> DecodeConfig:
   """The default tile, stages and warps: fewer stages, then smaller tiles, until the tiles in
   flight fit in shared memory (split count left to `resolve_config`)."""
-  del dtype  # the estimate assumes 2-byte elements, the only cache dtypes this backend serves
+  itemsize = jnp.dtype(dtype).itemsize   # one-byte caches: twice the tokens in flight per byte
   block_rows, _ = row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
   block_kv = DEFAULT_BLOCK_KV
   if problem.page_size is not None:
     block_kv = block_kv_for_page(problem.page_size, block_kv) or block_kv
   config = DecodeConfig(block_kv=block_kv, num_stages=DEFAULT_STAGES,
                         num_warps=8 if block_rows * problem.head_dim >= 128 * 128 else 4)
-  fits = lambda c: fits_smem(head_dim=problem.head_dim, itemsize=2, block_kv=c.block_kv, num_stages=c.num_stages,
-                             block_rows=block_rows)
+  fits = lambda c: fits_smem(head_dim=problem.head_dim, itemsize=itemsize, block_kv=c.block_kv,
+                             num_stages=c.num_stages, block_rows=block_rows)
   while not fits(config):
     if config.num_stages > 2:
       config = dataclasses.replace(config, num_stages=config.num_stages - 1)

@@ -91,6 +91,8 @@ class _Static:
   page_size: int | None   # None: contiguous cache
   max_pages: int | None
   options: AttentionOptions   # scale, softcap, window
+  k_scale: str | None = None  # None, "head" ([Hkv]) or "token" (per token and kv head): split_k.scale_kind
+  v_scale: str | None = None
 
   @property
   def paged(self) -> bool:
@@ -103,28 +105,43 @@ def _tile_range(length, split, st: _Static):
                                   num_splits=st.num_splits, window=st.options.window)
 
 
-def _load_tile(kv_ref, block_tables_ref, tile, length, st: _Static, *, masked: bool):
-  """Tile `tile` ([block_kv, D]) of one KV head; with `masked`, tokens >= length read as 0."""
-  bkv, D = st.block_kv, st.head_dim
+def _load_tile(ref, block_tables_ref, tile, length, st: _Static, *, masked: bool):
+  """Tile `tile` of one KV head: [block_kv, D] of a cache ref ([T, D] or [P, page_size, D]), or
+  [block_kv] of a per-token scale ref ([T] or [P, page_size]); with `masked`, tokens >= length
+  read as 0."""
+  bkv = st.block_kv
+  columns = ref.shape[-1:] if ref.ndim == (3 if st.paged else 2) else ()   # (D,) for a cache tile
   start = tile * bkv
   tokens = start + jnp.arange(bkv, dtype=jnp.int32)   # [bkv]
+  every_column = (slice(None),) * len(columns)
   if not st.paged:
-    ref = kv_ref.at[pl.ds(pl.multiple_of(start, bkv), bkv), :]   # [bkv, D] of [T, D]
+    ref = ref.at[(pl.ds(pl.multiple_of(start, bkv), bkv), *every_column)]
   elif bkv <= st.page_size:
     # The tile is one slice of one page.
     page = block_tables_ref[start // st.page_size]
     offset = pl.multiple_of(start % st.page_size, bkv)
-    ref = kv_ref.at[page, pl.ds(offset, bkv), :]
+    ref = ref.at[(page, pl.ds(offset, bkv), *every_column)]
   else:
     # The tile spans bkv / page_size pages: gather token by token.
     page_index = jnp.minimum(tokens // st.page_size, st.max_pages - 1)
     pages = block_tables_ref[page_index]   # [bkv]
     slots = tokens % st.page_size
-    ref = kv_ref.at[pages[:, None], slots[:, None], jnp.arange(D, dtype=jnp.int32)[None, :]]
+    if columns:
+      ref = ref.at[pages[:, None], slots[:, None], jnp.arange(columns[0], dtype=jnp.int32)[None, :]]
+    else:
+      ref = ref.at[pages, slots]
   if not masked:
     return pltr.load(ref)
-  mask = jnp.broadcast_to((tokens < length)[:, None], (bkv, D))
-  return pltr.load(ref, mask=mask, other=0)
+  mask = tokens < length
+  if columns:
+    mask = jnp.broadcast_to(mask[:, None], (bkv, *columns))
+  # The fill must share the ref's kind: Triton casts no int constant to a float8 type.
+  return pltr.load(ref, mask=mask, other=0.0 if jnp.issubdtype(ref.dtype, jnp.floating) else 0)
+
+
+def _per_column(x, shape):
+  """A per-token vector [bkv] broadcast over rows to `shape` [rows, bkv]."""
+  return lax.broadcast_in_dim(x, shape, [1])
 
 
 def _dot(a, b, *, trans_b: bool = False):
@@ -134,18 +151,21 @@ def _dot(a, b, *, trans_b: bool = False):
 
 
 def _kernel(q_ref,            # [block_rows, D]   packed rows of this (sequence, kv head, row block)
-            k_ref,            # [T, D] | [P, page_size, D]   this kv head
+            k_ref,            # [T, D] | [P, page_size, D]   this kv head, cache dtype
             v_ref,            # same as k_ref
             lengths_ref,      # [B] int32
             *refs, st: _Static):
-  if st.paged:
-    block_tables_ref, *refs = refs   # [max_pages] int32, this sequence's row (ids already in [0, P))
-  else:
-    block_tables_ref = None
+  refs = list(refs)
+  # [max_pages] int32, this sequence's row (ids already in [0, P))
+  block_tables_ref = refs.pop(0) if st.paged else None
+  # Scales: "head" [Hkv] f32 (all heads); "token" [T] | [P, page_size] f32 of this kv head.
+  k_scale_ref = refs.pop(0) if st.k_scale else None
+  v_scale_ref = refs.pop(0) if st.v_scale else None
   (out_ref,                   # [block_rows, D] f32
    lse_ref,                   # [block_rows] f32
    ) = refs
   head_block, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  head = head_block // st.num_row_blocks
   row0 = 0 if st.num_row_blocks == 1 else (head_block % st.num_row_blocks) * st.block_rows
   length = jnp.clip(lengths_ref[b], 0, st.capacity)
   t0, t1, a, c = _tile_range(length, split, st)
@@ -155,18 +175,29 @@ def _kernel(q_ref,            # [block_rows, D]   packed rows of this (sequence,
   rows = jnp.arange(st.block_rows, dtype=jnp.int32)[:, None] + row0   # [block_rows, 1]
   cols = jnp.arange(bkv, dtype=jnp.int32)[None, :]                    # [1, bkv]
 
+  def scaled(x, scale_ref, kind, tile, masked):
+    """x [block_rows, bkv] f32 times the tile's per-token or this head's scale (a one-byte cache)."""
+    if kind == "token":
+      return x * _per_column(_load_tile(scale_ref, block_tables_ref, tile, length, st, masked=masked), x.shape)
+    if kind == "head":
+      return x * scale_ref[head]
+    return x
+
   def step(tile, carry, *, masked: bool):
     acc, m_i, l_i = carry
-    k = _load_tile(k_ref, block_tables_ref, tile, length, st, masked=masked)   # [bkv, D]
+    # One-byte caches load as such and widen in registers (int8 and fp8 values are exact in bf16).
+    k = _load_tile(k_ref, block_tables_ref, tile, length, st, masked=masked).astype(q.dtype)   # [bkv, D]
     s = _dot(q, k, trans_b=True)   # [block_rows, bkv] f32
+    s = scaled(s, k_scale_ref, st.k_scale, tile, masked)
     s = online_softmax.log2_logits(s, scale=st.options.scale, softcap=st.options.softcap)
     if masked:
       ok = online_softmax.visible(rows, cols, tile_start=tile * bkv, length=length, num_queries=st.num_queries,
                                   group=G, window=st.options.window)
       s = jnp.where(ok, s, -jnp.inf)
     acc, m_new, l_new, p = online_softmax.softmax_step(s, acc, m_i, l_i)
-    v = _load_tile(v_ref, block_tables_ref, tile, length, st, masked=masked)   # [bkv, D]
-    return acc + _dot(p.astype(v.dtype), v), m_new, l_new
+    p = scaled(p, v_scale_ref, st.v_scale, tile, masked)   # the sum keeps the unscaled p (l_new)
+    v = _load_tile(v_ref, block_tables_ref, tile, length, st, masked=masked).astype(q.dtype)   # [bkv, D]
+    return acc + _dot(p.astype(q.dtype), v), m_new, l_new
 
   carry = (jnp.zeros((st.block_rows, st.head_dim), jnp.float32),
            jnp.full((st.block_rows,), -jnp.inf, jnp.float32),
@@ -192,6 +223,13 @@ def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width:
   in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((batch,), lambda hb, s, b: (0,))]
   if st.paged:
     in_specs.append(pl.BlockSpec((None, table_width), lambda hb, s, b: (b, 0)))
+  for kind in (st.k_scale, st.v_scale):
+    if kind == "head":
+      in_specs.append(pl.BlockSpec((num_kv_heads,), lambda hb, s, b: (0,)))
+    elif kind == "token" and st.paged:
+      in_specs.append(pl.BlockSpec((num_pages, page_size, None), lambda hb, s, b: (0, 0, head(hb))))
+    elif kind == "token":
+      in_specs.append(pl.BlockSpec((None, kv_shape[1], None), lambda hb, s, b: (b, 0, head(hb))))
   out_specs = [
       pl.BlockSpec((None, None, None, R, D), lambda hb, s, b: (b, head(hb), s, row_block(hb), 0)),
       pl.BlockSpec((None, None, None, R), lambda hb, s, b: (b, head(hb), s, row_block(hb))),
@@ -203,6 +241,8 @@ def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width:
   kind = f"paged{st.page_size}" if st.paged else "dense"
   name = (f"pallas_kv_triton_decode_{kind}_r{R}x{nrb}_d{D}_bkv{st.block_kv}_sp{st.num_splits}"
           f"_{jnp.dtype(dtype).name}")
+  if st.k_scale or st.v_scale:
+    name += f"_ks{st.k_scale}_vs{st.v_scale}"
   return pl.pallas_call(
       functools.partial(_kernel, st=st),
       # grid[0] varies fastest: the KV heads of one token range sit side by side in HBM.
@@ -217,16 +257,20 @@ def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width:
 
 
 def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
-                    config: DecodeConfig, interpret: bool = False):
+                    config: DecodeConfig, k_scale=None, v_scale=None, interpret: bool = False):
   """Split-K partials of decode attention over a contiguous or paged KV cache.
 
-  q: [B, Hkv, R, D] in k's dtype (bf16 or fp16), R = num_queries * G packed rows, row
+  q: [B, Hkv, R, D] bf16 or fp16, R = num_queries * G packed rows, row
   r = s * G + g is query token s (of S = num_queries new tokens) for q head kv_head * G + g.
   Query token s of sequence b is at position p = lengths[b] - S + s; it attends to keys t with
   t <= p and (if options.window) t > p - window.
   dense:  k, v [B, T, Hkv, D]; block_tables None.
   paged:  k, v [P, page_size, Hkv, D]; block_tables int32 [B, max_pages] with ids in [0, P);
           token t of sequence b is k[block_tables[b, t // page_size], t % page_size].
+  k and v hold q's dtype, or a one-byte dtype (int8, float8_e4m3fn, float8_e5m2) widened to q's
+  dtype after the load and scaled by k_scale / v_scale: each None, float32 [Hkv] (per kv head)
+  or float32 per token and kv head ([B, T, Hkv] dense, [P, page_size, Hkv] paged, addressed like
+  the cache); logits use k_scale[t] * k[t] and the output v_scale[t] * v[t].
   lengths: int32 [B] (clamped into [0, capacity]).
   options: scale, softcap and window of the call.
   config: a resolved `DecodeConfig` (num_splits set; `config.resolve_config`), checked here by
@@ -238,7 +282,8 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   0) where the split saw no valid key). logits = scale * q.k, then softcap * tanh(logits /
   softcap) if softcap. Tokens at or past lengths[b] are never read as values (masked loads).
   """
-  split_k.check_packed_args(q, k, v, lengths, block_tables, num_queries=num_queries)
+  split_k.check_packed_args(q, k, v, lengths, block_tables, num_queries=num_queries, k_scale=k_scale,
+                            v_scale=v_scale)
   B, Hkv, R, D = q.shape
   if block_tables is None:
     page_size = max_pages = None
@@ -251,11 +296,13 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   block_rows, num_row_blocks = triton_config.row_blocking(R, D)
   st = _Static(num_queries=num_queries, group=R // num_queries, block_rows=block_rows,
                num_row_blocks=num_row_blocks, num_splits=config.num_splits, capacity=capacity,
-               block_kv=config.block_kv, head_dim=D, page_size=page_size, max_pages=max_pages, options=options)
+               block_kv=config.block_kv, head_dim=D, page_size=page_size, max_pages=max_pages, options=options,
+               k_scale=split_k.scale_kind(k_scale, k.shape), v_scale=split_k.scale_kind(v_scale, k.shape))
   rows_padded = block_rows * num_row_blocks
   if rows_padded != R:
     q = jnp.pad(q, ((0, 0), (0, 0), (0, rows_padded - R), (0, 0)))
-  args = (q, k, v, lengths) if block_tables is None else (q, k, v, lengths, block_tables)
+  args = (q, k, v, lengths) + ((block_tables,) if block_tables is not None else ())
+  args += tuple(scale for scale in (k_scale, v_scale) if scale is not None)
   call = _build(st, batch=B, num_kv_heads=Hkv, kv_shape=k.shape, table_width=max_pages,
                 num_warps=config.num_warps, num_stages=config.num_stages, dtype=k.dtype, interpret=bool(interpret))
   with warnings.catch_warnings():
