@@ -26,6 +26,7 @@ import numpy as np
 
 from benchmarks import cases
 from benchmarks import cli
+from benchmarks import runners
 from benchmarks import timing
 import pallas_kv as pkv
 from pallas_kv import runtime
@@ -91,9 +92,10 @@ def make_config(backend: str, problem, fields: dict, dtype) -> pkv.DecodeConfig 
 
 
 def _problem(case: cases.Case, args: tuple):
+  """The validated shape of the op's own arguments (a quantized case's scales follow them)."""
   if case.op == "decode":
-    return validation.validate_dense(*args)
-  return validation.validate_paged(*args)
+    return validation.validate_dense(*args[:4])
+  return validation.validate_paged(*args[:5])
 
 
 def tune_case(case: cases.Case, sweep: cases.Sweep, backend: str, candidates: Iterable[dict], key) -> dict | None:
@@ -103,13 +105,14 @@ def tune_case(case: cases.Case, sweep: cases.Sweep, backend: str, candidates: It
   ref, _ = cases.reference_output(case, args)
   problem = _problem(case, args)
   op = {"decode": pkv.decode_attention, "paged": pkv.paged_decode_attention}[case.op]
+  cache_dtype = case.kv_dtype or case.dtype   # tuned entries are keyed by the cache's dtype
   seen, results = set(), []
   for fields in candidates:
-    config = make_config(backend, problem, fields, case.dtype)
+    config = make_config(backend, problem, fields, cache_dtype)
     if config is None or config in seen:
       continue
     seen.add(config)
-    fn = jax.jit(functools.partial(op, impl=backend, config=config))
+    fn = jax.jit(runners.with_options(functools.partial(op, impl=backend, config=config), cases.op_spec(case)))
     try:
       err = cases.relative_error(np.asarray(fn(*args), np.float32), ref)
       if not err <= cases.TOLERANCE[case.dtype]:
@@ -125,7 +128,7 @@ def tune_case(case: cases.Case, sweep: cases.Sweep, backend: str, candidates: It
     return None
   seconds, best, err = min(results, key=lambda r: r[0])
   kv_bytes = case.costs(int(np.sum(np.asarray(lengths))))["kv_bytes"]
-  return dict(backend=backend, key=tuned.shape_key(case.op, problem, case.dtype), config=best,
+  return dict(backend=backend, key=tuned.shape_key(case.op, problem, cache_dtype), config=best,
               time_us=seconds * 1e6, tbps=kv_bytes / seconds / 1e12, rel_err=err, candidates=len(results))
 
 

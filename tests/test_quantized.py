@@ -252,3 +252,27 @@ def test_layer_with_a_quantized_cache_stays_close_to_bf16(kv_dtype):
     outs[dtype], _ = layer(params, x[:, 39:], cache)
   err = relative_error(outs[kv_dtype], outs[jnp.bfloat16])
   assert err < QUANTIZED_ERROR_BOUND[kv_dtype], err
+
+
+# ---------------------------------------------------------------- on the GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", list(KERNELS))
+@pytest.mark.parametrize("page_size", [None, 16, 64])
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn], ids=_name)
+def test_gpu_quantized_matches_reference(impl, kv_dtype, page_size):
+  rng = np.random.default_rng(9)
+  case = make_case(10, batch=4, seq_len=4096, num_heads=32, num_kv_heads=8, head_dim=128, num_queries=2,
+                   dtype=jnp.bfloat16, kv_dtype=kv_dtype, page_size=page_size)
+  cache_shape = (case.k_pages if page_size else case.k).shape[:3]
+  k_scale, v_scale = _scales(rng, "token", cache_shape)
+  if page_size:
+    args = (case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths)
+    op, ref_op = pkv.paged_decode_attention, pkv.paged_decode_attention_reference
+  else:
+    args = (case.q, case.k, case.v, case.lengths)
+    op, ref_op = pkv.decode_attention, pkv.decode_attention_reference
+  out = jax.jit(functools.partial(op, impl=impl, return_lse=True))(*args, k_scale=k_scale, v_scale=v_scale)
+  ref = ref_op(case.q.astype(jnp.float32), *args[1:], k_scale=k_scale, v_scale=v_scale, return_lse=True)
+  assert_matches_reference(out[0], ref[0], jnp.bfloat16)
+  assert_lse_matches(out[1], ref[1], jnp.bfloat16)

@@ -214,11 +214,13 @@ def check_packed_args(q, k, v, lengths, block_tables, *, num_queries: int, k_sca
 
 
 def compute_dtype(q_dtype, kv_dtype):
-  """The dtype of the kernels' matmul operands: a 16-bit cache's own; for a one-byte cache, q's
-  if it is 16-bit, else bfloat16 (the cache widens to it after the load)."""
+  """The dtype of the kernels' matmul operands: a 16-bit cache's own; float16 for a one-byte
+  cache, which widens to it exactly after the load (int8 and both fp8 kinds are float16 values;
+  float16 keeps 3 more mantissa bits of q and P than bfloat16)."""
+  del q_dtype
   if jnp.dtype(kv_dtype) in KV_DTYPES:
     return jnp.dtype(kv_dtype)
-  return jnp.dtype(q_dtype) if jnp.dtype(q_dtype) in KV_DTYPES else jnp.dtype(jnp.bfloat16)
+  return jnp.dtype(jnp.float16)
 
 
 def kernel_scale(scale, num_kv_heads: int):
