@@ -81,7 +81,7 @@ class ProbeMath(mgpu_decode.TileMath):
 
   def softmax(self, s, acc, m_i, l_i, *, st, **where):
     if "softmax" in self.skip:
-      return acc, m_i, l_i, s.astype(st.tiling.dtype)
+      return acc, m_i, l_i, s.astype(st.q_dtype)
     return super().softmax(s, acc, m_i, l_i, st=st, **where)
 
   def pv(self, acc, p16, v_tile, p_smem=None):

@@ -18,7 +18,14 @@ from pallas_kv import cache as kv_cache
 QUANTIZED = [jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2]
 SCALE_KINDS = ["none", "head", "token"]
 # Kernel backends that serve quantized caches, with a small config each takes in interpret mode.
-KERNELS = {"triton": pkv.DecodeConfig(block_kv=32, num_stages=2, num_splits=2)}
+KERNELS = {"triton": pkv.DecodeConfig(block_kv=32, num_stages=2, num_splits=2),
+           "mosaic_gpu": pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=2)}
+# Every dtype x scale kind x layout runs on Triton; Mosaic GPU runs a few here through the API
+# (tests/test_mosaic_gpu_quantized.py covers its kernel in full).
+KERNEL_CASES = [("triton", dtype, kind, page) for dtype in QUANTIZED for kind in SCALE_KINDS
+                for page in (None, 16, 64)]
+KERNEL_CASES += [("mosaic_gpu", jnp.int8, "token", None), ("mosaic_gpu", jnp.int8, "token", 16),
+                 ("mosaic_gpu", jnp.float8_e4m3fn, "head", 64), ("mosaic_gpu", jnp.float8_e5m2, "none", None)]
 
 
 def _name(dtype):
@@ -44,7 +51,7 @@ def _dequantized(x, scale):
 
 
 def _quantized_case(seed, kv_dtype, *, page_size=None, num_queries=2, lengths=(100, 0, 128), seq_len=128):
-  return make_case(seed, batch=len(lengths), seq_len=seq_len, num_heads=8, num_kv_heads=2, head_dim=64,
+  return make_case(seed, batch=len(lengths), seq_len=seq_len, num_heads=8, num_kv_heads=4, head_dim=64,
                    num_queries=num_queries, dtype=jnp.bfloat16, kv_dtype=kv_dtype, page_size=page_size,
                    lengths=list(lengths))
 
@@ -91,18 +98,16 @@ def _paginate_like(case, dense_scale):
 def test_scale_arguments_are_checked():
   case = _quantized_case(3, jnp.int8)
   call = functools.partial(pkv.decode_attention, case.q, case.k, case.v, case.lengths, impl="xla")
-  with pytest.raises(ValueError, match=r"k_scale must be .*per token and kv head \[3, 128, 2\]"):
+  with pytest.raises(ValueError, match=r"k_scale must be .*per token and kv head \[3, 128, 4\]"):
     call(k_scale=jnp.ones((3, 128, 1), jnp.float32))
   with pytest.raises(ValueError, match="v_scale must be floating point"):
-    call(v_scale=jnp.ones((2,), jnp.int32))
+    call(v_scale=jnp.ones((4,), jnp.int32))
 
 
 # ---------------------------------------------------------------- kernels, interpret mode (CPU)
 
-@pytest.mark.parametrize("impl", list(KERNELS))
-@pytest.mark.parametrize("page_size", [None, 16, 64])
-@pytest.mark.parametrize("kind", SCALE_KINDS)
-@pytest.mark.parametrize("kv_dtype", QUANTIZED, ids=_name)
+@pytest.mark.parametrize("impl,kv_dtype,kind,page_size", KERNEL_CASES,
+                         ids=[f"{i}-{_name(d)}-{k}-page{p}" for i, d, k, p in KERNEL_CASES])
 def test_kernel_matches_reference_on_dequantized_values(interpret_mode, impl, kv_dtype, kind, page_size):
   rng = np.random.default_rng(4)
   case = _quantized_case(4, kv_dtype, page_size=page_size)
@@ -148,18 +153,31 @@ def test_float32_queries_run_the_kernel_in_bfloat16(interpret_mode):
   assert_matches_reference(out, ref, jnp.bfloat16)
 
 
-def test_mosaic_gpu_refuses_quantized_caches_until_it_serves_them():
-  from pallas_kv.kernels.mosaic_gpu import backend
+def test_auto_prefers_triton_for_one_byte_caches(monkeypatch):
+  # Measured faster on the H200 (api.QUANTIZED_KERNEL_IMPLS); both serve the call.
+  from pallas_kv import api
+  monkeypatch.setattr(api, "device_can_run", lambda name: True)   # as on a Hopper GPU
   case = _quantized_case(7, jnp.int8)
-  reason = None
-  try:
-    pkv.decode_attention(case.q, case.k, case.v, case.lengths, k_scale=0.1, impl="mosaic_gpu")
-  except NotImplementedError as e:
-    reason = str(e)
-  if reason is not None:
-    assert "int8" in reason and "mosaic_gpu" in reason
-  else:
-    assert backend.unsupported_reason is not None
+  problem = pkv_problem(case)
+  options = api.AttentionOptions(scale=0.1, k_scale="token", v_scale="token")
+  for backend in api.KERNEL_IMPLS:
+    assert api.kernel_backend(backend).unsupported_reason("decode", problem, options, (jnp.bfloat16, jnp.int8)) is None
+  assert api.choose_impl("auto", "decode", problem, options, (jnp.bfloat16, jnp.int8), None)[0] == "triton"
+  assert api.choose_impl("auto", "decode", problem, api.AttentionOptions(scale=0.1), (jnp.bfloat16, jnp.bfloat16),
+                         None)[0] in ("mosaic_gpu", "triton")
+
+
+def test_mosaic_gpu_refuses_per_token_scales_of_two_kv_heads_with_reason():
+  case = make_case(11, batch=1, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
+                   kv_dtype=jnp.int8)
+  scale = jnp.ones(case.k.shape[:3], jnp.float32)
+  with pytest.raises(NotImplementedError, match="mosaic_gpu.*per-token scales need 1 or a multiple of 4"):
+    pkv.decode_attention(case.q, case.k, case.v, case.lengths, k_scale=scale, impl="mosaic_gpu")
+
+
+def pkv_problem(case):
+  from pallas_kv import validation
+  return validation.validate_dense(case.q, case.k, case.v, case.lengths)
 
 
 # ---------------------------------------------------------------- CUDA lowering (CPU)

@@ -23,7 +23,7 @@ def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
   """Why this backend cannot serve the call, or None if it can."""
   reason = mgpu_config.unsupported_reason(op, problem, options, dtypes)
   if reason is None and jnp.dtype(dtypes[1]) in split_k.QUANTIZED_DTYPES:
-    reason = f"{jnp.dtype(dtypes[1]).name} caches are not supported on mosaic_gpu yet"
+    reason = mgpu_config.quantized_reason(dtypes[1], options.k_scale, options.v_scale, problem)
   return reason
 
 
@@ -39,9 +39,9 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: De
   config = mgpu_config.resolve_config(problem, config, dtype=k.dtype)
 
   def partials(rows, lengths, block_tables, k_scale, v_scale):
-    scales = {} if k_scale is None and v_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
     return mgpu_decode.decode_partials(rows, k, v, lengths, block_tables, num_queries=problem.num_queries,
-                                       options=options, config=config, interpret=interpret_params(), **scales)
+                                       options=options, config=config, k_scale=k_scale, v_scale=v_scale,
+                                       interpret=interpret_params())
 
   return split_k.run(partials, q, k, lengths, block_tables, problem=problem, sinks=sinks, return_lse=return_lse,
                      k_scale=k_scale, v_scale=v_scale)

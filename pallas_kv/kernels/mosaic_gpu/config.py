@@ -4,7 +4,9 @@ Order of choice: an explicit `DecodeConfig`, else a tuned one for this device ki
 (`pallas_kv.tuned`), else the heuristic here; a split count left as None is filled in from the
 batch and the SM count. `DecodeConfig` checks its own fields; `check_config` checks only what
 this kernel adds (tile sizes wgmma and TMA can take, page sizes, the variants' needs, the SMEM
-fit), and `decode_partials` runs it once per call.
+fit), and `decode_partials` runs it once per call. One-byte (quantized) caches: `quantized_reason`
+says which the kernel serves; their rings hold one-byte tiles, and the SMEM layout adds the tiles
+they are dequantized into and the rings of per-token scales.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kv.config import MAX_STAGES
 from pallas_kv.config import DecodeConfig
 from pallas_kv.kernels import split_k
 from pallas_kv.kernels.mosaic_gpu import pipeline
@@ -65,22 +68,68 @@ def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
   return reason
 
 
+def quantized_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str | None, problem) -> str | None:
+  """Why the kernel cannot serve a quantized call, or None if it can (on top of `unsupported_reason`'s
+  checks of the rest of the call).
+
+  kv_dtype: the cache's dtype; k_scale_kind, v_scale_kind: `split_k.scale_kind` of each scale
+  (None, "head" or "token").
+  """
+  kv_dtype = jnp.dtype(kv_dtype)
+  if kv_dtype not in split_k.QUANTIZED_DTYPES:
+    return (f"the cache dtype {kv_dtype.name} is not a one-byte type the kernel dequantizes "
+            f"({', '.join(d.name for d in split_k.QUANTIZED_DTYPES)})")
+  reason = quantized_call_reason(kv_dtype, k_scale_kind, v_scale_kind, num_kv_heads=problem.num_kv_heads)
+  if reason:
+    return reason
+  if problem.page_size is not None and page_size_reason(problem.page_size):
+    return page_size_reason(problem.page_size)
+  rows = problem.num_queries * problem.group_size
+  config = heuristic_config(problem, dtype=kv_dtype)
+  if not fits_smem(config, rows=rows, head_dim=problem.head_dim, dtype=kv_dtype, page_size=problem.page_size,
+                   k_scale_kind=k_scale_kind, v_scale_kind=v_scale_kind, num_kv_heads=problem.num_kv_heads):
+    return f"no KV ring fits SMEM for head_dim {problem.head_dim} and {rows} packed rows of a one-byte cache"
+  return None
+
+
+def quantized_call_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str | None, *,
+                          num_kv_heads: int) -> str | None:
+  """Why `decode.decode_partials` cannot take a cache of kv_dtype with these scale kinds, or None:
+  scales need a one-byte cache, and per-token scales 1 or a multiple of 4 kv heads."""
+  kv_dtype = jnp.dtype(kv_dtype)
+  for name, kind in (("k_scale", k_scale_kind), ("v_scale", v_scale_kind)):
+    if kind not in (None, "head", "token"):
+      raise ValueError(f"{name} kind {kind!r} must be None, 'head' or 'token'")
+  if kv_dtype not in split_k.QUANTIZED_DTYPES:
+    if k_scale_kind or v_scale_kind:
+      return f"k_scale / v_scale need a one-byte cache, got {kv_dtype.name}"
+    return None
+  if "token" in (k_scale_kind, v_scale_kind) and tiling.token_scale_width(num_kv_heads) is None:
+    return (f"per-token scales need 1 or a multiple of {tiling.SCALE_ROW} kv heads (TMA copies rows of 16 "
+            f"bytes), got {num_kv_heads}")
+  return None
+
+
 # ---------------------------------------------------------------- SMEM layout and fit
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSmem:
   """The SMEM layout of one decode program; the single source for scratch and for fit checks.
 
-  q      [row_wgs, 64, D] dtype              packed queries, swizzled (wgmma A operand)
-  union  ( per KV group g: K ring g [stages / kv_groups, bkv, D], V ring g [same] )  streaming
+  q      [row_wgs, 64, D] q_dtype            packed queries, swizzled (wgmma A operand)
+  union  streaming: per KV group g, the rings  g{g}_k, g{g}_v  [stages / kv_groups, bkv, D] dtype,
+           and with per-token scales  g{g}_ks / g{g}_vs  [stages / kv_groups, bkv(, 4)] f32;
+           a one-byte cache adds  dequantized  num_wgs * dequant_tiles tiles [bkv, D] q_dtype,
+           swizzled: each consumer's K / V tiles converted for wgmma (separate refs: a tile
+           picked by a static index does not lower inside wgmma's run_state)
          | ( out [num_wgs, 64, D] f32, lse [num_wgs, 64] f32 )                  after the loop
-         (separate_out: rings and out/lse side by side, for a persistent program whose rings
+         (separate_out: streaming and out/lse side by side, for a persistent program whose rings
          keep streaming the next work item while one item's partial is stored)
   barriers: produced + consumed per ring slot, q per row warpgroup, one among consumers.
   `num_stages` counts the KV tile slots of each role (K or V) over all groups.
   """
   head_dim: int
-  dtype: Any
+  dtype: Any                # the cache's: what the rings hold
   block_kv: int
   num_stages: int
   row_wgs: int = 1          # consumer warpgroups that split the packed rows (64 each)
@@ -88,25 +137,51 @@ class DecodeSmem:
   copies_per_tile: int = 1
   stage_p: bool = False     # P staged in SMEM for P @ V (interpret mode only)
   separate_out: bool = False   # out/lse staging beside the rings, not aliasing them (persistent)
+  q_dtype: Any = None       # q's, P's and the dequantized tiles' (None: dtype, or bf16 for a one-byte cache)
+  token_scales: tuple[str, ...] = ()   # roles ("k", "v") whose per-token scales stream in rings
+  scale_width: int = tiling.SCALE_ROW  # `tiling.token_scale_width`
+  pipeline_qk: bool = False   # Q K^T of the next tile in flight during P V: two dequantized tiles
 
   def __post_init__(self):
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+    if self.q_dtype is None:
+      object.__setattr__(self, "q_dtype", self.dtype if self.dtype.itemsize > 1 else jnp.dtype(jnp.bfloat16))
+    object.__setattr__(self, "q_dtype", jnp.dtype(self.q_dtype))
     if self.num_stages % self.kv_groups:
       raise ValueError(f"{self.num_stages=} must be a multiple of {self.kv_groups=}")
+    if self.token_scales and not self.quantized:
+      raise ValueError(f"{self.token_scales=} need a one-byte cache, got dtype {self.dtype.name}")
 
   @classmethod
   def for_call(cls, config: DecodeConfig, *, rows: int, head_dim: int, dtype: Any, page_size: int | None,
-               stage_p: bool = False) -> "DecodeSmem":
-    """The layout a config needs for `rows` packed rows (before padding)."""
+               stage_p: bool = False, q_dtype: Any = None, k_scale_kind: str | None = None,
+               v_scale_kind: str | None = None, num_kv_heads: int = 1) -> "DecodeSmem":
+    """The layout a config needs for `rows` packed rows (before padding) of a cache of `dtype`."""
     row_wgs, _ = row_blocking(rows)
+    token_scales = tuple(role for role, kind in (("k", k_scale_kind), ("v", v_scale_kind)) if kind == "token")
     return cls(head_dim=head_dim, dtype=dtype, block_kv=config.block_kv, num_stages=config.num_stages,
                row_wgs=row_wgs, kv_groups=config.kv_groups,
                copies_per_tile=copies_per_tile(config.block_kv, page_size), stage_p=stage_p,
-               separate_out=config.persistent)
+               separate_out=config.persistent, q_dtype=q_dtype, token_scales=token_scales,
+               scale_width=tiling.token_scale_width(num_kv_heads) or tiling.SCALE_ROW,
+               pipeline_qk=config.pipeline_qk)
 
   @property
   def num_wgs(self) -> int:
     return self.row_wgs * self.kv_groups
+
+  @property
+  def quantized(self) -> bool:
+    """A one-byte cache: consumers dequantize each tile into SMEM for wgmma."""
+    return self.dtype.itemsize == 1
+
+  @property
+  def dequant_tiles(self) -> int:
+    """Dequantized tiles per consumer: K and V take turns in one, unless Q K^T of the next tile is
+    still reading K while V is converted (pipeline_qk)."""
+    if not self.quantized:
+      return 0
+    return 2 if self.pipeline_qk else 1
 
   def ring_spec(self) -> pipeline.RingSpec:
     return pipeline.RingSpec(
@@ -114,29 +189,61 @@ class DecodeSmem:
         dtype=self.dtype, transforms=tiling.smem_transforms(self.dtype, self.head_dim),
         copies_per_slot=self.copies_per_tile, num_consumers=self.row_wgs)
 
+  def scale_ring_spec(self) -> pipeline.RingSpec:
+    """Per-token scale tiles, copied alongside their K or V tiles (`tiling.KVTiling.scale_sources`)."""
+    block = (self.block_kv,) if self.scale_width == 1 else (self.block_kv, self.scale_width)
+    return pipeline.RingSpec(num_stages=self.num_stages // self.kv_groups, block_shape=block, dtype=jnp.float32,
+                             copies_per_slot=self.copies_per_tile, num_consumers=self.row_wgs)
+
+  def ring_specs(self) -> dict[str, pipeline.RingSpec]:
+    """Each KV group's rings by role, in the order the producer fills them: "k", then "ks" (K's
+    per-token scales) if any, "v", "vs". Group g's ring of a role is named `ring_name(role, g)`."""
+    specs = {}
+    for role in ("k", "v"):
+      specs[role] = self.ring_spec()
+      if role in self.token_scales:
+        specs[f"{role}s"] = self.scale_ring_spec()
+    return specs
+
+  @staticmethod
+  def ring_name(role: str, group: int) -> str:
+    # Scratch is allocated in sorted name order: group by group, each group's rings in role order.
+    return f"g{group}_{role}"
+
+  def _all_ring_specs(self) -> dict[str, pipeline.RingSpec]:
+    return {self.ring_name(role, g): spec
+            for g in range(self.kv_groups) for role, spec in self.ring_specs().items()}
+
+  @property
+  def _dequantized_tile_bytes(self) -> int:
+    return self.block_kv * self.head_dim * self.q_dtype.itemsize
+
   def scratch_types(self) -> dict[str, Any]:
-    ring = self.ring_spec()
-    rings, barriers = [], {}
-    for g in range(self.kv_groups):
-      rings += [ring.buffer_type(), ring.buffer_type()]
-      for role in ("k", "v"):
-        barriers[f"{role}{g}_produced"], barriers[f"{role}{g}_consumed"] = ring.barrier_types()
+    streaming, barriers = {}, {}
+    for name, spec in self._all_ring_specs().items():
+      streaming[name] = spec.buffer_type()
+      barriers[f"{name}_produced"], barriers[f"{name}_consumed"] = spec.barrier_types()
+    if self.quantized:
+      transforms = tiling.smem_transforms(self.q_dtype, self.head_dim)
+      streaming["dequantized"] = tuple(
+          plgpu.SMEM((self.block_kv, self.head_dim), self.q_dtype, transforms=transforms)
+          for _ in range(self.num_wgs * self.dequant_tiles))
     out_stage = (plgpu.SMEM((self.num_wgs, ROWS_PER_WG, self.head_dim), jnp.float32),
                  plgpu.SMEM((self.num_wgs, ROWS_PER_WG), jnp.float32))
     if self.separate_out:
-      buffers = dict(rings=tuple(rings), out_stage=out_stage)
+      buffers = dict(streaming=streaming, out_stage=out_stage)
     else:
       # Output staging reuses the rings' memory once every tile is consumed.
-      buffers = dict(union=plgpu.RefUnion(tuple(rings), out_stage))
+      buffers = dict(union=plgpu.RefUnion(streaming, out_stage))
     scratch = dict(
-        q_smem=plgpu.SMEM((self.row_wgs, ROWS_PER_WG, self.head_dim), self.dtype,
-                          transforms=tiling.smem_transforms(self.dtype, self.head_dim)),
+        q_smem=plgpu.SMEM((self.row_wgs, ROWS_PER_WG, self.head_dim), self.q_dtype,
+                          transforms=tiling.smem_transforms(self.q_dtype, self.head_dim)),
         **buffers,
         q_barrier=plgpu.Barrier(num_barriers=self.row_wgs),
         consumers_done=plgpu.Barrier(num_arrivals=self.num_wgs),
         **barriers)
     if self.stage_p:
-      scratch["p_smem"] = plgpu.SMEM(self._p_shape, self.dtype)
+      scratch["p_smem"] = plgpu.SMEM(self._p_shape, self.q_dtype)
     return scratch
 
   @property
@@ -146,15 +253,17 @@ class DecodeSmem:
   @property
   def nbytes(self) -> int:
     """SMEM bytes the kernel asks for (allocations aligned as Mosaic GPU aligns them)."""
-    ring = self.ring_spec()
     align = pipeline.align_up
-    rings = 2 * self.kv_groups * align(ring.buffer_bytes)
+    specs = self._all_ring_specs().values()
+    rings = sum(align(spec.buffer_bytes) for spec in specs)
+    dequantized = self.num_wgs * self.dequant_tiles * align(self._dequantized_tile_bytes)
     outputs = align(self.num_wgs * ROWS_PER_WG * self.head_dim * 4) + self.num_wgs * ROWS_PER_WG * 4
-    q = self.row_wgs * ROWS_PER_WG * self.head_dim * self.dtype.itemsize
-    barriers = (2 * self.kv_groups * ring.barrier_bytes
+    q = self.row_wgs * ROWS_PER_WG * self.head_dim * self.q_dtype.itemsize
+    barriers = (sum(spec.barrier_bytes for spec in specs)
                 + (self.row_wgs + 1) * pipeline.BARRIER_BYTES)
-    p = math.prod(self._p_shape) * self.dtype.itemsize if self.stage_p else 0
-    streaming = rings + align(outputs) if self.separate_out else max(rings, outputs)
+    p = math.prod(self._p_shape) * self.q_dtype.itemsize if self.stage_p else 0
+    streaming = rings + dequantized
+    streaming = streaming + align(outputs) if self.separate_out else max(streaming, outputs)
     return (align(q) + align(streaming) + align(p)
             + align(_REDUCTION_SCRATCH_BYTES) + barriers)
 
@@ -164,9 +273,12 @@ class DecodeSmem:
 
 
 def smem_bytes(config: DecodeConfig, *, rows: int, head_dim: int, dtype: Any = "bfloat16",
-               page_size: int | None = None) -> int:
-  """SMEM bytes one decode program needs on the GPU (rows = num_queries * group size)."""
-  return DecodeSmem.for_call(config, rows=rows, head_dim=head_dim, dtype=dtype, page_size=page_size).nbytes
+               page_size: int | None = None, **quantized) -> int:
+  """SMEM bytes one decode program needs on the GPU (rows = num_queries * group size) for a cache
+  of `dtype`; a one-byte cache takes `DecodeSmem.for_call`'s q_dtype, k_scale_kind, v_scale_kind
+  and num_kv_heads."""
+  return DecodeSmem.for_call(config, rows=rows, head_dim=head_dim, dtype=dtype, page_size=page_size,
+                             **quantized).nbytes
 
 
 def fits_smem(config: DecodeConfig, **kwargs) -> bool:
@@ -176,8 +288,10 @@ def fits_smem(config: DecodeConfig, **kwargs) -> bool:
 
 # ---------------------------------------------------------------- checks and choice
 
-def check_config(config: DecodeConfig, *, rows: int, head_dim: int, dtype: Any, page_size: int | None) -> None:
-  """What this kernel needs of a resolved config (num_splits set) beyond DecodeConfig's own rules.
+def check_config(config: DecodeConfig, *, rows: int, head_dim: int, dtype: Any, page_size: int | None,
+                 **quantized) -> None:
+  """What this kernel needs of a resolved config (num_splits set) beyond DecodeConfig's own rules,
+  for a cache of `dtype` (a one-byte cache: `DecodeSmem.for_call`'s keyword arguments too).
 
   kv_groups=2 gives each of two consumer warpgroups one split's tiles and its own ring pair; it
   needs the packed rows to fit one warpgroup (rows <= 64), an even split count (a program serves
@@ -205,22 +319,43 @@ def check_config(config: DecodeConfig, *, rows: int, head_dim: int, dtype: Any, 
       raise ValueError(f"kv_groups=2 needs an even num_stages, got {config.num_stages=}")
   if config.pipeline_qk and config.num_stages < 2:
     raise ValueError(f"pipeline_qk=True needs num_stages >= 2, got {config.num_stages=}")
-  smem = DecodeSmem.for_call(config, rows=rows, head_dim=head_dim, dtype=dtype, page_size=page_size)
+  smem = DecodeSmem.for_call(config, rows=rows, head_dim=head_dim, dtype=dtype, page_size=page_size, **quantized)
   if not smem.fits:
     raise ValueError(
         f"block_kv={bkv} x num_stages={config.num_stages} needs {smem.nbytes} bytes of SMEM for head_dim "
-        f"{head_dim} and {rows} packed rows{' (persistent)' if config.persistent else ''}, over the "
-        f"{SMEM_CAPACITY_BYTES} available; use fewer stages")
+        f"{head_dim} and {rows} packed rows{' (persistent)' if config.persistent else ''} of a "
+        f"{smem.dtype.name} cache, over the {SMEM_CAPACITY_BYTES} available; use fewer stages")
 
 
 def heuristic_config(problem, *, dtype: Any = "bfloat16") -> DecodeConfig:
-  """The default tile and ring depth: fewer stages when two consumer warpgroups or a large D
-  need the SMEM (split count left to `resolve_config`)."""
-  config = DecodeConfig()
+  """The default tile and ring depth for a cache of `dtype`: fewer stages when two consumer
+  warpgroups or a large D need the SMEM (split count left to `resolve_config`).
+
+  A one-byte cache starts from twice the stages, so that as many bytes are in flight as with a
+  16-bit cache, and, where the packed rows fit one warpgroup and each gets two slots, two
+  consumers (kv_groups=2): the consumers' conversion of each tile, not HBM, bounds it (H200,
+  B=32 T=4096 heads 32/8 D=128, int8, kernel alone: 196 us with one consumer, 141 us with two;
+  bf16 142 us). Its SMEM counts per-token scale rings for K and V (the most a call can need).
+  """
   rows = problem.num_queries * problem.group_size
+  if jnp.dtype(dtype).itemsize > 1:
+    return _deepest_ring(DecodeConfig(), problem, rows=rows, dtype=dtype)
+  quantized = dict(k_scale_kind="token", v_scale_kind="token", num_kv_heads=problem.num_kv_heads)
+  config = DecodeConfig(num_stages=min(2 * DecodeConfig().num_stages, MAX_STAGES))
+  if rows <= ROWS_PER_WG:
+    two = _deepest_ring(dataclasses.replace(config, kv_groups=2), problem, rows=rows, dtype=dtype, **quantized)
+    if two.num_stages >= 4 and fits_smem(two, rows=rows, head_dim=problem.head_dim, dtype=dtype,
+                                         page_size=problem.page_size, **quantized):
+      return two
+  return _deepest_ring(config, problem, rows=rows, dtype=dtype, **quantized)
+
+
+def _deepest_ring(config: DecodeConfig, problem, *, rows: int, dtype: Any, **quantized) -> DecodeConfig:
+  """config with num_stages lowered (to 2 at least; kv_groups=2 shares them out, so in steps of 2)
+  until it fits SMEM."""
   while config.num_stages > 2 and not fits_smem(config, rows=rows, head_dim=problem.head_dim, dtype=dtype,
-                                                page_size=problem.page_size):
-    config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+                                                page_size=problem.page_size, **quantized):
+    config = dataclasses.replace(config, num_stages=config.num_stages - config.kv_groups)
   return config
 
 

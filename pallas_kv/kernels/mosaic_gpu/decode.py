@@ -12,6 +12,13 @@ the sliding window) are never loaded. Warp specialization:
                        (`TileMath`). Two consumers split 65..128 rows; with kv_groups=2 two
                        consumers instead stream two splits' tiles from their own rings.
 
+Quantized caches (int8, float8_e4m3fn, float8_e5m2): the rings hold the one-byte tiles as stored
+(TMA moves half the bytes of bf16). Hopper has no wgmma of q's 16-bit type by a one-byte type, so
+each consumer loads a tile into registers, converts it to q's dtype and stores it into its own
+swizzled SMEM tile that wgmma reads (`_DequantizedTiles`, `TileMath.dequantize`). Scales: per
+kv head, a scalar that joins the logit scale (K) or the finished output (V); per token, a tile of
+scales streamed in a ring beside its K or V tile and multiplied into the tile's rows on conversion.
+
 Each split writes its softmax-normalised partial output and its natural-log LSE; the caller
 merges splits (`split_k.merge_splits`).
 """
@@ -51,7 +58,8 @@ def _consumer_registers(num_wgs: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class TileMath:
-  """What a consumer warpgroup computes on each KV tile: Q K^T, the masked online softmax, P V.
+  """What a consumer warpgroup computes on each KV tile: Q K^T, the masked online softmax, P V,
+  and, for a one-byte cache, the conversion of each K and V tile that wgmma then reads.
 
   The production kernel uses this class as is. A measurement probe may subclass it and leave a
   stage out (its results are then wrong by design) to see where the time goes; `name` goes into
@@ -59,13 +67,27 @@ class TileMath:
   """
   name: str = ""
 
+  def dequantize(self, tile, dtype, token_scales=None):
+    """A one-byte K or V tile [bkv, D] in registers, converted to `dtype` (q's) for wgmma and,
+    given per-token scales [bkv] f32 (WGMMA row layout), with row t times token_scales[t]."""
+    # Every conversion here is exact. Hopper converts fp8 only to f16 (two values per instruction).
+    if jnp.issubdtype(tile.dtype, jnp.floating):
+      tile = tile.astype(jnp.float16)
+    if token_scales is None:
+      return tile.astype(dtype)
+    return (tile.astype(jnp.float32) * lax.broadcast_in_dim(token_scales, tile.shape, [0])).astype(dtype)
+
   def qk(self, s_ref, q_tile, k_tile):
     """Starts S = Q K^T into the accumulator s_ref [64, bkv] (q_tile [64, D], k_tile [bkv, D] SMEM)."""
     plgpu.wgmma(s_ref, q_tile, k_tile.transpose((1, 0)))
 
-  def softmax(self, s, acc, m_i, l_i, *, tile, length, row0, masked: bool, st: "_Static"):
-    """(acc rescaled, m, l, P in the cache dtype) after tile `tile`'s raw scores s [64, bkv] f32."""
-    s = online_softmax.log2_logits(s, scale=st.options.scale, softcap=st.options.softcap)
+  def softmax(self, s, acc, m_i, l_i, *, tile, length, row0, masked: bool, st: "_Static", k_scale=None):
+    """(acc rescaled, m, l, P in q's dtype) after tile `tile`'s raw scores s [64, bkv] f32.
+
+    k_scale: the kv head's K scale (a traced f32 scalar), or None.
+    """
+    scale = st.options.scale if k_scale is None else k_scale * st.options.scale
+    s = online_softmax.log2_logits(s, scale=scale, softcap=st.options.softcap)
     if masked:
       rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA) + row0
       cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
@@ -73,7 +95,7 @@ class TileMath:
                                   num_queries=st.num_queries, group=st.group, window=st.options.window)
       s = jnp.where(ok, s, -jnp.inf)
     acc, m_new, l_new, p = online_softmax.softmax_step(s, acc, m_i, l_i)
-    return acc, m_new, l_new, p.astype(st.tiling.dtype)
+    return acc, m_new, l_new, p.astype(st.q_dtype)
 
   def pv(self, acc, p16, v_tile, p_smem=None):
     """acc + P @ V on the tensor cores: acc [64, D] f32 (WGMMA layout), p16 [64, bkv], v_tile SMEM."""
@@ -112,6 +134,13 @@ class _Static:
   pipeline_qk: bool = False
   num_programs: int | None = None   # persistent grid: programs looping over work items
   tile_math: TileMath = TileMath()
+  q_dtype: Any = jnp.bfloat16   # q's, P's and the dequantized tiles' (the cache's unless one-byte)
+  k_scale: str | None = None    # `split_k.scale_kind` of K's scales: None, "head" or "token"
+  v_scale: str | None = None
+
+  @property
+  def quantized(self) -> bool:
+    return self.smem.quantized
 
   @property
   def row_wgs(self) -> int:
@@ -137,6 +166,58 @@ class _Static:
   @property
   def num_items(self) -> int:
     return math.prod(self.grid_shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RingTiles:
+  """K or V tiles that wgmma reads straight from their ring slots (a cache in q's dtype).
+
+  fetch(step) waits for the tile of ring step `step` and returns it ([bkv, D] SMEM); tile(step)
+  returns it without waiting (the caller has fetched it); done(step) gives its slot back.
+  """
+  ring: pipeline.Ring
+
+  def fetch(self, step):
+    return self.ring.wait(step)
+
+  def tile(self, step):
+    return self.ring.slot(step)
+
+  def done(self, step):
+    self.ring.release(step)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DequantizedTiles:
+  """K or V tiles of a one-byte cache, as `_RingTiles` offers them: fetch(step) loads the slot (and
+  its per-token scales) into registers, stores the tile converted by `TileMath.dequantize` into
+  this consumer's dequantized tile, the one that wgmma reads until the next fetch, and gives the
+  slots back. The caller waits for wgmma's reads of the dequantized tile before the next fetch."""
+  ring: pipeline.Ring
+  dequantized: Any                             # [bkv, D] SMEM in q's dtype, swizzled
+  tile_math: TileMath
+  scale_ring: pipeline.Ring | None = None      # per-token scales, or None
+  head: Any = None                             # the program's kv head (picks its scales)
+
+  def fetch(self, step):
+    values = plgpu.load(self.ring.wait(step), layout=plgpu.Layout.WGMMA_8BIT)
+    token_scales = None
+    if self.scale_ring is not None:
+      token_scales = tiling.load_token_scales(self.scale_ring.wait(step), head=self.head)
+    self.dequantized[...] = self.tile_math.dequantize(values, self.dequantized.dtype, token_scales)
+    # One proxy fence serves both: TMA may refill the slots read into registers above, and
+    # wgmma may read the stores.
+    self.ring.release(step, read_by_registers=True)
+    if self.scale_ring is not None:
+      self.scale_ring.release(step)   # its reads came before that fence
+    return self.dequantized
+
+  def tile(self, step):
+    del step   # the last fetched
+    return self.dequantized
+
+  def done(self, step):
+    del step   # the slot went back at fetch
 
 
 def _tile_range(length, split, st: _Static):
@@ -205,30 +286,40 @@ def _kernel(q_ref,            # [B, Hkv, rows_padded, D]   GMEM
             v_ref,            # same as k_ref
             lengths_ref,      # [B] int32   GMEM
             *refs, st: _Static, **scratch):
-  if st.tiling.paged:
-    block_tables_ref, *refs = refs   # [B, max_pages] int32   GMEM
-  else:
-    block_tables_ref = None
+  refs = list(refs)
+  # [B, max_pages] int32   GMEM
+  block_tables_ref = refs.pop(0) if st.tiling.paged else None
+  # Scales, f32 GMEM: [Hkv] per head; per token [B, T, Hkv] | [P, page_size, Hkv], flattened
+  # when Hkv == 1 (`tiling.KVTiling.scale_sources`).
+  k_scale_ref = refs.pop(0) if st.k_scale else None
+  v_scale_ref = refs.pop(0) if st.v_scale else None
   (out_ref,                   # [B, Hkv, num_splits, out_rows, D] f32   GMEM
    lse_ref,                   # [B, Hkv, num_splits, lse_rows] f32   GMEM
    ) = refs
   q_smem = scratch["q_smem"]          # [row_wgs, 64, D]
-  # (K ring, V ring) per KV group, [stages / kv_groups, bkv, D] each
-  #   | [num_wgs, 64, D] f32, [num_wgs, 64] f32
+  # Rings by name, the dequantized tiles (`config.DecodeSmem`) | [num_wgs, 64, D] f32, [num_wgs, 64] f32
   if st.smem.separate_out:
-    ring_slots, (out_smem, lse_smem) = scratch["rings"], scratch["out_stage"]
+    streaming, (out_smem, lse_smem) = scratch["streaming"], scratch["out_stage"]
   else:
-    ring_slots, (out_smem, lse_smem) = scratch["union"]
-  ring_spec = st.smem.ring_spec()
-  rings = [tuple(pipeline.Ring(ring_spec, ring_slots[2 * g + i], scratch[f"{role}{g}_produced"],
-                                  scratch[f"{role}{g}_consumed"])
-                 for i, role in enumerate("kv"))
-           for g in range(st.kv_groups)]
+    streaming, (out_smem, lse_smem) = scratch["union"]
+  rings = []   # per KV group: role ("k", "ks", "v", "vs") -> Ring
+  for g in range(st.kv_groups):
+    names = {role: st.smem.ring_name(role, g) for role in st.smem.ring_specs()}
+    rings.append({role: pipeline.Ring(spec, streaming[names[role]], scratch[f"{names[role]}_produced"],
+                                      scratch[f"{names[role]}_consumed"])
+                  for role, spec in st.smem.ring_specs().items()})
   wg = lax.axis_index("wg")
 
   @pl.when(wg == st.smem.num_wgs)
   def _producer():
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    # What each ring's copies read: (tile locations, head) -> GMEM views.
+    scale_sources = functools.partial(st.tiling.scale_sources, width=st.smem.scale_width,
+                                      tokens_per_index=st.tiling.page_size or st.capacity)
+    sources = {"k": functools.partial(st.tiling.tile_sources, k_ref),
+               "v": functools.partial(st.tiling.tile_sources, v_ref),
+               "ks": functools.partial(scale_sources, k_scale_ref),
+               "vs": functools.partial(scale_sources, v_scale_ref)}
 
     def produce(item: _Item, steps_before):
       counts = item.counts
@@ -241,19 +332,19 @@ def _kernel(q_ref,            # [B, Hkv, rows_padded, D]   GMEM
             # Page ids are loaded before waiting for a free slot so their latency overlaps it.
             where = st.tiling.tile_locations(t0 + step, batch=item.b,
                                              block_tables_ref=block_tables_ref)
-            for ring, kv in zip(rings[g], (k_ref, v_ref)):
+            for role, ring in rings[g].items():
               ring.acquire(steps_before + step)
-              ring.commit(steps_before + step, st.tiling.tile_sources(kv, where, head=item.head))
+              ring.commit(steps_before + step, sources[role](where, head=item.head))
 
       if not st.persistent:   # the one item: drain each group's rings by its own count
         for g, count in enumerate(counts):
-          for ring in rings[g]:
+          for ring in rings[g].values():
             ring.drain(count)
       return counts[0]
 
     total = _for_each_item(produce, lengths_ref, st)
     if st.persistent:
-      for ring in rings[0]:
+      for ring in rings[0].values():
         ring.drain(total)
 
   # One traced body per consumer warpgroup, so that its ring and rows are static.
@@ -272,12 +363,16 @@ def _kernel(q_ref,            # [B, Hkv, rows_padded, D]   GMEM
         if g == 0:   # one load per row warpgroup; the other KV group waits on the same barrier
           plgpu.copy_gmem_to_smem(q_ref.at[item.b, item.head, pl.ds(row0, ROWS_PER_WG)], q_tile,
                                   q_barrier)
+        # Per-head scales are scalars of the program: K's joins the logit scale, V's the output.
+        k_head_scale = k_scale_ref[item.head] if st.k_scale == "head" else None
+        v_head_scale = v_scale_ref[item.head] if st.v_scale == "head" else None
+        k_tiles, v_tiles = _tile_feeds(rings[g], streaming, w, item.head, st)
         plgpu.barrier_wait(q_barrier)
-        carry = _consume(q_tile, *rings[g], p_smem, item.length, row0, *item.ranges[g],
-                         steps_before, st)
+        carry = _consume(q_tile, k_tiles, v_tiles, p_smem, item.length, row0, *item.ranges[g],
+                         steps_before, st, k_scale=k_head_scale)
         _write_partials(carry, out_smem.at[w], lse_smem.at[w], out_ref, lse_ref,
                         scratch["consumers_done"], b=item.b, head=item.head,
-                        split=item.splits[g], rw=rw, row0=row0, st=st)
+                        split=item.splits[g], rw=rw, row0=row0, st=st, v_scale=v_head_scale)
         return item.counts[g]
 
       _for_each_item(consume, lengths_ref, st)
@@ -285,22 +380,38 @@ def _kernel(q_ref,            # [B, Hkv, rows_padded, D]   GMEM
         plgpu.wait_smem_to_gmem(0)
 
 
-def _consume(q_tile, k_ring, v_ring, p_smem, length, row0, t0, t1, a, c, step0, st: _Static):
+def _tile_feeds(rings, streaming, w: int, head, st: _Static):
+  """(K tiles, V tiles) of consumer warpgroup w from its KV group's rings (`_RingTiles` or, for a
+  one-byte cache, `_DequantizedTiles`)."""
+  if not st.quantized:
+    return _RingTiles(rings["k"]), _RingTiles(rings["v"])
+  # This consumer's dequantized tiles: K and V take turns in one, unless pipeline_qk keeps K's
+  # in use during P V (then the first is K's and the second V's).
+  n = st.smem.dequant_tiles
+  mine = streaming["dequantized"][w * n:(w + 1) * n]
+  return tuple(_DequantizedTiles(rings[role], dequantized, st.tile_math, scale_ring=rings.get(f"{role}s"),
+                                 head=head)
+               for role, dequantized in (("k", mine[0]), ("v", mine[-1])))
+
+
+def _consume(q_tile, k_tiles, v_tiles, p_smem, length, row0, t0, t1, a, c, step0, st: _Static, k_scale=None):
   """Online softmax over tiles [t0, t1): masked head [t0, a), plain body [a, c), masked tail.
 
-  Ring step step0 + i holds tile t0 + i.
+  Ring step step0 + i holds tile t0 + i; k_tiles and v_tiles feed them (`_RingTiles`).
+  k_scale: the kv head's K scale (traced f32 scalar) or None.
   """
   math_ = st.tile_math
   wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
   s_type = plgpu.ACC((ROWS_PER_WG, st.tiling.block_kv), jnp.float32)
 
   def softmax(s, tile, acc, m_i, l_i, masked: bool):
-    return math_.softmax(s, acc, m_i, l_i, tile=tile, length=length, row0=row0, masked=masked, st=st)
+    return math_.softmax(s, acc, m_i, l_i, tile=tile, length=length, row0=row0, masked=masked, st=st,
+                         k_scale=k_scale)
 
   def pv(acc, p16, i):
-    v_tile = v_ring.wait(i)    # [bkv, D]
+    v_tile = v_tiles.fetch(i)    # [bkv, D]
     acc = math_.pv(acc, p16, v_tile, p_smem)
-    v_ring.release(i)
+    v_tiles.done(i)
     return acc
 
   acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, st.tiling.head_dim), jnp.float32), plgpu.Layout.WGMMA)
@@ -311,27 +422,27 @@ def _consume(q_tile, k_ring, v_ring, p_smem, length, row0, t0, t1, a, c, step0, 
     def step(tile, carry, *, masked: bool):
       acc, m_i, l_i = carry
       i = step0 + tile - t0
-      k_tile = k_ring.wait(i)    # [bkv, D]
+      k_tile = k_tiles.fetch(i)    # [bkv, D]
 
       def qk(s_ref):
         math_.qk(s_ref, q_tile, k_tile)
         return s_ref[...]
 
       s = pl.run_scoped(qk, s_type)   # [64, bkv]
-      k_ring.release(i)
+      k_tiles.done(i)
       acc, m_new, l_i, p16 = softmax(s, tile, acc, m_i, l_i, masked)
       return pv(acc, p16, i), m_new, l_i
 
     carry = (acc, m_i, l_i)
   else:
     # FA3-style: step i issues tile i+1's Q K^T on the tensor cores, then runs tile i's softmax
-    # and P V while it is in flight. K slot i is released only after that QK^T has landed, so
-    # the last step can issue a throw-away QK^T on its own (still held) slot instead of
+    # and P V while it is in flight. K tile i is given back only after that QK^T has landed, so
+    # the last step can issue a throw-away QK^T on its own (still held) tile instead of
     # branching around the wgmma.
     def first(s_ref):
       @pl.when(t1 > t0)
       def _():
-        math_.qk(s_ref, q_tile, k_ring.wait(step0))
+        math_.qk(s_ref, q_tile, k_tiles.fetch(step0))
       return s_ref[...]
 
     s0 = pl.run_scoped(first, s_type)
@@ -343,9 +454,9 @@ def _consume(q_tile, k_ring, v_ring, p_smem, length, row0, t0, t1, a, c, step0, 
 
       @pl.when(has_next)
       def _():
-        k_ring.wait(i + 1)
+        k_tiles.fetch(i + 1)
 
-      k_next = k_ring.slot(jnp.where(has_next, i + 1, i))
+      k_next = k_tiles.tile(jnp.where(has_next, i + 1, i))
 
       def body(s_ref):
         math_.qk(s_ref, q_tile, k_next)
@@ -354,7 +465,7 @@ def _consume(q_tile, k_ring, v_ring, p_smem, length, row0, t0, t1, a, c, step0, 
         return acc_new, m_new, l_new, s_ref[...]
 
       carry = pl.run_scoped(body, s_type)
-      k_ring.release(i)
+      k_tiles.done(i)
       return carry
 
     carry = (acc, m_i, l_i, s0)
@@ -366,9 +477,14 @@ def _consume(q_tile, k_ring, v_ring, p_smem, length, row0, t0, t1, a, c, step0, 
 
 
 def _write_partials(carry, out_smem, lse_smem, out_ref, lse_ref, consumers_done, *,
-                    b, head, split, rw: int, row0, st: _Static):
-  """Normalises and stores one warpgroup's partial: out_smem [64, D] f32, lse_smem [64] f32."""
+                    b, head, split, rw: int, row0, st: _Static, v_scale=None):
+  """Normalises and stores one warpgroup's partial: out_smem [64, D] f32, lse_smem [64] f32.
+
+  v_scale: the kv head's V scale (traced f32 scalar; it scales every value of the head) or None.
+  """
   out, lse = online_softmax.finalize(*carry)
+  if v_scale is not None:
+    out = out * v_scale
   if st.persistent:
     # The staging buffers are this warpgroup's own; wait until the previous item's stores
     # have read them (the stores themselves may still be in flight).
@@ -413,6 +529,8 @@ def _build(st: _Static, interpret: Any):
     name += "_pqk"
   if st.persistent:
     name += f"_persist{st.num_programs}"
+  if st.quantized:
+    name += f"_{st.tiling.dtype.name}_k{st.k_scale or 'none'}_v{st.v_scale or 'none'}"
   if st.tile_math.name:
     name += f"_{st.tile_math.name}"
   if st.persistent:
@@ -436,17 +554,23 @@ def _build(st: _Static, interpret: Any):
 
 
 def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
-                    config: DecodeConfig, num_programs: int | None = None, tile_math: TileMath = TileMath(),
-                    interpret: Any = False):
+                    config: DecodeConfig, k_scale=None, v_scale=None, num_programs: int | None = None,
+                    tile_math: TileMath = TileMath(), interpret: Any = False):
   """Split-K partials of decode attention over a contiguous or paged KV cache.
 
-  q: [B, Hkv, R, D] in k's dtype (bf16 or fp16), R = num_queries * G packed rows, row
+  q: [B, Hkv, R, D] bf16 or fp16, R = num_queries * G packed rows, row
   r = s * G + g is query token s (of num_queries S new tokens) for q head kv_head * G + g.
   Query token s of sequence b is at position p = lengths[b] - S + s; it attends to keys t with
   t < lengths[b], t <= p, and (if options.window) t > p - window.
   dense:  k, v [B, T, Hkv, D]; block_tables None.
   paged:  k, v [P, page_size, Hkv, D]; block_tables int32 [B, max_pages]; token t of sequence
           b is at k[block_tables[b, t // page_size], t % page_size].
+  k and v are in q's dtype, or quantized in a one-byte dtype (`split_k.QUANTIZED_DTYPES`) that the
+  kernel dequantizes after the load, with optional float32 scales:
+  k_scale, v_scale: None (1), [Hkv] (per kv head) or per token and kv head with the cache's
+    leading dims ([B, T, Hkv] dense, [P, page_size, Hkv] paged: through the block table like K
+    and V; `split_k.scale_kind`). logits use k_scale_t * k_t and the output v_scale_t * v_t.
+    Per-token scales need Hkv == 1 or Hkv % 4 == 0 (`config.quantized_reason`).
   options: scale, softcap and window of the call.
   config: a resolved `DecodeConfig` (num_splits set; `config.resolve_config`), checked here by
     `config.check_config`. With kv_groups=2 the grid has num_splits / 2 programs per (batch,
@@ -462,12 +586,19 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   softcap) if softcap.
 
   Keys past lengths[b] inside the last loaded tile are masked with p = 0, so cache memory there
-  must hold finite values (0 * inf would be NaN); TMA zero-fills past the end of the array.
+  (and its per-token scales) must hold finite values (0 * inf would be NaN); TMA zero-fills past
+  the end of the array.
   """
-  split_k.check_packed_args(q, k, v, lengths, block_tables, num_queries=num_queries)
+  split_k.check_packed_args(q, k, v, lengths, block_tables, num_queries=num_queries, k_scale=k_scale,
+                            v_scale=v_scale)
   B, Hkv, R, D = q.shape
   page_size = None if block_tables is None else k.shape[1]
-  mgpu_config.check_config(config, rows=R, head_dim=D, dtype=k.dtype, page_size=page_size)
+  k_kind, v_kind = split_k.scale_kind(k_scale, k.shape), split_k.scale_kind(v_scale, k.shape)
+  reason = mgpu_config.quantized_call_reason(k.dtype, k_kind, v_kind, num_kv_heads=Hkv)
+  if reason:
+    raise NotImplementedError(f"mosaic_gpu: {reason}")
+  quantized = dict(q_dtype=q.dtype, k_scale_kind=k_kind, v_scale_kind=v_kind, num_kv_heads=Hkv)
+  mgpu_config.check_config(config, rows=R, head_dim=D, dtype=k.dtype, page_size=page_size, **quantized)
   if block_tables is None:
     kv_tiling = tiling.KVTiling(config.block_kv, D, k.dtype)
   else:
@@ -477,13 +608,13 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   rows_padded = row_wgs * ROWS_PER_WG * num_row_blocks
   out_rows = R if num_row_blocks == 1 else rows_padded
   smem = mgpu_config.DecodeSmem.for_call(config, rows=R, head_dim=D, dtype=k.dtype, page_size=page_size,
-                                         stage_p=bool(interpret))
+                                         stage_p=bool(interpret), **quantized)
   st = _Static(
       num_queries=num_queries, group=R // num_queries, rows=R, num_row_blocks=num_row_blocks,
       out_rows=out_rows, lse_rows=split_k.round_up(out_rows, _LSE_ROW_MULTIPLE),
       num_splits=config.num_splits, capacity=kv_tiling.capacity(k.shape), options=options,
       tiling=kv_tiling, smem=smem, batch=B, num_kv_heads=Hkv, pipeline_qk=config.pipeline_qk,
-      tile_math=tile_math)
+      tile_math=tile_math, q_dtype=jnp.dtype(q.dtype), k_scale=k_kind, v_scale=v_kind)
   if config.persistent:
     if num_programs is None:
       num_programs = runtime.num_sms()
@@ -497,7 +628,12 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
     interpret = None
   if rows_padded != R:
     q = jnp.pad(q, ((0, 0), (0, 0), (0, rows_padded - R), (0, 0)))
-  args = (q, k, v, lengths) if block_tables is None else (q, k, v, lengths, block_tables)
+  args = [q, k, v, lengths] + ([] if block_tables is None else [block_tables])
+  for kind, scale in ((k_kind, k_scale), (v_kind, v_scale)):
+    if kind == "token" and Hkv == 1:
+      scale = scale.reshape(-1)   # contiguous per head: copied as flat runs (tiling.scale_sources)
+    if kind is not None:
+      args.append(scale)
   out, lse = _build(st, interpret)(*args)
   if out_rows != R:
     out = out[:, :, :, :R]

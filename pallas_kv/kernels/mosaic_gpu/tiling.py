@@ -11,6 +11,12 @@ SMEM and where its tokens live in GMEM:
 
 A paged tile is one TMA copy when a page holds one or more whole tiles (page_size >= block_kv),
 and `block_kv // page_size` copies into one SMEM slot when a tile spans several pages.
+
+Per-token scales of a one-byte cache ([B, T, Hkv] or [P, page_size, Hkv] float32) come with the
+same copies. TMA moves rows of at least 16 bytes, so a scale tile holds SCALE_ROW scales per token
+(the group of 4 kv heads that holds the program's head; needs Hkv % 4 == 0) and the consumer
+picks its head's column in registers; with one kv head the scales are contiguous and a tile is
+`block_kv` of them.
 """
 
 from __future__ import annotations
@@ -20,7 +26,38 @@ from typing import Any, Sequence
 
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# float32 per-token scales per TMA row: 16 bytes, the least TMA copies.
+SCALE_ROW = 4
+# [64k, SCALE_ROW] float32 in registers: each thread holds the SCALE_ROW scales of the rows (tokens)
+# it holds in the WGMMA layout, so that picking one column leaves a WGMMA row vector.
+_SCALE_ROWS_LAYOUT = plgpu.Layout.TILED(
+    mgpu_fa.Tiling(((64, SCALE_ROW), (16, SCALE_ROW), (8, SCALE_ROW))), warp_dims=(-6,),
+    lane_dims=(-2, mgpu_fa.Replicated(4)), vector_dim=-1)
+
+
+def token_scale_width(num_kv_heads: int) -> int | None:
+  """Scales per token in a per-token scale tile: 1 for one kv head, SCALE_ROW when Hkv is a
+  multiple of it, None when TMA cannot copy them (rows of Hkv * 4 bytes are not 16-byte aligned)."""
+  if num_kv_heads == 1:
+    return 1
+  return SCALE_ROW if num_kv_heads % SCALE_ROW == 0 else None
+
+
+def load_token_scales(slot, *, head):
+  """The program's per-token scales [block_kv] float32 (WGMMA row layout) from a scale tile slot.
+
+  slot: [block_kv] (one kv head) or [block_kv, SCALE_ROW] (the 4-head group of `head`) SMEM.
+  """
+  rows = plgpu.Layout.WGMMA.reduce(1)
+  if len(slot.shape) == 1:
+    return plgpu.load(slot, layout=rows)
+  # SMEM loads of a strided column do not lower: load the whole group, pick the column.
+  group = plgpu.load(slot, layout=_SCALE_ROWS_LAYOUT)
+  column = plgpu.broadcasted_iota(jnp.int32, group.shape, 1, layout=_SCALE_ROWS_LAYOUT)
+  return jnp.sum(jnp.where(column == head % SCALE_ROW, group, 0.0), axis=1)
 
 
 def smem_transforms(dtype: Any, minor_dim: int) -> tuple[Any, ...]:
@@ -39,7 +76,8 @@ class KVTiling:
   Attributes:
     block_kv: tokens per tile.
     head_dim: D.
-    dtype: element type of the cache (bf16 / fp16).
+    dtype: element type of the cache (bf16 / fp16, or a one-byte type that the consumers
+      dequantize).
     page_size: None for a contiguous cache, else tokens per page.
     num_pages: pages in the pool (paged only; page ids are clamped into range).
     max_pages: block-table width (paged only; table columns are clamped into range).
@@ -117,3 +155,16 @@ class KVTiling:
     """
     rows = self.rows_per_copy
     return [kv_ref.at[index, pl.ds(row, rows), head] for index, row in locations]
+
+  def scale_sources(self, scale_ref, locations, *, head, width: int, tokens_per_index: int) -> list[Any]:
+    """GMEM views of the per-token scales of the tile at `locations` (`tile_locations`), one per copy.
+
+    scale_ref: [B, T, Hkv] / [P, page_size, Hkv] float32 when width is SCALE_ROW (the copies take
+    the 4-head group of `head`), the same flattened to [B * T] / [P * page_size] when width is 1
+    (one kv head); tokens_per_index is T or page_size.
+    """
+    rows = self.rows_per_copy
+    if width == 1:
+      return [scale_ref.at[pl.ds(index * tokens_per_index + row, rows)] for index, row in locations]
+    group = pl.ds((head // width) * width, width)
+    return [scale_ref.at[index, pl.ds(row, rows), group] for index, row in locations]

@@ -1,0 +1,356 @@
+"""One-byte KV caches (int8, float8_e4m3fn, float8_e5m2) on the Mosaic GPU decode kernel: numerics
+of `decode_partials` in GPU interpret mode against the float32 reference on the dequantized cache,
+race detection, the SMEM layout and config choice for one-byte caches, what the kernel refuses, and
+CUDA lowering at realistic shapes."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import pallas_kv as pkv
+import sweeps
+from harness import assert_lse_matches, assert_matches_reference, lower_for_cuda, paginate
+from pallas_kv.config import AttentionOptions
+from pallas_kv.kernels import split_k
+from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
+from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
+from pallas_kv.kernels.mosaic_gpu import pipeline
+
+INT8, E4M3, E5M2 = jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
+SCALE_KINDS = (None, "head", "token")
+
+
+# ---------------------------------------------------------------- cases
+
+@dataclasses.dataclass
+class QuantCase:
+  """A random decode problem over a one-byte cache, dense and (page_size set) paged alike."""
+  q: jax.Array                    # [B, S, Hq, D] bf16 / fp16
+  k: jax.Array                    # [B, T, Hkv, D] one-byte
+  v: jax.Array
+  k_scale: jax.Array | None       # None, [Hkv] or [B, T, Hkv] float32
+  v_scale: jax.Array | None
+  lengths: jax.Array
+  page_size: int | None = None
+  paged: tuple = ()               # (k_pages, v_pages, block_tables, k_scale, v_scale) when paged
+
+  def dequantized(self, x, scale):
+    """x [B, T, Hkv, D] in float32 times its scale, per head or per token."""
+    x = x.astype(jnp.float32)
+    if scale is None:
+      return x
+    return x * (scale[None, None, :, None] if scale.ndim == 1 else scale[..., None])
+
+  def reference(self, **options):
+    return pkv.decode_attention_reference(self.q.astype(jnp.float32), self.dequantized(self.k, self.k_scale),
+                                          self.dequantized(self.v, self.v_scale), self.lengths, return_lse=True,
+                                          **options)
+
+
+def _quantize(x, dtype):
+  if dtype == INT8:
+    return jnp.asarray(np.clip(np.round(x * 40), -127, 127), dtype)
+  return jnp.asarray(x * 8, dtype)   # N(0, 8): fp8 exponents in use, not only the top few
+
+
+def make_quant_case(seed, *, kv_dtype, k_kind, v_kind, batch=2, seq_len=256, num_heads=8, num_kv_heads=4,
+                    head_dim=64, num_queries=1, q_dtype=jnp.bfloat16, page_size=None, lengths=None) -> QuantCase:
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((batch, num_queries, num_heads, head_dim)), q_dtype)
+  kv_shape = (batch, seq_len, num_kv_heads, head_dim)
+  k, v = (_quantize(rng.standard_normal(kv_shape), jnp.dtype(kv_dtype)) for _ in range(2))
+
+  def scale(kind):
+    if kind is None:
+      return None
+    shape = (num_kv_heads,) if kind == "head" else kv_shape[:3]
+    return jnp.asarray(rng.uniform(0.2, 2.0, shape) / (40 if jnp.dtype(kv_dtype) == INT8 else 8), jnp.float32)
+
+  if lengths is None:
+    lengths = rng.integers(1, seq_len + 1, batch)
+  case = QuantCase(q=q, k=k, v=v, k_scale=scale(k_kind), v_scale=scale(v_kind),
+                   lengths=jnp.asarray(lengths, jnp.int32), page_size=page_size)
+  if page_size is not None:
+    k_pages, tables, perm = paginate(k, page_size, rng)
+    v_pages, _, _ = paginate(v, page_size, rng, permutation=perm)
+    # Per-token scales go through the same block table as their K and V.
+    paged_scale = lambda s: s if s is None or s.ndim == 1 else paginate(s, page_size, rng, permutation=perm)[0]
+    case.paged = (k_pages, v_pages, tables, paged_scale(case.k_scale), paged_scale(case.v_scale))
+  return case
+
+
+def run_partials(case: QuantCase, config, *, interpret=None, num_programs=None, **options):
+  """decode_partials + merge_splits on a case (paged when case.page_size): (out [B, S, Hq, D], lse)."""
+  num_queries, num_kv_heads = case.q.shape[1], case.k.shape[2]
+  rows = split_k.pack_queries(case.q, num_kv_heads)
+  if case.page_size is None:
+    args, k_scale, v_scale = (rows, case.k, case.v, case.lengths), case.k_scale, case.v_scale
+  else:
+    k_pages, v_pages, tables, k_scale, v_scale = case.paged
+    args = (rows, k_pages, v_pages, case.lengths, tables)
+  attention = AttentionOptions(scale=options.get("scale", case.q.shape[-1] ** -0.5),
+                               softcap=options.get("softcap"), window=options.get("window"))
+  out, lse = mgpu_decode.decode_partials(*args, num_queries=num_queries, options=attention, config=config,
+                                         k_scale=k_scale, v_scale=v_scale, num_programs=num_programs,
+                                         interpret=interpret or plgpu.InterpretGPUParams())
+  out, lse = split_k.merge_splits(out, lse)
+  return split_k.unpack_rows(out, num_queries), split_k.unpack_rows(lse, num_queries)
+
+
+def check_case(case: QuantCase, config, **kwargs):
+  options = {k: kwargs.pop(k) for k in ("scale", "softcap", "window") if k in kwargs}
+  out, lse = run_partials(case, config, **kwargs, **options)
+  ref, ref_lse = case.reference(**options)
+  assert_matches_reference(out, ref, case.q.dtype)
+  assert_lse_matches(lse, ref_lse, case.q.dtype)
+  return out, lse
+
+
+# ---------------------------------------------------------------- interpret mode (CPU)
+
+@pytest.mark.parametrize("seed,kv_dtype,k_kind,v_kind,page_size,num_queries,num_splits,q_dtype", [
+    (10, INT8, "token", "token", None, 1, 2, jnp.bfloat16),
+    (11, INT8, "head", "token", 16, 3, 2, jnp.float16),
+    (12, E4M3, "head", "head", 16, 2, 1, jnp.bfloat16),
+    (13, E4M3, "token", None, 64, 1, 3, jnp.bfloat16),
+    (14, E5M2, None, None, None, 2, 2, jnp.bfloat16),
+    (15, E5M2, "token", "head", 64, 1, 2, jnp.float16),
+], ids=["int8-token-dense-splits2", "int8-head+token-page16-s3-fp16", "e4m3-head-page16-s2",
+        "e4m3-token+none-page64-splits3", "e5m2-unscaled-dense-s2", "e5m2-token+head-page64-fp16"])
+def test_quantized_matches_reference_interpret(seed, kv_dtype, k_kind, v_kind, page_size, num_queries,
+                                               num_splits, q_dtype):
+  # Ragged lengths with an empty sequence; 4 tiles of 64 per full sequence over the splits.
+  case = make_quant_case(seed, kv_dtype=kv_dtype, k_kind=k_kind,
+                         v_kind=v_kind, batch=3, num_queries=num_queries, q_dtype=q_dtype, page_size=page_size,
+                         lengths=[201, 0, 256])
+  out, lse = check_case(case, pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=num_splits))
+  np.testing.assert_array_equal(np.asarray(out[1], np.float32), 0.0)   # length 0: zeros, -inf
+  assert np.isneginf(np.asarray(lse[1])).all()
+
+
+def test_quantized_softcap_and_window_interpret():
+  case = make_quant_case(3, kv_dtype=E4M3, k_kind="token", v_kind="token", batch=2, num_queries=2,
+                         lengths=[256, 150])
+  check_case(case, pkv.DecodeConfig(block_kv=64, num_stages=3, num_splits=2), softcap=1.5, window=70, scale=0.2)
+
+
+def test_quantized_single_kv_head_per_token_scales_interpret():
+  # One kv head: its per-token scales are contiguous and copied as flat runs, not 4-head rows.
+  case = make_quant_case(4, kv_dtype=INT8, k_kind="token", v_kind="token", batch=2, num_heads=4, num_kv_heads=1,
+                         page_size=16, lengths=[256, 77])
+  check_case(case, pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=2))
+
+
+def test_quantized_eight_kv_heads_pick_their_scale_group_interpret():
+  # Hkv = 8: two 4-head scale groups; every head must pick its own column of its own group.
+  case = make_quant_case(5, kv_dtype=INT8, k_kind="token", v_kind="token", batch=1, seq_len=128, num_heads=8,
+                         num_kv_heads=8, lengths=[128])
+  check_case(case, pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=1))
+
+
+@pytest.mark.parametrize("page_size,fields,num_programs", [
+    (None, dict(pipeline_qk=True, num_splits=2), None),
+    (16, dict(pipeline_qk=True, persistent=True, num_splits=2), 3),
+    (None, dict(kv_groups=2, num_splits=2), None),
+], ids=["pqk", "pqk-persistent3-page16", "kv_groups2"])
+def test_quantized_pipeline_variants_interpret(page_size, fields, num_programs):
+  case = make_quant_case(6, kv_dtype=E4M3, k_kind="token", v_kind="head", batch=3, num_heads=4, num_kv_heads=1,
+                         page_size=page_size, lengths=[201, 0, 256])
+  check_case(case, pkv.DecodeConfig(block_kv=64, num_stages=2, **fields), num_programs=num_programs)
+
+
+def test_quantized_two_row_warpgroups_interpret():
+  # 5 new tokens x 16 q heads = 80 packed rows: two consumer warpgroups dequantize the same slots.
+  case = make_quant_case(7, kv_dtype=INT8, k_kind="token", v_kind="token", batch=1, seq_len=192, num_heads=16,
+                         num_kv_heads=1, num_queries=5, page_size=64, lengths=[180])
+  check_case(case, pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=1))
+
+
+@pytest.mark.parametrize("fields", [dict(), dict(pipeline_qk=True, persistent=True)],
+                         ids=["plain", "pqk-persistent"])
+def test_quantized_race_detection_finds_none(fields):
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
+  # 7 tiles through a 2-slot ring: K, V and scale slots refilled after register reads, and the
+  # dequantized tiles rewritten after wgmma read them.
+  case = make_quant_case(8, kv_dtype=INT8, k_kind="token", v_kind="token", batch=1, seq_len=448, num_heads=4,
+                         num_kv_heads=1, page_size=16, lengths=[440])
+  out, _ = run_partials(case, pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=1, **fields),
+                        num_programs=1, interpret=plgpu.InterpretGPUParams(detect_races=True))
+  jax.block_until_ready(out)
+  assert not gpu_callbacks.get_races().races_found
+
+
+# ---------------------------------------------------------------- what the kernel refuses
+
+def _problem(num_kv_heads, *, head_dim=128, group=4, num_queries=1, page_size=None):
+  heads = (num_kv_heads * group, num_kv_heads)
+  _, problem = sweeps.problem_args(heads, (4, 4096), page_size)
+  return dataclasses.replace(problem, head_dim=head_dim, num_queries=num_queries)
+
+
+def test_quantized_reason():
+  reason = mgpu_config.quantized_reason
+  for dtype in (INT8, E4M3, E5M2):
+    for k_kind in SCALE_KINDS:
+      for v_kind in SCALE_KINDS:
+        for hkv in (1, 4, 8):
+          assert reason(dtype, k_kind, v_kind, _problem(hkv)) is None, (dtype, k_kind, v_kind, hkv)
+  assert "per-token scales need 1 or a multiple of 4 kv heads" in reason(INT8, "token", None, _problem(2))
+  assert reason(INT8, "head", "head", _problem(2)) is None
+  assert "not a one-byte type" in reason(jnp.bfloat16, "head", None, _problem(8))
+  assert reason(INT8, None, None, _problem(8, head_dim=256, group=16, num_queries=8)) is None
+
+
+def test_decode_partials_refuses_what_it_cannot_serve():
+  q = jnp.zeros((1, 2, 4, 64), jnp.bfloat16)
+  lengths = jnp.array([128], jnp.int32)
+  call = functools.partial(mgpu_decode.decode_partials, num_queries=1, options=AttentionOptions(scale=0.1),
+                           config=pkv.DecodeConfig(num_splits=1))
+  kv8 = jnp.zeros((1, 128, 2, 64), jnp.int8)
+  with pytest.raises(NotImplementedError, match="per-token scales need 1 or a multiple of 4 kv heads.*got 2"):
+    call(q, kv8, kv8, lengths, k_scale=jnp.ones((1, 128, 2), jnp.float32))
+  kv16 = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="need a one-byte cache"):
+    call(q, kv16, kv16, lengths, v_scale=jnp.ones((2,), jnp.float32))
+  with pytest.raises(ValueError, match="k_scale must be float32"):
+    call(q, kv8, kv8, lengths, k_scale=jnp.ones((2,), jnp.bfloat16))
+  with pytest.raises(ValueError, match="SMEM"):   # the fit counts the one-byte rings and dequantized tiles
+    call(jnp.zeros((1, 2, 128, 256), jnp.bfloat16), jnp.zeros((1, 128, 2, 256), jnp.int8),
+         jnp.zeros((1, 128, 2, 256), jnp.int8), lengths, config=pkv.DecodeConfig(num_stages=8, num_splits=1))
+
+
+# ---------------------------------------------------------------- SMEM layout and config choice
+
+def test_smem_of_a_one_byte_cache_counts_every_buffer():
+  config = pkv.DecodeConfig(block_kv=64, num_stages=8)
+  smem = mgpu_config.DecodeSmem.for_call(config, rows=4, head_dim=128, dtype=INT8, page_size=None,
+                                         k_scale_kind="token", v_scale_kind="head", num_kv_heads=8)
+  align = pipeline.align_up
+  rings = 2 * align(8 * 64 * 128)                                  # K and V rings, one byte
+  scale_ring = align(8 * 64 * 4 * 4)                               # K's per-token scales, 4-head rows
+  dequantized = align(64 * 128 * 2)                                # K and V take turns in one bf16 tile
+  staging = align(64 * 128 * 4) + 64 * 4                           # out and lse, aliasing the above
+  q = 64 * 128 * 2
+  barriers = 3 * 2 * 8 * pipeline.BARRIER_BYTES + 2 * pipeline.BARRIER_BYTES
+  reduction = align(plgpu.CompilerParams().reduction_scratch_bytes)
+  assert smem.nbytes == align(q) + align(max(rings + scale_ring + dequantized, staging)) + reduction + barriers
+  assert smem.fits
+  # Q K^T of the next tile in flight during P V: K and V each get a dequantized tile.
+  pqk = mgpu_config.DecodeSmem.for_call(dataclasses.replace(config, pipeline_qk=True), rows=4, head_dim=128,
+                                        dtype=INT8, page_size=None, k_scale_kind="token", v_scale_kind="head",
+                                        num_kv_heads=8)
+  assert pqk.nbytes == smem.nbytes + dequantized
+  # The rings hold the tiles as stored: half the bytes of bf16 at the same depth.
+  bf16 = mgpu_config.DecodeSmem.for_call(config, rows=4, head_dim=128, dtype=jnp.bfloat16, page_size=None)
+  assert 2 * smem.ring_spec().buffer_bytes == bf16.ring_spec().buffer_bytes
+
+
+@pytest.mark.parametrize("rows,head_dim", [(4, 128), (128, 128), (16, 256), (4, 64), (128, 256)])
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_heuristic_config_for_one_byte_caches(rows, head_dim, page_size):
+  # Twice the stages of a 16-bit cache where they fit, and two consumers where the rows fit one
+  # warpgroup and each consumer keeps two slots.
+  problem = _problem(8, head_dim=head_dim, group=rows if rows <= 16 else 16,
+                     num_queries=1 if rows <= 16 else rows // 16, page_size=page_size)
+  config = mgpu_config.heuristic_config(problem, dtype=INT8)
+  fits = lambda c: mgpu_config.fits_smem(c, rows=rows, head_dim=head_dim, dtype=INT8, page_size=page_size,
+                                         k_scale_kind="token", v_scale_kind="token", num_kv_heads=8)
+  assert fits(config)
+  assert config.num_stages >= mgpu_config.heuristic_config(problem, dtype=jnp.bfloat16).num_stages
+  if config.kv_groups == 2:
+    assert rows <= 64 and config.num_stages % 2 == 0 and config.num_stages >= 4
+  else:
+    assert rows > 64 or not fits(dataclasses.replace(config, kv_groups=2, num_stages=4))
+  if config.num_stages < 2 * pkv.DecodeConfig().num_stages:   # else twice the default: as deep as it goes
+    assert not fits(dataclasses.replace(config, num_stages=config.num_stages + config.kv_groups))
+  mgpu_config.check_config(dataclasses.replace(config, num_splits=2), rows=rows, head_dim=head_dim, dtype=INT8,
+                           page_size=page_size, k_scale_kind="token", v_scale_kind="token", num_kv_heads=8)
+
+
+# ---------------------------------------------------------------- CUDA lowering (CPU)
+
+def _lowering_args(kv_dtype, k_kind, v_kind, page_size, *, batch=32, seq_len=4096, heads=(32, 8), head_dim=128):
+  """ShapeDtypeStructs (q rows, k, v, lengths, tables, k_scale, v_scale) of a realistic shape."""
+  hq, hkv = heads
+  lead = (batch, seq_len) if page_size is None else (batch * seq_len // page_size, page_size)
+  kv = jax.ShapeDtypeStruct((*lead, hkv, head_dim), kv_dtype)
+  scale = lambda kind: None if kind is None else jax.ShapeDtypeStruct((hkv,) if kind == "head" else (*lead, hkv),
+                                                                       jnp.float32)
+  tables = None if page_size is None else jax.ShapeDtypeStruct((batch, seq_len // page_size), jnp.int32)
+  return (jax.ShapeDtypeStruct((batch, hkv, hq // hkv, head_dim), jnp.bfloat16), kv, kv,
+          jax.ShapeDtypeStruct((batch,), jnp.int32), tables, scale(k_kind), scale(v_kind))
+
+
+def _lower(config, args):
+  """Lowers decode_partials for CUDA on `args` (`_lowering_args`)."""
+  q, k, v, lengths, tables, k_scale, v_scale = args
+  given = [x for x in (tables, k_scale, v_scale) if x is not None]
+
+  def partials(q, k, v, lengths, *rest):
+    rest = iter(rest)
+    pick = lambda x: None if x is None else next(rest)
+    return mgpu_decode.decode_partials(q, k, v, lengths, pick(tables), num_queries=1,
+                                       options=AttentionOptions(scale=0.1), config=config,
+                                       k_scale=pick(k_scale), v_scale=pick(v_scale))
+
+  module = lower_for_cuda(partials, q, k, v, lengths, *given).mlir_module()
+  assert "custom_call @mosaic_gpu" in module and jnp.dtype(k.dtype).name in module
+
+
+@pytest.mark.parametrize("kv_dtype", [INT8, E4M3, E5M2], ids=lambda d: d.name)
+@pytest.mark.parametrize("page_size", [None, 16, 64])
+@pytest.mark.parametrize("scale_kind", SCALE_KINDS)
+def test_heuristic_configs_lower_for_cuda(kv_dtype, page_size, scale_kind):
+  # B=32 T=4096 heads 32/8 D=128: the heuristic's config for a one-byte cache, each scale kind.
+  _, problem = sweeps.problem_args((32, 8), (32, 4096), page_size)
+  config = mgpu_config.resolve_config(problem, None, dtype=kv_dtype, num_sms=132)
+  assert (config.num_stages, config.kv_groups) == (2 * pkv.DecodeConfig().num_stages, 2)
+  _lower(config, _lowering_args(kv_dtype, scale_kind, scale_kind, page_size))
+
+
+@pytest.mark.parametrize("fields,page_size,heads,head_dim", [
+    (dict(pipeline_qk=True), None, (32, 8), 128),
+    (dict(pipeline_qk=True, persistent=True, num_stages=6), 16, (32, 8), 128),
+    (dict(kv_groups=2, num_splits=2), 64, (32, 8), 128),
+    (dict(block_kv=128, num_stages=4), None, (32, 8), 128),
+    (dict(), 16, (8, 1), 128),
+    (dict(), None, (32, 8), 64),
+    (dict(), 64, (32, 8), 256),
+], ids=["pqk", "pqk-persistent-page16", "kv_groups2-page64", "bkv128", "hkv1-page16", "d64", "d256-page64"])
+def test_variants_lower_for_cuda(fields, page_size, heads, head_dim):
+  _, problem = sweeps.problem_args(heads, (32, 4096), page_size)
+  problem = dataclasses.replace(problem, head_dim=head_dim)
+  config = mgpu_config.resolve_config(problem, pkv.DecodeConfig(**fields), dtype=INT8, num_sms=132)
+  if "num_stages" not in fields and "block_kv" not in fields:
+    config = dataclasses.replace(config, num_stages=mgpu_config.heuristic_config(problem, dtype=INT8).num_stages)
+  _lower(config, _lowering_args(INT8, "token", "head", page_size, heads=heads, head_dim=head_dim))
+
+
+@pytest.mark.parametrize("kv_dtype,k_kind,v_kind,page_size,fields", [
+    (INT8, "token", "token", None, dict(num_stages=8)),
+    (E4M3, "token", "head", 16, dict(num_stages=8, pipeline_qk=True)),
+    (E5M2, None, "token", 64, dict(num_stages=8, kv_groups=2, num_splits=2)),
+    (INT8, "head", None, 16, dict(num_stages=6, persistent=True)),
+], ids=["int8-token-dense", "e4m3-token+head-page16-pqk", "e5m2-none+token-page64-kv_groups2",
+        "int8-head-page16-persistent"])
+def test_smem_count_is_what_the_kernel_allocates(monkeypatch, kv_dtype, k_kind, v_kind, page_size, fields):
+  # The fit checks trust DecodeSmem.nbytes: compare it with the bytes Mosaic GPU lays out.
+  from jax.experimental.mosaic.gpu import core as mgpu_core   # the allocation size has no public accessor
+  allocated, tree_size = [], mgpu_core._smem_tree_size
+
+  def recording_tree_size(tree):
+    allocated.append(tree_size(tree))
+    return allocated[-1]
+
+  monkeypatch.setattr(mgpu_core, "_smem_tree_size", recording_tree_size)
+  config = pkv.DecodeConfig(**{"num_splits": 1, **fields})
+  _lower(config, _lowering_args(kv_dtype, k_kind, v_kind, page_size, batch=4))
+  smem = mgpu_config.DecodeSmem.for_call(config, rows=4, head_dim=128, dtype=kv_dtype, page_size=page_size,
+                                         q_dtype=jnp.bfloat16, k_scale_kind=k_kind, v_scale_kind=v_kind,
+                                         num_kv_heads=8)
+  assert max(allocated) == smem.nbytes
