@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
+from pallas_kv import batching
 from pallas_kv import runtime
 from pallas_kv import tuned
 from pallas_kv import validation
@@ -23,6 +24,10 @@ from pallas_kv.config import AttentionOptions
 
 IMPLS = ("auto", "mosaic_gpu", "triton", "xla")
 KERNEL_IMPLS = ("mosaic_gpu", "triton")  # in the order "auto" tries them
+# One-byte (int8 / fp8) caches: Triton first. On an H200 at B32 T4096 (32/8 heads, D 128, per-token
+# scales) its kernel took 108-116 us where Mosaic GPU's took 178 us at best (benchmarks/RESULTS.md,
+# "int8 / fp8 caches"): Mosaic GPU converts each tile on its consumer warpgroup.
+QUANTIZED_KERNEL_IMPLS = ("triton", "mosaic_gpu")
 
 _last_impl: str | None = None
 
@@ -67,7 +72,8 @@ def choose_impl(impl: str, op: str, problem, options, dtypes, config) -> tuple[s
     _last_impl = impl
     return impl, backend
   serving = {}  # kernel backends that run on this device and serve this call, in preference order
-  for name in KERNEL_IMPLS:
+  one_byte = jnp.dtype(dtypes[1]).itemsize == 1
+  for name in QUANTIZED_KERNEL_IMPLS if one_byte else KERNEL_IMPLS:
     if not device_can_run(name):
       continue
     try:
@@ -121,37 +127,15 @@ def _cast_output(result, dtype, return_lse: bool):
   return result.astype(dtype)
 
 
-def _loop_when_vmapped(fn):
-  """fn takes unbatched arrays; under vmap, run it once per element of the mapped axis (lax.map).
-
-  The kernels see batch through their grid, not through Pallas' batching rules, so an extra
-  vmapped axis (e.g. layers) becomes a loop of kernel launches.
-  """
-  fn = jax.custom_batching.custom_vmap(fn)
-
-  @fn.def_vmap
-  def _rule(axis_size, in_batched, *args):
-    del axis_size
-    batched = [a for a, b in zip(args, in_batched) if b]
-
-    def one(slices):
-      it = iter(slices)
-      return fn(*[next(it) if b else a for a, b in zip(args, in_batched)])
-
-    out = jax.lax.map(one, batched)
-    return out, jax.tree_util.tree_map(lambda _: True, out)
-
-  return fn
-
-
-def _with_xla_gradient(kernel_fn, xla_fn, **arrays):
-  """kernel_fn(**arrays) forward; gradients from the float32 xla_fn(**arrays) (custom VJP).
+def _with_xla_gradient(kernel_fn, xla_fn, fold, **arrays):
+  """kernel_fn(**arrays) forward; gradients from the float32 xla_fn(**arrays) (custom VJP); under
+  vmap, fold(n, arrays, batched) runs the op once on the folded batch (`pallas_kv.batching`).
 
   Entries that are None stay out of the differentiated arguments.
   """
   names = tuple(name for name, value in arrays.items() if value is not None)
   call = lambda fn, values: fn(**dict(zip(names, values)))
-  kernel = _loop_when_vmapped(lambda *values: call(kernel_fn, values))
+  kernel = batching.fold_when_vmapped(lambda *values: call(kernel_fn, values), names, fold)
 
   @jax.custom_vjp
   def op(*values):
@@ -169,9 +153,10 @@ def _with_xla_gradient(kernel_fn, xla_fn, **arrays):
 
 
 def _run(op: str, impl: str, config, problem, options, q, k, v, lengths, block_tables, *, sinks, k_scale, v_scale,
-         return_lse, xla_fn):
+         return_lse, xla_fn, refold):
   """Runs the chosen backend; xla_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale) is the
-  "xla" impl (float32 results), which also gives the kernels their gradients."""
+  "xla" impl (float32 results), which also gives the kernels their gradients; refold(**arrays)
+  runs the public op again on arrays whose batch holds a vmapped axis."""
   name, backend = choose_impl(impl, op, problem, options, (q.dtype, k.dtype), config)
   dtype = q.dtype
 
@@ -186,8 +171,10 @@ def _run(op: str, impl: str, config, problem, options, q, k, v, lengths, block_t
                          sinks=sinks, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
     return _cast_output(result, dtype, return_lse)
 
-  return _with_xla_gradient(kernel_call, xla_call, q=q, k=k, v=v, lengths=lengths,
-                                  block_tables=block_tables, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+  fold_op = batching.fold_dense if block_tables is None else batching.fold_paged
+  fold = lambda n, arrays, batched: fold_op(n, arrays, batched, refold)
+  return _with_xla_gradient(kernel_call, xla_call, fold, q=q, k=k, v=v, lengths=lengths, block_tables=block_tables,
+                            sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 
 
 def decode_attention(q, k, v, lengths, *, scale=None, softcap=None, window=None, sinks=None, k_scale=None,
@@ -223,8 +210,12 @@ def decode_attention(q, k, v, lengths, *, scale=None, softcap=None, window=None,
                                 window=options.window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
                                 return_lse=return_lse)
 
+  def refold(q, k, v, lengths, sinks=None, k_scale=None, v_scale=None):
+    return decode_attention(q, k, v, lengths, scale=options.scale, softcap=softcap, window=window, sinks=sinks,
+                            k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, impl=impl, config=config)
+
   return _run("decode", impl, config, problem, options, q, k, v, lengths, None, sinks=sinks, k_scale=k_scale,
-              v_scale=v_scale, return_lse=return_lse, xla_fn=xla_fn)
+              v_scale=v_scale, return_lse=return_lse, xla_fn=xla_fn, refold=refold)
 
 
 def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, softcap=None, window=None,
@@ -246,8 +237,13 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=
                                       window=options.window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
                                       return_lse=return_lse)
 
+  def refold(q, k, v, lengths, block_tables, sinks=None, k_scale=None, v_scale=None):
+    return paged_decode_attention(q, k, v, block_tables, lengths, scale=options.scale, softcap=softcap,
+                                  window=window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+                                  return_lse=return_lse, impl=impl, config=config)
+
   return _run("paged", impl, config, problem, options, q, k_pages, v_pages, lengths, block_tables, sinks=sinks,
-              k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, xla_fn=xla_fn)
+              k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, xla_fn=xla_fn, refold=refold)
 
 
 def mla_decode_attention(q, kv_pages, block_tables, lengths, *, v_head_dim=512, scale=None, return_lse=False,
@@ -270,5 +266,10 @@ def mla_decode_attention(q, kv_pages, block_tables, lengths, *, v_head_dim=512, 
 
   # The latent cache goes in as both k and v; the xla impl reads it as k only, so its whole
   # gradient arrives there.
+  def refold(q, k, v, lengths, block_tables):
+    del v  # the same latent pool as k
+    return mla_decode_attention(q, k, block_tables, lengths, v_head_dim=v_head_dim, scale=options.scale,
+                                return_lse=return_lse, impl=impl, config=config)
+
   return _run("mla", impl, config, problem, options, q, kv_pages, kv_pages, lengths, block_tables, sinks=None,
-              k_scale=None, v_scale=None, return_lse=return_lse, xla_fn=xla_fn)
+              k_scale=None, v_scale=None, return_lse=return_lse, xla_fn=xla_fn, refold=refold)

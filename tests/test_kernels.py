@@ -116,11 +116,72 @@ def test_vmap_and_jit_match_a_loop_interpret(interpret_mode, impl):
                                   np.asarray(f(c.q, c.k, c.v, c.lengths), np.float32))
 
 
+def _launches(impl, f, *args):
+  """(kernel launches, whether one sits in a loop) of f(*args) lowered for CUDA."""
+  with pkv.interpret(False):
+    module = lower_for_cuda(f, *args).mlir_module()
+  return module.count(KERNEL_IN_MODULE[impl]), "stablehlo.while" in module
+
+
 @pytest.mark.parametrize("impl", KERNEL_IMPLS)
-def test_quantized_cache_is_refused_with_reason(impl):
-  case = make_case(10, batch=1, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, kv_dtype=jnp.int8,
-                   dtype=jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match=f"{impl}.*int8"):
+@pytest.mark.parametrize("pool", ["shared", "per_element"])
+def test_paged_vmap_folds_into_one_launch(interpret_mode, impl, pool):
+  cases = [make_case(50 + i, batch=2, seq_len=128, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
+                     page_size=16, num_queries=2) for i in range(3)]
+  stack = lambda name: jnp.stack([getattr(c, name) for c in cases])
+  config = _small_config(impl, 2)
+  f = lambda q, kp, vp, t, n: pkv.paged_decode_attention(q, kp, vp, t, n, impl=impl, config=config, return_lse=True)
+  if pool == "shared":   # one pool; every element's tables point into it (the first case's)
+    axes, args = (0, None, None, 0, 0), (stack("q"), cases[0].k_pages, cases[0].v_pages,
+                                         jnp.stack([cases[0].block_tables] * 3), stack("lengths"))
+  else:
+    axes, args = (0, 0, 0, 0, 0), tuple(stack(n) for n in ("q", "k_pages", "v_pages", "block_tables", "lengths"))
+  vf = jax.jit(jax.vmap(f, in_axes=axes))
+  assert _launches(impl, vf, *args) == (1, False)
+  out, lse = vf(*args)
+  for i in range(3):
+    one = [a if ax is None else a[i] for a, ax in zip(args, axes)]
+    want_out, want_lse = f(*one)
+    np.testing.assert_array_equal(np.asarray(out[i], np.float32), np.asarray(want_out, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse[i]), np.asarray(want_lse))
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+def test_vmap_of_a_shared_contiguous_cache_loops(interpret_mode, impl):
+  # Folding would copy the shared cache once per element: it stays a loop of launches.
+  case = make_case(53, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
+  qs = jnp.stack([case.q, case.q * 2])
+  f = lambda q: pkv.decode_attention(q, case.k, case.v, case.lengths, impl=impl, config=_small_config(impl, 1))
+  assert _launches(impl, jax.vmap(f), qs) == (1, True)
+  out = jax.vmap(f)(qs)
+  np.testing.assert_array_equal(np.asarray(out[1], np.float32), np.asarray(f(qs[1]), np.float32))
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+def test_nested_vmap_and_grad_of_vmap_fold(interpret_mode, impl):
+  cases = [[make_case(60 + 2 * i + j, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64,
+                      dtype=jnp.bfloat16) for j in range(2)] for i in range(2)]
+  stack = lambda name: jnp.stack([jnp.stack([getattr(c, name) for c in row]) for row in cases])
+  config = _small_config(impl, 1)
+  f = lambda q, k, v, n: pkv.decode_attention(q, k, v, n, impl=impl, config=config)
+  args = tuple(stack(n) for n in ("q", "k", "v", "lengths"))
+  vv = jax.jit(jax.vmap(jax.vmap(f)))
+  assert _launches(impl, vv, *args) == (1, False)
+  out = vv(*args)
+  np.testing.assert_array_equal(np.asarray(out[1, 0], np.float32),
+                                np.asarray(f(*(a[1, 0] for a in args)), np.float32))
+  loss = lambda q, k, v, n: f(q, k, v, n).astype(jnp.float32).sum()
+  grads = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1))))(*(a[0] for a in args))
+  for i in range(2):
+    want = jax.grad(loss, argnums=(0, 1))(*(a[0, i] for a in args))
+    for g, w in zip(grads, want):
+      assert_matches_reference(g[i], w, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+def test_scales_on_a_16_bit_cache_are_refused_with_reason(impl):
+  case = make_case(10, batch=1, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match=f"{impl}.*k_scale / v_scale on a bfloat16 cache"):
     pkv.decode_attention(case.q, case.k, case.v, case.lengths, k_scale=0.1, v_scale=0.1, impl=impl)
 
 

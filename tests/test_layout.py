@@ -15,7 +15,7 @@ BENCHMARKS = REPO / "benchmarks"
 LAYERS = [
     {"validation", "config", "runtime"},
     {"tuned", "cache"},
-    {"xla", "kernels.split_k", "kernels.online_softmax"},
+    {"xla", "batching", "kernels.split_k", "kernels.online_softmax"},
     {"kernels.mosaic_gpu.pipeline", "kernels.mosaic_gpu.tiling"},
     {"kernels.mosaic_gpu.config", "kernels.triton.config"},
     {"kernels.mosaic_gpu.decode", "kernels.triton.decode"},
