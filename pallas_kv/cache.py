@@ -100,13 +100,14 @@ def _check_new(name: str, new, batch: int, tail: tuple[int, ...], dtype) -> None
     raise ValueError(f"{name} has dtype {jnp.dtype(new.dtype).name}; the cache holds {jnp.dtype(dtype).name}")
 
 
-def _store(new, dtype, scale):
-  """(values to write, per-token scales to write or None) for new [B, S, Hkv, D]."""
-  if not is_quantized(dtype):
-    return new, None
+def _write(write, cache, scale, new):
+  """(cache, scale) after write(array, values) puts new [B, S, Hkv, D] at the new tokens'
+  places; a quantized cache stores quantize(new), and per-token scales are written alike."""
+  if not is_quantized(cache.dtype):
+    return write(cache, new), scale
   per_token = scale is not None and scale.ndim == 3
-  values, used = quantize(new, dtype, None if per_token else scale)
-  return values, (used if per_token else None)
+  values, used = quantize(new, cache.dtype, None if per_token else scale)
+  return write(cache, values), (write(scale, used) if per_token else scale)
 
 
 def _new_positions(lengths, num_new: int):
@@ -157,12 +158,10 @@ class KVCache:
     _check_new("v_new", v_new, b, self.v.shape[2:], self.v.dtype)
     positions = _new_positions(self.lengths, k_new.shape[1])
     rows = jnp.arange(b)[:, None]
-    write = lambda cache, new: cache.at[rows, positions].set(new, mode="drop")
-    (k_new, k_scale_new), (v_new, v_scale_new) = (_store(k_new, self.k.dtype, self.k_scale),
-                                                  _store(v_new, self.v.dtype, self.v_scale))
-    k_scale = self.k_scale if k_scale_new is None else write(self.k_scale, k_scale_new)
-    v_scale = self.v_scale if v_scale_new is None else write(self.v_scale, v_scale_new)
-    return KVCache(write(self.k, k_new), write(self.v, v_new), self.lengths + k_new.shape[1], k_scale, v_scale)
+    write = lambda array, values: array.at[rows, positions].set(values, mode="drop")
+    k, k_scale = _write(write, self.k, self.k_scale, k_new)
+    v, v_scale = _write(write, self.v, self.v_scale, v_new)
+    return KVCache(k, v, self.lengths + k_new.shape[1], k_scale, v_scale)
 
 
 @jax.tree_util.register_dataclass
@@ -205,13 +204,10 @@ class PagedKVCache:
     _check_new("v_new", v_new, b, self.v_pages.shape[2:], self.v_pages.dtype)
     pages, slots = _paged_slots(self.block_tables, self.lengths, self.page_size, self.k_pages.shape[0],
                                 k_new.shape[1])
-    write = lambda cache, new: cache.at[pages, slots].set(new, mode="drop")
-    (k_new, k_scale_new), (v_new, v_scale_new) = (_store(k_new, self.k_pages.dtype, self.k_scale),
-                                                  _store(v_new, self.v_pages.dtype, self.v_scale))
-    k_scale = self.k_scale if k_scale_new is None else write(self.k_scale, k_scale_new)
-    v_scale = self.v_scale if v_scale_new is None else write(self.v_scale, v_scale_new)
-    return PagedKVCache(write(self.k_pages, k_new), write(self.v_pages, v_new), self.block_tables,
-                        self.lengths + k_new.shape[1], k_scale, v_scale)
+    write = lambda array, values: array.at[pages, slots].set(values, mode="drop")
+    k_pages, k_scale = _write(write, self.k_pages, self.k_scale, k_new)
+    v_pages, v_scale = _write(write, self.v_pages, self.v_scale, v_new)
+    return PagedKVCache(k_pages, v_pages, self.block_tables, self.lengths + k_new.shape[1], k_scale, v_scale)
 
   def dense_view(self) -> KVCache:
     """A contiguous copy [B, max_pages * page_size, Hkv, D] of what the block tables point at."""
