@@ -1,5 +1,7 @@
 """The float32 references against an independent float64 loop implementation."""
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -111,4 +113,22 @@ def test_out_of_range_page_ids_are_clamped():
   case = make_case(5, batch=2, seq_len=16, page_size=4)
   bad = case.block_tables.at[0, 1].set(10_000).at[1, 0].set(-5)
   out = pkv.paged_decode_attention_reference(case.q, case.k_pages, case.v_pages, bad, case.lengths)
+  assert np.isfinite(np.asarray(out)).all()
+
+
+def test_garbage_past_lengths_and_in_pages_of_other_sequences_never_reaches_an_output():
+  # Sequence 0 owns page 0, whose values hold NaN past its length; sequence 1's unassigned table
+  # entries (-1) clamp to page 0. Neither may turn a valid output non-finite.
+  rng = np.random.default_rng(3)
+  q = jnp.asarray(rng.standard_normal((2, 2, 4, 16)), jnp.float32)
+  pages = jnp.asarray(rng.standard_normal((4, 16, 2, 16)), jnp.float32)
+  v_pages = pages.at[0, 5:].set(jnp.nan)
+  tables = jnp.asarray([[0, 1], [2, -1]], jnp.int32)
+  lengths = jnp.asarray([5, 10], jnp.int32)
+  for op in (pkv.paged_decode_attention_reference,
+             functools.partial(pkv.paged_decode_attention, impl="xla")):
+    out = op(q, pages, v_pages, tables, lengths)
+    assert np.isfinite(np.asarray(out)).all()
+  dense_v = jnp.asarray(rng.standard_normal((2, 16, 2, 16)), jnp.float32).at[:, 12:].set(jnp.inf)
+  out = pkv.decode_attention(q, dense_v, dense_v.at[:, 12:].set(jnp.nan), jnp.asarray([12, 3], jnp.int32), impl="xla")
   assert np.isfinite(np.asarray(out)).all()
