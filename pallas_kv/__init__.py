@@ -11,6 +11,8 @@ from pallas_kv.module import MLAConfig as MLAConfig
 from pallas_kv.cache import PagedKVCache as PagedKVCache
 from pallas_kv.cache import PagedLatentCache as PagedLatentCache
 from pallas_kv.cache import PagePool as PagePool
+from pallas_kv.cache import UNALLOCATED as UNALLOCATED
+from pallas_kv.cache import empty_block_tables as empty_block_tables
 from pallas_kv.cache import release_sequences as release_sequences
 from pallas_kv.cache import reserve_pages as reserve_pages
 from pallas_kv.reference import decode_attention_reference as decode_attention_reference

@@ -178,3 +178,15 @@ def test_pool_exhaustion_during_generation_reports():
   caches = model.empty_cache(batch=2, max_pages_per_seq=8, page_size=4, num_pages=5)
   *_, ok = tiny_decoder.generate(model, params, prompt, caches, pkv.PagePool.create(5), num_steps=4)
   assert not bool(ok)
+
+
+def test_readme_layer_snippet_runs():
+  readme = open(os.path.join(REPO, "README.md")).read()
+  start = readme.index("```python\nimport dataclasses, jax")
+  code = readme[start + len("```python\n"):readme.index("```", start + 3)]
+  scope = {}
+  exec(compile(code, "README.md", "exec"), scope)   # pylint: disable=exec-used
+  cache, pool = scope["cache"], scope["pool"]
+  np.testing.assert_array_equal(cache.lengths, [0, 3])
+  assert int(pool.num_free) == 31 and (np.asarray(cache.block_tables[0]) == -1).all()
+  assert np.isfinite(np.asarray(scope["y"], np.float32)).all()
