@@ -97,6 +97,8 @@ def _options(problem, scale, softcap, window, sinks, k_scale, v_scale) -> Attent
   validation.check_options(scale=scale, softcap=softcap, window=window, sinks=sinks, k_scale=k_scale,
                            v_scale=v_scale, num_heads=problem.num_heads, num_kv_heads=problem.num_kv_heads,
                            token_shape=problem.scale_token_shape)
+  if window is not None and window >= problem.capacity + problem.num_queries:
+    window = None   # every key is inside it (and the kernels' int32 math stays in range)
   return AttentionOptions(
       scale=float(validation.default_scale(problem.head_dim) if scale is None else scale),
       softcap=None if softcap is None else float(softcap),
@@ -152,6 +154,13 @@ def _with_xla_gradient(kernel_fn, xla_fn, fold, **arrays):
   return op(*(arrays[name] for name in names))
 
 
+def _empty(problem, q, return_lse: bool):
+  """The result of a call with no sequences, no capacity or no pages: zeros (and -inf LSE)."""
+  rows = q.shape[:-1]
+  out = jnp.zeros((*rows, problem.v_head_dim), q.dtype)
+  return (out, jnp.full(rows, -jnp.inf, jnp.float32)) if return_lse else out
+
+
 def _run(op: str, impl: str, config, problem, options, q, k, v, lengths, block_tables, *, sinks, k_scale, v_scale,
          return_lse, xla_fn, refold):
   """Runs the chosen backend; xla_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale) is the
@@ -159,6 +168,8 @@ def _run(op: str, impl: str, config, problem, options, q, k, v, lengths, block_t
   runs the public op again on arrays whose batch holds a vmapped axis."""
   name, backend = choose_impl(impl, op, problem, options, (q.dtype, k.dtype), config)
   dtype = q.dtype
+  if problem.batch == 0 or problem.capacity == 0 or problem.num_pages == 0:
+    return _empty(problem, q, return_lse)
 
   def xla_call(q, k, v, lengths, block_tables=None, sinks=None, k_scale=None, v_scale=None):
     return _cast_output(xla_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale), dtype, return_lse)

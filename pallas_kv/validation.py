@@ -56,6 +56,8 @@ def _check_dtype(name: str, x, allowed) -> None:
 
 
 def _check_integer(name: str, x, shape: tuple[int, ...]) -> None:
+  if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+    raise ValueError(f"{name} must be an int32 array of shape {shape}; got {type(x).__name__}")
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise ValueError(f"{name} must be an integer array (int32); got dtype {_dtype_name(x.dtype)}")
   if tuple(x.shape) != shape:

@@ -177,3 +177,28 @@ def test_checked_mode_reports_bad_lengths_and_pages():
     unused_bad = case.block_tables.at[1, 3].set(999)
     err, _ = checkify.checkify(jax.jit(f))(unused_bad, case.lengths)
     assert err.get() is None
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton", "mosaic_gpu"])
+def test_degenerate_shapes_give_empty_or_zero_results(impl):
+  q = jnp.ones((0, 4, 64), jnp.bfloat16)
+  kv = jnp.ones((0, 32, 2, 64), jnp.bfloat16)
+  out, lse = pkv.decode_attention(q, kv, kv, jnp.zeros((0,), jnp.int32), impl=impl, return_lse=True)
+  assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
+  q = jnp.ones((2, 4, 64), jnp.bfloat16)
+  no_capacity = jnp.ones((2, 0, 2, 64), jnp.bfloat16)
+  out = pkv.decode_attention(q, no_capacity, no_capacity, jnp.zeros((2,), jnp.int32), impl=impl)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+  no_pages = jnp.ones((0, 16, 2, 64), jnp.bfloat16)
+  out = pkv.paged_decode_attention(q, no_pages, no_pages, jnp.zeros((2, 3), jnp.int32), jnp.ones((2,), jnp.int32),
+                                   impl=impl)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+
+
+def test_lengths_that_are_not_arrays_and_huge_windows():
+  case = make_case(12, batch=2, seq_len=32)
+  with pytest.raises(ValueError, match="lengths must be an int32 array of shape \\(2,\\); got list"):
+    pkv.decode_attention(case.q, case.k, case.v, [3, 4], impl="xla")
+  wide = pkv.decode_attention(case.q, case.k, case.v, case.lengths, window=2**31, impl="xla")
+  plain = pkv.decode_attention(case.q, case.k, case.v, case.lengths, impl="xla")
+  np.testing.assert_array_equal(np.asarray(wide), np.asarray(plain))
