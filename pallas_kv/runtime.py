@@ -1,4 +1,4 @@
-"""Run-time switches (interpret mode, checked mode) and facts about the target device.
+"""Run-time switches (interpret mode) and facts about the target device.
 
 A kernel impl never inspects the local devices to refuse: without interpret mode it always
 emits its GPU kernel, so `jax.export(..., platforms=["cuda"])` lowers it on a CPU-only machine.
@@ -17,7 +17,6 @@ INTERPRET_ENV_VAR = "PALLAS_KV_INTERPRET"
 DEFAULT_NUM_SMS = 132
 
 _interpret = contextvars.ContextVar("pallas_kv_interpret", default=False)
-_checked = contextvars.ContextVar("pallas_kv_checked", default=False)
 
 
 @contextlib.contextmanager
@@ -37,22 +36,14 @@ def interpret_enabled() -> bool:
 
 @contextlib.contextmanager
 def checked(enabled: bool = True):
-  """Within this context the ops add `checkify` checks of runtime values (lengths, page ids).
-
-  Run the function under `jax.experimental.checkify.checkify` to collect the errors:
-      with pallas_kv.checked():
-        err, out = checkify.checkify(jax.jit(f))(...)
+  """Kept for compatibility: the ops always trace their checks of runtime values (lengths, page
+  ids) as `checkify.debug_check`, which report under `jax.experimental.checkify.checkify` and cost
+  nothing outside it:
+      err, out = checkify.checkify(jax.jit(f))(...)
       err.throw()
   """
-  token = _checked.set(enabled)
-  try:
-    yield
-  finally:
-    _checked.reset(token)
-
-
-def checked_enabled() -> bool:
-  return _checked.get()
+  del enabled
+  yield
 
 
 def gpu_device():

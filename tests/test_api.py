@@ -162,21 +162,25 @@ def test_interpret_switches(monkeypatch):
   assert isinstance(mosaic_gpu_backend.interpret_params(), plgpu.InterpretGPUParams)
 
 
-def test_checked_mode_reports_bad_lengths_and_pages():
+def test_checkify_reports_bad_lengths_and_pages_and_one_jit_serves_plain_calls():
   case = make_case(9, batch=2, seq_len=16, page_size=4, lengths=[16, 5])
-  f = lambda bt, n: pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, bt, n, impl="xla")
-  with pkv.checked():
-    err, _ = checkify.checkify(jax.jit(f))(case.block_tables, case.lengths)
-    assert err.get() is None
-    err, _ = checkify.checkify(jax.jit(f))(case.block_tables, jnp.asarray([17, 5], jnp.int32))
-    assert "lengths must lie in" in err.get()
-    bad_tables = case.block_tables.at[1, 0].set(999)
-    err, _ = checkify.checkify(jax.jit(f))(bad_tables, case.lengths)
-    assert "page ids" in err.get()
-    # A bad id in a page past the sequence's length is never read: no error.
-    unused_bad = case.block_tables.at[1, 3].set(999)
-    err, _ = checkify.checkify(jax.jit(f))(unused_bad, case.lengths)
-    assert err.get() is None
+  f = jax.jit(lambda bt, n: pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, bt, n, impl="xla"))
+  plain = f(case.block_tables, case.lengths)   # traced once outside checkify
+  checked = checkify.checkify(f)
+  err, _ = checked(case.block_tables, case.lengths)
+  assert err.get() is None
+  err, _ = checked(case.block_tables, jnp.asarray([17, 5], jnp.int32))
+  assert "lengths must lie in" in err.get()
+  bad_tables = case.block_tables.at[1, 0].set(999)
+  err, _ = checked(bad_tables, case.lengths)
+  assert "page ids" in err.get()
+  # A bad id in a page past the sequence's length is never read: no error.
+  unused_bad = case.block_tables.at[1, 3].set(999)
+  err, _ = checked(unused_bad, case.lengths)
+  assert err.get() is None
+  # Plain calls after checked ones still run (and report nothing).
+  np.testing.assert_array_equal(np.asarray(f(case.block_tables, case.lengths)), np.asarray(plain))
+  f(bad_tables, case.lengths)
 
 
 @pytest.mark.parametrize("impl", ["xla", "triton", "mosaic_gpu"])
