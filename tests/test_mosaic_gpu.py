@@ -177,3 +177,11 @@ def test_load_path_rings_lower_for_cuda(fields, probe):
   args, problem = sweeps.problem_args((32, 8), (128, 4096), None)
   config = mgpu_config.resolve_config(problem, pkv.DecodeConfig(**fields), num_sms=132)
   lower_for_cuda(kernel_variants.kernel_fn(config, problem, paged=False, probe=probe), *args)
+
+
+@pytest.mark.parametrize("page_size", [4, 12, 48])
+def test_page_sizes_it_cannot_tile_are_refused_so_auto_moves_on(page_size):
+  case = make_case(42, batch=1, seq_len=96, num_heads=4, num_kv_heads=2, head_dim=64,
+                   dtype=jnp.bfloat16, page_size=page_size)
+  with pytest.raises(NotImplementedError, match=f"mosaic_gpu.*page_size {page_size} is not supported"):
+    pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths, impl=IMPL)
