@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The measurement suite on an H200, in parts that each fit one ~10-minute command.
-#   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged step tune tune_triton ncu loadpath
+#   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged quantized qprobe step tune
+#   tune_triton ncu loadpath
 #   tune-SWEEP-BACKEND (e.g. TUNE_CASES=32x8192,128x8192 ... tune-gpt_oss_120b-mosaic_gpu)
 #   (and scaling8k scaling32k on a machine with several GPUs)
 # Results (JSON, logs) go to $OUT if set, else bench_out/. Run from the repository root with the
@@ -20,6 +21,13 @@ for part in "$@"; do
                 | quiet | tee "$out/loadpath.log" ;;
     gqa)      python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags --repeats=5 \
                 --json="$out/gqa.json" 2>&1 | quiet | tee "$out/gqa.log" ;;
+    quantized) # int8 / fp8 caches (per-token scales) on both kernels, dense and paged
+              for kv in int8 float8_e4m3fn; do for sweep in gqa_h200 paged16_h200 paged64_h200; do
+                python3 -m benchmarks.decode --flagfile=configs/$sweep.flags --impl=auto,triton,mosaic_gpu \
+                  --kv_dtype=$kv --warmup=2 --repeats=5 --json="$out/${sweep}_$kv.json" 2>&1 | quiet \
+                  | tee "$out/${sweep}_$kv.log"
+              done; done ;;
+    qprobe)   python3 -m benchmarks.quantized_probe --json="$out/qprobe.json" 2>&1 | quiet | tee "$out/qprobe.log" ;;
     paged)    for ps in 16 64; do
                 python3 -m benchmarks.decode --flagfile=configs/paged${ps}_h200.flags --repeats=5 \
                   --json="$out/paged$ps.json" 2>&1 | quiet | tee "$out/paged$ps.log"
@@ -57,7 +65,7 @@ for part in "$@"; do
               ctx=$([ "$part" = scaling8k ] && echo 8192 || echo 32768)
               python3 -m benchmarks.scaling --flagfile=configs/scaling_h200.flags --seq_len=$ctx \
                 --json="$out/$part.json" 2>&1 | quiet | tee "$out/$part.log" ;;
-    *) echo "unknown part: $part (tests variants loadpath gqa paged step tune tune_triton tune-SWEEP-BACKEND ncu scaling8k scaling32k)"; status=2 ;;
+    *) echo "unknown part: $part (tests variants loadpath gqa paged quantized qprobe step tune tune_triton tune-SWEEP-BACKEND ncu scaling8k scaling32k)"; status=2 ;;
   esac
 done
 exit $status
