@@ -192,6 +192,7 @@ def format_table(info: dict, rows: Sequence[dict]) -> str:
            f"  lengths={lengths}  KV {info['kv_bytes'] / 1e6:.1f} MB"
            f"  sets={info['num_sets']}  check: {info['reference']}")
   lines = [title, CASE_HEADER]
+  on_cpu = jax.default_backend() == "cpu"
   for row in rows:
     if row["status"] != "ok":
       lines.append(f"{row['impl']:<17}{row['status']} ({row['reason']})")
@@ -208,8 +209,10 @@ def format_table(info: dict, rows: Sequence[dict]) -> str:
       notes.append(f"host-bound? (enqueue {row['overhead_us']:.1f} us/call)")
     if row["timer"] != "chain-diff":
       notes.append(row["timer"])
+    # The roofline is the H200's (--peak_tbps, --peak_tflops): meaningless on a CPU.
+    roofline = f"{'-':>10}" if on_cpu else f"{row['roofline_pct']:>9.1f}%"
     lines.append(
         f"{row['impl']:<17}{row['time_us']:>10.2f}{row['tbps']:>8.3f}"
-        f"{row['tflops']:>9.2f}{row['roofline_pct']:>9.1f}%{err:>10}  "
+        f"{row['tflops']:>9.2f}{roofline}{err:>10}  "
         + "; ".join(notes))
   return "\n".join(lines)
