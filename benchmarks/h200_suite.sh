@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The measurement suite on an H200, in parts that each fit one ~10-minute command.
-#   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged quantized qprobe step tune
+#   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged quantized qprobe vmap step tune
 #   tune_triton ncu loadpath
 #   tune-SWEEP-BACKEND (e.g. TUNE_CASES=32x8192,128x8192 ... tune-gpt_oss_120b-mosaic_gpu)
 #   (and scaling8k scaling32k on a machine with several GPUs)
@@ -27,6 +27,7 @@ for part in "$@"; do
                   --kv_dtype=$kv --warmup=2 --repeats=5 --json="$out/${sweep}_$kv.json" 2>&1 | quiet \
                   | tee "$out/${sweep}_$kv.log"
               done; done ;;
+    vmap)     python3 -m benchmarks.vmap --json="$out/vmap.json" 2>&1 | quiet | tee "$out/vmap.log" ;;
     qprobe)   python3 -m benchmarks.quantized_probe --json="$out/qprobe.json" 2>&1 | quiet | tee "$out/qprobe.log" ;;
     paged)    for ps in 16 64; do
                 python3 -m benchmarks.decode --flagfile=configs/paged${ps}_h200.flags --repeats=5 \
@@ -65,7 +66,7 @@ for part in "$@"; do
               ctx=$([ "$part" = scaling8k ] && echo 8192 || echo 32768)
               python3 -m benchmarks.scaling --flagfile=configs/scaling_h200.flags --seq_len=$ctx \
                 --json="$out/$part.json" 2>&1 | quiet | tee "$out/$part.log" ;;
-    *) echo "unknown part: $part (tests variants loadpath gqa paged quantized qprobe step tune tune_triton tune-SWEEP-BACKEND ncu scaling8k scaling32k)"; status=2 ;;
+    *) echo "unknown part: $part (tests variants loadpath gqa paged quantized qprobe vmap step tune tune_triton tune-SWEEP-BACKEND ncu scaling8k scaling32k)"; status=2 ;;
   esac
 done
 exit $status

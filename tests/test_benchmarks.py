@@ -304,3 +304,18 @@ def test_kernel_variants_load_path_rows_run_in_interpret_mode(monkeypatch):
   assert names == ["kernel", *(f"probe:{p}" for p in kv.PROBES), *(f"loads:{n}" for n in kv.LOAD_PATH)]
   assert all(r["status"] == "ran" for r in rows), [(r["variant"], r.get("reason")) for r in rows]
   assert rows[-1]["config"]["num_stages"] == list(kv.LOAD_PATH.values())[-1]["num_stages"]
+
+
+def test_vmap_benchmark_times_vmapped_and_batched_rows():
+  from benchmarks import vmap as vmap_bench
+  rows = vmap_bench.run(["2x2x64", "2x2x64p"], ["xla"], warmup=0, iters=1, repeats=1)
+  assert [(r["case"], r["kind"], r["status"]) for r in rows] == [
+      ("2x2x64", "vmapped", "ok"), ("2x2x64", "batched", "ok"), ("2x2x64p", "vmapped", "ok"),
+      ("2x2x64p", "batched", "ok")]
+  # The two forms compute the same attention.
+  vmapped, batched = vmap_bench.make_inputs(2, 2, 64, True, jax.random.key(0))
+  import pallas_kv as pkv
+  a = jax.vmap(pkv.paged_decode_attention)(*vmapped)
+  b = pkv.paged_decode_attention(*batched)
+  np.testing.assert_array_equal(np.asarray(a, np.float32).reshape(b.shape), np.asarray(b, np.float32))
+
