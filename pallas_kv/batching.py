@@ -27,8 +27,9 @@ CACHES = ("k", "v")
 SCALES = ("k_scale", "v_scale")
 
 
-def _broadcast(x, n: int):
-  return jnp.broadcast_to(x, (n, *jnp.shape(x)))
+def _mapped(x, batched: bool, n: int):
+  """x with the leading mapped axis n: as it is if batched, else broadcast."""
+  return x if batched else jnp.broadcast_to(x, (n, *jnp.shape(x)))
 
 
 def _merge(x):
@@ -58,8 +59,7 @@ def fold_dense(n: int, arrays: dict, batched: dict, call: Callable):
     return None
   folded = dict(arrays)
   for name in ("q", "lengths") + CACHES + tuple(_per_token_scales(arrays)):
-    x = arrays[name]
-    folded[name] = _merge(x if batched[name] else _broadcast(x, n))
+    folded[name] = _merge(_mapped(arrays[name], batched[name], n))
   return jax.tree_util.tree_map(lambda r: _split(r, n), call(**folded))
 
 
@@ -71,8 +71,8 @@ def fold_paged(n: int, arrays: dict, batched: dict, call: Callable):
     return None
   folded = dict(arrays)
   for name in ("q", "lengths"):
-    folded[name] = _merge(arrays[name] if batched[name] else _broadcast(arrays[name], n))
-  tables = arrays["block_tables"] if batched["block_tables"] else _broadcast(arrays["block_tables"], n)
+    folded[name] = _merge(_mapped(arrays[name], batched[name], n))
+  tables = _mapped(arrays["block_tables"], batched["block_tables"], n)
   if pools_batched == {True}:   # a pool per element: stack them, offset each element's ids
     num_pages = arrays["k"].shape[1]
     tables = jnp.clip(tables.astype(jnp.int32), 0, num_pages - 1)

@@ -98,9 +98,9 @@ def scale_kind(scale, token_shape: tuple[int, ...]) -> str | None:
 
 
 def check_options(*, scale, softcap, window, sinks, k_scale, v_scale, num_heads: int,
-                  num_kv_heads: int, token_shape: tuple[int, ...] | None = None) -> None:
+                  num_kv_heads: int, token_shape: tuple[int, ...]) -> None:
   """token_shape: the cache's leading dims and Hkv ([B, T, Hkv] or [P, page_size, Hkv]), the
-  shape of a per-token scale; None where the op takes none (MLA)."""
+  shape of a per-token scale."""
   if scale is not None:
     if not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
       raise ValueError(f"scale must be a finite positive Python number or None; got {scale!r}")
@@ -116,14 +116,13 @@ def check_options(*, scale, softcap, window, sinks, k_scale, v_scale, num_heads:
                        f"{getattr(sinks, 'shape', type(sinks).__name__)}")
     if not jnp.issubdtype(sinks.dtype, jnp.floating):
       raise ValueError(f"sinks must be floating point; got dtype {_dtype_name(sinks.dtype)}")
-  shapes = [(), (num_kv_heads,)] + ([tuple(token_shape)] if token_shape is not None else [])
+  shapes = [(), (num_kv_heads,), tuple(token_shape)]
   for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
     if s is None or isinstance(s, numbers.Real) and not isinstance(s, bool):
       continue
     if not hasattr(s, "shape") or tuple(s.shape) not in shapes:
-      per_token = f", or per token and kv head {list(token_shape)}" if token_shape is not None else ""
-      raise ValueError(f"{name} must be a number, a scalar array, an array of shape [Hkv]=({num_kv_heads},)"
-                       f"{per_token}; got {getattr(s, 'shape', type(s).__name__)}")
+      raise ValueError(f"{name} must be a number, a scalar array, an array of shape [Hkv]=({num_kv_heads},), "
+                       f"or per token and kv head {list(token_shape)}; got {getattr(s, 'shape', type(s).__name__)}")
     if not jnp.issubdtype(s.dtype, jnp.floating):
       raise ValueError(f"{name} must be floating point; got dtype {_dtype_name(s.dtype)}")
 

@@ -73,8 +73,7 @@ def attend(q4, k, v, lengths, *, scale, softcap=None, window=None, sinks=None):
   logits = jnp.where(mask, logits, -jnp.inf)
   # Masked keys get probability 0, but 0 x NaN is NaN: values past a sequence's length (stale
   # cache memory, or pages it does not own) must not reach the product either.
-  _, clamped = query_positions(lengths, s, t)
-  in_length = jnp.arange(t, dtype=jnp.int32)[None, :] < clamped[:, None]  # [B, T]
+  in_length = jnp.arange(t, dtype=jnp.int32)[None, :] < lengths.astype(jnp.int32)[:, None]  # [B, T]
   v = jnp.where(in_length[:, :, None, None], v, 0.0)
   row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1))  # [B, Hkv, G, S]
   has_keys = jnp.isfinite(row_max)

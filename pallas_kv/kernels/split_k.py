@@ -213,11 +213,10 @@ def check_packed_args(q, k, v, lengths, block_tables, *, num_queries: int, k_sca
                      f"{block_tables.dtype=}")
 
 
-def compute_dtype(q_dtype, kv_dtype):
+def compute_dtype(kv_dtype):
   """The dtype of the kernels' matmul operands: a 16-bit cache's own; float16 for a one-byte
   cache, which widens to it exactly after the load (int8 and both fp8 kinds are float16 values;
   float16 keeps 3 more mantissa bits of q and P than bfloat16)."""
-  del q_dtype
   if jnp.dtype(kv_dtype) in KV_DTYPES:
     return jnp.dtype(kv_dtype)
   return jnp.dtype(jnp.float16)
@@ -242,7 +241,7 @@ def run(partials: Callable, q, k, lengths, block_tables, *, problem, sinks, retu
   as `kernel_scale` makes them.
   """
   q4, single = validation.query_as_rank4(q)
-  rows = pack_queries(q4, problem.num_kv_heads).astype(compute_dtype(q.dtype, k.dtype))  # [B, Hkv, R = S*G, D]
+  rows = pack_queries(q4, problem.num_kv_heads).astype(compute_dtype(k.dtype))  # [B, Hkv, R = S*G, D]
   num_rows = rows.shape[2]
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, problem.capacity)
   if block_tables is not None:

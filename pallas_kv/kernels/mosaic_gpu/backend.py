@@ -7,7 +7,6 @@ the split-K kernel between the row packing and split merging that both backends 
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kv import runtime
@@ -17,14 +16,7 @@ from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
 
 NAME = mgpu_config.NAME
-
-
-def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
-  """Why this backend cannot serve the call, or None if it can."""
-  reason = mgpu_config.unsupported_reason(op, problem, options, dtypes)
-  if reason is None and jnp.dtype(dtypes[1]) in split_k.QUANTIZED_DTYPES:
-    reason = mgpu_config.quantized_reason(dtypes[1], options.k_scale, options.v_scale, problem)
-  return reason
+unsupported_reason = mgpu_config.unsupported_reason
 
 
 def interpret_params():

@@ -65,6 +65,8 @@ def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
   reason = split_k.unsupported_reason(op, problem, options, dtypes, backend="Mosaic GPU", head_dims=HEAD_DIMS)
   if reason is None and problem.page_size is not None:
     reason = page_size_reason(problem.page_size)
+  if reason is None and jnp.dtype(dtypes[1]) in split_k.QUANTIZED_DTYPES:
+    reason = quantized_reason(dtypes[1], options.k_scale, options.v_scale, problem)
   return reason
 
 

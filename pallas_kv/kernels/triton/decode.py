@@ -220,12 +220,16 @@ def _kernel(q_ref,            # [block_rows, D]   packed rows of this (sequence,
   rows = jnp.arange(st.block_rows, dtype=jnp.int32)[:, None] + row0   # [block_rows, 1]
   cols = jnp.arange(bkv, dtype=jnp.int32)[None, :]                    # [1, bkv]
 
-  def scaled(x, scale_ref, kind, tile, masked):
+  # A kv head's scale is the same for every tile: read it once, outside the loop.
+  k_head_scale = k_scale_ref[head] if st.k_scale == "head" else None
+  v_head_scale = v_scale_ref[head] if st.v_scale == "head" else None
+
+  def scaled(x, scale_ref, kind, head_scale, tile, masked):
     """x [block_rows, bkv] f32 times the tile's per-token or this head's scale (a one-byte cache)."""
     if kind == "token":
       return x * _per_column(_load_tile(scale_ref, block_tables_ref, tile, length, st, masked=masked), x.shape)
     if kind == "head":
-      return x * scale_ref[head]
+      return x * head_scale
     return x
 
   def step(tile, carry, *, masked: bool):
@@ -233,14 +237,14 @@ def _kernel(q_ref,            # [block_rows, D]   packed rows of this (sequence,
     # One-byte caches load as such and widen in registers (their values are exact in float16).
     k = _widen(_load_tile(k_ref, block_tables_ref, tile, length, st, masked=masked), st)   # [bkv, D]
     s = _dot(q, k, trans_b=True)   # [block_rows, bkv] f32
-    s = scaled(s, k_scale_ref, st.k_scale, tile, masked)
+    s = scaled(s, k_scale_ref, st.k_scale, k_head_scale, tile, masked)
     s = online_softmax.log2_logits(s, scale=st.options.scale, softcap=st.options.softcap)
     if masked:
       ok = online_softmax.visible(rows, cols, tile_start=tile * bkv, length=length, num_queries=st.num_queries,
                                   group=G, window=st.options.window)
       s = jnp.where(ok, s, -jnp.inf)
     acc, m_new, l_new, p = online_softmax.softmax_step(s, acc, m_i, l_i)
-    p = scaled(p, v_scale_ref, st.v_scale, tile, masked)   # the sum keeps the unscaled p (l_new)
+    p = scaled(p, v_scale_ref, st.v_scale, v_head_scale, tile, masked)   # the sum keeps the unscaled p (l_new)
     v = _widen(_load_tile(v_ref, block_tables_ref, tile, length, st, masked=masked), st)   # [bkv, D]
     return acc + _dot(p.astype(q.dtype), v), m_new, l_new
 
