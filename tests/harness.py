@@ -130,6 +130,42 @@ def make_case(seed: int, *, batch: int = 3, seq_len: int = 64, num_heads: int = 
   return case
 
 
+def poison_unread_slots(case: Case) -> Case:
+  """The case with values no valid output may depend on replaced by garbage: K = inf and V = NaN
+  past each sequence's length (contiguous, and in each sequence's own pages) and in every page no
+  live table entry names; table entries past a sequence's last page hold -1, the library's
+  unassigned marker (clamped into the pool: page 0, some other sequence's). One-byte integer
+  caches cannot hold NaN: there K and V get their extreme values."""
+  def garbage(x, nan: bool):
+    if jnp.issubdtype(x.dtype, jnp.integer):
+      return jnp.iinfo(x.dtype).max if nan else jnp.iinfo(x.dtype).min
+    return jnp.nan if nan else jnp.inf
+  lengths = np.asarray(case.lengths)
+  t = case.k.shape[1]
+  past = jnp.asarray(np.arange(t)[None, :] >= lengths[:, None])[:, :, None, None]
+  poisoned = dataclasses.replace(case, k=jnp.where(past, garbage(case.k, False), case.k),
+                                 v=jnp.where(past, garbage(case.v, True), case.v))
+  if case.page_size is None:
+    return poisoned
+  ps = case.page_size
+  tables = np.asarray(case.block_tables).copy()
+  k_pages, v_pages = np.asarray(case.k_pages).copy(), np.asarray(case.v_pages).copy()
+  live = set()
+  for b, length in enumerate(lengths):
+    used = -(-int(length) // ps)
+    live.update(tables[b, :used].tolist())
+    for j in range(used):   # the sequence's own pages: slots past its length
+      rows = np.arange(j * ps, (j + 1) * ps) >= length
+      k_pages[tables[b, j], rows] = garbage(k_pages, False)
+      v_pages[tables[b, j], rows] = garbage(v_pages, True)
+    tables[b, used:] = -1
+  for page in set(range(k_pages.shape[0])) - live:
+    k_pages[page], v_pages[page] = garbage(k_pages, False), garbage(v_pages, True)
+  poisoned.k_pages, poisoned.v_pages = jnp.asarray(k_pages), jnp.asarray(v_pages)
+  poisoned.block_tables = jnp.asarray(tables, jnp.int32)
+  return poisoned
+
+
 def shape_dtype_structs(*args):
   return [jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a for a in args]
 

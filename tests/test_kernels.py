@@ -12,6 +12,7 @@ import pytest
 import pallas_kv as pkv
 import sweeps
 from harness import TRITON_CUSTOM_CALL, assert_matches_reference, check_against_reference, lower_for_cuda, make_case
+from harness import poison_unread_slots
 from pallas_kv.kernels.mosaic_gpu import config as mosaic_gpu_config
 from pallas_kv.kernels.triton import config as triton_config
 
@@ -69,6 +70,26 @@ def test_options_interpret(interpret_mode, impl):
   out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=impl,
                              config=_small_config(impl, 3), **kw)
   check_against_reference(case, out, **kw)
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("page_size,num_queries,window", [(None, None, None), (None, 3, 50), (16, 2, None),
+                                                          (64, None, None)])
+def test_garbage_in_unread_slots_never_reaches_an_output(interpret_mode, impl, page_size, num_queries, window):
+  # NaN / inf past each length, in pages no live entry names, behind -1 table entries (page size
+  # below, at and above the tile), against the reference on the clean values.
+  t = SMALL_CONTEXT[impl] if page_size is None else 256
+  case = make_case(7, batch=3, seq_len=t, num_heads=4, num_kv_heads=2, head_dim=64, num_queries=num_queries,
+                   dtype=jnp.bfloat16, page_size=page_size, lengths=[t - 37, 70, 0])
+  bad = poison_unread_slots(case)
+  config = _small_config(impl, 2)
+  if page_size is None:
+    out = pkv.decode_attention(bad.q, bad.k, bad.v, bad.lengths, window=window, return_lse=True, impl=impl,
+                               config=config)
+  else:
+    out = pkv.paged_decode_attention(bad.q, bad.k_pages, bad.v_pages, bad.block_tables, bad.lengths,
+                                     return_lse=True, impl=impl, config=config)
+  check_against_reference(case, out, window=window)
 
 
 @pytest.mark.parametrize("impl", KERNEL_IMPLS)

@@ -168,17 +168,37 @@ class _Static:
     return math.prod(self.grid_shape)
 
 
+def _zero_rows_from(values, valid_rows, layout):
+  """values [bkv, D] (registers, `layout`) with rows >= valid_rows set to 0.
+
+  A masked key gets p = 0, but 0 x NaN = NaN on the tensor cores: values past a sequence's length
+  (stale slots, or the pages of another sequence a tile spans) must be zero before P V reads them.
+  """
+  rows = plgpu.broadcasted_iota(jnp.int32, values.shape, 0, layout=layout)
+  return jnp.where(rows < valid_rows, values, jnp.zeros_like(values))
+
+
 @dataclasses.dataclass(frozen=True)
 class _RingTiles:
   """K or V tiles that wgmma reads straight from their ring slots (a cache in q's dtype).
 
-  fetch(step) waits for the tile of ring step `step` and returns it ([bkv, D] SMEM); tile(step)
+  fetch(step, valid_rows) waits for the tile of ring step `step` and returns it ([bkv, D] SMEM),
+  its rows from valid_rows on zeroed in place when valid_rows < bkv (V's last tile); tile(step)
   returns it without waiting (the caller has fetched it); done(step) gives its slot back.
   """
   ring: pipeline.Ring
 
-  def fetch(self, step):
-    return self.ring.wait(step)
+  def fetch(self, step, valid_rows=None):
+    tile = self.ring.wait(step)
+    if valid_rows is not None:
+      @pl.when(valid_rows < tile.shape[0])
+      def _():
+        # Every consumer warpgroup reading this slot writes the same values: the zeros and the
+        # rows as they were.
+        values = plgpu.load(tile, layout=plgpu.Layout.WGMMA)
+        tile[...] = _zero_rows_from(values, valid_rows, plgpu.Layout.WGMMA)
+        plgpu.commit_smem()   # the stores, before wgmma (and later TMA refills) see the slot
+    return tile
 
   def tile(self, step):
     return self.ring.slot(step)
@@ -199,12 +219,15 @@ class _DequantizedTiles:
   scale_ring: pipeline.Ring | None = None      # per-token scales, or None
   head: Any = None                             # the program's kv head (picks its scales)
 
-  def fetch(self, step):
+  def fetch(self, step, valid_rows=None):
     values = plgpu.load(self.ring.wait(step), layout=plgpu.Layout.WGMMA_8BIT)
     token_scales = None
     if self.scale_ring is not None:
       token_scales = tiling.load_token_scales(self.scale_ring.wait(step), head=self.head)
-    self.dequantized[...] = self.tile_math.dequantize(values, self.dequantized.dtype, token_scales)
+    values = self.tile_math.dequantize(values, self.dequantized.dtype, token_scales)
+    if valid_rows is not None:   # after the scales: a scale past the length may be inf as well
+      values = _zero_rows_from(values, valid_rows, plgpu.Layout.WGMMA_8BIT)
+    self.dequantized[...] = values
     # One proxy fence serves both: TMA may refill the slots read into registers above, and
     # wgmma may read the stores.
     self.ring.release(step, read_by_registers=True)
@@ -330,8 +353,8 @@ def _kernel(q_ref,            # [B, Hkv, rows_padded, D]   GMEM
           @pl.when(step < count)
           def _():
             # Page ids are loaded before waiting for a free slot so their latency overlaps it.
-            where = st.tiling.tile_locations(t0 + step, batch=item.b,
-                                             block_tables_ref=block_tables_ref)
+            where = st.tiling.tile_locations(t0 + step, batch=item.b, block_tables_ref=block_tables_ref,
+                                             length=item.length)
             for role, ring in rings[g].items():
               ring.acquire(steps_before + step)
               ring.commit(steps_before + step, sources[role](where, head=item.head))
@@ -408,8 +431,10 @@ def _consume(q_tile, k_tiles, v_tiles, p_smem, length, row0, t0, t1, a, c, step0
     return math_.softmax(s, acc, m_i, l_i, tile=tile, length=length, row0=row0, masked=masked, st=st,
                          k_scale=k_scale)
 
-  def pv(acc, p16, i):
-    v_tile = v_tiles.fetch(i)    # [bkv, D]
+  def pv(acc, p16, i, tile, masked: bool):
+    # A masked tile may hold rows past the length: V's are zeroed (`_zero_rows_from`).
+    valid_rows = length - tile * st.tiling.block_kv if masked else None
+    v_tile = v_tiles.fetch(i, valid_rows)    # [bkv, D]
     acc = math_.pv(acc, p16, v_tile, p_smem)
     v_tiles.done(i)
     return acc
@@ -431,7 +456,7 @@ def _consume(q_tile, k_tiles, v_tiles, p_smem, length, row0, t0, t1, a, c, step0
       s = pl.run_scoped(qk, s_type)   # [64, bkv]
       k_tiles.done(i)
       acc, m_new, l_i, p16 = softmax(s, tile, acc, m_i, l_i, masked)
-      return pv(acc, p16, i), m_new, l_i
+      return pv(acc, p16, i, tile, masked), m_new, l_i
 
     carry = (acc, m_i, l_i)
   else:
@@ -461,7 +486,7 @@ def _consume(q_tile, k_tiles, v_tiles, p_smem, length, row0, t0, t1, a, c, step0
       def body(s_ref):
         math_.qk(s_ref, q_tile, k_next)
         acc_new, m_new, l_new, p16 = softmax(s, tile, acc, m_i, l_i, masked)
-        acc_new = pv(acc_new, p16, i)
+        acc_new = pv(acc_new, p16, i, tile, masked)
         return acc_new, m_new, l_new, s_ref[...]
 
       carry = pl.run_scoped(body, s_type)
@@ -585,9 +610,10 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   0) where the split saw no valid key). logits = scale * q.k, then softcap * tanh(logits /
   softcap) if softcap.
 
-  Keys past lengths[b] inside the last loaded tile are masked with p = 0, so cache memory there
-  (and its per-token scales) must hold finite values (0 * inf would be NaN); TMA zero-fills past
-  the end of the array.
+  Keys past lengths[b] inside the last loaded tile are masked with p = 0 and their values zeroed,
+  so whatever the cache holds there (NaN, inf, another sequence's pages) never reaches an output;
+  a tile spanning several pages reads the sequence's own last page in place of table entries
+  past the length.
   """
   split_k.check_packed_args(q, k, v, lengths, block_tables, num_queries=num_queries, k_scale=k_scale,
                             v_scale=v_scale)

@@ -123,13 +123,16 @@ class KVTiling:
   def rows_per_copy(self) -> int:
     return self.block_kv // self.copies_per_tile
 
-  def tile_locations(self, tile, *, batch, block_tables_ref=None) -> list[tuple[Any, Any]]:
+  def tile_locations(self, tile, *, batch, block_tables_ref=None, length=None) -> list[tuple[Any, Any]]:
     """Where KV tile `tile` of sequence `batch` lives: one (leading index, first row) per copy.
 
     Contiguous: [(batch, tile * block_kv)]; paged: [(page id, row within the page), ...].
     block_tables_ref: [B, max_pages] int32 in GMEM (paged only). Page ids are read here,
     in-kernel, and clamped into the pool, so a bad or stale table entry never makes a copy read
-    out of bounds. K and V share the locations: compute them once per tile.
+    out of bounds. length: the sequence's length (paged only): a tile that spans several pages
+    and runs past the length copies the sequence's last page again in place of table entries
+    past it, which may name no page or another sequence's. K and V share the locations:
+    compute them once per tile.
     """
     bkv = self.block_kv
     if not self.paged:
@@ -138,8 +141,12 @@ class KVTiling:
       raise ValueError("paged KV needs block_tables")
     ps = self.page_size
 
+    last_column = self.max_pages - 1
+    if length is not None:
+      last_column = jnp.clip((length - 1) // ps, 0, last_column)
+
     def page_id(column):
-      column = jnp.minimum(column, self.max_pages - 1)
+      column = jnp.minimum(column, last_column)
       return jnp.clip(block_tables_ref[batch, column], 0, self.num_pages - 1)
 
     if ps >= bkv:
