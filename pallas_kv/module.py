@@ -57,7 +57,7 @@ def causal_attention(q, k, v, *, scale: float, softcap=None, window=None, sinks=
   b, l, hq, _ = q.shape
   lengths = jnp.full((b,), l, jnp.int32)
   # A prompt's token i attends to tokens j <= i: decode attention with S = L new tokens gives that.
-  out, _ = xla.attend(q, k.astype(jnp.float32), v.astype(jnp.float32), lengths, scale=scale,
+  out, _ = xla.attend(q, k, v, lengths, scale=scale,
                       softcap=softcap, window=window, sinks=sinks)
   return out
 

@@ -1,9 +1,15 @@
-"""The "xla" impl: every op as plain XLA ops, on any device.
+"""The "xla" impl: every op as plain XLA ops, on any device, at the cache's precision.
 
 `impl="xla"` runs these, `impl="auto"` falls back to them where no kernel serves a call, the
 kernel impls take their gradients from them (custom VJP), and `DecodeAttention.prefill` uses
-`attend` for the prompt. Today they compute in float32 throughout, the same math as the oracle
-(`pallas_kv.reference` validates the public arguments and calls these).
+`attend` for the prompt. Unlike the float32 oracle (`pallas_kv.reference`) they never widen the
+cache: both products take the cache's dtype (q is cast to it) and accumulate in float32 on the
+tensor cores; a one-byte cache is widened to q's 16-bit dtype (exact for int8 and fp8) and its
+scales are folded into the logits (K) and the probabilities or the output (V) instead of into a
+scaled copy. Scores and the softmax are float32.
+
+A paged cache is gathered through the block table: every column of the table is read, so the
+table's width bounds the bytes (a caller keeps it as narrow as the longest sequence needs).
 
 Arguments are the public ops' after validation, with `scale` resolved; results are float32.
 """
@@ -15,27 +21,6 @@ import jax.numpy as jnp
 
 from pallas_kv import validation
 from pallas_kv.cache import gather_pages
-
-
-def dequantize(x, scale):
-  """x [B, T, Hkv, D] in the cache dtype -> float32, times a scale: a scalar, one per kv head
-  [Hkv], or one per token and kv head [B, T, Hkv]."""
-  x = x.astype(jnp.float32)
-  if scale is None:
-    return x
-  scale = jnp.asarray(scale, jnp.float32)
-  if scale.ndim == 1:
-    scale = scale.reshape(x.shape[-2], 1)
-  elif scale.ndim == 3:
-    scale = scale[..., None]
-  return x * scale
-
-
-def _gather_scale(scale, block_tables):
-  """A per-token scale of a paged cache [P, page_size, Hkv] -> [B, T, Hkv]; other kinds as they are."""
-  if scale is None or jnp.ndim(scale) != 3:
-    return scale
-  return gather_pages(jnp.asarray(scale), block_tables)
 
 
 def query_positions(lengths, num_queries: int, capacity: int):
@@ -59,22 +44,50 @@ def key_mask(lengths, num_queries: int, capacity: int, window: int | None):
   return mask
 
 
-def attend(q4, k, v, lengths, *, scale, softcap=None, window=None, sinks=None):
-  """The float32 core: q4 [B, S, Hq, D], k [B, T, Hkv, D] f32, v [B, T, Hkv, Dv] f32 ->
-  (out [B, S, Hq, Dv], lse [B, S, Hq]). No validation and no limit on S (prefill uses it too)."""
+def compute_dtype(q_dtype, kv_dtype):
+  """The dtype both products take: the cache's, or q's for a one-byte cache (float32 q: float32)."""
+  if jnp.dtype(kv_dtype).itemsize == 1:
+    return jnp.dtype(q_dtype)
+  return jnp.dtype(kv_dtype)
+
+
+def _per_head_and_token(scale, num_kv_heads: int):
+  """A K or V scale as (per-head [Hkv] f32 or None, per-token [B, Hkv, T] f32 or None)."""
+  if scale is None:
+    return None, None
+  scale = jnp.asarray(scale, jnp.float32)
+  if scale.ndim == 3:
+    return None, jnp.transpose(scale, (0, 2, 1))
+  return jnp.broadcast_to(scale, (num_kv_heads,)), None
+
+
+def attend(q4, k, v, lengths, *, scale, softcap=None, window=None, sinks=None, k_scale=None, v_scale=None):
+  """q4 [B, S, Hq, D]; k [B, T, Hkv, D], v [B, T, Hkv, Dv] in the cache's dtype; k_scale, v_scale:
+  None, a scalar, [Hkv] or per token [B, T, Hkv]. Returns (out [B, S, Hq, Dv], lse [B, S, Hq])
+  in float32. No limit on S (prefill uses it too)."""
   b, s, hq, d = q4.shape
   t, hkv = k.shape[1], k.shape[2]
   g = hq // hkv
-  q = q4.astype(jnp.float32).reshape(b, s, hkv, g, d)
-  logits = jnp.einsum("bshgd,bthd->bhgst", q, k, precision=jax.lax.Precision.HIGHEST) * scale
+  dtype = compute_dtype(q4.dtype, k.dtype)
+  precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+  q = q4.astype(dtype).reshape(b, s, hkv, g, d)
+  logits = jnp.einsum("bshgd,bthd->bhgst", q, k.astype(dtype), precision=precision,
+                      preferred_element_type=jnp.float32)
+  k_head, k_token = _per_head_and_token(k_scale, hkv)
+  if k_head is not None:
+    logits = logits * (k_head * scale)[None, :, None, None, None]
+  else:
+    logits = logits * scale
+  if k_token is not None:
+    logits = logits * k_token[:, :, None, None, :]
   if softcap is not None:
     logits = softcap * jnp.tanh(logits / softcap)
   mask = key_mask(lengths, s, t, window)[:, None, None]  # [B, 1, 1, S, T]
   logits = jnp.where(mask, logits, -jnp.inf)
   # Masked keys get probability 0, but 0 x NaN is NaN: values past a sequence's length (stale
   # cache memory, or pages it does not own) must not reach the product either.
-  in_length = jnp.arange(t, dtype=jnp.int32)[None, :] < lengths.astype(jnp.int32)[:, None]  # [B, T]
-  v = jnp.where(in_length[:, :, None, None], v, 0.0)
+  in_length = jnp.arange(t, dtype=jnp.int32)[None, :] < jnp.clip(lengths.astype(jnp.int32), 0, t)[:, None]
+  v = jnp.where(in_length[:, :, None, None], v.astype(dtype), jnp.zeros((), dtype))
   row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1))  # [B, Hkv, G, S]
   has_keys = jnp.isfinite(row_max)
   if sinks is not None:
@@ -86,7 +99,14 @@ def attend(q4, k, v, lengths, *, scale, softcap=None, window=None, sinks=None):
   denom = row_sum
   if sinks is not None:
     denom = denom + jnp.exp(sink - shift)
-  out = jnp.einsum("bhgst,bthd->bshgd", probs, v, precision=jax.lax.Precision.HIGHEST)
+  v_head, v_token = _per_head_and_token(v_scale, hkv)
+  weights = probs
+  if v_token is not None:   # masked keys: 0 x a scale past the length, which may be inf
+    weights = jnp.where(mask, probs * v_token[:, :, None, None, :], 0.0)
+  out = jnp.einsum("bhgst,bthd->bshgd", weights.astype(dtype), v, precision=precision,
+                   preferred_element_type=jnp.float32)
+  if v_head is not None:
+    out = out * v_head[None, None, :, None, None]
   denom_bshg = jnp.transpose(denom, (0, 3, 1, 2))[..., None]
   out = out / jnp.where(denom_bshg > 0, denom_bshg, 1.0)
   safe_sum = jnp.where(row_sum > 0, row_sum, 1.0)
@@ -101,12 +121,19 @@ def _finish(out, lse, single_token: bool, return_lse: bool):
   return (out, lse) if return_lse else out
 
 
+def _gather_scale(scale, block_tables):
+  """A per-token scale of a paged cache [P, page_size, Hkv] -> [B, T, Hkv]; other kinds as they are."""
+  if scale is None or jnp.ndim(scale) != 3:
+    return scale
+  return gather_pages(jnp.asarray(scale), block_tables)
+
+
 def decode_attention(q, k, v, lengths, *, scale, softcap=None, window=None, sinks=None, k_scale=None,
                      v_scale=None, return_lse=False):
   """Decode attention over a contiguous cache. See `pallas_kv.decode_attention`."""
   q4, single = validation.query_as_rank4(q)
-  out, lse = attend(q4, dequantize(k, k_scale), dequantize(v, v_scale), lengths, scale=scale, softcap=softcap,
-                    window=window, sinks=sinks)
+  out, lse = attend(q4, k, v, lengths, scale=scale, softcap=softcap, window=window, sinks=sinks,
+                    k_scale=k_scale, v_scale=v_scale)
   return _finish(out, lse, single, return_lse)
 
 
@@ -122,6 +149,6 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale,
 def mla_decode_attention(q, kv_pages, block_tables, lengths, *, v_head_dim, scale, return_lse=False):
   """Multi-head latent attention decode. See `pallas_kv.mla_decode_attention`."""
   q4, single = validation.query_as_rank4(q)
-  kv = gather_pages(kv_pages, block_tables).astype(jnp.float32)[:, :, None, :]  # [B, T, 1, Dqk]
+  kv = gather_pages(kv_pages, block_tables)[:, :, None, :]  # [B, T, 1, Dqk]
   out, lse = attend(q4, kv, kv[..., :v_head_dim], lengths, scale=scale)
   return _finish(out, lse, single, return_lse)
