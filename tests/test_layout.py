@@ -18,7 +18,7 @@ LAYERS = [
     {"xla", "batching", "kernels.split_k", "kernels.online_softmax"},
     {"kernels.mosaic_gpu.pipeline", "kernels.mosaic_gpu.tiling"},
     {"kernels.mosaic_gpu.config", "kernels.triton.config"},
-    {"kernels.mosaic_gpu.decode", "kernels.triton.decode"},
+    {"kernels.mosaic_gpu.decode", "kernels.mosaic_gpu.mla", "kernels.triton.decode"},
     {"kernels.mosaic_gpu.backend", "kernels.triton.backend"},
     {"api"},
     {"module", "sharding", "reference"},

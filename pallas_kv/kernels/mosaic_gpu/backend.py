@@ -1,8 +1,8 @@
 """The Mosaic GPU backend as `pallas_kv.api` sees it: what it serves, and the ops on its kernels.
 
-Each op picks a config (explicit, else tuned, else heuristic: `config.resolve_config`) and runs
-the split-K kernel between the row packing and split merging that both backends share
-(`pallas_kv.kernels.split_k`).
+Each op picks a config (explicit, else tuned, else heuristic: `config.resolve_config`, or
+`mla.resolve_config` for MLA) and runs its split-K kernel between the row packing and split
+merging that both backends share (`pallas_kv.kernels.split_k`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pallas_kv.config import DecodeConfig
 from pallas_kv.kernels import split_k
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
+from pallas_kv.kernels.mosaic_gpu import mla as mgpu_mla
 
 NAME = mgpu_config.NAME
 unsupported_reason = mgpu_config.unsupported_reason
@@ -26,8 +27,11 @@ def interpret_params():
 
 def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: DecodeConfig | None, sinks,
         k_scale, v_scale, return_lse: bool):
-  """Runs a call that `unsupported_reason` accepted. k, v are the caches (pages when paged)."""
-  del op  # refused by unsupported_reason: MLA
+  """Runs a call that `unsupported_reason` accepted. k, v are the caches (pages when paged; for MLA
+  both are the latent pool)."""
+  if op == "mla":
+    return run_mla(q, k, lengths, block_tables, problem=problem, options=options, config=config,
+                   return_lse=return_lse)
   config = mgpu_config.resolve_config(problem, config, dtype=k.dtype)
 
   def partials(rows, lengths, block_tables, k_scale, v_scale):
@@ -37,3 +41,20 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: De
 
   return split_k.run(partials, q, k, lengths, block_tables, problem=problem, sinks=sinks, return_lse=return_lse,
                      k_scale=k_scale, v_scale=v_scale)
+
+
+def run_mla(q, kv_pages, lengths, block_tables, *, problem, options, config: DecodeConfig | None,
+            return_lse: bool):
+  """MLA over the latent pool kv_pages [P, page_size, Dqk]: the packed rows of every q head go to
+  `mla.mla_partials` (one latent head: Hkv = 1)."""
+  config = mgpu_mla.resolve_config(problem, config, dtype=kv_pages.dtype)
+
+  def partials(rows, lengths, block_tables, k_scale, v_scale):
+    del k_scale, v_scale   # MLA takes no scales
+    out, lse = mgpu_mla.mla_partials(rows[:, 0], kv_pages, lengths, block_tables,
+                                     num_queries=problem.num_queries, v_head_dim=problem.v_head_dim,
+                                     scale=options.scale, config=config, interpret=interpret_params())
+    return out[:, None], lse[:, None]   # [B, Hkv = 1, splits, R, ...]
+
+  return split_k.run(partials, q, kv_pages, lengths, block_tables, problem=problem, sinks=None,
+                     return_lse=return_lse)

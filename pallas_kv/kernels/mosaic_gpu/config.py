@@ -62,12 +62,31 @@ def page_size_reason(page_size: int) -> str | None:
 
 def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
   """Why this backend cannot serve the call, or None if it can."""
+  if op == "mla":
+    return mla_reason(problem.head_dim, problem.v_head_dim, dtypes[1]) or page_size_reason(problem.page_size)
   reason = split_k.unsupported_reason(op, problem, options, dtypes, backend="Mosaic GPU", head_dims=HEAD_DIMS)
   if reason is None and problem.page_size is not None:
     reason = page_size_reason(problem.page_size)
   if reason is None and jnp.dtype(dtypes[1]) in split_k.QUANTIZED_DTYPES:
     reason = quantized_reason(dtypes[1], options.k_scale, options.v_scale, problem)
   return reason
+
+
+# MLA (mla.py): the value columns are split over two consumer warpgroups in 64-column swizzle
+# tiles, and Q plus two 64-token stages of Dqk columns must fit SMEM (DeepSeek: Dqk 576, Dv 512).
+MLA_MAX_QK_DIM = 576
+MLA_V_DIM_MULTIPLE = 128
+
+
+def mla_reason(qk_dim: int, v_dim: int, kv_dtype) -> str | None:
+  """Why the MLA kernel cannot serve a latent cache of Dqk = qk_dim, Dv = v_dim, or None."""
+  kv_dtype = jnp.dtype(kv_dtype)
+  if kv_dtype not in split_k.KV_DTYPES:
+    return f"MLA needs a bfloat16 or float16 cache on Mosaic GPU, got {kv_dtype.name}"
+  if v_dim % MLA_V_DIM_MULTIPLE or qk_dim % 64 or not v_dim <= qk_dim <= MLA_MAX_QK_DIM:
+    return (f"MLA needs v_head_dim a multiple of {MLA_V_DIM_MULTIPLE} and Dqk a multiple of 64 with "
+            f"v_head_dim <= Dqk <= {MLA_MAX_QK_DIM} on Mosaic GPU, got Dqk {qk_dim}, v_head_dim {v_dim}")
+  return None
 
 
 def quantized_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str | None, problem) -> str | None:

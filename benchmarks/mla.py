@@ -1,0 +1,249 @@
+r"""MLA decode benchmark (DeepSeek-V3 absorbed form: latent 512 + rope 64, paged, bf16).
+
+Usage (from the repository root):
+
+  python -m benchmarks.mla                        # GPU: every row below; CPU: one tiny row
+  python -m benchmarks.mla --rows=h128_b64_t4096,h16_b64_t8192 --json=/tmp/mla.json
+  python -m benchmarks.mla --impl=mosaic_gpu,bf16_einsum --iters=50
+
+Rows (page 64, shuffled pages): 128 heads at (B, T) = (1, 32768), (16, 4096), (64, 4096),
+(128, 8192), and ragged lengths (uniform in [1, 8192], mean ~4096) at B=128; 16 heads at
+(64, 8192); two new tokens (S=2) at (64, 4096).
+
+Impls: `mosaic_gpu` (our kernel), `mosaic_gpu_pqk` (the same with `DecodeConfig(pipeline_qk=True)`:
+the next tile's Q K^T overlaps this tile's softmax), `auto` (what `impl="auto"` picks), `xla`
+(pallas_kv's pure XLA impl), and `bf16_einsum` (written here: XLA einsums over the gathered pages with bf16 operands and
+float32 accumulation, the plain-JAX baseline). Every impl's output of a row is first checked
+against bf16_einsum's (relative error ||out - ref|| / ||ref||, at most 1e-2 for ours), then
+timed with the chain-difference timer (benchmarks/timing.py; inputs rotate past L2). A table of
+us, TFLOP/s, TB/s of KV read and % of the H200 roofline max(bytes / 4.5 TB/s, flops / 790
+TFLOP/s) / time is printed last. Exit status 1 if one of ours raised (other than
+NotImplementedError) or failed the check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import cases
+from benchmarks import cli
+from benchmarks import output
+from benchmarks import runners
+from benchmarks import timing
+
+PAGE_SIZE = 64
+BASELINE = "bf16_einsum"
+# Our kernel with its opt-in schedule: the scorer issues the next tile's Q K^T before this tile's
+# softmax (kernels/mosaic_gpu/mla.py, DecodeConfig.pipeline_qk).
+PIPELINED = "mosaic_gpu_pqk"
+GPU_IMPLS = ("mosaic_gpu", PIPELINED, BASELINE, "xla")
+CPU_IMPLS = ("auto", "xla", BASELINE)
+OUR_IMPLS = runners.OUR_IMPLS + (PIPELINED,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One benchmark row: heads, batch, capacity T, new tokens, ragged lengths, latent dims."""
+  name: str
+  num_heads: int
+  batch: int
+  seq_len: int
+  num_queries: int = 1
+  ragged: bool = False
+  qk_dim: int = cases.MLA_QK_DIM
+  v_dim: int = cases.MLA_V_DIM
+
+  def case(self, dtype: str = "bfloat16") -> cases.Case:
+    sweep = cases.Sweep(op="mla", impls=(OUR_IMPLS[0],), cases=((self.batch, self.seq_len),),
+                        num_heads=self.num_heads, num_queries=self.num_queries, page_size=PAGE_SIZE,
+                        ragged=self.ragged, dtype=dtype, mla_qk_dim=self.qk_dim, mla_v_dim=self.v_dim)
+    return cases.Case.from_sweep(sweep, self.batch, self.seq_len)
+
+
+GPU_ROWS = (
+    Row("h128_b1_t32768", 128, 1, 32768),
+    Row("h128_b16_t4096", 128, 16, 4096),
+    Row("h128_b64_t4096", 128, 64, 4096),
+    Row("h128_b128_t8192", 128, 128, 8192),
+    Row("h128_b128_ragged4096", 128, 128, 8192, ragged=True),
+    Row("h16_b64_t8192", 16, 64, 8192),
+    Row("h128_s2_b64_t4096", 128, 64, 4096, num_queries=2),
+)
+
+
+def cpu_rows() -> tuple[Row, ...]:
+  """One tiny row with small latent dims (the CPU default and the test's)."""
+  return (Row("tiny_cpu", 4, 2, 128, num_queries=2, qk_dim=192, v_dim=128),)
+
+
+# ---------------------------------------------------------------- the bf16 XLA baseline
+
+def bf16_einsum(q, kv_pages, block_tables, lengths, *, v_head_dim: int, scale: float):
+  """MLA decode as XLA einsums: bf16 operands, float32 accumulation and softmax.
+
+  q [B, (S,) Hq, Dqk]; kv_pages [P, page_size, Dqk]; the S new tokens are the last S of
+  lengths[b]. Values past a length are zeroed (with the gather) so that stale memory cannot
+  reach the output.
+  """
+  single = q.ndim == 3
+  q4 = q[:, None] if single else q
+  b, s = q4.shape[:2]
+  kv = kv_pages[block_tables].reshape(b, -1, kv_pages.shape[-1])      # [B, T, Dqk]
+  t = jnp.arange(kv.shape[1], dtype=jnp.int32)
+  kv = jnp.where((t[None, :] < lengths[:, None])[..., None], kv, jnp.zeros((), kv.dtype))
+  logits = jnp.einsum("bshd,btd->bsht", q4.astype(kv.dtype), kv, preferred_element_type=jnp.float32) * scale
+  position = lengths[:, None] - s + jnp.arange(s, dtype=jnp.int32)[None, :]   # [B, S]
+  visible = t[None, None, :] <= position[:, :, None]                          # [B, S, T]
+  logits = jnp.where(visible[:, :, None, :], logits, -jnp.inf)
+  row_max = jnp.max(logits, axis=-1, keepdims=True)
+  p = jnp.exp(logits - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+  denom = jnp.sum(p, axis=-1, keepdims=True)
+  out = jnp.einsum("bsht,btd->bshd", p.astype(kv.dtype), kv[..., :v_head_dim], preferred_element_type=jnp.float32)
+  out = (out / jnp.where(denom > 0, denom, 1.0)).astype(q.dtype)
+  return out[:, 0] if single else out
+
+
+def build_fn(impl: str, row: Row):
+  """The jitted function of an impl on a row's inputs (q, kv_pages, block_tables, lengths)."""
+  scale = float(row.qk_dim) ** -0.5
+  if impl == BASELINE:
+    return jax.jit(lambda *a: bf16_einsum(*a, v_head_dim=row.v_dim, scale=scale))
+  if impl not in OUR_IMPLS:
+    raise ValueError(f"unknown impl {impl!r}; choose from {OUR_IMPLS + (BASELINE,)}")
+  pkv = runners.import_pallas_kv()
+  config = None
+  if impl == PIPELINED:
+    impl, config = "mosaic_gpu", pkv.DecodeConfig(block_kv=64, num_stages=2, pipeline_qk=True)
+  return jax.jit(lambda *a: pkv.mla_decode_attention(*a, v_head_dim=row.v_dim, scale=scale, impl=impl,
+                                                     config=config))
+
+
+# ---------------------------------------------------------------- one row
+
+def run_row(row: Row, impls: Sequence[str], *, warmup: int, iters: int, repeats: int, rotate_bytes: float,
+            seed: int = 0) -> list[dict[str, Any]]:
+  """Checks every impl against the baseline's output, then times it; never raises."""
+  case = row.case()
+  key_len, key_in = jax.random.split(jax.random.key(seed))
+  lengths = cases.make_lengths(case, key_len)
+  costs = case.costs(case.attended_keys(lengths))
+  num_sets = timing.num_rotating_sets(case.rotation_bytes(costs["kv_bytes"]), rotate_bytes)
+  input_sets = cases.make_input_sets(case, key_in, lengths, num_sets)
+  baseline = np.asarray(build_fn(BASELINE, row)(*input_sets[0]), np.float32)
+  rows = []
+  for impl in impls:
+    result: dict[str, Any] = {"row": row.name, "impl": impl, "ours": impl in OUR_IMPLS, **costs,
+                              **dataclasses.asdict(row)}
+    try:
+      fn = build_fn(impl, row)
+      result["rel_err"] = cases.relative_error(np.asarray(fn(*input_sets[0]), np.float32), baseline)
+      if impl == "auto":
+        result["auto_choice"] = runners.auto_choice()
+      t = timing.time_jax(fn, input_sets, warmup=warmup, iters=iters, repeats=repeats)
+    except Exception as e:  # pylint: disable=broad-except
+      result.update(status="n/a" if isinstance(e, NotImplementedError) else "error",
+                    reason=output.error_reason(e), traceback=traceback.format_exc())
+      rows.append(result)
+      continue
+    roofline_s = max(costs["bytes"] / (cases.PEAK_TBPS * 1e12), costs["flops"] / (cases.PEAK_TFLOPS * 1e12))
+    result.update(status="ok", **output.timing_fields(t), tbps=costs["kv_bytes"] / t.median_s / 1e12,
+                  tflops=costs["flops"] / t.median_s / 1e12, roofline_pct=100.0 * roofline_s / t.median_s,
+                  check_ok=result["rel_err"] <= cases.TOLERANCE["bfloat16"])
+    rows.append(result)
+  return rows
+
+
+def format_table(rows: Sequence[dict]) -> str:
+  header = (f"{'row':<22} {'impl':<12} {'us':>9} {'TFLOP/s':>8} {'TB/s':>6} {'roofline%':>9} "
+            f"{'err vs ' + BASELINE:>20}  note")
+  lines = [header, "-" * len(header)]
+  for r in rows:
+    if r["status"] != "ok":
+      lines.append(f"{r['row']:<22} {r['impl']:<12} {r['status']}: {r.get('reason', '')}")
+      continue
+    note = "" if r["check_ok"] or not r["ours"] else "CHECK FAILED"
+    if r.get("auto_choice"):
+      note += f" auto->{r['auto_choice']}"
+    lines.append(f"{r['row']:<22} {r['impl']:<12} {r['time_us']:>9.1f} {r['tflops']:>8.1f} {r['tbps']:>6.2f} "
+                 f"{r['roofline_pct']:>9.1f} {r['rel_err']:>20.2e}  {note.strip()}")
+  return "\n".join(lines)
+
+
+def failed(rows: Sequence[dict]) -> list[dict]:
+  """Our rows that raised something other than NotImplementedError or failed the check."""
+  return [r for r in rows if r["ours"] and (r["status"] == "error" or (r["status"] == "ok" and not r["check_ok"]))]
+
+
+def run(rows: Sequence[Row], *, impls: Sequence[str] | None = None, warmup: int = 1, iters: int = 3,
+        repeats: int = 3, rotate_bytes: float = 0.0, json_path: str | None = None,
+        out: TextIO | None = None) -> list[dict]:
+  """Runs the rows, prints a line per row as it goes and the table last; returns the results."""
+  out = sys.stdout if out is None else out
+  if impls is None:
+    impls = CPU_IMPLS if cases.default_is_cpu() else GPU_IMPLS
+  stamp = output.run_stamp()
+  print(f"# pallas_kv MLA benchmark  device={stamp['device']}  jax={jax.__version__}  page={PAGE_SIZE}  "
+        f"warmup={warmup} iters={iters} repeats={repeats}", file=out, flush=True)
+  results = []
+  for row in rows:
+    row_results = run_row(row, impls, warmup=warmup, iters=iters, repeats=repeats, rotate_bytes=rotate_bytes)
+    for r in row_results:
+      done = f"{r['time_us']:.1f} us, err {r['rel_err']:.1e}" if r["status"] == "ok" else r["status"]
+      print(f"  {row.name} {r['impl']}: {done}", file=out, flush=True)
+    results.extend({**r, **stamp} for r in row_results)
+    if json_path:   # after every row: a run cut short keeps what it finished
+      output.write_json(results, json_path)
+  print(file=out)
+  print(format_table(results), file=out, flush=True)
+  return results
+
+
+# ---------------------------------------------------------------- the program
+
+ALL_ROWS = {row.name: row for row in GPU_ROWS + cpu_rows()}
+
+
+def define_flags() -> None:
+  flags.DEFINE_list("rows", None, f"Rows to run, from {','.join(ALL_ROWS)}. Default: GPU all but "
+                    "tiny_cpu; CPU tiny_cpu.")
+  flags.DEFINE_list("impl", None, f"Impls, from {','.join(OUR_IMPLS + (BASELINE,))}. Default: GPU "
+                    f"{','.join(GPU_IMPLS)}; CPU {','.join(CPU_IMPLS)}.")
+  flags.DEFINE_float("rotate_bytes", None, "Rotate among input sets until their KV totals this many bytes "
+                     "(L2 defeat). Default: GPU 3 x L2, CPU 0.")
+  cli.define_timing_flags({"warmup": "CPU 1, GPU 5", "iters": "CPU 3, GPU 20", "repeats": "CPU 3, GPU 10"})
+  cli.define_output_flags(("json",))
+
+
+def main(argv: Sequence[str]) -> int:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  fv = flags.FLAGS
+  cpu = cases.default_is_cpu()
+  unknown = [name for name in fv.rows or () if name not in ALL_ROWS]
+  if unknown:
+    raise app.UsageError(f"--rows: unknown {unknown}; choose from {','.join(ALL_ROWS)}")
+  rows = [ALL_ROWS[name] for name in fv.rows] if fv.rows else list(cpu_rows() if cpu else GPU_ROWS)
+  defaults = dict(warmup=1, iters=3, repeats=3) if cpu else dict(warmup=5, iters=20, repeats=10)
+  timing_counts = {**defaults, **cli.timing_flags().given()}
+  rotate = fv.rotate_bytes if fv.rotate_bytes is not None else (0.0 if cpu else timing.DEFAULT_ROTATE_BYTES)
+  results = run(rows, impls=fv.impl, rotate_bytes=rotate, json_path=cli.output_paths().json, **timing_counts)
+  bad = failed(results)
+  for r in bad:
+    print(f"FAILED: {r['impl']} on {r['row']}: {r.get('reason', 'check against ' + BASELINE)}\n"
+          f"{r.get('traceback', '')}", file=sys.stderr)
+  return 1 if bad else 0
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

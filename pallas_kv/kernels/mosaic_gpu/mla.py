@@ -1,0 +1,550 @@
+"""Split-K MLA decode (DeepSeek's absorbed form) on Mosaic GPU: one latent KV head, paged.
+
+The cache is kv_pages [P, page_size, Dqk] (Dqk = 512 latent + 64 rope); keys are whole rows and
+values their first Dv (512) columns. Every q head shares the one KV head, so the packed rows
+(S new tokens x Hq heads, `split_k.pack_queries`) are cut into blocks of 64 (wgmma M) and the grid
+is (row block, split, sequence): the row blocks of one token range run side by side and read
+the same KV, mostly from L2.
+
+Three warpgroups per program:
+  producer  TMA-copies each KV tile [bkv, Dqk] once into an SMEM ring (`pipeline.Ring`; one copy
+            per page when a tile spans pages, `tiling.KVTiling`);
+  scorer    (consumer 0) S = Q K^T on the tensor cores, the masked online softmax in float32,
+            P (bf16) and the row rescale alpha into SMEM for both consumers, then
+            O[:, :Dv/2] += P V[:, :Dv/2];
+  partner   (consumer 1) O[:, Dv/2:] = alpha O[:, Dv/2:] + P V[:, Dv/2:].
+The 64 x 512 float32 output accumulator would take 256 registers per thread in one warpgroup;
+split by value columns it takes 128 in each (FlashMLA's plan). V is the K tile itself, read by
+wgmma as is (no second load); P lives in one SMEM buffer handed over with two barriers
+(`_SharedP`). The partner's P V overlaps the scorer's next Q K^T and softmax. Opt-in
+(`DecodeConfig.pipeline_qk`): the scorer issues tile i+1's Q K^T before tile i's softmax, so the
+tensor cores also work while it runs (FA3's intra-warpgroup overlap; not yet measured).
+
+SMEM at Dqk 576 (bf16): Q 72 KiB + two 64 x 576 stages 144 KiB + P 8 KiB + alpha / row sums
+= 225 KiB of the 227 (`MlaSmem`); the float32 output staging (128 KiB) reuses the ring. The split
+count fills about one wave of 132 SMs (`resolve_config`).
+
+Values past a sequence's length (stale memory, pages its table does not name, NaN) never reach an
+output: scores there are replaced by -inf, and the scorer zeroes those rows of the tile's first
+Dv columns in SMEM before either product reads them (0 x NaN would be NaN).
+
+Each split writes its normalised partial output and natural-log LSE; `split_k.merge_splits`
+merges them (a second, small XLA launch). With one split the kernel writes q's dtype directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kv import runtime
+from pallas_kv.config import DecodeConfig
+from pallas_kv.kernels import online_softmax
+from pallas_kv.kernels import split_k
+from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
+from pallas_kv.kernels.mosaic_gpu import pipeline
+from pallas_kv.kernels.mosaic_gpu import tiling
+
+ROWS = mgpu_config.ROWS_PER_WG     # packed query rows per program (wgmma M)
+VALUE_WGS = 2                      # consumers, each owning Dv / 2 value columns
+SCORER, PARTNER, PRODUCER = 0, 1, 2
+PRODUCER_REGISTERS = 40
+CONSUMER_REGISTERS = 232           # (512 - 40) / 2, a multiple of 8
+BLOCK_KV = 64                      # wgmma K of P V; two 64 x 576 tiles + Q fill SMEM
+# TMA stores need 16-byte rows: the lse output is padded to a multiple of 4 float32 rows.
+LSE_ROW_MULTIPLE = 4
+# Row reductions of the WGMMA layout stay inside a warp: no cross-warp scratch is needed, and the
+# 64 x 576 tiles leave none to spare.
+REDUCTION_SCRATCH_BYTES = 0
+
+
+# ---------------------------------------------------------------- SMEM layout, config
+
+@dataclasses.dataclass(frozen=True)
+class MlaSmem:
+  """The SMEM layout of one program; the single source for scratch and for the fit check.
+
+  q        [64, Dqk]  dtype, swizzled          packed query rows (wgmma A of Q K^T)
+  union    ring [num_stages, bkv, Dqk] dtype, swizzled   | (out [2, 64, Dv/2] out_dtype,
+                                                            lse [64] f32)   after the loop
+  p        [64, bkv]  dtype, swizzled          P of the current tile (wgmma A of P V)
+  rows     [2, 64]    f32                      alpha of the current tile; the final row sum
+  barriers: ring produced / consumed per slot, q, p_ready, p_free, consumers_done.
+  """
+  qk_dim: int
+  v_dim: int
+  dtype: Any
+  out_dtype: Any
+  block_kv: int = BLOCK_KV
+  num_stages: int = 2
+  copies_per_tile: int = 1
+
+  def __post_init__(self):
+    object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+    object.__setattr__(self, "out_dtype", jnp.dtype(self.out_dtype))
+
+  @property
+  def half_v(self) -> int:
+    return self.v_dim // VALUE_WGS
+
+  def ring_spec(self) -> pipeline.RingSpec:
+    return pipeline.RingSpec(num_stages=self.num_stages, block_shape=(self.block_kv, self.qk_dim),
+                             dtype=self.dtype, transforms=tiling.smem_transforms(self.dtype, self.qk_dim),
+                             copies_per_slot=self.copies_per_tile, num_consumers=VALUE_WGS)
+
+  def scratch_types(self) -> dict[str, Any]:
+    ring = self.ring_spec()
+    produced, consumed = ring.barrier_types()
+    out_stage = (plgpu.SMEM((VALUE_WGS, ROWS, self.half_v), self.out_dtype),
+                 plgpu.SMEM((ROWS,), jnp.float32))
+    return dict(
+        q_smem=plgpu.SMEM((ROWS, self.qk_dim), self.dtype,
+                          transforms=tiling.smem_transforms(self.dtype, self.qk_dim)),
+        # The output staging reuses the ring's memory once every tile is consumed.
+        union=plgpu.RefUnion(ring.buffer_type(), out_stage),
+        p_smem=plgpu.SMEM((ROWS, self.block_kv), self.dtype,
+                          transforms=tiling.smem_transforms(self.dtype, self.block_kv)),
+        row_smem=plgpu.SMEM((2, ROWS), jnp.float32),
+        produced=produced, consumed=consumed,
+        q_barrier=plgpu.Barrier(),
+        p_ready=plgpu.Barrier(),
+        p_free=plgpu.Barrier(),
+        consumers_done=plgpu.Barrier(num_arrivals=VALUE_WGS))
+
+  @property
+  def nbytes(self) -> int:
+    """SMEM bytes the kernel asks for (allocations aligned as Mosaic GPU aligns them)."""
+    align = pipeline.align_up
+    ring = self.ring_spec()
+    out_stage = align(ROWS * self.v_dim * self.out_dtype.itemsize) + ROWS * 4
+    q = ROWS * self.qk_dim * self.dtype.itemsize
+    p = ROWS * self.block_kv * self.dtype.itemsize
+    barriers = ring.barrier_bytes + 4 * pipeline.BARRIER_BYTES
+    return (align(q) + align(max(ring.buffer_bytes, out_stage)) + align(p) + align(2 * ROWS * 4)
+            + align(REDUCTION_SCRATCH_BYTES) + barriers)
+
+  @property
+  def fits(self) -> bool:
+    return self.nbytes <= mgpu_config.SMEM_CAPACITY_BYTES
+
+  @classmethod
+  def for_call(cls, config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, page_size: int,
+               single_split: bool | None = None) -> "MlaSmem":
+    """single_split None sizes the float32 staging of a partial (the larger)."""
+    return cls(qk_dim=qk_dim, v_dim=v_dim, dtype=dtype, out_dtype=dtype if single_split else jnp.float32,
+               block_kv=config.block_kv, num_stages=config.num_stages,
+               copies_per_tile=mgpu_config.copies_per_tile(config.block_kv, page_size))
+
+
+def row_blocks(rows: int) -> int:
+  """Programs per (sequence, split): one per 64 packed rows."""
+  return split_k.cdiv(rows, ROWS)
+
+
+def check_config(config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, page_size: int) -> None:
+  """What the MLA kernel needs of a resolved config beyond `DecodeConfig`'s own rules."""
+  if config.num_splits is None:
+    raise ValueError("config.num_splits must be resolved (resolve_config) before the kernel runs")
+  if config.block_kv != BLOCK_KV:
+    raise ValueError(f"config.block_kv={config.block_kv} must be {BLOCK_KV} for MLA on mosaic_gpu "
+                     "(wgmma K of P V; larger tiles of Dqk columns leave no room for two stages)")
+  if config.num_stages < 2:
+    raise ValueError(f"config.num_stages={config.num_stages} must be >= 2 for MLA (the next tile loads "
+                     "while this one is used)")
+  if config.kv_groups != 1 or config.persistent:
+    raise ValueError(f"MLA on mosaic_gpu takes neither kv_groups nor persistent; got {config}")
+  reason = mgpu_config.page_size_reason(page_size)
+  if reason:
+    raise NotImplementedError(f"mosaic_gpu: {reason}")
+  smem = MlaSmem.for_call(config, qk_dim=qk_dim, v_dim=v_dim, dtype=dtype, page_size=page_size)
+  if not smem.fits:
+    raise ValueError(f"num_stages={config.num_stages} of {config.block_kv} x {qk_dim} tiles needs {smem.nbytes} "
+                     f"bytes of SMEM, over the {mgpu_config.SMEM_CAPACITY_BYTES} available; use fewer stages")
+
+
+def heuristic_config(problem, *, dtype: Any = "bfloat16") -> DecodeConfig:
+  """64-token tiles and the deepest ring that fits (2 stages at Dqk 576, as FlashMLA)."""
+  config = DecodeConfig(block_kv=BLOCK_KV, num_stages=2)
+  while True:
+    deeper = dataclasses.replace(config, num_stages=config.num_stages + 1)
+    smem = MlaSmem.for_call(deeper, qk_dim=problem.head_dim, v_dim=problem.v_head_dim, dtype=dtype,
+                            page_size=problem.page_size)
+    if deeper.num_stages > 4 or not smem.fits:
+      return config
+    config = deeper
+
+
+def resolve_config(problem, config: DecodeConfig | None, *, dtype: Any = "bfloat16",
+                   num_sms: int | None = None) -> DecodeConfig:
+  """An explicit config, else the heuristic one; a split count left None fills about one wave."""
+  if config is None:
+    config = heuristic_config(problem, dtype=dtype)
+  if config.num_splits is None:
+    splits = split_k.choose_num_splits(
+        batch=problem.batch, num_kv_heads=1, row_blocks=row_blocks(problem.num_queries * problem.num_heads),
+        capacity=problem.capacity, block_kv=config.block_kv, num_sms=num_sms or runtime.num_sms())
+    config = dataclasses.replace(config, num_splits=splits)
+  return config
+
+
+# ---------------------------------------------------------------- per-tile pieces
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """Everything the kernel body needs to know at trace time."""
+  num_queries: int      # S
+  group: int            # Hq: packed row r is token r // Hq of head r % Hq
+  out_rows: int         # rows of the out array
+  lse_rows: int         # rows of the lse array (multiple of 4)
+  num_row_blocks: int
+  num_splits: int
+  batch: int
+  scale: float
+  tiling: tiling.KVTiling
+  smem: MlaSmem
+  interpret: bool       # GPU interpret mode (jax 0.11.2) cannot run pl.run_state
+  pipeline_qk: bool = False   # the scorer issues tile i+1's Q K^T before tile i's softmax
+
+  @property
+  def half_v(self) -> int:
+    return self.smem.half_v
+
+  @property
+  def grid(self) -> tuple[int, int, int]:
+    return (self.num_row_blocks, self.num_splits, self.batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SharedP:
+  """The scorer's P and row rescale of the current tile, handed to the partner through SMEM.
+
+  p [64, bkv] (wgmma A operand), rows [2, 64] f32: row 0 alpha, row 1 the final row sum.
+  p_ready: the scorer stored P and alpha (one arrival); p_free: the partner's P V is done with
+  them (one arrival). Each side visits every tile in order (barrier phases are per thread).
+  """
+  p: Any
+  rows: Any
+  ready: Any
+  free: Any
+
+  def publish(self, p16, alpha, *, wait_free):
+    """Scorer: waits until the partner is done with the previous tile's P, then stores this one."""
+    @pl.when(wait_free)
+    def _():
+      plgpu.barrier_wait(self.free)
+    self.p[...] = p16
+    self.rows[0] = alpha
+    plgpu.commit_smem()   # generic-proxy stores, read next by wgmma (the async proxy)
+    plgpu.barrier_arrive(self.ready)
+
+  def receive(self):
+    """Partner: waits for the tile's P; returns alpha [64] f32 (WGMMA row layout)."""
+    plgpu.barrier_wait(self.ready)
+    return plgpu.load(self.rows.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+
+  def hand_back(self):
+    plgpu.barrier_arrive(self.free)
+
+
+def _row_vector(x, shape):
+  return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _zero_values_past(slot, valid_rows, st: _Static):
+  """Zeroes rows >= valid_rows of the tile's value columns [bkv, :Dv] in SMEM, in 64-column
+  chunks (a whole [bkv, Dv] tile would not fit the registers beside the accumulator)."""
+  for c in range(st.smem.v_dim // 64):
+    chunk = slot.at[:, pl.ds(c * 64, 64)]
+    values = plgpu.load(chunk, layout=plgpu.Layout.WGMMA)
+    rows = plgpu.broadcasted_iota(jnp.int32, values.shape, 0, layout=plgpu.Layout.WGMMA)
+    chunk[...] = jnp.where(rows < valid_rows, values, jnp.zeros_like(values))
+  plgpu.commit_smem()   # before wgmma (the async proxy) reads the tile
+
+
+def _pv(acc, p_smem, v_tile, st: _Static):
+  """acc + P @ V on the tensor cores: acc [64, Dv/2] f32 (WGMMA layout), P and V in SMEM."""
+  if st.interpret:
+    def staged(acc_ref):
+      plgpu.wgmma(acc_ref, p_smem, v_tile)
+      return acc_ref[...]
+    return acc + pl.run_scoped(staged, plgpu.ACC(acc.shape, jnp.float32))
+
+  def mma(acc_ref):
+    plgpu.wgmma(acc_ref, p_smem, v_tile)
+  return pl.run_state(mma)(plgpu.ACC.init(acc))
+
+
+def _softmax_step(s, m_i, l_i, *, tile, length, row0, masked: bool, st: _Static):
+  """One tile of the online softmax on raw scores s [64, bkv] f32: (alpha, m, l, p f32)."""
+  s = online_softmax.log2_logits(s, scale=st.scale, softcap=None)
+  if masked:
+    rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA) + row0
+    cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+    ok = online_softmax.visible(rows, cols, tile_start=tile * st.tiling.block_kv, length=length,
+                                num_queries=st.num_queries, group=st.group, window=None)
+    s = jnp.where(ok, s, -jnp.inf)   # also drops NaN scores of keys past the length
+  m_new = jnp.maximum(m_i, s.max(axis=1))
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # no key yet: exp2 gives 0, not NaN
+  alpha = jnp.exp2(m_i - m_use)
+  p = jnp.exp2(s - _row_vector(m_use, s.shape))
+  return alpha, m_new, l_i * alpha + p.sum(axis=1), p
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scores:
+  """Starts S = Q K^T of a tile (its ring slot [bkv, Dqk]) into s_ref [64, bkv] f32, after zeroing
+  the values of rows past the length (only a sequence's last tile has any)."""
+  q_smem: Any
+  length: Any
+  st: _Static
+
+  def start(self, s_ref, tile, slot):
+    valid_rows = self.length - tile * self.st.tiling.block_kv
+
+    @pl.when(valid_rows < self.st.tiling.block_kv)
+    def _():
+      _zero_values_past(slot, valid_rows, self.st)
+
+    plgpu.wgmma(s_ref, self.q_smem, slot.transpose((1, 0)))
+
+
+def _score_tiles(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0, t1, c, *, length, row0,
+                 st: _Static):
+  """The scorer's loop over tiles [t0, t1) ([c, t1) masked): returns (acc, m, l).
+
+  Plain: per tile, Q K^T, softmax, publish P, P V. pipeline_qk: tile i+1's Q K^T is issued before
+  tile i's softmax, so that the tensor cores work while the softmax runs (its slot is held one
+  tile longer; the last step scores its own tile again rather than branch around the wgmma).
+  """
+  s_type = plgpu.ACC((ROWS, st.tiling.block_kv), jnp.float32)
+  rows_layout = plgpu.Layout.WGMMA.reduce(1)
+
+  def finish(s, tile, acc, m_i, l_i, slot, masked):
+    """Softmax of tile's scores s, P to the partner, acc + P V[:, :Dv/2]."""
+    alpha, m_new, l_new, p = _softmax_step(s, m_i, l_i, tile=tile, length=length, row0=row0, masked=masked, st=st)
+    shared.publish(p.astype(st.smem.dtype), alpha, wait_free=tile > t0)
+    acc = _pv(acc * _row_vector(alpha, acc.shape), shared.p, slot.at[:, pl.ds(0, st.half_v)], st)
+    return acc, m_new, l_new
+
+  acc = plgpu.layout_cast(jnp.zeros((ROWS, st.half_v), jnp.float32), plgpu.Layout.WGMMA)
+  m_i = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), rows_layout)
+  l_i = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), rows_layout)
+
+  if not st.pipeline_qk:
+    def step(tile, carry, *, masked: bool):
+      i = tile - t0
+      slot = ring.wait(i)   # [bkv, Dqk]
+
+      def qk(s_ref):
+        scores.start(s_ref, tile, slot)
+        return s_ref[...]
+
+      carry = finish(pl.run_scoped(qk, s_type), tile, *carry, slot, masked)
+      ring.release(i)
+      return carry
+
+    carry = (acc, m_i, l_i)
+  else:
+    def first(s_ref):
+      @pl.when(t1 > t0)
+      def _():
+        scores.start(s_ref, t0, ring.wait(0))
+      return s_ref[...]
+
+    def step(tile, carry, *, masked: bool):
+      acc, m_i, l_i, s = carry
+      i = tile - t0
+      has_next = tile + 1 < t1
+
+      @pl.when(has_next)
+      def _():
+        ring.wait(i + 1)
+
+      scored = jnp.where(has_next, tile + 1, tile)
+
+      def body(s_ref):
+        scores.start(s_ref, scored, ring.slot(scored - t0))
+        return (*finish(s, tile, acc, m_i, l_i, ring.slot(i), masked), s_ref[...])
+
+      carry = pl.run_scoped(body, s_type)
+      ring.release(i)
+      return carry
+
+    carry = (acc, m_i, l_i, pl.run_scoped(first, s_type))
+
+  carry = lax.fori_loop(t0, c, functools.partial(step, masked=False), carry)
+  carry = lax.fori_loop(c, t1, functools.partial(step, masked=True), carry)
+  return carry[:3]
+
+
+# ---------------------------------------------------------------- the kernel
+
+def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
+            kv_ref,             # [P, page_size, 1, Dqk]  GMEM
+            lengths_ref,        # [B] int32
+            block_tables_ref,   # [B, max_pages] int32
+            out_ref,            # [B, splits, out_rows, Dv]  f32, or q's dtype with one split
+            lse_ref,            # [B, splits, lse_rows] f32
+            *, st: _Static, q_smem, union, p_smem, row_smem, produced, consumed, q_barrier, p_ready,
+            p_free, consumers_done):
+  ring_slots, (out_smem, lse_smem) = union
+  ring = pipeline.Ring(st.smem.ring_spec(), ring_slots, produced, consumed)
+  shared = _SharedP(p_smem, row_smem, p_ready, p_free)
+  row_block, split, b = lax.axis_index("rows"), lax.axis_index("split"), lax.axis_index("batch")
+  length = jnp.clip(lengths_ref[b], 0, st.tiling.max_pages * st.tiling.page_size)
+  t0, t1, _, c = split_k.split_tile_range(length, split, block_kv=st.tiling.block_kv,
+                                          num_queries=st.num_queries, num_splits=st.num_splits, window=None)
+  row0 = row_block * ROWS
+  wg = lax.axis_index("wg")
+
+  @pl.when(wg == PRODUCER)
+  def _producer():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+    @pl.loop(0, t1 - t0)
+    def _(step):
+      # Page ids are read before waiting for the slot, so that their latency overlaps the wait.
+      where = st.tiling.tile_locations(t0 + step, batch=b, block_tables_ref=block_tables_ref)
+      ring.acquire(step)
+      ring.commit(step, st.tiling.tile_sources(kv_ref, where, head=0))
+
+    ring.drain(t1 - t0)
+
+  @pl.when(wg == SCORER)
+  def _scorer():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, ROWS)], q_smem, q_barrier)
+    plgpu.barrier_wait(q_barrier)
+    scores = _Scores(q_smem=q_smem, length=length, st=st)
+    acc, m_i, l_i = _score_tiles(scores, shared, ring, t0, t1, c, length=length, row0=row0, st=st)
+
+    @pl.when(t1 > t0)
+    def _():
+      plgpu.barrier_wait(p_free)   # the partner's last P V: observe every phase of the barrier
+
+    out, lse = online_softmax.finalize(acc, m_i, l_i)
+    row_smem[1] = l_i
+    _store(out, lse, 0, out_smem, lse_smem, out_ref, lse_ref, consumers_done, b=b, split=split, row0=row0, st=st)
+
+  @pl.when(wg == PARTNER)
+  def _partner():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+
+    def step(tile, acc):
+      i = tile - t0
+      slot = ring.wait(i)
+      alpha = shared.receive()
+      acc = _pv(acc * _row_vector(alpha, acc.shape), shared.p, slot.at[:, pl.ds(st.half_v, st.half_v)], st)
+      shared.hand_back()
+      ring.release(i)
+      return acc
+
+    acc = plgpu.layout_cast(jnp.zeros((ROWS, st.half_v), jnp.float32), plgpu.Layout.WGMMA)
+    acc = lax.fori_loop(t0, t1, step, acc)
+    _store(acc, None, 1, out_smem, lse_smem, out_ref, lse_ref, consumers_done, b=b, split=split, row0=row0,
+           st=st, row_sum=row_smem.at[1])
+
+
+def _store(out, lse, half: int, out_smem, lse_smem, out_ref, lse_ref, consumers_done, *, b, split, row0,
+           st: _Static, row_sum=None):
+  """Stores one consumer's half of the output (and the scorer's lse) to GMEM.
+
+  The scorer passes its normalised half and the lse, after putting its row sums in SMEM; the
+  partner passes its raw accumulator and row_sum (the SMEM row sums), read once both are here.
+  """
+  # The staging buffers alias the ring: wait until both consumers are done reading it (and the
+  # scorer has stored its row sums).
+  plgpu.barrier_arrive(consumers_done)
+  plgpu.barrier_wait(consumers_done)
+  if row_sum is not None:
+    l = plgpu.load(row_sum, layout=plgpu.Layout.WGMMA.reduce(1))
+    out = out / _row_vector(jnp.where(l > 0, l, 1.0), out.shape)
+  out_smem[half] = out.astype(out_smem.dtype)
+  if lse is not None:
+    lse_smem[...] = lse
+  plgpu.commit_smem()
+  columns = pl.ds(half * st.half_v, st.half_v)
+  if st.num_row_blocks == 1:   # static row counts: only the real rows (lse padded to 16 bytes)
+    n_out, n_lse = st.out_rows, st.lse_rows
+    plgpu.copy_smem_to_gmem(out_smem.at[half, pl.ds(0, n_out)], out_ref.at[b, split, pl.ds(0, n_out), columns])
+    if lse is not None:
+      plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, n_lse)], lse_ref.at[b, split, pl.ds(0, n_lse)])
+  else:
+    plgpu.copy_smem_to_gmem(out_smem.at[half], out_ref.at[b, split, pl.ds(row0, ROWS), columns])
+    if lse is not None:
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(row0, ROWS)])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _build(st: _Static, interpret: Any):
+  out_type = (jax.ShapeDtypeStruct((st.batch, st.num_splits, st.out_rows, st.smem.v_dim), st.smem.out_dtype),
+              jax.ShapeDtypeStruct((st.batch, st.num_splits, st.lse_rows), jnp.float32))
+  name = (f"pallas_kv_mla_paged_r{st.num_queries * st.group}_d{st.smem.qk_dim}_v{st.smem.v_dim}"
+          f"_bkv{st.tiling.block_kv}_st{st.smem.num_stages}_sp{st.num_splits}_ps{st.tiling.page_size}"
+          f"{'_pqk' if st.pipeline_qk else ''}")
+  return plgpu.kernel(
+      functools.partial(_kernel, st=st),
+      out_type=out_type,
+      scratch_types=st.smem.scratch_types(),
+      grid=st.grid,
+      grid_names=("rows", "split", "batch"),
+      num_threads=VALUE_WGS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES),
+      interpret=interpret,
+      kernel_name=name,
+  )
+
+
+def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head_dim: int, scale: float,
+                 config: DecodeConfig, interpret: Any = False):
+  """Split-K partials of MLA decode over a paged latent cache.
+
+  q: [B, R, Dqk] packed rows in the cache's dtype (bf16 / fp16), R = num_queries * Hq, row
+    r = s * Hq + h is new token s of head h; token s of sequence b sits at lengths[b] - S + s and
+    sees keys t <= that position.
+  kv_pages: [P, page_size, Dqk]; keys are whole rows, values the first v_head_dim columns.
+  lengths: int32 [B] (clamped to the capacity); block_tables: int32 [B, max_pages] (page ids are
+    clamped into the pool in-kernel).
+  config: a resolved DecodeConfig (`resolve_config`), checked by `check_config`.
+  interpret: False, or a plgpu.InterpretGPUParams (run on the CPU in interpret mode).
+
+  Returns (out [B, splits, R, v_head_dim], each split's normalised output: float32, or q's dtype
+  when there is one split; lse [B, splits, R] float32, natural log, -inf where a split saw no key).
+  """
+  if q.ndim != 3 or kv_pages.ndim != 3 or q.shape[2] != kv_pages.shape[2]:
+    raise ValueError(f"q [B, R, Dqk] and kv_pages [P, page_size, Dqk] must share Dqk: {q.shape=} {kv_pages.shape=}")
+  if q.dtype != kv_pages.dtype or jnp.dtype(q.dtype) not in split_k.KV_DTYPES:
+    raise ValueError(f"q and kv_pages must share a 16-bit dtype, got {q.dtype=} {kv_pages.dtype=}")
+  B, R, D = q.shape
+  if R % num_queries:
+    raise ValueError(f"{num_queries=} must divide the packed rows {R=}")
+  reason = mgpu_config.mla_reason(D, v_head_dim, kv_pages.dtype)
+  if reason:
+    raise NotImplementedError(f"mosaic_gpu: {reason}")
+  page_size = kv_pages.shape[1]
+  check_config(config, qk_dim=D, v_dim=v_head_dim, dtype=q.dtype, page_size=page_size)
+  kv_tiling = tiling.KVTiling(config.block_kv, D, kv_pages.dtype, page_size=page_size,
+                              num_pages=kv_pages.shape[0], max_pages=block_tables.shape[1])
+  num_row_blocks = row_blocks(R)
+  rows_padded = num_row_blocks * ROWS
+  out_rows = R if num_row_blocks == 1 else rows_padded
+  single = config.num_splits == 1
+  st = _Static(num_queries=num_queries, group=R // num_queries, out_rows=out_rows,
+               lse_rows=split_k.round_up(out_rows, LSE_ROW_MULTIPLE), num_row_blocks=num_row_blocks,
+               num_splits=config.num_splits, batch=B, scale=float(scale), tiling=kv_tiling,
+               smem=MlaSmem.for_call(config, qk_dim=D, v_dim=v_head_dim, dtype=q.dtype, page_size=page_size,
+                                     single_split=single),
+               interpret=bool(interpret), pipeline_qk=config.pipeline_qk)
+  if rows_padded != R:
+    q = jnp.pad(q, ((0, 0), (0, rows_padded - R), (0, 0)))
+  kv = kv_pages.reshape(*kv_pages.shape[:2], 1, D)   # KVTiling's [P, page_size, Hkv, D]
+  out, lse = _build(st, interpret or None)(q, kv, lengths, block_tables)
+  return out[:, :, :R], lse[:, :, :R]

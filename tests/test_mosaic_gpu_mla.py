@@ -1,0 +1,254 @@
+"""The Mosaic GPU MLA kernel (kernels/mosaic_gpu/mla.py): numerics in GPU interpret mode on small
+latent dims (Dqk 192 / Dv 128 keep the CPU simulation quick; the kernel is the same code at
+576 / 512), garbage past lengths and in unnamed pages, race detection, what it refuses, CUDA
+lowering of the shipped configs at the benchmark shapes, and real shapes on a GPU."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kv as pkv
+from harness import assert_lse_matches, assert_matches_reference, lower_for_cuda, paginate
+from pallas_kv import validation
+from pallas_kv.kernels.mosaic_gpu import mla as mgpu_mla
+
+IMPL = "mosaic_gpu"
+SMALL_QK, SMALL_V = 192, 128      # 128 latent + 64 rope
+QK, V = 576, 512                  # DeepSeek-V3
+
+
+def _case(seed, *, batch, seq_len, num_heads, num_queries, page_size, lengths, qk_dim=SMALL_QK,
+          dtype=jnp.bfloat16):
+  """(q [B, (S,) Hq, Dqk], kv_pages [P, page_size, Dqk] shuffled, block_tables, lengths)."""
+  rng = np.random.default_rng(seed)
+  shape = (batch, num_heads, qk_dim) if num_queries is None else (batch, num_queries, num_heads, qk_dim)
+  q = jnp.asarray(rng.standard_normal(shape), dtype)
+  kv = jnp.asarray(rng.standard_normal((batch, seq_len, qk_dim)), dtype)
+  pages, tables, _ = paginate(kv, page_size, rng)
+  return q, pages, tables, jnp.asarray(lengths, jnp.int32)
+
+
+def _poisoned(pages, tables, lengths, page_size):
+  """NaN in every slot past each length (own pages), in every page no used entry names, and -1
+  in table entries past each sequence's last page."""
+  pages, tables = np.asarray(pages, np.float32).copy(), np.asarray(tables).copy()
+  live = set()
+  for b, length in enumerate(np.asarray(lengths)):
+    used = -(-int(length) // page_size)
+    live.update(tables[b, :used].tolist())
+    for j in range(used):
+      pages[tables[b, j], np.arange(j * page_size, (j + 1) * page_size) >= length] = np.nan
+    tables[b, used:] = -1
+  for page in set(range(pages.shape[0])) - live:
+    pages[page] = np.nan
+  return pages, jnp.asarray(tables, jnp.int32)
+
+
+def _check(args, out_lse, *, v_head_dim=SMALL_V, scale=None, clean_pages=None, clean_tables=None):
+  q, pages, tables, lengths = args
+  pages = pages if clean_pages is None else clean_pages
+  tables = tables if clean_tables is None else clean_tables
+  out, lse = out_lse
+  ref, ref_lse = pkv.mla_decode_attention_reference(q.astype(jnp.float32), pages.astype(jnp.float32), tables,
+                                                    lengths, v_head_dim=v_head_dim, scale=scale, return_lse=True)
+  assert out.dtype == q.dtype
+  assert_matches_reference(out, ref, q.dtype)
+  assert_lse_matches(lse, ref_lse, q.dtype)
+
+
+def _config(num_splits, num_stages=2, pipeline_qk=False):
+  return pkv.DecodeConfig(block_kv=64, num_stages=num_stages, num_splits=num_splits, pipeline_qk=pipeline_qk)
+
+
+# ---------------------------------------------------------------- interpret mode (CPU)
+
+@pytest.mark.parametrize("page_size,num_queries,num_heads,num_splits,dtype,pipeline_qk", [
+    (16, 2, 4, 2, jnp.bfloat16, False),
+    (64, None, 8, 1, jnp.bfloat16, False),
+    (32, 4, 4, 3, jnp.bfloat16, False),
+    (128, 3, 24, 2, jnp.float16, False),
+    (16, 1, 24, 1, jnp.bfloat16, True),
+], ids=["page16-s2-splits2", "page64-s1-splits1", "page32-s4-splits3", "page128-s3-rowblocks2-splits2-fp16",
+        "page16-pipeline_qk-splits1"])
+def test_mla_interpret(interpret_mode, page_size, num_queries, num_heads, num_splits, dtype, pipeline_qk):
+  # Ragged lengths (not multiples of a tile), one of zero, shuffled pages; 3 x 24 heads = 72 rows
+  # take two row blocks.
+  args = _case(page_size + num_heads, batch=3, seq_len=256, num_heads=num_heads, num_queries=num_queries,
+               page_size=page_size, lengths=[219, 0, 70], dtype=dtype)
+  out = pkv.mla_decode_attention(*args, v_head_dim=SMALL_V, scale=0.11, return_lse=True, impl=IMPL,
+                                 config=_config(num_splits, pipeline_qk=pipeline_qk))
+  _check(args, out, scale=0.11)
+
+
+@pytest.mark.parametrize("page_size,pipeline_qk", [(16, False), (64, True)])
+def test_mla_garbage_past_lengths_and_in_unnamed_pages_never_reaches_an_output(interpret_mode, page_size,
+                                                                               pipeline_qk):
+  q, pages, tables, lengths = _case(3, batch=3, seq_len=256, num_heads=4, num_queries=2, page_size=page_size,
+                                    lengths=[200, 37, 0])
+  bad_pages, bad_tables = _poisoned(pages, tables, lengths, page_size)
+  out = pkv.mla_decode_attention(q, jnp.asarray(bad_pages, q.dtype), bad_tables, lengths, v_head_dim=SMALL_V,
+                                 return_lse=True, impl=IMPL, config=_config(2, pipeline_qk=pipeline_qk))
+  _check((q, pages, tables, lengths), out)
+
+
+def test_mla_zero_lengths_give_zeros_and_no_keys(interpret_mode):
+  args = _case(4, batch=2, seq_len=128, num_heads=4, num_queries=None, page_size=64, lengths=[0, 0])
+  out, lse = pkv.mla_decode_attention(*args, v_head_dim=SMALL_V, return_lse=True, impl=IMPL, config=_config(2))
+  np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+  assert np.isneginf(np.asarray(lse)).all()
+
+
+@pytest.mark.parametrize("pipeline_qk", [False, True])
+def test_mla_race_detection_finds_none(pipeline_qk):
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
+  # 6 tiles through a 2-slot ring, pages of 16 (4 copies per tile), a masked last tile.
+  q, pages, tables, lengths = _case(5, batch=1, seq_len=384, num_heads=4, num_queries=1, page_size=16,
+                                    lengths=[350])
+  rows = q.reshape(1, 4, SMALL_QK)
+  out, _ = mgpu_mla.mla_partials(rows, pages, lengths, tables, num_queries=1, v_head_dim=SMALL_V, scale=0.1,
+                                 config=_config(1, pipeline_qk=pipeline_qk),
+                                 interpret=plgpu.InterpretGPUParams(detect_races=True))
+  jax.block_until_ready(out)
+  assert not gpu_callbacks.get_races().races_found
+
+
+# ---------------------------------------------------------------- what it serves, configs
+
+def _problem(*, num_heads=128, num_queries=1, qk_dim=QK, v_dim=V, page_size=64, batch=4, seq_len=4096,
+             dtype=jnp.bfloat16):
+  q = jax.ShapeDtypeStruct((batch, num_queries, num_heads, qk_dim), dtype)
+  pages = jax.ShapeDtypeStruct((batch * seq_len // page_size, page_size, qk_dim), dtype)
+  tables = jax.ShapeDtypeStruct((batch, seq_len // page_size), jnp.int32)
+  lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  return (q, pages, tables, lengths), validation.validate_mla(q, pages, tables, lengths, v_dim)
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(qk_dim=64, v_dim=32), "MLA needs v_head_dim a multiple of 128"),
+    (dict(qk_dim=640, v_dim=512), "Dqk <= 576"),
+    (dict(page_size=4), "page_size 4 is not supported"),
+    (dict(dtype=jnp.float32), "MLA needs a bfloat16 or float16 cache"),
+])
+def test_mla_calls_it_cannot_serve_are_refused_with_reason(fields, match):
+  args, _ = _problem(seq_len=256, **fields)
+  args = [jnp.zeros(a.shape, a.dtype) for a in args]
+  with pytest.raises(NotImplementedError, match=f"mosaic_gpu.*{match}"):
+    pkv.mla_decode_attention(*args, v_head_dim=fields.get("v_dim", V), impl=IMPL)
+
+
+def test_mla_on_triton_names_what_is_missing_and_auto_on_cpu_runs_xla():
+  args, _ = _problem(num_heads=4, batch=1, seq_len=128)
+  args = [jnp.zeros(a.shape, a.dtype) for a in args]
+  with pytest.raises(NotImplementedError, match="(?i)MLA is not implemented on the triton backend"):
+    pkv.mla_decode_attention(*args, impl="triton")
+  pkv.mla_decode_attention(*args)
+  assert pkv.last_impl() == "xla"
+
+
+def test_mla_configs_are_checked():
+  check = functools.partial(mgpu_mla.check_config, qk_dim=QK, v_dim=V, dtype=jnp.bfloat16, page_size=64)
+  check(_config(1))
+  with pytest.raises(ValueError, match="block_kv=128 must be 64"):
+    check(pkv.DecodeConfig(block_kv=128, num_stages=2, num_splits=1))
+  with pytest.raises(ValueError, match="num_stages=1 must be >= 2"):
+    check(_config(1, num_stages=1))
+  with pytest.raises(ValueError, match="SMEM"):
+    check(_config(1, num_stages=3))
+  with pytest.raises(ValueError, match="kv_groups"):
+    check(pkv.DecodeConfig(num_stages=2, num_splits=2, kv_groups=2))
+  with pytest.raises(ValueError, match="num_splits must be resolved"):
+    check(pkv.DecodeConfig(num_stages=2))
+  # Two 64 x 576 stages beside Q fill SMEM (as FlashMLA's); small latent dims get a deeper ring.
+  _, problem = _problem()
+  assert mgpu_mla.heuristic_config(problem).num_stages == 2
+  _, small = _problem(qk_dim=SMALL_QK, v_dim=SMALL_V)
+  assert mgpu_mla.heuristic_config(small).num_stages > 2
+
+
+@pytest.mark.parametrize("batch,seq_len,num_heads,want_splits", [
+    (1, 32768, 128, 64), (16, 4096, 128, 4), (64, 4096, 128, 1), (128, 8192, 128, 1), (64, 8192, 16, 2)])
+def test_mla_split_count_fills_one_wave(batch, seq_len, num_heads, want_splits):
+  _, problem = _problem(batch=batch, seq_len=seq_len, num_heads=num_heads)
+  assert mgpu_mla.resolve_config(problem, None, num_sms=132).num_splits == want_splits
+
+
+# ---------------------------------------------------------------- CUDA lowering (CPU)
+
+# The benchmark rows (benchmarks/mla.py), then page sizes, new tokens and fp16.
+LOWERING_SHAPES = [
+    dict(batch=1, seq_len=32768), dict(batch=16, seq_len=4096), dict(batch=64, seq_len=4096),
+    dict(batch=128, seq_len=8192), dict(batch=64, seq_len=8192, num_heads=16),
+    dict(batch=64, seq_len=4096, num_queries=2),
+    dict(batch=8, seq_len=4096, page_size=16, num_queries=4), dict(batch=8, seq_len=4096, page_size=32, num_queries=3),
+    dict(batch=8, seq_len=4096, page_size=128, num_heads=32), dict(batch=8, seq_len=4096, num_heads=64, dtype=jnp.float16),
+    dict(batch=2, seq_len=1024, qk_dim=SMALL_QK, v_dim=SMALL_V, num_heads=4),
+]
+
+
+def _shape_id(shape):
+  return "-".join(f"{k}={getattr(v, '__name__', v)}" for k, v in shape.items())
+
+
+@pytest.mark.parametrize("shape", LOWERING_SHAPES, ids=_shape_id)
+def test_mla_shipped_configs_lower_for_cuda(shape):
+  _lower(shape, None)
+
+
+# The opt-in schedule (benchmarks/mla.py times it as mosaic_gpu_pqk) at the benchmark rows.
+@pytest.mark.parametrize("shape", LOWERING_SHAPES[:7], ids=_shape_id)
+def test_mla_pipelined_qk_lowers_for_cuda(shape):
+  _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, pipeline_qk=True))
+
+
+def _lower(shape, config):
+  args, problem = _problem(**shape)
+  config = mgpu_mla.resolve_config(problem, config, num_sms=132)
+  exported = lower_for_cuda(functools.partial(pkv.mla_decode_attention, v_head_dim=problem.v_head_dim,
+                                              return_lse=True, impl=IMPL, config=config), *args)
+  module = exported.mlir_module()
+  assert "custom_call @mosaic_gpu" in module and "pallas_kv_mla" in module
+
+
+# ---------------------------------------------------------------- on the GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,seq_len,num_heads,num_queries,page_size", [
+    (1, 32768, 128, None, 64), (16, 4096, 128, 2, 64), (64, 4096, 128, None, 16), (8, 8192, 16, 4, 128),
+    (4, 4096, 64, 3, 32)])
+def test_gpu_mla_matches_reference(batch, seq_len, num_heads, num_queries, page_size):
+  from pallas_kv import runtime
+  if not runtime.is_hopper_or_newer():
+    pytest.skip("needs a Hopper GPU (compute capability 9.0+)")
+  rng = np.random.default_rng(batch + num_heads)
+  lengths = rng.integers(1, seq_len + 1, size=batch)
+  lengths[0] = seq_len
+  if batch > 2:
+    lengths[1] = 0
+  args = _case(batch, batch=batch, seq_len=seq_len, num_heads=num_heads, num_queries=num_queries,
+               page_size=page_size, lengths=lengths, qk_dim=QK)
+  q, pages, tables, lengths = args
+  bad_pages, bad_tables = _poisoned(pages, tables, lengths, page_size)
+  out = jax.jit(functools.partial(pkv.mla_decode_attention, v_head_dim=V, return_lse=True))(
+      q, jnp.asarray(bad_pages, q.dtype), bad_tables, lengths)
+  assert pkv.last_impl() == IMPL
+  _check(args, out, v_head_dim=V)
+  pipelined = pkv.DecodeConfig(block_kv=64, num_stages=2, pipeline_qk=True)
+  out = jax.jit(functools.partial(pkv.mla_decode_attention, v_head_dim=V, return_lse=True, impl=IMPL,
+                                  config=pipelined))(q, jnp.asarray(bad_pages, q.dtype), bad_tables, lengths)
+  _check(args, out, v_head_dim=V)
+
+
+# ---------------------------------------------------------------- the benchmark program
+
+def test_mla_benchmark_runs_a_tiny_case_on_cpu():
+  import io
+  from benchmarks import mla as mla_bench
+  out = io.StringIO()
+  rows = mla_bench.run(mla_bench.cpu_rows(), iters=2, repeats=1, out=out)
+  assert rows and all(r["status"] == "ok" for r in rows), rows
+  assert all(r["rel_err"] < 1e-2 for r in rows if r["impl"] != "bf16_einsum")
+  assert "bf16_einsum" in out.getvalue() and "roofline" in out.getvalue()
