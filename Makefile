@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test bench venv clean
+.PHONY: test bench demo venv clean
 
 venv: $(STAMP)
 
@@ -18,6 +18,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.decode $(BENCH_FLAGS)
+
+demo: $(STAMP)
+	$(PY) -m examples.smollm2 $(DEMO_FLAGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,300 @@
+"""SmolLM2-135M-Instruct end to end against Hugging Face transformers' record.
+
+tests/data/smollm2_reference.json holds transformers' greedy generations of the same GGUF file
+(`python -m examples.smollm2.record_reference`): prompt ids, 32 tokens per prompt (EOS masked, as
+min_new_tokens does), the top-16 logits of the first 3 steps and the margin (best minus second
+score) of every step, for the float32 model and for the same model with its weights rounded to
+bfloat16 (ours are bfloat16).
+
+Tolerances: with a float32 KV cache our model is transformers' bf16-weight model computed in
+float32, so its logits agree to the record's 4 decimals (FLOAT32_ATOL); against the float32-weight
+model the difference is the rounding of every weight to bfloat16 (relative 2^-9, through 30 layers:
+up to ~0.15 on logits of magnitude ~20; BF16_WEIGHTS_ATOL). The bfloat16 KV cache that the kernels
+read also rounds queries, keys and values (up to ~0.4 on logits), so its tokens must agree until
+the first near tie (a recorded margin below NEAR_TIE), where either choice is right.
+"""
+
+import json
+import os
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import pallas_kv as pkv  # noqa: E402
+from benchmarks import smollm2 as smollm2_bench  # noqa: E402
+from examples.smollm2 import gguf_loader  # noqa: E402
+from examples.smollm2 import sampling  # noqa: E402
+from examples.smollm2 import serving  # noqa: E402
+from examples.smollm2 import weights  # noqa: E402
+from examples.smollm2.model import Llama  # noqa: E402
+from examples.smollm2.model import generate_greedy  # noqa: E402
+from examples.smollm2.tokenizer import Tokenizer  # noqa: E402
+
+REFERENCE = pathlib.Path(__file__).parent / "data" / "smollm2_reference.json"
+FLOAT32_ATOL = 2e-3  # the record keeps 4 decimals
+BF16_WEIGHTS_ATOL = 0.25
+BF16_CACHE_ATOL = 0.6
+NEAR_TIE = 0.1
+KERNEL_ATOL = 0.1  # a kernel impl against the xla impl, both over the bfloat16 cache
+KERNEL_PROMPT = 4  # its first steps' margins are all above 1
+
+
+@pytest.fixture(scope="module")
+def reference():
+  return json.loads(REFERENCE.read_text())
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+  """(config, float32-compute params, tokenizer) of the real model, fetched once into the cache."""
+  config, params, tokenizer_data = gguf_loader.load(weights.fetch_gguf())
+  return config, Llama(config).prepare(params), Tokenizer(tokenizer_data)
+
+
+def _first_difference(a, b) -> int:
+  return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _top_logit_error(logits, recorded) -> float:
+  return float(np.max(np.abs(logits[recorded["indices"]] - np.asarray(recorded["values"]))))
+
+
+# ---------------------------------------------------------------------------- weights and loader
+
+
+def test_weights_cache_is_used_without_network(tmp_path, monkeypatch):
+  monkeypatch.setenv(weights.CACHE_ENV_VAR, str(tmp_path))
+  (tmp_path / weights.GGUF_NAME).write_bytes(b"cached")
+  assert weights.cache_dir() == tmp_path
+  assert weights.fetch_gguf() == tmp_path / weights.GGUF_NAME  # found: pip is not run
+
+
+def _write_tiny_llama(path, *, arch="llama", drop=None, rng=np.random.default_rng(0)):
+  """A 1-layer llama GGUF (float32 tensors) with Q/K permuted as llama.cpp's converter does."""
+  import gguf
+  h, n, kv, d, f, vocab = 32, 4, 2, 8, 48, 16
+  writer = gguf.GGUFWriter(str(path), arch)
+  for add, value in [("block_count", 1), ("embedding_length", h), ("feed_forward_length", f), ("head_count", n),
+                     ("head_count_kv", kv), ("rope_freq_base", 10000.0), ("layer_norm_rms_eps", 1e-5),
+                     ("context_length", 64)]:
+    getattr(writer, f"add_{add}")(value)
+  writer.add_tokenizer_model("gpt2")
+  writer.add_token_list([chr(ord("a") + i) for i in range(vocab)])
+  hf = dict(q=rng.standard_normal((n * d, h)), k=rng.standard_normal((kv * d, h)))
+  permute = lambda w, heads: w.reshape(heads, 2, w.shape[0] // heads // 2, h).swapaxes(1, 2).reshape(w.shape)
+  tensors = {"token_embd.weight": rng.standard_normal((vocab, h)), "output_norm.weight": np.ones(h),
+             "blk.0.attn_norm.weight": np.ones(h), "blk.0.ffn_norm.weight": np.ones(h),
+             "blk.0.attn_q.weight": permute(hf["q"], n), "blk.0.attn_k.weight": permute(hf["k"], kv),
+             "blk.0.attn_v.weight": rng.standard_normal((kv * d, h)), "blk.0.attn_output.weight": rng.standard_normal((h, n * d)),
+             "blk.0.ffn_gate.weight": rng.standard_normal((f, h)), "blk.0.ffn_up.weight": rng.standard_normal((f, h)),
+             "blk.0.ffn_down.weight": rng.standard_normal((h, f))}
+  for name, value in tensors.items():
+    if name != drop:
+      writer.add_tensor(name, value.astype(np.float32))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return hf
+
+
+def test_loader_undoes_the_qk_permutation(tmp_path):
+  hf = _write_tiny_llama(tmp_path / "tiny.gguf")
+  config, params, _ = gguf_loader.load(tmp_path / "tiny.gguf", dtype=np.float32)
+  assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim) == (1, 32, 4, 2, 8)
+  # DecodeAttention's wq [H, n, d] is transformers' q_proj.weight [n * d, H] transposed.
+  np.testing.assert_allclose(params["layers"]["attn"]["wq"][0], hf["q"].T.reshape(32, 4, 8), rtol=1e-6)
+  np.testing.assert_allclose(params["layers"]["attn"]["wk"][0], hf["k"].T.reshape(32, 2, 8), rtol=1e-6)
+
+
+def test_loader_names_an_unknown_architecture_or_a_missing_tensor(tmp_path):
+  _write_tiny_llama(tmp_path / "mamba.gguf", arch="mamba")
+  with pytest.raises(ValueError, match="architecture 'mamba' is not supported"):
+    gguf_loader.load(tmp_path / "mamba.gguf")
+  _write_tiny_llama(tmp_path / "partial.gguf", drop="blk.0.ffn_up.weight")
+  with pytest.raises(ValueError, match="tensor 'blk.0.ffn_up.weight' is missing"):
+    gguf_loader.load(tmp_path / "partial.gguf")
+
+
+# ---------------------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_matches_transformers(smollm2, reference):
+  tokenizer = smollm2[2]
+  for record in reference["prompts"]:
+    if record["kind"] == "chat":
+      assert tokenizer.chat_prompt(record["message"]) == record["prompt"]
+    assert tokenizer.encode(record["prompt"]) == record["prompt_ids"]
+    assert tokenizer.decode(record["greedy_tokens"]) == record["text"]
+  for case in reference["tokenizer_cases"]:
+    assert tokenizer.encode(case["text"]) == case["ids"], case["text"]
+    assert tokenizer.decode(case["ids"]) == case["text"]
+
+
+# ---------------------------------------------------------------------------- model vs transformers
+
+
+def test_greedy_tokens_and_logits_match_transformers(smollm2, reference):
+  config, params, _ = smollm2
+  records = reference["prompts"]
+  model = Llama(config, impl="xla", cache_dtype="float32")
+  tokens, logits = generate_greedy(model, params, [r["prompt_ids"] for r in records], reference["new_tokens"],
+                                   logit_steps=3, ignore_eos=True)
+  for row, record in enumerate(records):
+    assert tokens[row].tolist() == record["greedy_tokens"], record["prompt"]
+    for step in range(3):
+      assert _top_logit_error(logits[row, step], record["bf16_weights"]["top_logits"][step]) < FLOAT32_ATOL
+      assert _top_logit_error(logits[row, step], record["top_logits"][step]) < BF16_WEIGHTS_ATOL
+
+
+@pytest.fixture(scope="module")
+def bf16_cache_run(smollm2, reference):
+  """Greedy tokens and first logits of every prompt over the bfloat16 cache (xla impl)."""
+  config, params, _ = smollm2
+  model = Llama(config, impl="xla")
+  return generate_greedy(model, params, [r["prompt_ids"] for r in reference["prompts"]], reference["new_tokens"],
+                         logit_steps=4, ignore_eos=True)
+
+
+def test_bfloat16_cache_agrees_until_a_near_tie(bf16_cache_run, reference):
+  tokens, logits = bf16_cache_run
+  for row, record in enumerate(reference["prompts"]):
+    first = _first_difference(tokens[row].tolist(), record["greedy_tokens"])
+    assert first == len(record["greedy_tokens"]) or record["margins"][first] < NEAR_TIE, (record["prompt"], first)
+    assert _top_logit_error(logits[row, 0], record["bf16_weights"]["top_logits"][0]) < BF16_CACHE_ATOL
+
+
+@pytest.mark.parametrize("impl,steps", [("triton", 4), ("mosaic_gpu", 3)])
+def test_kernel_impls_in_interpret_mode_give_the_same_tokens(smollm2, reference, bf16_cache_run, impl, steps,
+                                                              interpret_mode):
+  """The whole model on a kernel backend (interpret mode), a few steps of one prompt."""
+  config, params, _ = smollm2
+  record = reference["prompts"][KERNEL_PROMPT]
+  tokens, logits = generate_greedy(Llama(config, impl=impl), params, [record["prompt_ids"]], steps,
+                                   logit_steps=steps)
+  assert pkv.last_impl() == impl
+  assert tokens[0].tolist() == record["greedy_tokens"][:steps] == bf16_cache_run[0][KERNEL_PROMPT, :steps].tolist()
+  np.testing.assert_allclose(logits[0], bf16_cache_run[1][KERNEL_PROMPT, :steps], atol=KERNEL_ATOL)
+
+
+@pytest.mark.gpu
+def test_auto_impl_on_the_gpu_agrees_until_a_near_tie(smollm2, reference):
+  config, params, _ = smollm2
+  records = reference["prompts"]
+  with jax.default_matmul_precision("float32"):
+    tokens, _ = generate_greedy(Llama(config, impl="auto"), params, [r["prompt_ids"] for r in records],
+                                reference["new_tokens"], ignore_eos=True)
+  assert pkv.last_impl() in ("mosaic_gpu", "triton")
+  for row, record in enumerate(records):
+    first = _first_difference(tokens[row].tolist(), record["greedy_tokens"])
+    assert first == len(record["greedy_tokens"]) or record["margins"][first] < NEAR_TIE, (record["prompt"], first)
+
+
+# ---------------------------------------------------------------------------- continuous batching
+
+
+def _check_pages(engine):
+  """No page is held twice; each slot holds exactly the pages its length needs; none is lost."""
+  tables, lengths = np.asarray(engine.state.tables), np.asarray(engine.state.lengths)
+  held = tables[tables >= 0]
+  assert len(set(held.tolist())) == len(held)
+  for row, length in zip(tables, lengths):
+    assert (row >= 0).sum() == -(-length // engine.page_size)
+  assert int(engine.state.pool.num_free) + len(held) == engine.num_pages
+
+
+def test_continuous_batching_matches_transformers_and_recycles_pages(smollm2, reference):
+  config, params, _ = smollm2
+  records = reference["prompts"]
+  # 3 slots and 12 pages of 16 tokens: three chat requests (5 pages each at worst) cannot run at
+  # once, so requests also wait for pages while a slot is free.
+  engine = serving.Engine(Llama(config, impl="xla", cache_dtype="float32"), params, num_slots=3, page_size=16,
+                          num_pages=12, max_pages_per_seq=8)
+  assert engine.buckets == (16, 32, 64, 128)
+  requests = [serving.Request(r["prompt_ids"], reference["new_tokens"], ignore_eos=True, arrival=a)
+              for r, a in zip(records, [0, 0, 1, 3, 6, 9])]
+  stops_at_eos = serving.Request(records[0]["prompt_ids"], reference["new_tokens"], arrival=2)  # EOS allowed
+  before = dict(serving.TRACE_COUNTS)
+  pending = sorted(requests + [stops_at_eos], key=lambda r: r.arrival)
+  waited_for_pages = False
+  while pending or engine.busy:
+    while pending and pending[0].arrival <= engine.step_index:
+      engine.submit(pending.pop(0))
+    engine.step()
+    waited_for_pages |= bool(engine.queue) and None in engine.slots
+    _check_pages(engine)
+  traces = {k: serving.TRACE_COUNTS[k] - before.get(k, 0) for k in ("prefill", "decode", "release")}
+  assert traces == {"prefill": 2, "decode": 1, "release": 1}  # buckets 16 and 64; no recompile
+  assert waited_for_pages
+  for request, record in zip(requests, records):
+    assert request.output_ids == record["greedy_tokens"] and request.finish_reason == "length"
+  eos = config.eos_token_id
+  assert stops_at_eos.finish_reason == "eos" and stops_at_eos.output_ids[-1] == eos
+  assert stops_at_eos.output_ids[:-1] == records[0]["greedy_tokens"][:len(stops_at_eos.output_ids) - 1]
+  assert int(engine.state.pool.num_free) == engine.num_pages and engine.committed_pages == 0
+  # A second wave with other prompt lengths in the same buckets compiles nothing new.
+  wave = [serving.Request(records[5]["prompt_ids"][:5], 3, arrival=0), serving.Request(records[1]["prompt_ids"], 2)]
+  stats = engine.run(wave)
+  assert {k: serving.TRACE_COUNTS[k] - before.get(k, 0) for k in traces} == traces
+  assert all(len(r.output_ids) == r.max_new_tokens for r in wave) and stats.tokens_per_s > 0
+
+
+def test_engine_refuses_what_cannot_run(smollm2):
+  config, params, _ = smollm2
+  engine = serving.Engine(Llama(config, impl="xla"), params, num_slots=2, page_size=16, num_pages=6,
+                          max_pages_per_seq=8, buckets=(16, 64))
+  with pytest.raises(ValueError, match="longer than the longest prefill bucket"):
+    engine.submit(serving.Request([5] * 65, 1))
+  with pytest.raises(ValueError, match=r"needs 139 cache positions; a sequence holds 128"):
+    engine.submit(serving.Request([5] * 60, 80))
+  with pytest.raises(ValueError, match="needs 7 pages; the pool has 6"):
+    engine.submit(serving.Request([5] * 60, 40))
+  with pytest.raises(ValueError, match="page_size=1"):
+    serving.Engine(Llama(config), params, page_size=1)
+  assert not engine.busy
+
+
+def test_reserve_prompt_is_all_or_nothing():
+  pool = pkv.PagePool.create(4)
+  table = pkv.empty_block_tables(1, 8)
+  pool, table, ok = serving.reserve_prompt(pool, table, jnp.int32(33), 16)
+  assert bool(ok) and table[0, :3].tolist() == [0, 1, 2] and int(pool.num_free) == 1
+  pool2, table2, ok = serving.reserve_prompt(pool, pkv.empty_block_tables(1, 8), jnp.int32(17), 16)
+  assert not bool(ok) and int(pool2.num_free) == 1 and (np.asarray(table2) == pkv.UNALLOCATED).all()
+
+
+# ---------------------------------------------------------------------------- sampling and benchmark
+
+
+def test_sampling_greedy_top_p_and_seeds():
+  logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]] * 4, jnp.float32))
+  positions = jnp.zeros(4, jnp.int32)
+  greedy = sampling.sample(logits, jnp.arange(4), positions, jnp.zeros(4), jnp.ones(4))
+  assert greedy.tolist() == [0, 0, 0, 0]
+  narrow = sampling.sample(logits, jnp.arange(4), positions, jnp.ones(4), jnp.full(4, 0.1))
+  assert narrow.tolist() == [0, 0, 0, 0]  # only the most likely token is in the nucleus
+  many = jnp.tile(logits[:1], (512, 1))
+  draws = sampling.sample(many, jnp.arange(512), jnp.zeros(512, jnp.int32), jnp.ones(512), jnp.full(512, 0.75))
+  assert set(np.asarray(draws).tolist()) == {0, 1}  # 0.5 + 0.3 crosses 0.75: tokens 2 and 3 are cut
+  again = sampling.sample(many, jnp.arange(512), jnp.zeros(512, jnp.int32), jnp.ones(512), jnp.full(512, 0.75))
+  assert (draws == again).all()
+  banned = sampling.mask_token(logits, 0, jnp.asarray([True, False, False, False]))
+  assert jnp.argmax(banned, -1).tolist() == [1, 0, 0, 0]
+
+
+def test_benchmark_runs_on_cpu(smollm2):
+  config, params, _ = smollm2
+  config, params = smollm2_bench.truncate(config, params, 2)
+  lines = []
+  rows = smollm2_bench.run(config, params, batches=(2,), impls=("xla",), prompt_len=16, new_tokens=3,
+                           counts=dict(warmup=1, iters=2, repeats=2), out=lines.append)
+  (row,) = rows
+  assert row["ran"] == "xla" and row["loop_tok_s"] > 0 and row["step_ms"] > 0 and row["attn_us"] > 0
+  assert np.isfinite(row["attn_share"]) and len(lines) == 1
