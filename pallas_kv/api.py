@@ -186,8 +186,15 @@ def _run(op: str, impl: str, config, problem, options, q, k, v, lengths, block_t
 
   fold_op = batching.fold_dense if block_tables is None else batching.fold_paged
   fold = lambda n, arrays, batched: fold_op(n, arrays, batched, refold)
-  return _with_xla_gradient(kernel_call, xla_call, fold, q=q, k=k, v=v, lengths=lengths, block_tables=block_tables,
-                            sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+  try:
+    return _with_xla_gradient(kernel_call, xla_call, fold, q=q, k=k, v=v, lengths=lengths,
+                              block_tables=block_tables, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+  except ValueError as e:   # an eager call on a CPU (under jit the error comes at compile time)
+    if "Only interpret mode is supported" not in str(e):
+      raise
+    raise ValueError(f"impl={name!r} runs a GPU kernel and this call runs on the CPU: set "
+                     f"{runtime.INTERPRET_ENV_VAR}=1 or use `with pallas_kv.interpret():` to interpret it "
+                     f"there, or impl='xla'") from e
 
 
 def decode_attention(q, k, v, lengths, *, scale=None, softcap=None, window=None, sinks=None, k_scale=None,

@@ -1,11 +1,16 @@
 import os
 import sys
 
+import jax
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 import harness  # noqa: E402
+
+# Interpret-mode kernels run JAX computations inside host callbacks; with asynchronous CPU dispatch
+# a following call can hold the CPU client's threads and deadlock (README, "Interpret mode").
+jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
 def pytest_collection_modifyitems(config, items):

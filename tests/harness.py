@@ -130,38 +130,46 @@ def make_case(seed: int, *, batch: int = 3, seq_len: int = 64, num_heads: int = 
   return case
 
 
-def poison_unread_slots(case: Case) -> Case:
+def read_page_slots(block_tables, lengths, page_size: int, num_pages: int) -> np.ndarray:
+  """[P, page_size] bool: the slots some sequence reads as a valid token (pages may be shared)."""
+  tables, lengths = np.asarray(block_tables), np.clip(np.asarray(lengths), 0, None)
+  read = np.zeros((num_pages, page_size), bool)
+  for b, length in enumerate(lengths):
+    for t in range(min(int(length), tables.shape[1] * page_size)):
+      read[tables[b, t // page_size], t % page_size] = True
+  return read
+
+
+def _garbage(dtype, nan: bool):
+  if jnp.issubdtype(dtype, jnp.integer):
+    return jnp.iinfo(dtype).max if nan else jnp.iinfo(dtype).min
+  return jnp.nan if nan else jnp.inf
+
+
+def poison_unread_slots(case: Case, *, dense: bool = True) -> Case:
   """The case with values no valid output may depend on replaced by garbage: K = inf and V = NaN
-  past each sequence's length (contiguous, and in each sequence's own pages) and in every page no
-  live table entry names; table entries past a sequence's last page hold -1, the library's
-  unassigned marker (clamped into the pool: page 0, some other sequence's). One-byte integer
-  caches cannot hold NaN: there K and V get their extreme values."""
-  def garbage(x, nan: bool):
-    if jnp.issubdtype(x.dtype, jnp.integer):
-      return jnp.iinfo(x.dtype).max if nan else jnp.iinfo(x.dtype).min
-    return jnp.nan if nan else jnp.inf
+  past each sequence's length (contiguous) and in every page slot no sequence reads as a valid
+  token (paged: past a length in its last page, pages no live table entry names); table entries
+  past a sequence's last page hold -1, the library's unassigned marker (clamped into the pool:
+  page 0, some other sequence's). One-byte integer caches cannot hold NaN: there K and V get
+  their extreme values. dense=False leaves the contiguous k, v as they are."""
   lengths = np.asarray(case.lengths)
-  t = case.k.shape[1]
-  past = jnp.asarray(np.arange(t)[None, :] >= lengths[:, None])[:, :, None, None]
-  poisoned = dataclasses.replace(case, k=jnp.where(past, garbage(case.k, False), case.k),
-                                 v=jnp.where(past, garbage(case.v, True), case.v))
+  poisoned = dataclasses.replace(case)
+  if dense:
+    t = case.k.shape[1]
+    past = jnp.asarray(np.arange(t)[None, :] >= lengths[:, None])[:, :, None, None]
+    poisoned.k = jnp.where(past, _garbage(case.k.dtype, False), case.k)
+    poisoned.v = jnp.where(past, _garbage(case.v.dtype, True), case.v)
   if case.page_size is None:
     return poisoned
-  ps = case.page_size
+  ps, num_pages = case.page_size, case.k_pages.shape[0]
+  unread = ~read_page_slots(case.block_tables, lengths, ps, num_pages)
+  unread = jnp.asarray(unread.reshape(num_pages, ps, *(1,) * (case.k_pages.ndim - 2)))
+  poisoned.k_pages = jnp.where(unread, _garbage(case.k_pages.dtype, False), case.k_pages)
+  poisoned.v_pages = jnp.where(unread, _garbage(case.v_pages.dtype, True), case.v_pages)
   tables = np.asarray(case.block_tables).copy()
-  k_pages, v_pages = np.asarray(case.k_pages).copy(), np.asarray(case.v_pages).copy()
-  live = set()
-  for b, length in enumerate(lengths):
-    used = -(-int(length) // ps)
-    live.update(tables[b, :used].tolist())
-    for j in range(used):   # the sequence's own pages: slots past its length
-      rows = np.arange(j * ps, (j + 1) * ps) >= length
-      k_pages[tables[b, j], rows] = garbage(k_pages, False)
-      v_pages[tables[b, j], rows] = garbage(v_pages, True)
-    tables[b, used:] = -1
-  for page in set(range(k_pages.shape[0])) - live:
-    k_pages[page], v_pages[page] = garbage(k_pages, False), garbage(v_pages, True)
-  poisoned.k_pages, poisoned.v_pages = jnp.asarray(k_pages), jnp.asarray(v_pages)
+  for b, length in enumerate(np.clip(lengths, 0, None)):
+    tables[b, -(-int(length) // ps):] = -1
   poisoned.block_tables = jnp.asarray(tables, jnp.int32)
   return poisoned
 

@@ -10,6 +10,7 @@ from jax.test_util import check_grads
 
 import pallas_kv as pkv
 from pallas_kv import runtime
+import harness
 from harness import assert_lse_matches, assert_matches_reference, make_case
 
 
@@ -206,3 +207,12 @@ def test_lengths_that_are_not_arrays_and_huge_windows():
   wide = pkv.decode_attention(case.q, case.k, case.v, case.lengths, window=2**31, impl="xla")
   plain = pkv.decode_attention(case.q, case.k, case.v, case.lengths, impl="xla")
   np.testing.assert_array_equal(np.asarray(wide), np.asarray(plain))
+
+
+def test_a_kernel_impl_on_a_cpu_without_interpret_mode_names_the_switch():
+  if harness.gpu_available():
+    pytest.skip("a GPU is present: the kernel runs there")
+  case = make_case(3, batch=1, seq_len=128, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
+  for impl in ("triton", "mosaic_gpu"):
+    with pytest.raises(ValueError, match="PALLAS_KV_INTERPRET=1"):
+      pkv.decode_attention(case.q, case.k, case.v, case.lengths, impl=impl)

@@ -1,0 +1,372 @@
+"""Seeded random decode calls over every API axis, each checked against the float32 reference.
+
+A case is a `Structure` (everything static: op, shapes, dtypes, options, config; one compile)
+drawn from a structure seed, and runtime values drawn from a value seed: data, ragged lengths
+(0, 1, the capacity), shuffled and repeated page ids, -1 table entries past a sequence's pages,
+NaN / inf in every slot no valid output may read, and (hostile draws) lengths past the capacity
+or negative and page ids out of range, which the ops clamp. A call must either be refused with
+`NotImplementedError` (the backend does not serve it) or match the reference.
+
+  PYTHONPATH=.:tests python tests/fuzzing.py --impl=triton --structures=40 --draws=50
+  PYTHONPATH=.:tests python tests/fuzzing.py --impl=mosaic_gpu --replay=STRUCTURE_SEED:VALUE_SEED
+
+`tests/test_fuzzing.py` runs a few small structures in interpret mode on every CI run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kv as pkv
+from harness import TOLERANCE, Case, assert_lse_matches, assert_matches_reference, poison_unread_slots, read_page_slots
+
+KV_DTYPES = ("bfloat16", "float16", "int8", "float8_e4m3fn", "float8_e5m2")
+PAGE_SIZES = (8, 16, 32, 64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class Structure:
+  """The static part of a case: one compiled call."""
+  seed: int
+  op: str                     # "dense" | "paged" | "mla"
+  batch: int
+  capacity: int               # T, or max_pages * page_size
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  v_head_dim: int             # MLA only (else head_dim)
+  num_queries: int | None     # None: q [B, Hq, D]
+  page_size: int | None
+  num_pages: int
+  q_dtype: str
+  kv_dtype: str
+  k_scale: str | None         # None | "number" | "head" | "token"
+  v_scale: str | None
+  softcap: float | None
+  window: int | None
+  sinks: bool
+  return_lse: bool
+  config: tuple | None        # DecodeConfig fields, or None for the backend's choice
+
+  @property
+  def quantized(self) -> bool:
+    return jnp.dtype(self.kv_dtype).itemsize == 1
+
+  def decode_config(self, impl: str):
+    """The drawn config as `impl` takes it (Mosaic GPU's opt-in fields dropped for the others)."""
+    if self.config is None or impl == "xla":
+      return None
+    fields = dict(self.config)
+    if impl != "mosaic_gpu":
+      fields.pop("pipeline_qk", None)
+      fields.pop("persistent", None)
+    return pkv.DecodeConfig(**fields)
+
+
+def draw_structure(seed: int, *, small: bool = False) -> Structure:
+  """small: sizes for interpret mode on a CPU (head_dim 64, at most 256 tokens)."""
+  rng = np.random.default_rng([seed, 1])
+  pick = lambda options: options[rng.integers(len(options))]
+  op = pick(("dense", "dense", "paged", "paged", "mla"))
+  s = pick((None, None, 1, 2, 4, 8))
+  if op == "mla":
+    num_kv_heads, head_dim, v_head_dim = 1, (192 if small else 576), (128 if small else 512)
+    num_heads = pick((4, 16) if small else (16, 32, 64, 128))
+    kv_dtype = q_dtype = pick(("bfloat16", "float16"))
+  else:
+    num_kv_heads = pick((1, 2, 4) if small else (1, 2, 4, 8))
+    num_heads = num_kv_heads * pick((1, 2, 4, 8, 16))
+    head_dim = 64 if small else pick((64, 128, 256))
+    v_head_dim = head_dim
+    kv_dtype = pick(KV_DTYPES)
+    q_dtype = kv_dtype if kv_dtype in ("bfloat16", "float16") else pick(("bfloat16", "float16"))
+  page_size = None if op == "dense" else pick(PAGE_SIZES[:4] if small else PAGE_SIZES)
+  if small:
+    capacity = pick((128, 192, 256))
+  else:
+    capacity = pick((256, 1024, 2048, 4096))
+  if page_size:
+    capacity = -(-capacity // page_size) * page_size
+  batch = pick((1, 2, 3) if small else (1, 2, 3, 5, 8))
+  num_pages = 0 if page_size is None else batch * capacity // page_size + int(rng.integers(0, 4))
+  scale_kinds = (None, "number", "head", "token")
+  k_scale = pick(scale_kinds) if kv_dtype == "int8" or (kv_dtype.startswith("float8") and rng.random() < .7) \
+      else None
+  v_scale = pick(scale_kinds) if k_scale is not None else None
+  gqa = op != "mla"
+  config = None
+  if rng.random() < 0.5:
+    config = (("block_kv", pick((64, 128))), ("num_stages", pick((2, 3, 4))),
+              ("num_splits", pick((1, 2, 3, 5))))
+    if rng.random() < 0.3:
+      config += (("pipeline_qk", True),)
+    if rng.random() < 0.2:
+      config += (("persistent", True),)
+  return Structure(
+      seed=seed, op=op, batch=batch, capacity=capacity, num_heads=num_heads, num_kv_heads=num_kv_heads,
+      head_dim=head_dim, v_head_dim=v_head_dim, num_queries=s, page_size=page_size, num_pages=num_pages,
+      q_dtype=q_dtype, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale,
+      softcap=pick((None, None, 30.0)) if gqa else None,
+      window=pick((None, None, None, 17, capacity // 3)) if gqa else None,
+      sinks=bool(gqa and rng.random() < 0.25), return_lse=bool(rng.random() < 0.5), config=config)
+
+
+@dataclasses.dataclass
+class Values:
+  """One draw of runtime values: the call's arguments (poisoned) and the clean ones for the reference."""
+  args: dict
+  clean: dict
+  hostile: bool
+
+
+def _lengths(rng, st: Structure, hostile: bool):
+  lengths = rng.integers(1, st.capacity + 1, size=st.batch)
+  for i, special in enumerate(rng.permutation([0, 1, st.capacity])[:st.batch - 1]):
+    if rng.random() < 0.5:
+      lengths[i] = special
+  if hostile:   # clamped into [0, capacity] by every impl
+    lengths[rng.integers(st.batch)] = pick_hostile_length(rng, st.capacity)
+  return lengths.astype(np.int32)
+
+
+def pick_hostile_length(rng, capacity: int) -> int:
+  return int(rng.choice([capacity + 1, capacity + 1000, -1, -(2**31) + 1, 2**31 - 1]))
+
+
+def _tables(rng, st: Structure, lengths, hostile: bool):
+  """Shuffled page ids, some shared between sequences, -1 past each sequence's pages."""
+  max_pages = st.capacity // st.page_size
+  tables = rng.permutation(st.num_pages)[: st.batch * max_pages].reshape(st.batch, max_pages)
+  if st.batch > 1 and rng.random() < 0.3:   # a shared prefix page
+    tables[1, 0] = tables[0, 0]
+  clamped = np.clip(lengths, 0, st.capacity)
+  for b in range(st.batch):
+    tables[b, -(-int(clamped[b]) // st.page_size):] = -1
+  if hostile:   # out-of-range ids, clamped into the pool by every impl
+    b = rng.integers(st.batch)
+    tables[b, rng.integers(max_pages)] = rng.choice([st.num_pages, st.num_pages + 7, -5, 2**31 - 1])
+  return tables.astype(np.int32)
+
+
+def _cache_values(rng, shape, dtype):
+  x = rng.standard_normal(shape)
+  if dtype == "int8":
+    return jnp.asarray(np.clip(np.round(x * 40), -127, 127), jnp.int8)
+  if dtype == "float8_e5m2" or dtype == "float8_e4m3fn":
+    return jnp.asarray(x * 8, dtype)
+  return jnp.asarray(x, dtype)
+
+
+def _scale(rng, kind, token_shape, num_kv_heads):
+  if kind is None:
+    return None
+  if kind == "number":
+    return float(rng.uniform(0.01, 0.05))
+  if kind == "head":
+    return jnp.asarray(rng.uniform(0.01, 0.05, num_kv_heads), jnp.float32)
+  return jnp.asarray(rng.uniform(0.01, 0.05, token_shape), jnp.float32)
+
+
+def draw_values(st: Structure, seed: int, *, hostile: bool | None = None) -> Values:
+  """hostile: force (True) or forbid (False) a hostile draw; None draws one 15% of the time."""
+  rng = np.random.default_rng([st.seed, seed, 2])
+  hostile = bool(rng.random() < 0.15) if hostile is None else hostile
+  lengths = _lengths(rng, st, hostile)
+  s = st.num_queries or 1
+  q = jnp.asarray(rng.standard_normal((st.batch, s, st.num_heads, st.head_dim)), st.q_dtype)
+  if st.num_queries is None:
+    q = q[:, 0]
+  if st.op == "dense":
+    kv_shape = (st.batch, st.capacity, st.num_kv_heads, st.head_dim)
+  elif st.op == "paged":
+    kv_shape = (st.num_pages, st.page_size, st.num_kv_heads, st.head_dim)
+  else:
+    kv_shape = (st.num_pages, st.page_size, st.head_dim)
+  k = _cache_values(rng, kv_shape, st.kv_dtype)
+  v = _cache_values(rng, kv_shape, st.kv_dtype) if st.op != "mla" else None
+  options = {}
+  if st.op != "mla":
+    options = dict(softcap=st.softcap, window=st.window,
+                   k_scale=_scale(rng, st.k_scale, kv_shape[:3], st.num_kv_heads),
+                   v_scale=_scale(rng, st.v_scale, kv_shape[:3], st.num_kv_heads))
+    if st.sinks:
+      options["sinks"] = jnp.asarray(rng.standard_normal(st.num_heads), jnp.float32)
+  tables = None if st.op == "dense" else _tables(rng, st, lengths, hostile)
+  clean = dict(q=q, k=k, v=v, lengths=jnp.asarray(lengths), block_tables=tables, **options)
+  if hostile:   # the clamped values: every impl reads real (finite) memory, nothing to poison
+    return Values(args=clean, clean=clean, hostile=True)
+  args = dict(clean)
+  args.update(_poisoned(st, clean))
+  return Values(args=args, clean=clean, hostile=False)
+
+
+def _poisoned(st: Structure, clean: dict) -> dict:
+  """NaN / inf (integer caches: extremes) in every slot no valid output reads; per-token scales too."""
+  lengths = np.asarray(clean["lengths"])
+  if st.op == "dense":
+    case = Case(q=clean["q"], k=clean["k"], v=clean["v"], lengths=clean["lengths"])
+    bad = poison_unread_slots(case)
+    out = dict(k=bad.k, v=bad.v)
+    for name in ("k_scale", "v_scale"):
+      if _is_token_scale(clean[name]):
+        past = np.arange(st.capacity)[None, :, None] >= lengths[:, None, None]
+        out[name] = jnp.where(past, jnp.nan, clean[name])
+    return out
+  v = clean["v"] if st.op == "paged" else clean["k"][..., None, :]
+  k = clean["k"] if st.op == "paged" else clean["k"][..., None, :]
+  tables = np.where(clean["block_tables"] < 0, 0, clean["block_tables"])   # -1 entries read nothing
+  case = Case(q=clean["q"], k=k[:0], v=v[:0], lengths=clean["lengths"], page_size=st.page_size, k_pages=k,
+              v_pages=v, block_tables=jnp.asarray(tables))
+  bad = poison_unread_slots(case, dense=False)
+  if st.op == "mla":   # one latent pool: poison it as V is (NaN)
+    return dict(k=bad.v_pages[..., 0, :])
+  out = dict(k=bad.k_pages, v=bad.v_pages)
+  unread = ~read_page_slots(tables, lengths, st.page_size, st.num_pages)
+  for name in ("k_scale", "v_scale"):
+    if _is_token_scale(clean[name]):
+      out[name] = jnp.where(jnp.asarray(unread)[..., None], jnp.nan, clean[name])
+  return out
+
+
+def _is_token_scale(scale) -> bool:
+  return scale is not None and jnp.ndim(scale) == 3
+
+
+def _reference(st: Structure, clean: dict):
+  """The float32 reference (jitted per structure) on the clean values."""
+  q, k, v = (None if x is None else x if jnp.dtype(x.dtype).itemsize == 1 else x.astype(jnp.float32)
+             for x in (clean["q"], clean["k"], clean["v"]))
+  tables = None if clean["block_tables"] is None else jnp.asarray(clean["block_tables"])
+  arrays = {name: clean.get(name) for name in ("sinks", "k_scale", "v_scale")}
+  return _reference_fn(st)(q, k, v, clean["lengths"], tables, **arrays)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_fn(st: Structure):
+  def ref(q, k, v, lengths, tables, sinks=None, k_scale=None, v_scale=None):
+    if st.op == "mla":
+      return pkv.mla_decode_attention_reference(q, k, tables, lengths, v_head_dim=st.v_head_dim, return_lse=True)
+    opts = dict(softcap=st.softcap, window=st.window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+                return_lse=True)
+    if st.op == "dense":
+      return pkv.decode_attention_reference(q, k, v, lengths, **opts)
+    return pkv.paged_decode_attention_reference(q, k, v, tables, lengths, **opts)
+  return jax.jit(ref)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(st: Structure, impl: str, scale_kinds: tuple):
+  """The op of a structure, jitted with its static options bound; arrays go in positionally."""
+  config = st.decode_config(impl)
+  common = dict(return_lse=st.return_lse, impl=impl, config=config)
+  if st.op == "mla":
+    return jax.jit(lambda q, kv, tables, lengths: pkv.mla_decode_attention(
+        q, kv, tables, lengths, v_head_dim=st.v_head_dim, **common))
+  number_scales = {name: value for name, value in scale_kinds if value is not None}
+  static = dict(softcap=st.softcap, window=st.window, **common)
+
+  def call(q, k, v, lengths, tables, sinks, k_scale, v_scale):
+    scales = dict(k_scale=number_scales.get("k_scale", k_scale), v_scale=number_scales.get("v_scale", v_scale))
+    if st.op == "dense":
+      return pkv.decode_attention(q, k, v, lengths, sinks=sinks, **scales, **static)
+    return pkv.paged_decode_attention(q, k, v, tables, lengths, sinks=sinks, **scales, **static)
+
+  return jax.jit(call)
+
+
+def run_case(st: Structure, value_seed: int, impl: str, *, hostile: bool | None = None) -> str:
+  """'ok', or 'refused: reason' when the backend does not serve the structure. Raises on a mismatch."""
+  values = draw_values(st, value_seed, hostile=hostile)
+  a = values.args
+  # Python-number scales are static (a compile-time constant), array scales are arguments.
+  numbers = tuple((name, a.get(name)) for name in ("k_scale", "v_scale") if isinstance(a.get(name), float))
+  fn = _compiled(st, impl, numbers)
+  try:
+    if st.op == "mla":
+      result = fn(a["q"], a["k"], jnp.asarray(a["block_tables"]), a["lengths"])
+    else:
+      arrays = {name: (None if isinstance(a.get(name), float) else a.get(name)) for name in ("k_scale", "v_scale")}
+      tables = None if a["block_tables"] is None else jnp.asarray(a["block_tables"])
+      result = fn(a["q"], a["k"], a["v"], a["lengths"], tables, a.get("sinks"), arrays["k_scale"], arrays["v_scale"])
+  except NotImplementedError as e:
+    return f"refused: {e}"
+  except ValueError as e:
+    if st.config is None:
+      raise
+    return f"refused: the drawn config: {e}"   # an explicit config this backend's rules reject
+  out, lse = result if st.return_lse else (result, None)
+  ref, ref_lse = _reference(st, values.clean)
+  dtype = jnp.dtype(st.q_dtype)
+  assert out.dtype == dtype, f"output dtype {out.dtype} != q's {dtype}"
+  assert_matches_reference(out, ref, dtype, tolerance=TOLERANCE[dtype])
+  if lse is not None:
+    assert_lse_matches(lse, ref_lse, dtype)
+  return "ok"
+
+
+def fuzz(impl: str, structure_seeds, value_seeds, *, small: bool = False, hostile: bool | None = None,
+         log=print) -> dict:
+  """Runs every (structure, value) pair; returns counts and the failing seeds."""
+  counts = {"ok": 0, "refused": 0, "failed": 0}
+  failures = []
+  for structure_seed in structure_seeds:
+    st = draw_structure(structure_seed, small=small)
+    for value_seed in value_seeds:
+      try:
+        status = run_case(st, value_seed, impl, hostile=hostile)
+      except Exception as e:  # pylint: disable=broad-except
+        counts["failed"] += 1
+        failures.append((structure_seed, value_seed, f"{type(e).__name__}: {e}".splitlines()[0][:300]))
+        log(f"FAILED {impl} --replay={structure_seed}:{value_seed}  {st}\n{traceback.format_exc(limit=3)}")
+        continue
+      if status.startswith("refused"):
+        counts["refused"] += 1
+        log(f"refused {impl} {structure_seed}: {status[9:][:160]}")
+        break   # the structure decides it: the other draws would be refused alike
+      counts["ok"] += 1
+  return dict(counts=counts, failures=failures)
+
+
+def main(argv=None) -> int:
+  # Interpret-mode kernels run JAX computations inside callbacks: with asynchronous dispatch the
+  # next call can take the CPU client's threads first and deadlock (README, "Interpret mode").
+  jax.config.update("jax_cpu_enable_async_dispatch", False)
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--impl", default="xla", help="mosaic_gpu, triton, xla or auto (comma-separated)")
+  parser.add_argument("--structures", type=int, default=20)
+  parser.add_argument("--first_structure", type=int, default=0)
+  parser.add_argument("--draws", type=int, default=10, help="value draws per structure")
+  parser.add_argument("--small", action="store_true", help="interpret-mode sizes")
+  parser.add_argument("--replay", default=None, help="STRUCTURE_SEED:VALUE_SEED of one case")
+  parser.add_argument("--hostile", action="store_true", help="every draw hostile (for compute-sanitizer runs)")
+  args = parser.parse_args(argv)
+  bad = 0
+  for impl in args.impl.split(","):
+    if args.replay:
+      s, v = (int(x) for x in args.replay.split(":"))
+      print(draw_structure(s, small=args.small))
+      print(impl, run_case(draw_structure(s, small=args.small), v, impl))
+      continue
+    start = time.perf_counter()
+    result = fuzz(impl, range(args.first_structure, args.first_structure + args.structures), range(args.draws),
+                  small=args.small, hostile=True if args.hostile else None)
+    c = result["counts"]
+    print(f"{impl}: {c['ok']} cases ok, {c['failed']} failed, {c['refused']} structures refused "
+          f"({time.perf_counter() - start:.0f} s)", flush=True)
+    for s, v, why in result["failures"]:
+      print(f"  --replay={s}:{v}  {why}")
+    bad += c["failed"]
+  return 1 if bad else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
