@@ -224,6 +224,7 @@ def decode_attention(q, k, v, lengths, *, scale=None, softcap=None, window=None,
   problem = validation.validate_dense(q, k, v, lengths)
   options = _options(problem, scale, softcap, window, sinks, k_scale, v_scale)
   _check_runtime_values(problem, lengths)
+  lengths = validation.lengths_as_int32(lengths, problem.capacity)
 
   def xla_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale):
     return xla.decode_attention(q, k, v, lengths, scale=options.scale, softcap=options.softcap,
@@ -251,6 +252,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=
   problem = validation.validate_paged(q, k_pages, v_pages, block_tables, lengths)
   options = _options(problem, scale, softcap, window, sinks, k_scale, v_scale)
   _check_runtime_values(problem, lengths, block_tables)
+  lengths = validation.lengths_as_int32(lengths, problem.capacity)
 
   def xla_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale):
     return xla.paged_decode_attention(q, k, v, block_tables, lengths, scale=options.scale, softcap=options.softcap,
@@ -279,6 +281,7 @@ def mla_decode_attention(q, kv_pages, block_tables, lengths, *, v_head_dim=512, 
   problem = validation.validate_mla(q, kv_pages, block_tables, lengths, v_head_dim)
   options = _options(problem, scale, None, None, None, None, None)
   _check_runtime_values(problem, lengths, block_tables)
+  lengths = validation.lengths_as_int32(lengths, problem.capacity)
 
   def xla_fn(q, kv, unused_v, lengths, block_tables, sinks, k_scale, v_scale):
     return xla.mla_decode_attention(q, kv, block_tables, lengths, v_head_dim=v_head_dim, scale=options.scale,

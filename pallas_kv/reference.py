@@ -29,6 +29,7 @@ def decode_attention_reference(q, k, v, lengths, *, scale=None, softcap=None, wi
                                k_scale=None, v_scale=None, return_lse=False):
   """Decode attention over a contiguous cache in float32. See `pallas_kv.decode_attention`."""
   problem = validation.validate_dense(q, k, v, lengths)
+  lengths = validation.lengths_as_int32(lengths, problem.capacity)
   scale = _check(problem, scale=scale, softcap=softcap, window=window, sinks=sinks, k_scale=k_scale,
                  v_scale=v_scale)
   return _decode(q, k, v, lengths, scale=scale, softcap=softcap, window=window, sinks=sinks,
@@ -39,6 +40,7 @@ def paged_decode_attention_reference(q, k_pages, v_pages, block_tables, lengths,
                                      window=None, sinks=None, k_scale=None, v_scale=None, return_lse=False):
   """Decode attention over a paged cache in float32. See `pallas_kv.paged_decode_attention`."""
   problem = validation.validate_paged(q, k_pages, v_pages, block_tables, lengths)
+  lengths = validation.lengths_as_int32(lengths, problem.capacity)
   scale = _check(problem, scale=scale, softcap=softcap, window=window, sinks=sinks, k_scale=k_scale,
                  v_scale=v_scale)
   return _decode(q, gather_pages(k_pages, block_tables), gather_pages(v_pages, block_tables), lengths,
@@ -51,6 +53,7 @@ def mla_decode_attention_reference(q, kv_pages, block_tables, lengths, *, v_head
                                    return_lse=False):
   """Multi-head latent attention decode in float32. See `pallas_kv.mla_decode_attention`."""
   problem = validation.validate_mla(q, kv_pages, block_tables, lengths, v_head_dim)
+  lengths = validation.lengths_as_int32(lengths, problem.capacity)
   scale = _check(problem, scale=scale)
   q4, single = validation.query_as_rank4(q)
   kv = gather_pages(kv_pages, block_tables).astype(jnp.float32)[:, :, None, :]  # [B, T, 1, Dqk]

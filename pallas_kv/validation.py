@@ -64,6 +64,18 @@ def _check_integer(name: str, x, shape: tuple[int, ...]) -> None:
     raise ValueError(f"{name} has shape {tuple(x.shape)}; expected {shape}")
 
 
+def lengths_as_int32(lengths, capacity: int):
+  """lengths as int32 for the kernels. A wider integer type (int64, uint32) is clamped to
+  [0, capacity] in its own type first, so a value past int32's range clamps like any other
+  instead of wrapping (2**32 + 5 would otherwise read as 5). NumPy arrays are clamped in NumPy:
+  JAX would wrap them to int32 on the way in."""
+  if isinstance(lengths, np.ndarray):
+    return jnp.asarray(np.clip(lengths, 0, capacity).astype(np.int32))
+  if lengths.dtype == jnp.int32:
+    return lengths
+  return jnp.clip(lengths, 0, capacity).astype(jnp.int32)
+
+
 def query_shape(q) -> tuple[int, int, int, int]:
   """(B, S, Hq, D) of q [B, Hq, D] (S = 1) or [B, S, Hq, D]; works on arrays and ShapeDtypeStructs."""
   shape = tuple(q.shape)

@@ -93,10 +93,10 @@ def draw_structure(seed: int, *, small: bool = False) -> Structure:
   if small:
     capacity = pick((128, 192, 256))
   else:
-    capacity = pick((256, 1024, 2048, 4096))
+    capacity = pick((256, 1024, 2048))
   if page_size:
     capacity = -(-capacity // page_size) * page_size
-  batch = pick((1, 2, 3) if small else (1, 2, 3, 5, 8))
+  batch = pick((1, 2, 3) if small else (1, 2, 3, 5))
   num_pages = 0 if page_size is None else batch * capacity // page_size + int(rng.integers(0, 4))
   scale_kinds = (None, "number", "head", "token")
   k_scale = pick(scale_kinds) if kv_dtype == "int8" or (kv_dtype.startswith("float8") and rng.random() < .7) \
@@ -158,7 +158,7 @@ def _tables(rng, st: Structure, lengths, hostile: bool):
 
 
 def _cache_values(rng, shape, dtype):
-  x = rng.standard_normal(shape)
+  x = rng.standard_normal(shape, dtype=np.float32)
   if dtype == "int8":
     return jnp.asarray(np.clip(np.round(x * 40), -127, 127), jnp.int8)
   if dtype == "float8_e5m2" or dtype == "float8_e4m3fn":
@@ -283,8 +283,11 @@ def _compiled(st: Structure, impl: str, scale_kinds: tuple):
   return jax.jit(call)
 
 
-def run_case(st: Structure, value_seed: int, impl: str, *, hostile: bool | None = None) -> str:
-  """'ok', or 'refused: reason' when the backend does not serve the structure. Raises on a mismatch."""
+def run_case(st: Structure, value_seed: int, impl: str, *, hostile: bool | None = None,
+             reference: bool = True) -> str:
+  """'ok', or 'refused: reason' when the backend does not serve the structure. Raises on a mismatch.
+
+  reference=False only checks that the output is finite (compute-sanitizer runs: fewer compiles)."""
   values = draw_values(st, value_seed, hostile=hostile)
   a = values.args
   # Python-number scales are static (a compile-time constant), array scales are arguments.
@@ -304,6 +307,9 @@ def run_case(st: Structure, value_seed: int, impl: str, *, hostile: bool | None 
       raise
     return f"refused: the drawn config: {e}"   # an explicit config this backend's rules reject
   out, lse = result if st.return_lse else (result, None)
+  if not reference:
+    assert np.isfinite(np.asarray(out, np.float32)).all(), "non-finite output"
+    return "ok"
   ref, ref_lse = _reference(st, values.clean)
   dtype = jnp.dtype(st.q_dtype)
   assert out.dtype == dtype, f"output dtype {out.dtype} != q's {dtype}"
@@ -314,7 +320,7 @@ def run_case(st: Structure, value_seed: int, impl: str, *, hostile: bool | None 
 
 
 def fuzz(impl: str, structure_seeds, value_seeds, *, small: bool = False, hostile: bool | None = None,
-         log=print) -> dict:
+         reference: bool = True, log=print) -> dict:
   """Runs every (structure, value) pair; returns counts and the failing seeds."""
   counts = {"ok": 0, "refused": 0, "failed": 0}
   failures = []
@@ -322,17 +328,18 @@ def fuzz(impl: str, structure_seeds, value_seeds, *, small: bool = False, hostil
     st = draw_structure(structure_seed, small=small)
     for value_seed in value_seeds:
       try:
-        status = run_case(st, value_seed, impl, hostile=hostile)
+        status = run_case(st, value_seed, impl, hostile=hostile, reference=reference)
       except Exception as e:  # pylint: disable=broad-except
         counts["failed"] += 1
         failures.append((structure_seed, value_seed, f"{type(e).__name__}: {e}".splitlines()[0][:300]))
-        log(f"FAILED {impl} --replay={structure_seed}:{value_seed}  {st}\n{traceback.format_exc(limit=3)}")
+        log(f"FAILED {impl} --replay={structure_seed}:{value_seed}  {st}\n{traceback.format_exc(limit=6)}")
         continue
       if status.startswith("refused"):
         counts["refused"] += 1
         log(f"refused {impl} {structure_seed}: {status[9:][:160]}")
         break   # the structure decides it: the other draws would be refused alike
       counts["ok"] += 1
+    log(f"after structure {structure_seed}: {counts}")
   return dict(counts=counts, failures=failures)
 
 
@@ -348,6 +355,7 @@ def main(argv=None) -> int:
   parser.add_argument("--small", action="store_true", help="interpret-mode sizes")
   parser.add_argument("--replay", default=None, help="STRUCTURE_SEED:VALUE_SEED of one case")
   parser.add_argument("--hostile", action="store_true", help="every draw hostile (for compute-sanitizer runs)")
+  parser.add_argument("--no_reference", action="store_true", help="only check outputs are finite")
   args = parser.parse_args(argv)
   bad = 0
   for impl in args.impl.split(","):
@@ -358,7 +366,7 @@ def main(argv=None) -> int:
       continue
     start = time.perf_counter()
     result = fuzz(impl, range(args.first_structure, args.first_structure + args.structures), range(args.draws),
-                  small=args.small, hostile=True if args.hostile else None)
+                  small=args.small, hostile=True if args.hostile else None, reference=not args.no_reference)
     c = result["counts"]
     print(f"{impl}: {c['ok']} cases ok, {c['failed']} failed, {c['refused']} structures refused "
           f"({time.perf_counter() - start:.0f} s)", flush=True)

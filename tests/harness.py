@@ -135,8 +135,8 @@ def read_page_slots(block_tables, lengths, page_size: int, num_pages: int) -> np
   tables, lengths = np.asarray(block_tables), np.clip(np.asarray(lengths), 0, None)
   read = np.zeros((num_pages, page_size), bool)
   for b, length in enumerate(lengths):
-    for t in range(min(int(length), tables.shape[1] * page_size)):
-      read[tables[b, t // page_size], t % page_size] = True
+    t = np.arange(min(int(length), tables.shape[1] * page_size))
+    read[tables[b, t // page_size], t % page_size] = True
   return read
 
 

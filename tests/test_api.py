@@ -216,3 +216,13 @@ def test_a_kernel_impl_on_a_cpu_without_interpret_mode_names_the_switch():
   for impl in ("triton", "mosaic_gpu"):
     with pytest.raises(ValueError, match="PALLAS_KV_INTERPRET=1"):
       pkv.decode_attention(case.q, case.k, case.v, case.lengths, impl=impl)
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.uint32])
+def test_lengths_wider_than_int32_clamp_instead_of_wrapping(dtype):
+  case = make_case(4, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=32)
+  huge = np.array([2**32 + 5 if dtype == np.int64 else 2**31 + 5, 7], dtype)
+  out = pkv.decode_attention(case.q, case.k, case.v, huge, impl="xla")
+  want = pkv.decode_attention_reference(case.q, case.k, case.v, jnp.asarray([64, 7], jnp.int32))
+  assert_matches_reference(out, want, jnp.float32)
+  assert_matches_reference(pkv.decode_attention_reference(case.q, case.k, case.v, huge), want, jnp.float32)
