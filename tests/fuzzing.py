@@ -8,6 +8,8 @@ or negative and page ids out of range, which the ops clamp. A call must either b
 `NotImplementedError` (the backend does not serve it) or match the reference.
 
   PYTHONPATH=.:tests python tests/fuzzing.py --impl=triton --structures=40 --draws=50
+  PYTHONPATH=.:tests python tests/fuzzing.py --impl=mosaic_gpu --structures=36 --draws=60 --processes=6 \
+      --time_limit=240      # the GPU: compiles dominate, so many draws per structure and processes
   PYTHONPATH=.:tests python tests/fuzzing.py --impl=mosaic_gpu --replay=STRUCTURE_SEED:VALUE_SEED
 
 `tests/test_fuzzing.py` runs a few small structures in interpret mode on every CI run.
@@ -320,11 +322,16 @@ def run_case(st: Structure, value_seed: int, impl: str, *, hostile: bool | None 
 
 
 def fuzz(impl: str, structure_seeds, value_seeds, *, small: bool = False, hostile: bool | None = None,
-         reference: bool = True, log=print) -> dict:
-  """Runs every (structure, value) pair; returns counts and the failing seeds."""
+         reference: bool = True, deadline: float | None = None, log=print) -> dict:
+  """Runs every (structure, value) pair; returns counts and the failing seeds.
+
+  deadline: a time.perf_counter() value after which no new structure starts."""
   counts = {"ok": 0, "refused": 0, "failed": 0}
   failures = []
   for structure_seed in structure_seeds:
+    if deadline is not None and time.perf_counter() > deadline:
+      log(f"time limit: stopped before structure {structure_seed}")
+      break
     st = draw_structure(structure_seed, small=small)
     for value_seed in value_seeds:
       try:
@@ -356,7 +363,12 @@ def main(argv=None) -> int:
   parser.add_argument("--replay", default=None, help="STRUCTURE_SEED:VALUE_SEED of one case")
   parser.add_argument("--hostile", action="store_true", help="every draw hostile (for compute-sanitizer runs)")
   parser.add_argument("--no_reference", action="store_true", help="only check outputs are finite")
+  parser.add_argument("--time_limit", type=float, default=None, help="seconds; no new structure starts after")
+  parser.add_argument("--processes", type=int, default=1,
+                      help="split the structures over this many processes (they share the GPU)")
   args = parser.parse_args(argv)
+  if args.processes > 1:
+    return _run_processes(args, argv if argv is not None else sys.argv[1:])
   bad = 0
   for impl in args.impl.split(","):
     if args.replay:
@@ -365,14 +377,50 @@ def main(argv=None) -> int:
       print(impl, run_case(draw_structure(s, small=args.small), v, impl))
       continue
     start = time.perf_counter()
+    deadline = None if args.time_limit is None else start + args.time_limit
     result = fuzz(impl, range(args.first_structure, args.first_structure + args.structures), range(args.draws),
-                  small=args.small, hostile=True if args.hostile else None, reference=not args.no_reference)
+                  small=args.small, hostile=True if args.hostile else None, reference=not args.no_reference,
+                  deadline=deadline)
     c = result["counts"]
     print(f"{impl}: {c['ok']} cases ok, {c['failed']} failed, {c['refused']} structures refused "
           f"({time.perf_counter() - start:.0f} s)", flush=True)
     for s, v, why in result["failures"]:
       print(f"  --replay={s}:{v}  {why}")
     bad += c["failed"]
+  return 1 if bad else 0
+
+
+def _run_processes(args, argv) -> int:
+  """Runs this program in args.processes processes over disjoint structure ranges; sums their counts."""
+  import os
+  import re
+  import subprocess
+  passed = [a for a in argv if not a.startswith(("--processes", "--structures", "--first_structure"))]
+  per = -(-args.structures // args.processes)
+  env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{0.8 / args.processes:.3f}")
+  children = []
+  for p in range(args.processes):
+    first = args.first_structure + p * per
+    count = min(per, args.first_structure + args.structures - first)
+    if count > 0:
+      children.append(subprocess.Popen(
+          [sys.executable, __file__, *passed, f"--first_structure={first}", f"--structures={count}"],
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+  totals, bad = {}, 0
+  for child in children:
+    out, _ = child.communicate()
+    for line in out.splitlines():
+      m = re.match(r"(\w+): (\d+) cases ok, (\d+) failed, (\d+) structures refused", line)
+      if m:
+        t = totals.setdefault(m[1], [0, 0, 0])
+        for i in range(3):
+          t[i] += int(m[i + 2])
+      if line.startswith(("FAILED", "  --replay")):
+        print(line)
+    bad |= child.returncode
+  for impl, (ok, failed, refused) in totals.items():
+    print(f"total {impl}: {ok} cases ok, {failed} failed, {refused} structures refused "
+          f"({len(children)} processes)")
   return 1 if bad else 0
 
 
