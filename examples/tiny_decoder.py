@@ -1,6 +1,6 @@
 """A small random-weight decoder that prefills with XLA attention and decodes with DecodeAttention.
 
-  python -m examples.tiny_decoder [--impl=xla] [--steps=8]
+  python -m examples.tiny_decoder [--impl=xla] [--steps=8] [--mla]
 
 Layers are stacked and run with lax.scan; the paged KV cache of every layer shares one block
 table, whose pages come from a `PagePool` reserved before each step.
@@ -46,13 +46,18 @@ class TinyDecoder:
                 layers=jax.vmap(layer)(keys))
 
   def empty_cache(self, batch: int, max_pages_per_seq: int, page_size: int, num_pages: int,
-                  dtype=jnp.bfloat16) -> pkv.PagedKVCache:
-    """One paged cache per layer, stacked on a leading layer axis, with no pages assigned."""
+                  dtype=jnp.bfloat16) -> pkv.PagedKVCache | pkv.PagedLatentCache:
+    """One paged cache per layer, stacked on a leading layer axis, with no pages assigned (a
+    latent cache when the attention is MLA)."""
     a = self.attention
-    shape = (self.num_layers, num_pages, page_size, a.num_kv_heads, a.head_dim)
     tables = jnp.broadcast_to(kv_cache.empty_block_tables(batch, max_pages_per_seq),
                               (self.num_layers, batch, max_pages_per_seq))
     lengths = jnp.zeros((self.num_layers, batch), jnp.int32)
+    if a.mla is not None:
+      latent = a.mla.kv_lora_rank + a.mla.qk_rope_head_dim
+      return pkv.PagedLatentCache(jnp.zeros((self.num_layers, num_pages, page_size, latent), dtype), tables,
+                                  lengths)
+    shape = (self.num_layers, num_pages, page_size, a.num_kv_heads, a.head_dim)
     return pkv.PagedKVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), tables, lengths)
 
   def _block(self, attend, x, layer_params_and_cache):
@@ -77,6 +82,10 @@ class TinyDecoder:
     x = params["embed"][token][:, None]
     logits, caches = self._run_layers(lambda p, x, c: self.attention(p, x, c), params, x, caches)
     return logits[:, 0], caches
+
+
+# MLA dimensions the Mosaic GPU MLA kernel serves (latent a multiple of 128, latent + rope <= 576).
+MLA = pkv.MLAConfig(kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32)
 
 
 def _reserve(caches, pool, num_new: int):
@@ -113,11 +122,13 @@ def main():
   from absl import app, flags
   flags.DEFINE_string("impl", "xla", "decode attention backend")
   flags.DEFINE_integer("steps", 8, "tokens to generate")
+  flags.DEFINE_bool("mla", False, "multi-head latent attention (latent 128 + rope 64) instead of GQA")
 
   def run(argv):
     del argv
     impl, steps = flags.FLAGS.impl, flags.FLAGS.steps
-    attention = pkv.DecodeAttention(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=64, impl=impl)
+    attention = pkv.DecodeAttention(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=64, impl=impl,
+                                    mla=MLA if flags.FLAGS.mla else None)
     model = TinyDecoder(attention)
     params = model.init(jax.random.key(0))
     prompt = jax.random.randint(jax.random.key(1), (2, 5), 0, model.vocab_size)

@@ -141,10 +141,11 @@ def test_scan_over_layers_vmap_and_grad():
 
 # ---------------------------------------------------------------------------- end to end
 
-def _generate(impl):
+def _generate(impl, mla: bool = False):
   sys.path.insert(0, REPO)
   from examples import tiny_decoder
-  attention = pkv.DecodeAttention(hidden_size=64, num_heads=4, num_kv_heads=1, head_dim=64, impl=impl)
+  attention = pkv.DecodeAttention(hidden_size=64, num_heads=4, num_kv_heads=1, head_dim=64, impl=impl,
+                                  mla=tiny_decoder.MLA if mla else None)
   model = tiny_decoder.TinyDecoder(attention, vocab_size=32, num_layers=2, mlp_size=128)
   params = model.init(jax.random.key(0))
   prompt = jax.random.randint(jax.random.key(1), (2, 5), 0, model.vocab_size)
@@ -164,6 +165,14 @@ def xla_generation():
 def test_generation_matches_xla(xla_generation, interpret_mode, impl):
   tokens, logits = _generate(impl)
   want_tokens, want_logits = xla_generation
+  np.testing.assert_array_equal(tokens, want_tokens)
+  assert_matches_reference(logits, want_logits, jnp.bfloat16)
+
+
+def test_mla_generation_on_the_mosaic_gpu_kernel_matches_xla(interpret_mode):
+  want_tokens, want_logits = _generate("xla", mla=True)
+  tokens, logits = _generate("mosaic_gpu", mla=True)
+  assert pkv.last_impl() == "mosaic_gpu"
   np.testing.assert_array_equal(tokens, want_tokens)
   assert_matches_reference(logits, want_logits, jnp.bfloat16)
 
