@@ -31,7 +31,7 @@ for part in "$@"; do
     fuzz)     # >= 2,000 random calls per kernel backend against the reference (~8 minutes)
               for impl in mosaic_gpu triton; do
                 PYTHONPATH="$PYTHONPATH:$PWD/tests" python3 tests/fuzzing.py --impl=$impl --structures=36 --draws=60 \
-                  --processes=6 --time_limit=200 2>&1 | tee "$out/fuzz_$impl.log" | grep -e '^total' -e replay
+                  --processes=6 --time_limit=200 --rerun --invariance 2>&1 | tee "$out/fuzz_$impl.log" | grep -e '^total' -e replay
               done ;;
     memcheck) # hostile lengths and page ids under compute-sanitizer (outputs only checked to be finite)
               PYTHONPATH="$PYTHONPATH:$PWD/tests" timeout 400 compute-sanitizer --tool memcheck --leak-check no \

@@ -285,23 +285,47 @@ def _compiled(st: Structure, impl: str, scale_kinds: tuple):
   return jax.jit(call)
 
 
-def run_case(st: Structure, value_seed: int, impl: str, *, hostile: bool | None = None,
-             reference: bool = True) -> str:
-  """'ok', or 'refused: reason' when the backend does not serve the structure. Raises on a mismatch.
-
-  reference=False only checks that the output is finite (compute-sanitizer runs: fewer compiles)."""
-  values = draw_values(st, value_seed, hostile=hostile)
-  a = values.args
+def _call(st: Structure, impl: str, a: dict):
+  """The structure's op, compiled once, on the argument dict of a draw."""
   # Python-number scales are static (a compile-time constant), array scales are arguments.
   numbers = tuple((name, a.get(name)) for name in ("k_scale", "v_scale") if isinstance(a.get(name), float))
   fn = _compiled(st, impl, numbers)
+  tables = None if a["block_tables"] is None else jnp.asarray(a["block_tables"])
+  if st.op == "mla":
+    return fn(a["q"], a["k"], tables, a["lengths"])
+  arrays = {name: (None if isinstance(a.get(name), float) else a.get(name)) for name in ("k_scale", "v_scale")}
+  return fn(a["q"], a["k"], a["v"], a["lengths"], tables, a.get("sinks"), arrays["k_scale"], arrays["v_scale"])
+
+
+def _first_sequence(st: Structure, a: dict) -> dict:
+  """The draw's arguments for its first sequence alone (a paged pool is shared as it is)."""
+  one = dict(a, q=a["q"][:1], lengths=a["lengths"][:1])
+  if a["block_tables"] is not None:
+    one["block_tables"] = a["block_tables"][:1]
+  if st.op == "dense":
+    one.update(k=a["k"][:1], v=a["v"][:1])
+    for name in ("k_scale", "v_scale"):
+      if _is_token_scale(a.get(name)):
+        one[name] = a[name][:1]
+  return one
+
+
+def _bitwise_equal(x, y) -> bool:
+  x, y = np.asarray(x), np.asarray(y)
+  return x.shape == y.shape and x.tobytes() == y.tobytes()
+
+
+def run_case(st: Structure, value_seed: int, impl: str, *, hostile: bool | None = None,
+             reference: bool = True, rerun: bool = False, invariance: bool = False) -> str:
+  """'ok', or 'refused: reason' when the backend does not serve the structure. Raises on a mismatch.
+
+  reference=False only checks that the output is finite (compute-sanitizer runs: fewer compiles).
+  rerun: the same call again gives bit-identical results. invariance: with a fixed split count
+  (a drawn config), the first sequence alone gives bit-identically its row of the batch."""
+  values = draw_values(st, value_seed, hostile=hostile)
+  a = values.args
   try:
-    if st.op == "mla":
-      result = fn(a["q"], a["k"], jnp.asarray(a["block_tables"]), a["lengths"])
-    else:
-      arrays = {name: (None if isinstance(a.get(name), float) else a.get(name)) for name in ("k_scale", "v_scale")}
-      tables = None if a["block_tables"] is None else jnp.asarray(a["block_tables"])
-      result = fn(a["q"], a["k"], a["v"], a["lengths"], tables, a.get("sinks"), arrays["k_scale"], arrays["v_scale"])
+    result = _call(st, impl, a)
   except NotImplementedError as e:
     return f"refused: {e}"
   except ValueError as e:
@@ -309,6 +333,14 @@ def run_case(st: Structure, value_seed: int, impl: str, *, hostile: bool | None 
       raise
     return f"refused: the drawn config: {e}"   # an explicit config this backend's rules reject
   out, lse = result if st.return_lse else (result, None)
+  if rerun:
+    again = _call(st, impl, a)
+    assert _bitwise_equal(out, again[0] if st.return_lse else again), "a rerun differs"
+  fixed_splits = st.config is not None and impl != "xla" and dict(st.config).get("num_splits")
+  if invariance and fixed_splits and st.batch > 1:
+    alone = _call(dataclasses.replace(st, batch=1), impl, _first_sequence(st, a))
+    alone = alone[0] if st.return_lse else alone
+    assert _bitwise_equal(out[:1], alone), "the first sequence alone differs from its row of the batch"
   if not reference:
     assert np.isfinite(np.asarray(out, np.float32)).all(), "non-finite output"
     return "ok"
@@ -322,7 +354,8 @@ def run_case(st: Structure, value_seed: int, impl: str, *, hostile: bool | None 
 
 
 def fuzz(impl: str, structure_seeds, value_seeds, *, small: bool = False, hostile: bool | None = None,
-         reference: bool = True, deadline: float | None = None, log=print) -> dict:
+         reference: bool = True, rerun: bool = False, invariance: bool = False, deadline: float | None = None,
+         log=print) -> dict:
   """Runs every (structure, value) pair; returns counts and the failing seeds.
 
   deadline: a time.perf_counter() value after which no new structure starts."""
@@ -335,7 +368,8 @@ def fuzz(impl: str, structure_seeds, value_seeds, *, small: bool = False, hostil
     st = draw_structure(structure_seed, small=small)
     for value_seed in value_seeds:
       try:
-        status = run_case(st, value_seed, impl, hostile=hostile, reference=reference)
+        status = run_case(st, value_seed, impl, hostile=hostile, reference=reference, rerun=rerun,
+                          invariance=invariance)
       except Exception as e:  # pylint: disable=broad-except
         counts["failed"] += 1
         failures.append((structure_seed, value_seed, f"{type(e).__name__}: {e}".splitlines()[0][:300]))
@@ -363,6 +397,9 @@ def main(argv=None) -> int:
   parser.add_argument("--replay", default=None, help="STRUCTURE_SEED:VALUE_SEED of one case")
   parser.add_argument("--hostile", action="store_true", help="every draw hostile (for compute-sanitizer runs)")
   parser.add_argument("--no_reference", action="store_true", help="only check outputs are finite")
+  parser.add_argument("--rerun", action="store_true", help="also check a second call is bit-identical")
+  parser.add_argument("--invariance", action="store_true",
+                      help="also check fixed-split calls: the first sequence alone equals its batch row bitwise")
   parser.add_argument("--time_limit", type=float, default=None, help="seconds; no new structure starts after")
   parser.add_argument("--processes", type=int, default=1,
                       help="split the structures over this many processes (they share the GPU)")
@@ -380,7 +417,7 @@ def main(argv=None) -> int:
     deadline = None if args.time_limit is None else start + args.time_limit
     result = fuzz(impl, range(args.first_structure, args.first_structure + args.structures), range(args.draws),
                   small=args.small, hostile=True if args.hostile else None, reference=not args.no_reference,
-                  deadline=deadline)
+                  rerun=args.rerun, invariance=args.invariance, deadline=deadline)
     c = result["counts"]
     print(f"{impl}: {c['ok']} cases ok, {c['failed']} failed, {c['refused']} structures refused "
           f"({time.perf_counter() - start:.0f} s)", flush=True)

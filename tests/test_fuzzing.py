@@ -13,7 +13,10 @@ RUNS = {"xla": (16, 2), "triton": (10, 1), "mosaic_gpu": (8, 1)}
 @pytest.mark.parametrize("impl", list(RUNS))
 def test_random_calls_match_the_reference(interpret_mode, impl):
   structures, draws = RUNS[impl]
-  result = fuzzing.fuzz(impl, range(structures), range(draws), small=True, log=lambda *_: None)
+  # Bit-identical reruns are a GPU property (the suite's `fuzz` part checks them there); batch
+  # invariance of fixed splits is checked here on the cheaper interpreted backend.
+  result = fuzzing.fuzz(impl, range(structures), range(draws), small=True, invariance=impl == "triton",
+                        log=lambda *_: None)
   assert result["failures"] == [], result["failures"]
   counts = result["counts"]
   assert counts["ok"] >= structures * draws // 2, counts   # most structures are served
