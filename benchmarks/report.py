@@ -10,6 +10,11 @@ r"""Markdown for RESULTS.md from the JSON rows that `python -m benchmarks.decode
       tables, median time (µs), TB/s of KV read and % of the roofline, a column per impl, and
       the reasons of n/a or error cells and the largest relative error of the pallas_kv rows.
 
+  python -m benchmarks.report FILE.json --auto
+      Per case, `auto` against the fastest kernel backend and the fastest peer of the same run:
+      what auto ran, its time, the fastest backend's, and the ratios (does auto pick the faster
+      kernel; is the library ahead of the peers).
+
   --plot=FILE.png also saves the TB/s plot of the rows (needs the `plot` extra).
 """
 
@@ -147,6 +152,32 @@ def section(rows: Sequence[dict], *, command: str | None = None, date: str | Non
   return "\n".join(lines).rstrip() + "\n"
 
 
+KERNEL_IMPLS = ("mosaic_gpu", "triton")
+
+
+def auto_table(rows: Sequence[dict]) -> str:
+  """Markdown: per case, auto's time against the fastest kernel backend and the fastest peer."""
+  cases: dict[tuple, dict[str, dict]] = {}
+  for row in rows:
+    if row.get("time_us") is not None:
+      cases.setdefault((family(row), case_label(row)), {})[row["impl"]] = row
+  lines = ["| case | auto ran | auto µs | fastest backend µs | auto / fastest | fastest peer µs | auto / peer |",
+           "|---|---|---|---|---|---|---|"]
+  for (fam, label), by_impl in cases.items():
+    auto = by_impl.get("auto")
+    if auto is None:
+      continue
+    kernels = [r for name, r in by_impl.items() if name in KERNEL_IMPLS]
+    peers = [r for r in by_impl.values() if not r.get("ours", r["impl"] in KERNEL_IMPLS + ("auto", "xla"))]
+    best = min(kernels, key=lambda r: r["time_us"], default=None)
+    peer = min(peers, key=lambda r: r["time_us"], default=None)
+    ratio = lambda other: f"{auto['time_us'] / other['time_us']:.3f}" if other else "–"
+    lines.append(f"| {fam} {label} | {auto.get('auto_choice') or '?'} | {auto['time_us']:.1f} | "
+                 + (f"{best['time_us']:.1f} ({best['impl']})" if best else "–") + f" | {ratio(best)} | "
+                 + (f"{peer['time_us']:.1f} ({peer['impl']})" if peer else "–") + f" | {ratio(peer)} |")
+  return "\n".join(lines)
+
+
 def _date_from_path(path: str) -> str | None:
   match = re.match(r"(\d{4}-\d{2}-\d{2})", os.path.basename(path))
   return match.group(1) if match else None
@@ -162,6 +193,7 @@ def main(argv: Sequence[str]) -> None:
   parser.add_argument("--section", action="store_true",
                       help="print a whole section even without --command")
   parser.add_argument("--plot", help="also save the rows' TB/s plot (benchmarks.decode --plot's) as this PNG")
+  parser.add_argument("--auto", action="store_true", help="auto against the fastest backend and peer, per case")
   args = parser.parse_args(argv)
   loaded = []
   for path in args.paths:
@@ -174,6 +206,9 @@ def main(argv: Sequence[str]) -> None:
       print(f"# wrote {args.plot}")
     else:
       print("# --plot needs matplotlib (pip install 'pallas-kv[plot]'); no plot written")
+  if args.auto:
+    print(auto_table([r for _, rs in loaded for r in rs]))
+    return
   if args.command is None and not args.section:
     for path, rows in loaded:
       print(f"`{path}`\n")

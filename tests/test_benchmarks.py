@@ -319,3 +319,16 @@ def test_vmap_benchmark_times_vmapped_and_batched_rows():
   b = pkv.paged_decode_attention(*batched)
   np.testing.assert_array_equal(np.asarray(a, np.float32).reshape(b.shape), np.asarray(b, np.float32))
 
+
+
+def test_report_auto_mode_compares_auto_with_the_fastest_backend_and_peer(tmp_path, capsys):
+  rows = [r for r in _fake_rows() if r["batch"] == 8 and r["status"] == "ok"]
+  auto = next(r for r in rows if r["impl"] == "auto")
+  auto["auto_choice"] = "triton"
+  rows += [dict(auto, impl="triton", ours=True, time_us=auto["time_us"] / 2),
+           dict(auto, impl="mosaic_gpu", ours=True, time_us=auto["time_us"] * 2)]
+  path = tmp_path / "rows.json"
+  path.write_text(json.dumps(rows))
+  report.main(["--auto", str(path)])
+  line = [l for l in capsys.readouterr().out.splitlines() if "B8 T8192" in l][0]
+  assert "| triton | 21.8 | 10.9 (triton) | 2.000 | 65.5 (xla_einsum) | 0.333 |" in line
