@@ -9,6 +9,12 @@ Usage (from the repository root):
   python -m benchmarks.decode --op=mla --num_heads=128 --batch=64,128 --seq_len=4096,8192
   python -m benchmarks.decode --flagfile=configs/gemma2_9b.flags --csv=/tmp/g.csv --plot=/tmp/g.png
 
+`--merge_in_kernel` runs the triton impl (and auto where it picks triton) with the split merge
+in the kernel's launch (`DecodeConfig.merge_in_kernel`), its config otherwise as resolved; run
+once with and once without it to compare against the two-launch path:
+
+  python -m benchmarks.decode --impl=triton --cases=1x32768,8x8192 --merge_in_kernel
+
 Each case (op x batch x seq_len) prints one table row per impl: median time per
 call, TB/s of the bytes that must move (the KV of the valid tokens, plus q and the
 output), TFLOP/s, % of the roofline max(bytes / peak_tbps, flops / peak_tflops) /
@@ -55,6 +61,7 @@ gives the defaults.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import traceback
@@ -169,10 +176,28 @@ def run(sweep: cases.Sweep | None = None, *, json_path: str | None = None,
   return all_rows
 
 
+@contextlib.contextmanager
+def triton_merge_in_kernel(enabled: bool):
+  """While open (if enabled), the triton backend resolves its configs as usual, then sets
+  merge_in_kernel=True."""
+  if not enabled:
+    yield
+    return
+  from pallas_kv.kernels.triton import config as triton_config  # pylint: disable=g-import-not-at-top
+  resolve = triton_config.resolve_config
+  triton_config.resolve_config = lambda *a, **kw: dataclasses.replace(resolve(*a, **kw), merge_in_kernel=True)
+  try:
+    yield
+  finally:
+    triton_config.resolve_config = resolve
+
+
 def define_flags() -> None:
   """The flags of a `cases.Sweep` and the files to write the rows to."""
   cli.define_sweep_flags()
   cli.define_output_flags(("json", "csv", "plot"))
+  flags.DEFINE_boolean("merge_in_kernel", False, "triton impl: merge the splits in the kernel's own launch "
+                       "(DecodeConfig.merge_in_kernel), the config otherwise as resolved.")
   flags.adopt_module_key_flags(cli)
 
 
@@ -184,7 +209,8 @@ def main(argv: Sequence[str]) -> int:
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   paths = cli.output_paths()
-  rows = run(sweep, json_path=paths.json, csv_path=paths.csv, plot_path=paths.plot)
+  with triton_merge_in_kernel(flags.FLAGS.merge_in_kernel):
+    rows = run(sweep, json_path=paths.json, csv_path=paths.csv, plot_path=paths.plot)
   return output.report_failures(
       output.failed_rows(rows), lambda r: f"{r['impl']} on {r['op']} B={r['batch']} T={r['seq_len']}",
       tracebacks=True)

@@ -42,6 +42,12 @@ class DecodeConfig:
     cores and the softmax overlap (FA3-style intra-warpgroup pipelining; mosaic_gpu only).
   persistent: launch one program per SM that loops over the (kv head, split, batch) work items,
     keeping the KV ring streaming across items (mosaic_gpu only; kv_groups must be 1).
+  merge_in_kernel: merge the splits in the kernel's own launch instead of a second one (triton
+    only): each split writes its partial and bumps a per-(sequence, kv head) counter with an
+    acq_rel atomic; the split that arrives last merges every split's partial in split order (so
+    the result does not depend on the order in which they finish) and writes the output. It costs
+    a memset of one int32 counter per (sequence, kv head, row block) each call. A sequence whose
+    tiles fit one split writes its output directly.
   """
   block_kv: int = 64
   num_stages: int = 4
@@ -50,6 +56,7 @@ class DecodeConfig:
   kv_groups: int = 1
   pipeline_qk: bool = False
   persistent: bool = False
+  merge_in_kernel: bool = False
 
   def __post_init__(self):
     if self.block_kv not in BLOCK_KV_CHOICES:
@@ -66,5 +73,7 @@ class DecodeConfig:
       raise ValueError(f"{self.pipeline_qk=} must be a bool")
     if not isinstance(self.persistent, bool):
       raise ValueError(f"{self.persistent=} must be a bool")
+    if not isinstance(self.merge_in_kernel, bool):
+      raise ValueError(f"{self.merge_in_kernel=} must be a bool")
     if self.persistent and self.kv_groups != 1:
       raise ValueError(f"{self.persistent=} needs kv_groups=1, got {self.kv_groups=}")

@@ -64,13 +64,15 @@ class Structure:
     return jnp.dtype(self.kv_dtype).itemsize == 1
 
   def decode_config(self, impl: str):
-    """The drawn config as `impl` takes it (Mosaic GPU's opt-in fields dropped for the others)."""
+    """The drawn config as `impl` takes it (each backend's opt-in fields dropped for the others)."""
     if self.config is None or impl == "xla":
       return None
     fields = dict(self.config)
     if impl != "mosaic_gpu":
       fields.pop("pipeline_qk", None)
       fields.pop("persistent", None)
+    if impl != "triton":
+      fields.pop("merge_in_kernel", None)
     return pkv.DecodeConfig(**fields)
 
 
@@ -113,6 +115,8 @@ def draw_structure(seed: int, *, small: bool = False) -> Structure:
       config += (("pipeline_qk", True),)
     if rng.random() < 0.2:
       config += (("persistent", True),)
+    if rng.random() < 0.4:
+      config += (("merge_in_kernel", True),)
   return Structure(
       seed=seed, op=op, batch=batch, capacity=capacity, num_heads=num_heads, num_kv_heads=num_kv_heads,
       head_dim=head_dim, v_head_dim=v_head_dim, num_queries=s, page_size=page_size, num_pages=num_pages,

@@ -88,6 +88,10 @@ def test_split_tile_ranges_cover_the_visible_tiles_once(length, num_splits, num_
   assert set(covered) == visible
   sizes = [t1 - t0 for t0, t1, _, _ in ranges]
   assert sizes == sorted(sizes, reverse=True) and max(sizes) - min(sizes) <= max(sizes) // 2 + 1
+  # The splits with tiles come first; active_splits counts them (the in-kernel merge reads those).
+  active = int(split_k.active_splits(jnp.int32(length), block_kv=bkv, num_queries=num_queries,
+                                     num_splits=num_splits, window=window))
+  assert [size > 0 for size in sizes] == [True] * active + [False] * (num_splits - active)
   for t0, t1, a, c in ranges:
     assert t0 <= a <= c <= t1
     for tile in range(a, c):   # the unmasked body: every new token sees every key of the tile

@@ -1,6 +1,7 @@
 """What only the Pallas Triton kernel has: its paged tiles (gathers, pages that are not powers of
-two), row blocks, empty splits, more shapes lowered for CUDA, the hidden deprecation warning.
-The checks every backend passes are in test_kernels.py."""
+two), row blocks, empty splits, the split merge in the kernel's launch (merge_in_kernel), more
+shapes lowered for CUDA, the hidden deprecation warning. The checks every backend passes are in
+test_kernels.py."""
 
 import functools
 import warnings
@@ -15,6 +16,8 @@ import pallas_kv as pkv
 import sweeps
 from harness import TRITON_CUSTOM_CALL, check_against_reference, lower_for_cuda, make_case
 from pallas_kv.config import AttentionOptions
+from pallas_kv.kernels import split_k
+from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.triton import config as triton_config
 from pallas_kv.kernels.triton import decode as triton_decode
 
@@ -81,6 +84,88 @@ def test_bad_explicit_configs_raise_value_error():
                          config=pkv.DecodeConfig(kv_groups=2, num_splits=2))
 
 
+# ---------------------------------------------------------------- merge_in_kernel (interpret mode)
+
+def _merged_config(num_splits, merge=True, block_kv=16):
+  return pkv.DecodeConfig(block_kv=block_kv, num_stages=2, num_splits=num_splits, merge_in_kernel=merge)
+
+
+@pytest.mark.parametrize("paged,num_queries,num_heads,num_splits,lengths,options", [
+    # S = 2, ragged lengths: 8 tiles over 3 splits, 4 tiles over 2 (one empty), one tile, none.
+    (False, 2, 8, 3, [128, 50, 16, 0], dict(sinks=True, softcap=20.0)),
+    (True, None, 8, 4, [128, 37, 0, 100], dict(window=40)),
+    (False, 9, 16, 2, [60, 33], dict(sinks=True)),   # 144 packed rows: two row blocks, two counters
+    (True, 3, 4, 1, [128, 5, 0, 64], dict(softcap=10.0)),   # one split: written directly, no counters
+], ids=["dense-S2-sinks-softcap", "paged-S1-window", "dense-row-blocks-sinks", "paged-one-split"])
+def test_merge_in_kernel_matches_reference_and_the_two_launch_path(interpret_mode, paged, num_queries, num_heads,
+                                                                    num_splits, lengths, options):
+  case = make_case(20 + num_splits, batch=len(lengths), seq_len=128, num_heads=num_heads,
+                   num_kv_heads=num_heads // 4 if num_heads > 4 else 1, head_dim=64, dtype=jnp.bfloat16,
+                   num_queries=num_queries, lengths=lengths, page_size=16 if paged else None)
+  if options.get("sinks"):
+    options = dict(options, sinks=jnp.linspace(-1.0, 2.0, num_heads))
+  def call(merge):
+    config = _merged_config(num_splits, merge)
+    if paged:
+      return _paged(case, config=config, **options)
+    return pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL, config=config,
+                                **options)
+  merged, two_launch = call(True), call(False)
+  check_against_reference(case, merged, **options)
+  # Within float32 rounding of each other (the kernel sums the splits in a loop, merge_splits in an
+  # einsum; exp and log are each one's own), so the bf16 outputs differ by at most one ulp.
+  np.testing.assert_allclose(np.asarray(merged[0], np.float32), np.asarray(two_launch[0], np.float32),
+                             rtol=2 ** -7, atol=1e-6)
+  lse, two_lse = np.asarray(merged[1]), np.asarray(two_launch[1])
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(two_lse))
+  np.testing.assert_allclose(lse[np.isfinite(lse)], two_lse[np.isfinite(two_lse)], rtol=1e-6, atol=1e-6)
+
+
+def test_merged_kernel_equals_merge_splits_of_the_partials_in_float32():
+  # The kernel's merge against split_k.merge_splits on the same partials, before any cast.
+  case = make_case(30, batch=3, seq_len=96, num_heads=8, num_kv_heads=2, head_dim=64, dtype=jnp.float16,
+                   lengths=[96, 40, 0])
+  q = split_k.pack_queries(case.q[:, None], 2)
+  sinks = split_k.pack_queries(jnp.linspace(0.0, 1.0, 8)[None, None, :, None], 2)[0, ..., 0]
+  kw = dict(num_queries=1, options=AttentionOptions(scale=0.125), interpret=True)
+  out, lse = triton_decode.decode_partials(q, case.k, case.v, case.lengths, config=_merged_config(3, False), **kw)
+  want, want_lse = split_k.merge_splits(out, lse, sinks)
+  got, got_lse = triton_decode.decode_merged(q, case.k, case.v, case.lengths, config=_merged_config(3), sinks=sinks,
+                                             out_dtype=jnp.float32, **kw)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(want_lse))
+  np.testing.assert_allclose(got_lse[:2], want_lse[:2], rtol=1e-6)
+  np.testing.assert_array_equal(got[2], 0.0)
+  # Without return_lse the kernel writes no LSE; the output is the same.
+  out_only, none = triton_decode.decode_merged(q, case.k, case.v, case.lengths, config=_merged_config(3),
+                                               sinks=sinks, return_lse=False, **kw)
+  assert none is None and out_only.dtype == jnp.float16
+  np.testing.assert_array_equal(out_only, got.astype(jnp.float16))
+
+
+def test_merge_in_kernel_with_fixed_splits_is_batch_invariant(interpret_mode):
+  case = make_case(31, batch=3, seq_len=128, num_heads=8, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
+                   lengths=[100, 128, 7])
+  config = _merged_config(4)
+  together = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL, config=config)
+  # Sequence 0 (7 tiles: 2, 2, 2, 1 over the splits) alone, its neighbours swapped for others.
+  others = make_case(32, batch=3, seq_len=128, num_heads=8, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
+                     lengths=[100, 3, 128])
+  pick = lambda x, y: jnp.concatenate([x[:1], y[1:]])
+  mixed = pkv.decode_attention(pick(case.q, others.q), pick(case.k, others.k), pick(case.v, others.v),
+                               pick(case.lengths, others.lengths), return_lse=True, impl=IMPL, config=config)
+  np.testing.assert_array_equal(np.asarray(mixed[0][0]), np.asarray(together[0][0]))
+  np.testing.assert_array_equal(np.asarray(mixed[1][0]), np.asarray(together[1][0]))
+
+
+def test_merge_in_kernel_config_is_checked():
+  with pytest.raises(ValueError, match="merge_in_kernel"):
+    pkv.DecodeConfig(merge_in_kernel=1)
+  config = pkv.DecodeConfig(num_splits=4, merge_in_kernel=True)
+  with pytest.raises(ValueError, match="merge_in_kernel=True is a triton option"):
+    mgpu_config.check_config(config, rows=4, head_dim=128, dtype=jnp.bfloat16, page_size=None)
+
+
 # ---------------------------------------------------------------- CUDA lowering (CPU)
 
 def _lower_triton(fn, *args):
@@ -105,6 +190,25 @@ def test_other_shapes_lower_triton(num_queries, head_dim, group, page_size):
     _lower_triton(functools.partial(pkv.paged_decode_attention, **kw), q, pages, pages, tables, lengths)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_merge_in_kernel_lowers_as_one_kernel_at_the_batch_1_shape(paged):
+  # B1 T32768 heads 32/8 D128 bf16 (the benchmark's batch-1 row), 16 splits: no XLA merge is left.
+  q = jax.ShapeDtypeStruct((1, 32, 128), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+  kw = dict(impl=IMPL, return_lse=True, sinks=jnp.zeros((32,)),
+            config=pkv.DecodeConfig(block_kv=64, num_stages=3, num_splits=16, merge_in_kernel=True))
+  if paged:
+    pages = jax.ShapeDtypeStruct((2048 + 5, 16, 8, 128), jnp.bfloat16)
+    tables = jax.ShapeDtypeStruct((1, 2048), jnp.int32)
+    exported = _lower_triton(functools.partial(pkv.paged_decode_attention, **kw), q, pages, pages, tables, lengths)
+  else:
+    kv = jax.ShapeDtypeStruct((1, 32768, 8, 128), jnp.bfloat16)
+    exported = _lower_triton(functools.partial(pkv.decode_attention, **kw), q, kv, kv, lengths)
+  module = exported.mlir_module()
+  assert module.count(TRITON_CUSTOM_CALL) == 1
+  assert "stablehlo.exponential" not in module and "stablehlo.dot_general" not in module
+
+
 def test_deprecation_warning_is_hidden_for_our_kernels_only():
   args, _ = sweeps.problem_args((32, 8), (8, 8192), None)
   with warnings.catch_warnings(record=True) as caught:
@@ -127,6 +231,28 @@ def test_gpu_head_dims_and_pages(head_dim, page_size, block_kv):
   case = make_case(head_dim + page_size, batch=3, seq_len=1152, num_heads=8, num_kv_heads=2, head_dim=head_dim,
                    dtype=jnp.float16, page_size=page_size, num_queries=3)
   check_against_reference(case, _paged(case, config=pkv.DecodeConfig(block_kv=block_kv, num_stages=3)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_gpu_merge_in_kernel(page_size):
+  # Splits finish in whatever order the GPU runs them: the merge must give the same bits each time.
+  case = make_case(40, batch=4, seq_len=8192, num_heads=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16,
+                   page_size=page_size, lengths=[8192, 4001, 0, 77])
+  kw = dict(return_lse=True, impl=IMPL, sinks=jnp.linspace(-1.0, 1.0, 32), softcap=30.0)
+  config = pkv.DecodeConfig(block_kv=64, num_stages=3, num_splits=16, merge_in_kernel=True)
+  if page_size is None:
+    fn = jax.jit(lambda q, k, v, n: pkv.decode_attention(q, k, v, n, config=config, **kw))
+    args = (case.q, case.k, case.v, case.lengths)
+  else:
+    fn = jax.jit(lambda q, k, v, t, n: pkv.paged_decode_attention(q, k, v, t, n, config=config, **kw))
+    args = (case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths)
+  first = fn(*args)
+  check_against_reference(case, first, sinks=kw["sinks"], softcap=30.0)
+  for _ in range(3):
+    again = fn(*args)
+    np.testing.assert_array_equal(np.asarray(again[0]), np.asarray(first[0]))
+    np.testing.assert_array_equal(np.asarray(again[1]), np.asarray(first[1]))
 
 
 @pytest.mark.gpu

@@ -8,7 +8,8 @@ of its slice of the KV tiles; this module does everything around that:
               served by one program (KV is read once per group);
   tile range  which tiles each split of a sequence streams (`split_tile_range`);
   split count how many splits fill the GPU (`choose_num_splits`);
-  merge       combining the splits' partials (`merge_splits`);
+  merge       combining the splits' partials (`merge_splits`), unless the kernel merges them in
+              its own launch (`run(merged=True)`, `active_splits`);
   calls       which calls a split-K GQA kernel serves at all (`unsupported_reason`).
 """
 
@@ -95,6 +96,15 @@ def resolve_config(problem, config: DecodeConfig | None, *, backend: str, heuris
   return config
 
 
+def _split_tiles(length, *, block_kv: int, num_queries: int, num_splits: int, window: int | None):
+  """(first tile, end tile, tiles per split) of a sequence: the tiles that hold visible keys."""
+  first_key = 0 if window is None else jnp.maximum(length - num_queries + 1 - window, 0)
+  first_tile = first_key // block_kv
+  end_tile = (length + block_kv - 1) // block_kv
+  num_tiles = jnp.maximum(end_tile - first_tile, 0)
+  return first_tile, end_tile, (num_tiles + num_splits - 1) // num_splits
+
+
 def split_tile_range(length, split, *, block_kv: int, num_queries: int, num_splits: int, window: int | None):
   """Tiles [t0, t1) of split `split` of a sequence of `length` tokens, and the sub-range [a, c)
   whose tiles every new token sees whole (no masking needed).
@@ -104,11 +114,8 @@ def split_tile_range(length, split, *, block_kv: int, num_queries: int, num_spli
   later ones), so a sequence's partials depend only on its own length and num_splits; tiles
   before the window or past the length belong to no split and are never loaded.
   """
-  first_key = 0 if window is None else jnp.maximum(length - num_queries + 1 - window, 0)
-  first_tile = first_key // block_kv
-  end_tile = (length + block_kv - 1) // block_kv
-  num_tiles = jnp.maximum(end_tile - first_tile, 0)
-  per_split = (num_tiles + num_splits - 1) // num_splits
+  first_tile, end_tile, per_split = _split_tiles(length, block_kv=block_kv, num_queries=num_queries,
+                                                 num_splits=num_splits, window=window)
   t0 = jnp.minimum(first_tile + split * per_split, end_tile)
   t1 = jnp.minimum(t0 + per_split, end_tile)
   # Whole tiles: keys <= L - S (the first token's position) and, with a window, keys
@@ -118,6 +125,15 @@ def split_tile_range(length, split, *, block_kv: int, num_queries: int, num_spli
   a = jnp.clip(full_lo, t0, t1)
   c = jnp.clip(full_hi, a, t1)
   return t0, t1, a, c
+
+
+def active_splits(length, *, block_kv: int, num_queries: int, num_splits: int, window: int | None):
+  """How many splits of a sequence get tiles from `split_tile_range`: splits 0 .. n-1 do, the
+  rest are empty (0 for a sequence with no visible key)."""
+  first_tile, end_tile, per_split = _split_tiles(length, block_kv=block_kv, num_queries=num_queries,
+                                                 num_splits=num_splits, window=window)
+  num_tiles = jnp.maximum(end_tile - first_tile, 0)
+  return jnp.where(num_tiles > 0, (num_tiles + per_split - 1) // jnp.maximum(per_split, 1), 0)
 
 
 # ---------------------------------------------------------------- rows and merging
@@ -231,11 +247,22 @@ def kernel_scale(scale, num_kv_heads: int):
   return jnp.broadcast_to(scale, (num_kv_heads,)) if scale.ndim == 0 else scale
 
 
+def packed_sinks(sinks, problem):
+  """Per-head sink logits [Hq] as float32 [Hkv, R] per packed row (`pack_queries`)."""
+  per_head = jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :, None],
+                              (1, problem.num_queries, problem.num_heads, 1))
+  return pack_queries(per_head, problem.num_kv_heads)[0, ..., 0]
+
+
 def run(partials: Callable, q, k, lengths, block_tables, *, problem, sinks, return_lse: bool, k_scale=None,
-        v_scale=None):
+        v_scale=None, merged: bool = False):
   """Packs q into kernel rows, calls partials(rows, lengths, block_tables, k_scale, v_scale) ->
   (out, lse) per split ([B, Hkv, splits, >= R, D], [B, Hkv, splits, >= R]), merges the splits and
   unpacks the rows.
+
+  merged=True: the kernel merges its splits itself (sinks included):
+  partials(rows, lengths, block_tables, k_scale, v_scale, row_sinks) -> (out [B, Hkv, R, D],
+  lse [B, Hkv, R] float32 or None when not return_lse), row_sinks `packed_sinks` or None.
 
   Lengths are clamped to [0, T] and page ids to [0, P) before the kernel sees them; scales come
   as `kernel_scale` makes them.
@@ -246,17 +273,17 @@ def run(partials: Callable, q, k, lengths, block_tables, *, problem, sinks, retu
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, problem.capacity)
   if block_tables is not None:
     block_tables = jnp.clip(block_tables.astype(jnp.int32), 0, problem.num_pages - 1)
-  out, lse = partials(rows, lengths, block_tables, kernel_scale(k_scale, problem.num_kv_heads),
-                      kernel_scale(v_scale, problem.num_kv_heads))
-  out, lse = out[:, :, :, :num_rows], lse[:, :, :, :num_rows]  # drop rows a kernel padded
-  row_sinks = None
-  if sinks is not None:
-    per_head = jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :, None],
-                                (1, problem.num_queries, problem.num_heads, 1))
-    row_sinks = pack_queries(per_head, problem.num_kv_heads)[0, ..., 0]  # [Hkv, R]
-  out, lse = merge_splits(out, lse, row_sinks)
+  row_sinks = None if sinks is None else packed_sinks(sinks, problem)
+  k_scale = kernel_scale(k_scale, problem.num_kv_heads)
+  v_scale = kernel_scale(v_scale, problem.num_kv_heads)
+  if merged:
+    out, lse = partials(rows, lengths, block_tables, k_scale, v_scale, row_sinks)
+  else:
+    out, lse = partials(rows, lengths, block_tables, k_scale, v_scale)
+    out, lse = out[:, :, :, :num_rows], lse[:, :, :, :num_rows]  # drop rows a kernel padded
+    out, lse = merge_splits(out, lse, row_sinks)
   out = unpack_rows(out, problem.num_queries)
+  if not return_lse:
+    return out[:, 0] if single else out
   lse = unpack_rows(lse, problem.num_queries)
-  if single:
-    out, lse = out[:, 0], lse[:, 0]
-  return (out, lse) if return_lse else out
+  return (out[:, 0], lse[:, 0]) if single else (out, lse)

@@ -2,7 +2,7 @@
 
 Each op picks a config (explicit, else tuned, else heuristic: `config.resolve_config`) and runs
 the split-K kernel between the row packing and split merging that both backends share
-(`pallas_kv.kernels.split_k`).
+(`pallas_kv.kernels.split_k`); with `merge_in_kernel` the kernel merges its splits itself.
 """
 
 from __future__ import annotations
@@ -23,10 +23,16 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: De
   del op  # refused by unsupported_reason: MLA
   config = triton_config.resolve_config(problem, config, dtype=k.dtype)
 
-  def partials(rows, lengths, block_tables, k_scale, v_scale):
-    return triton_decode.decode_partials(rows, k, v, lengths, block_tables, num_queries=problem.num_queries,
-                                         options=options, config=config, k_scale=k_scale, v_scale=v_scale,
-                                         interpret=runtime.interpret_enabled())
+  interpret = runtime.interpret_enabled()
+  kw = dict(num_queries=problem.num_queries, options=options, config=config, interpret=interpret)
 
-  return split_k.run(partials, q, k, lengths, block_tables, problem=problem, sinks=sinks, return_lse=return_lse,
-                     k_scale=k_scale, v_scale=v_scale)
+  def partials(rows, lengths, block_tables, k_scale, v_scale):
+    return triton_decode.decode_partials(rows, k, v, lengths, block_tables, k_scale=k_scale, v_scale=v_scale, **kw)
+
+  def merged(rows, lengths, block_tables, k_scale, v_scale, row_sinks):
+    return triton_decode.decode_merged(rows, k, v, lengths, block_tables, sinks=row_sinks, k_scale=k_scale,
+                                       v_scale=v_scale, out_dtype=q.dtype, return_lse=return_lse, **kw)
+
+  return split_k.run(merged if config.merge_in_kernel else partials, q, k, lengths, block_tables, problem=problem,
+                     sinks=sinks, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale,
+                     merged=config.merge_in_kernel)

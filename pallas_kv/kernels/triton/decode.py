@@ -13,6 +13,24 @@ the page size, else a per-token gather over block_kv / page_size pages.
 
 Each split writes its softmax-normalised partial output and its natural-log LSE (-inf and 0
 for a split without valid keys); the caller merges splits (`split_k.merge_splits`).
+
+With `DecodeConfig.merge_in_kernel` (`decode_merged`) the merge runs in the same launch: each
+split of a sequence that has more than one split with tiles writes its partial, then bumps the
+(sequence, kv head, row block) counter with an acq_rel atomic; the split that sees every other
+split arrived (old count = active splits - 1) reads all partials back in split order, merges
+them as `split_k.merge_splits` does (sinks included) and writes the output rows in the output
+dtype. A sequence whose tiles fit one split has its split 0 write the output directly.
+
+Memory ordering on the GPU (programs run concurrently; interpret mode runs them one by one, so
+there the order is trivially right and the barriers are left out): a program's partial is stored
+by all of its threads, the atomic is issued by one. A CTA barrier (bar.sync) before the atomic
+orders every thread's stores before it, and the atomic's release is cumulative over what that
+thread has observed, so the partial is visible at gpu scope to any program that acquires a later
+count. The counter's read-modify-writes form one release sequence: the last program's acquire
+reads the value the n-1 others wrote in turn, so it synchronizes with every one of them. A second
+barrier after the atomic orders the acquire before the loads of all of the last program's
+threads (they sit in a branch on the atomic's result, so they are not hoisted above it; the
+partials are written by the kernel, so they are not loaded through the read-only cache).
 """
 
 from __future__ import annotations
@@ -127,6 +145,11 @@ class _Static:
   k_scale: str | None = None  # None, "head" ([Hkv]) or "token" (per token and kv head): split_k.scale_kind
   v_scale: str | None = None
   fast_widen: bool = False    # widen one-byte tiles with _WIDEN_PTX (GPU only)
+  merge: bool = False         # merge the splits in this launch (decode_merged)
+  rows: int = 0               # R, the real packed rows (merge: padding rows are never loaded or stored)
+  has_sinks: bool = False     # merge: sink logits join the denominator
+  write_lse: bool = True      # merge: write the merged LSE
+  barriers: bool = False      # merge: CTA barriers around the counter atomic (GPU; see the module doc)
 
   @property
   def paged(self) -> bool:
@@ -184,6 +207,11 @@ def _widen(x, st: _Static):
   return out
 
 
+def _per_row(x, shape):
+  """A per-row vector [rows] broadcast over columns to `shape` [rows, cols]."""
+  return lax.broadcast_in_dim(x, shape, [0])
+
+
 def _per_column(x, shape):
   """A per-token vector [bkv] broadcast over rows to `shape` [rows, bkv]."""
   return lax.broadcast_in_dim(x, shape, [1])
@@ -195,7 +223,7 @@ def _dot(a, b, *, trans_b: bool = False):
   return lax.dot_general(a, b, contract, preferred_element_type=jnp.float32)
 
 
-def _kernel(q_ref,            # [block_rows, D]   packed rows of this (sequence, kv head, row block)
+def _kernel(q_ref,            # [block_rows, D] packed rows of this (sequence, kv head, row block); merge: [R, D]
             k_ref,            # [T, D] | [P, page_size, D]   this kv head, cache dtype
             v_ref,            # same as k_ref
             lengths_ref,      # [B] int32
@@ -206,9 +234,6 @@ def _kernel(q_ref,            # [block_rows, D]   packed rows of this (sequence,
   # Scales: "head" [Hkv] f32 (all heads); "token" [T] | [P, page_size] f32 of this kv head.
   k_scale_ref = refs.pop(0) if st.k_scale else None
   v_scale_ref = refs.pop(0) if st.v_scale else None
-  (out_ref,                   # [block_rows, D] f32
-   lse_ref,                   # [block_rows] f32
-   ) = refs
   head_block, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   head = head_block // st.num_row_blocks
   row0 = 0 if st.num_row_blocks == 1 else (head_block % st.num_row_blocks) * st.block_rows
@@ -216,9 +241,13 @@ def _kernel(q_ref,            # [block_rows, D]   packed rows of this (sequence,
   t0, t1, a, c = _tile_range(length, split, st)
   bkv, G = st.block_kv, st.group
 
-  q = q_ref[...]   # [block_rows, D]
   rows = jnp.arange(st.block_rows, dtype=jnp.int32)[:, None] + row0   # [block_rows, 1]
   cols = jnp.arange(bkv, dtype=jnp.int32)[None, :]                    # [1, bkv]
+  if st.merge:   # q is not padded: rows past R load as 0
+    q = pltr.load(q_ref.at[pl.ds(row0, st.block_rows), :],
+                  mask=jnp.broadcast_to(rows < st.rows, (st.block_rows, st.head_dim)), other=0.0)
+  else:
+    q = q_ref[...]   # [block_rows, D]
 
   # A kv head's scale is the same for every tile: read it once, outside the loop.
   k_head_scale = k_scale_ref[head] if st.k_scale == "head" else None
@@ -254,16 +283,108 @@ def _kernel(q_ref,            # [block_rows, D]   packed rows of this (sequence,
   carry = lax.fori_loop(t0, a, functools.partial(step, masked=True), carry)
   carry = lax.fori_loop(a, c, functools.partial(step, masked=False), carry)
   carry = lax.fori_loop(c, t1, functools.partial(step, masked=True), carry)
-  out_ref[...], lse_ref[...] = online_softmax.finalize(*carry)
+  if not st.merge:
+    out_ref, lse_ref = refs   # [block_rows, D] f32, [block_rows] f32
+    out_ref[...], lse_ref[...] = online_softmax.finalize(*carry)
+  else:
+    _merge_epilogue(online_softmax.finalize(*carry), refs, b=b, head=head, head_block=head_block, split=split,
+                    row0=row0, length=length, st=st)
+
+
+def _merge_finish(acc, norm, shift, sink):
+  """`split_k.merge_splits`' last step on one program's rows: acc = sum_j w_j out_j and
+  norm = sum_j w_j with w_j = exp(lse_j - shift). Returns (out, lse over the real keys; 0 and
+  -inf where there are none)."""
+  has_keys = norm > 0
+  lse = jnp.where(has_keys, jnp.log(jnp.where(has_keys, norm, 1.0)) + shift, -jnp.inf)
+  denom = norm if sink is None else norm + jnp.exp(sink - shift)
+  return acc / _per_row(jnp.where(has_keys, denom, 1.0), acc.shape), lse
+
+
+def _merge_epilogue(partial, refs, *, b, head, head_block, split, row0, length, st: _Static):
+  """Merge mode: write this split's partial and let the last split to arrive merge them all
+  (module doc); a sequence with at most one split with tiles has its split 0 write directly."""
+  refs = list(refs)
+  sinks_ref = refs.pop(0) if st.has_sinks else None   # [R] f32, this kv head's rows
+  if st.num_splits > 1:
+    refs.pop(0)   # the zeroed counters given as an input, aliased to counts_ref
+  out_ref = refs.pop(0)                               # [B, Hkv, R, D] output dtype
+  lse_ref = refs.pop(0) if st.write_lse else None     # [B, Hkv, R] f32
+  br, D = st.block_rows, st.head_dim
+  row_ok = row0 + jnp.arange(br, dtype=jnp.int32) < st.rows   # [block_rows]
+  tile_ok = jnp.broadcast_to(row_ok[:, None], (br, D))
+  rows = pl.ds(row0, br)
+  sink = None if sinks_ref is None else pltr.load(sinks_ref.at[rows], mask=row_ok, other=0.0)
+
+  def write(out, lse):
+    pltr.store(out_ref.at[b, head, rows, :], out.astype(out_ref.dtype), mask=tile_ok)
+    if lse_ref is not None:
+      pltr.store(lse_ref.at[b, head, rows], lse, mask=row_ok)
+
+  def write_one(out, lse):   # the merge of a single split, from registers
+    shift = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    weight = jnp.exp(lse - shift)   # 1, or 0 where the split saw no key
+    write(*_merge_finish(out * _per_row(weight, out.shape), weight, shift, sink))
+
+  if st.num_splits == 1:
+    write_one(*partial)
+    return
+  (part_out_ref,    # [B, Hkv, splits, R, D] f32
+   part_lse_ref,    # [B, Hkv, splits, R] f32
+   counts_ref,      # [B, Hkv * num_row_blocks] int32, zero at the start of the call
+   ) = refs
+  active = split_k.active_splits(length, block_kv=st.block_kv, num_queries=st.num_queries,
+                                 num_splits=st.num_splits, window=st.options.window)
+
+  @pl.when((active <= 1) & (split == 0))
+  def _():
+    write_one(*partial)
+
+  @pl.when((active > 1) & (split < active))
+  def _():
+    pltr.store(part_out_ref.at[b, head, split, rows, :], partial[0], mask=tile_ok)
+    pltr.store(part_lse_ref.at[b, head, split, rows], partial[1], mask=row_ok)
+    if st.barriers:
+      pltr.debug_barrier()   # every thread's partial stores come before the release
+    arrived = pltr.atomic_add(counts_ref, (b, head_block), jnp.int32(1))   # acq_rel, gpu scope
+    if st.barriers:
+      pltr.debug_barrier()   # the acquire comes before every thread's loads
+
+    @pl.when(arrived == active - 1)
+    def _():
+      # In split order, whatever the order of arrival: the result is the same bits every time.
+      lse_of = lambda j: pltr.load(part_lse_ref.at[b, head, j, rows], mask=row_ok, other=-jnp.inf)
+      shift = lax.fori_loop(0, active, lambda j, m: jnp.maximum(m, lse_of(j)),
+                            jnp.full((br,), -jnp.inf, jnp.float32))
+      shift = jnp.where(jnp.isfinite(shift), shift, 0.0)
+
+      def add(j, carry):
+        acc, norm = carry
+        weight = jnp.exp(lse_of(j) - shift)
+        out = pltr.load(part_out_ref.at[b, head, j, rows, :], mask=tile_ok, other=0.0)
+        return acc + out * _per_row(weight, out.shape), norm + weight
+
+      acc, norm = lax.fori_loop(0, active, add, (jnp.zeros((br, D), jnp.float32), jnp.zeros((br,), jnp.float32)))
+      write(*_merge_finish(acc, norm, shift, sink))
 
 
 def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width: int | None,
-           num_warps: int, num_stages: int, dtype, interpret: bool):
-  """Grid, BlockSpecs and compiler params for one static config; returns the pallas_call."""
+           num_warps: int, num_stages: int, dtype, interpret: bool, out_dtype=None):
+  """Grid, BlockSpecs and compiler params for one static config; returns the pallas_call.
+
+  Merge mode (st.merge) takes q unpadded [B, Hkv, R, D], then the sinks [Hkv, R] (has_sinks) and
+  zeroed counters [B, Hkv * nrb] (num_splits > 1, aliased to the last output), and returns
+  (out [B, Hkv, R, D] out_dtype, [lse [B, Hkv, R]], [partials, their LSEs, the counters]); every
+  output is one whole-array block that the programs index themselves.
+  """
   D, nrb, R = st.head_dim, st.num_row_blocks, st.block_rows
   head = lambda hb: hb // nrb
   row_block = lambda hb: hb % nrb
-  q_spec = pl.BlockSpec((None, None, R, D), lambda hb, s, b: (b, head(hb), row_block(hb), 0))
+  whole = lambda shape: pl.BlockSpec(shape, lambda hb, s, b: (0,) * len(shape))
+  if st.merge:
+    q_spec = pl.BlockSpec((None, None, st.rows, D), lambda hb, s, b: (b, head(hb), 0, 0))
+  else:
+    q_spec = pl.BlockSpec((None, None, R, D), lambda hb, s, b: (b, head(hb), row_block(hb), 0))
   if st.paged:
     num_pages, page_size = kv_shape[:2]
     kv_spec = pl.BlockSpec((num_pages, page_size, None, D), lambda hb, s, b: (0, 0, head(hb), 0))
@@ -279,19 +400,37 @@ def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width:
       in_specs.append(pl.BlockSpec((num_pages, page_size, None), lambda hb, s, b: (0, 0, head(hb))))
     elif kind == "token":
       in_specs.append(pl.BlockSpec((None, kv_shape[1], None), lambda hb, s, b: (b, 0, head(hb))))
-  out_specs = [
-      pl.BlockSpec((None, None, None, R, D), lambda hb, s, b: (b, head(hb), s, row_block(hb), 0)),
-      pl.BlockSpec((None, None, None, R), lambda hb, s, b: (b, head(hb), s, row_block(hb))),
-  ]
-  out_shape = [
-      jax.ShapeDtypeStruct((batch, num_kv_heads, st.num_splits, nrb * R, D), jnp.float32),
-      jax.ShapeDtypeStruct((batch, num_kv_heads, st.num_splits, nrb * R), jnp.float32),
-  ]
+  aliases = {}
+  if not st.merge:
+    out_shape = [
+        jax.ShapeDtypeStruct((batch, num_kv_heads, st.num_splits, nrb * R, D), jnp.float32),
+        jax.ShapeDtypeStruct((batch, num_kv_heads, st.num_splits, nrb * R), jnp.float32),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, None, None, R, D), lambda hb, s, b: (b, head(hb), s, row_block(hb), 0)),
+        pl.BlockSpec((None, None, None, R), lambda hb, s, b: (b, head(hb), s, row_block(hb))),
+    ]
+  else:
+    if st.has_sinks:
+      in_specs.append(pl.BlockSpec((None, st.rows), lambda hb, s, b: (head(hb), 0)))
+    out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, st.rows, D), out_dtype)]
+    if st.write_lse:
+      out_shape.append(jax.ShapeDtypeStruct((batch, num_kv_heads, st.rows), jnp.float32))
+    if st.num_splits > 1:
+      counts = (batch, num_kv_heads * nrb)
+      in_specs.append(whole(counts))
+      aliases = {len(in_specs) - 1: len(out_shape) + 2}
+      out_shape += [jax.ShapeDtypeStruct((batch, num_kv_heads, st.num_splits, st.rows, D), jnp.float32),
+                    jax.ShapeDtypeStruct((batch, num_kv_heads, st.num_splits, st.rows), jnp.float32),
+                    jax.ShapeDtypeStruct(counts, jnp.int32)]
+    out_specs = [whole(o.shape) for o in out_shape]
   kind = f"paged{st.page_size}" if st.paged else "dense"
   name = (f"pallas_kv_triton_decode_{kind}_r{R}x{nrb}_d{D}_bkv{st.block_kv}_sp{st.num_splits}"
           f"_{jnp.dtype(dtype).name}")
   if st.k_scale or st.v_scale:
     name += f"_ks{st.k_scale}_vs{st.v_scale}"
+  if st.merge:
+    name += "_merged"
   return pl.pallas_call(
       functools.partial(_kernel, st=st),
       # grid[0] varies fastest: the KV heads of one token range sit side by side in HBM.
@@ -299,10 +438,49 @@ def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width:
       in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
+      input_output_aliases=aliases,
       compiler_params=_compiler_params_class(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name=name,
   )
+
+
+def _static(q, k, v, lengths, block_tables, *, num_queries: int, options: AttentionOptions, config: DecodeConfig,
+            k_scale, v_scale, interpret: bool, **merge) -> _Static:
+  """The checked static description of one call (`decode_partials`' arguments)."""
+  split_k.check_packed_args(q, k, v, lengths, block_tables, num_queries=num_queries, k_scale=k_scale,
+                            v_scale=v_scale)
+  _, _, R, D = q.shape
+  if block_tables is None:
+    page_size = max_pages = None
+    capacity = k.shape[1]
+  else:
+    page_size, max_pages = k.shape[1], block_tables.shape[1]
+    capacity = page_size * max_pages
+  triton_config.check_config(config, head_dim=D, page_size=page_size)
+  block_rows, num_row_blocks = triton_config.row_blocking(R, D)
+  return _Static(num_queries=num_queries, group=R // num_queries, block_rows=block_rows,
+                 num_row_blocks=num_row_blocks, num_splits=config.num_splits, capacity=capacity,
+                 block_kv=config.block_kv, head_dim=D, page_size=page_size, max_pages=max_pages, options=options,
+                 k_scale=split_k.scale_kind(k_scale, k.shape), v_scale=split_k.scale_kind(v_scale, k.shape),
+                 fast_widen=FAST_WIDEN and not interpret and jnp.dtype(k.dtype) in split_k.QUANTIZED_DTYPES,
+                 rows=R, **merge)
+
+
+def _call(st: _Static, args, *, q, k, config: DecodeConfig, interpret: bool, out_dtype=None):
+  B, Hkv = q.shape[:2]
+  call = _build(st, batch=B, num_kv_heads=Hkv, kv_shape=k.shape, table_width=st.max_pages,
+                num_warps=config.num_warps, num_stages=config.num_stages, dtype=k.dtype, interpret=bool(interpret),
+                out_dtype=out_dtype)
+  with warnings.catch_warnings():
+    # Eager calls lower here; jit-time lowering goes through CompilerParams' quiet rule.
+    warnings.filterwarnings("ignore", message=DEPRECATION_MESSAGE, category=DeprecationWarning)
+    return call(*args)
+
+
+def _args(q, k, v, lengths, block_tables, k_scale, v_scale) -> tuple:
+  args = (q, k, v, lengths) + ((block_tables,) if block_tables is not None else ())
+  return args + tuple(scale for scale in (k_scale, v_scale) if scale is not None)
 
 
 def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
@@ -324,7 +502,7 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   lengths: int32 [B] (clamped into [0, capacity]).
   options: scale, softcap and window of the call.
   config: a resolved `DecodeConfig` (num_splits set; `config.resolve_config`), checked here by
-    `config.check_config`.
+    `config.check_config`. Its merge_in_kernel is not read here: `decode_merged` is that kernel.
   interpret: run the kernel in Pallas interpret mode (CPU).
 
   Returns (out [B, Hkv, num_splits, R, D] float32, each split's softmax-normalised output;
@@ -332,32 +510,43 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   0) where the split saw no valid key). logits = scale * q.k, then softcap * tanh(logits /
   softcap) if softcap. Tokens at or past lengths[b] are never read as values (masked loads).
   """
-  split_k.check_packed_args(q, k, v, lengths, block_tables, num_queries=num_queries, k_scale=k_scale,
-                            v_scale=v_scale)
-  B, Hkv, R, D = q.shape
-  if block_tables is None:
-    page_size = max_pages = None
-    capacity = k.shape[1]
-  else:
-    page_size, max_pages = k.shape[1], block_tables.shape[1]
-    capacity = page_size * max_pages
-  triton_config.check_config(config, head_dim=D, page_size=page_size)
-
-  block_rows, num_row_blocks = triton_config.row_blocking(R, D)
-  st = _Static(num_queries=num_queries, group=R // num_queries, block_rows=block_rows,
-               num_row_blocks=num_row_blocks, num_splits=config.num_splits, capacity=capacity,
-               block_kv=config.block_kv, head_dim=D, page_size=page_size, max_pages=max_pages, options=options,
-               k_scale=split_k.scale_kind(k_scale, k.shape), v_scale=split_k.scale_kind(v_scale, k.shape),
-               fast_widen=FAST_WIDEN and not interpret and jnp.dtype(k.dtype) in split_k.QUANTIZED_DTYPES)
-  rows_padded = block_rows * num_row_blocks
+  st = _static(q, k, v, lengths, block_tables, num_queries=num_queries, options=options, config=config,
+               k_scale=k_scale, v_scale=v_scale, interpret=interpret)
+  R = q.shape[2]
+  rows_padded = st.block_rows * st.num_row_blocks
   if rows_padded != R:
     q = jnp.pad(q, ((0, 0), (0, 0), (0, rows_padded - R), (0, 0)))
-  args = (q, k, v, lengths) + ((block_tables,) if block_tables is not None else ())
-  args += tuple(scale for scale in (k_scale, v_scale) if scale is not None)
-  call = _build(st, batch=B, num_kv_heads=Hkv, kv_shape=k.shape, table_width=max_pages,
-                num_warps=config.num_warps, num_stages=config.num_stages, dtype=k.dtype, interpret=bool(interpret))
-  with warnings.catch_warnings():
-    # Eager calls lower here; jit-time lowering goes through CompilerParams' quiet rule.
-    warnings.filterwarnings("ignore", message=DEPRECATION_MESSAGE, category=DeprecationWarning)
-    out, lse = call(*args)
+  out, lse = _call(st, _args(q, k, v, lengths, block_tables, k_scale, v_scale), q=q, k=k, config=config,
+                   interpret=interpret)
   return out[:, :, :, :R], lse[..., :R]
+
+
+def decode_merged(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
+                  config: DecodeConfig, sinks=None, k_scale=None, v_scale=None, out_dtype=None,
+                  return_lse: bool = True, interpret: bool = False):
+  """Decode attention with the split merge in the same launch (`DecodeConfig.merge_in_kernel`;
+  the module doc says how the last split of a sequence merges and why that is safe).
+
+  Arguments as `decode_partials`, plus sinks: None or float32 [Hkv, R], the sink logit of each
+  packed row (`split_k.packed_sinks`), which joins the denominator only; out_dtype: the output's
+  dtype (q's by default).
+
+  Returns (out [B, Hkv, R, D] out_dtype, lse [B, Hkv, R] float32 over the real keys, -inf where
+  there are none; None unless return_lse): what `split_k.merge_splits` makes of
+  `decode_partials`' result, up to float32 rounding (the sum over splits runs in another order,
+  and exp / log are the kernel's own). For a fixed num_splits the bits depend only on each
+  sequence's own inputs, never on the order in which its splits finish.
+  """
+  st = _static(q, k, v, lengths, block_tables, num_queries=num_queries, options=options, config=config,
+               k_scale=k_scale, v_scale=v_scale, interpret=interpret, merge=True, has_sinks=sinks is not None,
+               write_lse=return_lse, barriers=not interpret)
+  B, Hkv, R, _ = q.shape
+  args = _args(q, k, v, lengths, block_tables, k_scale, v_scale)
+  if sinks is not None:
+    if sinks.shape != (Hkv, R):
+      raise ValueError(f"sinks must be float32 [Hkv, R]=({Hkv}, {R}), got {sinks.shape=}")
+    args += (sinks.astype(jnp.float32),)
+  if st.num_splits > 1:
+    args += (jnp.zeros((B, Hkv * st.num_row_blocks), jnp.int32),)   # one counter per program group: a memset
+  outs = _call(st, args, q=q, k=k, config=config, interpret=interpret, out_dtype=out_dtype or q.dtype)
+  return outs[0], outs[1] if return_lse else None
