@@ -36,7 +36,11 @@ for part in "$@"; do
     memcheck) # hostile lengths and page ids under compute-sanitizer (outputs only checked to be finite)
               PYTHONPATH="$PYTHONPATH:$PWD/tests" timeout 400 compute-sanitizer --tool memcheck --leak-check no \
                 python3 tests/fuzzing.py --impl=mosaic_gpu,triton --structures=12 --draws=2 --hostile --small \
-                --no_reference 2>&1 | tee "$out/memcheck.log" | grep -e 'cases ok' -e 'ERROR SUMMARY' ;;
+                --no_reference 2>&1 | tee "$out/memcheck.log" | grep -e 'cases ok' -e 'ERROR SUMMARY'
+              # shared-memory races of the kernels themselves (a few small cases; racecheck is slow)
+              PYTHONPATH="$PYTHONPATH:$PWD/tests" timeout 300 compute-sanitizer --tool racecheck \
+                python3 tests/fuzzing.py --impl=mosaic_gpu,triton --structures=3 --draws=1 --small \
+                --no_reference 2>&1 | tee "$out/racecheck.log" | grep -e 'cases ok' -e 'ERROR SUMMARY' -e 'RACECHECK SUMMARY' ;;
     merge)    # Triton's split merge in the kernel's launch against the second launch, same run
               for m in nomerge merge; do
                 python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags --impl=triton,cudnn,torch \
