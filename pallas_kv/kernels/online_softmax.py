@@ -51,19 +51,25 @@ def visible(rows, cols, *, tile_start, length, num_queries: int, group: int, win
   return ok
 
 
-def softmax_step(s, acc, m_i, l_i):
-  """One tile of the online softmax.
+def rescale_step(s, m_i, l_i):
+  """One tile of the online softmax, leaving the accumulator to the caller.
 
-  s: [rows, bkv] float32 logits in log2 units (-inf where masked); acc [rows, Dv] float32;
-  m_i, l_i: [rows] running max (log2 units) and sum. Returns (acc rescaled to the new max,
-  m_new, l_new, p [rows, bkv] float32): the caller adds p @ v to the returned acc.
+  s: [rows, bkv] float32 logits in log2 units (-inf where masked); m_i, l_i: [rows] running max
+  (log2 units) and sum. Returns (alpha [rows], the factor that rescales an accumulator to the new
+  max, m_new, l_new, p [rows, bkv] float32).
   """
   m_new = jnp.maximum(m_i, s.max(axis=1))
   # A row with no valid key yet keeps m = -inf: shift by 0 then, so that exp2 gives 0, not NaN.
   m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m_i - m_use)
   p = jnp.exp2(s - _per_row(m_use, s.shape))
-  l_new = l_i * alpha + p.sum(axis=1)
+  return alpha, m_new, l_i * alpha + p.sum(axis=1), p
+
+
+def softmax_step(s, acc, m_i, l_i):
+  """`rescale_step` with acc [rows, Dv] float32 rescaled: (acc, m_new, l_new, p); the caller adds
+  p @ v to the returned acc."""
+  alpha, m_new, l_new, p = rescale_step(s, m_i, l_i)
   return acc * _per_row(alpha, acc.shape), m_new, l_new, p
 
 

@@ -168,16 +168,6 @@ class _Static:
     return math.prod(self.grid_shape)
 
 
-def _zero_rows_from(values, valid_rows, layout):
-  """values [bkv, D] (registers, `layout`) with rows >= valid_rows set to 0.
-
-  A masked key gets p = 0, but 0 x NaN = NaN on the tensor cores: values past a sequence's length
-  (stale slots, or the pages of another sequence a tile spans) must be zero before P V reads them.
-  """
-  rows = plgpu.broadcasted_iota(jnp.int32, values.shape, 0, layout=layout)
-  return jnp.where(rows < valid_rows, values, jnp.zeros_like(values))
-
-
 @dataclasses.dataclass(frozen=True)
 class _RingTiles:
   """K or V tiles that wgmma reads straight from their ring slots (a cache in q's dtype).
@@ -195,9 +185,7 @@ class _RingTiles:
       def _():
         # Every consumer warpgroup reading this slot writes the same values: the zeros and the
         # rows as they were.
-        values = plgpu.load(tile, layout=plgpu.Layout.WGMMA)
-        tile[...] = _zero_rows_from(values, valid_rows, plgpu.Layout.WGMMA)
-        plgpu.commit_smem()   # the stores, before wgmma (and later TMA refills) see the slot
+        tiling.zero_rows_past(tile, valid_rows)
     return tile
 
   def tile(self, step):
@@ -226,7 +214,7 @@ class _DequantizedTiles:
       token_scales = tiling.load_token_scales(self.scale_ring.wait(step), head=self.head)
     values = self.tile_math.dequantize(values, self.dequantized.dtype, token_scales)
     if valid_rows is not None:   # after the scales: a scale past the length may be inf as well
-      values = _zero_rows_from(values, valid_rows, plgpu.Layout.WGMMA_8BIT)
+      values = tiling.rows_below(values, valid_rows, plgpu.Layout.WGMMA_8BIT)
     self.dequantized[...] = values
     # One proxy fence serves both: TMA may refill the slots read into registers above, and
     # wgmma may read the stores.
@@ -432,7 +420,7 @@ def _consume(q_tile, k_tiles, v_tiles, p_smem, length, row0, t0, t1, a, c, step0
                          k_scale=k_scale)
 
   def pv(acc, p16, i, tile, masked: bool):
-    # A masked tile may hold rows past the length: V's are zeroed (`_zero_rows_from`).
+    # A masked tile may hold rows past the length: V's are zeroed (`tiling.rows_below`).
     valid_rows = length - tile * st.tiling.block_kv if masked else None
     v_tile = v_tiles.fetch(i, valid_rows)    # [bkv, D]
     acc = math_.pv(acc, p16, v_tile, p_smem)

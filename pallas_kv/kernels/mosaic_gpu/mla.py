@@ -257,17 +257,6 @@ def _row_vector(x, shape):
   return lax.broadcast_in_dim(x, shape, [0])
 
 
-def _zero_values_past(slot, valid_rows, st: _Static):
-  """Zeroes rows >= valid_rows of the tile's value columns [bkv, :Dv] in SMEM, in 64-column
-  chunks (a whole [bkv, Dv] tile would not fit the registers beside the accumulator)."""
-  for c in range(st.smem.v_dim // 64):
-    chunk = slot.at[:, pl.ds(c * 64, 64)]
-    values = plgpu.load(chunk, layout=plgpu.Layout.WGMMA)
-    rows = plgpu.broadcasted_iota(jnp.int32, values.shape, 0, layout=plgpu.Layout.WGMMA)
-    chunk[...] = jnp.where(rows < valid_rows, values, jnp.zeros_like(values))
-  plgpu.commit_smem()   # before wgmma (the async proxy) reads the tile
-
-
 def _pv(acc, p_smem, v_tile, st: _Static):
   """acc + P @ V on the tensor cores: acc [64, Dv/2] f32 (WGMMA layout), P and V in SMEM."""
   if st.interpret:
@@ -290,11 +279,7 @@ def _softmax_step(s, m_i, l_i, *, tile, length, row0, masked: bool, st: _Static)
     ok = online_softmax.visible(rows, cols, tile_start=tile * st.tiling.block_kv, length=length,
                                 num_queries=st.num_queries, group=st.group, window=None)
     s = jnp.where(ok, s, -jnp.inf)   # also drops NaN scores of keys past the length
-  m_new = jnp.maximum(m_i, s.max(axis=1))
-  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # no key yet: exp2 gives 0, not NaN
-  alpha = jnp.exp2(m_i - m_use)
-  p = jnp.exp2(s - _row_vector(m_use, s.shape))
-  return alpha, m_new, l_i * alpha + p.sum(axis=1), p
+  return online_softmax.rescale_step(s, m_i, l_i)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,7 +295,7 @@ class _Scores:
 
     @pl.when(valid_rows < self.st.tiling.block_kv)
     def _():
-      _zero_values_past(slot, valid_rows, self.st)
+      tiling.zero_rows_past(slot, valid_rows, width=self.st.smem.v_dim)
 
     plgpu.wgmma(s_ref, self.q_smem, slot.transpose((1, 0)))
 

@@ -60,6 +60,31 @@ def load_token_scales(slot, *, head):
   return jnp.sum(jnp.where(column == head % SCALE_ROW, group, 0.0), axis=1)
 
 
+def rows_below(values, valid_rows, layout):
+  """values [bkv, cols] in registers (`layout`) with rows >= valid_rows set to 0.
+
+  A masked key gets p = 0, but 0 x NaN = NaN on the tensor cores: values past a sequence's length
+  (stale slots, or the pages of another sequence a tile spans) must be zero before P V reads them.
+  """
+  rows = plgpu.broadcasted_iota(jnp.int32, values.shape, 0, layout=layout)
+  return jnp.where(rows < valid_rows, values, jnp.zeros_like(values))
+
+
+# Columns of a 16-bit tile zeroed per step: one 128-byte swizzle row, few registers beside the
+# accumulators.
+_ZERO_CHUNK = 64
+
+
+def zero_rows_past(tile, valid_rows, *, width: int | None = None):
+  """Zeroes rows >= valid_rows of the first `width` columns (default all) of a 16-bit SMEM tile
+  [bkv, cols] in place (`rows_below`), then fences so that wgmma, and later TMA refills, see it."""
+  width = tile.shape[1] if width is None else width
+  for c in range(width // _ZERO_CHUNK):
+    chunk = tile.at[:, pl.ds(c * _ZERO_CHUNK, _ZERO_CHUNK)]
+    chunk[...] = rows_below(plgpu.load(chunk, layout=plgpu.Layout.WGMMA), valid_rows, plgpu.Layout.WGMMA)
+  plgpu.commit_smem()
+
+
 def smem_transforms(dtype: Any, minor_dim: int) -> tuple[Any, ...]:
   """Tiling + swizzle for a [rows, minor_dim] wgmma operand in SMEM."""
   bits = jnp.dtype(dtype).itemsize * 8
