@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from collections.abc import Callable, Sequence
 
 from absl import app
@@ -101,6 +102,18 @@ def time_attention(config, batch: int, context: int, impl: str, counts: dict, pa
   return timing.time_jax(attend, [(q, k, v, tables, lengths)], min_chain_s=0.0, **counts).median_s
 
 
+class Phases:
+  """Prints how long each phase of a row took (a slow compile shows up before the row does)."""
+
+  def __init__(self, label: str, out: Callable[[str], None]):
+    self.label, self.out, self.start = label, out, time.perf_counter()
+
+  def done(self, what: str) -> None:
+    now = time.perf_counter()
+    self.out(f"# {self.label}: {what} took {now - self.start:.1f} s")
+    self.start = now
+
+
 def run(config, params, *, batches: Sequence[int], impls: Sequence[str], prompt_len: int, new_tokens: int,
         counts: dict, compute_dtype: str = "float32", seed: int = 0, out: Callable[[str], None] = print,
         json_path: str | None = None, progress: bool = False) -> list[dict]:
@@ -114,12 +127,16 @@ def run(config, params, *, batches: Sequence[int], impls: Sequence[str], prompt_
       row = dict(model="SmolLM2-135M-Instruct", layers=config.num_layers, batch=batch, impl=impl,
                  prompt_len=prompt_len, new_tokens=new_tokens, compute_dtype=compute_dtype)
       try:
+        phases = Phases(f"B={batch} {impl}", out)
         stats, _ = run_loop(model(impl), params, requests, progress=progress)
         ran = pkv.last_impl()
+        phases.done("loop (compile run + timed run)")
         stub, _ = run_loop(model(impl, stub=True), params, requests, progress=progress)
+        phases.done("loop without attention")
         step_s, stub_s = statistics.median(stats.step_seconds), statistics.median(stub.step_seconds)
         context = int(np.mean([len(r.prompt_ids) for r in requests])) + new_tokens // 2
         attn_s = time_attention(config, batch, context, impl, counts)
+        phases.done("attention alone")
         row |= dict(ran=ran, loop_tok_s=stats.tokens_per_s, decode_tok_s=batch / step_s, step_ms=1e3 * step_s,
                     p90_step_ms=1e3 * float(np.percentile(stats.step_seconds, 90)), stub_step_ms=1e3 * stub_s,
                     attn_share=1 - stub_s / step_s, attn_us=1e6 * attn_s,

@@ -362,15 +362,18 @@ def fuzz(impl: str, structure_seeds, value_seeds, *, small: bool = False, hostil
          log=print) -> dict:
   """Runs every (structure, value) pair; returns counts and the failing seeds.
 
-  deadline: a time.perf_counter() value after which no new structure starts."""
+  deadline: a time.perf_counter() value after which no new case starts."""
   counts = {"ok": 0, "refused": 0, "failed": 0}
   failures = []
+  past_deadline = lambda: deadline is not None and time.perf_counter() > deadline
   for structure_seed in structure_seeds:
-    if deadline is not None and time.perf_counter() > deadline:
+    if past_deadline():
       log(f"time limit: stopped before structure {structure_seed}")
       break
     st = draw_structure(structure_seed, small=small)
     for value_seed in value_seeds:
+      if past_deadline():
+        break
       try:
         status = run_case(st, value_seed, impl, hostile=hostile, reference=reference, rerun=rerun,
                           invariance=invariance)
@@ -384,7 +387,7 @@ def fuzz(impl: str, structure_seeds, value_seeds, *, small: bool = False, hostil
         log(f"refused {impl} {structure_seed}: {status[9:][:160]}")
         break   # the structure decides it: the other draws would be refused alike
       counts["ok"] += 1
-    log(f"after structure {structure_seed}: {counts}")
+    log(f"after structure {structure_seed} {impl}: {counts}")
   return dict(counts=counts, failures=failures)
 
 
@@ -404,7 +407,7 @@ def main(argv=None) -> int:
   parser.add_argument("--rerun", action="store_true", help="also check a second call is bit-identical")
   parser.add_argument("--invariance", action="store_true",
                       help="also check fixed-split calls: the first sequence alone equals its batch row bitwise")
-  parser.add_argument("--time_limit", type=float, default=None, help="seconds; no new structure starts after")
+  parser.add_argument("--time_limit", type=float, default=None, help="seconds; no new case starts after")
   parser.add_argument("--processes", type=int, default=1,
                       help="split the structures over this many processes (they share the GPU)")
   args = parser.parse_args(argv)
@@ -432,13 +435,22 @@ def main(argv=None) -> int:
 
 
 def _run_processes(args, argv) -> int:
-  """Runs this program in args.processes processes over disjoint structure ranges; sums their counts."""
+  """Runs this program in args.processes processes over disjoint structure ranges; sums their counts.
+
+  The GPU memory fraction (XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.8) is shared among them.
+  Failures are printed as they come, and the totals so far also when the run is stopped (SIGTERM,
+  as `timeout` sends, or Ctrl-C): the children are stopped with it.
+  """
+  import ast
   import os
   import re
+  import signal
   import subprocess
+  import threading
   passed = [a for a in argv if not a.startswith(("--processes", "--structures", "--first_structure"))]
   per = -(-args.structures // args.processes)
-  env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{0.8 / args.processes:.3f}")
+  share = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.8")) / args.processes
+  env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{share:.3f}", PYTHONUNBUFFERED="1")
   children = []
   for p in range(args.processes):
     first = args.first_structure + p * per
@@ -447,22 +459,48 @@ def _run_processes(args, argv) -> int:
       children.append(subprocess.Popen(
           [sys.executable, __file__, *passed, f"--first_structure={first}", f"--structures={count}"],
           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
-  totals, bad = {}, 0
-  for child in children:
-    out, _ = child.communicate()
-    for line in out.splitlines():
-      m = re.match(r"(\w+): (\d+) cases ok, (\d+) failed, (\d+) structures refused", line)
-      if m:
-        t = totals.setdefault(m[1], [0, 0, 0])
-        for i in range(3):
-          t[i] += int(m[i + 2])
-      if line.startswith(("FAILED", "  --replay")):
-        print(line)
-    bad |= child.returncode
-  for impl, (ok, failed, refused) in totals.items():
-    print(f"total {impl}: {ok} cases ok, {failed} failed, {refused} structures refused "
-          f"({len(children)} processes)")
-  return 1 if bad else 0
+  latest = [{} for _ in children]  # per child: impl -> its counts after its last finished structure
+  failed = [False] * len(children)
+  lock = threading.Lock()
+
+  def follow(index, child):
+    for line in child.stdout:
+      progress = re.match(r"after structure \d+ (\w+): (\{.*\})", line)
+      if progress:
+        latest[index][progress[1]] = ast.literal_eval(progress[2])
+      elif line.startswith(("FAILED", "  --replay")):
+        failed[index] = True
+        with lock:
+          print(line, end="", flush=True)
+
+  def report(stopped: bool):
+    totals = {}
+    for counts in latest:
+      for impl, c in counts.items():
+        t = totals.setdefault(impl, dict(ok=0, failed=0, refused=0))
+        for key in t:
+          t[key] += c[key]
+    for impl, t in totals.items():
+      print(f"total {impl}: {t['ok']} cases ok, {t['failed']} failed, {t['refused']} structures refused "
+            f"({len(children)} processes{', stopped early' if stopped else ''})", flush=True)
+
+  def stop(signum, frame):
+    del frame
+    for child in children:
+      child.kill()
+    report(stopped=True)
+    sys.exit(128 + signum)
+
+  signal.signal(signal.SIGTERM, stop)
+  signal.signal(signal.SIGINT, stop)
+  readers = [threading.Thread(target=follow, args=(i, c), daemon=True) for i, c in enumerate(children)]
+  for reader in readers:
+    reader.start()
+  for child, reader in zip(children, readers):
+    child.wait()
+    reader.join()
+  report(stopped=False)
+  return 1 if any(failed) or any(child.returncode for child in children) else 0
 
 
 if __name__ == "__main__":
