@@ -15,6 +15,13 @@ once with and once without it to compare against the two-launch path:
 
   python -m benchmarks.decode --impl=triton --cases=1x32768,8x8192 --merge_in_kernel
 
+`--split_plan=balanced` runs both kernel backends (and auto) with the balanced split plan
+(`DecodeConfig.split_plan`): each config as resolved, its split count then the plan's bound
+(`split_k.choose_balanced_splits`). Compare on ragged batches (`--ragged`):
+
+  python -m benchmarks.decode --flagfile=configs/gqa_h200.flags --ragged --impl=triton,mosaic_gpu \
+      --split_plan=balanced
+
 Each case (op x batch x seq_len) prints one table row per impl: median time per
 call, TB/s of the bytes that must move (the KV of the valid tokens, plus q and the
 output), TFLOP/s, % of the roofline max(bytes / peak_tbps, flops / peak_tflops) /
@@ -192,12 +199,41 @@ def triton_merge_in_kernel(enabled: bool):
     triton_config.resolve_config = resolve
 
 
+@contextlib.contextmanager
+def balanced_split_plan(enabled: bool):
+  """While open (if enabled), both kernel backends resolve their configs as usual, then switch
+  them to the balanced split plan with the plan's own split bound."""
+  if not enabled:
+    yield
+    return
+  from pallas_kv.kernels.mosaic_gpu import config as mgpu_config  # pylint: disable=g-import-not-at-top
+  from pallas_kv.kernels.triton import config as triton_config  # pylint: disable=g-import-not-at-top
+  originals = [(module, module.resolve_config) for module in (mgpu_config, triton_config)]
+
+  def balanced(resolve):
+    def resolve_balanced(problem, config=None, **kw):
+      resolved = resolve(problem, config, **kw)
+      return resolve(problem, dataclasses.replace(resolved, split_plan="balanced", num_splits=None), **kw)
+    return resolve_balanced
+
+  for module, resolve in originals:
+    module.resolve_config = balanced(resolve)
+  try:
+    yield
+  finally:
+    for module, resolve in originals:
+      module.resolve_config = resolve
+
+
 def define_flags() -> None:
   """The flags of a `cases.Sweep` and the files to write the rows to."""
   cli.define_sweep_flags()
   cli.define_output_flags(("json", "csv", "plot"))
   flags.DEFINE_boolean("merge_in_kernel", False, "triton impl: merge the splits in the kernel's own launch "
                        "(DecodeConfig.merge_in_kernel), the config otherwise as resolved.")
+  flags.DEFINE_enum("split_plan", "per_sequence", ["per_sequence", "balanced"],
+                    "kernel impls: how sequences are cut into splits (DecodeConfig.split_plan); balanced "
+                    "takes each resolved config with the plan's split bound.")
   flags.adopt_module_key_flags(cli)
 
 
@@ -209,7 +245,7 @@ def main(argv: Sequence[str]) -> int:
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   paths = cli.output_paths()
-  with triton_merge_in_kernel(flags.FLAGS.merge_in_kernel):
+  with triton_merge_in_kernel(flags.FLAGS.merge_in_kernel), balanced_split_plan(flags.FLAGS.split_plan == "balanced"):
     rows = run(sweep, json_path=paths.json, csv_path=paths.csv, plot_path=paths.plot)
   return output.report_failures(
       output.failed_rows(rows), lambda r: f"{r['impl']} on {r['op']} B={r['batch']} T={r['seq_len']}",

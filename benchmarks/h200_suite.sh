@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The measurement suite on an H200, in parts that each fit one ~10-minute command.
 #   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged quantized qprobe vmap step tune
-#   fuzz memcheck mla merge smollm2 (SMOLLM2_GGUF=path: the GPU machine has no network)
+#   fuzz memcheck mla merge balanced smollm2 (SMOLLM2_GGUF=path: the GPU machine has no network)
 #   tune_triton ncu loadpath
 #   tune-SWEEP-BACKEND (e.g. TUNE_CASES=32x8192,128x8192 ... tune-gpt_oss_120b-mosaic_gpu)
 #   (and scaling8k scaling32k on a machine with several GPUs)
@@ -48,6 +48,13 @@ for part in "$@"; do
                   | quiet | tee "$out/gqa_$m.log"
               done
               python3 -m pytest -q -m gpu tests/test_triton.py -k merge 2>&1 | tail -3 ;;
+    balanced) # ragged batches: the balanced split plan against the per-sequence one, with cuDNN, same run
+              for plan in per_sequence balanced; do
+                python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags --ragged \
+                  --cases=16x32768,64x8192,128x4096,8x8192 --impl=triton,mosaic_gpu$([ $plan = per_sequence ] && echo ,cudnn) \
+                  --split_plan=$plan --warmup=2 --repeats=5 --json="$out/ragged_$plan.json" 2>&1 | quiet \
+                  | tee "$out/ragged_$plan.log"
+              done ;;
     mla)      python3 -m benchmarks.mla --json="$out/mla.json" 2>&1 | quiet | tee "$out/mla.log" ;;
     smollm2)  python3 -m benchmarks.smollm2 --gguf="${SMOLLM2_GGUF:?set SMOLLM2_GGUF to the GGUF file}" \
                 --batch=1,8,64 --impl=auto,xla --prompt_len=256 --new_tokens=64 --json="$out/smollm2.json" 2>&1 \
@@ -91,7 +98,7 @@ for part in "$@"; do
               ctx=$([ "$part" = scaling8k ] && echo 8192 || echo 32768)
               python3 -m benchmarks.scaling --flagfile=configs/scaling_h200.flags --seq_len=$ctx \
                 --json="$out/$part.json" 2>&1 | quiet | tee "$out/$part.log" ;;
-    *) echo "unknown part: $part (tests variants loadpath gqa paged quantized qprobe vmap fuzz memcheck mla merge smollm2 step tune tune_triton tune-SWEEP-BACKEND ncu scaling8k scaling32k)"; status=2 ;;
+    *) echo "unknown part: $part (tests variants loadpath gqa paged quantized qprobe vmap fuzz memcheck mla merge balanced smollm2 step tune tune_triton tune-SWEEP-BACKEND ncu scaling8k scaling32k)"; status=2 ;;
   esac
 done
 exit $status

@@ -24,6 +24,7 @@ class AttentionOptions:
 
 BLOCK_KV_CHOICES = (16, 32, 64, 128, 256)  # the mosaic_gpu backend needs >= 64 (wgmma K)
 MAX_STAGES = 8
+SPLIT_PLANS = ("per_sequence", "balanced")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,13 @@ class DecodeConfig:
     the result does not depend on the order in which they finish) and writes the output. It costs
     a memset of one int32 counter per (sequence, kv head, row block) each call. A sequence whose
     tiles fit one split writes its output directly.
+  split_plan: how a sequence's tiles are cut into splits. "per_sequence": each sequence's own
+    tiles in num_splits equal shares, so its result depends only on its own length (with a fixed
+    num_splits: batch-invariant). "balanced": one tile count per split for the whole batch,
+    computed each call from `lengths` (`split_k.balanced_tiles_per_split`), so that a ragged batch
+    gives every SM about the same number of tiles: long sequences take more splits, short ones
+    fewer; num_splits is then the most splits any sequence may take. A sequence's result then
+    depends (in its last bits) on the other lengths in the batch.
   """
   block_kv: int = 64
   num_stages: int = 4
@@ -57,6 +65,7 @@ class DecodeConfig:
   pipeline_qk: bool = False
   persistent: bool = False
   merge_in_kernel: bool = False
+  split_plan: str = "per_sequence"
 
   def __post_init__(self):
     if self.block_kv not in BLOCK_KV_CHOICES:
@@ -75,5 +84,7 @@ class DecodeConfig:
       raise ValueError(f"{self.persistent=} must be a bool")
     if not isinstance(self.merge_in_kernel, bool):
       raise ValueError(f"{self.merge_in_kernel=} must be a bool")
+    if self.split_plan not in SPLIT_PLANS:
+      raise ValueError(f"{self.split_plan=} must be one of {SPLIT_PLANS}")
     if self.persistent and self.kv_groups != 1:
       raise ValueError(f"{self.persistent=} needs kv_groups=1, got {self.kv_groups=}")

@@ -61,10 +61,19 @@ def _per_head_and_token(scale, num_kv_heads: int):
   return jnp.broadcast_to(scale, (num_kv_heads,)), None
 
 
-def attend(q4, k, v, lengths, *, scale, softcap=None, window=None, sinks=None, k_scale=None, v_scale=None):
+def values_in_length(x, lengths):
+  """x [B, T, ...] with every token at or past lengths[b] zeroed (0 x NaN would be NaN)."""
+  t = x.shape[1]
+  in_length = jnp.arange(t, dtype=jnp.int32)[None, :] < jnp.clip(lengths.astype(jnp.int32), 0, t)[:, None]
+  return jnp.where(in_length.reshape(in_length.shape + (1,) * (x.ndim - 2)), x, jnp.zeros((), x.dtype))
+
+
+def attend(q4, k, v, lengths, *, scale, softcap=None, window=None, sinks=None, k_scale=None, v_scale=None,
+           values_masked: bool = False):
   """q4 [B, S, Hq, D]; k [B, T, Hkv, D], v [B, T, Hkv, Dv] in the cache's dtype; k_scale, v_scale:
   None, a scalar, [Hkv] or per token [B, T, Hkv]. Returns (out [B, S, Hq, Dv], lse [B, S, Hq])
-  in float32. No limit on S (prefill uses it too)."""
+  in float32. No limit on S (prefill uses it too). values_masked: the caller has already zeroed
+  v past each length (`values_in_length`)."""
   b, s, hq, d = q4.shape
   t, hkv = k.shape[1], k.shape[2]
   g = hq // hkv
@@ -86,8 +95,7 @@ def attend(q4, k, v, lengths, *, scale, softcap=None, window=None, sinks=None, k
   logits = jnp.where(mask, logits, -jnp.inf)
   # Masked keys get probability 0, but 0 x NaN is NaN: values past a sequence's length (stale
   # cache memory, or pages it does not own) must not reach the product either.
-  in_length = jnp.arange(t, dtype=jnp.int32)[None, :] < jnp.clip(lengths.astype(jnp.int32), 0, t)[:, None]
-  v = jnp.where(in_length[:, :, None, None], v.astype(dtype), jnp.zeros((), dtype))
+  v = v.astype(dtype) if values_masked else values_in_length(v.astype(dtype), lengths)
   row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1))  # [B, Hkv, G, S]
   has_keys = jnp.isfinite(row_max)
   if sinks is not None:
@@ -149,6 +157,8 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale,
 def mla_decode_attention(q, kv_pages, block_tables, lengths, *, v_head_dim, scale, return_lse=False):
   """Multi-head latent attention decode. See `pallas_kv.mla_decode_attention`."""
   q4, single = validation.query_as_rank4(q)
-  kv = gather_pages(kv_pages, block_tables)[:, :, None, :]  # [B, T, 1, Dqk]
-  out, lse = attend(q4, kv, kv[..., :v_head_dim], lengths, scale=scale)
+  # One latent tile is both K and V: zero it past each length once, in the gather, rather than
+  # a second masked copy of its value columns (masked keys get -inf logits either way).
+  kv = values_in_length(gather_pages(kv_pages, block_tables), lengths)[:, :, None, :]  # [B, T, 1, Dqk]
+  out, lse = attend(q4, kv, kv[..., :v_head_dim], lengths, scale=scale, values_masked=True)
   return _finish(out, lse, single, return_lse)

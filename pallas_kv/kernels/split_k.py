@@ -32,6 +32,10 @@ MAX_GROUP = 16
 # A split shorter than this many tiles spends more on its prologue and the merge than it saves.
 MIN_TILES_PER_SPLIT = 4
 MAX_SPLITS = 64
+# The balanced plan cuts a batch into about this many waves of work items (the SMs' block
+# scheduler evens out the last one), and assumes a ragged batch fills at least half its capacity
+# when it sizes the grid.
+BALANCE_WAVES = 4
 
 
 def cdiv(a, b):
@@ -89,33 +93,81 @@ def resolve_config(problem, config: DecodeConfig | None, *, backend: str, heuris
   if config is None:
     config = heuristic(problem, dtype=dtype)
   if config.num_splits is None:
-    splits = choose_num_splits(batch=problem.batch, num_kv_heads=problem.num_kv_heads, row_blocks=row_blocks,
-                               capacity=problem.capacity, block_kv=config.block_kv,
-                               num_sms=num_sms or runtime.num_sms(), programs_per_sm=programs_per_sm)
+    choose = choose_balanced_splits if config.split_plan == "balanced" else choose_num_splits
+    splits = choose(batch=problem.batch, num_kv_heads=problem.num_kv_heads, row_blocks=row_blocks,
+                    capacity=problem.capacity, block_kv=config.block_kv, num_sms=num_sms or runtime.num_sms(),
+                    programs_per_sm=programs_per_sm)
     config = dataclasses.replace(config, num_splits=splits * config.kv_groups)
   return config
 
 
-def _split_tiles(length, *, block_kv: int, num_queries: int, num_splits: int, window: int | None):
+# ---------------------------------------------------------------- the balanced split plan
+
+def balanced_chunks(*, num_kv_heads: int, row_blocks: int, num_sms: int, programs_per_sm: int = 1) -> int:
+  """Work items (sequence, split) the balanced plan aims for per (kv head, row block): about
+  BALANCE_WAVES waves of programs over the whole grid."""
+  return max(1, cdiv(BALANCE_WAVES * num_sms * programs_per_sm, num_kv_heads * row_blocks))
+
+
+def choose_balanced_splits(*, batch: int, num_kv_heads: int, row_blocks: int, capacity: int, block_kv: int,
+                           num_sms: int, programs_per_sm: int = 1) -> int:
+  """The most splits a sequence may take under the balanced plan (the grid's split extent).
+
+  A batch whose sequences alone make BALANCE_WAVES waves needs no splits. Otherwise a sequence
+  may take up to twice its even share of the work items, so a batch that fills at least half its
+  capacity is cut evenly; emptier ones get longer splits (`balanced_tiles_per_split`).
+  """
+  chunks = balanced_chunks(num_kv_heads=num_kv_heads, row_blocks=row_blocks, num_sms=num_sms,
+                           programs_per_sm=programs_per_sm)
+  if batch >= chunks:
+    return 1
+  by_length = max(1, cdiv(capacity, block_kv) // MIN_TILES_PER_SPLIT)
+  return max(1, min(cdiv(2 * chunks, batch), by_length, MAX_SPLITS))
+
+
+def balanced_tiles_per_split(lengths, *, block_kv: int, num_queries: int, num_splits: int, window: int | None,
+                             chunks: int):
+  """The balanced plan of one call: int32 [1], the tiles of every split of every sequence.
+
+  About `chunks` splits over the batch's visible tiles, never more than num_splits for one
+  sequence, never fewer than MIN_TILES_PER_SPLIT tiles (a split that short costs more than it
+  saves). `split_tile_range(..., tiles_per_split=)` then cuts each sequence with it; a sequence
+  needing fewer splits leaves the rest empty.
+  """
+  first_tile, end_tile, _ = _split_tiles(lengths, block_kv=block_kv, num_queries=num_queries, num_splits=1,
+                                         window=window)
+  tiles = jnp.maximum(end_tile - first_tile, 0)
+  per_split = jnp.maximum(cdiv(jnp.sum(tiles), chunks), cdiv(jnp.max(tiles), num_splits))
+  return jnp.maximum(per_split, MIN_TILES_PER_SPLIT).astype(jnp.int32).reshape(1)
+
+
+def _split_tiles(length, *, block_kv: int, num_queries: int, num_splits: int, window: int | None,
+                 tiles_per_split=None):
   """(first tile, end tile, tiles per split) of a sequence: the tiles that hold visible keys."""
   first_key = 0 if window is None else jnp.maximum(length - num_queries + 1 - window, 0)
   first_tile = first_key // block_kv
   end_tile = (length + block_kv - 1) // block_kv
   num_tiles = jnp.maximum(end_tile - first_tile, 0)
+  if tiles_per_split is not None:
+    return first_tile, end_tile, tiles_per_split
   return first_tile, end_tile, (num_tiles + num_splits - 1) // num_splits
 
 
-def split_tile_range(length, split, *, block_kv: int, num_queries: int, num_splits: int, window: int | None):
+def split_tile_range(length, split, *, block_kv: int, num_queries: int, num_splits: int, window: int | None,
+                     tiles_per_split=None):
   """Tiles [t0, t1) of split `split` of a sequence of `length` tokens, and the sub-range [a, c)
   whose tiles every new token sees whole (no masking needed).
 
   New token s (0 <= s < S) sits at p = L - S + s and sees keys t <= p, t > p - window. Every
   split gets an equal share of the tiles that hold visible keys (earlier splits never fewer than
   later ones), so a sequence's partials depend only on its own length and num_splits; tiles
-  before the window or past the length belong to no split and are never loaded.
+  before the window or past the length belong to no split and are never loaded. With
+  `tiles_per_split` (the balanced plan, a runtime scalar) every split takes that many tiles
+  instead, and the splits past the sequence's last tile are empty.
   """
   first_tile, end_tile, per_split = _split_tiles(length, block_kv=block_kv, num_queries=num_queries,
-                                                 num_splits=num_splits, window=window)
+                                                 num_splits=num_splits, window=window,
+                                                 tiles_per_split=tiles_per_split)
   t0 = jnp.minimum(first_tile + split * per_split, end_tile)
   t1 = jnp.minimum(t0 + per_split, end_tile)
   # Whole tiles: keys <= L - S (the first token's position) and, with a window, keys
@@ -127,13 +179,39 @@ def split_tile_range(length, split, *, block_kv: int, num_queries: int, num_spli
   return t0, t1, a, c
 
 
-def active_splits(length, *, block_kv: int, num_queries: int, num_splits: int, window: int | None):
+def active_splits(length, *, block_kv: int, num_queries: int, num_splits: int, window: int | None,
+                  tiles_per_split=None):
   """How many splits of a sequence get tiles from `split_tile_range`: splits 0 .. n-1 do, the
   rest are empty (0 for a sequence with no visible key)."""
   first_tile, end_tile, per_split = _split_tiles(length, block_kv=block_kv, num_queries=num_queries,
-                                                 num_splits=num_splits, window=window)
+                                                 num_splits=num_splits, window=window,
+                                                 tiles_per_split=tiles_per_split)
   num_tiles = jnp.maximum(end_tile - first_tile, 0)
   return jnp.where(num_tiles > 0, (num_tiles + per_split - 1) // jnp.maximum(per_split, 1), 0)
+
+
+def check_tiles_per_split(tiles_per_split, config: DecodeConfig) -> bool:
+  """Whether a kernel call runs the balanced plan: tiles_per_split (int32 [1]) is given exactly
+  when config.split_plan is "balanced"."""
+  balanced = config.split_plan == "balanced"
+  if balanced != (tiles_per_split is not None):
+    raise ValueError(f"tiles_per_split must be given exactly when config.split_plan is 'balanced'; got "
+                     f"{config.split_plan=} and tiles_per_split={'None' if tiles_per_split is None else 'an array'}")
+  if balanced and (tiles_per_split.shape != (1,) or tiles_per_split.dtype != jnp.int32):
+    raise ValueError(f"tiles_per_split must be int32 [1], got {tiles_per_split.shape=} {tiles_per_split.dtype=}")
+  return balanced
+
+
+def split_plan(lengths, *, problem, config: DecodeConfig, window: int | None, row_blocks: int,
+               programs_per_sm: int = 1, num_sms: int | None = None):
+  """The `tiles_per_split` argument of a kernel call: the balanced plan of these (clamped)
+  lengths, or None for the per-sequence plan."""
+  if config.split_plan != "balanced":
+    return None
+  chunks = balanced_chunks(num_kv_heads=problem.num_kv_heads, row_blocks=row_blocks,
+                           num_sms=num_sms or runtime.num_sms(), programs_per_sm=programs_per_sm)
+  return balanced_tiles_per_split(lengths, block_kv=config.block_kv, num_queries=problem.num_queries,
+                                  num_splits=config.num_splits, window=window, chunks=chunks)
 
 
 # ---------------------------------------------------------------- rows and merging

@@ -35,9 +35,11 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: De
   config = mgpu_config.resolve_config(problem, config, dtype=k.dtype)
 
   def partials(rows, lengths, block_tables, k_scale, v_scale):
+    _, row_blocks = mgpu_config.row_blocking(problem.num_queries * problem.group_size)
+    plan = split_k.split_plan(lengths, problem=problem, config=config, window=options.window, row_blocks=row_blocks)
     return mgpu_decode.decode_partials(rows, k, v, lengths, block_tables, num_queries=problem.num_queries,
                                        options=options, config=config, k_scale=k_scale, v_scale=v_scale,
-                                       interpret=interpret_params())
+                                       tiles_per_split=plan, interpret=interpret_params())
 
   return split_k.run(partials, q, k, lengths, block_tables, problem=problem, sinks=sinks, return_lse=return_lse,
                      k_scale=k_scale, v_scale=v_scale)

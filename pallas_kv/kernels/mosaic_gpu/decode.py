@@ -137,6 +137,7 @@ class _Static:
   q_dtype: Any = jnp.bfloat16   # q's, P's and the dequantized tiles' (the cache's unless one-byte)
   k_scale: str | None = None    # `split_k.scale_kind` of K's scales: None, "head" or "token"
   v_scale: str | None = None
+  balanced: bool = False        # the balanced split plan: tiles per split from an int32 [1] input
 
   @property
   def quantized(self) -> bool:
@@ -231,10 +232,11 @@ class _DequantizedTiles:
     del step   # the slot went back at fetch
 
 
-def _tile_range(length, split, st: _Static):
+def _tile_range(length, split, st: _Static, tiles_per_split):
   """This split's tiles [t0, t1) and the unmasked sub-range [a, c) (`split_k.split_tile_range`)."""
   return split_k.split_tile_range(length, split, block_kv=st.tiling.block_kv, num_queries=st.num_queries,
-                                  num_splits=st.num_splits, window=st.options.window)
+                                  num_splits=st.num_splits, window=st.options.window,
+                                  tiles_per_split=tiles_per_split)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,7 +254,7 @@ class _Item:
     return [t1 - t0 for t0, t1, _, _ in self.ranges]   # counts[0] >= counts[1]
 
 
-def _item(b, head_block, program_split, lengths_ref, st: _Static) -> _Item:
+def _item(b, head_block, program_split, lengths_ref, st: _Static, tiles_per_split) -> _Item:
   if st.num_row_blocks == 1:
     head, row_block = head_block, 0
   else:
@@ -262,10 +264,10 @@ def _item(b, head_block, program_split, lengths_ref, st: _Static) -> _Item:
   # KV group g of this program computes split program_split * kv_groups + g.
   splits = [program_split * st.kv_groups + g for g in range(st.kv_groups)]
   return _Item(b=b, head=head, row_block=row_block, length=length, splits=splits,
-               ranges=[_tile_range(length, split, st) for split in splits])
+               ranges=[_tile_range(length, split, st, tiles_per_split) for split in splits])
 
 
-def _for_each_item(body, lengths_ref, st: _Static):
+def _for_each_item(body, lengths_ref, st: _Static, tiles_per_split=None):
   """Calls body(item, steps_before) for each work item of this program, in order.
 
   steps_before: ring steps (tiles of KV group 0) of this program's earlier items, so that the
@@ -274,7 +276,7 @@ def _for_each_item(body, lengths_ref, st: _Static):
   """
   if not st.persistent:
     item = _item(lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("split"),
-                 lengths_ref, st)
+                 lengths_ref, st, tiles_per_split)
     return body(item, jnp.int32(0))
   num_heads, num_split_programs, _ = st.grid_shape
   program = lax.axis_index("program")
@@ -286,7 +288,7 @@ def _for_each_item(body, lengths_ref, st: _Static):
     head_block = lax.rem(w, jnp.int32(num_heads))
     rest = lax.div(w, jnp.int32(num_heads))
     item = _item(lax.div(rest, jnp.int32(num_split_programs)), head_block,
-                 lax.rem(rest, jnp.int32(num_split_programs)), lengths_ref, st)
+                 lax.rem(rest, jnp.int32(num_split_programs)), lengths_ref, st, tiles_per_split)
     return steps_before + body(item, steps_before)
 
   return lax.fori_loop(0, mine, one, jnp.int32(0))
@@ -298,6 +300,8 @@ def _kernel(q_ref,            # [B, Hkv, rows_padded, D]   GMEM
             lengths_ref,      # [B] int32   GMEM
             *refs, st: _Static, **scratch):
   refs = list(refs)
+  # [1] int32   GMEM, the balanced plan's tiles per split (`split_k.balanced_tiles_per_split`)
+  plan_ref = refs.pop(0) if st.balanced else None
   # [B, max_pages] int32   GMEM
   block_tables_ref = refs.pop(0) if st.tiling.paged else None
   # Scales, f32 GMEM: [Hkv] per head; per token [B, T, Hkv] | [P, page_size, Hkv], flattened
@@ -353,7 +357,7 @@ def _kernel(q_ref,            # [B, Hkv, rows_padded, D]   GMEM
             ring.drain(count)
       return counts[0]
 
-    total = _for_each_item(produce, lengths_ref, st)
+    total = _for_each_item(produce, lengths_ref, st, None if plan_ref is None else plan_ref[0])
     if st.persistent:
       for ring in rings[0].values():
         ring.drain(total)
@@ -386,7 +390,7 @@ def _kernel(q_ref,            # [B, Hkv, rows_padded, D]   GMEM
                         split=item.splits[g], rw=rw, row0=row0, st=st, v_scale=v_head_scale)
         return item.counts[g]
 
-      _for_each_item(consume, lengths_ref, st)
+      _for_each_item(consume, lengths_ref, st, None if plan_ref is None else plan_ref[0])
       if st.persistent:
         plgpu.wait_smem_to_gmem(0)
 
@@ -546,6 +550,8 @@ def _build(st: _Static, interpret: Any):
     name += f"_{st.tiling.dtype.name}_k{st.k_scale or 'none'}_v{st.v_scale or 'none'}"
   if st.tile_math.name:
     name += f"_{st.tile_math.name}"
+  if st.balanced:
+    name += "_balanced"
   if st.persistent:
     grid, grid_names = (st.num_programs,), ("program",)
   else:
@@ -568,7 +574,7 @@ def _build(st: _Static, interpret: Any):
 
 def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
                     config: DecodeConfig, k_scale=None, v_scale=None, num_programs: int | None = None,
-                    tile_math: TileMath = TileMath(), interpret: Any = False):
+                    tiles_per_split=None, tile_math: TileMath = TileMath(), interpret: Any = False):
   """Split-K partials of decode attention over a contiguous or paged KV cache.
 
   q: [B, Hkv, R, D] bf16 or fp16, R = num_queries * G packed rows, row
@@ -590,6 +596,8 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
     head), so use it only where that still fills the GPU.
   num_programs: the programs a persistent config launches (default: the SM count); each loops
     over the work items program, program + P, ... with its rings streaming on across items.
+  tiles_per_split: int32 [1], the balanced plan (`split_k.balanced_tiles_per_split`), given
+    exactly when config.split_plan is "balanced".
   tile_math: what the consumers compute per tile (`TileMath`; probes subclass it).
   interpret: False, True or a plgpu.InterpretGPUParams (run on the CPU in interpret mode).
 
@@ -628,7 +636,8 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
       out_rows=out_rows, lse_rows=split_k.round_up(out_rows, _LSE_ROW_MULTIPLE),
       num_splits=config.num_splits, capacity=kv_tiling.capacity(k.shape), options=options,
       tiling=kv_tiling, smem=smem, batch=B, num_kv_heads=Hkv, pipeline_qk=config.pipeline_qk,
-      tile_math=tile_math, q_dtype=jnp.dtype(q.dtype), k_scale=k_kind, v_scale=v_kind)
+      tile_math=tile_math, q_dtype=jnp.dtype(q.dtype), k_scale=k_kind, v_scale=v_kind,
+      balanced=split_k.check_tiles_per_split(tiles_per_split, config))
   if config.persistent:
     if num_programs is None:
       num_programs = runtime.num_sms()
@@ -642,7 +651,8 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
     interpret = None
   if rows_padded != R:
     q = jnp.pad(q, ((0, 0), (0, 0), (0, rows_padded - R), (0, 0)))
-  args = [q, k, v, lengths] + ([] if block_tables is None else [block_tables])
+  args = [q, k, v, lengths] + ([] if tiles_per_split is None else [tiles_per_split])
+  args += [] if block_tables is None else [block_tables]
   for kind, scale in ((k_kind, k_scale), (v_kind, v_scale)):
     if kind == "token" and Hkv == 1:
       scale = scale.reshape(-1)   # contiguous per head: copied as flat runs (tiling.scale_sources)

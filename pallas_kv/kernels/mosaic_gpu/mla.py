@@ -158,8 +158,9 @@ def check_config(config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, p
   if config.num_stages < 2:
     raise ValueError(f"config.num_stages={config.num_stages} must be >= 2 for MLA (the next tile loads "
                      "while this one is used)")
-  if config.kv_groups != 1 or config.persistent or config.merge_in_kernel:
-    raise ValueError(f"MLA on mosaic_gpu takes none of kv_groups, persistent, merge_in_kernel; got {config}")
+  if config.kv_groups != 1 or config.persistent or config.merge_in_kernel or config.split_plan != "per_sequence":
+    raise ValueError(f"MLA on mosaic_gpu takes none of kv_groups, persistent, merge_in_kernel, a balanced "
+                     f"split_plan; got {config}")
   reason = mgpu_config.page_size_reason(page_size)
   if reason:
     raise NotImplementedError(f"mosaic_gpu: {reason}")

@@ -26,12 +26,19 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: De
   interpret = runtime.interpret_enabled()
   kw = dict(num_queries=problem.num_queries, options=options, config=config, interpret=interpret)
 
+  def plan(lengths):
+    _, row_blocks = triton_config.row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
+    return split_k.split_plan(lengths, problem=problem, config=config, window=options.window, row_blocks=row_blocks,
+                              programs_per_sm=triton_config.PROGRAMS_PER_SM)
+
   def partials(rows, lengths, block_tables, k_scale, v_scale):
-    return triton_decode.decode_partials(rows, k, v, lengths, block_tables, k_scale=k_scale, v_scale=v_scale, **kw)
+    return triton_decode.decode_partials(rows, k, v, lengths, block_tables, k_scale=k_scale, v_scale=v_scale,
+                                         tiles_per_split=plan(lengths), **kw)
 
   def merged(rows, lengths, block_tables, k_scale, v_scale, row_sinks):
     return triton_decode.decode_merged(rows, k, v, lengths, block_tables, sinks=row_sinks, k_scale=k_scale,
-                                       v_scale=v_scale, out_dtype=q.dtype, return_lse=return_lse, **kw)
+                                       v_scale=v_scale, out_dtype=q.dtype, return_lse=return_lse,
+                                       tiles_per_split=plan(lengths), **kw)
 
   return split_k.run(merged if config.merge_in_kernel else partials, q, k, lengths, block_tables, problem=problem,
                      sinks=sinks, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale,

@@ -150,16 +150,18 @@ class _Static:
   has_sinks: bool = False     # merge: sink logits join the denominator
   write_lse: bool = True      # merge: write the merged LSE
   barriers: bool = False      # merge: CTA barriers around the counter atomic (GPU; see the module doc)
+  balanced: bool = False      # the balanced split plan: tiles per split from an int32 [1] input
 
   @property
   def paged(self) -> bool:
     return self.page_size is not None
 
 
-def _tile_range(length, split, st: _Static):
+def _tile_range(length, split, st: _Static, tiles_per_split):
   """This split's tiles [t0, t1) and the unmasked sub-range [a, c) (`split_k.split_tile_range`)."""
   return split_k.split_tile_range(length, split, block_kv=st.block_kv, num_queries=st.num_queries,
-                                  num_splits=st.num_splits, window=st.options.window)
+                                  num_splits=st.num_splits, window=st.options.window,
+                                  tiles_per_split=tiles_per_split)
 
 
 def _load_tile(ref, block_tables_ref, tile, length, st: _Static, *, masked: bool):
@@ -229,6 +231,8 @@ def _kernel(q_ref,            # [block_rows, D] packed rows of this (sequence, k
             lengths_ref,      # [B] int32
             *refs, st: _Static):
   refs = list(refs)
+  # [1] int32, the balanced plan's tiles per split (`split_k.balanced_tiles_per_split`)
+  tiles_per_split = refs.pop(0)[0] if st.balanced else None
   # [max_pages] int32, this sequence's row (ids already in [0, P))
   block_tables_ref = refs.pop(0) if st.paged else None
   # Scales: "head" [Hkv] f32 (all heads); "token" [T] | [P, page_size] f32 of this kv head.
@@ -238,7 +242,7 @@ def _kernel(q_ref,            # [block_rows, D] packed rows of this (sequence, k
   head = head_block // st.num_row_blocks
   row0 = 0 if st.num_row_blocks == 1 else (head_block % st.num_row_blocks) * st.block_rows
   length = jnp.clip(lengths_ref[b], 0, st.capacity)
-  t0, t1, a, c = _tile_range(length, split, st)
+  t0, t1, a, c = _tile_range(length, split, st, tiles_per_split)
   bkv, G = st.block_kv, st.group
 
   rows = jnp.arange(st.block_rows, dtype=jnp.int32)[:, None] + row0   # [block_rows, 1]
@@ -288,7 +292,7 @@ def _kernel(q_ref,            # [block_rows, D] packed rows of this (sequence, k
     out_ref[...], lse_ref[...] = online_softmax.finalize(*carry)
   else:
     _merge_epilogue(online_softmax.finalize(*carry), refs, b=b, head=head, head_block=head_block, split=split,
-                    row0=row0, length=length, st=st)
+                    row0=row0, length=length, tiles_per_split=tiles_per_split, st=st)
 
 
 def _merge_finish(acc, norm, shift, sink):
@@ -301,7 +305,7 @@ def _merge_finish(acc, norm, shift, sink):
   return acc / _per_row(jnp.where(has_keys, denom, 1.0), acc.shape), lse
 
 
-def _merge_epilogue(partial, refs, *, b, head, head_block, split, row0, length, st: _Static):
+def _merge_epilogue(partial, refs, *, b, head, head_block, split, row0, length, tiles_per_split, st: _Static):
   """Merge mode: write this split's partial and let the last split to arrive merge them all
   (module doc); a sequence with at most one split with tiles has its split 0 write directly."""
   refs = list(refs)
@@ -334,7 +338,8 @@ def _merge_epilogue(partial, refs, *, b, head, head_block, split, row0, length, 
    counts_ref,      # [B, Hkv * num_row_blocks] int32, zero at the start of the call
    ) = refs
   active = split_k.active_splits(length, block_kv=st.block_kv, num_queries=st.num_queries,
-                                 num_splits=st.num_splits, window=st.options.window)
+                                 num_splits=st.num_splits, window=st.options.window,
+                                 tiles_per_split=tiles_per_split)
 
   @pl.when((active <= 1) & (split == 0))
   def _():
@@ -391,6 +396,8 @@ def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width:
   else:
     kv_spec = pl.BlockSpec((None, kv_shape[1], None, D), lambda hb, s, b: (b, 0, head(hb), 0))
   in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((batch,), lambda hb, s, b: (0,))]
+  if st.balanced:
+    in_specs.append(pl.BlockSpec((1,), lambda hb, s, b: (0,)))
   if st.paged:
     in_specs.append(pl.BlockSpec((None, table_width), lambda hb, s, b: (b, 0)))
   for kind in (st.k_scale, st.v_scale):
@@ -431,6 +438,8 @@ def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width:
     name += f"_ks{st.k_scale}_vs{st.v_scale}"
   if st.merge:
     name += "_merged"
+  if st.balanced:
+    name += "_balanced"
   return pl.pallas_call(
       functools.partial(_kernel, st=st),
       # grid[0] varies fastest: the KV heads of one token range sit side by side in HBM.
@@ -446,7 +455,7 @@ def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width:
 
 
 def _static(q, k, v, lengths, block_tables, *, num_queries: int, options: AttentionOptions, config: DecodeConfig,
-            k_scale, v_scale, interpret: bool, **merge) -> _Static:
+            k_scale, v_scale, interpret: bool, tiles_per_split=None, **merge) -> _Static:
   """The checked static description of one call (`decode_partials`' arguments)."""
   split_k.check_packed_args(q, k, v, lengths, block_tables, num_queries=num_queries, k_scale=k_scale,
                             v_scale=v_scale)
@@ -464,7 +473,7 @@ def _static(q, k, v, lengths, block_tables, *, num_queries: int, options: Attent
                  block_kv=config.block_kv, head_dim=D, page_size=page_size, max_pages=max_pages, options=options,
                  k_scale=split_k.scale_kind(k_scale, k.shape), v_scale=split_k.scale_kind(v_scale, k.shape),
                  fast_widen=FAST_WIDEN and not interpret and jnp.dtype(k.dtype) in split_k.QUANTIZED_DTYPES,
-                 rows=R, **merge)
+                 rows=R, balanced=split_k.check_tiles_per_split(tiles_per_split, config), **merge)
 
 
 def _call(st: _Static, args, *, q, k, config: DecodeConfig, interpret: bool, out_dtype=None):
@@ -478,13 +487,15 @@ def _call(st: _Static, args, *, q, k, config: DecodeConfig, interpret: bool, out
     return call(*args)
 
 
-def _args(q, k, v, lengths, block_tables, k_scale, v_scale) -> tuple:
-  args = (q, k, v, lengths) + ((block_tables,) if block_tables is not None else ())
+def _args(q, k, v, lengths, block_tables, k_scale, v_scale, tiles_per_split=None) -> tuple:
+  args = (q, k, v, lengths) + ((tiles_per_split,) if tiles_per_split is not None else ())
+  args += (block_tables,) if block_tables is not None else ()
   return args + tuple(scale for scale in (k_scale, v_scale) if scale is not None)
 
 
 def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
-                    config: DecodeConfig, k_scale=None, v_scale=None, interpret: bool = False):
+                    config: DecodeConfig, k_scale=None, v_scale=None, tiles_per_split=None,
+                    interpret: bool = False):
   """Split-K partials of decode attention over a contiguous or paged KV cache.
 
   q: [B, Hkv, R, D] bf16 or fp16, R = num_queries * G packed rows, row
@@ -503,6 +514,8 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   options: scale, softcap and window of the call.
   config: a resolved `DecodeConfig` (num_splits set; `config.resolve_config`), checked here by
     `config.check_config`. Its merge_in_kernel is not read here: `decode_merged` is that kernel.
+  tiles_per_split: int32 [1], the balanced plan (`split_k.balanced_tiles_per_split`), given
+    exactly when config.split_plan is "balanced".
   interpret: run the kernel in Pallas interpret mode (CPU).
 
   Returns (out [B, Hkv, num_splits, R, D] float32, each split's softmax-normalised output;
@@ -511,19 +524,19 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   softcap) if softcap. Tokens at or past lengths[b] are never read as values (masked loads).
   """
   st = _static(q, k, v, lengths, block_tables, num_queries=num_queries, options=options, config=config,
-               k_scale=k_scale, v_scale=v_scale, interpret=interpret)
+               k_scale=k_scale, v_scale=v_scale, interpret=interpret, tiles_per_split=tiles_per_split)
   R = q.shape[2]
   rows_padded = st.block_rows * st.num_row_blocks
   if rows_padded != R:
     q = jnp.pad(q, ((0, 0), (0, 0), (0, rows_padded - R), (0, 0)))
-  out, lse = _call(st, _args(q, k, v, lengths, block_tables, k_scale, v_scale), q=q, k=k, config=config,
-                   interpret=interpret)
+  out, lse = _call(st, _args(q, k, v, lengths, block_tables, k_scale, v_scale, tiles_per_split), q=q, k=k,
+                   config=config, interpret=interpret)
   return out[:, :, :, :R], lse[..., :R]
 
 
 def decode_merged(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
                   config: DecodeConfig, sinks=None, k_scale=None, v_scale=None, out_dtype=None,
-                  return_lse: bool = True, interpret: bool = False):
+                  return_lse: bool = True, tiles_per_split=None, interpret: bool = False):
   """Decode attention with the split merge in the same launch (`DecodeConfig.merge_in_kernel`;
   the module doc says how the last split of a sequence merges and why that is safe).
 
@@ -538,10 +551,10 @@ def decode_merged(q, k, v, lengths, block_tables=None, *, num_queries: int, opti
   sequence's own inputs, never on the order in which its splits finish.
   """
   st = _static(q, k, v, lengths, block_tables, num_queries=num_queries, options=options, config=config,
-               k_scale=k_scale, v_scale=v_scale, interpret=interpret, merge=True, has_sinks=sinks is not None,
-               write_lse=return_lse, barriers=not interpret)
+               k_scale=k_scale, v_scale=v_scale, interpret=interpret, tiles_per_split=tiles_per_split, merge=True,
+               has_sinks=sinks is not None, write_lse=return_lse, barriers=not interpret)
   B, Hkv, R, _ = q.shape
-  args = _args(q, k, v, lengths, block_tables, k_scale, v_scale)
+  args = _args(q, k, v, lengths, block_tables, k_scale, v_scale, tiles_per_split)
   if sinks is not None:
     if sinks.shape != (Hkv, R):
       raise ValueError(f"sinks must be float32 [Hkv, R]=({Hkv}, {R}), got {sinks.shape=}")

@@ -1,0 +1,171 @@
+"""The balanced split plan (DecodeConfig.split_plan="balanced"): one tile count per split for the
+whole batch, from `lengths`, so that a ragged batch spreads evenly over the SMs."""
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kv as pkv
+import sweeps
+from harness import check_against_reference, lower_for_cuda, make_case
+from pallas_kv.kernels import split_k
+from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
+from pallas_kv.kernels.triton import config as triton_config
+
+
+# ---------------------------------------------------------------- the plan itself
+
+@pytest.mark.parametrize("seed,block_kv,num_queries,window,num_splits,chunks", [
+    (0, 64, 1, None, 8, 66), (1, 16, 3, None, 4, 10), (2, 64, 2, 700, 16, 200), (3, 32, 1, None, 1, 5),
+])
+def test_every_visible_tile_is_in_exactly_one_split(seed, block_kv, num_queries, window, num_splits, chunks):
+  rng = np.random.default_rng(seed)
+  capacity = 4096
+  lengths = np.concatenate([rng.integers(0, capacity + 1, size=29), [0, 1, capacity]]).astype(np.int32)
+  per_split = split_k.balanced_tiles_per_split(jnp.asarray(lengths), block_kv=block_kv, num_queries=num_queries,
+                                               num_splits=num_splits, window=window, chunks=chunks)
+  assert per_split.shape == (1,) and per_split.dtype == jnp.int32
+  per_split = int(per_split[0])
+  assert per_split >= split_k.MIN_TILES_PER_SPLIT
+  kw = dict(block_kv=block_kv, num_queries=num_queries, num_splits=num_splits, window=window,
+            tiles_per_split=per_split)
+  nonempty = 0
+  for length in lengths:
+    first_key = 0 if window is None else max(length - num_queries + 1 - window, 0)
+    visible = set(range(first_key // block_kv, -(-length // block_kv)))
+    covered = []
+    for split in range(num_splits):
+      t0, t1, a, c = (int(x) for x in split_k.split_tile_range(length, split, **kw))
+      assert t0 <= a <= c <= t1
+      assert t1 - t0 <= per_split
+      covered += range(t0, t1)
+      nonempty += t1 > t0
+    assert sorted(covered) == sorted(visible)   # each once, none missing, none past the length
+    active = int(split_k.active_splits(length, **kw))
+    assert active == sum(1 for s in range(num_splits) if int(np.diff(split_k.split_tile_range(length, s, **kw)[:2])[0]))
+  total = sum(max(-(-int(n) // block_kv) - (0 if window is None else max(int(n) - num_queries + 1 - window, 0) // block_kv), 0)
+              for n in lengths)
+  # About `chunks` work items: never fewer tiles per split than an even cut would give.
+  assert per_split >= -(-total // chunks)
+
+
+def test_a_long_sequence_among_short_ones_takes_more_splits():
+  lengths = jnp.asarray([8192, 64, 64, 64, 100, 0, 64, 64], jnp.int32)
+  kw = dict(block_kv=64, num_queries=1, window=None)
+  per_split = split_k.balanced_tiles_per_split(lengths, num_splits=16, chunks=40, **kw)
+  long_splits = int(split_k.active_splits(8192, num_splits=16, tiles_per_split=per_split[0], **kw))
+  short_splits = int(split_k.active_splits(100, num_splits=16, tiles_per_split=per_split[0], **kw))
+  assert long_splits > 1 and short_splits == 1
+  # The per-sequence plan gives every sequence the same count instead.
+  assert int(split_k.active_splits(100, num_splits=16, **kw)) == 2
+
+
+def test_choose_balanced_splits():
+  kw = dict(num_kv_heads=8, row_blocks=1, capacity=32768, block_kv=64, num_sms=132)
+  chunks = split_k.balanced_chunks(num_kv_heads=8, row_blocks=1, num_sms=132)
+  assert chunks == 66
+  assert split_k.choose_balanced_splits(batch=128, **kw) == 1   # the batch alone makes the waves
+  assert split_k.choose_balanced_splits(batch=16, **kw) == 9    # room for a sequence twice the mean
+  assert split_k.choose_balanced_splits(batch=1, **kw) == split_k.MAX_SPLITS
+  short = dict(kw, capacity=256)
+  assert split_k.choose_balanced_splits(batch=1, **short) == 1   # 4 tiles: one split
+
+
+def test_split_plan_is_validated():
+  with pytest.raises(ValueError, match="split_plan"):
+    pkv.DecodeConfig(split_plan="even")
+  config = pkv.DecodeConfig(num_splits=2, split_plan="balanced")
+  with pytest.raises(ValueError, match="tiles_per_split must be given"):
+    split_k.check_tiles_per_split(None, config)
+  with pytest.raises(ValueError, match="int32"):
+    split_k.check_tiles_per_split(jnp.ones((2,), jnp.int32), config)
+  with pytest.raises(ValueError, match="tiles_per_split must be given"):
+    split_k.check_tiles_per_split(jnp.ones((1,), jnp.int32), pkv.DecodeConfig(num_splits=2))
+
+
+def test_resolve_fills_the_balanced_split_bound():
+  problem = sweeps.problem_args((32, 8), (16, 32768), None)[1]
+  config = triton_config.resolve_config(problem, pkv.DecodeConfig(split_plan="balanced"), num_sms=132)
+  assert config.split_plan == "balanced"
+  assert config.num_splits == split_k.choose_balanced_splits(
+      batch=16, num_kv_heads=8, row_blocks=1, capacity=32768, block_kv=config.block_kv, num_sms=132,
+      programs_per_sm=triton_config.PROGRAMS_PER_SM)
+
+
+# ---------------------------------------------------------------- kernels (interpret mode)
+
+def _call(case, impl, config, paged, **options):
+  if paged:
+    return pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths,
+                                      return_lse=True, impl=impl, config=config, **options)
+  return pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=impl, config=config,
+                              **options)
+
+
+@pytest.mark.parametrize("impl,block_kv,seq_len,lengths,num_queries,paged,merge,options", [
+    # 16 tiles / 4 splits: per split 4 tiles; the 50-token sequence takes one split, not four.
+    ("triton", 16, 256, [256, 50, 16, 0], None, False, False, {}),
+    ("triton", 16, 256, [256, 50, 16, 0], 2, True, True, dict(window=90, softcap=20.0)),
+    ("mosaic_gpu", 64, 512, [512, 200, 64, 0], None, False, False, {}),
+    ("mosaic_gpu", 64, 512, [37, 512, 0, 300], 2, True, False, dict(window=300)),
+], ids=["triton-dense", "triton-paged-S2-window-merged", "mosaic-dense", "mosaic-paged-S2-window"])
+def test_balanced_plan_matches_reference(interpret_mode, impl, block_kv, seq_len, lengths, num_queries, paged,
+                                         merge, options):
+  case = make_case(40 + len(options), batch=len(lengths), seq_len=seq_len, num_heads=8, num_kv_heads=2,
+                   head_dim=64, dtype=jnp.bfloat16, num_queries=num_queries, lengths=lengths,
+                   page_size=64 if paged else None)
+  config = pkv.DecodeConfig(block_kv=block_kv, num_stages=2, num_splits=4 if impl == "triton" else 2,
+                            split_plan="balanced", merge_in_kernel=merge)
+  balanced = _call(case, impl, config, paged, **options)
+  check_against_reference(case, balanced, **options)
+
+
+@pytest.mark.parametrize("impl", ["triton", "mosaic_gpu"])
+def test_kernels_cut_the_splits_the_plan_says(impl):
+  # The 4-tile sequence takes one split of 4 tiles under the plan; per sequence, 4 splits of one.
+  from pallas_kv.config import AttentionOptions
+  from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
+  from pallas_kv.kernels.triton import decode as triton_decode
+  block_kv = 16 if impl == "triton" else 64
+  case = make_case(50, batch=3, seq_len=16 * block_kv, num_heads=8, num_kv_heads=2, head_dim=64,
+                   dtype=jnp.bfloat16, lengths=[16 * block_kv, 4 * block_kv - 3, 0])
+  rows = split_k.pack_queries(case.q[:, None], 2)
+  kernel = triton_decode if impl == "triton" else mgpu_decode
+  interpret = True
+  if impl == "mosaic_gpu":
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    interpret = plgpu.InterpretGPUParams()
+  lse = {}
+  for plan in ("per_sequence", "balanced"):
+    config = pkv.DecodeConfig(block_kv=block_kv, num_stages=2, num_splits=4, split_plan=plan)
+    per_split = (None if plan == "per_sequence" else
+                 split_k.balanced_tiles_per_split(case.lengths, block_kv=block_kv, num_queries=1, num_splits=4,
+                                                  window=None, chunks=1000))
+    _, lse[plan] = kernel.decode_partials(rows, case.k, case.v, case.lengths, num_queries=1,
+                                          options=AttentionOptions(scale=0.125), config=config,
+                                          tiles_per_split=per_split, interpret=interpret)
+  has_keys = {plan: np.isfinite(np.asarray(x))[:, 0, :, 0] for plan, x in lse.items()}   # [B, splits]
+  np.testing.assert_array_equal(has_keys["per_sequence"], [[1, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0]])
+  np.testing.assert_array_equal(has_keys["balanced"], [[1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0]])
+
+
+# ---------------------------------------------------------------- CUDA lowering (CPU)
+
+@pytest.mark.parametrize("impl,page_size", [("mosaic_gpu", None), ("mosaic_gpu", 16), ("triton", None),
+                                            ("triton", 16)])
+def test_balanced_plan_lowers_for_cuda(impl, page_size):
+  args, problem = sweeps.problem_args((32, 8), (16, 32768), page_size)
+  resolve = mgpu_config.resolve_config if impl == "mosaic_gpu" else triton_config.resolve_config
+  config = resolve(problem, pkv.DecodeConfig(split_plan="balanced"), num_sms=132)
+  assert config.num_splits > 1
+  op = pkv.decode_attention if page_size is None else pkv.paged_decode_attention
+  lower_for_cuda(functools.partial(op, impl=impl, config=config), *args)
+
+
+def test_mla_refuses_the_balanced_plan():
+  from pallas_kv.kernels.mosaic_gpu import mla
+  config = pkv.DecodeConfig(block_kv=mla.BLOCK_KV, num_stages=2, num_splits=2, split_plan="balanced")
+  with pytest.raises(ValueError, match="split_plan"):
+    mla.check_config(config, qk_dim=576, v_dim=512, dtype=jnp.bfloat16, page_size=64)
