@@ -11,7 +11,8 @@ Rows (page 64, shuffled pages): 128 heads at (B, T) = (1, 32768), (16, 4096), (6
 (64, 8192); two new tokens (S=2) at (64, 4096).
 
 Impls: `mosaic_gpu` (our kernel), `mosaic_gpu_pqk` (the same with `DecodeConfig(pipeline_qk=True)`:
-the next tile's Q K^T overlaps this tile's softmax), `auto` (what `impl="auto"` picks), `xla`
+the next tile's Q K^T overlaps this tile's softmax), `mosaic_gpu_halves` (`DecodeConfig(split_scores=True)`:
+both consumers score half of each tile), `auto` (what `impl="auto"` picks), `xla`
 (pallas_kv's pure XLA impl), and `bf16_einsum` (written here: XLA einsums over the gathered pages with bf16 operands and
 float32 accumulation, the plain-JAX baseline). Every impl's output of a row is first checked
 against bf16_einsum's (relative error ||out - ref|| / ||ref||, at most 1e-2 for ours), then
@@ -46,9 +47,12 @@ BASELINE = "bf16_einsum"
 # Our kernel with its opt-in schedule: the scorer issues the next tile's Q K^T before this tile's
 # softmax (kernels/mosaic_gpu/mla.py, DecodeConfig.pipeline_qk).
 PIPELINED = "mosaic_gpu_pqk"
-GPU_IMPLS = ("mosaic_gpu", PIPELINED, BASELINE, "xla")
+# ... or both consumers score half of each tile and trade row maxima and P (DecodeConfig.split_scores).
+HALVES = "mosaic_gpu_halves"
+VARIANTS = {PIPELINED: dict(pipeline_qk=True), HALVES: dict(split_scores=True)}
+GPU_IMPLS = ("mosaic_gpu", PIPELINED, HALVES, BASELINE, "xla")
 CPU_IMPLS = ("auto", "xla", BASELINE)
-OUR_IMPLS = runners.OUR_IMPLS + (PIPELINED,)
+OUR_IMPLS = runners.OUR_IMPLS + tuple(VARIANTS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +126,8 @@ def build_fn(impl: str, row: Row):
     raise ValueError(f"unknown impl {impl!r}; choose from {OUR_IMPLS + (BASELINE,)}")
   pkv = runners.import_pallas_kv()
   config = None
-  if impl == PIPELINED:
-    impl, config = "mosaic_gpu", pkv.DecodeConfig(block_kv=64, num_stages=2, pipeline_qk=True)
+  if impl in VARIANTS:
+    impl, config = "mosaic_gpu", pkv.DecodeConfig(block_kv=64, num_stages=2, **VARIANTS[impl])
   return jax.jit(lambda *a: pkv.mla_decode_attention(*a, v_head_dim=row.v_dim, scale=scale, impl=impl,
                                                      config=config))
 

@@ -56,6 +56,9 @@ class DecodeConfig:
     gives every SM about the same number of tiles: long sequences take more splits, short ones
     fewer; num_splits is then the most splits any sequence may take. A sequence's result then
     depends (in its last bits) on the other lengths in the batch.
+  split_scores: MLA on mosaic_gpu only: both consumer warpgroups score half of each tile's keys
+    and trade row maxima and their halves of P through SMEM (FlashMLA's balance), instead of one
+    scorer computing all of Q K^T and the softmax while its partner only runs P V.
   """
   block_kv: int = 64
   num_stages: int = 4
@@ -66,6 +69,7 @@ class DecodeConfig:
   persistent: bool = False
   merge_in_kernel: bool = False
   split_plan: str = "per_sequence"
+  split_scores: bool = False
 
   def __post_init__(self):
     if self.block_kv not in BLOCK_KV_CHOICES:
@@ -84,6 +88,8 @@ class DecodeConfig:
       raise ValueError(f"{self.persistent=} must be a bool")
     if not isinstance(self.merge_in_kernel, bool):
       raise ValueError(f"{self.merge_in_kernel=} must be a bool")
+    if not isinstance(self.split_scores, bool):
+      raise ValueError(f"{self.split_scores=} must be a bool")
     if self.split_plan not in SPLIT_PLANS:
       raise ValueError(f"{self.split_plan=} must be one of {SPLIT_PLANS}")
     if self.persistent and self.kv_groups != 1:

@@ -59,38 +59,44 @@ def _check(args, out_lse, *, v_head_dim=SMALL_V, scale=None, clean_pages=None, c
   assert_lse_matches(lse, ref_lse, q.dtype)
 
 
-def _config(num_splits, num_stages=2, pipeline_qk=False):
-  return pkv.DecodeConfig(block_kv=64, num_stages=num_stages, num_splits=num_splits, pipeline_qk=pipeline_qk)
+# The consumers' schedules: plain (a scorer and a P V partner), pipeline_qk, split_scores.
+VARIANTS = {"plain": {}, "pipeline_qk": dict(pipeline_qk=True), "split_scores": dict(split_scores=True)}
+
+
+def _config(num_splits, num_stages=2, variant="plain"):
+  return pkv.DecodeConfig(block_kv=64, num_stages=num_stages, num_splits=num_splits, **VARIANTS[variant])
 
 
 # ---------------------------------------------------------------- interpret mode (CPU)
 
-@pytest.mark.parametrize("page_size,num_queries,num_heads,num_splits,dtype,pipeline_qk", [
-    (16, 2, 4, 2, jnp.bfloat16, False),
-    (64, None, 8, 1, jnp.bfloat16, False),
-    (32, 4, 4, 3, jnp.bfloat16, False),
-    (128, 3, 24, 2, jnp.float16, False),
-    (16, 1, 24, 1, jnp.bfloat16, True),
+@pytest.mark.parametrize("page_size,num_queries,num_heads,num_splits,dtype,variant", [
+    (16, 2, 4, 2, jnp.bfloat16, "plain"),
+    (64, None, 8, 1, jnp.bfloat16, "plain"),
+    (32, 4, 4, 3, jnp.bfloat16, "plain"),
+    (128, 3, 24, 2, jnp.float16, "plain"),
+    (16, 1, 24, 1, jnp.bfloat16, "pipeline_qk"),
+    (16, 2, 4, 2, jnp.bfloat16, "split_scores"),
+    (128, 3, 24, 1, jnp.float16, "split_scores"),
 ], ids=["page16-s2-splits2", "page64-s1-splits1", "page32-s4-splits3", "page128-s3-rowblocks2-splits2-fp16",
-        "page16-pipeline_qk-splits1"])
-def test_mla_interpret(interpret_mode, page_size, num_queries, num_heads, num_splits, dtype, pipeline_qk):
+        "page16-pipeline_qk-splits1", "page16-s2-split_scores-splits2", "page128-s3-rowblocks2-split_scores-fp16"])
+def test_mla_interpret(interpret_mode, page_size, num_queries, num_heads, num_splits, dtype, variant):
   # Ragged lengths (not multiples of a tile), one of zero, shuffled pages; 3 x 24 heads = 72 rows
   # take two row blocks.
   args = _case(page_size + num_heads, batch=3, seq_len=256, num_heads=num_heads, num_queries=num_queries,
                page_size=page_size, lengths=[219, 0, 70], dtype=dtype)
   out = pkv.mla_decode_attention(*args, v_head_dim=SMALL_V, scale=0.11, return_lse=True, impl=IMPL,
-                                 config=_config(num_splits, pipeline_qk=pipeline_qk))
+                                 config=_config(num_splits, variant=variant))
   _check(args, out, scale=0.11)
 
 
-@pytest.mark.parametrize("page_size,pipeline_qk", [(16, False), (64, True)])
+@pytest.mark.parametrize("page_size,variant", [(16, "plain"), (64, "pipeline_qk"), (32, "split_scores")])
 def test_mla_garbage_past_lengths_and_in_unnamed_pages_never_reaches_an_output(interpret_mode, page_size,
-                                                                               pipeline_qk):
+                                                                               variant):
   q, pages, tables, lengths = _case(3, batch=3, seq_len=256, num_heads=4, num_queries=2, page_size=page_size,
                                     lengths=[200, 37, 0])
   bad_pages, bad_tables = _poisoned(pages, tables, lengths, page_size)
   out = pkv.mla_decode_attention(q, jnp.asarray(bad_pages, q.dtype), bad_tables, lengths, v_head_dim=SMALL_V,
-                                 return_lse=True, impl=IMPL, config=_config(2, pipeline_qk=pipeline_qk))
+                                 return_lse=True, impl=IMPL, config=_config(2, variant=variant))
   _check((q, pages, tables, lengths), out)
 
 
@@ -101,8 +107,8 @@ def test_mla_zero_lengths_give_zeros_and_no_keys(interpret_mode):
   assert np.isneginf(np.asarray(lse)).all()
 
 
-@pytest.mark.parametrize("pipeline_qk", [False, True])
-def test_mla_race_detection_finds_none(pipeline_qk):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_mla_race_detection_finds_none(variant):
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
   # 6 tiles through a 2-slot ring, pages of 16 (4 copies per tile), a masked last tile.
@@ -110,7 +116,7 @@ def test_mla_race_detection_finds_none(pipeline_qk):
                                     lengths=[350])
   rows = q.reshape(1, 4, SMALL_QK)
   out, _ = mgpu_mla.mla_partials(rows, pages, lengths, tables, num_queries=1, v_head_dim=SMALL_V, scale=0.1,
-                                 config=_config(1, pipeline_qk=pipeline_qk),
+                                 config=_config(1, variant=variant),
                                  interpret=plgpu.InterpretGPUParams(detect_races=True))
   jax.block_until_ready(out)
   assert not gpu_callbacks.get_races().races_found
@@ -162,6 +168,17 @@ def test_mla_configs_are_checked():
     check(pkv.DecodeConfig(num_stages=2, num_splits=2, kv_groups=2))
   with pytest.raises(ValueError, match="num_splits must be resolved"):
     check(pkv.DecodeConfig(num_stages=2))
+  with pytest.raises(ValueError, match="pipeline_qk or split_scores, not both"):
+    check(pkv.DecodeConfig(num_stages=2, num_splits=1, pipeline_qk=True, split_scores=True))
+  with pytest.raises(ValueError, match="split_scores"):
+    pkv.DecodeConfig(split_scores=1)
+  from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
+  with pytest.raises(ValueError, match="split_scores=True is an option of the MLA kernel"):
+    mgpu_config.check_config(pkv.DecodeConfig(num_splits=1, split_scores=True), rows=4, head_dim=128,
+                             dtype=jnp.bfloat16, page_size=None)
+  # The split-scores layout has the same SMEM footprint (P in two halves), so it fits as well.
+  assert mgpu_mla.MlaSmem.for_call(_config(1, variant="split_scores"), qk_dim=QK, v_dim=V, dtype=jnp.bfloat16,
+                                   page_size=64).fits
   # Two 64 x 576 stages beside Q fill SMEM (as FlashMLA's); small latent dims get a deeper ring.
   _, problem = _problem()
   assert mgpu_mla.heuristic_config(problem).num_stages == 2
@@ -204,6 +221,11 @@ def test_mla_pipelined_qk_lowers_for_cuda(shape):
   _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, pipeline_qk=True))
 
 
+@pytest.mark.parametrize("shape", LOWERING_SHAPES[:7], ids=_shape_id)
+def test_mla_split_scores_lowers_for_cuda(shape):
+  _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, split_scores=True))
+
+
 def _lower(shape, config):
   args, problem = _problem(**shape)
   config = mgpu_mla.resolve_config(problem, config, num_sms=132)
@@ -236,10 +258,11 @@ def test_gpu_mla_matches_reference(batch, seq_len, num_heads, num_queries, page_
       q, jnp.asarray(bad_pages, q.dtype), bad_tables, lengths)
   assert pkv.last_impl() == IMPL
   _check(args, out, v_head_dim=V)
-  pipelined = pkv.DecodeConfig(block_kv=64, num_stages=2, pipeline_qk=True)
-  out = jax.jit(functools.partial(pkv.mla_decode_attention, v_head_dim=V, return_lse=True, impl=IMPL,
-                                  config=pipelined))(q, jnp.asarray(bad_pages, q.dtype), bad_tables, lengths)
-  _check(args, out, v_head_dim=V)
+  for variant in ("pipeline_qk", "split_scores"):
+    config = pkv.DecodeConfig(block_kv=64, num_stages=2, **VARIANTS[variant])
+    out = jax.jit(functools.partial(pkv.mla_decode_attention, v_head_dim=V, return_lse=True, impl=IMPL,
+                                    config=config))(q, jnp.asarray(bad_pages, q.dtype), bad_tables, lengths)
+    _check(args, out, v_head_dim=V)
 
 
 # ---------------------------------------------------------------- the benchmark program

@@ -51,14 +51,15 @@ def visible(rows, cols, *, tile_start, length, num_queries: int, group: int, win
   return ok
 
 
-def rescale_step(s, m_i, l_i):
+def rescale_step(s, m_i, l_i, tile_max=None):
   """One tile of the online softmax, leaving the accumulator to the caller.
 
   s: [rows, bkv] float32 logits in log2 units (-inf where masked); m_i, l_i: [rows] running max
-  (log2 units) and sum. Returns (alpha [rows], the factor that rescales an accumulator to the new
-  max, m_new, l_new, p [rows, bkv] float32).
+  (log2 units) and sum. tile_max: the tile's row max when s is only part of the tile (default
+  s's own); l_new then sums only s's part. Returns (alpha [rows], the factor that rescales an
+  accumulator to the new max, m_new, l_new, p [rows, bkv] float32).
   """
-  m_new = jnp.maximum(m_i, s.max(axis=1))
+  m_new = jnp.maximum(m_i, s.max(axis=1) if tile_max is None else tile_max)
   # A row with no valid key yet keeps m = -inf: shift by 0 then, so that exp2 gives 0, not NaN.
   m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m_i - m_use)

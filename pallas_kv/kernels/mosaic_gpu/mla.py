@@ -18,7 +18,12 @@ split by value columns it takes 128 in each (FlashMLA's plan). V is the K tile i
 wgmma as is (no second load); P lives in one SMEM buffer handed over with two barriers
 (`_SharedP`). The partner's P V overlaps the scorer's next Q K^T and softmax. Opt-in
 (`DecodeConfig.pipeline_qk`): the scorer issues tile i+1's Q K^T before tile i's softmax, so the
-tensor cores also work while it runs (FA3's intra-warpgroup overlap; not yet measured).
+tensor cores also work while it runs (FA3's intra-warpgroup overlap; measured slower).
+Opt-in (`DecodeConfig.split_scores`, `_score_half_tiles`): the two consumers are alike, each
+scoring half of every tile's keys (S [64, bkv/2]); they trade row maxima through SMEM, each
+stores its half of P, and each runs P V over both halves for its value columns, so one's tensor
+work overlaps the other's softmax (FlashMLA's balance). Its P halves have 64-byte rows and wgmma
+takes one swizzle for both operands, so Q and the ring use the 64-byte swizzle then.
 
 SMEM at Dqk 576 (bf16): Q 72 KiB + two 64 x 576 stages 144 KiB + P 8 KiB + alpha / row sums
 = 225 KiB of the 227 (`MlaSmem`); the float32 output staging (128 KiB) reuses the ring. The split
@@ -85,6 +90,7 @@ class MlaSmem:
   block_kv: int = BLOCK_KV
   num_stages: int = 2
   copies_per_tile: int = 1
+  split_scores: bool = False   # P as two [64, bkv/2] halves, one per consumer (`_score_half_tiles`)
 
   def __post_init__(self):
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -94,9 +100,25 @@ class MlaSmem:
   def half_v(self) -> int:
     return self.v_dim // VALUE_WGS
 
+  @property
+  def half_kv(self) -> int:
+    return self.block_kv // VALUE_WGS
+
+  def transforms(self, minor_dim: int):
+    """SMEM transforms of an operand: split_scores' P halves have 64-byte rows, and wgmma takes
+    one swizzle for both operands, so Q and the ring take the 64-byte swizzle too."""
+    limit = self.half_kv * self.dtype.itemsize if self.split_scores else None
+    return tiling.smem_transforms(self.dtype, minor_dim, max_swizzle=limit)
+
+  def p_type(self):
+    if self.split_scores:   # one half per consumer (separate buffers: wgmma takes no indexed ref)
+      return tuple(plgpu.SMEM((ROWS, self.half_kv), self.dtype, transforms=self.transforms(self.half_kv))
+                   for _ in range(VALUE_WGS))
+    return plgpu.SMEM((ROWS, self.block_kv), self.dtype, transforms=self.transforms(self.block_kv))
+
   def ring_spec(self) -> pipeline.RingSpec:
     return pipeline.RingSpec(num_stages=self.num_stages, block_shape=(self.block_kv, self.qk_dim),
-                             dtype=self.dtype, transforms=tiling.smem_transforms(self.dtype, self.qk_dim),
+                             dtype=self.dtype, transforms=self.transforms(self.qk_dim),
                              copies_per_slot=self.copies_per_tile, num_consumers=VALUE_WGS)
 
   def scratch_types(self) -> dict[str, Any]:
@@ -106,16 +128,17 @@ class MlaSmem:
                  plgpu.SMEM((ROWS,), jnp.float32))
     return dict(
         q_smem=plgpu.SMEM((ROWS, self.qk_dim), self.dtype,
-                          transforms=tiling.smem_transforms(self.dtype, self.qk_dim)),
+                          transforms=self.transforms(self.qk_dim)),
         # The output staging reuses the ring's memory once every tile is consumed.
         union=plgpu.RefUnion(ring.buffer_type(), out_stage),
-        p_smem=plgpu.SMEM((ROWS, self.block_kv), self.dtype,
-                          transforms=tiling.smem_transforms(self.dtype, self.block_kv)),
+        p_smem=self.p_type(),
         row_smem=plgpu.SMEM((2, ROWS), jnp.float32),
         produced=produced, consumed=consumed,
         q_barrier=plgpu.Barrier(),
-        p_ready=plgpu.Barrier(),
-        p_free=plgpu.Barrier(),
+        # split_scores: both consumers arrive at each (and max_ready carries the row maxima).
+        p_ready=plgpu.Barrier(num_arrivals=VALUE_WGS if self.split_scores else 1),
+        p_free=plgpu.Barrier(num_arrivals=VALUE_WGS if self.split_scores else 1),
+        max_ready=plgpu.Barrier(num_arrivals=VALUE_WGS),
         consumers_done=plgpu.Barrier(num_arrivals=VALUE_WGS))
 
   @property
@@ -126,7 +149,7 @@ class MlaSmem:
     out_stage = align(ROWS * self.v_dim * self.out_dtype.itemsize) + ROWS * 4
     q = ROWS * self.qk_dim * self.dtype.itemsize
     p = ROWS * self.block_kv * self.dtype.itemsize
-    barriers = ring.barrier_bytes + 4 * pipeline.BARRIER_BYTES
+    barriers = ring.barrier_bytes + 5 * pipeline.BARRIER_BYTES
     return (align(q) + align(max(ring.buffer_bytes, out_stage)) + align(p) + align(2 * ROWS * 4)
             + align(REDUCTION_SCRATCH_BYTES) + barriers)
 
@@ -140,7 +163,8 @@ class MlaSmem:
     """single_split None sizes the float32 staging of a partial (the larger)."""
     return cls(qk_dim=qk_dim, v_dim=v_dim, dtype=dtype, out_dtype=dtype if single_split else jnp.float32,
                block_kv=config.block_kv, num_stages=config.num_stages,
-               copies_per_tile=mgpu_config.copies_per_tile(config.block_kv, page_size))
+               copies_per_tile=mgpu_config.copies_per_tile(config.block_kv, page_size),
+               split_scores=config.split_scores)
 
 
 def row_blocks(rows: int) -> int:
@@ -158,6 +182,8 @@ def check_config(config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, p
   if config.num_stages < 2:
     raise ValueError(f"config.num_stages={config.num_stages} must be >= 2 for MLA (the next tile loads "
                      "while this one is used)")
+  if config.pipeline_qk and config.split_scores:
+    raise ValueError("MLA on mosaic_gpu takes pipeline_qk or split_scores, not both")
   if config.kv_groups != 1 or config.persistent or config.merge_in_kernel or config.split_plan != "per_sequence":
     raise ValueError(f"MLA on mosaic_gpu takes none of kv_groups, persistent, merge_in_kernel, a balanced "
                      f"split_plan; got {config}")
@@ -212,6 +238,7 @@ class _Static:
   smem: MlaSmem
   interpret: bool       # GPU interpret mode (jax 0.11.2) cannot run pl.run_state
   pipeline_qk: bool = False   # the scorer issues tile i+1's Q K^T before tile i's softmax
+  split_scores: bool = False  # both consumers score half of each tile (`_score_half_tiles`)
 
   @property
   def half_v(self) -> int:
@@ -259,15 +286,19 @@ def _row_vector(x, shape):
 
 
 def _pv(acc, p_smem, v_tile, st: _Static):
-  """acc + P @ V on the tensor cores: acc [64, Dv/2] f32 (WGMMA layout), P and V in SMEM."""
-  if st.interpret:
-    def staged(acc_ref):
-      plgpu.wgmma(acc_ref, p_smem, v_tile)
-      return acc_ref[...]
-    return acc + pl.run_scoped(staged, plgpu.ACC(acc.shape, jnp.float32))
+  """acc + P @ V on the tensor cores: acc [64, Dv/2] f32 (WGMMA layout), P and V in SMEM; or, with
+  lists of P and V parts (P's column blocks and V's matching row blocks), the sum of their products."""
+  parts = list(zip(p_smem, v_tile)) if isinstance(p_smem, (list, tuple)) else [(p_smem, v_tile)]
 
   def mma(acc_ref):
-    plgpu.wgmma(acc_ref, p_smem, v_tile)
+    for p, v in parts:
+      plgpu.wgmma(acc_ref, p, v)
+
+  if st.interpret:
+    def staged(acc_ref):
+      mma(acc_ref)
+      return acc_ref[...]
+    return acc + pl.run_scoped(staged, plgpu.ACC(acc.shape, jnp.float32))
   return pl.run_state(mma)(plgpu.ACC.init(acc))
 
 
@@ -370,6 +401,95 @@ def _score_tiles(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0, t1,
   return carry[:3]
 
 
+@dataclasses.dataclass(frozen=True)
+class _HalfSync:
+  """split_scores: what the two consumers trade per tile, and the barriers (two arrivals each).
+
+  rows [2, 64] f32: row w is consumer w's row max of its half of the tile (after the loop, its
+  row sum); p: two [64, bkv/2] buffers, consumer w's half of P in p[w]. max_ready: both maxima are in; p_ready:
+  both halves of P (and the zeroed values of a last tile) are in; p_free: both P V are done
+  with this tile's P. Every barrier is waited on at every phase, in order, by both consumers.
+  """
+  rows: Any
+  p: Any
+  max_ready: Any
+  p_ready: Any
+  p_free: Any
+
+  def meet(self, barrier):
+    plgpu.barrier_arrive(barrier)
+    plgpu.barrier_wait(barrier)
+
+
+def _score_half_tiles(w: int, q_smem, sync: _HalfSync, ring: pipeline.Ring, t0, t1, c, *, length, row0,
+                      st: _Static):
+  """split_scores: consumer w's loop over tiles [t0, t1) ([c, t1) masked). Returns (acc [64, Dv/2]
+  of value columns w, m, l over its own half of the keys).
+
+  Per tile: S_w = Q K_w^T for its half of the tile's keys; the tile's row max from both halves;
+  P_w into SMEM; acc_w = alpha acc_w + P V[:, columns w] over both halves of P. The QK^T and
+  softmax work is the same on both consumers, so each one's tensor work overlaps the other's
+  softmax (FlashMLA's balance). Consumer 0 zeroes a last tile's value rows past the length once
+  both Q K^T are done (they see those keys only as masked scores) and before either P V.
+  """
+  hk, bkv = st.smem.half_kv, st.tiling.block_kv
+  s_type = plgpu.ACC((ROWS, hk), jnp.float32)
+  rows_layout = plgpu.Layout.WGMMA.reduce(1)
+  columns = pl.ds(w * st.half_v, st.half_v)
+
+  def step(tile, carry, *, masked: bool):
+    acc, m_i, l_i = carry
+    i = tile - t0
+    slot = ring.wait(i)   # [bkv, Dqk]
+
+    def qk(s_ref):
+      plgpu.wgmma(s_ref, q_smem, slot.at[pl.ds(w * hk, hk)].transpose((1, 0)))
+      return s_ref[...]
+
+    s = online_softmax.log2_logits(pl.run_scoped(qk, s_type), scale=st.scale, softcap=None)
+    if masked:
+      rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA) + row0
+      cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+      ok = online_softmax.visible(rows, cols, tile_start=tile * bkv + w * hk, length=length,
+                                  num_queries=st.num_queries, group=st.group, window=None)
+      s = jnp.where(ok, s, -jnp.inf)   # also drops NaN scores of keys past the length
+    half_max = s.max(axis=1)
+    sync.rows[w] = half_max
+    sync.meet(sync.max_ready)
+    tile_max = jnp.maximum(half_max, plgpu.load(sync.rows.at[1 - w], layout=rows_layout))
+    alpha, m_new, l_new, p = online_softmax.rescale_step(s, m_i, l_i, tile_max=tile_max)
+    if masked and w == 0:
+      valid_rows = length - tile * bkv
+
+      @pl.when(valid_rows < bkv)
+      def _():
+        tiling.zero_rows_past(slot, valid_rows, width=st.smem.v_dim)
+
+    @pl.when(tile > t0)
+    def _():
+      plgpu.barrier_wait(sync.p_free)   # the other consumer's P V of the previous tile is done
+
+    sync.p[w][...] = p.astype(st.smem.dtype)
+    plgpu.commit_smem()   # P (and zeroed values), read next by wgmma
+    sync.meet(sync.p_ready)
+    values = [slot.at[pl.ds(j * hk, hk), columns] for j in range(VALUE_WGS)]
+    acc = _pv(acc * _row_vector(alpha, acc.shape), list(sync.p), values, st)
+    plgpu.barrier_arrive(sync.p_free)
+    ring.release(i)
+    return acc, m_new, l_new
+
+  carry = (plgpu.layout_cast(jnp.zeros((ROWS, st.half_v), jnp.float32), plgpu.Layout.WGMMA),
+           plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), rows_layout),
+           plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), rows_layout))
+  carry = lax.fori_loop(t0, c, functools.partial(step, masked=False), carry)
+  carry = lax.fori_loop(c, t1, functools.partial(step, masked=True), carry)
+
+  @pl.when(t1 > t0)
+  def _():
+    plgpu.barrier_wait(sync.p_free)   # the last tile's phase
+  return carry
+
+
 # ---------------------------------------------------------------- the kernel
 
 def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
@@ -379,7 +499,7 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
             out_ref,            # [B, splits, out_rows, Dv]  f32, or q's dtype with one split
             lse_ref,            # [B, splits, lse_rows] f32
             *, st: _Static, q_smem, union, p_smem, row_smem, produced, consumed, q_barrier, p_ready,
-            p_free, consumers_done):
+            p_free, max_ready, consumers_done):
   ring_slots, (out_smem, lse_smem) = union
   ring = pipeline.Ring(st.smem.ring_spec(), ring_slots, produced, consumed)
   shared = _SharedP(p_smem, row_smem, p_ready, p_free)
@@ -402,6 +522,22 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
       ring.commit(step, st.tiling.tile_sources(kv_ref, where, head=0))
 
     ring.drain(t1 - t0)
+
+  if st.split_scores:
+    sync = _HalfSync(rows=row_smem, p=p_smem, max_ready=max_ready, p_ready=p_ready, p_free=p_free)
+    for w in range(VALUE_WGS):
+      @pl.when(wg == w)
+      def _half_scorer():
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        # Both consumers read Q: each waits on the one copy's barrier.
+        if w == 0:
+          plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, ROWS)], q_smem, q_barrier)
+        plgpu.barrier_wait(q_barrier)
+        acc, m_i, l_i = _score_half_tiles(w, q_smem, sync, ring, t0, t1, c, length=length, row0=row0, st=st)
+        row_smem[w] = l_i   # the other has read this row's last maximum (it met p_ready since)
+        _store(acc, None, w, out_smem, lse_smem, out_ref, lse_ref, consumers_done, b=b, split=split,
+               row0=row0, st=st, row_sum=[row_smem.at[0], row_smem.at[1]], lse_of_max=m_i if w == 0 else None)
+    return
 
   @pl.when(wg == SCORER)
   def _scorer():
@@ -439,19 +575,25 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
 
 
 def _store(out, lse, half: int, out_smem, lse_smem, out_ref, lse_ref, consumers_done, *, b, split, row0,
-           st: _Static, row_sum=None):
+           st: _Static, row_sum=None, lse_of_max=None):
   """Stores one consumer's half of the output (and the scorer's lse) to GMEM.
 
   The scorer passes its normalised half and the lse, after putting its row sums in SMEM; the
-  partner passes its raw accumulator and row_sum (the SMEM row sums), read once both are here.
+  partner passes its raw accumulator and row_sum (the SMEM row sums, or a list of parts to add),
+  read once both are here. lse_of_max: the running max (log2 units) to make the lse from the
+  total row sum (split_scores, consumer 0).
   """
   # The staging buffers alias the ring: wait until both consumers are done reading it (and the
   # scorer has stored its row sums).
   plgpu.barrier_arrive(consumers_done)
   plgpu.barrier_wait(consumers_done)
   if row_sum is not None:
-    l = plgpu.load(row_sum, layout=plgpu.Layout.WGMMA.reduce(1))
-    out = out / _row_vector(jnp.where(l > 0, l, 1.0), out.shape)
+    parts = row_sum if isinstance(row_sum, (list, tuple)) else [row_sum]
+    l = sum(plgpu.load(part, layout=plgpu.Layout.WGMMA.reduce(1)) for part in parts)
+    if lse_of_max is not None:
+      out, lse = online_softmax.finalize(out, lse_of_max, l)
+    else:
+      out = out / _row_vector(jnp.where(l > 0, l, 1.0), out.shape)
   out_smem[half] = out.astype(out_smem.dtype)
   if lse is not None:
     lse_smem[...] = lse
@@ -474,7 +616,7 @@ def _build(st: _Static, interpret: Any):
               jax.ShapeDtypeStruct((st.batch, st.num_splits, st.lse_rows), jnp.float32))
   name = (f"pallas_kv_mla_paged_r{st.num_queries * st.group}_d{st.smem.qk_dim}_v{st.smem.v_dim}"
           f"_bkv{st.tiling.block_kv}_st{st.smem.num_stages}_sp{st.num_splits}_ps{st.tiling.page_size}"
-          f"{'_pqk' if st.pipeline_qk else ''}")
+          f"{'_pqk' if st.pipeline_qk else ''}{'_halves' if st.split_scores else ''}")
   return plgpu.kernel(
       functools.partial(_kernel, st=st),
       out_type=out_type,
@@ -528,7 +670,7 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
                num_splits=config.num_splits, batch=B, scale=float(scale), tiling=kv_tiling,
                smem=MlaSmem.for_call(config, qk_dim=D, v_dim=v_head_dim, dtype=q.dtype, page_size=page_size,
                                      single_split=single),
-               interpret=bool(interpret), pipeline_qk=config.pipeline_qk)
+               interpret=bool(interpret), pipeline_qk=config.pipeline_qk, split_scores=config.split_scores)
   if rows_padded != R:
     q = jnp.pad(q, ((0, 0), (0, rows_padded - R), (0, 0)))
   kv = kv_pages.reshape(*kv_pages.shape[:2], 1, D)   # KVTiling's [P, page_size, Hkv, D]

@@ -85,10 +85,13 @@ def zero_rows_past(tile, valid_rows, *, width: int | None = None):
   plgpu.commit_smem()
 
 
-def smem_transforms(dtype: Any, minor_dim: int) -> tuple[Any, ...]:
-  """Tiling + swizzle for a [rows, minor_dim] wgmma operand in SMEM."""
+def smem_transforms(dtype: Any, minor_dim: int, max_swizzle: int | None = None) -> tuple[Any, ...]:
+  """Tiling + swizzle for a [rows, minor_dim] wgmma operand in SMEM (the widest swizzle, at most
+  max_swizzle bytes: wgmma needs one swizzle for both of its SMEM operands)."""
   bits = jnp.dtype(dtype).itemsize * 8
   swizzle = plgpu.find_swizzle(minor_dim * bits, "KV tile")
+  if max_swizzle is not None:
+    swizzle = min(swizzle, max_swizzle)
   return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
