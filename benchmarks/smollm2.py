@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -103,14 +104,14 @@ def time_attention(config, batch: int, context: int, impl: str, counts: dict, pa
 
 
 class Phases:
-  """Prints how long each phase of a row took (a slow compile shows up before the row does)."""
+  """Prints to stderr how long each phase of a row took (a slow compile shows up before the row does)."""
 
-  def __init__(self, label: str, out: Callable[[str], None]):
-    self.label, self.out, self.start = label, out, time.perf_counter()
+  def __init__(self, label: str):
+    self.label, self.start = label, time.perf_counter()
 
   def done(self, what: str) -> None:
     now = time.perf_counter()
-    self.out(f"# {self.label}: {what} took {now - self.start:.1f} s")
+    print(f"# {self.label}: {what} took {now - self.start:.1f} s", file=sys.stderr, flush=True)
     self.start = now
 
 
@@ -127,7 +128,7 @@ def run(config, params, *, batches: Sequence[int], impls: Sequence[str], prompt_
       row = dict(model="SmolLM2-135M-Instruct", layers=config.num_layers, batch=batch, impl=impl,
                  prompt_len=prompt_len, new_tokens=new_tokens, compute_dtype=compute_dtype)
       try:
-        phases = Phases(f"B={batch} {impl}", out)
+        phases = Phases(f"B={batch} {impl}")
         stats, _ = run_loop(model(impl), params, requests, progress=progress)
         ran = pkv.last_impl()
         phases.done("loop (compile run + timed run)")
