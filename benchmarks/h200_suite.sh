@@ -15,7 +15,16 @@ quiet() { grep -v -e '^[IW][0-9]' -e 'Warning'; }
 status=0
 for part in "$@"; do
   case "$part" in
-    tests)    python3 -m pytest -q -m gpu tests 2>&1 | tail -25 | tee "$out/gpu_tests.log" ;;
+    tests)    # three pytest processes (compiles dominate; memory allocated on demand), one log each
+              groups=("tests/test_kernels.py tests/test_sharding.py" \
+                      "tests/test_quantized.py tests/test_mosaic_gpu.py tests/test_smollm2.py" \
+                      "tests/test_mosaic_gpu_mla.py tests/test_triton.py")
+              for i in 0 1 2; do
+                XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -rf -m gpu ${groups[$i]} -p no:cacheprovider \
+                  > "$out/gpu_tests_$i.log" 2>&1 &
+              done
+              wait
+              tail -qn 3 "$out"/gpu_tests_[012].log | tee "$out/gpu_tests.log" ;;
     variants) python3 -m benchmarks.kernel_variants --json="$out/variants.json" 2>&1 | quiet | tee "$out/variants.log" ;;
     loadpath) # the kernel's TMA ring with no math, under several ring shapes (~2-3 minutes)
               python3 -m benchmarks.kernel_variants --variants=none --load_path --json="$out/loadpath.json" 2>&1 \
