@@ -221,7 +221,8 @@ def test_mla_pipelined_qk_lowers_for_cuda(shape):
   _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, pipeline_qk=True))
 
 
-@pytest.mark.parametrize("shape", LOWERING_SHAPES[:7], ids=_shape_id)
+# B1 (64 splits), B64 (one split: the bf16 output staging), pages of 16 (four copies per tile).
+@pytest.mark.parametrize("shape", [LOWERING_SHAPES[i] for i in (0, 2, 6)], ids=_shape_id)
 def test_mla_split_scores_lowers_for_cuda(shape):
   _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, split_scores=True))
 
