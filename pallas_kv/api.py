@@ -23,11 +23,12 @@ from pallas_kv import xla
 from pallas_kv.config import AttentionOptions
 
 IMPLS = ("auto", "mosaic_gpu", "triton", "xla")
-KERNEL_IMPLS = ("mosaic_gpu", "triton")  # in the order "auto" tries them
-# One-byte (int8 / fp8) caches: Triton first. On an H200 at B32 T4096 (32/8 heads, D 128, per-token
-# scales) its kernel took 108-116 us where Mosaic GPU's took 178 us at best (benchmarks/RESULTS.md,
-# "int8 / fp8 caches"): Mosaic GPU converts each tile on its consumer warpgroup.
-QUANTIZED_KERNEL_IMPLS = ("triton", "mosaic_gpu")
+# The order "auto" tries them where the tuned file has not timed both on the shape. Triton first:
+# on the H200 it measured faster than Mosaic GPU on every GQA row where the two ran in one run
+# (benchmarks/RESULTS.md): dense 32/8 at B1-B128 (2.68-4.13 TB/s against 2.75-4.35), ragged and
+# paged page 16, Gemma-2 (D 256, 5% faster at B32) and gpt-oss (64/8, D 64, 15-25% faster), and
+# int8 / fp8 caches (108-116 us against 178 at B32 T4096). MLA runs on Mosaic GPU only.
+KERNEL_IMPLS = ("triton", "mosaic_gpu")
 
 _last_impl: str | None = None
 
@@ -72,8 +73,7 @@ def choose_impl(impl: str, op: str, problem, options, dtypes, config) -> tuple[s
     _last_impl = impl
     return impl, backend
   serving = {}  # kernel backends that run on this device and serve this call, in preference order
-  one_byte = jnp.dtype(dtypes[1]).itemsize == 1
-  for name in QUANTIZED_KERNEL_IMPLS if one_byte else KERNEL_IMPLS:
+  for name in KERNEL_IMPLS:
     if not device_can_run(name):
       continue
     try:

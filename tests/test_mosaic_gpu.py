@@ -51,12 +51,18 @@ def test_other_shapes_lower_for_cuda(num_queries, head_dim, group):
 
 
 @pytest.mark.gpu
-def test_gpu_auto_picks_mosaic_on_hopper():
+def test_gpu_auto_runs_mla_here_and_untuned_gqa_on_triton():
   from pallas_kv import runtime
   if not runtime.is_hopper_or_newer():
     pytest.skip("needs a Hopper GPU (compute capability 9.0+)")
-  case = make_case(5, batch=2, seq_len=1024, num_heads=8, num_kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
+  # A GQA shape the tuned file does not hold (head_dim 64, 2 kv heads): Triton first (api.KERNEL_IMPLS).
+  case = make_case(5, batch=2, seq_len=1000, num_heads=8, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
   pkv.decode_attention(case.q, case.k, case.v, case.lengths)
+  assert pkv.last_impl() == "triton"
+  q = jnp.ones((1, 16, 576), jnp.bfloat16)
+  pages = jnp.ones((4, 64, 576), jnp.bfloat16)
+  pkv.mla_decode_attention(q, pages, jnp.arange(4, dtype=jnp.int32)[None], jnp.asarray([200], jnp.int32),
+                           v_head_dim=512)
   assert pkv.last_impl() == IMPL
 
 

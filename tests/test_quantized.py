@@ -154,7 +154,7 @@ def test_float32_queries_run_the_kernel_in_bfloat16(interpret_mode):
 
 
 def test_auto_prefers_triton_for_one_byte_caches(monkeypatch):
-  # Measured faster on the H200 (api.QUANTIZED_KERNEL_IMPLS); both serve the call.
+  # Measured faster on the H200 (api.KERNEL_IMPLS); both serve the call.
   from pallas_kv import api
   monkeypatch.setattr(api, "device_can_run", lambda name: True)   # as on a Hopper GPU
   case = _quantized_case(7, jnp.int8)

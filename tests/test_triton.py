@@ -264,10 +264,8 @@ def test_gpu_capacity_not_a_multiple_of_the_tile_and_row_blocks():
 
 
 @pytest.mark.gpu
-def test_gpu_auto_picks_triton_before_hopper():
-  from pallas_kv import runtime
-  if runtime.is_hopper_or_newer():
-    pytest.skip("impl='auto' picks mosaic_gpu on Hopper and newer")
-  case = make_case(5, batch=2, seq_len=1024, num_heads=8, num_kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
+def test_gpu_auto_picks_triton_on_an_untuned_shape():
+  # Any GPU: Triton is first in api.KERNEL_IMPLS (measured faster for GQA on the H200).
+  case = make_case(5, batch=2, seq_len=1000, num_heads=8, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
   pkv.decode_attention(case.q, case.k, case.v, case.lengths)
   assert pkv.last_impl() == IMPL
