@@ -332,3 +332,27 @@ def test_report_auto_mode_compares_auto_with_the_fastest_backend_and_peer(tmp_pa
   report.main(["--auto", str(path)])
   line = [l for l in capsys.readouterr().out.splitlines() if "B8 T8192" in l][0]
   assert "| triton | 21.8 | 10.9 (triton) | 2.000 | 65.5 (xla_einsum) | 0.333 |" in line
+
+
+def test_decode_benchmark_config_switches_apply_and_restore():
+  # --split_plan=balanced and --merge_in_kernel rewrite the backends' resolved configs while open.
+  import pallas_kv as pkv
+  import sweeps
+  from pallas_kv.kernels import split_k
+  from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
+  from pallas_kv.kernels.triton import config as triton_config
+  _, problem = sweeps.problem_args((32, 8), (16, 32768), None)
+  plain = {m: m.resolve_config(problem, None, num_sms=132) for m in (mgpu_config, triton_config)}
+  with decode_bench.balanced_split_plan(True):
+    for module in (mgpu_config, triton_config):
+      config = module.resolve_config(problem, None, num_sms=132)
+      assert config.split_plan == "balanced"
+      assert config.block_kv == plain[module].block_kv
+      assert config.num_splits >= split_k.choose_balanced_splits(
+          batch=16, num_kv_heads=8, row_blocks=1, capacity=32768, block_kv=config.block_kv, num_sms=132)
+  with decode_bench.triton_merge_in_kernel(True):
+    assert triton_config.resolve_config(problem, None, num_sms=132).merge_in_kernel
+  for module, config in plain.items():
+    assert module.resolve_config(problem, None, num_sms=132) == config
+    assert config.split_plan == "per_sequence" and not config.merge_in_kernel
+  assert isinstance(plain[triton_config], pkv.DecodeConfig)
