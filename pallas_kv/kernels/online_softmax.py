@@ -24,7 +24,7 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
-def _per_row(x, shape):
+def per_row(x, shape):
   """Row vector [rows] broadcast to `shape` [rows, cols]."""
   return lax.broadcast_in_dim(x, shape, [0])
 
@@ -63,7 +63,7 @@ def rescale_step(s, m_i, l_i, tile_max=None):
   # A row with no valid key yet keeps m = -inf: shift by 0 then, so that exp2 gives 0, not NaN.
   m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m_i - m_use)
-  p = jnp.exp2(s - _per_row(m_use, s.shape))
+  p = jnp.exp2(s - per_row(m_use, s.shape))
   return alpha, m_new, l_i * alpha + p.sum(axis=1), p
 
 
@@ -71,13 +71,13 @@ def softmax_step(s, acc, m_i, l_i):
   """`rescale_step` with acc [rows, Dv] float32 rescaled: (acc, m_new, l_new, p); the caller adds
   p @ v to the returned acc."""
   alpha, m_new, l_new, p = rescale_step(s, m_i, l_i)
-  return acc * _per_row(alpha, acc.shape), m_new, l_new, p
+  return acc * per_row(alpha, acc.shape), m_new, l_new, p
 
 
 def finalize(acc, m_i, l_i):
   """(out = acc / l, natural-log lse) of one split; a row that saw no key gives 0 and -inf."""
   has_keys = l_i > 0
   l_safe = jnp.where(has_keys, l_i, 1.0)
-  out = acc / _per_row(l_safe, acc.shape)
+  out = acc / per_row(l_safe, acc.shape)
   lse = jnp.where(has_keys, m_i * LN2 + jnp.log(l_safe), -jnp.inf)
   return out, lse

@@ -134,23 +134,26 @@ def balanced_tiles_per_split(lengths, *, block_kv: int, num_queries: int, num_sp
   saves). `split_tile_range(..., tiles_per_split=)` then cuts each sequence with it; a sequence
   needing fewer splits leaves the rest empty.
   """
-  first_tile, end_tile, _ = _split_tiles(lengths, block_kv=block_kv, num_queries=num_queries, num_splits=1,
-                                         window=window)
+  first_tile, end_tile = _visible_tiles(lengths, block_kv=block_kv, num_queries=num_queries, window=window)
   tiles = jnp.maximum(end_tile - first_tile, 0)
   per_split = jnp.maximum(cdiv(jnp.sum(tiles), chunks), cdiv(jnp.max(tiles), num_splits))
   return jnp.maximum(per_split, MIN_TILES_PER_SPLIT).astype(jnp.int32).reshape(1)
 
 
+def _visible_tiles(length, *, block_kv: int, num_queries: int, window: int | None):
+  """(first tile, end tile) of a sequence: the tiles that hold visible keys."""
+  first_key = 0 if window is None else jnp.maximum(length - num_queries + 1 - window, 0)
+  return first_key // block_kv, (length + block_kv - 1) // block_kv
+
+
 def _split_tiles(length, *, block_kv: int, num_queries: int, num_splits: int, window: int | None,
                  tiles_per_split=None):
-  """(first tile, end tile, tiles per split) of a sequence: the tiles that hold visible keys."""
-  first_key = 0 if window is None else jnp.maximum(length - num_queries + 1 - window, 0)
-  first_tile = first_key // block_kv
-  end_tile = (length + block_kv - 1) // block_kv
-  num_tiles = jnp.maximum(end_tile - first_tile, 0)
-  if tiles_per_split is not None:
-    return first_tile, end_tile, tiles_per_split
-  return first_tile, end_tile, (num_tiles + num_splits - 1) // num_splits
+  """(first tile, end tile, tiles per split) of a sequence: its own equal shares, or the
+  balanced plan's `tiles_per_split`."""
+  first_tile, end_tile = _visible_tiles(length, block_kv=block_kv, num_queries=num_queries, window=window)
+  if tiles_per_split is None:
+    tiles_per_split = (jnp.maximum(end_tile - first_tile, 0) + num_splits - 1) // num_splits
+  return first_tile, end_tile, tiles_per_split
 
 
 def split_tile_range(length, split, *, block_kv: int, num_queries: int, num_splits: int, window: int | None,

@@ -281,15 +281,9 @@ class _SharedP:
     plgpu.barrier_arrive(self.free)
 
 
-def _row_vector(x, shape):
-  return lax.broadcast_in_dim(x, shape, [0])
-
-
-def _pv(acc, p_smem, v_tile, st: _Static):
-  """acc + P @ V on the tensor cores: acc [64, Dv/2] f32 (WGMMA layout), P and V in SMEM; or, with
-  lists of P and V parts (P's column blocks and V's matching row blocks), the sum of their products."""
-  parts = list(zip(p_smem, v_tile)) if isinstance(p_smem, (list, tuple)) else [(p_smem, v_tile)]
-
+def _pv(acc, parts, st: _Static):
+  """acc + P @ V on the tensor cores: acc [64, Dv/2] f32 (WGMMA layout); parts: (P, V) pairs in
+  SMEM whose products add up to P V (one pair, or P's column blocks with V's matching row blocks)."""
   def mma(acc_ref):
     for p, v in parts:
       plgpu.wgmma(acc_ref, p, v)
@@ -347,7 +341,7 @@ def _score_tiles(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0, t1,
     """Softmax of tile's scores s, P to the partner, acc + P V[:, :Dv/2]."""
     alpha, m_new, l_new, p = _softmax_step(s, m_i, l_i, tile=tile, length=length, row0=row0, masked=masked, st=st)
     shared.publish(p.astype(st.smem.dtype), alpha, wait_free=tile > t0)
-    acc = _pv(acc * _row_vector(alpha, acc.shape), shared.p, slot.at[:, pl.ds(0, st.half_v)], st)
+    acc = _pv(acc * online_softmax.per_row(alpha, acc.shape), [(shared.p, slot.at[:, pl.ds(0, st.half_v)])], st)
     return acc, m_new, l_new
 
   acc = plgpu.layout_cast(jnp.zeros((ROWS, st.half_v), jnp.float32), plgpu.Layout.WGMMA)
@@ -472,8 +466,8 @@ def _score_half_tiles(w: int, q_smem, sync: _HalfSync, ring: pipeline.Ring, t0, 
     sync.p[w][...] = p.astype(st.smem.dtype)
     plgpu.commit_smem()   # P (and zeroed values), read next by wgmma
     sync.meet(sync.p_ready)
-    values = [slot.at[pl.ds(j * hk, hk), columns] for j in range(VALUE_WGS)]
-    acc = _pv(acc * _row_vector(alpha, acc.shape), list(sync.p), values, st)
+    parts = [(sync.p[j], slot.at[pl.ds(j * hk, hk), columns]) for j in range(VALUE_WGS)]
+    acc = _pv(acc * online_softmax.per_row(alpha, acc.shape), parts, st)
     plgpu.barrier_arrive(sync.p_free)
     ring.release(i)
     return acc, m_new, l_new
@@ -536,7 +530,7 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
         acc, m_i, l_i = _score_half_tiles(w, q_smem, sync, ring, t0, t1, c, length=length, row0=row0, st=st)
         row_smem[w] = l_i   # the other has read this row's last maximum (it met p_ready since)
         _store(acc, None, w, out_smem, lse_smem, out_ref, lse_ref, consumers_done, b=b, split=split,
-               row0=row0, st=st, row_sum=[row_smem.at[0], row_smem.at[1]], lse_of_max=m_i if w == 0 else None)
+               row0=row0, st=st, row_sums=(row_smem.at[0], row_smem.at[1]), lse_of_max=m_i if w == 0 else None)
     return
 
   @pl.when(wg == SCORER)
@@ -563,7 +557,8 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
       i = tile - t0
       slot = ring.wait(i)
       alpha = shared.receive()
-      acc = _pv(acc * _row_vector(alpha, acc.shape), shared.p, slot.at[:, pl.ds(st.half_v, st.half_v)], st)
+      values = slot.at[:, pl.ds(st.half_v, st.half_v)]
+      acc = _pv(acc * online_softmax.per_row(alpha, acc.shape), [(shared.p, values)], st)
       shared.hand_back()
       ring.release(i)
       return acc
@@ -571,29 +566,28 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
     acc = plgpu.layout_cast(jnp.zeros((ROWS, st.half_v), jnp.float32), plgpu.Layout.WGMMA)
     acc = lax.fori_loop(t0, t1, step, acc)
     _store(acc, None, 1, out_smem, lse_smem, out_ref, lse_ref, consumers_done, b=b, split=split, row0=row0,
-           st=st, row_sum=row_smem.at[1])
+           st=st, row_sums=(row_smem.at[1],))
 
 
 def _store(out, lse, half: int, out_smem, lse_smem, out_ref, lse_ref, consumers_done, *, b, split, row0,
-           st: _Static, row_sum=None, lse_of_max=None):
+           st: _Static, row_sums=(), lse_of_max=None):
   """Stores one consumer's half of the output (and the scorer's lse) to GMEM.
 
   The scorer passes its normalised half and the lse, after putting its row sums in SMEM; the
-  partner passes its raw accumulator and row_sum (the SMEM row sums, or a list of parts to add),
-  read once both are here. lse_of_max: the running max (log2 units) to make the lse from the
+  partner passes its raw accumulator and row_sums (SMEM row sums, added up), read once both are
+  here. lse_of_max: the running max (log2 units) to make the lse from the
   total row sum (split_scores, consumer 0).
   """
   # The staging buffers alias the ring: wait until both consumers are done reading it (and the
   # scorer has stored its row sums).
   plgpu.barrier_arrive(consumers_done)
   plgpu.barrier_wait(consumers_done)
-  if row_sum is not None:
-    parts = row_sum if isinstance(row_sum, (list, tuple)) else [row_sum]
-    l = sum(plgpu.load(part, layout=plgpu.Layout.WGMMA.reduce(1)) for part in parts)
+  if row_sums:
+    l = sum(plgpu.load(part, layout=plgpu.Layout.WGMMA.reduce(1)) for part in row_sums)
     if lse_of_max is not None:
       out, lse = online_softmax.finalize(out, lse_of_max, l)
     else:
-      out = out / _row_vector(jnp.where(l > 0, l, 1.0), out.shape)
+      out = out / online_softmax.per_row(jnp.where(l > 0, l, 1.0), out.shape)
   out_smem[half] = out.astype(out_smem.dtype)
   if lse is not None:
     lse_smem[...] = lse

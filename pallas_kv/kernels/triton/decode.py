@@ -209,11 +209,6 @@ def _widen(x, st: _Static):
   return out
 
 
-def _per_row(x, shape):
-  """A per-row vector [rows] broadcast over columns to `shape` [rows, cols]."""
-  return lax.broadcast_in_dim(x, shape, [0])
-
-
 def _per_column(x, shape):
   """A per-token vector [bkv] broadcast over rows to `shape` [rows, bkv]."""
   return lax.broadcast_in_dim(x, shape, [1])
@@ -302,7 +297,7 @@ def _merge_finish(acc, norm, shift, sink):
   has_keys = norm > 0
   lse = jnp.where(has_keys, jnp.log(jnp.where(has_keys, norm, 1.0)) + shift, -jnp.inf)
   denom = norm if sink is None else norm + jnp.exp(sink - shift)
-  return acc / _per_row(jnp.where(has_keys, denom, 1.0), acc.shape), lse
+  return acc / online_softmax.per_row(jnp.where(has_keys, denom, 1.0), acc.shape), lse
 
 
 def _merge_epilogue(partial, refs, *, b, head, head_block, split, row0, length, tiles_per_split, st: _Static):
@@ -328,7 +323,7 @@ def _merge_epilogue(partial, refs, *, b, head, head_block, split, row0, length, 
   def write_one(out, lse):   # the merge of a single split, from registers
     shift = jnp.where(jnp.isfinite(lse), lse, 0.0)
     weight = jnp.exp(lse - shift)   # 1, or 0 where the split saw no key
-    write(*_merge_finish(out * _per_row(weight, out.shape), weight, shift, sink))
+    write(*_merge_finish(out * online_softmax.per_row(weight, out.shape), weight, shift, sink))
 
   if st.num_splits == 1:
     write_one(*partial)
@@ -367,7 +362,7 @@ def _merge_epilogue(partial, refs, *, b, head, head_block, split, row0, length, 
         acc, norm = carry
         weight = jnp.exp(lse_of(j) - shift)
         out = pltr.load(part_out_ref.at[b, head, j, rows, :], mask=tile_ok, other=0.0)
-        return acc + out * _per_row(weight, out.shape), norm + weight
+        return acc + out * online_softmax.per_row(weight, out.shape), norm + weight
 
       acc, norm = lax.fori_loop(0, active, add, (jnp.zeros((br, D), jnp.float32), jnp.zeros((br,), jnp.float32)))
       write(*_merge_finish(acc, norm, shift, sink))
