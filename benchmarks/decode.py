@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 import traceback
 from collections.abc import Sequence
@@ -184,45 +185,43 @@ def run(sweep: cases.Sweep | None = None, *, json_path: str | None = None,
 
 
 @contextlib.contextmanager
-def triton_merge_in_kernel(enabled: bool):
-  """While open (if enabled), the triton backend resolves its configs as usual, then sets
-  merge_in_kernel=True."""
-  if not enabled:
-    yield
-    return
-  from pallas_kv.kernels.triton import config as triton_config  # pylint: disable=g-import-not-at-top
-  resolve = triton_config.resolve_config
-  triton_config.resolve_config = lambda *a, **kw: dataclasses.replace(resolve(*a, **kw), merge_in_kernel=True)
+def _resolved_configs_rewritten(modules, rewrite):
+  """While open, each backend config module in `modules` resolves a config as usual, then returns
+  rewrite(resolve, problem, resolved, kw) instead (resolve: its own resolve_config)."""
+  originals = {module: module.resolve_config for module in modules}
+  for module, resolve in originals.items():
+    module.resolve_config = functools.partial(_rewritten_resolve, resolve, rewrite)
   try:
     yield
   finally:
-    triton_config.resolve_config = resolve
+    for module, resolve in originals.items():
+      module.resolve_config = resolve
+
+
+def _rewritten_resolve(resolve, rewrite, problem, config=None, **kw):
+  return rewrite(resolve, problem, resolve(problem, config, **kw), kw)
+
+
+@contextlib.contextmanager
+def triton_merge_in_kernel(enabled: bool):
+  """While open (if enabled), the triton backend resolves its configs as usual, then sets
+  merge_in_kernel=True."""
+  from pallas_kv.kernels.triton import config as triton_config  # pylint: disable=g-import-not-at-top
+  merged = lambda resolve, problem, config, kw: dataclasses.replace(config, merge_in_kernel=True)
+  with _resolved_configs_rewritten([triton_config] if enabled else [], merged):
+    yield
 
 
 @contextlib.contextmanager
 def balanced_split_plan(enabled: bool):
   """While open (if enabled), both kernel backends resolve their configs as usual, then switch
   them to the balanced split plan with the plan's own split bound."""
-  if not enabled:
-    yield
-    return
   from pallas_kv.kernels.mosaic_gpu import config as mgpu_config  # pylint: disable=g-import-not-at-top
   from pallas_kv.kernels.triton import config as triton_config  # pylint: disable=g-import-not-at-top
-  originals = [(module, module.resolve_config) for module in (mgpu_config, triton_config)]
-
-  def balanced(resolve):
-    def resolve_balanced(problem, config=None, **kw):
-      resolved = resolve(problem, config, **kw)
-      return resolve(problem, dataclasses.replace(resolved, split_plan="balanced", num_splits=None), **kw)
-    return resolve_balanced
-
-  for module, resolve in originals:
-    module.resolve_config = balanced(resolve)
-  try:
+  balanced = lambda resolve, problem, config, kw: resolve(
+      problem, dataclasses.replace(config, split_plan="balanced", num_splits=None), **kw)
+  with _resolved_configs_rewritten([mgpu_config, triton_config] if enabled else [], balanced):
     yield
-  finally:
-    for module, resolve in originals:
-      module.resolve_config = resolve
 
 
 def define_flags() -> None:
