@@ -18,7 +18,7 @@ for part in "$@"; do
     tests)    # three pytest processes (compiles dominate; memory allocated on demand), one log each
               groups=("tests/test_kernels.py tests/test_sharding.py" \
                       "tests/test_quantized.py tests/test_mosaic_gpu.py tests/test_smollm2.py" \
-                      "tests/test_mosaic_gpu_mla.py tests/test_triton.py")
+                      "tests/test_mosaic_gpu_mla.py tests/test_triton.py tests/test_split_plan.py")
               for i in 0 1 2; do
                 XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -rf -m gpu ${groups[$i]} -p no:cacheprovider \
                   > "$out/gpu_tests_$i.log" 2>&1 &

@@ -169,3 +169,22 @@ def test_mla_refuses_the_balanced_plan():
   config = pkv.DecodeConfig(block_kv=mla.BLOCK_KV, num_stages=2, num_splits=2, split_plan="balanced")
   with pytest.raises(ValueError, match="split_plan"):
     mla.check_config(config, qk_dim=576, v_dim=512, dtype=jnp.bfloat16, page_size=64)
+
+
+# ---------------------------------------------------------------- on the GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "mosaic_gpu"])
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_gpu_balanced_plan_on_a_ragged_batch(impl, page_size):
+  # One long sequence among short and empty ones: the plan gives the long one most of the splits.
+  rng = np.random.default_rng(7)
+  lengths = rng.integers(1, 2048, size=16)
+  lengths[3], lengths[9] = 16384, 0
+  case = make_case(60, batch=16, seq_len=16384, num_heads=32, num_kv_heads=8, head_dim=128,
+                   dtype=jnp.bfloat16, lengths=lengths, page_size=page_size)
+  resolve = mgpu_config.resolve_config if impl == "mosaic_gpu" else triton_config.resolve_config
+  problem = sweeps.problem_args((32, 8), (16, 16384), page_size)[1]
+  config = resolve(problem, pkv.DecodeConfig(split_plan="balanced"), num_sms=132)
+  assert config.split_plan == "balanced" and config.num_splits > 1
+  check_against_reference(case, _call(case, impl, config, page_size is not None))
