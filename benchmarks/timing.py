@@ -89,8 +89,11 @@ def chain(fn: Callable[..., Any], num_calls: int) -> Callable[[list], list]:
     outs = []
     for i in range(num_calls):
       args = arg_sets[i % len(arg_sets)]
-      if outs:  # depend on the previous call; XLA must not look through this
-        args, _ = lax.optimization_barrier((args, outs[-1]))
+      if outs:
+        # Depend on the previous call. The barrier's copy of that output replaces it in the
+        # results: were it unused, XLA would drop it from the barrier, and the barriers (now
+        # over the same inputs) and the calls behind them would merge into one.
+        args, outs[-1] = lax.optimization_barrier((args, outs[-1]))
       outs.append(fn(*args))
     return outs
 
