@@ -68,12 +68,35 @@ def values_in_length(x, lengths):
   return jnp.where(in_length.reshape(in_length.shape + (1,) * (x.ndim - 2)), x, jnp.zeros((), x.dtype))
 
 
-def attend(q4, k, v, lengths, *, scale, softcap=None, window=None, sinks=None, k_scale=None, v_scale=None,
-           values_masked: bool = False):
+def _masked_softmax(logits, mask, sink=None):
+  """Unnormalized softmax of float32 logits [..., T] over the keys `mask` lets through.
+
+  Returns (probs [..., T], row_sum, denom, shift), each but probs [...]: probs / denom is the
+  softmax (denom adds the sink's exp(sink - shift) to row_sum); shift is the row maximum, or 0
+  for a row with no key, whose probs are all 0.
+  """
+  logits = jnp.where(mask, logits, -jnp.inf)
+  row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
+  has_keys = jnp.isfinite(row_max)
+  if sink is not None:
+    row_max = jnp.maximum(row_max, jax.lax.stop_gradient(sink))
+  shift = jnp.where(has_keys, row_max, 0.0)  # rows with no key: any finite shift will do
+  probs = jnp.exp(logits - shift[..., None])  # masked keys give exp(-inf) = 0
+  row_sum = jnp.sum(probs, axis=-1)
+  denom = row_sum if sink is None else row_sum + jnp.exp(sink - shift)
+  return probs, row_sum, denom, shift
+
+
+def _log_sum(row_sum, shift):
+  """The log-sum-exp of a row from its softmax parts; -inf for a row with no key."""
+  safe_sum = jnp.where(row_sum > 0, row_sum, 1.0)
+  return jnp.where(row_sum > 0, jnp.log(safe_sum) + shift, -jnp.inf)
+
+
+def attend(q4, k, v, lengths, *, scale, softcap=None, window=None, sinks=None, k_scale=None, v_scale=None):
   """q4 [B, S, Hq, D]; k [B, T, Hkv, D], v [B, T, Hkv, Dv] in the cache's dtype; k_scale, v_scale:
   None, a scalar, [Hkv] or per token [B, T, Hkv]. Returns (out [B, S, Hq, Dv], lse [B, S, Hq])
-  in float32. No limit on S (prefill uses it too). values_masked: the caller has already zeroed
-  v past each length (`values_in_length`)."""
+  in float32. No limit on S (prefill uses it too)."""
   b, s, hq, d = q4.shape
   t, hkv = k.shape[1], k.shape[2]
   g = hq // hkv
@@ -92,21 +115,11 @@ def attend(q4, k, v, lengths, *, scale, softcap=None, window=None, sinks=None, k
   if softcap is not None:
     logits = softcap * jnp.tanh(logits / softcap)
   mask = key_mask(lengths, s, t, window)[:, None, None]  # [B, 1, 1, S, T]
-  logits = jnp.where(mask, logits, -jnp.inf)
   # Masked keys get probability 0, but 0 x NaN is NaN: values past a sequence's length (stale
   # cache memory, or pages it does not own) must not reach the product either.
-  v = v.astype(dtype) if values_masked else values_in_length(v.astype(dtype), lengths)
-  row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1))  # [B, Hkv, G, S]
-  has_keys = jnp.isfinite(row_max)
-  if sinks is not None:
-    sink = sinks.astype(jnp.float32).reshape(1, hkv, g, 1)
-    row_max = jnp.maximum(row_max, jax.lax.stop_gradient(sink))
-  shift = jnp.where(has_keys, row_max, 0.0)  # rows with no key: any finite shift will do
-  probs = jnp.exp(logits - shift[..., None])  # masked keys give exp(-inf) = 0
-  row_sum = jnp.sum(probs, axis=-1)
-  denom = row_sum
-  if sinks is not None:
-    denom = denom + jnp.exp(sink - shift)
+  v = values_in_length(v.astype(dtype), lengths)
+  sink = None if sinks is None else sinks.astype(jnp.float32).reshape(1, hkv, g, 1)
+  probs, row_sum, denom, shift = _masked_softmax(logits, mask, sink)
   v_head, v_token = _per_head_and_token(v_scale, hkv)
   weights = probs
   if v_token is not None:   # masked keys: 0 x a scale past the length, which may be inf
@@ -117,9 +130,7 @@ def attend(q4, k, v, lengths, *, scale, softcap=None, window=None, sinks=None, k
     out = out * v_head[None, None, :, None, None]
   denom_bshg = jnp.transpose(denom, (0, 3, 1, 2))[..., None]
   out = out / jnp.where(denom_bshg > 0, denom_bshg, 1.0)
-  safe_sum = jnp.where(row_sum > 0, row_sum, 1.0)
-  lse = jnp.where(row_sum > 0, jnp.log(safe_sum) + shift, -jnp.inf)  # sinks excluded
-  lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, s, hq)
+  lse = jnp.transpose(_log_sum(row_sum, shift), (0, 3, 1, 2)).reshape(b, s, hq)  # sinks excluded
   return out.reshape(b, s, hq, v.shape[-1]), lse
 
 
@@ -155,10 +166,26 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale,
 
 
 def mla_decode_attention(q, kv_pages, block_tables, lengths, *, v_head_dim, scale, return_lse=False):
-  """Multi-head latent attention decode. See `pallas_kv.mla_decode_attention`."""
+  """Multi-head latent attention decode. See `pallas_kv.mla_decode_attention`.
+
+  Every q head reads the one latent head, so the products are written per head ([B, S, H, T]
+  scores, keys minor) rather than through `attend`'s grouped form: there XLA laid the scores out
+  keys-major and transposed the output, 11-33% slower on the H200 at batch 64 and 16
+  (benchmarks/RESULTS.md, 2026-11-30 third set).
+  """
   q4, single = validation.query_as_rank4(q)
-  # One latent tile is both K and V: zero it past each length once, in the gather, rather than
-  # a second masked copy of its value columns (masked keys get -inf logits either way).
-  kv = values_in_length(gather_pages(kv_pages, block_tables), lengths)[:, :, None, :]  # [B, T, 1, Dqk]
-  out, lse = attend(q4, kv, kv[..., :v_head_dim], lengths, scale=scale, values_masked=True)
-  return _finish(out, lse, single, return_lse)
+  s, t = q4.shape[1], block_tables.shape[1] * kv_pages.shape[1]
+  # One latent tile is both K and V: zero it past each length once, in the gather (masked keys
+  # get -inf scores either way, but 0 x NaN is NaN).
+  kv = values_in_length(gather_pages(kv_pages, block_tables), lengths)  # [B, T, Dqk]
+  dtype = compute_dtype(q4.dtype, kv.dtype)
+  precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+  kv = kv.astype(dtype)
+  logits = jnp.einsum("bshd,btd->bsht", q4.astype(dtype), kv, precision=precision,
+                      preferred_element_type=jnp.float32) * scale
+  mask = key_mask(lengths, s, t, None)[:, :, None, :]  # [B, S, 1, T]
+  probs, row_sum, denom, shift = _masked_softmax(logits, mask)
+  out = jnp.einsum("bsht,btd->bshd", probs.astype(dtype), kv[..., :v_head_dim], precision=precision,
+                   preferred_element_type=jnp.float32)
+  out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
+  return _finish(out, _log_sum(row_sum, shift), single, return_lse)

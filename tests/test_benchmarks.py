@@ -265,6 +265,18 @@ def test_time_jax_lengthens_the_chain_when_asked():
   assert fixed.calls == 2  # CPU default: no lengthening
 
 
+def test_chain_uses_every_barrier_output_so_xla_cannot_merge_the_calls():
+  # An unused barrier output lets XLA drop it; the barriers over the same inputs then merge, and
+  # the calls behind them (the GPU did this to the xla MLA impl: 2 of 4 calls left).
+  x = jnp.ones((8,), jnp.float32)
+  jaxpr = jax.make_jaxpr(timing.chain(lambda a: jnp.sin(a) * 2.0, 4))([(x,)]).jaxpr
+  barriers = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+  assert len(barriers) == 3
+  used = {id(v) for e in jaxpr.eqns for v in e.invars} | {id(v) for v in jaxpr.outvars}
+  for barrier in barriers:
+    assert all(id(v) in used for v in barrier.outvars), barrier
+
+
 def test_profile_kernel_runs_each_impl_once_per_call_on_cpu(capsys):
   from benchmarks import profile_kernel
   sweep = cases.Sweep(op="decode", impls=("xla", "cudnn"), cases=((2, 64),), num_heads=4, num_kv_heads=2,

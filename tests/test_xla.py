@@ -64,12 +64,23 @@ def test_quantized_caches_match_the_reference(kv_dtype, kind, page_size):
 
 
 def test_mla_matches_the_reference():
+  # Three sequences (one empty) on shuffled pages; every latent slot past a length, and the page
+  # no table names, holds NaN, which must not reach a valid output.
   rng = np.random.default_rng(6)
-  q = jnp.asarray(rng.standard_normal((2, 2, 16, 96)), jnp.bfloat16)
-  kv_pages = jnp.asarray(rng.standard_normal((9, 16, 96)), jnp.bfloat16)
-  tables = jnp.asarray(rng.permutation(9)[:8].reshape(2, 4), jnp.int32)
-  lengths = jnp.asarray([61, 5], jnp.int32)
-  out, lse = pkv.mla_decode_attention(q, kv_pages, tables, lengths, v_head_dim=64, return_lse=True, impl="xla")
+  q = jnp.asarray(rng.standard_normal((3, 2, 16, 96)), jnp.bfloat16)
+  clean = rng.standard_normal((13, 16, 96)).astype(np.float32)
+  order = rng.permutation(13)
+  tables_np = order[:12].reshape(3, 4)
+  lengths = jnp.asarray([61, 5, 0], jnp.int32)
+  poisoned = clean.copy()
+  poisoned[order[12]] = np.nan
+  for b, length in enumerate(np.asarray(lengths)):
+    for slot in range(length, 64):
+      poisoned[tables_np[b, slot // 16], slot % 16] = np.nan
+  tables = jnp.asarray(tables_np, jnp.int32)
+  kv_pages = jnp.asarray(clean, jnp.bfloat16)
+  out, lse = pkv.mla_decode_attention(q, jnp.asarray(poisoned, jnp.bfloat16), tables, lengths, v_head_dim=64,
+                                      return_lse=True, impl="xla")
   ref, ref_lse = pkv.mla_decode_attention_reference(q, kv_pages, tables, lengths, v_head_dim=64, return_lse=True)
   assert_matches_reference(out, ref, jnp.bfloat16)
   assert_lse_matches(lse, ref_lse, jnp.bfloat16)
