@@ -15,7 +15,10 @@ quiet() { grep -v -e '^[IW][0-9]' -e 'Warning'; }
 status=0
 for part in "$@"; do
   case "$part" in
-    tests)    # three pytest processes (compiles dominate; memory allocated on demand), one log each
+    tests)    # three pytest processes (compiles dominate; memory allocated on demand), one log each.
+              # The GPU machine has no network: SMOLLM2_GGUF=path lets the SmolLM2 test find the model
+              # (the file keeps its name; its folder becomes the weights cache).
+              [ -n "${SMOLLM2_GGUF:-}" ] && export PALLAS_KV_CACHE_DIR="$(dirname "$SMOLLM2_GGUF")"
               groups=("tests/test_kernels.py tests/test_sharding.py" \
                       "tests/test_quantized.py tests/test_mosaic_gpu.py tests/test_smollm2.py" \
                       "tests/test_mosaic_gpu_mla.py tests/test_triton.py tests/test_split_plan.py")
