@@ -1,6 +1,7 @@
 """The benchmark shapes the lowering tests cover: the H200 GQA sweep of `configs/gqa_h200.flags`
 (its cases, head_dim 128, bf16) with its 32/8 heads and with 64/8 (Llama-3-70B), contiguous and
-paged (pages of 16 and 64), and the configs the package's H200 tuned file ships for them."""
+paged (pages of 16 and 64), and the configs the package's H200 tuned file gives them and the
+shapes between them (`configs/gqa_h200_heldout.flags`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GQA_SWEEP = os.path.join(REPO, "configs", "gqa_h200.flags")
+HELDOUT_SWEEP = os.path.join(REPO, "configs", "gqa_h200_heldout.flags")   # shapes between the tuned ones
 HEAD_DIM = 128
 PAGE_SIZES = (None, 16, 64)
 
@@ -23,9 +25,9 @@ def _flag(path: str, name: str) -> str:
   raise ValueError(f"{path} sets no --{name}")
 
 
-def sweep_cases() -> list[tuple[int, int]]:
-  """(batch, context) of the GQA sweep."""
-  return [tuple(int(x) for x in case.split("x")) for case in _flag(GQA_SWEEP, "cases").split(",")]
+def sweep_cases(path: str = GQA_SWEEP) -> list[tuple[int, int]]:
+  """(batch, context) of the GQA sweep (or of another sweep's flag file)."""
+  return [tuple(int(x) for x in case.split("x")) for case in _flag(path, "cases").split(",")]
 
 
 def sweep_heads() -> list[tuple[int, int]]:
@@ -57,12 +59,12 @@ def shape_id(heads, case, page_size) -> str:
   return f"h{heads[0]}-{heads[1]}-b{case[0]}-t{case[1]}-page{page_size}"
 
 
-def shipped_tuned_h200_configs(backend: str):
+def shipped_tuned_h200_configs(backend: str, path: str = GQA_SWEEP):
   """[(case, config)]: the distinct configs the package's H200 tuned file gives `backend` at the
-  dense 32/8 sweep shapes (None where it has no entry)."""
+  dense 32/8 shapes of a sweep (None where it has no entry near enough)."""
   from pallas_kv import tuned
   seen, found = set(), []
-  for case in sweep_cases():
+  for case in sweep_cases(path):
     _, problem = problem_args(sweep_heads()[0], case, None)
     config = tuned.tuned_config(backend, problem, "bfloat16", "NVIDIA H200")
     if config not in seen:

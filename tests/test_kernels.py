@@ -243,6 +243,15 @@ def test_shipped_tuned_configs_lower_for_cuda(impl, case, config):
   _lower(impl, pkv.decode_attention, RESOLVE_CONFIG[impl](problem, config, num_sms=132), args)
 
 
+
+@pytest.mark.parametrize("impl,case,config", [
+    pytest.param(impl, case, config, id=f"{impl}-b{case[0]}-t{case[1]}")
+    for impl in KERNEL_IMPLS for case, config in sweeps.shipped_tuned_h200_configs(impl, sweeps.HELDOUT_SWEEP)])
+def test_tuned_configs_at_shapes_between_the_tuned_ones_lower_for_cuda(impl, case, config):
+  # At a shape it was not tuned on, auto takes the nearest tuned entry (or the heuristic's, None).
+  args, problem = sweeps.problem_args(sweeps.sweep_heads()[0], case, None)
+  _lower(impl, pkv.decode_attention, RESOLVE_CONFIG[impl](problem, config, num_sms=132), args)
+
 # ---------------------------------------------------------------- on the GPU
 
 @pytest.mark.gpu
