@@ -28,9 +28,13 @@ from examples.smollm2.gguf_loader import LlamaConfig
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVPages:
-  """The paged KV cache of every layer: k, v [num_layers * P, page_size, Hkv, D]."""
+  """The paged KV cache of every layer: k, v [num_layers * P, page_size, Hkv, D]; for an int8 /
+  fp8 cache, k_scale, v_scale [num_layers * P, page_size, Hkv]: one scale per token and kv head,
+  addressed like the pages (None for a 16- or 32-bit cache)."""
   k: jax.Array
   v: jax.Array
+  k_scale: jax.Array | None = None
+  v_scale: jax.Array | None = None
 
   @property
   def page_size(self) -> int:
@@ -59,8 +63,9 @@ class Llama:
   """A Llama decoder. `impl` picks the decode attention backend ("auto", "mosaic_gpu", "triton", "xla").
 
   compute_dtype: the matmuls' input dtype (float32 or bfloat16; accumulation is float32).
-  cache_dtype: of the KV cache; bfloat16 (what the kernels read) or float32 (xla impl only: the
-  exact comparison with a float32 reference).
+  cache_dtype: of the KV cache; bfloat16 (what the kernels read), float32 (xla impl only: the
+  exact comparison with a float32 reference), or int8 / float8_e4m3fn / float8_e5m2 (quantized
+  on append with one scale per token and kv head, `pallas_kv.cache.quantize`).
   attention_stub: replace decode attention by a trivial op of the same shape (benchmarks only:
   the step time without attention).
   """
@@ -89,7 +94,10 @@ class Llama:
     """A zeroed cache of num_pages pages per layer."""
     c = self.config
     shape = (c.num_layers * num_pages, page_size, c.num_kv_heads, c.head_dim)
-    return KVPages(jnp.zeros(shape, self.cache_dtype), jnp.zeros(shape, self.cache_dtype))
+    scales = (None, None)
+    if pkv.cache.is_quantized(self.cache_dtype):   # per token: written by each append
+      scales = (jnp.ones(shape[:3], jnp.float32), jnp.ones(shape[:3], jnp.float32))
+    return KVPages(jnp.zeros(shape, self.cache_dtype), jnp.zeros(shape, self.cache_dtype), *scales)
 
   # ------------------------------------------------------------------------ layers
 
@@ -100,8 +108,10 @@ class Llama:
       # What a step costs without attention: the projections and the cache append stay, the
       # attention over the cache becomes the new token's own value (no read of the cache).
       layer = self.attention
-      k = jnp.einsum("bsh,hnd->bsnd", x, params["wk"]).astype(cache.k_pages.dtype)
-      v = jnp.einsum("bsh,hnd->bsnd", x, params["wv"]).astype(cache.v_pages.dtype)
+      k = jnp.einsum("bsh,hnd->bsnd", x, params["wk"])
+      v = jnp.einsum("bsh,hnd->bsnd", x, params["wv"])
+      if not pkv.cache.is_quantized(cache.k_pages.dtype):   # a quantized cache takes floats
+        k, v = k.astype(cache.k_pages.dtype), v.astype(cache.v_pages.dtype)
       cache = cache.append(k, v)
       q = jnp.einsum("bsh,hnd->bsnd", x, params["wq"])
       v_rep = jnp.repeat(v.astype(x.dtype), layer.num_heads // layer.num_kv_heads, axis=2)
@@ -112,14 +122,15 @@ class Llama:
     x, pages = carry
     params, index = layer
     c = self.config
-    cache = pkv.PagedKVCache(pages.k, pages.v, layer_tables(tables, index, num_pages), lengths)
+    cache = pkv.PagedKVCache(pages.k, pages.v, layer_tables(tables, index, num_pages), lengths, pages.k_scale,
+                             pages.v_scale)
     normed = rms_norm(x, params["attn_norm"], c.rms_norm_eps).astype(self.compute_dtype)
     h, cache = self._attend(params["attn"], normed, cache, prefill=prefill)
     x = x + h.astype(jnp.float32)
     y = rms_norm(x, params["mlp_norm"], c.rms_norm_eps)
     y = jax.nn.silu(self._matmul(y, params["w_gate"])) * self._matmul(y, params["w_up"])
     x = x + self._matmul(y, params["w_down"])
-    return (x, KVPages(cache.k_pages, cache.v_pages)), None
+    return (x, KVPages(cache.k_pages, cache.v_pages, cache.k_scale, cache.v_scale)), None
 
   def _forward(self, params, x, pages: KVPages, tables, lengths, *, prefill: bool):
     """x [B, S, H] float32 through every layer -> (final hidden states [B, S, H], pages)."""
@@ -158,12 +169,14 @@ class Llama:
 
 
 def generate_greedy(model: Llama, params, prompts, num_new: int, *, page_size: int = 16, logit_steps: int = 0,
-                    ignore_eos: bool = False):
+                    ignore_eos: bool = False, forced=None):
   """Greedy continuations of a static batch of prompts (lists of ids; the simplest use of the model).
 
   Prompts are right-padded to a multiple of 64 tokens (few shapes, few compiles). ignore_eos: never
-  choose EOS (as transformers' min_new_tokens). Returns numpy (tokens [B, num_new], the raw logits
-  of the first logit_steps steps [B, logit_steps, V]).
+  choose EOS (as transformers' min_new_tokens). forced: tokens [B, num_new] fed back in place of
+  the model's own choices (teacher forcing, to compare every step with another run's). Returns
+  numpy (the model's choices [B, num_new], the raw logits of the first logit_steps steps
+  [B, logit_steps, V]).
   """
   import numpy as np
   b, longest = len(prompts), max(len(p) for p in prompts)
@@ -184,7 +197,8 @@ def generate_greedy(model: Llama, params, prompts, num_new: int, *, page_size: i
       logits = logits.at[:, model.config.eos_token_id].set(-jnp.inf)
     out.append(jnp.argmax(logits, axis=-1).astype(jnp.int32))
     if step + 1 < num_new:
-      logits, pages = _jit_decode(model, params, out[-1], pages, tables, lengths + step)
+      fed = out[-1] if forced is None else jnp.asarray(forced[:, step], jnp.int32)
+      logits, pages = _jit_decode(model, params, fed, pages, tables, lengths + step)
   saved = np.stack(saved, axis=1) if saved else np.zeros((b, 0, model.config.vocab_size), np.float32)
   return np.stack([np.asarray(t) for t in out], axis=1), saved
 
