@@ -12,7 +12,8 @@ Rows (page 64, shuffled pages): 128 heads at (B, T) = (1, 32768), (16, 4096), (6
 
 Impls: `mosaic_gpu` (our kernel), `mosaic_gpu_pqk` (the same with `DecodeConfig(pipeline_qk=True)`:
 the next tile's Q K^T overlaps this tile's softmax), `mosaic_gpu_halves` (`DecodeConfig(split_scores=True)`:
-both consumers score half of each tile), `auto` (what `impl="auto"` picks), `xla`
+both consumers score half of each tile), `mosaic_gpu_sp<N>` (N splits per sequence instead of the
+heuristic's count, e.g. `mosaic_gpu_sp33`), `auto` (what `impl="auto"` picks), `xla`
 (pallas_kv's pure XLA impl), and `bf16_einsum` (written here: XLA einsums over the gathered pages with bf16 operands and
 float32 accumulation, the plain-JAX baseline). Every impl's output of a row is first checked
 against bf16_einsum's (relative error ||out - ref|| / ||ref||, at most 1e-2 for ours), then
@@ -25,6 +26,7 @@ NotImplementedError) or failed the check.
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import traceback
 from collections.abc import Sequence
@@ -50,6 +52,8 @@ PIPELINED = "mosaic_gpu_pqk"
 # ... or both consumers score half of each tile and trade row maxima and P (DecodeConfig.split_scores).
 HALVES = "mosaic_gpu_halves"
 VARIANTS = {PIPELINED: dict(pipeline_qk=True), HALVES: dict(split_scores=True)}
+# ... or a fixed split count: mosaic_gpu_sp<N> (e.g. mosaic_gpu_sp33), the heuristic's schedule.
+FIXED_SPLITS = re.compile(r"mosaic_gpu_sp([1-9][0-9]*)")
 GPU_IMPLS = ("mosaic_gpu", PIPELINED, HALVES, BASELINE, "xla")
 CPU_IMPLS = ("auto", "xla", BASELINE)
 OUR_IMPLS = runners.OUR_IMPLS + tuple(VARIANTS)
@@ -117,17 +121,28 @@ def bf16_einsum(q, kv_pages, block_tables, lengths, *, v_head_dim: int, scale: f
   return out[:, 0] if single else out
 
 
+def is_ours(impl: str) -> bool:
+  return impl in OUR_IMPLS or FIXED_SPLITS.fullmatch(impl) is not None
+
+
+def variant_fields(impl: str) -> dict | None:
+  """The DecodeConfig fields of a Mosaic GPU variant impl, or None for a plain impl."""
+  fixed = FIXED_SPLITS.fullmatch(impl)
+  return dict(num_splits=int(fixed.group(1))) if fixed else VARIANTS.get(impl)
+
+
 def build_fn(impl: str, row: Row):
   """The jitted function of an impl on a row's inputs (q, kv_pages, block_tables, lengths)."""
   scale = float(row.qk_dim) ** -0.5
   if impl == BASELINE:
     return jax.jit(lambda *a: bf16_einsum(*a, v_head_dim=row.v_dim, scale=scale))
-  if impl not in OUR_IMPLS:
-    raise ValueError(f"unknown impl {impl!r}; choose from {OUR_IMPLS + (BASELINE,)}")
+  if not is_ours(impl):
+    raise ValueError(f"unknown impl {impl!r}; choose from {OUR_IMPLS + (BASELINE,)} or mosaic_gpu_sp<N>")
   pkv = runners.import_pallas_kv()
   config = None
-  if impl in VARIANTS:
-    impl, config = "mosaic_gpu", pkv.DecodeConfig(block_kv=64, num_stages=2, **VARIANTS[impl])
+  fields = variant_fields(impl)
+  if fields is not None:
+    impl, config = "mosaic_gpu", pkv.DecodeConfig(block_kv=64, num_stages=2, **fields)
   return jax.jit(lambda *a: pkv.mla_decode_attention(*a, v_head_dim=row.v_dim, scale=scale, impl=impl,
                                                      config=config))
 
@@ -146,7 +161,7 @@ def run_row(row: Row, impls: Sequence[str], *, warmup: int, iters: int, repeats:
   baseline = np.asarray(build_fn(BASELINE, row)(*input_sets[0]), np.float32)
   rows = []
   for impl in impls:
-    result: dict[str, Any] = {"row": row.name, "impl": impl, "ours": impl in OUR_IMPLS, **costs,
+    result: dict[str, Any] = {"row": row.name, "impl": impl, "ours": is_ours(impl), **costs,
                               **dataclasses.asdict(row)}
     try:
       fn = build_fn(impl, row)
@@ -220,7 +235,8 @@ ALL_ROWS = {row.name: row for row in GPU_ROWS + cpu_rows()}
 def define_flags() -> None:
   flags.DEFINE_list("rows", None, f"Rows to run, from {','.join(ALL_ROWS)}. Default: GPU all but "
                     "tiny_cpu; CPU tiny_cpu.")
-  flags.DEFINE_list("impl", None, f"Impls, from {','.join(OUR_IMPLS + (BASELINE,))}. Default: GPU "
+  flags.DEFINE_list("impl", None, f"Impls, from {','.join(OUR_IMPLS + (BASELINE,))}, or mosaic_gpu_sp<N> "
+                    "(N splits fixed). Default: GPU "
                     f"{','.join(GPU_IMPLS)}; CPU {','.join(CPU_IMPLS)}.")
   flags.DEFINE_float("rotate_bytes", None, "Rotate among input sets until their KV totals this many bytes "
                      "(L2 defeat). Default: GPU 3 x L2, CPU 0.")

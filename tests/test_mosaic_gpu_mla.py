@@ -276,3 +276,14 @@ def test_mla_benchmark_runs_a_tiny_case_on_cpu():
   assert rows and all(r["status"] == "ok" for r in rows), rows
   assert all(r["rel_err"] < 1e-2 for r in rows if r["impl"] != "bf16_einsum")
   assert "bf16_einsum" in out.getvalue() and "roofline" in out.getvalue()
+
+
+def test_mla_benchmark_names_its_kernel_variants():
+  from benchmarks import mla as mla_bench
+  assert mla_bench.variant_fields("mosaic_gpu_sp33") == dict(num_splits=33)
+  assert mla_bench.variant_fields("mosaic_gpu_halves") == dict(split_scores=True)
+  assert mla_bench.variant_fields("mosaic_gpu") is None and mla_bench.is_ours("mosaic_gpu_sp4")
+  row = mla_bench.cpu_rows()[0]
+  for bad in ("mosaic_gpu_sp0", "mosaic_gpu_sp", "flashmla"):
+    with pytest.raises(ValueError, match="unknown impl"):
+      mla_bench.build_fn(bad, row)
