@@ -48,7 +48,10 @@ class DecodeConfig:
     acq_rel atomic; the split that arrives last merges every split's partial in split order (so
     the result does not depend on the order in which they finish) and writes the output. It costs
     a memset of one int32 counter per (sequence, kv head, row block) each call. A sequence whose
-    tiles fit one split writes its output directly.
+    tiles fit one split writes its output directly. Not on mosaic_gpu: its atomics
+    (`plgpu.atomic_add`) return no value and its global semaphores can be waited on but not read,
+    so a split cannot learn that it arrived last; a fixed merger waiting on a semaphore would
+    deadlock if it held an SM before the splits it waits for had one.
   split_plan: how a sequence's tiles are cut into splits. "per_sequence": each sequence's own
     tiles in num_splits equal shares, so its result depends only on its own length (with a fixed
     num_splits: batch-invariant). "balanced": one tile count per split for the whole batch,
