@@ -9,10 +9,17 @@ Shape and impl flags are benchmarks.decode's (`--flagfile` works); each impl run
 calls of its first case after `--warmup` (compilation, autotuning), each call synchronised, so a
 profiler that skips the first launches lands on steady-state calls. Nothing is timed or checked
 here: benchmarks.decode does that. `bash benchmarks/h200_suite.sh ncu` runs it under ncu.
+
+  python3 -m benchmarks.profile_kernel --launches --impl=triton,cudnn --cases=1x32768
+
+`--launches` instead prints, per JAX impl, what the compiled call launches: the top-level ops of
+its optimized program (fusions, custom calls, copies; each at least one kernel on a GPU), without
+a profiler. A decode call's fixed cost grows with this count.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from absl import app
@@ -32,6 +39,48 @@ def define_flags() -> None:
   cli.define_sweep_flags()
   flags.adopt_module_key_flags(cli)
   flags.DEFINE_integer("calls", 5, "synchronised calls per impl after the warm-up")
+  flags.DEFINE_bool("launches", False, "print each JAX impl's compiled top-level ops instead of running it")
+
+
+# Top-level instructions of an optimized program that launch nothing.
+_NOT_LAUNCHED = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "opt-barrier"}
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%(\S+) = .*? ([a-z][a-z0-9-]*)\(")
+
+
+def launched_ops(compiled_text: str) -> list[str]:
+  """The ENTRY computation's instructions that launch work ("fusion", "custom-call:<target>", ...)."""
+  entry = compiled_text[compiled_text.index("\nENTRY "):]
+  entry = entry[:entry.index("\n}")]
+  ops = []
+  for line in entry.splitlines()[1:]:
+    match = _INSTRUCTION.match(line)
+    if not match or match.group(2) in _NOT_LAUNCHED:
+      continue
+    op = match.group(2)
+    target = re.search(r'custom_call_target="([^"]+)"', line)
+    ops.append(f"{op}:{target.group(1)}" if target else op)
+  return ops
+
+
+def launches(sweep: cases.Sweep) -> list[str]:
+  """Per JAX impl, one line: how many top-level ops its compiled call on the first case launches."""
+  batch, seq_len = sweep.cases[0]
+  case = cases.Case.from_sweep(sweep, batch, seq_len)
+  key_len, key_in = jax.random.split(jax.random.key(sweep.seed))
+  args = cases.make_inputs(case, key_in, cases.make_lengths(case, key_len))
+  lines = []
+  for impl in sweep.impls:
+    try:
+      runner = runners.build_runner(impl, cases.op_spec(case))
+      if runner.timer != "jax":
+        raise ValueError(f"not a JAX impl (timer {runner.timer!r})")
+      prepared = runner.prepare(args)
+      ops = launched_ops(jax.jit(runner.fn).lower(*prepared).compile().as_text())
+      lines.append(f"{impl}: {len(ops)} ops launched per call of {case.describe()}: {', '.join(ops)}")
+    except Exception as e:  # pylint: disable=broad-except
+      lines.append(f"{impl}: not compiled ({output.error_reason(e)})")
+    print(lines[-1], flush=True)
+  return lines
 
 
 def run(sweep: cases.Sweep, calls: int) -> list[str]:
@@ -56,7 +105,10 @@ def run(sweep: cases.Sweep, calls: int) -> list[str]:
 
 def main(argv: Sequence[str]) -> None:
   del argv
-  run(cli.sweep_from_flags(), FLAGS.calls)
+  if FLAGS.launches:
+    launches(cli.sweep_from_flags())
+  else:
+    run(cli.sweep_from_flags(), FLAGS.calls)
 
 
 if __name__ == "__main__":

@@ -277,6 +277,32 @@ def test_chain_uses_every_barrier_output_so_xla_cannot_merge_the_calls():
     assert all(id(v) in used for v in barrier.outvars), barrier
 
 
+def test_profile_kernel_lists_what_a_compiled_call_launches():
+  from benchmarks import profile_kernel
+  text = """HloModule m
+
+%fused (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%p)
+}
+
+ENTRY %main (a: f32[4], b: s32[2]) -> (f32[4], f32[4]) {
+  %a = f32[4]{0} parameter(0)
+  %b = s32[2]{0} parameter(1)
+  %pad_fusion = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused
+  %cc = (f32[4]{0}, s8[16]{0}) custom-call(%pad_fusion, %b), custom_call_target="mosaic_gpu_v2"
+  %gte = f32[4]{0} get-tuple-element(%cc), index=0
+  %copy.1 = f32[4]{0} copy(%gte)
+  %bc = f32[4]{0} bitcast(%copy.1)
+  ROOT %t = (f32[4]{0}, f32[4]{0}) tuple(%gte, %bc)
+}
+"""
+  assert profile_kernel.launched_ops(text) == ["fusion", "custom-call:mosaic_gpu_v2", "copy"]
+  sweep = cases.Sweep(op="decode", impls=("xla",), cases=((2, 64),), num_heads=4, num_kv_heads=2, head_dim=32)
+  (line,) = profile_kernel.launches(sweep)
+  assert line.startswith("xla: ") and int(line.split()[1]) > 0, line
+
+
 def test_profile_kernel_runs_each_impl_once_per_call_on_cpu(capsys):
   from benchmarks import profile_kernel
   sweep = cases.Sweep(op="decode", impls=("xla", "cudnn"), cases=((2, 64),), num_heads=4, num_kv_heads=2,
