@@ -47,6 +47,14 @@ _NOT_LAUNCHED = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%(\S+) = .*? ([a-z][a-z0-9-]*)\(")
 
 
+def _first_case(sweep: cases.Sweep):
+  """(case, op inputs) of the sweep's first case."""
+  batch, seq_len = sweep.cases[0]
+  case = cases.Case.from_sweep(sweep, batch, seq_len)
+  key_len, key_in = jax.random.split(jax.random.key(sweep.seed))
+  return case, cases.make_inputs(case, key_in, cases.make_lengths(case, key_len))
+
+
 def launched_ops(compiled_text: str) -> list[str]:
   """The ENTRY computation's instructions that launch work ("fusion", "custom-call:<target>", ...)."""
   entry = compiled_text[compiled_text.index("\nENTRY "):]
@@ -64,10 +72,7 @@ def launched_ops(compiled_text: str) -> list[str]:
 
 def launches(sweep: cases.Sweep) -> list[str]:
   """Per JAX impl, one line: how many top-level ops its compiled call on the first case launches."""
-  batch, seq_len = sweep.cases[0]
-  case = cases.Case.from_sweep(sweep, batch, seq_len)
-  key_len, key_in = jax.random.split(jax.random.key(sweep.seed))
-  args = cases.make_inputs(case, key_in, cases.make_lengths(case, key_len))
+  case, args = _first_case(sweep)
   lines = []
   for impl in sweep.impls:
     try:
@@ -85,10 +90,7 @@ def launches(sweep: cases.Sweep) -> list[str]:
 
 def run(sweep: cases.Sweep, calls: int) -> list[str]:
   """Runs each impl on the sweep's first case; returns one line per impl."""
-  batch, seq_len = sweep.cases[0]
-  case = cases.Case.from_sweep(sweep, batch, seq_len)
-  key_len, key_in = jax.random.split(jax.random.key(sweep.seed))
-  args = cases.make_inputs(case, key_in, cases.make_lengths(case, key_len))
+  case, args = _first_case(sweep)
   lines = []
   for impl in sweep.impls:
     try:
