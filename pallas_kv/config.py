@@ -48,7 +48,8 @@ class DecodeConfig:
     acq_rel atomic; the split that arrives last merges every split's partial in split order (so
     the result does not depend on the order in which they finish) and writes the output. It costs
     a memset of one int32 counter per (sequence, kv head, row block) each call. A sequence whose
-    tiles fit one split writes its output directly. Not on mosaic_gpu: its atomics
+    tiles fit one split writes its output directly (and so does every call with num_splits=1,
+    whatever this flag says). Not on mosaic_gpu: its atomics
     (`plgpu.atomic_add`) return no value and its global semaphores can be waited on but not read,
     so a split cannot learn that it arrived last; a fixed merger waiting on a semaphore would
     deadlock if it held an SM before the splits it waits for had one.
