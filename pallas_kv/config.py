@@ -62,7 +62,8 @@ class DecodeConfig:
     depends (in its last bits) on the other lengths in the batch.
   split_scores: MLA on mosaic_gpu only: both consumer warpgroups score half of each tile's keys
     and trade row maxima and their halves of P through SMEM (FlashMLA's balance), instead of one
-    scorer computing all of Q K^T and the softmax while its partner only runs P V.
+    scorer computing all of Q K^T and the softmax while its partner only runs P V. Measured
+    slower on the H200 (412 against 465 TFLOP/s at B64 T4096; benchmarks/RESULTS.md).
   """
   block_kv: int = 64
   num_stages: int = 4

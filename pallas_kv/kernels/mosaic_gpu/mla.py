@@ -22,8 +22,9 @@ tensor cores also work while it runs (FA3's intra-warpgroup overlap; measured sl
 Opt-in (`DecodeConfig.split_scores`, `_score_half_tiles`): the two consumers are alike, each
 scoring half of every tile's keys (S [64, bkv/2]); they trade row maxima through SMEM, each
 stores its half of P, and each runs P V over both halves for its value columns, so one's tensor
-work overlaps the other's softmax (FlashMLA's balance). Its P halves have 64-byte rows and wgmma
-takes one swizzle for both operands, so Q and the ring use the 64-byte swizzle then.
+work overlaps the other's softmax (FlashMLA's balance; measured 13% slower at B64 T4096 on the
+H200, benchmarks/RESULTS.md). Its P halves have 64-byte rows and wgmma takes one swizzle for both
+operands, so Q and the ring use the 64-byte swizzle then.
 
 SMEM at Dqk 576 (bf16): Q 72 KiB + two 64 x 576 stages 144 KiB + P 8 KiB + alpha / row sums
 = 225 KiB of the 227 (`MlaSmem`); the float32 output staging (128 KiB) reuses the ring. The split
