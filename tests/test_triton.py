@@ -20,6 +20,7 @@ from pallas_kv.kernels import split_k
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.triton import config as triton_config
 from pallas_kv.kernels.triton import decode as triton_decode
+from pallas_kv.kernels.triton import merge as triton_merge
 
 IMPL = "triton"
 
@@ -158,6 +159,46 @@ def test_merge_in_kernel_with_fixed_splits_is_batch_invariant(interpret_mode):
   np.testing.assert_array_equal(np.asarray(mixed[1][0]), np.asarray(together[1][0]))
 
 
+def _check_merge_kernel(splits, rows, dv, interpret):
+  # Random partials (some splits and one whole sequence empty), rows and splits not powers of two.
+  rng = np.random.default_rng(splits * rows)
+  out = rng.standard_normal((2, 3, splits, rows, dv)).astype(np.float32)
+  lse = (4 * rng.standard_normal((2, 3, splits, rows))).astype(np.float32)
+  empty = rng.random((2, 3, splits)) < 0.3
+  empty[1, 2] = True
+  lse[empty], out[empty] = -np.inf, 0.0
+  sinks = jnp.asarray(rng.standard_normal((3, rows)), jnp.float32)
+  for row_sinks in (None, sinks):
+    want, want_lse = split_k.merge_splits(jnp.asarray(out), jnp.asarray(lse), row_sinks)
+    got, got_lse = triton_merge.merge_partials(jnp.asarray(out), jnp.asarray(lse), row_sinks, out_dtype=jnp.float32,
+                                               interpret=interpret)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(want_lse))
+    np.testing.assert_allclose(got_lse[np.isfinite(got_lse)], want_lse[np.isfinite(want_lse)], rtol=1e-6)
+    np.testing.assert_array_equal(got[1, 2], 0.0)
+  bf16, none = triton_merge.merge_partials(jnp.asarray(out), jnp.asarray(lse), out_dtype=jnp.bfloat16,
+                                           return_lse=False, interpret=interpret)
+  assert none is None and bf16.dtype == jnp.bfloat16 and bf16.shape == (2, 3, rows, dv)
+
+
+MERGE_SHAPES = [(1, 4, 64), (33, 4, 128), (5, 36, 64), (64, 16, 256)]
+
+
+@pytest.mark.parametrize("splits,rows,dv", MERGE_SHAPES)
+def test_merge_kernel_equals_merge_splits(splits, rows, dv):
+  _check_merge_kernel(splits, rows, dv, interpret=True)
+
+
+def test_merge_kernel_checks_its_arguments():
+  out, lse = jnp.zeros((1, 2, 3, 4, 64)), jnp.zeros((1, 2, 3, 4))
+  with pytest.raises(ValueError, match="lse must be float32"):
+    triton_merge.merge_partials(out, lse[..., :3], out_dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="sinks must be"):
+    triton_merge.merge_partials(out, lse, jnp.zeros((2, 5)), out_dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="out must be float32"):
+    triton_merge.merge_partials(out.astype(jnp.bfloat16), lse, out_dtype=jnp.bfloat16)
+
+
 def test_merge_in_kernel_config_is_checked():
   with pytest.raises(ValueError, match="merge_in_kernel"):
     pkv.DecodeConfig(merge_in_kernel=1)
@@ -209,6 +250,30 @@ def test_merge_in_kernel_lowers_as_one_kernel_at_the_batch_1_shape(paged):
   assert "stablehlo.exponential" not in module and "stablehlo.dot_general" not in module
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_split_calls_lower_as_the_kernel_and_the_merge_kernel_alone(paged):
+  # B1 T32768 heads 32/8 D128 bf16 with 33 splits (the tuned batch-1 config): q is not padded,
+  # lengths and page ids are clamped in the kernel, and the splits merge in a second Pallas launch,
+  # so the program holds the two kernels and no XLA pad, clamp, exponential, einsum or cast.
+  q = jax.ShapeDtypeStruct((1, 32, 128), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+  kw = dict(impl=IMPL, config=pkv.DecodeConfig(block_kv=64, num_stages=3, num_splits=33))
+  if paged:
+    pages = jax.ShapeDtypeStruct((2048 + 5, 16, 8, 128), jnp.bfloat16)
+    tables = jax.ShapeDtypeStruct((1, 2048), jnp.int32)
+    exported = _lower_triton(functools.partial(pkv.paged_decode_attention, **kw), q, pages, pages, tables, lengths)
+  else:
+    kv = jax.ShapeDtypeStruct((1, 32768, 8, 128), jnp.bfloat16)
+    exported = _lower_triton(functools.partial(pkv.decode_attention, **kw), q, kv, kv, lengths)
+  module = exported.mlir_module()
+  assert module.count(TRITON_CUSTOM_CALL) == 2
+  ops = ["stablehlo.pad", "stablehlo.exponential", "stablehlo.dot_general"]
+  if not paged:   # (the paged op's checks of page ids, traced for checkify only, hold a clip)
+    ops += ["stablehlo.minimum", "stablehlo.maximum", "stablehlo.convert"]
+  for op in ops:
+    assert op not in module, op
+
+
 def test_deprecation_warning_is_hidden_for_our_kernels_only():
   args, _ = sweeps.problem_args((32, 8), (8, 8192), None)
   with warnings.catch_warnings(record=True) as caught:
@@ -253,6 +318,12 @@ def test_gpu_merge_in_kernel(page_size):
     again = fn(*args)
     np.testing.assert_array_equal(np.asarray(again[0]), np.asarray(first[0]))
     np.testing.assert_array_equal(np.asarray(again[1]), np.asarray(first[1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits,rows,dv", MERGE_SHAPES)
+def test_gpu_merge_kernel_equals_merge_splits(splits, rows, dv):
+  _check_merge_kernel(splits, rows, dv, interpret=False)
 
 
 @pytest.mark.gpu

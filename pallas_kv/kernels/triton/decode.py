@@ -118,6 +118,11 @@ class CompilerParams(pltr.CompilerParams):
   """`pltr.CompilerParams` of the library's own kernels (see `_quiet_lowering_rule`)."""
 
 
+def compiler_params(**kwargs):
+  """Compiler params of a library kernel on this backend (`CompilerParams` where it can be)."""
+  return _compiler_params_class(**kwargs)
+
+
 _hook = _quiet_lowering_rule()
 if _hook is not None:
   _hook[0](CompilerParams, _hook[1], "gpu")
@@ -141,6 +146,7 @@ class _Static:
   head_dim: int
   page_size: int | None   # None: contiguous cache
   max_pages: int | None
+  num_pages: int | None   # P: page ids are clamped into [0, P) here, not by a launch before the kernel
   options: AttentionOptions   # scale, softcap, window
   k_scale: str | None = None  # None, "head" ([Hkv]) or "token" (per token and kv head): split_k.scale_kind
   v_scale: str | None = None
@@ -177,13 +183,13 @@ def _load_tile(ref, block_tables_ref, tile, length, st: _Static, *, masked: bool
     ref = ref.at[(pl.ds(pl.multiple_of(start, bkv), bkv), *every_column)]
   elif bkv <= st.page_size:
     # The tile is one slice of one page.
-    page = block_tables_ref[start // st.page_size]
+    page = jnp.clip(block_tables_ref[start // st.page_size], 0, st.num_pages - 1)
     offset = pl.multiple_of(start % st.page_size, bkv)
     ref = ref.at[(page, pl.ds(offset, bkv), *every_column)]
   else:
     # The tile spans bkv / page_size pages: gather token by token.
     page_index = jnp.minimum(tokens // st.page_size, st.max_pages - 1)
-    pages = block_tables_ref[page_index]   # [bkv]
+    pages = jnp.clip(block_tables_ref[page_index], 0, st.num_pages - 1)   # [bkv]
     slots = tokens % st.page_size
     if columns:
       ref = ref.at[pages[:, None], slots[:, None], jnp.arange(columns[0], dtype=jnp.int32)[None, :]]
@@ -242,11 +248,9 @@ def _kernel(q_ref,            # [block_rows, D] packed rows of this (sequence, k
 
   rows = jnp.arange(st.block_rows, dtype=jnp.int32)[:, None] + row0   # [block_rows, 1]
   cols = jnp.arange(bkv, dtype=jnp.int32)[None, :]                    # [1, bkv]
-  if st.merge:   # q is not padded: rows past R load as 0
-    q = pltr.load(q_ref.at[pl.ds(row0, st.block_rows), :],
-                  mask=jnp.broadcast_to(rows < st.rows, (st.block_rows, st.head_dim)), other=0.0)
-  else:
-    q = q_ref[...]   # [block_rows, D]
+  # q is not padded (a pad would be a launch of its own): rows past R load as 0.
+  q = pltr.load(q_ref.at[pl.ds(row0, st.block_rows), :],
+                mask=jnp.broadcast_to(rows < st.rows, (st.block_rows, st.head_dim)), other=0.0)
 
   # A kv head's scale is the same for every tile: read it once, outside the loop.
   k_head_scale = k_scale_ref[head] if st.k_scale == "head" else None
@@ -283,8 +287,12 @@ def _kernel(q_ref,            # [block_rows, D] packed rows of this (sequence, k
   carry = lax.fori_loop(a, c, functools.partial(step, masked=False), carry)
   carry = lax.fori_loop(c, t1, functools.partial(step, masked=True), carry)
   if not st.merge:
-    out_ref, lse_ref = refs   # [block_rows, D] f32, [block_rows] f32
-    out_ref[...], lse_ref[...] = online_softmax.finalize(*carry)
+    out_ref, lse_ref = refs   # [R, D] f32, [R] f32 of this split: the real rows only
+    out, lse = online_softmax.finalize(*carry)
+    row_ok = rows[:, 0] < st.rows
+    pltr.store(out_ref.at[pl.ds(row0, st.block_rows), :], out,
+               mask=jnp.broadcast_to(row_ok[:, None], (st.block_rows, st.head_dim)))
+    pltr.store(lse_ref.at[pl.ds(row0, st.block_rows)], lse, mask=row_ok)
   else:
     _merge_epilogue(online_softmax.finalize(*carry), refs, b=b, head=head, head_block=head_block, split=split,
                     row0=row0, length=length, tiles_per_split=tiles_per_split, st=st)
@@ -381,10 +389,7 @@ def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width:
   head = lambda hb: hb // nrb
   row_block = lambda hb: hb % nrb
   whole = lambda shape: pl.BlockSpec(shape, lambda hb, s, b: (0,) * len(shape))
-  if st.merge:
-    q_spec = pl.BlockSpec((None, None, st.rows, D), lambda hb, s, b: (b, head(hb), 0, 0))
-  else:
-    q_spec = pl.BlockSpec((None, None, R, D), lambda hb, s, b: (b, head(hb), row_block(hb), 0))
+  q_spec = pl.BlockSpec((None, None, st.rows, D), lambda hb, s, b: (b, head(hb), 0, 0))
   if st.paged:
     num_pages, page_size = kv_shape[:2]
     kv_spec = pl.BlockSpec((num_pages, page_size, None, D), lambda hb, s, b: (0, 0, head(hb), 0))
@@ -404,13 +409,14 @@ def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width:
       in_specs.append(pl.BlockSpec((None, kv_shape[1], None), lambda hb, s, b: (b, 0, head(hb))))
   aliases = {}
   if not st.merge:
+    # Every row block of a (sequence, kv head, split) stores its own real rows into one block.
     out_shape = [
-        jax.ShapeDtypeStruct((batch, num_kv_heads, st.num_splits, nrb * R, D), jnp.float32),
-        jax.ShapeDtypeStruct((batch, num_kv_heads, st.num_splits, nrb * R), jnp.float32),
+        jax.ShapeDtypeStruct((batch, num_kv_heads, st.num_splits, st.rows, D), jnp.float32),
+        jax.ShapeDtypeStruct((batch, num_kv_heads, st.num_splits, st.rows), jnp.float32),
     ]
     out_specs = [
-        pl.BlockSpec((None, None, None, R, D), lambda hb, s, b: (b, head(hb), s, row_block(hb), 0)),
-        pl.BlockSpec((None, None, None, R), lambda hb, s, b: (b, head(hb), s, row_block(hb))),
+        pl.BlockSpec((None, None, None, st.rows, D), lambda hb, s, b: (b, head(hb), s, 0, 0)),
+        pl.BlockSpec((None, None, None, st.rows), lambda hb, s, b: (b, head(hb), s, 0)),
     ]
   else:
     if st.has_sinks:
@@ -443,7 +449,7 @@ def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width:
       out_specs=out_specs,
       out_shape=out_shape,
       input_output_aliases=aliases,
-      compiler_params=_compiler_params_class(num_warps=num_warps, num_stages=num_stages),
+      compiler_params=compiler_params(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name=name,
   )
@@ -456,16 +462,17 @@ def _static(q, k, v, lengths, block_tables, *, num_queries: int, options: Attent
                             v_scale=v_scale)
   _, _, R, D = q.shape
   if block_tables is None:
-    page_size = max_pages = None
+    page_size = max_pages = num_pages = None
     capacity = k.shape[1]
   else:
-    page_size, max_pages = k.shape[1], block_tables.shape[1]
+    num_pages, page_size, max_pages = k.shape[0], k.shape[1], block_tables.shape[1]
     capacity = page_size * max_pages
   triton_config.check_config(config, head_dim=D, page_size=page_size)
   block_rows, num_row_blocks = triton_config.row_blocking(R, D)
   return _Static(num_queries=num_queries, group=R // num_queries, block_rows=block_rows,
                  num_row_blocks=num_row_blocks, num_splits=config.num_splits, capacity=capacity,
-                 block_kv=config.block_kv, head_dim=D, page_size=page_size, max_pages=max_pages, options=options,
+                 block_kv=config.block_kv, head_dim=D, page_size=page_size, max_pages=max_pages, num_pages=num_pages,
+                 options=options,
                  k_scale=split_k.scale_kind(k_scale, k.shape), v_scale=split_k.scale_kind(v_scale, k.shape),
                  fast_widen=FAST_WIDEN and not interpret and jnp.dtype(k.dtype) in split_k.QUANTIZED_DTYPES,
                  rows=R, balanced=split_k.check_tiles_per_split(tiles_per_split, config), **merge)
@@ -520,13 +527,8 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   """
   st = _static(q, k, v, lengths, block_tables, num_queries=num_queries, options=options, config=config,
                k_scale=k_scale, v_scale=v_scale, interpret=interpret, tiles_per_split=tiles_per_split)
-  R = q.shape[2]
-  rows_padded = st.block_rows * st.num_row_blocks
-  if rows_padded != R:
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, rows_padded - R), (0, 0)))
-  out, lse = _call(st, _args(q, k, v, lengths, block_tables, k_scale, v_scale, tiles_per_split), q=q, k=k,
-                   config=config, interpret=interpret)
-  return out[:, :, :, :R], lse[..., :R]
+  return tuple(_call(st, _args(q, k, v, lengths, block_tables, k_scale, v_scale, tiles_per_split), q=q, k=k,
+                     config=config, interpret=interpret))
 
 
 def decode_merged(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
