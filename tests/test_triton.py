@@ -231,41 +231,34 @@ def test_other_shapes_lower_triton(num_queries, head_dim, group, page_size):
     _lower_triton(functools.partial(pkv.paged_decode_attention, **kw), q, pages, pages, tables, lengths)
 
 
-@pytest.mark.parametrize("paged", [False, True])
-def test_merge_in_kernel_lowers_as_one_kernel_at_the_batch_1_shape(paged):
-  # B1 T32768 heads 32/8 D128 bf16 (the benchmark's batch-1 row), 16 splits: no XLA merge is left.
+def _lower_batch_1_row(paged: bool, **kw) -> str:
+  """The CUDA module of the op at B1 T32768 heads 32/8 D128 bf16, dense or paged (page 16)."""
   q = jax.ShapeDtypeStruct((1, 32, 128), jnp.bfloat16)
   lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
-  kw = dict(impl=IMPL, return_lse=True, sinks=jnp.zeros((32,)),
-            config=pkv.DecodeConfig(block_kv=64, num_stages=3, num_splits=16, merge_in_kernel=True))
   if paged:
     pages = jax.ShapeDtypeStruct((2048 + 5, 16, 8, 128), jnp.bfloat16)
     tables = jax.ShapeDtypeStruct((1, 2048), jnp.int32)
-    exported = _lower_triton(functools.partial(pkv.paged_decode_attention, **kw), q, pages, pages, tables, lengths)
-  else:
-    kv = jax.ShapeDtypeStruct((1, 32768, 8, 128), jnp.bfloat16)
-    exported = _lower_triton(functools.partial(pkv.decode_attention, **kw), q, kv, kv, lengths)
-  module = exported.mlir_module()
+    return _lower_triton(functools.partial(pkv.paged_decode_attention, impl=IMPL, **kw), q, pages, pages, tables,
+                         lengths).mlir_module()
+  kv = jax.ShapeDtypeStruct((1, 32768, 8, 128), jnp.bfloat16)
+  return _lower_triton(functools.partial(pkv.decode_attention, impl=IMPL, **kw), q, kv, kv, lengths).mlir_module()
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_merge_in_kernel_lowers_as_one_kernel_at_the_batch_1_shape(paged):
+  # B1 T32768 heads 32/8 D128 bf16 (the benchmark's batch-1 row), 16 splits: no XLA merge is left.
+  module = _lower_batch_1_row(paged, return_lse=True, sinks=jnp.zeros((32,)),
+                              config=pkv.DecodeConfig(block_kv=64, num_stages=3, num_splits=16, merge_in_kernel=True))
   assert module.count(TRITON_CUSTOM_CALL) == 1
   assert "stablehlo.exponential" not in module and "stablehlo.dot_general" not in module
 
 
 @pytest.mark.parametrize("paged", [False, True])
 def test_split_calls_lower_as_the_kernel_and_the_merge_kernel_alone(paged):
-  # B1 T32768 heads 32/8 D128 bf16 with 33 splits (the tuned batch-1 config): q is not padded,
+  # The batch-1 row with 33 splits: q is not padded,
   # lengths and page ids are clamped in the kernel, and the splits merge in a second Pallas launch,
   # so the program holds the two kernels and no XLA pad, clamp, exponential, einsum or cast.
-  q = jax.ShapeDtypeStruct((1, 32, 128), jnp.bfloat16)
-  lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
-  kw = dict(impl=IMPL, config=pkv.DecodeConfig(block_kv=64, num_stages=3, num_splits=33))
-  if paged:
-    pages = jax.ShapeDtypeStruct((2048 + 5, 16, 8, 128), jnp.bfloat16)
-    tables = jax.ShapeDtypeStruct((1, 2048), jnp.int32)
-    exported = _lower_triton(functools.partial(pkv.paged_decode_attention, **kw), q, pages, pages, tables, lengths)
-  else:
-    kv = jax.ShapeDtypeStruct((1, 32768, 8, 128), jnp.bfloat16)
-    exported = _lower_triton(functools.partial(pkv.decode_attention, **kw), q, kv, kv, lengths)
-  module = exported.mlir_module()
+  module = _lower_batch_1_row(paged, config=pkv.DecodeConfig(block_kv=64, num_stages=3, num_splits=33))
   assert module.count(TRITON_CUSTOM_CALL) == 2
   ops = ["stablehlo.pad", "stablehlo.exponential", "stablehlo.dot_general"]
   if not paged:   # (the paged op's checks of page ids, traced for checkify only, hold a clip)
