@@ -179,9 +179,16 @@ def _check_merge_kernel(splits, rows, dv, interpret):
   bf16, none = triton_merge.merge_partials(jnp.asarray(out), jnp.asarray(lse), out_dtype=jnp.bfloat16,
                                            return_lse=False, interpret=interpret)
   assert none is None and bf16.dtype == jnp.bfloat16 and bf16.shape == (2, 3, rows, dv)
+  # Partials padded with rows past R (as a kernel may store them): only the first R are merged.
+  padded = lambda x, fill: np.concatenate([x, np.full(x[:, :, :, :3].shape, fill, np.float32)], axis=3)
+  got, got_lse = triton_merge.merge_partials(jnp.asarray(padded(out, np.nan)), jnp.asarray(padded(lse, np.nan)),
+                                             out_dtype=jnp.float32, rows=rows, interpret=interpret)
+  want, want_lse = split_k.merge_splits(jnp.asarray(out), jnp.asarray(lse))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  assert got_lse.shape == want_lse.shape
 
 
-MERGE_SHAPES = [(1, 4, 64), (33, 4, 128), (5, 36, 64), (64, 16, 256)]
+MERGE_SHAPES = [(1, 4, 64), (33, 4, 128), (5, 36, 64), (64, 16, 256), (7, 40, 512)]
 
 
 @pytest.mark.parametrize("splits,rows,dv", MERGE_SHAPES)
@@ -195,6 +202,8 @@ def test_merge_kernel_checks_its_arguments():
     triton_merge.merge_partials(out, lse[..., :3], out_dtype=jnp.bfloat16)
   with pytest.raises(ValueError, match="sinks must be"):
     triton_merge.merge_partials(out, lse, jnp.zeros((2, 5)), out_dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="rows=5 must be in"):
+    triton_merge.merge_partials(out, lse, out_dtype=jnp.bfloat16, rows=5)
   with pytest.raises(ValueError, match="out must be float32"):
     triton_merge.merge_partials(out.astype(jnp.bfloat16), lse, out_dtype=jnp.bfloat16)
 

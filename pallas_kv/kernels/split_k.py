@@ -337,10 +337,14 @@ def packed_sinks(sinks, problem):
 
 
 def run(partials: Callable, q, k, lengths, block_tables, *, problem, sinks, return_lse: bool, k_scale=None,
-        v_scale=None, merged: bool = False, kernel_clamps: bool = False):
+        v_scale=None, merged: bool = False, kernel_clamps: bool = False, merge: Callable | None = None):
   """Packs q into kernel rows, calls partials(rows, lengths, block_tables, k_scale, v_scale) ->
   (out, lse) per split ([B, Hkv, splits, >= R, D], [B, Hkv, splits, >= R]), merges the splits and
   unpacks the rows.
+
+  The splits merge in XLA (`merge_splits`), or, given merge, in its launch:
+  merge(out, lse, row_sinks, rows=R, out_dtype=q.dtype, return_lse=...) -> (out [B, Hkv, R, D]
+  in q's dtype, lse or None), as `pallas_kv.kernels.triton.merge.merge_partials` does.
 
   merged=True: the kernel merges its splits itself (sinks included):
   partials(rows, lengths, block_tables, k_scale, v_scale, row_sinks) -> (out [B, Hkv, R, D],
@@ -367,8 +371,11 @@ def run(partials: Callable, q, k, lengths, block_tables, *, problem, sinks, retu
     out, lse = partials(rows, lengths, block_tables, k_scale, v_scale, row_sinks)
   else:
     out, lse = partials(rows, lengths, block_tables, k_scale, v_scale)
-    out, lse = out[:, :, :, :num_rows], lse[:, :, :, :num_rows]  # drop rows a kernel padded
-    out, lse = merge_splits(out, lse, row_sinks)
+    if merge is not None and out.shape[2] > 1:
+      out, lse = merge(out, lse, row_sinks, rows=num_rows, out_dtype=q.dtype, return_lse=return_lse)
+    else:
+      out, lse = out[:, :, :, :num_rows], lse[:, :, :, :num_rows]  # drop rows a kernel padded
+      out, lse = merge_splits(out, lse, row_sinks)
   out = unpack_rows(out, problem.num_queries)
   if not return_lse:
     return out[:, 0] if single else out

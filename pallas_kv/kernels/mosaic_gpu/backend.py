@@ -7,6 +7,8 @@ merging that both backends share (`pallas_kv.kernels.split_k`).
 
 from __future__ import annotations
 
+import functools
+
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kv import runtime
@@ -23,6 +25,17 @@ unsupported_reason = mgpu_config.unsupported_reason
 def interpret_params():
   """The `interpret=` argument of the kernels: InterpretGPUParams() in interpret mode, else False."""
   return plgpu.InterpretGPUParams() if runtime.interpret_enabled() else False
+
+
+def fused_merge():
+  """The split merge in one launch (the Pallas Triton merge kernel), or None to merge in XLA
+  where the Triton backend's folder is gone. XLA's merge was 3-4 launches, ~5 us of a 52 us GQA
+  and ~9 us of a 49 us MLA call at batch 1 on the H200 (benchmarks/RESULTS.md)."""
+  try:
+    from pallas_kv.kernels.triton import merge   # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  return functools.partial(merge.merge_partials, interpret=runtime.interpret_enabled())
 
 
 def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: DecodeConfig | None, sinks,
@@ -42,7 +55,7 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: De
                                        tiles_per_split=plan, interpret=interpret_params())
 
   return split_k.run(partials, q, k, lengths, block_tables, problem=problem, sinks=sinks, return_lse=return_lse,
-                     k_scale=k_scale, v_scale=v_scale)
+                     k_scale=k_scale, v_scale=v_scale, kernel_clamps=True, merge=fused_merge())
 
 
 def run_mla(q, kv_pages, lengths, block_tables, *, problem, options, config: DecodeConfig | None,
@@ -59,4 +72,4 @@ def run_mla(q, kv_pages, lengths, block_tables, *, problem, options, config: Dec
     return out[:, None], lse[:, None]   # [B, Hkv = 1, splits, R, ...]
 
   return split_k.run(partials, q, kv_pages, lengths, block_tables, problem=problem, sinks=None,
-                     return_lse=return_lse)
+                     return_lse=return_lse, kernel_clamps=True, merge=fused_merge())

@@ -8,6 +8,8 @@ the kernel itself; with one split the kernel always writes the output itself.
 
 from __future__ import annotations
 
+import functools
+
 from pallas_kv import runtime
 from pallas_kv.config import DecodeConfig
 from pallas_kv.kernels import split_k
@@ -33,11 +35,9 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: De
     return split_k.split_plan(lengths, problem=problem, config=config, window=options.window, row_blocks=row_blocks,
                               programs_per_sm=triton_config.PROGRAMS_PER_SM)
 
-  def partials_then_merge(rows, lengths, block_tables, k_scale, v_scale, row_sinks):
-    out, lse = triton_decode.decode_partials(rows, k, v, lengths, block_tables, k_scale=k_scale, v_scale=v_scale,
-                                             tiles_per_split=plan(lengths), **kw)
-    return triton_merge.merge_partials(out, lse, row_sinks, out_dtype=q.dtype, return_lse=return_lse,
-                                       interpret=interpret)
+  def partials(rows, lengths, block_tables, k_scale, v_scale):
+    return triton_decode.decode_partials(rows, k, v, lengths, block_tables, k_scale=k_scale, v_scale=v_scale,
+                                         tiles_per_split=plan(lengths), **kw)
 
   def merged(rows, lengths, block_tables, k_scale, v_scale, row_sinks):
     return triton_decode.decode_merged(rows, k, v, lengths, block_tables, sinks=row_sinks, k_scale=k_scale,
@@ -50,6 +50,6 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: De
   # kernel's own last split merges). Either way the kernel reads q unpadded and clamps lengths and
   # page ids itself, so nothing else is launched around it.
   in_kernel = config.merge_in_kernel or config.num_splits == 1
-  return split_k.run(merged if in_kernel else partials_then_merge, q, k, lengths, block_tables, problem=problem,
-                     sinks=sinks, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale, merged=True,
-                     kernel_clamps=True)
+  return split_k.run(merged if in_kernel else partials, q, k, lengths, block_tables, problem=problem, sinks=sinks,
+                     return_lse=return_lse, k_scale=k_scale, v_scale=v_scale, merged=in_kernel, kernel_clamps=True,
+                     merge=functools.partial(triton_merge.merge_partials, interpret=interpret))

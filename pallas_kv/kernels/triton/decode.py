@@ -387,7 +387,6 @@ def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width:
   """
   D, nrb, R = st.head_dim, st.num_row_blocks, st.block_rows
   head = lambda hb: hb // nrb
-  row_block = lambda hb: hb % nrb
   whole = lambda shape: pl.BlockSpec(shape, lambda hb, s, b: (0,) * len(shape))
   q_spec = pl.BlockSpec((None, None, st.rows, D), lambda hb, s, b: (b, head(hb), 0, 0))
   if st.paged:
