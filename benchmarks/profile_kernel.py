@@ -15,12 +15,19 @@ here: benchmarks.decode does that. `bash benchmarks/h200_suite.sh ncu` runs it u
 `--launches` instead prints, per JAX impl, what the compiled call launches: the top-level ops of
 its optimized program (fusions, custom calls, copies; each at least one kernel on a GPU), without
 a profiler. A decode call's fixed cost grows with this count.
+
+  python3 -m benchmarks.profile_kernel --kernel_times --impl=triton,cudnn,torch --cases=1x32768
+
+`--kernel_times` prints, per impl (JAX or torch), every kernel of one call with its GPU time
+(the mean over --calls synchronised calls), recorded by torch.profiler's CUDA activity tracing:
+CUPTI sees every kernel of the process, JAX's included. It needs torch with CUDA.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from absl import app
 from absl import flags
@@ -40,6 +47,8 @@ def define_flags() -> None:
   flags.adopt_module_key_flags(cli)
   flags.DEFINE_integer("calls", 5, "synchronised calls per impl after the warm-up")
   flags.DEFINE_bool("launches", False, "print each JAX impl's compiled top-level ops instead of running it")
+  flags.DEFINE_bool("kernel_times", False, "print the GPU time of every kernel a call launches (torch.profiler's "
+                    "CUDA activity, which records JAX's kernels too) instead of only running the calls")
 
 
 # Top-level instructions of an optimized program that launch nothing.
@@ -105,9 +114,54 @@ def run(sweep: cases.Sweep, calls: int) -> list[str]:
   return lines
 
 
+def kernel_times(fn: Callable[[], Any], calls: int) -> list[tuple[str, float, float]]:
+  """[(kernel name, launches per call, GPU µs per call)] of `calls` calls of fn (which waits for
+  its call), slowest first; raises RuntimeError without torch's CUDA profiler."""
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+    from torch import profiler  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise RuntimeError(f"--kernel_times needs torch with CUDA ({e})") from None
+  if not torch.cuda.is_available():
+    raise RuntimeError("--kernel_times needs torch with CUDA (torch.cuda.is_available() is False)")
+  with profiler.profile(activities=[profiler.ProfilerActivity.CUDA]) as prof:
+    for _ in range(calls):
+      fn()
+    torch.cuda.synchronize()
+  rows = []
+  for event in prof.key_averages():
+    total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+    if total:
+      rows.append((event.key, event.count / calls, total / calls))
+  return sorted(rows, key=lambda row: -row[2])
+
+
+def kernel_time_lines(sweep: cases.Sweep, calls: int) -> list[str]:
+  """Per impl, one line: the kernels of one call of the sweep's first case and their GPU µs."""
+  case, args = _first_case(sweep)
+  lines = []
+  for impl in sweep.impls:
+    try:
+      runner = runners.build_runner(impl, cases.op_spec(case))
+      prepared = runner.prepare(args)
+      call = lambda: runner.to_numpy(runner.fn(*prepared))  # waits for the call (jax or torch)
+      for _ in range(max(1, sweep.warmup)):
+        call()
+      rows = kernel_times(call, calls)
+      total = sum(us for _, _, us in rows)
+      kernels = "; ".join(f"{name[:60]} x{count:g} {us:.1f}" for name, count, us in rows)
+      lines.append(f"{impl}: {total:.1f} us of kernels per call of {case.describe()}: {kernels}")
+    except Exception as e:  # pylint: disable=broad-except
+      lines.append(f"{impl}: not profiled ({output.error_reason(e)})")
+    print(lines[-1], flush=True)
+  return lines
+
+
 def main(argv: Sequence[str]) -> None:
   del argv
-  if FLAGS.launches:
+  if FLAGS.kernel_times:
+    kernel_time_lines(cli.sweep_from_flags(), FLAGS.calls)
+  elif FLAGS.launches:
     launches(cli.sweep_from_flags())
   else:
     run(cli.sweep_from_flags(), FLAGS.calls)
