@@ -312,6 +312,21 @@ def test_profile_kernel_runs_each_impl_once_per_call_on_cpu(capsys):
   assert lines[1].startswith("cudnn: not run")  # a peer that needs a GPU says so, the rest go on
 
 
+def test_profile_kernel_times_say_why_they_cannot_run_here():
+  # This machine has no torch with CUDA: every impl's line says so instead of a table.
+  from benchmarks import profile_kernel
+  sweep = cases.Sweep(op="decode", impls=("xla",), cases=((2, 64),), num_heads=4, num_kv_heads=2, head_dim=32,
+                      iters=1, repeats=1, warmup=1)
+  try:
+    import torch
+    if torch.cuda.is_available():
+      pytest.skip("torch with CUDA is installed: the profile would run")
+  except ImportError:
+    pass
+  (line,) = profile_kernel.kernel_time_lines(sweep, calls=1)
+  assert line.startswith("xla: not profiled") and "needs torch with CUDA" in line, line
+
+
 def test_ncu_summary_reads_a_details_csv():
   from benchmarks import ncu_summary
   header = '"ID","Process ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"'

@@ -122,6 +122,19 @@ def test_mla_race_detection_finds_none(variant):
   assert not gpu_callbacks.get_races().races_found
 
 
+def test_mla_split_partials_are_stored_in_the_cache_dtype():
+  # Split partials in bf16 halve what the splits write and the merge reads; the merged output
+  # still matches the reference (test_mla_interpret).
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  q, pages, tables, lengths = _case(6, batch=1, seq_len=256, num_heads=4, num_queries=1, page_size=64,
+                                    lengths=[200])
+  out, lse = mgpu_mla.mla_partials(q.reshape(1, 4, SMALL_QK), pages, lengths, tables, num_queries=1,
+                                   v_head_dim=SMALL_V, scale=0.1, config=_config(2),
+                                   interpret=plgpu.InterpretGPUParams())
+  assert out.dtype == jnp.bfloat16 and out.shape == (1, 2, 4, SMALL_V) and lse.dtype == jnp.float32
+  assert np.isfinite(np.asarray(lse)).all()
+
+
 # ---------------------------------------------------------------- what it serves, configs
 
 def _problem(*, num_heads=128, num_queries=1, qk_dim=QK, v_dim=V, page_size=64, batch=4, seq_len=4096,

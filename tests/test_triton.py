@@ -179,6 +179,11 @@ def _check_merge_kernel(splits, rows, dv, interpret):
   bf16, none = triton_merge.merge_partials(jnp.asarray(out), jnp.asarray(lse), out_dtype=jnp.bfloat16,
                                            return_lse=False, interpret=interpret)
   assert none is None and bf16.dtype == jnp.bfloat16 and bf16.shape == (2, 3, rows, dv)
+  # bf16 partials (as the MLA kernel stores them) are summed in float32.
+  got, _ = triton_merge.merge_partials(jnp.asarray(out, jnp.bfloat16), jnp.asarray(lse), out_dtype=jnp.float32,
+                                       interpret=interpret)
+  want, _ = split_k.merge_splits(jnp.asarray(out, jnp.bfloat16), jnp.asarray(lse))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   # Partials padded with rows past R (as a kernel may store them): only the first R are merged.
   padded = lambda x, fill: np.concatenate([x, np.full(x[:, :, :, :3].shape, fill, np.float32)], axis=3)
   got, got_lse = triton_merge.merge_partials(jnp.asarray(padded(out, np.nan)), jnp.asarray(padded(lse, np.nan)),
@@ -204,8 +209,8 @@ def test_merge_kernel_checks_its_arguments():
     triton_merge.merge_partials(out, lse, jnp.zeros((2, 5)), out_dtype=jnp.bfloat16)
   with pytest.raises(ValueError, match="rows=5 must be in"):
     triton_merge.merge_partials(out, lse, out_dtype=jnp.bfloat16, rows=5)
-  with pytest.raises(ValueError, match="out must be float32"):
-    triton_merge.merge_partials(out.astype(jnp.bfloat16), lse, out_dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="out must be float32, bfloat16 or float16"):
+    triton_merge.merge_partials(out.astype(jnp.int8), lse, out_dtype=jnp.bfloat16)
 
 
 def test_merge_in_kernel_config_is_checked():

@@ -241,7 +241,8 @@ def merge_splits(out, lse, sinks=None):
   """Merges split-K partials.
 
   Args:
-    out: [B, Hkv, splits, R, Dv] float32, each split's softmax-normalised output (0 where empty).
+    out: [B, Hkv, splits, R, Dv], each split's softmax-normalised output (0 where empty): float32,
+      or 16-bit (summed in float32).
     lse: [B, Hkv, splits, R] float32, each split's log-sum-exp (-inf where empty).
     sinks: optional [Hkv, R] float32 sink logit of each packed row; joins the denominator only.
   Returns:
@@ -249,6 +250,7 @@ def merge_splits(out, lse, sinks=None):
   """
   if out.shape[2] == 1 and sinks is None:  # one split is already the answer: skip the merge
     return out[:, :, 0], lse[:, :, 0]
+  out = out.astype(jnp.float32)
   total = jnp.max(lse, axis=2)  # [B, Hkv, R]
   shift = jnp.where(jnp.isfinite(total), total, 0.0)
   weights = jnp.exp(lse - shift[:, :, None])  # empty splits weigh 0

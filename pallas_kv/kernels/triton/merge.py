@@ -65,7 +65,8 @@ def _kernel(out_ref,     # [splits, >= R, Dv] f32, this (sequence, kv head)'s pa
 
   column = pl.program_id(2) * columns + jnp.arange(columns, dtype=jnp.int32)     # [columns]
   parts = pltr.load(out_ref.at[split[:, :, None], row[None, :, None], column[None, None, :]],
-                    mask=jnp.broadcast_to(ok[:, :, None], (s_pad, row_block, columns)), other=0.0)
+                    mask=jnp.broadcast_to(ok[:, :, None], (s_pad, row_block, columns)),
+                    other=0.0).astype(jnp.float32)
   acc = jnp.sum(parts * weights[:, :, None], axis=0)                               # [row_block, columns]
 
   has_keys = norm > 0
@@ -88,7 +89,8 @@ def merge_partials(out, lse, sinks=None, *, out_dtype, return_lse: bool = True, 
   """`split_k.merge_splits(out, lse, sinks)` in one launch, cast to out_dtype.
 
   Args:
-    out: [B, Hkv, splits, >= R, Dv] float32 partials (0 where a split saw no key).
+    out: [B, Hkv, splits, >= R, Dv] partials (0 where a split saw no key): float32, or 16-bit
+      (bf16 / fp16, as the MLA kernel stores them), summed in float32.
     lse: [B, Hkv, splits, >= R] float32 (-inf where a split saw no key).
     sinks: optional [Hkv, R] float32 sink logit of each packed row (joins the denominator only).
     out_dtype: the dtype of the merged output.
@@ -98,8 +100,9 @@ def merge_partials(out, lse, sinks=None, *, out_dtype, return_lse: bool = True, 
     (out [B, Hkv, R, Dv] out_dtype, lse [B, Hkv, R] float32 or None when not return_lse): what
     merge_splits returns, up to float32 rounding (the sums run in another order), then cast.
   """
-  if out.ndim != 5 or out.dtype != jnp.float32:
-    raise ValueError(f"out must be float32 [B, Hkv, splits, R, Dv], got {out.shape=} {out.dtype=}")
+  if out.ndim != 5 or out.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+    raise ValueError(f"out must be float32, bfloat16 or float16 [B, Hkv, splits, R, Dv], got {out.shape=} "
+                     f"{out.dtype=}")
   B, hkv, splits, stored_rows, dv = out.shape
   rows = stored_rows if rows is None else rows
   if not 1 <= rows <= stored_rows:
