@@ -21,6 +21,10 @@ a profiler. A decode call's fixed cost grows with this count.
 `--kernel_times` prints, per impl (JAX or torch), every kernel of one call with its GPU time
 (the mean over --calls synchronised calls), recorded by torch.profiler's CUDA activity tracing:
 CUPTI sees every kernel of the process, JAX's included. It needs torch with CUDA.
+`--chain_calls=N` profiles one run of the chain timer's own program of N calls instead
+(`timing.chain`, JAX impls): the GPU's busy time per call, the elapsed time from the first kernel's
+start to the last one's end per call, and the longest gaps between kernels. Set against the
+timer's figure for the same N, it tells GPU time from whatever else the chain-diff includes.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from benchmarks import cases
 from benchmarks import cli
 from benchmarks import output
 from benchmarks import runners
+from benchmarks import timing
 
 FLAGS = flags.FLAGS
 
@@ -47,6 +52,8 @@ def define_flags() -> None:
   flags.adopt_module_key_flags(cli)
   flags.DEFINE_integer("calls", 5, "synchronised calls per impl after the warm-up")
   flags.DEFINE_bool("launches", False, "print each JAX impl's compiled top-level ops instead of running it")
+  flags.DEFINE_integer("chain_calls", 0, "with --kernel_times, JAX impls: profile one run of the chain timer's "
+                       "program of this many calls instead, and print the GPU's busy and elapsed time per call")
   flags.DEFINE_bool("kernel_times", False, "print the GPU time of every kernel a call launches (torch.profiler's "
                     "CUDA activity, which records JAX's kernels too) instead of only running the calls")
 
@@ -136,6 +143,57 @@ def kernel_times(fn: Callable[[], Any], calls: int) -> list[tuple[str, float, fl
   return sorted(rows, key=lambda row: -row[2])
 
 
+def _profiled_kernels(fn: Callable[[], Any]) -> list[tuple[float, float, str]]:
+  """[(start µs, end µs, name)] of every kernel of one call of fn, in start order."""
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+    from torch import profiler  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise RuntimeError(f"--chain_calls needs torch with CUDA ({e})") from None
+  if not torch.cuda.is_available():
+    raise RuntimeError("--chain_calls needs torch with CUDA (torch.cuda.is_available() is False)")
+  with profiler.profile(activities=[profiler.ProfilerActivity.CUDA]) as prof:
+    fn()
+    torch.cuda.synchronize()
+  return sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                if str(e.device_type).endswith("CUDA"))
+
+
+def chain_summary(kernels: Sequence[tuple[float, float, str]], calls: int) -> str:
+  """Busy and elapsed GPU µs per call of a profiled chain, and its three longest gaps."""
+  if not kernels:
+    return "no kernels recorded"
+  busy = sum(end - start for start, end, _ in kernels)
+  elapsed = max(end for _, end, _ in kernels) - kernels[0][0]
+  gaps = sorted(((later[0] - earlier[1], earlier[2][:40], later[2][:40])
+                 for earlier, later in zip(kernels, kernels[1:])), reverse=True)[:3]
+  gap_text = ", ".join(f"{gap:.1f} us after {a}" for gap, a, _ in gaps) or "none"
+  return (f"busy {busy / calls:.1f} us, elapsed {elapsed / calls:.1f} us per call over {len(kernels)} kernels; "
+          f"longest gaps: {gap_text}")
+
+
+def chain_lines(sweep: cases.Sweep, calls: int) -> list[str]:
+  """Per JAX impl, one line: `chain_summary` of one run of its chain of `calls` calls."""
+  case, args = _first_case(sweep)
+  lines = []
+  for impl in sweep.impls:
+    try:
+      runner = runners.build_runner(impl, cases.op_spec(case))
+      if runner.timer != "jax":
+        raise ValueError(f"not a JAX impl (timer {runner.timer!r})")
+      arg_sets = [runner.prepare(args)]
+      program = jax.jit(timing.chain(runner.fn, calls)).lower(arg_sets).compile()
+      run_once = lambda: jax.block_until_ready(program(arg_sets))
+      for _ in range(max(1, sweep.warmup)):
+        run_once()
+      lines.append(f"{impl}: chain of {calls} calls of {case.describe()}: "
+                   f"{chain_summary(_profiled_kernels(run_once), calls)}")
+    except Exception as e:  # pylint: disable=broad-except
+      lines.append(f"{impl}: not profiled ({output.error_reason(e)})")
+    print(lines[-1], flush=True)
+  return lines
+
+
 def kernel_time_lines(sweep: cases.Sweep, calls: int) -> list[str]:
   """Per impl, one line: the kernels of one call of the sweep's first case and their GPU µs."""
   case, args = _first_case(sweep)
@@ -159,7 +217,9 @@ def kernel_time_lines(sweep: cases.Sweep, calls: int) -> list[str]:
 
 def main(argv: Sequence[str]) -> None:
   del argv
-  if FLAGS.kernel_times:
+  if FLAGS.kernel_times and FLAGS.chain_calls:
+    chain_lines(cli.sweep_from_flags(), FLAGS.chain_calls)
+  elif FLAGS.kernel_times:
     kernel_time_lines(cli.sweep_from_flags(), FLAGS.calls)
   elif FLAGS.launches:
     launches(cli.sweep_from_flags())

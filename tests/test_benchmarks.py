@@ -325,6 +325,17 @@ def test_profile_kernel_times_say_why_they_cannot_run_here():
     pass
   (line,) = profile_kernel.kernel_time_lines(sweep, calls=1)
   assert line.startswith("xla: not profiled") and "needs torch with CUDA" in line, line
+  (line,) = profile_kernel.chain_lines(sweep, calls=2)
+  assert line.startswith("xla: not profiled") and "needs torch with CUDA" in line, line
+
+
+def test_profile_kernel_chain_summary():
+  from benchmarks import profile_kernel
+  kernels = [(0.0, 10.0, "decode"), (10.5, 12.0, "merge"), (12.0, 22.0, "decode"), (25.0, 26.0, "merge")]
+  line = profile_kernel.chain_summary(kernels, calls=2)
+  assert line.startswith("busy 11.2 us, elapsed 13.0 us per call over 4 kernels"), line
+  assert "longest gaps: 3.0 us after decode, 0.5 us after decode, 0.0 us after merge" in line, line
+  assert profile_kernel.chain_summary([], calls=2) == "no kernels recorded"
 
 
 def test_ncu_summary_reads_a_details_csv():
