@@ -43,8 +43,8 @@ class DecodeConfig:
     cores and the softmax overlap (FA3-style intra-warpgroup pipelining; mosaic_gpu only).
   persistent: launch one program per SM that loops over the (kv head, split, batch) work items,
     keeping the KV ring streaming across items (mosaic_gpu only; kv_groups must be 1).
-  merge_in_kernel: merge the splits in the kernel's own launch instead of a second one (triton
-    only): each split writes its partial and bumps a per-(sequence, kv head) counter with an
+  merge_in_kernel: merge the splits in the kernel's own launch instead of the merge kernel's
+    (triton only; measured slower at batch 1 on the H200: the last split merges alone): each split writes its partial and bumps a per-(sequence, kv head) counter with an
     acq_rel atomic; the split that arrives last merges every split's partial in split order (so
     the result does not depend on the order in which they finish) and writes the output. It costs
     a memset of one int32 counter per (sequence, kv head, row block) each call. A sequence whose

@@ -1,8 +1,8 @@
 """Split-K flash-decoding partials on the Pallas Triton backend (portable GPUs: Ampere, ROCm).
 
 One program per (kv head [x row block], split, sequence). It loads the packed query rows of its
-KV head (every q head of the group x every new token, padded to a power of two >= 16 for
-`pl.dot`) and streams the KV tiles of its split: a range of `block_kv`-token tiles computed at
+KV head (every q head of the group x every new token; q is not padded in memory, the rows up
+to a power of two >= 16 for `pl.dot` load as zeros) and streams the KV tiles of its split: a range of `block_kv`-token tiles computed at
 run time from `lengths`, so tiles past the end of a sequence (or before its sliding window)
 are never loaded. Triton software-pipelines the tile loads of the loop (`num_stages`); the
 online softmax runs in float32 (exp2 on log2-scaled logits).
@@ -11,8 +11,12 @@ Pallas Triton has no scalar prefetch: the block table row of the sequence is an 
 and page ids are read inside the loop. A tile is one slice of one page when block_kv divides
 the page size, else a per-token gather over block_kv / page_size pages.
 
+Lengths and page ids are clamped here (into [0, capacity] and [0, P)), so the ops launch
+nothing before the kernel.
+
 Each split writes its softmax-normalised partial output and its natural-log LSE (-inf and 0
-for a split without valid keys); the caller merges splits (`split_k.merge_splits`).
+for a split without valid keys) for the real rows only; the caller merges splits
+(`merge.merge_partials`, one launch; `split_k.merge_splits` is its reference).
 
 With `DecodeConfig.merge_in_kernel` (`decode_merged`) the merge runs in the same launch: each
 split of a sequence that has more than one split with tiles writes its partial, then bumps the
