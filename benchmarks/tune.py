@@ -52,8 +52,10 @@ def candidate_space(backend: str, space: str) -> list[dict]:
   """Config fields to try; num_splits None means 'the heuristic's', a number scales it."""
   if space == "smoke":
     return [dict(block_kv=64, num_stages=2), dict(block_kv=64, num_stages=3)]
-  if backend == "triton" and space == "fast":  # 8 candidates: ~1 minute per shape on an H200
-    grid = dict(block_kv=(32, 64), num_stages=(2, 3), split_scale=(1, 2))
+  if backend == "triton" and space == "fast":  # 12 candidates: ~1.5 minutes per shape on an H200
+    # 128-token tiles and half the heuristic's splits won at B1 and B128 on the H200
+    # (benchmarks/RESULTS.md, 2026-11-30 fourth set); 32-token tiles came within 1% of them at B32 and B128.
+    grid = dict(block_kv=(64, 128), num_stages=(2, 3), split_scale=(0.5, 1, 2))
   elif backend == "triton":
     grid = dict(block_kv=(32, 64, 128), num_stages=(2, 3, 4), num_warps=(4, 8), split_scale=(0.5, 1, 2))
   elif space == "fast":
