@@ -20,8 +20,8 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kv.kernels.triton import decode as triton_decode
 
-# Float32 values one program holds of the partials ([splits, rows, columns] padded to powers of
-# two): 64 per thread of 4 warps.
+# Values one program holds of the partials ([splits, rows, columns] padded to powers of two), in
+# float32: 64 per thread of 4 warps.
 MAX_BLOCK_ELEMENTS = 8192
 MAX_COLUMNS = 64
 NUM_WARPS = 4
@@ -43,7 +43,7 @@ def blocking(num_splits: int, rows: int, dv: int) -> tuple[int, int]:
   return row_block, columns
 
 
-def _kernel(out_ref,     # [splits, >= R, Dv] f32, this (sequence, kv head)'s partials
+def _kernel(out_ref,     # [splits, >= R, Dv] f32 or 16-bit, this (sequence, kv head)'s partials
             lse_ref,     # [splits, >= R] f32
             *refs, rows: int, splits: int, row_block: int, columns: int, has_sinks: bool, write_lse: bool):
   refs = list(refs)
