@@ -19,6 +19,7 @@ LAYERS = [
     {"kernels.mosaic_gpu.pipeline", "kernels.mosaic_gpu.tiling"},
     {"kernels.mosaic_gpu.config", "kernels.triton.config"},
     {"kernels.mosaic_gpu.decode", "kernels.mosaic_gpu.mla", "kernels.triton.decode"},
+    {"kernels.triton.merge"},   # the merge launch: the Triton decode module's compiler params
     {"kernels.mosaic_gpu.backend", "kernels.triton.backend"},
     {"api"},
     {"module", "sharding", "reference"},
