@@ -11,7 +11,8 @@ import pytest
 
 import pallas_kv as pkv
 import sweeps
-from harness import TRITON_CUSTOM_CALL, assert_matches_reference, check_against_reference, lower_for_cuda, make_case
+from harness import TRITON_CUSTOM_CALL, assert_lse_matches, assert_matches_reference, check_against_reference
+from harness import lower_for_cuda, make_case
 from harness import poison_unread_slots
 from pallas_kv.kernels.mosaic_gpu import config as mosaic_gpu_config
 from pallas_kv.kernels.triton import config as triton_config
@@ -254,6 +255,36 @@ def test_tuned_configs_at_shapes_between_the_tuned_ones_lower_for_cuda(impl, cas
   args, problem = sweeps.problem_args(sweeps.sweep_heads()[0], case, None)
   _lower(impl, pkv.decode_attention, RESOLVE_CONFIG[impl](problem, config, num_sms=132), args)
 
+def _check_hostile_lengths_and_page_ids(impl, *, seq_len, num_heads, num_kv_heads, head_dim, configs):
+  """Lengths below 0 and past the capacity, and table entries out of the pool inside a sequence's
+  range: the kernels clamp them (no launch before the kernel does), so every config gives the
+  reference's result on the clamped values, dense and paged."""
+  case = make_case(77, batch=3, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                   head_dim=head_dim, dtype=jnp.bfloat16, page_size=16, lengths=[seq_len, seq_len, seq_len])
+  lengths = jnp.asarray([-7, 10**6, 37], jnp.int32)
+  clamped = jnp.clip(lengths, 0, seq_len)
+  num_pages = case.k_pages.shape[0]
+  tables = case.block_tables.at[2, 1].set(10**6).at[2, 2].set(-1)
+  f32 = lambda x: x.astype(jnp.float32)
+  for config in configs:
+    dense = pkv.decode_attention(case.q, case.k, case.v, lengths, return_lse=True, impl=impl, config=config)
+    want = pkv.decode_attention_reference(f32(case.q), f32(case.k), f32(case.v), clamped, return_lse=True)
+    assert_matches_reference(dense[0], want[0], jnp.bfloat16)
+    assert_lse_matches(dense[1], want[1], jnp.bfloat16)
+    paged = pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, tables, lengths, return_lse=True,
+                                       impl=impl, config=config)
+    want = pkv.paged_decode_attention_reference(f32(case.q), f32(case.k_pages), f32(case.v_pages),
+                                                jnp.clip(tables, 0, num_pages - 1), clamped, return_lse=True)
+    assert_matches_reference(paged[0], want[0], jnp.bfloat16)
+    assert_lse_matches(paged[1], want[1], jnp.bfloat16)
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+def test_hostile_lengths_and_page_ids_are_clamped_interpret(interpret_mode, impl):
+  _check_hostile_lengths_and_page_ids(impl, seq_len=SMALL_CONTEXT[impl] // 32 * 32, num_heads=4, num_kv_heads=2,
+                                      head_dim=64, configs=[_small_config(impl, 2)])
+
+
 # ---------------------------------------------------------------- on the GPU
 
 @pytest.mark.gpu
@@ -269,6 +300,14 @@ def test_gpu_matches_reference(impl, batch, seq_len, group, page_size):
     out = pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths,
                                      return_lse=True, impl=impl)
   check_against_reference(case, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+def test_gpu_hostile_lengths_and_page_ids_are_clamped(impl):
+  # One split (the kernel writes the output) and four (the merge kernel), at a realistic size.
+  _check_hostile_lengths_and_page_ids(impl, seq_len=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                                      configs=[pkv.DecodeConfig(num_splits=1), pkv.DecodeConfig(num_splits=4)])
 
 
 @pytest.mark.gpu
