@@ -2,7 +2,7 @@
 # The measurement suite on an H200, in parts that each fit one ~10-minute command.
 #   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged quantized qprobe vmap step tune
 #   fuzz memcheck mla merge balanced smollm2 (SMOLLM2_GGUF=path: the GPU machine has no network)
-#   tune_triton ncu loadpath
+#   tune_triton ncu loadpath kernels chain
 #   tune-SWEEP-BACKEND (e.g. TUNE_CASES=32x8192,128x8192 ... tune-gpt_oss_120b-mosaic_gpu)
 #   (and scaling8k scaling32k on a machine with several GPUs)
 # Results (JSON, logs) go to $OUT if set, else bench_out/. Run from the repository root with the
@@ -67,7 +67,21 @@ for part in "$@"; do
                   --split_plan=$plan --warmup=2 --repeats=5 --json="$out/ragged_$plan.json" 2>&1 | quiet \
                   | tee "$out/ragged_$plan.log"
               done ;;
-    mla)      python3 -m benchmarks.mla --json="$out/mla.json" 2>&1 | quiet | tee "$out/mla.log" ;;
+    mla)      python3 -m benchmarks.mla --iters=10 --json="$out/mla.json" 2>&1 | quiet | tee "$out/mla.log" ;;
+    kernels)  # every kernel of one call and its GPU us (torch.profiler), ours and the peers, per shape
+              for c in 1x32768 8x8192 32x4096 128x4096; do
+                python3 -m benchmarks.profile_kernel --kernel_times --impl=triton,mosaic_gpu,cudnn,torch \
+                  --flagfile=configs/gqa_h200.flags --cases=$c 2>&1 | quiet | tee -a "$out/kernels.log"
+              done ;;
+    chain)    # the GPU's busy time per call inside the chain timer's program (10, 40, 80 calls), then
+              # the timer on the same cases: what the chain-diff adds over the GPU time
+              for c in 32x4096 128x4096; do for n in 10 40 80; do
+                python3 -m benchmarks.profile_kernel --kernel_times --chain_calls=$n --impl=triton,cudnn \
+                  --flagfile=configs/gqa_h200.flags --cases=$c 2>&1 | quiet | tee -a "$out/chain.log"
+              done; done
+              python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags --impl=triton,cudnn,torch \
+                --cases=32x4096,128x4096 --warmup=2 --repeats=7 --json="$out/chain_timer.json" 2>&1 | quiet \
+                | tee -a "$out/chain.log" ;;
     smollm2)  python3 -m benchmarks.smollm2 --gguf="${SMOLLM2_GGUF:?set SMOLLM2_GGUF to the GGUF file}" \
                 --batch=1,8,64 --impl=auto,xla --prompt_len=256 --new_tokens=64 --json="$out/smollm2.json" 2>&1 \
                 | quiet | grep -v '^step' | tee "$out/smollm2.log" ;;
