@@ -2,10 +2,11 @@
 
 One program per (kv head [x row block], split, sequence). It loads the packed query rows of its
 KV head (every q head of the group x every new token; q is not padded in memory, the rows up
-to a power of two >= 16 for `pl.dot` load as zeros) and streams the KV tiles of its split: a range of `block_kv`-token tiles computed at
-run time from `lengths`, so tiles past the end of a sequence (or before its sliding window)
-are never loaded. Triton software-pipelines the tile loads of the loop (`num_stages`); the
-online softmax runs in float32 (exp2 on log2-scaled logits).
+to a power of two >= 16 for `pl.dot` load as zeros) and streams the KV tiles of its split: a
+range of `block_kv`-token tiles computed at run time from `lengths`, so tiles past the end of a
+sequence (or before its sliding window) are never loaded. Triton software-pipelines the tile
+loads of the loop (`num_stages`); the online softmax runs in float32 (exp2 on log2-scaled
+logits).
 
 Pallas Triton has no scalar prefetch: the block table row of the sequence is an ordinary input
 and page ids are read inside the loop. A tile is one slice of one page when block_kv divides
@@ -230,7 +231,7 @@ def _dot(a, b, *, trans_b: bool = False):
   return lax.dot_general(a, b, contract, preferred_element_type=jnp.float32)
 
 
-def _kernel(q_ref,            # [block_rows, D] packed rows of this (sequence, kv head, row block); merge: [R, D]
+def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), unpadded
             k_ref,            # [T, D] | [P, page_size, D]   this kv head, cache dtype
             v_ref,            # same as k_ref
             lengths_ref,      # [B] int32
