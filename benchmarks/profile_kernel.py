@@ -86,44 +86,52 @@ def launched_ops(compiled_text: str) -> list[str]:
   return ops
 
 
-def launches(sweep: cases.Sweep) -> list[str]:
-  """Per JAX impl, one line: how many top-level ops its compiled call on the first case launches."""
+def _per_impl(sweep: cases.Sweep, describe: Callable[..., str], failed: str) -> list[str]:
+  """One printed line per impl of the sweep: "impl: " + describe(runner, case, args) on its first
+  case, or "impl: <failed> (why)" where that raises."""
   case, args = _first_case(sweep)
   lines = []
   for impl in sweep.impls:
     try:
-      runner = runners.build_runner(impl, cases.op_spec(case))
-      if runner.timer != "jax":
-        raise ValueError(f"not a JAX impl (timer {runner.timer!r})")
-      prepared = runner.prepare(args)
-      ops = launched_ops(jax.jit(runner.fn).lower(*prepared).compile().as_text())
-      lines.append(f"{impl}: {len(ops)} ops launched per call of {case.describe()}: {', '.join(ops)}")
+      lines.append(f"{impl}: {describe(runners.build_runner(impl, cases.op_spec(case)), case, args)}")
     except Exception as e:  # pylint: disable=broad-except
-      lines.append(f"{impl}: not compiled ({output.error_reason(e)})")
+      lines.append(f"{impl}: {failed} ({output.error_reason(e)})")
     print(lines[-1], flush=True)
   return lines
+
+
+def _check_jax(runner) -> None:
+  if runner.timer != "jax":
+    raise ValueError(f"not a JAX impl (timer {runner.timer!r})")
+
+
+def launches(sweep: cases.Sweep) -> list[str]:
+  """Per JAX impl, one line: how many top-level ops its compiled call on the first case launches."""
+  def describe(runner, case, args):
+    _check_jax(runner)
+    ops = launched_ops(jax.jit(runner.fn).lower(*runner.prepare(args)).compile().as_text())
+    return f"{len(ops)} ops launched per call of {case.describe()}: {', '.join(ops)}"
+  return _per_impl(sweep, describe, "not compiled")
+
+
+def _calls(runner, args) -> Callable[[], Any]:
+  """A call of the runner on its prepared args that waits for its result (jax or torch)."""
+  prepared = runner.prepare(args)
+  return lambda: runner.to_numpy(runner.fn(*prepared))
 
 
 def run(sweep: cases.Sweep, calls: int) -> list[str]:
   """Runs each impl on the sweep's first case; returns one line per impl."""
-  case, args = _first_case(sweep)
-  lines = []
-  for impl in sweep.impls:
-    try:
-      runner = runners.build_runner(impl, cases.op_spec(case))
-      prepared = runner.prepare(args)
-      for _ in range(max(1, sweep.warmup) + calls):
-        runner.to_numpy(runner.fn(*prepared))  # waits for the call (jax or torch)
-      lines.append(f"{impl}: {calls} calls of {case.describe()} after {max(1, sweep.warmup)} warm-up")
-    except Exception as e:  # pylint: disable=broad-except
-      lines.append(f"{impl}: not run ({output.error_reason(e)})")
-    print(lines[-1], flush=True)
-  return lines
+  def describe(runner, case, args):
+    call = _calls(runner, args)
+    for _ in range(max(1, sweep.warmup) + calls):
+      call()
+    return f"{calls} calls of {case.describe()} after {max(1, sweep.warmup)} warm-up"
+  return _per_impl(sweep, describe, "not run")
 
 
-def kernel_times(fn: Callable[[], Any], calls: int) -> list[tuple[str, float, float]]:
-  """[(kernel name, launches per call, GPU µs per call)] of `calls` calls of fn (which waits for
-  its call), slowest first; raises RuntimeError without torch's CUDA profiler."""
+def _cuda_profile(fn: Callable[[], Any], calls: int = 1):
+  """torch.profiler's CUDA activity over `calls` calls of fn; RuntimeError without torch's CUDA."""
   try:
     import torch  # pylint: disable=g-import-not-at-top
     from torch import profiler  # pylint: disable=g-import-not-at-top
@@ -135,8 +143,14 @@ def kernel_times(fn: Callable[[], Any], calls: int) -> list[tuple[str, float, fl
     for _ in range(calls):
       fn()
     torch.cuda.synchronize()
+  return prof
+
+
+def kernel_times(fn: Callable[[], Any], calls: int) -> list[tuple[str, float, float]]:
+  """[(kernel name, launches per call, GPU µs per call)] of `calls` calls of fn (which waits for
+  its call), slowest first; raises RuntimeError without torch's CUDA profiler."""
   rows = []
-  for event in prof.key_averages():
+  for event in _cuda_profile(fn, calls).key_averages():
     total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
     if total:
       rows.append((event.key, event.count / calls, total / calls))
@@ -145,17 +159,7 @@ def kernel_times(fn: Callable[[], Any], calls: int) -> list[tuple[str, float, fl
 
 def _profiled_kernels(fn: Callable[[], Any]) -> list[tuple[float, float, str]]:
   """[(start µs, end µs, name)] of every kernel of one call of fn, in start order."""
-  try:
-    import torch  # pylint: disable=g-import-not-at-top
-    from torch import profiler  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    raise RuntimeError(f"--chain_calls needs torch with CUDA ({e})") from None
-  if not torch.cuda.is_available():
-    raise RuntimeError("--chain_calls needs torch with CUDA (torch.cuda.is_available() is False)")
-  with profiler.profile(activities=[profiler.ProfilerActivity.CUDA]) as prof:
-    fn()
-    torch.cuda.synchronize()
-  return sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+  return sorted((e.time_range.start, e.time_range.end, e.name) for e in _cuda_profile(fn).events()
                 if str(e.device_type).endswith("CUDA"))
 
 
@@ -174,45 +178,27 @@ def chain_summary(kernels: Sequence[tuple[float, float, str]], calls: int) -> st
 
 def chain_lines(sweep: cases.Sweep, calls: int) -> list[str]:
   """Per JAX impl, one line: `chain_summary` of one run of its chain of `calls` calls."""
-  case, args = _first_case(sweep)
-  lines = []
-  for impl in sweep.impls:
-    try:
-      runner = runners.build_runner(impl, cases.op_spec(case))
-      if runner.timer != "jax":
-        raise ValueError(f"not a JAX impl (timer {runner.timer!r})")
-      arg_sets = [runner.prepare(args)]
-      program = jax.jit(timing.chain(runner.fn, calls)).lower(arg_sets).compile()
-      run_once = lambda: jax.block_until_ready(program(arg_sets))
-      for _ in range(max(1, sweep.warmup)):
-        run_once()
-      lines.append(f"{impl}: chain of {calls} calls of {case.describe()}: "
-                   f"{chain_summary(_profiled_kernels(run_once), calls)}")
-    except Exception as e:  # pylint: disable=broad-except
-      lines.append(f"{impl}: not profiled ({output.error_reason(e)})")
-    print(lines[-1], flush=True)
-  return lines
+  def describe(runner, case, args):
+    _check_jax(runner)
+    arg_sets = [runner.prepare(args)]
+    program = jax.jit(timing.chain(runner.fn, calls)).lower(arg_sets).compile()
+    run_once = lambda: jax.block_until_ready(program(arg_sets))
+    for _ in range(max(1, sweep.warmup)):
+      run_once()
+    return f"chain of {calls} calls of {case.describe()}: {chain_summary(_profiled_kernels(run_once), calls)}"
+  return _per_impl(sweep, describe, "not profiled")
 
 
 def kernel_time_lines(sweep: cases.Sweep, calls: int) -> list[str]:
   """Per impl, one line: the kernels of one call of the sweep's first case and their GPU µs."""
-  case, args = _first_case(sweep)
-  lines = []
-  for impl in sweep.impls:
-    try:
-      runner = runners.build_runner(impl, cases.op_spec(case))
-      prepared = runner.prepare(args)
-      call = lambda: runner.to_numpy(runner.fn(*prepared))  # waits for the call (jax or torch)
-      for _ in range(max(1, sweep.warmup)):
-        call()
-      rows = kernel_times(call, calls)
-      total = sum(us for _, _, us in rows)
-      kernels = "; ".join(f"{name[:60]} x{count:g} {us:.1f}" for name, count, us in rows)
-      lines.append(f"{impl}: {total:.1f} us of kernels per call of {case.describe()}: {kernels}")
-    except Exception as e:  # pylint: disable=broad-except
-      lines.append(f"{impl}: not profiled ({output.error_reason(e)})")
-    print(lines[-1], flush=True)
-  return lines
+  def describe(runner, case, args):
+    call = _calls(runner, args)
+    for _ in range(max(1, sweep.warmup)):
+      call()
+    rows = kernel_times(call, calls)
+    kernels = "; ".join(f"{name[:60]} x{count:g} {us:.1f}" for name, count, us in rows)
+    return f"{sum(us for _, _, us in rows):.1f} us of kernels per call of {case.describe()}: {kernels}"
+  return _per_impl(sweep, describe, "not profiled")
 
 
 def main(argv: Sequence[str]) -> None:
