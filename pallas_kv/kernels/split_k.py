@@ -213,7 +213,7 @@ def split_plan(lengths, *, problem, config: DecodeConfig, window: int | None, ro
     return None
   chunks = balanced_chunks(num_kv_heads=problem.num_kv_heads, row_blocks=row_blocks,
                            num_sms=num_sms or runtime.num_sms(), programs_per_sm=programs_per_sm)
-  lengths = jnp.clip(lengths, 0, problem.capacity)   # a no-op where the caller clamped them already
+  lengths = jnp.clip(lengths, 0, problem.capacity)   # the kernels clamp them too, each on its own
   return balanced_tiles_per_split(lengths, block_kv=config.block_kv, num_queries=problem.num_queries,
                                   num_splits=config.num_splits, window=window, chunks=chunks)
 
@@ -339,7 +339,7 @@ def packed_sinks(sinks, problem):
 
 
 def run(partials: Callable, q, k, lengths, block_tables, *, problem, sinks, return_lse: bool, k_scale=None,
-        v_scale=None, merged: bool = False, kernel_clamps: bool = False, merge: Callable | None = None):
+        v_scale=None, merged: bool = False, merge: Callable | None = None):
   """Packs q into kernel rows, calls partials(rows, lengths, block_tables, k_scale, v_scale) ->
   (out, lse) per split ([B, Hkv, splits, >= R, D], [B, Hkv, splits, >= R]), merges the splits and
   unpacks the rows.
@@ -352,20 +352,16 @@ def run(partials: Callable, q, k, lengths, block_tables, *, problem, sinks, retu
   partials(rows, lengths, block_tables, k_scale, v_scale, row_sinks) -> (out [B, Hkv, R, D],
   lse [B, Hkv, R] float32 or None when not return_lse), row_sinks `packed_sinks` or None.
 
-  Lengths are clamped to [0, T] and page ids to [0, P) before the kernel sees them, unless
-  kernel_clamps (the kernel clamps them itself: one launch fewer); scales come as `kernel_scale`
-  makes them.
+  Lengths and page ids reach the kernel as int32, unclamped: every kernel clamps them itself
+  (into [0, T] and [0, P)), which spares a launch before it; scales come as `kernel_scale` makes
+  them.
   """
   q4, single = validation.query_as_rank4(q)
   rows = pack_queries(q4, problem.num_kv_heads).astype(compute_dtype(k.dtype))  # [B, Hkv, R = S*G, D]
   num_rows = rows.shape[2]
   lengths = lengths.astype(jnp.int32)
-  if not kernel_clamps:
-    lengths = jnp.clip(lengths, 0, problem.capacity)
   if block_tables is not None:
     block_tables = block_tables.astype(jnp.int32)
-    if not kernel_clamps:
-      block_tables = jnp.clip(block_tables, 0, problem.num_pages - 1)
   row_sinks = None if sinks is None else packed_sinks(sinks, problem)
   k_scale = kernel_scale(k_scale, problem.num_kv_heads)
   v_scale = kernel_scale(v_scale, problem.num_kv_heads)

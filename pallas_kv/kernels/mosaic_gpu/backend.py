@@ -55,7 +55,7 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: De
                                        tiles_per_split=plan, interpret=interpret_params())
 
   return split_k.run(partials, q, k, lengths, block_tables, problem=problem, sinks=sinks, return_lse=return_lse,
-                     k_scale=k_scale, v_scale=v_scale, kernel_clamps=True, merge=fused_merge())
+                     k_scale=k_scale, v_scale=v_scale, merge=fused_merge())
 
 
 def run_mla(q, kv_pages, lengths, block_tables, *, problem, options, config: DecodeConfig | None,
@@ -72,4 +72,4 @@ def run_mla(q, kv_pages, lengths, block_tables, *, problem, options, config: Dec
     return out[:, None], lse[:, None]   # [B, Hkv = 1, splits, R, ...]
 
   return split_k.run(partials, q, kv_pages, lengths, block_tables, problem=problem, sinks=None,
-                     return_lse=return_lse, kernel_clamps=True, merge=fused_merge())
+                     return_lse=return_lse, merge=fused_merge())

@@ -51,5 +51,5 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: De
   # page ids itself, so nothing else is launched around it.
   in_kernel = config.merge_in_kernel or config.num_splits == 1
   return split_k.run(merged if in_kernel else partials, q, k, lengths, block_tables, problem=problem, sinks=sinks,
-                     return_lse=return_lse, k_scale=k_scale, v_scale=v_scale, merged=in_kernel, kernel_clamps=True,
+                     return_lse=return_lse, k_scale=k_scale, v_scale=v_scale, merged=in_kernel,
                      merge=functools.partial(triton_merge.merge_partials, interpret=interpret))

@@ -487,8 +487,13 @@ def _call(st: _Static, args, *, q, k, config: DecodeConfig, interpret: bool, out
   call = _build(st, batch=B, num_kv_heads=Hkv, kv_shape=k.shape, table_width=st.max_pages,
                 num_warps=config.num_warps, num_stages=config.num_stages, dtype=k.dtype, interpret=bool(interpret),
                 out_dtype=out_dtype)
+  return call_quietly(call, args)
+
+
+def call_quietly(call, args):
+  """call(*args) with jax's Pallas Triton deprecation warning hidden: eager calls lower here;
+  jit-time lowering goes through CompilerParams' quiet rule."""
   with warnings.catch_warnings():
-    # Eager calls lower here; jit-time lowering goes through CompilerParams' quiet rule.
     warnings.filterwarnings("ignore", message=DEPRECATION_MESSAGE, category=DeprecationWarning)
     return call(*args)
 

@@ -11,7 +11,6 @@ merged rows in the output dtype and, from the first column block, the merged LSE
 from __future__ import annotations
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -134,7 +133,5 @@ def merge_partials(out, lse, sinks=None, *, out_dtype, return_lse: bool = True, 
       grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       compiler_params=triton_decode.compiler_params(num_warps=NUM_WARPS, num_stages=1),
       interpret=interpret, name=f"pallas_kv_triton_merge_sp{splits}_r{rows}_d{dv}")
-  with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=triton_decode.DEPRECATION_MESSAGE, category=DeprecationWarning)
-    results = call(*args)
+  results = triton_decode.call_quietly(call, args)
   return results[0], results[1] if return_lse else None
