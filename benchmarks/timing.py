@@ -9,7 +9,15 @@ XLA can neither merge identical calls nor overlap them, and nothing is copied),
 rotating among the input sets. Such a program takes about c + N * t on the host
 clock (c: dispatch and sync, paid once). Each sample times a chain of N = `iters`
 calls and one of 2N back to back and takes t = (T_2N - T_N) / N, which cancels c.
-The result is the median over `repeats` samples. Compilation and `warmup` runs of
+The result is the median over `repeats` samples.
+
+The dispatch of a chain is not a fixed c: on the H200 it grew by 15-35 µs per call in the
+chain, and the GPU finished later by about that much (B32 T4096: the GPU was busy 123 µs per
+call by the profiler while T_2N - T_N read 133-137). So on accelerators each chain runs
+queued behind a lead run (the long chain): its host dispatch happens while the device still
+works on the lead, and the clock starts when the lead's results are ready, so it reads the
+chain's device time plus a constant wake-up. A sample whose dispatch outlasted the lead (the
+device idled) is kept but marks the result's method "chain-diff+dispatch". Compilation and `warmup` runs of
 both chains come first. Host jitter on the two wall-clock readings is ~0.1 ms, so a
 short chain of a fast op (20 calls of 45 µs = 0.9 ms) gives samples ±10% apart; the
 chain is therefore lengthened until it runs for `MIN_CHAIN_S` of device time (from
@@ -55,7 +63,9 @@ class Timing:
   median_s: float
   min_s: float
   samples_s: tuple[float, ...]
-  method: str  # "chain-diff" (JAX), "chain" (JAX, fallback) or "cuda-events"
+  # "chain-diff" (JAX), "chain-diff+dispatch" (JAX, some dispatch not hidden), "chain" (JAX,
+  # fallback) or "cuda-events"
+  method: str
   # chain-diff: fixed cost of one dispatch + sync; cuda-events: enqueue time per call.
   overhead_s: float
   host_bound: bool = False
@@ -106,6 +116,18 @@ def _wall(fn: Callable[[list], Any], arg_sets: list) -> float:
   return time.perf_counter() - t0
 
 
+def _queued_wall(fn: Callable[[list], Any], arg_sets: list, lead: Callable[[list], Any]) -> tuple[float, bool]:
+  """Wall time of one run of fn queued behind a run of `lead`, timed from when lead's results are
+  ready; and whether fn's dispatch was over by then (so the time holds no dispatch)."""
+  lead_out = lead(arg_sets)
+  out = fn(arg_sets)
+  hidden = not all(x.is_ready() for x in jax.tree.leaves(lead_out)[-1:])
+  jax.block_until_ready(lead_out)
+  t0 = time.perf_counter()
+  jax.block_until_ready(out)
+  return time.perf_counter() - t0, hidden
+
+
 def chain_length(per_call_s: float, iters: int, *, min_chain_s: float = MIN_CHAIN_S,
                  max_calls: int = MAX_CHAIN_CALLS) -> int:
   """Calls per short chain: at least `iters`, more while the chain is shorter than `min_chain_s`."""
@@ -123,16 +145,21 @@ def _compile_chains(fn, arg_sets, iters):
 
 
 def time_jax(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int,
-             iters: int, repeats: int, min_chain_s: float | None = None) -> Timing:
+             iters: int, repeats: int, min_chain_s: float | None = None,
+             queued: bool | None = None) -> Timing:
   """Device time of `fn(*args)` (a traceable JAX function) by chain differences.
 
   `iters` is the least number of calls per short chain; it grows (see module doc) when the
   chain would run for less than `min_chain_s` (default: `MIN_CHAIN_S` on accelerators, 0 =
-  fixed on CPU, where interpret-mode calls are slow and compiles are what cost).
+  fixed on CPU, where interpret-mode calls are slow and compiles are what cost). `queued`
+  (default: on accelerators) times each chain behind a lead run so that its dispatch is hidden.
   """
   _check_counts(arg_sets, iters, repeats)
+  on_cpu = jax.default_backend() == "cpu"
   if min_chain_s is None:
-    min_chain_s = 0.0 if jax.default_backend() == "cpu" else MIN_CHAIN_S
+    min_chain_s = 0.0 if on_cpu else MIN_CHAIN_S
+  if queued is None:
+    queued = not on_cpu
   arg_sets = list(arg_sets)
 
   def compile_and_warm_up(iters):
@@ -150,15 +177,21 @@ def time_jax(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int,
     iters = longer
     short, long = compile_and_warm_up(iters)
   diffs, overheads, longs = [], [], []
+  all_hidden = True
   for _ in range(repeats):
-    t_short = _wall(short, arg_sets)
-    t_long = _wall(long, arg_sets)
+    if queued:
+      (t_short, hidden_short), (t_long, hidden_long) = (_queued_wall(short, arg_sets, long),
+                                                        _queued_wall(long, arg_sets, long))
+      all_hidden = all_hidden and hidden_short and hidden_long
+    else:
+      t_short, t_long = _wall(short, arg_sets), _wall(long, arg_sets)
     per_call = (t_long - t_short) / iters
     diffs.append(per_call)
     overheads.append(t_short - iters * per_call)
     longs.append(t_long / (2 * iters))
   if statistics.median(diffs) > 0:
-    return _summarize(diffs, "chain-diff", statistics.median(overheads), iters)
+    method = "chain-diff" if all_hidden else "chain-diff+dispatch"
+    return _summarize(diffs, method, statistics.median(overheads), iters)
   # Too noisy to difference (tiny CPU cases): per-call time of the long chain,
   # an upper bound that includes the dispatch cost.
   return _summarize(longs, "chain", 0.0, iters)

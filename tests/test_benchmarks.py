@@ -420,3 +420,30 @@ def test_decode_benchmark_config_switches_apply_and_restore():
     assert module.resolve_config(problem, None, num_sms=132) == config
     assert config.split_plan == "per_sequence" and not config.merge_in_kernel
   assert isinstance(plain[triton_config], pkv.DecodeConfig)
+
+
+_QUEUED_WALL_CHECK = """
+import jax, jax.numpy as jnp
+from benchmarks import timing
+x, big = jnp.ones((8,)), jnp.ones((768, 768))
+slow = jax.jit(lambda m: [m := jnp.tanh(m @ m) for _ in range(40)][-1])  # ~0.2 s on 2 cores
+double = jax.jit(lambda sets: sets[0][0] * 2.0)
+ready = jax.block_until_ready((slow(big), double([(x,)])))[0]  # compiled: both dispatch asynchronously
+print(timing._queued_wall(double, [(x,)], lambda sets: ready)[1], timing._queued_wall(double, [(x,)], lambda sets: slow(big))[1])
+"""
+
+
+def test_queued_wall_says_whether_the_lead_hid_the_dispatch():
+  # In a fresh process: conftest turns CPU async dispatch off, and the slow lead must run async.
+  result = subprocess.run([sys.executable, "-c", _QUEUED_WALL_CHECK], capture_output=True, text=True,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=os.path.dirname(os.path.dirname(__file__)))
+  assert result.returncode == 0, result.stderr[-2000:]
+  # A lead already done cannot hide the call's dispatch; one still computing does.
+  assert result.stdout.split() == ["False", "True"]
+
+
+def test_time_jax_queued_mode_gives_a_chain_difference():
+  x = jnp.ones((64, 64), jnp.float32)
+  t = timing.time_jax(lambda a: jnp.tanh(a @ a), [(x,)], warmup=1, iters=4, repeats=2, queued=True)
+  assert t.method in ("chain-diff", "chain-diff+dispatch", "chain") and len(t.samples_s) == 2
+  assert t.median_s > 0
