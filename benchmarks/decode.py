@@ -22,6 +22,10 @@ once with and once without it to compare against the two-launch path:
   python -m benchmarks.decode --flagfile=configs/gqa_h200.flags --ragged --impl=triton,mosaic_gpu \
       --split_plan=balanced
 
+`--sequence_order=longest_first` runs the triton impl (and auto where it picks triton) with
+programs taking the sequences longest first (`DecodeConfig.sequence_order`), the config otherwise
+as resolved; compare with the default on ragged batches.
+
 Each case (op x batch x seq_len) prints one table row per impl: median time per
 call, TB/s of the bytes that must move (the KV of the valid tokens, plus q and the
 output), TFLOP/s, % of the roofline max(bytes / peak_tbps, flops / peak_tflops) /
@@ -88,6 +92,7 @@ from benchmarks import output
 from benchmarks import peers
 from benchmarks import runners
 from benchmarks import timing
+from pallas_kv import config as config_lib
 
 
 def run_impl(impl: str, case: cases.Case, sweep: cases.Sweep, input_sets: Sequence[tuple],
@@ -224,6 +229,16 @@ def balanced_split_plan(enabled: bool):
     yield
 
 
+@contextlib.contextmanager
+def triton_sequence_order(order: str):
+  """While open (unless order is "given"), the triton backend resolves its configs as usual, then
+  sets sequence_order=order."""
+  from pallas_kv.kernels.triton import config as triton_config  # pylint: disable=g-import-not-at-top
+  ordered = lambda resolve, problem, config, kw: dataclasses.replace(config, sequence_order=order)
+  with _resolved_configs_rewritten([triton_config] if order != "given" else [], ordered):
+    yield
+
+
 def define_flags() -> None:
   """The flags of a `cases.Sweep` and the files to write the rows to."""
   cli.define_sweep_flags()
@@ -233,6 +248,9 @@ def define_flags() -> None:
   flags.DEFINE_enum("split_plan", "per_sequence", ["per_sequence", "balanced"],
                     "kernel impls: how sequences are cut into splits (DecodeConfig.split_plan); balanced "
                     "takes each resolved config with the plan's split bound.")
+  flags.DEFINE_enum("sequence_order", "given", list(config_lib.SEQUENCE_ORDERS),
+                    "triton impl: the order in which programs take the sequences (DecodeConfig.sequence_order), "
+                    "the config otherwise as resolved.")
   flags.adopt_module_key_flags(cli)
 
 
@@ -244,7 +262,8 @@ def main(argv: Sequence[str]) -> int:
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   paths = cli.output_paths()
-  with triton_merge_in_kernel(flags.FLAGS.merge_in_kernel), balanced_split_plan(flags.FLAGS.split_plan == "balanced"):
+  with (triton_merge_in_kernel(flags.FLAGS.merge_in_kernel), balanced_split_plan(flags.FLAGS.split_plan == "balanced"),
+        triton_sequence_order(flags.FLAGS.sequence_order)):
     rows = run(sweep, json_path=paths.json, csv_path=paths.csv, plot_path=paths.plot)
   return output.report_failures(
       output.failed_rows(rows), lambda r: f"{r['impl']} on {r['op']} B={r['batch']} T={r['seq_len']}",

@@ -25,6 +25,7 @@ class AttentionOptions:
 BLOCK_KV_CHOICES = (16, 32, 64, 128, 256)  # the mosaic_gpu backend needs >= 64 (wgmma K)
 MAX_STAGES = 8
 SPLIT_PLANS = ("per_sequence", "balanced")
+SEQUENCE_ORDERS = ("given", "longest_first")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,11 @@ class DecodeConfig:
     gives every SM about the same number of tiles: long sequences take more splits, short ones
     fewer; num_splits is then the most splits any sequence may take. A sequence's result then
     depends (in its last bits) on the other lengths in the batch.
+  sequence_order: the order in which programs take the sequences of a batch (triton only).
+    "given": batch order. "longest_first": by length, longest first (an argsort of `lengths` each
+    call, one small launch), so that the long sequences of a ragged batch start in the first wave
+    instead of trailing the last one (list scheduling's longest-processing-time rule). Only the
+    schedule changes: every sequence's result is the same bits as with "given".
   split_scores: MLA on mosaic_gpu only: both consumer warpgroups score half of each tile's keys
     and trade row maxima and their halves of P through SMEM (FlashMLA's balance), instead of one
     scorer computing all of Q K^T and the softmax while its partner only runs P V. Measured
@@ -75,6 +81,7 @@ class DecodeConfig:
   merge_in_kernel: bool = False
   split_plan: str = "per_sequence"
   split_scores: bool = False
+  sequence_order: str = "given"
 
   def __post_init__(self):
     if self.block_kv not in BLOCK_KV_CHOICES:
@@ -97,5 +104,7 @@ class DecodeConfig:
       raise ValueError(f"{self.split_scores=} must be a bool")
     if self.split_plan not in SPLIT_PLANS:
       raise ValueError(f"{self.split_plan=} must be one of {SPLIT_PLANS}")
+    if self.sequence_order not in SEQUENCE_ORDERS:
+      raise ValueError(f"{self.sequence_order=} must be one of {SEQUENCE_ORDERS}")
     if self.persistent and self.kv_groups != 1:
       raise ValueError(f"{self.persistent=} needs kv_groups=1, got {self.kv_groups=}")

@@ -1,15 +1,17 @@
 """The balanced split plan (DecodeConfig.split_plan="balanced"): one tile count per split for the
-whole batch, from `lengths`, so that a ragged batch spreads evenly over the SMs."""
+whole batch, from `lengths`, so that a ragged batch spreads evenly over the SMs; and the
+longest-first sequence order (DecodeConfig.sequence_order), which changes the schedule only."""
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import pallas_kv as pkv
 import sweeps
-from harness import check_against_reference, lower_for_cuda, make_case
+from harness import TRITON_CUSTOM_CALL, check_against_reference, lower_for_cuda, make_case
 from pallas_kv.kernels import split_k
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.triton import config as triton_config
@@ -188,3 +190,70 @@ def test_gpu_balanced_plan_on_a_ragged_batch(impl, page_size):
   config = resolve(problem, pkv.DecodeConfig(split_plan="balanced"), num_sms=132)
   assert config.split_plan == "balanced" and config.num_splits > 1
   check_against_reference(case, _call(case, impl, config, page_size is not None))
+
+
+# ---------------------------------------------------------------- the longest-first sequence order
+
+def test_longest_first_is_a_stable_descending_order():
+  from pallas_kv.kernels.triton import decode as triton_decode
+  order = triton_decode.longest_first(jnp.asarray([5, 9, 0, 9, 7]))
+  assert order.dtype == jnp.int32 and order.tolist() == [1, 3, 4, 0, 2]
+
+
+@pytest.mark.parametrize("paged,merge,num_splits,kv_dtype", [
+    (False, False, 2, jnp.int8),   # dense: q, K/V, per-token scales and the partials go through the order
+    (True, True, 3, None),         # paged: the block-table rows; merged in the kernel's launch
+    (False, True, 1, None),        # one split: the kernel writes the output rows itself
+], ids=["dense-int8-partials", "paged-merged", "dense-one-split"])
+def test_longest_first_gives_the_bits_of_batch_order(interpret_mode, paged, merge, num_splits, kv_dtype):
+  # Only the schedule changes: each sequence's result must be the same bits, in its own place.
+  case = make_case(60 + num_splits, batch=5, seq_len=128, num_heads=8, num_kv_heads=2, head_dim=64,
+                   dtype=jnp.float16 if kv_dtype else jnp.bfloat16, lengths=[40, 128, 0, 97, 113],
+                   page_size=32 if paged else None, kv_dtype=kv_dtype)
+  options = {}
+  if kv_dtype is not None:
+    rng = np.random.default_rng(num_splits)
+    options = {name: jnp.asarray(rng.uniform(0.005, 0.02, (5, 128, 2)), jnp.float32)
+               for name in ("k_scale", "v_scale")}
+
+  def call(order):
+    config = pkv.DecodeConfig(block_kv=16, num_stages=2, num_splits=num_splits, merge_in_kernel=merge,
+                              sequence_order=order)
+    return _call(case, "triton", config, paged, **options)
+
+  given, longest = call("given"), call("longest_first")
+  if kv_dtype is None:
+    check_against_reference(case, longest)
+  for a, b in zip(given, longest):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_sequence_order_is_validated():
+  from pallas_kv.kernels.triton import decode as triton_decode
+  with pytest.raises(ValueError, match="sequence_order"):
+    pkv.DecodeConfig(sequence_order="shortest_first")
+  config = pkv.DecodeConfig(num_splits=2, sequence_order="longest_first")
+  with pytest.raises(ValueError, match="sequence_order must be given"):
+    triton_decode._check_sequence_order(None, config, batch=3)
+  with pytest.raises(ValueError, match=r"int32 \[B\]"):
+    triton_decode._check_sequence_order(jnp.zeros((2,), jnp.int32), config, batch=3)
+  with pytest.raises(ValueError, match="sequence_order='longest_first' is a triton option"):
+    mgpu_config.check_config(config, rows=4, head_dim=128, dtype=jnp.bfloat16, page_size=None)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_longest_first_lowers_for_cuda(paged):
+  # The benchmark's ragged B64 T8192 row: the argsort and the kernel; 2 splits add the merge kernel.
+  q = jax.ShapeDtypeStruct((64, 32, 128), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((64,), jnp.int32)
+  kw = dict(impl="triton", config=pkv.DecodeConfig(block_kv=64, num_stages=3, num_splits=2,
+                                                   sequence_order="longest_first"))
+  if paged:
+    pages = jax.ShapeDtypeStruct((64 * 128 + 3, 64, 8, 128), jnp.bfloat16)
+    tables = jax.ShapeDtypeStruct((64, 128), jnp.int32)
+    module = lower_for_cuda(functools.partial(pkv.paged_decode_attention, **kw), q, pages, pages, tables,
+                            lengths).mlir_module()
+  else:
+    kv = jax.ShapeDtypeStruct((64, 8192, 8, 128), jnp.bfloat16)
+    module = lower_for_cuda(functools.partial(pkv.decode_attention, **kw), q, kv, kv, lengths).mlir_module()
+  assert module.count(TRITON_CUSTOM_CALL) == 2 and "stablehlo.sort" in module

@@ -343,6 +343,9 @@ def check_config(config: DecodeConfig, *, rows: int, head_dim: int, dtype: Any, 
   if config.merge_in_kernel:
     raise ValueError("config.merge_in_kernel=True is a triton option: the mosaic_gpu kernel merges its splits "
                      "in a second launch")
+  if config.sequence_order != "given":
+    raise ValueError(f"config.sequence_order={config.sequence_order!r} is a triton option: the mosaic_gpu "
+                     "kernel takes the sequences in batch order ('given')")
   if config.pipeline_qk and config.num_stages < 2:
     raise ValueError(f"pipeline_qk=True needs num_stages >= 2, got {config.num_stages=}")
   smem = DecodeSmem.for_call(config, rows=rows, head_dim=head_dim, dtype=dtype, page_size=page_size, **quantized)

@@ -162,6 +162,7 @@ class _Static:
   write_lse: bool = True      # merge: write the merged LSE
   barriers: bool = False      # merge: CTA barriers around the counter atomic (GPU; see the module doc)
   balanced: bool = False      # the balanced split plan: tiles per split from an int32 [1] input
+  ordered: bool = False       # programs take sequence order[b] (int32 [B] input), not b
 
   @property
   def paged(self) -> bool:
@@ -175,26 +176,27 @@ def _tile_range(length, split, st: _Static, tiles_per_split):
                                   tiles_per_split=tiles_per_split)
 
 
-def _load_tile(ref, block_tables_ref, tile, length, st: _Static, *, masked: bool):
+def _load_tile(ref, block_tables_ref, tile, length, st: _Static, *, masked: bool, seq: tuple = ()):
   """Tile `tile` of one KV head: [block_kv, D] of a cache ref ([T, D] or [P, page_size, D]), or
   [block_kv] of a per-token scale ref ([T] or [P, page_size]); with `masked`, tokens >= length
-  read as 0."""
+  read as 0. `seq` is (b,) where the per-sequence refs (a dense ref, the block tables) hold the
+  whole batch (st.ordered): a Pallas Triton access takes one indexer, so b joins it."""
   bkv = st.block_kv
-  columns = ref.shape[-1:] if ref.ndim == (3 if st.paged else 2) else ()   # (D,) for a cache tile
+  columns = ref.shape[-1:] if ref.ndim == (3 if st.paged else 2 + len(seq)) else ()   # (D,) for a cache tile
   start = tile * bkv
   tokens = start + jnp.arange(bkv, dtype=jnp.int32)   # [bkv]
   every_column = (slice(None),) * len(columns)
   if not st.paged:
-    ref = ref.at[(pl.ds(pl.multiple_of(start, bkv), bkv), *every_column)]
+    ref = ref.at[(*seq, pl.ds(pl.multiple_of(start, bkv), bkv), *every_column)]
   elif bkv <= st.page_size:
     # The tile is one slice of one page.
-    page = jnp.clip(block_tables_ref[start // st.page_size], 0, st.num_pages - 1)
+    page = jnp.clip(block_tables_ref[(*seq, start // st.page_size)], 0, st.num_pages - 1)
     offset = pl.multiple_of(start % st.page_size, bkv)
     ref = ref.at[(page, pl.ds(offset, bkv), *every_column)]
   else:
     # The tile spans bkv / page_size pages: gather token by token.
     page_index = jnp.minimum(tokens // st.page_size, st.max_pages - 1)
-    pages = jnp.clip(block_tables_ref[page_index], 0, st.num_pages - 1)   # [bkv]
+    pages = jnp.clip(block_tables_ref[(*seq, page_index)], 0, st.num_pages - 1)   # [bkv]
     slots = tokens % st.page_size
     if columns:
       ref = ref.at[pages[:, None], slots[:, None], jnp.arange(columns[0], dtype=jnp.int32)[None, :]]
@@ -237,6 +239,8 @@ def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), 
             lengths_ref,      # [B] int32
             *refs, st: _Static):
   refs = list(refs)
+  # [B] int32, the sequence each batch slot of the grid takes (DecodeConfig.sequence_order)
+  order_ref = refs.pop(0) if st.ordered else None
   # [1] int32, the balanced plan's tiles per split (`split_k.balanced_tiles_per_split`)
   tiles_per_split = refs.pop(0)[0] if st.balanced else None
   # [max_pages] int32, this sequence's row (ids already in [0, P))
@@ -245,6 +249,12 @@ def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), 
   k_scale_ref = refs.pop(0) if st.k_scale else None
   v_scale_ref = refs.pop(0) if st.v_scale else None
   head_block, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  seq = ()
+  if st.ordered:
+    # The sequence is chosen at run time, so its refs hold the whole batch (`_build`): every
+    # access to them puts b first in its one indexer.
+    b = jnp.clip(order_ref[b], 0, lengths_ref.shape[0] - 1)
+    seq = (b,)
   head = head_block // st.num_row_blocks
   row0 = 0 if st.num_row_blocks == 1 else (head_block % st.num_row_blocks) * st.block_rows
   length = jnp.clip(lengths_ref[b], 0, st.capacity)
@@ -254,7 +264,7 @@ def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), 
   rows = jnp.arange(st.block_rows, dtype=jnp.int32)[:, None] + row0   # [block_rows, 1]
   cols = jnp.arange(bkv, dtype=jnp.int32)[None, :]                    # [1, bkv]
   # q is not padded (a pad would be a launch of its own): rows past R load as 0.
-  q = pltr.load(q_ref.at[pl.ds(row0, st.block_rows), :],
+  q = pltr.load(q_ref.at[(*seq, pl.ds(row0, st.block_rows), slice(None))],
                 mask=jnp.broadcast_to(rows < st.rows, (st.block_rows, st.head_dim)), other=0.0)
 
   # A kv head's scale is the same for every tile: read it once, outside the loop.
@@ -264,7 +274,8 @@ def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), 
   def scaled(x, scale_ref, kind, head_scale, tile, masked):
     """x [block_rows, bkv] f32 times the tile's per-token or this head's scale (a one-byte cache)."""
     if kind == "token":
-      return x * _per_column(_load_tile(scale_ref, block_tables_ref, tile, length, st, masked=masked), x.shape)
+      scales = _load_tile(scale_ref, block_tables_ref, tile, length, st, masked=masked, seq=seq)
+      return x * _per_column(scales, x.shape)
     if kind == "head":
       return x * head_scale
     return x
@@ -272,7 +283,7 @@ def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), 
   def step(tile, carry, *, masked: bool):
     acc, m_i, l_i = carry
     # One-byte caches load as such and widen in registers (their values are exact in float16).
-    k = _widen(_load_tile(k_ref, block_tables_ref, tile, length, st, masked=masked), st)   # [bkv, D]
+    k = _widen(_load_tile(k_ref, block_tables_ref, tile, length, st, masked=masked, seq=seq), st)   # [bkv, D]
     s = _dot(q, k, trans_b=True)   # [block_rows, bkv] f32
     s = scaled(s, k_scale_ref, st.k_scale, k_head_scale, tile, masked)
     s = online_softmax.log2_logits(s, scale=st.options.scale, softcap=st.options.softcap)
@@ -282,7 +293,7 @@ def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), 
       s = jnp.where(ok, s, -jnp.inf)
     acc, m_new, l_new, p = online_softmax.softmax_step(s, acc, m_i, l_i)
     p = scaled(p, v_scale_ref, st.v_scale, v_head_scale, tile, masked)   # the sum keeps the unscaled p (l_new)
-    v = _widen(_load_tile(v_ref, block_tables_ref, tile, length, st, masked=masked), st)   # [bkv, D]
+    v = _widen(_load_tile(v_ref, block_tables_ref, tile, length, st, masked=masked, seq=seq), st)   # [bkv, D]
     return acc + _dot(p.astype(q.dtype), v), m_new, l_new
 
   carry = (jnp.zeros((st.block_rows, st.head_dim), jnp.float32),
@@ -295,9 +306,9 @@ def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), 
     out_ref, lse_ref = refs   # [R, D] f32, [R] f32 of this split: the real rows only
     out, lse = online_softmax.finalize(*carry)
     row_ok = rows[:, 0] < st.rows
-    pltr.store(out_ref.at[pl.ds(row0, st.block_rows), :], out,
+    pltr.store(out_ref.at[(*seq, pl.ds(row0, st.block_rows), slice(None))], out,
                mask=jnp.broadcast_to(row_ok[:, None], (st.block_rows, st.head_dim)))
-    pltr.store(lse_ref.at[pl.ds(row0, st.block_rows)], lse, mask=row_ok)
+    pltr.store(lse_ref.at[(*seq, pl.ds(row0, st.block_rows))], lse, mask=row_ok)
   else:
     _merge_epilogue(online_softmax.finalize(*carry), refs, b=b, head=head, head_block=head_block, split=split,
                     row0=row0, length=length, tiles_per_split=tiles_per_split, st=st)
@@ -393,24 +404,35 @@ def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width:
   D, nrb, R = st.head_dim, st.num_row_blocks, st.block_rows
   head = lambda hb: hb // nrb
   whole = lambda shape: pl.BlockSpec(shape, lambda hb, s, b: (0,) * len(shape))
-  q_spec = pl.BlockSpec((None, None, st.rows, D), lambda hb, s, b: (b, head(hb), 0, 0))
+
+  def per_sequence(block, index):
+    """One sequence's block (`block` after the batch dim, at `index(hb, s)`); with st.ordered the
+    whole batch, since the kernel picks the sequence at run time (Pallas Triton has no scalar
+    prefetch to feed an index map)."""
+    if st.ordered:
+      return pl.BlockSpec((batch, *block), lambda hb, s, b: (0, *index(hb, s)))
+    return pl.BlockSpec((None, *block), lambda hb, s, b: (b, *index(hb, s)))
+
+  q_spec = per_sequence((None, st.rows, D), lambda hb, s: (head(hb), 0, 0))
   if st.paged:
     num_pages, page_size = kv_shape[:2]
     kv_spec = pl.BlockSpec((num_pages, page_size, None, D), lambda hb, s, b: (0, 0, head(hb), 0))
   else:
-    kv_spec = pl.BlockSpec((None, kv_shape[1], None, D), lambda hb, s, b: (b, 0, head(hb), 0))
-  in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((batch,), lambda hb, s, b: (0,))]
+    kv_spec = per_sequence((kv_shape[1], None, D), lambda hb, s: (0, head(hb), 0))
+  in_specs = [q_spec, kv_spec, kv_spec, whole((batch,))]
+  if st.ordered:
+    in_specs.append(whole((batch,)))
   if st.balanced:
-    in_specs.append(pl.BlockSpec((1,), lambda hb, s, b: (0,)))
+    in_specs.append(whole((1,)))
   if st.paged:
-    in_specs.append(pl.BlockSpec((None, table_width), lambda hb, s, b: (b, 0)))
+    in_specs.append(per_sequence((table_width,), lambda hb, s: (0,)))
   for kind in (st.k_scale, st.v_scale):
     if kind == "head":
       in_specs.append(pl.BlockSpec((num_kv_heads,), lambda hb, s, b: (0,)))
     elif kind == "token" and st.paged:
       in_specs.append(pl.BlockSpec((num_pages, page_size, None), lambda hb, s, b: (0, 0, head(hb))))
     elif kind == "token":
-      in_specs.append(pl.BlockSpec((None, kv_shape[1], None), lambda hb, s, b: (b, 0, head(hb))))
+      in_specs.append(per_sequence((kv_shape[1], None), lambda hb, s: (0, head(hb))))
   aliases = {}
   if not st.merge:
     # Every row block of a (sequence, kv head, split) stores its own real rows into one block.
@@ -418,10 +440,8 @@ def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width:
         jax.ShapeDtypeStruct((batch, num_kv_heads, st.num_splits, st.rows, D), jnp.float32),
         jax.ShapeDtypeStruct((batch, num_kv_heads, st.num_splits, st.rows), jnp.float32),
     ]
-    out_specs = [
-        pl.BlockSpec((None, None, None, st.rows, D), lambda hb, s, b: (b, head(hb), s, 0, 0)),
-        pl.BlockSpec((None, None, None, st.rows), lambda hb, s, b: (b, head(hb), s, 0)),
-    ]
+    out_specs = [per_sequence((None, None, st.rows, D), lambda hb, s: (head(hb), s, 0, 0)),
+                 per_sequence((None, None, st.rows), lambda hb, s: (head(hb), s, 0))]
   else:
     if st.has_sinks:
       in_specs.append(pl.BlockSpec((None, st.rows), lambda hb, s, b: (head(hb), 0)))
@@ -445,6 +465,8 @@ def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width:
     name += "_merged"
   if st.balanced:
     name += "_balanced"
+  if st.ordered:
+    name += "_ordered"
   return pl.pallas_call(
       functools.partial(_kernel, st=st),
       # grid[0] varies fastest: the KV heads of one token range sit side by side in HBM.
@@ -460,7 +482,7 @@ def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width:
 
 
 def _static(q, k, v, lengths, block_tables, *, num_queries: int, options: AttentionOptions, config: DecodeConfig,
-            k_scale, v_scale, interpret: bool, tiles_per_split=None, **merge) -> _Static:
+            k_scale, v_scale, interpret: bool, tiles_per_split=None, sequence_order=None, **merge) -> _Static:
   """The checked static description of one call (`decode_partials`' arguments)."""
   split_k.check_packed_args(q, k, v, lengths, block_tables, num_queries=num_queries, k_scale=k_scale,
                             v_scale=v_scale)
@@ -479,7 +501,26 @@ def _static(q, k, v, lengths, block_tables, *, num_queries: int, options: Attent
                  options=options,
                  k_scale=split_k.scale_kind(k_scale, k.shape), v_scale=split_k.scale_kind(v_scale, k.shape),
                  fast_widen=FAST_WIDEN and not interpret and jnp.dtype(k.dtype) in split_k.QUANTIZED_DTYPES,
-                 rows=R, balanced=split_k.check_tiles_per_split(tiles_per_split, config), **merge)
+                 rows=R, balanced=split_k.check_tiles_per_split(tiles_per_split, config),
+                 ordered=_check_sequence_order(sequence_order, config, batch=q.shape[0]), **merge)
+
+
+def _check_sequence_order(sequence_order, config: DecodeConfig, *, batch: int) -> bool:
+  """Whether programs take sequences in a given order: sequence_order (int32 [B], a permutation
+  of the batch) is given exactly when config.sequence_order is not "given"."""
+  ordered = config.sequence_order != "given"
+  if ordered != (sequence_order is not None):
+    raise ValueError(f"sequence_order must be given exactly when config.sequence_order is not 'given'; got "
+                     f"{config.sequence_order=} and sequence_order={'None' if sequence_order is None else 'an array'}")
+  if ordered and (sequence_order.shape != (batch,) or sequence_order.dtype != jnp.int32):
+    raise ValueError(f"sequence_order must be int32 [B]=[{batch}], got {sequence_order.shape=} "
+                     f"{sequence_order.dtype=}")
+  return ordered
+
+
+def longest_first(lengths):
+  """int32 [B]: the batch's sequences by length, longest first (ties in batch order)."""
+  return jnp.argsort(-lengths.astype(jnp.int32), stable=True).astype(jnp.int32)
 
 
 def _call(st: _Static, args, *, q, k, config: DecodeConfig, interpret: bool, out_dtype=None):
@@ -498,15 +539,16 @@ def call_quietly(call, args):
     return call(*args)
 
 
-def _args(q, k, v, lengths, block_tables, k_scale, v_scale, tiles_per_split=None) -> tuple:
-  args = (q, k, v, lengths) + ((tiles_per_split,) if tiles_per_split is not None else ())
+def _args(q, k, v, lengths, block_tables, k_scale, v_scale, tiles_per_split=None, sequence_order=None) -> tuple:
+  args = (q, k, v, lengths) + ((sequence_order,) if sequence_order is not None else ())
+  args += (tiles_per_split,) if tiles_per_split is not None else ()
   args += (block_tables,) if block_tables is not None else ()
   return args + tuple(scale for scale in (k_scale, v_scale) if scale is not None)
 
 
 def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
                     config: DecodeConfig, k_scale=None, v_scale=None, tiles_per_split=None,
-                    interpret: bool = False):
+                    sequence_order=None, interpret: bool = False):
   """Split-K partials of decode attention over a contiguous or paged KV cache.
 
   q: [B, Hkv, R, D] bf16 or fp16, R = num_queries * G packed rows, row
@@ -527,6 +569,9 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
     `config.check_config`. Its merge_in_kernel is not read here: `decode_merged` is that kernel.
   tiles_per_split: int32 [1], the balanced plan (`split_k.balanced_tiles_per_split`), given
     exactly when config.split_plan is "balanced".
+  sequence_order: int32 [B], a permutation of the batch (`longest_first(lengths)`): batch slot i
+    of the grid computes sequence sequence_order[i]; given exactly when config.sequence_order is
+    not "given". Results are indexed by sequence either way.
   interpret: run the kernel in Pallas interpret mode (CPU).
 
   Returns (out [B, Hkv, num_splits, R, D] float32, each split's softmax-normalised output;
@@ -535,14 +580,15 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   softcap) if softcap. Tokens at or past lengths[b] are never read as values (masked loads).
   """
   st = _static(q, k, v, lengths, block_tables, num_queries=num_queries, options=options, config=config,
-               k_scale=k_scale, v_scale=v_scale, interpret=interpret, tiles_per_split=tiles_per_split)
-  return tuple(_call(st, _args(q, k, v, lengths, block_tables, k_scale, v_scale, tiles_per_split), q=q, k=k,
-                     config=config, interpret=interpret))
+               k_scale=k_scale, v_scale=v_scale, interpret=interpret, tiles_per_split=tiles_per_split,
+               sequence_order=sequence_order)
+  args = _args(q, k, v, lengths, block_tables, k_scale, v_scale, tiles_per_split, sequence_order)
+  return tuple(_call(st, args, q=q, k=k, config=config, interpret=interpret))
 
 
 def decode_merged(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
                   config: DecodeConfig, sinks=None, k_scale=None, v_scale=None, out_dtype=None,
-                  return_lse: bool = True, tiles_per_split=None, interpret: bool = False):
+                  return_lse: bool = True, tiles_per_split=None, sequence_order=None, interpret: bool = False):
   """Decode attention with the split merge in the same launch (`DecodeConfig.merge_in_kernel`;
   the module doc says how the last split of a sequence merges and why that is safe).
 
@@ -557,10 +603,11 @@ def decode_merged(q, k, v, lengths, block_tables=None, *, num_queries: int, opti
   sequence's own inputs, never on the order in which its splits finish.
   """
   st = _static(q, k, v, lengths, block_tables, num_queries=num_queries, options=options, config=config,
-               k_scale=k_scale, v_scale=v_scale, interpret=interpret, tiles_per_split=tiles_per_split, merge=True,
-               has_sinks=sinks is not None, write_lse=return_lse, barriers=not interpret)
+               k_scale=k_scale, v_scale=v_scale, interpret=interpret, tiles_per_split=tiles_per_split,
+               sequence_order=sequence_order, merge=True, has_sinks=sinks is not None, write_lse=return_lse,
+               barriers=not interpret)
   B, Hkv, R, _ = q.shape
-  args = _args(q, k, v, lengths, block_tables, k_scale, v_scale, tiles_per_split)
+  args = _args(q, k, v, lengths, block_tables, k_scale, v_scale, tiles_per_split, sequence_order)
   if sinks is not None:
     if sinks.shape != (Hkv, R):
       raise ValueError(f"sinks must be float32 [Hkv, R]=({Hkv}, {R}), got {sinks.shape=}")
