@@ -2,7 +2,7 @@
 # The measurement suite on an H200, in parts that each fit one ~10-minute command.
 #   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged quantized qprobe vmap step tune
 #   fuzz memcheck mla merge balanced smollm2 (SMOLLM2_GGUF=path: the GPU machine has no network)
-#   tune_triton ncu loadpath kernels chain
+#   tune_triton ncu loadpath kernels chain timer ragged_order
 #   tune-SWEEP-BACKEND (e.g. TUNE_CASES=32x8192,128x8192 ... tune-gpt_oss_120b-mosaic_gpu)
 #   (and scaling8k scaling32k on a machine with several GPUs)
 # Results (JSON, logs) go to $OUT if set, else bench_out/. Run from the repository root with the
@@ -82,6 +82,18 @@ for part in "$@"; do
               python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags --impl=triton,cudnn,torch \
                 --cases=32x4096,128x4096 --warmup=2 --repeats=7 --json="$out/chain_timer.json" 2>&1 | quiet \
                 | tee -a "$out/chain.log" ;;
+    timer)    # the chain-diff timer plain and queued behind a lead run, beside the GPU busy time per call
+              for c in 1x32768 8x8192 32x4096 128x4096; do
+                python3 -m benchmarks.profile_kernel --timer_check --impl=triton,cudnn \
+                  --flagfile=configs/gqa_h200.flags --cases=$c 2>&1 | quiet | tee -a "$out/timer.log"
+              done ;;
+    ragged_order) # ragged batches with the sequences in batch order and longest first (triton), cuDNN beside
+              for order in given longest_first; do
+                python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags --ragged \
+                  --cases=16x32768,64x8192,128x4096 --impl=triton$([ $order = given ] && echo ,cudnn) \
+                  --sequence_order=$order --warmup=2 --repeats=5 --json="$out/ragged_$order.json" 2>&1 | quiet \
+                  | tee "$out/ragged_$order.log"
+              done ;;
     smollm2)  python3 -m benchmarks.smollm2 --gguf="${SMOLLM2_GGUF:?set SMOLLM2_GGUF to the GGUF file}" \
                 --batch=1,8,64 --impl=auto,xla --prompt_len=256 --new_tokens=64 --json="$out/smollm2.json" 2>&1 \
                 | quiet | grep -v '^step' | tee "$out/smollm2.log" ;;
@@ -124,7 +136,7 @@ for part in "$@"; do
               ctx=$([ "$part" = scaling8k ] && echo 8192 || echo 32768)
               python3 -m benchmarks.scaling --flagfile=configs/scaling_h200.flags --seq_len=$ctx \
                 --json="$out/$part.json" 2>&1 | quiet | tee "$out/$part.log" ;;
-    *) echo "unknown part: $part (tests variants loadpath gqa paged quantized qprobe vmap fuzz memcheck mla merge balanced smollm2 step tune tune_triton tune-SWEEP-BACKEND ncu scaling8k scaling32k)"; status=2 ;;
+    *) echo "unknown part: $part (tests variants loadpath gqa paged quantized qprobe vmap fuzz memcheck mla merge balanced smollm2 step tune tune_triton tune-SWEEP-BACKEND ncu kernels chain timer ragged_order scaling8k scaling32k)"; status=2 ;;
   esac
 done
 exit $status

@@ -25,6 +25,12 @@ CUPTI sees every kernel of the process, JAX's included. It needs torch with CUDA
 (`timing.chain`, JAX impls): the GPU's busy time per call, the elapsed time from the first kernel's
 start to the last one's end per call, and the longest gaps between kernels. Set against the
 timer's figure for the same N, it tells GPU time from whatever else the chain-diff includes.
+
+  python3 -m benchmarks.profile_kernel --timer_check --impl=triton,cudnn --cases=32x4096
+
+`--timer_check` prints, per JAX impl, the chain-diff timer plain and queued behind a lead run
+(`timing.time_jax(queued=...)`; the module doc there says why), beside the GPU's busy time per
+call in a profiled chain of `--chain_calls` (default 40) calls.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ def define_flags() -> None:
   flags.DEFINE_bool("launches", False, "print each JAX impl's compiled top-level ops instead of running it")
   flags.DEFINE_integer("chain_calls", 0, "with --kernel_times, JAX impls: profile one run of the chain timer's "
                        "program of this many calls instead, and print the GPU's busy and elapsed time per call")
+  flags.DEFINE_bool("timer_check", False, "JAX impls: the chain-diff timer plain and queued, beside the GPU's "
+                    "busy time per call in a profiled chain of --chain_calls (default 40) calls")
   flags.DEFINE_bool("kernel_times", False, "print the GPU time of every kernel a call launches (torch.profiler's "
                     "CUDA activity, which records JAX's kernels too) instead of only running the calls")
 
@@ -189,6 +197,23 @@ def chain_lines(sweep: cases.Sweep, calls: int) -> list[str]:
   return _per_impl(sweep, describe, "not profiled")
 
 
+def timer_check_lines(sweep: cases.Sweep, calls: int) -> list[str]:
+  """Per JAX impl, one line: the timer plain and queued, and the GPU busy µs per call of a chain."""
+  def describe(runner, case, args):
+    _check_jax(runner)
+    arg_sets = [runner.prepare(args)]
+    counts = dict(warmup=sweep.warmup, iters=sweep.iters, repeats=sweep.repeats)
+    plain = timing.time_jax(runner.fn, arg_sets, queued=False, **counts)
+    queued = timing.time_jax(runner.fn, arg_sets, queued=True, **counts)
+    program = jax.jit(timing.chain(runner.fn, calls)).lower(arg_sets).compile()
+    run_once = lambda: jax.block_until_ready(program(arg_sets))
+    run_once()
+    busy = sum(end - start for start, end, _ in _profiled_kernels(run_once)) / calls
+    return (f"{case.describe()}: timer plain {plain.median_s * 1e6:.1f} us, queued {queued.median_s * 1e6:.1f} us "
+            f"({queued.method}), GPU busy {busy:.1f} us per call in a chain of {calls}")
+  return _per_impl(sweep, describe, "not checked")
+
+
 def kernel_time_lines(sweep: cases.Sweep, calls: int) -> list[str]:
   """Per impl, one line: the kernels of one call of the sweep's first case and their GPU µs."""
   def describe(runner, case, args):
@@ -203,7 +228,9 @@ def kernel_time_lines(sweep: cases.Sweep, calls: int) -> list[str]:
 
 def main(argv: Sequence[str]) -> None:
   del argv
-  if FLAGS.kernel_times and FLAGS.chain_calls:
+  if FLAGS.timer_check:
+    timer_check_lines(cli.sweep_from_flags(), FLAGS.chain_calls or 40)
+  elif FLAGS.kernel_times and FLAGS.chain_calls:
     chain_lines(cli.sweep_from_flags(), FLAGS.chain_calls)
   elif FLAGS.kernel_times:
     kernel_time_lines(cli.sweep_from_flags(), FLAGS.calls)

@@ -327,6 +327,8 @@ def test_profile_kernel_times_say_why_they_cannot_run_here():
   assert line.startswith("xla: not profiled") and "needs torch with CUDA" in line, line
   (line,) = profile_kernel.chain_lines(sweep, calls=2)
   assert line.startswith("xla: not profiled") and "needs torch with CUDA" in line, line
+  (line,) = profile_kernel.timer_check_lines(sweep, calls=2)
+  assert line.startswith("xla: not checked") and "needs torch with CUDA" in line, line
 
 
 def test_profile_kernel_chain_summary():
