@@ -449,3 +449,37 @@ def test_time_jax_queued_mode_gives_a_chain_difference():
   t = timing.time_jax(lambda a: jnp.tanh(a @ a), [(x,)], warmup=1, iters=4, repeats=2, queued=True)
   assert t.method in ("chain-diff", "chain-diff+dispatch", "chain") and len(t.samples_s) == 2
   assert t.median_s > 0
+
+
+_SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/              @!P0 LDS.U8 R2, [R3] ;
+        /*0020*/                   IMAD.WIDE R4, R2, 0x2, R6 ;
+        /*0030*/                   LDS.64 R8, [R3+0x8] ;
+        /*0040*/                   HMMA.16816.F32 R10, R12, R14, R10 ;
+        /*0050*/              @P1 BRA `(.L_x_0) ;
+        /*0060*/                   EXIT ;
+.L_x_1:
+        /*0070*/                   BRA `(.L_x_1);
+"""
+
+
+def test_triton_sass_counts_each_loop_by_opcode():
+  from benchmarks import triton_sass
+  [(size, opcodes)] = triton_sass.loop_counts(_SASS)   # the trap loop at the end is not a loop body
+  assert size == 5
+  assert opcodes == {"LDS.U8": 1, "IMAD": 1, "LDS.64": 1, "HMMA": 1, "BRA": 1}
+
+
+def test_triton_sass_lowers_the_decode_kernel_here():
+  import pallas_kv as pkv
+  from benchmarks import triton_sass
+  ttir = triton_sass.kernel_ttir("int8", scales="token", batch=2, seq_len=256,
+                                 config=pkv.DecodeConfig(block_kv=64, num_stages=3, num_splits=1))
+  assert "tt.func public @pallas_kv_triton_decode_dense" in ttir and "kstoken_vstoken" in ttir
+  try:
+    import triton  # noqa: F401
+  except ImportError:
+    with pytest.raises(RuntimeError, match="pip install triton"):
+      triton_sass.compile_sass(ttir, num_warps=4, num_stages=3)

@@ -1,0 +1,172 @@
+r"""Instructions per KV tile of the Triton decode kernel, read from its SASS on a machine without a GPU.
+
+  pip install triton==3.9.0      (its compiler, ptxas and nvdisasm; not a dependency of the project)
+  python -m benchmarks.triton_sass --kv_dtype=bfloat16,int8,float8_e4m3fn --scales=token
+
+For each cache dtype it lowers `pallas_kv.decode_attention(impl="triton")` for CUDA (jax.export,
+as the lowering tests do), keeps the kernel's Triton module, compiles that for sm_90 with the pip
+`triton` package (TTIR -> TTGIR -> PTX -> cubin; ptxas runs here), disassembles it and counts the
+instructions of each loop by opcode. The kernel's loops are its tile loops: the first printed is
+the unmasked steady state, the masked ones carry extra compares and selects.
+
+How to read it: one loop iteration is one KV tile of one program, per warp. With 4 warps and 4
+schedulers per SM, a program issues about (instructions per iteration) cycles per tile. At the
+H200's read rate (~16.8 bytes per SM cycle) a 64-token bf16 tile (K and V, 32 KB) lasts ~1,950 SM
+cycles, and a one-byte tile at the 0.55x target ~1,070, shared by the programs on the SM.
+
+The pip Triton is not the one built into jaxlib, which compiles the kernel on the GPU: their
+passes are close, not identical, so the counts guide a change; the GPU measures it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Sequence
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+
+import pallas_kv as pkv
+
+FLAGS = flags.FLAGS
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+_SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
+_LABEL = re.compile(r"^\s*\.(L_x_\d+):")
+_BRANCH = re.compile(r"\bBRA\s+(?:`\()?\.?(L_x_\d+)")
+_PREDICATE = re.compile(r"^@!?U?P\w+\s+")
+
+
+def define_flags() -> None:
+  flags.DEFINE_list("kv_dtype", ["bfloat16", "int8"], "cache dtypes (bf16 queries; fp16 for one-byte caches)")
+  flags.DEFINE_enum("scales", "token", ["none", "head", "token"], "one-byte caches: the scale kind")
+  flags.DEFINE_integer("batch", 128, "batch")
+  flags.DEFINE_integer("seq_len", 4096, "tokens per sequence")
+  flags.DEFINE_integer("block_kv", 64, "DecodeConfig.block_kv")
+  flags.DEFINE_integer("num_stages", 3, "DecodeConfig.num_stages")
+  flags.DEFINE_integer("num_warps", 4, "DecodeConfig.num_warps")
+
+
+# Memory opcodes keep their width: `LDS.U8` (one byte per load) is not `LDS.128`.
+_KEEP_MODIFIERS = ("LDS", "STS", "LDSM", "LDG", "STG")
+
+
+def _opcode(instruction: str) -> str:
+  token = _PREDICATE.sub("", instruction).split()[0]
+  base = token.split(".")[0]
+  return token if base in _KEEP_MODIFIERS else base
+
+
+def loop_counts(sass: str) -> list[tuple[int, collections.Counter]]:
+  """Per loop of a disassembly (a backward branch to a label; not the one-instruction trap loop at
+  the end), its instruction count and the count per opcode (predicates dropped; modifiers dropped
+  except on loads and stores: `@P0 IMAD.WIDE` counts as IMAD, `LDS.U8` as itself)."""
+  labels, instructions = {}, []
+  for line in sass.splitlines():
+    if label := _LABEL.match(line):
+      labels[label.group(1)] = len(instructions)
+    elif instruction := _SASS_LINE.match(line):
+      instructions.append(instruction.group(1))
+  loops = []
+  for end, instruction in enumerate(instructions):
+    branch = _BRANCH.search(instruction)
+    if branch and labels.get(branch.group(1), end) < end:
+      body = instructions[labels[branch.group(1)]:end + 1]
+      loops.append((len(body), collections.Counter(_opcode(x) for x in body)))
+  return loops
+
+
+@contextlib.contextmanager
+def _captured_triton_modules():
+  """While open, collects the text of every Triton module that Pallas lowers (a jax internal)."""
+  from jax._src.pallas.triton import pallas_call_registration as registration  # pylint: disable=g-import-not-at-top
+  original = registration.lowering.lower_jaxpr_to_triton_module
+  modules = []
+
+  def capture(*args, **kwargs):
+    result = original(*args, **kwargs)
+    modules.append(result.module.operation.get_asm())
+    return result
+
+  registration.lowering.lower_jaxpr_to_triton_module = capture
+  try:
+    yield modules
+  finally:
+    registration.lowering.lower_jaxpr_to_triton_module = original
+
+
+def kernel_ttir(kv_dtype, *, scales: str, batch: int, seq_len: int, config: pkv.DecodeConfig) -> str:
+  """The Triton module (TTIR text) of the decode kernel of one case, lowered for CUDA here."""
+  kv_dtype = jnp.dtype(kv_dtype)
+  one_byte = kv_dtype.itemsize == 1
+  q = jax.ShapeDtypeStruct((batch, HEADS, HEAD_DIM), jnp.float16 if one_byte else kv_dtype)
+  kv = jax.ShapeDtypeStruct((batch, seq_len, KV_HEADS, HEAD_DIM), kv_dtype)
+  lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  call = functools.partial(pkv.decode_attention, impl="triton", config=config)
+  args = [q, kv, kv, lengths]
+  if one_byte and scales != "none":
+    shape = (batch, seq_len, KV_HEADS) if scales == "token" else (KV_HEADS,)
+    args += [jax.ShapeDtypeStruct(shape, jnp.float32)] * 2
+    call = functools.partial(lambda f, q, k, v, n, ks, vs: f(q, k, v, n, k_scale=ks, v_scale=vs), call)
+  # Lowering for CUDA on a machine without one: an abstract H200 (Pallas Triton asks for a device).
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice("NVIDIA H200", 132, "cuda"))
+  with _captured_triton_modules() as modules, jax.sharding.use_abstract_mesh(mesh):
+    jax.export.export(jax.jit(call), platforms=["cuda"],
+                      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+  if not modules:
+    raise RuntimeError("no Triton module was lowered")
+  return modules[0]   # the decode kernel (a split call's merge kernel comes second)
+
+
+def compile_sass(ttir: str, *, num_warps: int, num_stages: int) -> tuple[str, str]:
+  """(SASS text, ptxas resource line) of a TTIR module compiled for sm_90 with the pip triton."""
+  try:
+    import triton  # pylint: disable=g-import-not-at-top
+    from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise RuntimeError(f"needs the pip `triton` package (pip install triton==3.9.0): {e}") from None
+  os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+  tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+  with tempfile.TemporaryDirectory() as directory:
+    source = os.path.join(directory, "kernel.ttir")
+    with open(source, "w") as f:
+      f.write(ttir)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages, "num_ctas": 1})
+    cubin = os.path.join(directory, "kernel.cubin")
+    with open(cubin, "wb") as f:
+      f.write(kernel.asm["cubin"])
+    sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", cubin], check=True, capture_output=True,
+                          text=True).stdout
+    usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", cubin], check=True, capture_output=True,
+                           text=True).stdout
+  resources = next((line.strip() for line in usage.splitlines() if "REG:" in line), "")
+  return sass, resources
+
+
+def main(argv: Sequence[str]) -> None:
+  del argv
+  config = pkv.DecodeConfig(block_kv=FLAGS.block_kv, num_stages=FLAGS.num_stages, num_warps=FLAGS.num_warps,
+                            num_splits=1)
+  for kv_dtype in FLAGS.kv_dtype:
+    ttir = kernel_ttir(kv_dtype, scales=FLAGS.scales, batch=FLAGS.batch, seq_len=FLAGS.seq_len, config=config)
+    sass, resources = compile_sass(ttir, num_warps=FLAGS.num_warps, num_stages=FLAGS.num_stages)
+    registers = re.search(r"REG:(\d+)", resources)
+    print(f"== {kv_dtype} (scales {FLAGS.scales if jnp.dtype(kv_dtype).itemsize == 1 else '-'}), "
+          f"{config.block_kv}-token tiles, {config.num_stages} stages, {config.num_warps} warps, "
+          f"{registers.group(1) if registers else '?'} registers per thread")
+    for size, opcodes in loop_counts(sass):
+      print(f"  loop of {size} instructions: " + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(16)))
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)
