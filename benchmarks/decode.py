@@ -22,6 +22,13 @@ once with and once without it to compare against the two-launch path:
   python -m benchmarks.decode --flagfile=configs/gqa_h200.flags --ragged --impl=triton,mosaic_gpu \
       --split_plan=balanced
 
+`--convert_warpgroup` runs the mosaic_gpu impl (and auto where it picks it) on one-byte caches
+with a converter warpgroup (`DecodeConfig.convert_warpgroup`), the config otherwise as resolved
+(with kv_groups=1):
+
+  python -m benchmarks.decode --flagfile=configs/gqa_h200.flags --impl=mosaic_gpu --kv_dtype=int8 \
+      --convert_warpgroup
+
 `--sequence_order=longest_first` runs the triton impl (and auto where it picks triton) with
 programs taking the sequences longest first (`DecodeConfig.sequence_order`), the config otherwise
 as resolved; compare with the default on ragged batches.
@@ -239,6 +246,29 @@ def triton_sequence_order(order: str):
     yield
 
 
+@contextlib.contextmanager
+def mosaic_convert_warpgroup(enabled: bool):
+  """While open (if enabled), the mosaic_gpu backend resolves its configs as usual, then gives
+  one-byte caches a converter warpgroup (kv_groups=1, as the converter needs)."""
+  from pallas_kv.kernels.mosaic_gpu import config as mgpu_config  # pylint: disable=g-import-not-at-top
+
+  def converted(resolve, problem, config, kw):
+    dtype = jnp.dtype(kw.get("dtype", "bfloat16"))
+    if dtype.itemsize != 1:
+      return config
+    config = dataclasses.replace(config, convert_warpgroup=True, kv_groups=1, persistent=False)
+    # The converted rings take SMEM: fewer one-byte stages until it fits (per-token scales counted).
+    fits = lambda c: mgpu_config.fits_smem(c, rows=problem.num_queries * problem.group_size,
+                                           head_dim=problem.head_dim, dtype=dtype, page_size=problem.page_size,
+                                           k_scale_kind="token", v_scale_kind="token")
+    while config.num_stages > 2 and not fits(config):
+      config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+    return resolve(problem, config, **kw)
+
+  with _resolved_configs_rewritten([mgpu_config] if enabled else [], converted):
+    yield
+
+
 def define_flags() -> None:
   """The flags of a `cases.Sweep` and the files to write the rows to."""
   cli.define_sweep_flags()
@@ -248,6 +278,8 @@ def define_flags() -> None:
   flags.DEFINE_enum("split_plan", "per_sequence", ["per_sequence", "balanced"],
                     "kernel impls: how sequences are cut into splits (DecodeConfig.split_plan); balanced "
                     "takes each resolved config with the plan's split bound.")
+  flags.DEFINE_boolean("convert_warpgroup", False, "mosaic_gpu impl, one-byte caches: a converter warpgroup "
+                       "(DecodeConfig.convert_warpgroup), the config otherwise as resolved.")
   flags.DEFINE_enum("sequence_order", "given", list(config_lib.SEQUENCE_ORDERS),
                     "triton impl: the order in which programs take the sequences (DecodeConfig.sequence_order), "
                     "the config otherwise as resolved.")
@@ -263,7 +295,7 @@ def main(argv: Sequence[str]) -> int:
     raise app.UsageError(str(e)) from None
   paths = cli.output_paths()
   with (triton_merge_in_kernel(flags.FLAGS.merge_in_kernel), balanced_split_plan(flags.FLAGS.split_plan == "balanced"),
-        triton_sequence_order(flags.FLAGS.sequence_order)):
+        triton_sequence_order(flags.FLAGS.sequence_order), mosaic_convert_warpgroup(flags.FLAGS.convert_warpgroup)):
     rows = run(sweep, json_path=paths.json, csv_path=paths.csv, plot_path=paths.plot)
   return output.report_failures(
       output.failed_rows(rows), lambda r: f"{r['impl']} on {r['op']} B={r['batch']} T={r['seq_len']}",

@@ -61,6 +61,11 @@ class DecodeConfig:
     gives every SM about the same number of tiles: long sequences take more splits, short ones
     fewer; num_splits is then the most splits any sequence may take. A sequence's result then
     depends (in its last bits) on the other lengths in the batch.
+  convert_warpgroup: one-byte caches on mosaic_gpu only: a converter warpgroup between the TMA
+    producer and the consumers widens each one-byte K / V tile (and applies its per-token scales)
+    into a ring of q-dtype tiles that the consumers' wgmma reads as it reads a bf16 cache, as
+    FA3's fp8 path prepares V in its producer; the consumers then do no conversion. Needs
+    kv_groups=1 and no persistent grid.
   sequence_order: the order in which programs take the sequences of a batch (triton only).
     "given": batch order. "longest_first": by length, longest first (an argsort of `lengths` each
     call, one small launch), so that the long sequences of a ragged batch start in the first wave
@@ -82,6 +87,7 @@ class DecodeConfig:
   split_plan: str = "per_sequence"
   split_scores: bool = False
   sequence_order: str = "given"
+  convert_warpgroup: bool = False
 
   def __post_init__(self):
     if self.block_kv not in BLOCK_KV_CHOICES:
@@ -104,6 +110,8 @@ class DecodeConfig:
       raise ValueError(f"{self.split_scores=} must be a bool")
     if self.split_plan not in SPLIT_PLANS:
       raise ValueError(f"{self.split_plan=} must be one of {SPLIT_PLANS}")
+    if not isinstance(self.convert_warpgroup, bool):
+      raise ValueError(f"{self.convert_warpgroup=} must be a bool")
     if self.sequence_order not in SEQUENCE_ORDERS:
       raise ValueError(f"{self.sequence_order=} must be one of {SEQUENCE_ORDERS}")
     if self.persistent and self.kv_groups != 1:

@@ -418,6 +418,14 @@ def test_decode_benchmark_config_switches_apply_and_restore():
           batch=16, num_kv_heads=8, row_blocks=1, capacity=32768, block_kv=config.block_kv, num_sms=132)
   with decode_bench.triton_merge_in_kernel(True):
     assert triton_config.resolve_config(problem, None, num_sms=132).merge_in_kernel
+  with decode_bench.triton_sequence_order("longest_first"):
+    assert triton_config.resolve_config(problem, None, num_sms=132).sequence_order == "longest_first"
+  with decode_bench.mosaic_convert_warpgroup(True):
+    converted = mgpu_config.resolve_config(problem, None, dtype="int8", num_sms=132)
+    assert converted.convert_warpgroup and converted.kv_groups == 1 and not converted.persistent
+    assert mgpu_config.fits_smem(converted, rows=4, head_dim=128, dtype="int8", k_scale_kind="token",
+                                 v_scale_kind="token")
+    assert mgpu_config.resolve_config(problem, None, num_sms=132) == plain[mgpu_config]   # bf16: untouched
   for module, config in plain.items():
     assert module.resolve_config(problem, None, num_sms=132) == config
     assert config.split_plan == "per_sequence" and not config.merge_in_kernel

@@ -354,3 +354,105 @@ def test_smem_count_is_what_the_kernel_allocates(monkeypatch, kv_dtype, k_kind, 
                                          q_dtype=jnp.bfloat16, k_scale_kind=k_kind, v_scale_kind=v_kind,
                                          num_kv_heads=8)
   assert max(allocated) == smem.nbytes
+
+
+# ---------------------------------------------------------------- the converter warpgroup
+
+@pytest.mark.parametrize("seed,kv_dtype,k_kind,v_kind,page_size,num_queries,fields", [
+    (30, INT8, "token", "token", None, 1, dict(num_splits=2)),
+    (31, E4M3, "head", "token", 16, 3, dict(num_splits=1, pipeline_qk=True)),
+    (32, E5M2, None, "head", 64, 2, dict(num_splits=3)),
+], ids=["int8-token-dense", "e4m3-head+token-page16-s3-pqk", "e5m2-none+head-page64-s2"])
+def test_converter_warpgroup_matches_reference_interpret(seed, kv_dtype, k_kind, v_kind, page_size, num_queries,
+                                                         fields):
+  # Ragged lengths with an empty sequence: the converter zeroes V's rows past the length itself.
+  case = make_quant_case(seed, kv_dtype=kv_dtype, k_kind=k_kind, v_kind=v_kind, batch=3, num_queries=num_queries,
+                         page_size=page_size, lengths=[201, 0, 256])
+  out, lse = check_case(case, pkv.DecodeConfig(block_kv=64, num_stages=2, convert_warpgroup=True, **fields))
+  np.testing.assert_array_equal(np.asarray(out[1], np.float32), 0.0)
+  assert np.isneginf(np.asarray(lse[1])).all()
+
+
+def test_converter_warpgroup_race_detection_finds_none():
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
+  # 7 tiles through 2-slot rings on both sides of the converter: every slot refilled.
+  case = make_quant_case(33, kv_dtype=INT8, k_kind="token", v_kind="token", batch=1, seq_len=448, num_heads=4,
+                         num_kv_heads=1, page_size=16, lengths=[440])
+  out, _ = run_partials(case, pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=1, convert_warpgroup=True),
+                        interpret=plgpu.InterpretGPUParams(detect_races=True))
+  jax.block_until_ready(out)
+  assert not gpu_callbacks.get_races().races_found
+
+
+def test_converter_warpgroup_is_checked():
+  config = pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=2, convert_warpgroup=True)
+  check = functools.partial(mgpu_config.check_config, rows=4, page_size=None)
+  with pytest.raises(ValueError, match="converts one-byte caches"):
+    check(config, head_dim=128, dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="kv_groups=1 and persistent=False"):
+    check(dataclasses.replace(config, kv_groups=2), head_dim=128, dtype=INT8)
+  with pytest.raises(NotImplementedError, match="head_dim=256"):
+    check(config, head_dim=256, dtype=INT8)
+  check(config, head_dim=128, dtype=INT8)
+  with pytest.raises(ValueError, match="convert_warpgroup"):
+    pkv.DecodeConfig(convert_warpgroup=1)
+  # The converted rings count in the SMEM budget: 2 slots of K and of V in q's dtype.
+  plain = mgpu_config.smem_bytes(dataclasses.replace(config, convert_warpgroup=False), rows=4, head_dim=128,
+                                 dtype=INT8, q_dtype=jnp.bfloat16)
+  converted = mgpu_config.smem_bytes(config, rows=4, head_dim=128, dtype=INT8, q_dtype=jnp.bfloat16)
+  assert converted - plain >= 2 * 2 * 64 * 128 * 2 - 64 * 128 * 2   # minus the dequantized tile it replaces
+
+
+@pytest.mark.parametrize("kv_dtype,scale_kind,page_size", [(INT8, "token", None), (E4M3, "token", 16),
+                                                           (INT8, "head", 64)])
+def test_converter_warpgroup_lowers_for_cuda(kv_dtype, scale_kind, page_size):
+  # B32 T4096 heads 32/8 D128: Mosaic GPU lowering and layout inference of the converter's loads
+  # and stores, which interpret mode does not check.
+  num_kv_heads, T = 8, 4096
+  q = jax.ShapeDtypeStruct((32, 32, 128), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((32,), jnp.int32)
+  config = pkv.DecodeConfig(block_kv=64, num_stages=4, num_splits=1, convert_warpgroup=True)
+  kw = dict(impl="mosaic_gpu", config=config)
+  if page_size is None:
+    kv = jax.ShapeDtypeStruct((32, T, num_kv_heads, 128), kv_dtype)
+    scales = jax.ShapeDtypeStruct((32, T, num_kv_heads) if scale_kind == "token" else (num_kv_heads,), jnp.float32)
+    fn = lambda q, k, v, n, ks, vs: pkv.decode_attention(q, k, v, n, k_scale=ks, v_scale=vs, **kw)
+  else:
+    pages = jax.ShapeDtypeStruct((32 * T // page_size, page_size, num_kv_heads, 128), kv_dtype)
+    tables = jax.ShapeDtypeStruct((32, T // page_size), jnp.int32)
+    shape = (32 * T // page_size, page_size, num_kv_heads) if scale_kind == "token" else (num_kv_heads,)
+    scales = jax.ShapeDtypeStruct(shape, jnp.float32)
+    fn = lambda q, k, v, t, n, ks, vs: pkv.paged_decode_attention(q, k, v, t, n, k_scale=ks, v_scale=vs, **kw)
+    exported = lower_for_cuda(fn, q, pages, pages, tables, lengths, scales, scales)
+  if page_size is None:
+    exported = lower_for_cuda(fn, q, kv, kv, lengths, scales, scales)
+  assert "_cvt" in exported.mlir_module()   # the converter's kernel, not the consumers' dequantizing one
+
+
+def test_converter_warpgroup_keeps_garbage_past_the_length_out():
+  # V past the length holds NaN and its per-token scales inf: the converter must zero those rows.
+  clean = make_quant_case(34, kv_dtype=E4M3, k_kind="token", v_kind="token", batch=2, lengths=[201, 130])
+  past = (jnp.arange(clean.v.shape[1]) >= clean.lengths[:, None])[..., None]   # [B, T, 1]
+  poisoned = dataclasses.replace(clean, v=jnp.where(past[..., None], jnp.nan, clean.v.astype(jnp.float32))
+                                 .astype(E4M3), v_scale=jnp.where(past, jnp.inf, clean.v_scale))
+  out, _ = run_partials(poisoned, pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=2, convert_warpgroup=True))
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+  assert_matches_reference(out, clean.reference()[0], clean.q.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype,kind,page_size", [(INT8, "token", None), (E4M3, "token", 16), (INT8, "head", 64)],
+                         ids=["int8-token-dense", "e4m3-token-page16", "int8-head-page64"])
+def test_gpu_converter_warpgroup_matches_reference(kv_dtype, kind, page_size):
+  case = make_quant_case(35, kv_dtype=kv_dtype, k_kind=kind, v_kind=kind, batch=4, seq_len=2048, num_heads=32,
+                         num_kv_heads=8, head_dim=128, page_size=page_size, lengths=[2048, 1000, 0, 77])
+  config = pkv.DecodeConfig(block_kv=64, num_stages=4, num_splits=4, convert_warpgroup=True)
+  q = case.q[:, 0]
+  if page_size is None:
+    out = pkv.decode_attention(q, case.k, case.v, case.lengths, k_scale=case.k_scale, v_scale=case.v_scale,
+                               impl="mosaic_gpu", config=config)
+  else:
+    k_pages, v_pages, tables, k_scale, v_scale = case.paged
+    out = pkv.paged_decode_attention(q, k_pages, v_pages, tables, case.lengths, k_scale=k_scale, v_scale=v_scale,
+                                     impl="mosaic_gpu", config=config)
+  assert_matches_reference(out, case.reference()[0][:, 0], case.q.dtype)

@@ -33,6 +33,7 @@ MAX_BLOCK_KV = 256
 # A swizzled tile must start on an 8-row boundary: pages hold a power of two >= 8 tokens.
 MIN_PAGE_SIZE = 8
 ROWS_PER_WG = 64            # wgmma M: packed query rows per consumer warpgroup
+CONVERTED_STAGES = 2        # slots of each converted ring (DecodeConfig.convert_warpgroup)
 MAX_COMPUTE_WGS = 2         # 2 consumers + 1 producer = 384 threads
 SMEM_CAPACITY_BYTES = 227 * 1024   # per thread block, Hopper (H100 / H200)
 # Scratch Mosaic GPU reserves for cross-warp reductions (CompilerParams default).
@@ -148,6 +149,11 @@ class DecodeSmem:
          keep streaming the next work item while one item's partial is stored)
   barriers: produced + consumed per ring slot, q per row warpgroup, one among consumers.
   `num_stages` counts the KV tile slots of each role (K or V) over all groups.
+
+  With a converter warpgroup (`DecodeConfig.convert_warpgroup`, one-byte caches) the one-byte rings
+  are read by the converter alone, which fills the converted rings  g0_ck, g0_cv
+  [CONVERTED_STAGES, bkv, D] q_dtype (swizzled, read by the consumers' wgmma); there are no
+  per-consumer dequantized tiles.
   """
   head_dim: int
   dtype: Any                # the cache's: what the rings hold
@@ -162,6 +168,7 @@ class DecodeSmem:
   token_scales: tuple[str, ...] = ()   # roles ("k", "v") whose per-token scales stream in rings
   scale_width: int = tiling.SCALE_ROW  # `tiling.token_scale_width`
   pipeline_qk: bool = False   # Q K^T of the next tile in flight during P V: two dequantized tiles
+  converter: bool = False     # a converter warpgroup fills rings of converted tiles (one-byte cache)
 
   def __post_init__(self):
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -172,6 +179,8 @@ class DecodeSmem:
       raise ValueError(f"{self.num_stages=} must be a multiple of {self.kv_groups=}")
     if self.token_scales and not self.quantized:
       raise ValueError(f"{self.token_scales=} need a one-byte cache, got dtype {self.dtype.name}")
+    if self.converter and not self.quantized:
+      raise ValueError(f"a converter warpgroup needs a one-byte cache, got dtype {self.dtype.name}")
 
   @classmethod
   def for_call(cls, config: DecodeConfig, *, rows: int, head_dim: int, dtype: Any, page_size: int | None,
@@ -185,11 +194,17 @@ class DecodeSmem:
                copies_per_tile=copies_per_tile(config.block_kv, page_size), stage_p=stage_p,
                separate_out=config.persistent, q_dtype=q_dtype, token_scales=token_scales,
                scale_width=tiling.token_scale_width(num_kv_heads) or tiling.SCALE_ROW,
-               pipeline_qk=config.pipeline_qk)
+               pipeline_qk=config.pipeline_qk, converter=config.convert_warpgroup)
 
   @property
   def num_wgs(self) -> int:
+    """Consumer warpgroups."""
     return self.row_wgs * self.kv_groups
+
+  @property
+  def num_threads(self) -> int:
+    """Warpgroups of a program: the consumers, the TMA producer, and the converter if any."""
+    return self.num_wgs + 1 + int(self.converter)
 
   @property
   def quantized(self) -> bool:
@@ -200,21 +215,40 @@ class DecodeSmem:
   def dequant_tiles(self) -> int:
     """Dequantized tiles per consumer: K and V take turns in one, unless Q K^T of the next tile is
     still reading K while V is converted (pipeline_qk)."""
-    if not self.quantized:
+    if not self.quantized or self.converter:
       return 0
     return 2 if self.pipeline_qk else 1
+
+  @property
+  def _tma_ring_readers(self) -> int:
+    """Warpgroups that release each slot of the TMA-filled rings: the converter, or the consumers."""
+    return 1 if self.converter else self.row_wgs
 
   def ring_spec(self) -> pipeline.RingSpec:
     return pipeline.RingSpec(
         num_stages=self.num_stages // self.kv_groups, block_shape=(self.block_kv, self.head_dim),
         dtype=self.dtype, transforms=tiling.smem_transforms(self.dtype, self.head_dim),
-        copies_per_slot=self.copies_per_tile, num_consumers=self.row_wgs)
+        copies_per_slot=self.copies_per_tile, num_consumers=self._tma_ring_readers)
 
   def scale_ring_spec(self) -> pipeline.RingSpec:
     """Per-token scale tiles, copied alongside their K or V tiles (`tiling.KVTiling.scale_sources`)."""
     block = (self.block_kv,) if self.scale_width == 1 else (self.block_kv, self.scale_width)
     return pipeline.RingSpec(num_stages=self.num_stages // self.kv_groups, block_shape=block, dtype=jnp.float32,
-                             copies_per_slot=self.copies_per_tile, num_consumers=self.row_wgs)
+                             copies_per_slot=self.copies_per_tile, num_consumers=self._tma_ring_readers)
+
+  def converted_ring_specs(self) -> dict[str, pipeline.RingSpec]:
+    """The converter's rings by role ("k", "v"): q-dtype tiles it stores (one arrival per slot)
+    and the consumers release; empty without a converter."""
+    if not self.converter:
+      return {}
+    spec = pipeline.RingSpec(num_stages=CONVERTED_STAGES, block_shape=(self.block_kv, self.head_dim),
+                             dtype=self.q_dtype, transforms=tiling.smem_transforms(self.q_dtype, self.head_dim),
+                             copies_per_slot=1, num_consumers=self.row_wgs)
+    return {"k": spec, "v": spec}
+
+  @staticmethod
+  def converted_ring_name(role: str) -> str:
+    return f"g0_c{role}"
 
   def ring_specs(self) -> dict[str, pipeline.RingSpec]:
     """Each KV group's rings by role, in the order the producer fills them: "k", then "ks" (K's
@@ -232,8 +266,10 @@ class DecodeSmem:
     return f"g{group}_{role}"
 
   def _all_ring_specs(self) -> dict[str, pipeline.RingSpec]:
-    return {self.ring_name(role, g): spec
-            for g in range(self.kv_groups) for role, spec in self.ring_specs().items()}
+    specs = {self.ring_name(role, g): spec
+             for g in range(self.kv_groups) for role, spec in self.ring_specs().items()}
+    specs.update((self.converted_ring_name(role), spec) for role, spec in self.converted_ring_specs().items())
+    return specs
 
   @property
   def _dequantized_tile_bytes(self) -> int:
@@ -343,6 +379,15 @@ def check_config(config: DecodeConfig, *, rows: int, head_dim: int, dtype: Any, 
   if config.merge_in_kernel:
     raise ValueError("config.merge_in_kernel=True is a triton option: the mosaic_gpu kernel merges its splits "
                      "in a second launch")
+  if config.convert_warpgroup:
+    if jnp.dtype(dtype).itemsize != 1:
+      raise ValueError(f"config.convert_warpgroup=True converts one-byte caches; the cache is {jnp.dtype(dtype).name}")
+    if config.kv_groups != 1 or config.persistent:
+      raise ValueError(f"config.convert_warpgroup=True needs kv_groups=1 and persistent=False, got "
+                       f"{config.kv_groups=} {config.persistent=}")
+    if head_dim > 128:
+      raise NotImplementedError(f"config.convert_warpgroup=True: head_dim={head_dim} > 128 (the converter "
+                                "holds a whole float32 tile in its registers)")
   if config.sequence_order != "given":
     raise ValueError(f"config.sequence_order={config.sequence_order!r} is a triton option: the mosaic_gpu "
                      "kernel takes the sequences in batch order ('given')")

@@ -47,13 +47,15 @@ from pallas_kv.kernels.mosaic_gpu import tiling
 
 ROWS_PER_WG = mgpu_config.ROWS_PER_WG
 PRODUCER_REGISTERS = 40     # the producer only issues TMA: give its registers to the consumers
+CONVERTER_REGISTERS = 128   # the converter holds one [bkv, 128] tile as float32 with its scales
 # TMA stores need 16-byte rows: the lse output is padded to a multiple of 4 float32 rows.
 _LSE_ROW_MULTIPLE = 4
 
 
-def _consumer_registers(num_wgs: int) -> int:
+def _consumer_registers(num_wgs: int, converter: bool = False) -> int:
   # 64K registers per SM shared by 128-thread warpgroups; at most 256 per thread; multiple of 8.
-  return int(min(256, (512 - PRODUCER_REGISTERS) / num_wgs) // 8 * 8)
+  others = PRODUCER_REGISTERS + (CONVERTER_REGISTERS if converter else 0)
+  return int(min(256, (512 - others) / num_wgs) // 8 * 8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,17 +173,20 @@ class _Static:
 
 @dataclasses.dataclass(frozen=True)
 class _RingTiles:
-  """K or V tiles that wgmma reads straight from their ring slots (a cache in q's dtype).
+  """K or V tiles that wgmma reads straight from their ring slots (a cache in q's dtype, or the
+  converter's tiles of a one-byte cache).
 
   fetch(step, valid_rows) waits for the tile of ring step `step` and returns it ([bkv, D] SMEM),
-  its rows from valid_rows on zeroed in place when valid_rows < bkv (V's last tile); tile(step)
-  returns it without waiting (the caller has fetched it); done(step) gives its slot back.
+  its rows from valid_rows on zeroed in place when valid_rows < bkv (V's last tile) unless the
+  ring's filler zeroed them (zero_rows=False); tile(step) returns it without waiting (the caller
+  has fetched it); done(step) gives its slot back.
   """
   ring: pipeline.Ring
+  zero_rows: bool = True
 
   def fetch(self, step, valid_rows=None):
     tile = self.ring.wait(step)
-    if valid_rows is not None:
+    if valid_rows is not None and self.zero_rows:
       @pl.when(valid_rows < tile.shape[0])
       def _():
         # Every consumer warpgroup reading this slot writes the same values: the zeros and the
@@ -230,6 +235,26 @@ class _DequantizedTiles:
 
   def done(self, step):
     del step   # the slot went back at fetch
+
+
+def _convert_tile(ring: pipeline.Ring, scale_ring, out_ring: pipeline.Ring, step, valid_rows, head, st: _Static):
+  """The converter's work on ring step `step`: the one-byte tile (and its per-token scales, given
+  scale_ring) widened by `TileMath.dequantize`, rows from valid_rows on zeroed (V), stored into
+  out_ring's slot of the same step for the consumers' wgmma."""
+  values = plgpu.load(ring.wait(step), layout=plgpu.Layout.WGMMA_8BIT)
+  token_scales = None
+  if scale_ring is not None:
+    token_scales = tiling.load_token_scales(scale_ring.wait(step), head=head)
+  values = st.tile_math.dequantize(values, st.q_dtype, token_scales)
+  if valid_rows is not None:   # after the scales: a scale past the length may be inf as well
+    values = tiling.rows_below(values, valid_rows, plgpu.Layout.WGMMA_8BIT)
+  # The one-byte slots go back first, so that TMA refills them while this tile is stored.
+  ring.release(step, read_by_registers=True)
+  if scale_ring is not None:
+    scale_ring.release(step)   # its reads came before that fence
+  out_ring.acquire(step)
+  out_ring.slot(step)[...] = values
+  out_ring.commit_stores(step)
 
 
 def _tile_range(length, split, st: _Static, tiles_per_split):
@@ -323,7 +348,32 @@ def _kernel(q_ref,            # [B, Hkv, rows_padded, D]   GMEM
     rings.append({role: pipeline.Ring(spec, streaming[names[role]], scratch[f"{names[role]}_produced"],
                                       scratch[f"{names[role]}_consumed"])
                   for role, spec in st.smem.ring_specs().items()})
+  converted = {role: pipeline.Ring(spec, streaming[name], scratch[f"{name}_produced"], scratch[f"{name}_consumed"])
+               for role, spec in st.smem.converted_ring_specs().items()
+               for name in [st.smem.converted_ring_name(role)]}
   wg = lax.axis_index("wg")
+
+  if converted:
+    @pl.when(wg == st.smem.num_wgs + 1)
+    def _converter():
+      plgpu.set_max_registers(CONVERTER_REGISTERS, action="decrease")
+
+      def convert(item: _Item, steps_before):
+        t0, count = item.ranges[0][0], item.counts[0]
+
+        @pl.loop(0, count)
+        def _(step):
+          for role in ("k", "v"):
+            # V's rows past the length are zeroed here (0 x NaN is NaN in P V); K's are masked.
+            valid_rows = item.length - (t0 + step) * st.tiling.block_kv if role == "v" else None
+            _convert_tile(rings[0][role], rings[0].get(f"{role}s"), converted[role], steps_before + step,
+                          valid_rows, item.head, st)
+
+        for ring in converted.values():   # one item (no persistent grid with a converter)
+          ring.drain(count)
+        return count
+
+      _for_each_item(convert, lengths_ref, st, None if plan_ref is None else plan_ref[0])
 
   @pl.when(wg == st.smem.num_wgs)
   def _producer():
@@ -368,7 +418,7 @@ def _kernel(q_ref,            # [B, Hkv, rows_padded, D]   GMEM
 
     @pl.when(wg == w)
     def _consumer():
-      plgpu.set_max_registers(_consumer_registers(st.smem.num_wgs), action="increase")
+      plgpu.set_max_registers(_consumer_registers(st.smem.num_wgs, bool(converted)), action="increase")
       q_tile = q_smem.at[rw]   # [64, D]
       q_barrier = scratch["q_barrier"].at[rw]
       p_smem = scratch["p_smem"].at[w] if st.smem.stage_p else None   # [64, bkv]
@@ -381,7 +431,7 @@ def _kernel(q_ref,            # [B, Hkv, rows_padded, D]   GMEM
         # Per-head scales are scalars of the program: K's joins the logit scale, V's the output.
         k_head_scale = k_scale_ref[item.head] if st.k_scale == "head" else None
         v_head_scale = v_scale_ref[item.head] if st.v_scale == "head" else None
-        k_tiles, v_tiles = _tile_feeds(rings[g], streaming, w, item.head, st)
+        k_tiles, v_tiles = _tile_feeds(rings[g], streaming, w, item.head, st, converted)
         plgpu.barrier_wait(q_barrier)
         carry = _consume(q_tile, k_tiles, v_tiles, p_smem, item.length, row0, *item.ranges[g],
                          steps_before, st, k_scale=k_head_scale)
@@ -395,9 +445,12 @@ def _kernel(q_ref,            # [B, Hkv, rows_padded, D]   GMEM
         plgpu.wait_smem_to_gmem(0)
 
 
-def _tile_feeds(rings, streaming, w: int, head, st: _Static):
-  """(K tiles, V tiles) of consumer warpgroup w from its KV group's rings (`_RingTiles` or, for a
-  one-byte cache, `_DequantizedTiles`)."""
+def _tile_feeds(rings, streaming, w: int, head, st: _Static, converted=None):
+  """(K tiles, V tiles) of consumer warpgroup w from its KV group's rings (`_RingTiles`), the
+  converter's rings (a one-byte cache with a converter: `_RingTiles` whose V rows it zeroed), or,
+  for a one-byte cache without one, `_DequantizedTiles`."""
+  if converted:
+    return _RingTiles(converted["k"]), _RingTiles(converted["v"], zero_rows=False)
   if not st.quantized:
     return _RingTiles(rings["k"]), _RingTiles(rings["v"])
   # This consumer's dequantized tiles: K and V take turns in one, unless pipeline_qk keeps K's
@@ -548,6 +601,8 @@ def _build(st: _Static, interpret: Any):
     name += f"_persist{st.num_programs}"
   if st.quantized:
     name += f"_{st.tiling.dtype.name}_k{st.k_scale or 'none'}_v{st.v_scale or 'none'}"
+  if st.smem.converter:
+    name += "_cvt"
   if st.tile_math.name:
     name += f"_{st.tile_math.name}"
   if st.balanced:
@@ -564,7 +619,7 @@ def _build(st: _Static, interpret: Any):
       scratch_types=scratch,   # passed to the body by keyword
       grid=grid,
       grid_names=grid_names,
-      num_threads=st.smem.num_wgs + 1,
+      num_threads=st.smem.num_threads,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,

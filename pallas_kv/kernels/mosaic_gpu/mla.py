@@ -185,9 +185,9 @@ def check_config(config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, p
   if config.pipeline_qk and config.split_scores:
     raise ValueError("MLA on mosaic_gpu takes pipeline_qk or split_scores, not both")
   if (config.kv_groups != 1 or config.persistent or config.merge_in_kernel or config.split_plan != "per_sequence"
-      or config.sequence_order != "given"):
+      or config.sequence_order != "given" or config.convert_warpgroup):
     raise ValueError(f"MLA on mosaic_gpu takes none of kv_groups, persistent, merge_in_kernel, a balanced "
-                     f"split_plan, a sequence_order other than 'given'; got {config}")
+                     f"split_plan, a sequence_order other than 'given', convert_warpgroup; got {config}")
   reason = mgpu_config.page_size_reason(page_size)
   if reason:
     raise NotImplementedError(f"mosaic_gpu: {reason}")

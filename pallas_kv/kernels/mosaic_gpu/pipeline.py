@@ -17,6 +17,9 @@ producer warpgroup may run up to `num_stages` tiles ahead of the consumers:
   ...                              ring.release(i)        # slot may be refilled
   ring.drain(n)    # after step n-1
 
+A warpgroup may fill a ring with its own stores instead of TMA (`commit_stores` in place of
+`commit`): the converter of one-byte tiles does, between the TMA rings and the consumers.
+
 Mosaic GPU tracks barrier phases per thread, so each side must visit every step in order
 (a thread that skips a step would wait on the wrong phase next time round).
 """
@@ -123,6 +126,15 @@ class Ring:
       row += rows
     if row != self.spec.block_shape[0]:
       raise ValueError(f"sources cover {row} rows, the slot has {self.spec.block_shape[0]}")
+
+  def commit_stores(self, step):
+    """Marks the slot of `step` filled by this warpgroup's own SMEM stores (a ring whose producer
+    is a warpgroup, not TMA: copies_per_slot 1): fences the stores for the async proxy, which
+    wgmma reads through, and arrives once on the slot's produced barrier."""
+    if self.spec.copies_per_slot != 1:
+      raise ValueError(f"a ring filled by stores takes one arrival per slot, not {self.spec.copies_per_slot}")
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(self.produced.at[self._slot(step)])
 
   def drain(self, num_steps):
     """Waits for the releases of the last num_stages of `num_steps` steps.

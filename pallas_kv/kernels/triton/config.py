@@ -31,7 +31,8 @@ PROGRAMS_PER_SM = 2
 DEFAULT_BLOCK_KV = 64
 DEFAULT_STAGES = 3
 # DecodeConfig fields this backend does not implement, with the value it needs.
-UNSUPPORTED_FIELDS = {"kv_groups": 1, "pipeline_qk": False, "persistent": False, "split_scores": False}
+UNSUPPORTED_FIELDS = {"kv_groups": 1, "pipeline_qk": False, "persistent": False, "split_scores": False,
+                      "convert_warpgroup": False}
 
 
 def _next_pow2(n: int) -> int:
