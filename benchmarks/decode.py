@@ -29,9 +29,9 @@ with a converter warpgroup (`DecodeConfig.convert_warpgroup`), the config otherw
   python -m benchmarks.decode --flagfile=configs/gqa_h200.flags --impl=mosaic_gpu --kv_dtype=int8 \
       --convert_warpgroup
 
-`--sequence_order=longest_first` runs the triton impl (and auto where it picks triton) with
-programs taking the sequences longest first (`DecodeConfig.sequence_order`), the config otherwise
-as resolved; compare with the default on ragged batches.
+`--sequence_order=longest_first` (or `long_short`) runs the triton impl (and auto where it picks
+triton) with programs taking the sequences in that order (`DecodeConfig.sequence_order`), the
+config otherwise as resolved; compare with the default on ragged batches.
 
 Each case (op x batch x seq_len) prints one table row per impl: median time per
 call, TB/s of the bytes that must move (the KV of the valid tokens, plus q and the

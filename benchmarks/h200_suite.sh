@@ -93,8 +93,8 @@ for part in "$@"; do
                   --kv_dtype=$kv --$cvt --warmup=2 --repeats=5 --json="$out/converter_${kv}_$cvt.json" 2>&1 | quiet \
                   | tee "$out/converter_${kv}_$cvt.log"
               done; done ;;
-    ragged_order) # ragged batches with the sequences in batch order and longest first (triton), cuDNN beside
-              for order in given longest_first; do
+    ragged_order) # ragged batches with the sequences in batch order, longest first and long-short (triton), cuDNN beside
+              for order in given longest_first long_short; do
                 python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags --ragged \
                   --cases=16x32768,64x8192,128x4096 --impl=triton$([ $order = given ] && echo ,cudnn) \
                   --sequence_order=$order --warmup=2 --repeats=5 --json="$out/ragged_$order.json" 2>&1 | quiet \

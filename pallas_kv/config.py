@@ -25,7 +25,7 @@ class AttentionOptions:
 BLOCK_KV_CHOICES = (16, 32, 64, 128, 256)  # the mosaic_gpu backend needs >= 64 (wgmma K)
 MAX_STAGES = 8
 SPLIT_PLANS = ("per_sequence", "balanced")
-SEQUENCE_ORDERS = ("given", "longest_first")
+SEQUENCE_ORDERS = ("given", "longest_first", "long_short")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +69,11 @@ class DecodeConfig:
   sequence_order: the order in which programs take the sequences of a batch (triton only).
     "given": batch order. "longest_first": by length, longest first (an argsort of `lengths` each
     call, one small launch), so that the long sequences of a ragged batch start in the first wave
-    instead of trailing the last one (list scheduling's longest-processing-time rule). Only the
-    schedule changes: every sequence's result is the same bits as with "given".
+    instead of trailing the last one (list scheduling's longest-processing-time rule).
+    "long_short": longest, shortest, second longest, second shortest, ...: the long sequences
+    still start early, and the short ones (mostly fixed cost per program) run beside them instead
+    of all at the end. Only the schedule changes: every sequence's result is the same bits as with
+    "given".
   split_scores: MLA on mosaic_gpu only: both consumer warpgroups score half of each tile's keys
     and trade row maxima and their halves of P through SMEM (FlashMLA's balance), instead of one
     scorer computing all of Q K^T and the softmax while its partner only runs P V. Measured

@@ -198,6 +198,10 @@ def test_longest_first_is_a_stable_descending_order():
   from pallas_kv.kernels.triton import decode as triton_decode
   order = triton_decode.longest_first(jnp.asarray([5, 9, 0, 9, 7]))
   assert order.dtype == jnp.int32 and order.tolist() == [1, 3, 4, 0, 2]
+  lengths = jnp.asarray([5, 9, 0, 9, 7, 1])
+  order = triton_decode.long_short(lengths)
+  assert order.dtype == jnp.int32 and order.tolist() == [1, 2, 3, 5, 4, 0]   # 9, 0, 9, 1, 7, 5
+  assert sorted(triton_decode.long_short(lengths[:5]).tolist()) == list(range(5))   # odd B: a permutation
 
 
 @pytest.mark.parametrize("paged,merge,num_splits,kv_dtype", [
@@ -221,11 +225,13 @@ def test_longest_first_gives_the_bits_of_batch_order(interpret_mode, paged, merg
                               sequence_order=order)
     return _call(case, "triton", config, paged, **options)
 
-  given, longest = call("given"), call("longest_first")
-  if kv_dtype is None:
-    check_against_reference(case, longest)
-  for a, b in zip(given, longest):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  given = call("given")
+  for order in ("longest_first", "long_short"):
+    ordered = call(order)
+    if kv_dtype is None:
+      check_against_reference(case, ordered)
+    for a, b in zip(given, ordered):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_sequence_order_is_validated():

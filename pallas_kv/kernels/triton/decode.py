@@ -523,6 +523,18 @@ def longest_first(lengths):
   return jnp.argsort(-lengths.astype(jnp.int32), stable=True).astype(jnp.int32)
 
 
+def long_short(lengths):
+  """int32 [B]: longest, shortest, second longest, second shortest, ... (`longest_first` order
+  taken from both ends in turn)."""
+  by_length = longest_first(lengths)
+  n = by_length.shape[0]
+  i = jnp.arange(n, dtype=jnp.int32)
+  return by_length[jnp.where(i % 2 == 0, i // 2, n - 1 - i // 2)]
+
+
+SEQUENCE_ORDERS = {"longest_first": longest_first, "long_short": long_short}
+
+
 def _call(st: _Static, args, *, q, k, config: DecodeConfig, interpret: bool, out_dtype=None):
   B, Hkv = q.shape[:2]
   call = _build(st, batch=B, num_kv_heads=Hkv, kv_shape=k.shape, table_width=st.max_pages,
@@ -569,7 +581,7 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
     `config.check_config`. Its merge_in_kernel is not read here: `decode_merged` is that kernel.
   tiles_per_split: int32 [1], the balanced plan (`split_k.balanced_tiles_per_split`), given
     exactly when config.split_plan is "balanced".
-  sequence_order: int32 [B], a permutation of the batch (`longest_first(lengths)`): batch slot i
+  sequence_order: int32 [B], a permutation of the batch (`SEQUENCE_ORDERS`): batch slot i
     of the grid computes sequence sequence_order[i]; given exactly when config.sequence_order is
     not "given". Results are indexed by sequence either way.
   interpret: run the kernel in Pallas interpret mode (CPU).
