@@ -2,7 +2,7 @@
 # The measurement suite on an H200, in parts that each fit one ~10-minute command.
 #   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged quantized qprobe vmap step tune
 #   fuzz memcheck mla merge balanced smollm2 (SMOLLM2_GGUF=path: the GPU machine has no network)
-#   tune_triton ncu loadpath kernels chain timer ragged_order converter
+#   tune_triton ncu loadpath kernels chain timer ragged_order converter models
 #   tune-SWEEP-BACKEND (e.g. TUNE_CASES=32x8192,128x8192 ... tune-gpt_oss_120b-mosaic_gpu)
 #   (and scaling8k scaling32k on a machine with several GPUs)
 # Results (JSON, logs) go to $OUT if set, else bench_out/. Run from the repository root with the
@@ -87,6 +87,12 @@ for part in "$@"; do
                 python3 -m benchmarks.profile_kernel --timer_check --impl=triton,cudnn \
                   --flagfile=configs/gqa_h200.flags --cases=$c 2>&1 | quiet | tee -a "$out/timer.log"
               done ;;
+    models)   # auto against the best kernel backend on the model sweeps and the held-out shapes
+              for m in llama3_8b qwen25_7b gemma2_9b gqa_h200_heldout; do
+                python3 -m benchmarks.decode --flagfile=configs/$m.flags --impl=auto,triton,mosaic_gpu \
+                  --warmup=2 --repeats=5 --json="$out/$m.json" 2>&1 | quiet > "$out/$m.log"
+                python3 -m benchmarks.report "$out/$m.json" --auto | tee -a "$out/models_auto.log"
+              done ;;
     converter) # one-byte caches on mosaic_gpu with and without the converter warpgroup, triton beside
               for kv in int8 float8_e4m3fn; do for cvt in noconvert_warpgroup convert_warpgroup; do
                 python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags --impl=mosaic_gpu$([ $cvt = noconvert_warpgroup ] && echo ,triton) \
@@ -142,7 +148,7 @@ for part in "$@"; do
               ctx=$([ "$part" = scaling8k ] && echo 8192 || echo 32768)
               python3 -m benchmarks.scaling --flagfile=configs/scaling_h200.flags --seq_len=$ctx \
                 --json="$out/$part.json" 2>&1 | quiet | tee "$out/$part.log" ;;
-    *) echo "unknown part: $part (tests variants loadpath gqa paged quantized qprobe vmap fuzz memcheck mla merge balanced smollm2 step tune tune_triton tune-SWEEP-BACKEND ncu kernels chain timer ragged_order converter scaling8k scaling32k)"; status=2 ;;
+    *) echo "unknown part: $part (tests variants loadpath gqa paged quantized qprobe vmap fuzz memcheck mla merge balanced smollm2 step tune tune_triton tune-SWEEP-BACKEND ncu kernels chain timer ragged_order converter models scaling8k scaling32k)"; status=2 ;;
   esac
 done
 exit $status
