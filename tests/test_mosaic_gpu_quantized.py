@@ -456,3 +456,15 @@ def test_gpu_converter_warpgroup_matches_reference(kv_dtype, kind, page_size):
     out = pkv.paged_decode_attention(q, k_pages, v_pages, tables, case.lengths, k_scale=k_scale, v_scale=v_scale,
                                      impl="mosaic_gpu", config=config)
   assert_matches_reference(out, case.reference()[0][:, 0], case.q.dtype)
+
+
+def test_converter_warpgroup_with_two_row_warpgroups_lowers_for_cuda():
+  # 5 new tokens x 16 q heads = 80 packed rows: two consumers read each converted slot (4 warpgroups).
+  q = jax.ShapeDtypeStruct((4, 5, 16, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((4, 4096, 1, 128), INT8)
+  scales = jax.ShapeDtypeStruct((4, 4096, 1), jnp.float32)
+  config = pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=2, convert_warpgroup=True)
+  fn = lambda q, k, v, n, ks, vs: pkv.decode_attention(q, k, v, n, k_scale=ks, v_scale=vs, impl="mosaic_gpu",
+                                                       config=config)
+  exported = lower_for_cuda(fn, q, kv, kv, jax.ShapeDtypeStruct((4,), jnp.int32), scales, scales)
+  assert "_cvt" in exported.mlir_module()
