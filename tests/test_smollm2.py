@@ -54,8 +54,19 @@ def reference():
 
 @pytest.fixture(scope="module")
 def smollm2():
-  """(config, float32-compute params, tokenizer) of the real model, fetched once into the cache."""
-  config, params, tokenizer_data = gguf_loader.load(weights.fetch_gguf())
+  """(config, float32-compute params, tokenizer) of the real model, fetched once into the cache.
+
+  Outside CI, a machine that cannot fetch it (no network, as on the GPU machine unless
+  SMOLLM2_GGUF / PALLAS_KV_CACHE_DIR point at the file) skips these tests, saying why; in CI
+  (CI=true) a failed fetch fails them.
+  """
+  try:
+    path = weights.fetch_gguf()
+  except RuntimeError as e:
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+      raise
+    pytest.skip(f"SmolLM2 weights not cached and not fetchable here: {str(e).splitlines()[0]}")
+  config, params, tokenizer_data = gguf_loader.load(path)
   return config, Llama(config).prepare(params), Tokenizer(tokenizer_data)
 
 
