@@ -17,8 +17,9 @@ call by the profiler while T_2N - T_N read 133-137). So on accelerators each cha
 queued behind a lead run (the long chain): its host dispatch happens while the device still
 works on the lead, and the clock starts when the lead's results are ready, so it reads the
 chain's device time plus a constant wake-up. A sample whose dispatch outlasted the lead (the
-device idled) is kept but marks the result's method "chain-diff+dispatch". Compilation and `warmup` runs of
-both chains come first. Host jitter on the two wall-clock readings is ~0.1 ms, so a
+device idled) is kept but marks the result's method "chain-diff+dispatch".
+
+Compilation and `warmup` runs of both chains come first. Host jitter on the two wall-clock readings is ~0.1 ms, so a
 short chain of a fast op (20 calls of 45 µs = 0.9 ms) gives samples ±10% apart; the
 chain is therefore lengthened until it runs for `MIN_CHAIN_S` of device time (from
 one pilot sample), up to `MAX_CHAIN_CALLS` calls.
@@ -121,7 +122,7 @@ def _queued_wall(fn: Callable[[list], Any], arg_sets: list, lead: Callable[[list
   ready; and whether fn's dispatch was over by then (so the time holds no dispatch)."""
   lead_out = lead(arg_sets)
   out = fn(arg_sets)
-  hidden = not all(x.is_ready() for x in jax.tree.leaves(lead_out)[-1:])
+  hidden = not jax.tree.leaves(lead_out)[-1].is_ready()   # the lead's last call still running
   jax.block_until_ready(lead_out)
   t0 = time.perf_counter()
   jax.block_until_ready(out)

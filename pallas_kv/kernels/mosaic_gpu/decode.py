@@ -214,14 +214,8 @@ class _DequantizedTiles:
   head: Any = None                             # the program's kv head (picks its scales)
 
   def fetch(self, step, valid_rows=None):
-    values = plgpu.load(self.ring.wait(step), layout=plgpu.Layout.WGMMA_8BIT)
-    token_scales = None
-    if self.scale_ring is not None:
-      token_scales = tiling.load_token_scales(self.scale_ring.wait(step), head=self.head)
-    values = self.tile_math.dequantize(values, self.dequantized.dtype, token_scales)
-    if valid_rows is not None:   # after the scales: a scale past the length may be inf as well
-      values = tiling.rows_below(values, valid_rows, plgpu.Layout.WGMMA_8BIT)
-    self.dequantized[...] = values
+    self.dequantized[...] = _dequantized_values(self.ring, self.scale_ring, step, valid_rows, self.head,
+                                                self.tile_math, self.dequantized.dtype)
     # One proxy fence serves both: TMA may refill the slots read into registers above, and
     # wgmma may read the stores.
     self.ring.release(step, read_by_registers=True)
@@ -237,17 +231,24 @@ class _DequantizedTiles:
     del step   # the slot went back at fetch
 
 
-def _convert_tile(ring: pipeline.Ring, scale_ring, out_ring: pipeline.Ring, step, valid_rows, head, st: _Static):
-  """The converter's work on ring step `step`: the one-byte tile (and its per-token scales, given
-  scale_ring) widened by `TileMath.dequantize`, rows from valid_rows on zeroed (V), stored into
-  out_ring's slot of the same step for the consumers' wgmma."""
+def _dequantized_values(ring: pipeline.Ring, scale_ring, step, valid_rows, head, tile_math: TileMath, dtype):
+  """The one-byte tile of ring step `step` in registers, widened to `dtype` by
+  `TileMath.dequantize` with its per-token scales (given scale_ring), rows from valid_rows on
+  zeroed (given valid_rows). Waits for the slots; does not release them."""
   values = plgpu.load(ring.wait(step), layout=plgpu.Layout.WGMMA_8BIT)
   token_scales = None
   if scale_ring is not None:
     token_scales = tiling.load_token_scales(scale_ring.wait(step), head=head)
-  values = st.tile_math.dequantize(values, st.q_dtype, token_scales)
+  values = tile_math.dequantize(values, dtype, token_scales)
   if valid_rows is not None:   # after the scales: a scale past the length may be inf as well
     values = tiling.rows_below(values, valid_rows, plgpu.Layout.WGMMA_8BIT)
+  return values
+
+
+def _convert_tile(ring: pipeline.Ring, scale_ring, out_ring: pipeline.Ring, step, valid_rows, head, st: _Static):
+  """The converter's work on ring step `step`: `_dequantized_values` stored into out_ring's slot of
+  the same step for the consumers' wgmma."""
+  values = _dequantized_values(ring, scale_ring, step, valid_rows, head, st.tile_math, st.q_dtype)
   # The one-byte slots go back first, so that TMA refills them while this tile is stored.
   ring.release(step, read_by_registers=True)
   if scale_ring is not None:

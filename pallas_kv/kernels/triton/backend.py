@@ -36,8 +36,8 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: De
                               programs_per_sm=triton_config.PROGRAMS_PER_SM)
 
   def order(lengths):
-    order = triton_decode.SEQUENCE_ORDERS.get(config.sequence_order)
-    return None if order is None else order(lengths)
+    permutation = triton_decode.ORDER_FUNCTIONS.get(config.sequence_order)
+    return None if permutation is None else permutation(lengths)
 
   def partials(rows, lengths, block_tables, k_scale, v_scale):
     return triton_decode.decode_partials(rows, k, v, lengths, block_tables, k_scale=k_scale, v_scale=v_scale,

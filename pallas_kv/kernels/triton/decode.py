@@ -243,7 +243,7 @@ def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), 
   order_ref = refs.pop(0) if st.ordered else None
   # [1] int32, the balanced plan's tiles per split (`split_k.balanced_tiles_per_split`)
   tiles_per_split = refs.pop(0)[0] if st.balanced else None
-  # [max_pages] int32, this sequence's row (ids already in [0, P))
+  # [max_pages] int32, this sequence's row ([B, max_pages] when st.ordered); ids clamped into [0, P) here
   block_tables_ref = refs.pop(0) if st.paged else None
   # Scales: "head" [Hkv] f32 (all heads); "token" [T] | [P, page_size] f32 of this kv head.
   k_scale_ref = refs.pop(0) if st.k_scale else None
@@ -532,7 +532,8 @@ def long_short(lengths):
   return by_length[jnp.where(i % 2 == 0, i // 2, n - 1 - i // 2)]
 
 
-SEQUENCE_ORDERS = {"longest_first": longest_first, "long_short": long_short}
+# DecodeConfig.sequence_order -> the permutation it takes; "given" (batch order) needs none.
+ORDER_FUNCTIONS = {"longest_first": longest_first, "long_short": long_short}
 
 
 def _call(st: _Static, args, *, q, k, config: DecodeConfig, interpret: bool, out_dtype=None):
@@ -581,7 +582,7 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
     `config.check_config`. Its merge_in_kernel is not read here: `decode_merged` is that kernel.
   tiles_per_split: int32 [1], the balanced plan (`split_k.balanced_tiles_per_split`), given
     exactly when config.split_plan is "balanced".
-  sequence_order: int32 [B], a permutation of the batch (`SEQUENCE_ORDERS`): batch slot i
+  sequence_order: int32 [B], a permutation of the batch (`ORDER_FUNCTIONS`): batch slot i
     of the grid computes sequence sequence_order[i]; given exactly when config.sequence_order is
     not "given". Results are indexed by sequence either way.
   interpret: run the kernel in Pallas interpret mode (CPU).
