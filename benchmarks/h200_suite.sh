@@ -70,22 +70,22 @@ for part in "$@"; do
     mla)      python3 -m benchmarks.mla --iters=10 --json="$out/mla.json" 2>&1 | quiet | tee "$out/mla.log" ;;
     kernels)  # every kernel of one call and its GPU us (torch.profiler), ours and the peers, per shape
               for c in 1x32768 8x8192 32x4096 128x4096; do
-                python3 -m benchmarks.profile_kernel --kernel_times --impl=triton,mosaic_gpu,cudnn,torch \
-                  --flagfile=configs/gqa_h200.flags --cases=$c 2>&1 | quiet | tee -a "$out/kernels.log"
+                python3 -m benchmarks.profile_kernel --kernel_times --flagfile=configs/gqa_h200.flags \
+                  --impl=triton,mosaic_gpu,cudnn,torch --cases=$c 2>&1 | quiet | tee -a "$out/kernels.log"
               done ;;
     chain)    # the GPU's busy time per call inside the chain timer's program (10, 40, 80 calls), then
               # the timer on the same cases: what the chain-diff adds over the GPU time
               for c in 32x4096 128x4096; do for n in 10 40 80; do
-                python3 -m benchmarks.profile_kernel --kernel_times --chain_calls=$n --impl=triton,cudnn \
-                  --flagfile=configs/gqa_h200.flags --cases=$c 2>&1 | quiet | tee -a "$out/chain.log"
+                python3 -m benchmarks.profile_kernel --kernel_times --chain_calls=$n --flagfile=configs/gqa_h200.flags \
+                  --impl=triton,cudnn --cases=$c 2>&1 | quiet | tee -a "$out/chain.log"
               done; done
               python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags --impl=triton,cudnn,torch \
                 --cases=32x4096,128x4096 --warmup=2 --repeats=7 --json="$out/chain_timer.json" 2>&1 | quiet \
                 | tee -a "$out/chain.log" ;;
     timer)    # the chain-diff timer plain and queued behind a lead run, beside the GPU busy time per call
               for c in 1x32768 8x8192 32x4096 128x4096; do
-                python3 -m benchmarks.profile_kernel --timer_check --impl=triton,cudnn \
-                  --flagfile=configs/gqa_h200.flags --cases=$c 2>&1 | quiet | tee -a "$out/timer.log"
+                python3 -m benchmarks.profile_kernel --timer_check --flagfile=configs/gqa_h200.flags \
+                  --impl=triton,cudnn --cases=$c 2>&1 | quiet | tee -a "$out/timer.log"
               done ;;
     models)   # auto against the best kernel backend on the model sweeps and the held-out shapes
               for m in llama3_8b qwen25_7b gemma2_9b gqa_h200_heldout; do

@@ -65,7 +65,8 @@ class DecodeConfig:
     producer and the consumers widens each one-byte K / V tile (and applies its per-token scales)
     into a ring of q-dtype tiles that the consumers' wgmma reads as it reads a bf16 cache, as
     FA3's fp8 path prepares V in its producer; the consumers then do no conversion. Needs
-    kv_groups=1 and no persistent grid.
+    kv_groups=1 and no persistent grid. Measured on an H200 it is slower than the default (the one
+    converter widening every tile is the bound; benchmarks/RESULTS.md), so it is opt-in.
   sequence_order: the order in which programs take the sequences of a batch (triton only).
     "given": batch order. "longest_first": by length, longest first (an argsort of `lengths` each
     call, one small launch), so that the long sequences of a ragged batch start in the first wave
