@@ -2,6 +2,7 @@ r"""Instructions per KV tile of the Triton decode kernel, read from its SASS on 
 
   pip install triton==3.9.0      (its compiler, ptxas and nvdisasm; not a dependency of the project)
   python -m benchmarks.triton_sass --kv_dtype=bfloat16,int8,float8_e4m3fn --scales=token
+  python -m benchmarks.triton_sass --minimal_loop --kv_dtype=bfloat16,int8
 
 For each cache dtype it lowers `pallas_kv.decode_attention(impl="triton")` for CUDA (jax.export,
 as the lowering tests do), keeps the kernel's Triton module, compiles that for sm_90 with the pip
@@ -13,6 +14,12 @@ How to read it: one loop iteration is one KV tile of one program, per warp. With
 schedulers per SM, a program issues about (instructions per iteration) cycles per tile. At the
 H200's read rate (~16.8 bytes per SM cycle) a 64-token bf16 tile (K and V, 32 KB) lasts ~1,950 SM
 cycles, and a one-byte tile at the 0.55x target ~1,070, shared by the programs on the SM.
+
+`--minimal_loop` compiles instead a minimal decode loop of its own (one program: 16 rows, D 128,
+online softmax, no scales or masks) over a one-byte cache in the variants that RESULTS.md's
+sixth set compares: V laid out [T, D] as the cache is, or [D, T] (tokens contiguous, a layout the
+package does not have), and int8 widened to its value or to value + 1152 (the widening's
+subtraction left out; a real kernel would remove the offset after the products).
 
 The pip Triton is not the one built into jaxlib, which compiles the kernel on the GPU: their
 passes are close, not identical, so the counts guide a change; the GPU measures it.
@@ -53,6 +60,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("block_kv", 64, "DecodeConfig.block_kv")
   flags.DEFINE_integer("num_stages", 3, "DecodeConfig.num_stages")
   flags.DEFINE_integer("num_warps", 4, "DecodeConfig.num_warps")
+  flags.DEFINE_bool("minimal_loop", False, "count the minimal loop's variants instead of the kernel")
 
 
 # Memory opcodes keep their width: `LDS.U8` (one byte per load) is not `LDS.128`.
@@ -116,6 +124,11 @@ def kernel_ttir(kv_dtype, *, scales: str, batch: int, seq_len: int, config: pkv.
     shape = (batch, seq_len, KV_HEADS) if scales == "token" else (KV_HEADS,)
     args += [jax.ShapeDtypeStruct(shape, jnp.float32)] * 2
     call = functools.partial(lambda f, q, k, v, n, ks, vs: f(q, k, v, n, k_scale=ks, v_scale=vs), call)
+  return _lower_triton_module(call, *args)   # the decode kernel (a split call's merge kernel comes second)
+
+
+def _lower_triton_module(call, *args) -> str:
+  """The first Triton module that lowering `call(*args)` for CUDA produces, as TTIR text."""
   # Lowering for CUDA on a machine without one: an abstract H200 (Pallas Triton asks for a device).
   mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice("NVIDIA H200", 132, "cuda"))
   with _captured_triton_modules() as modules, jax.sharding.use_abstract_mesh(mesh):
@@ -123,7 +136,64 @@ def kernel_ttir(kv_dtype, *, scales: str, batch: int, seq_len: int, config: pkv.
                       disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
   if not modules:
     raise RuntimeError("no Triton module was lowered")
-  return modules[0]   # the decode kernel (a split call's merge kernel comes second)
+  return modules[0]
+
+
+# int8 -> float16 as (s ^ 0x80) under the exponent of 1024, without subtracting 1152: value + 1152.
+_WIDEN_INT8_WITH_OFFSET = """{
+      .reg .b32 t, m;
+      xor.b32 t, $2, 0x80808080;
+      mov.b32 m, 0x64646464;
+      prmt.b32 $0, t, m, 0x5140;
+      prmt.b32 $1, t, m, 0x7362;
+    }"""
+
+
+def minimal_loop_ttir(kv_dtype, *, v_tokens_contiguous: bool, keep_offset: bool, block_kv: int, num_stages: int,
+                      num_warps: int, rows: int = 16, seq_len: int = 4096) -> str:
+  """The Triton module of a minimal decode loop (module doc), lowered for CUDA here."""
+  from jax import lax  # pylint: disable=g-import-not-at-top
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas import triton as pltr  # pylint: disable=g-import-not-at-top
+  from pallas_kv.kernels.triton import decode as triton_decode  # pylint: disable=g-import-not-at-top
+  kv_dtype = jnp.dtype(kv_dtype)
+
+  def widen(x):
+    if x.dtype == jnp.float16:
+      return x
+    ptx = _WIDEN_INT8_WITH_OFFSET if keep_offset else triton_decode._WIDEN_PTX[kv_dtype]  # pylint: disable=protected-access
+    [out] = pltr.elementwise_inline_asm(ptx, args=[x], constraints="=r,=r,r", pack=4,
+                                        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float16)])
+    return out
+
+  def kernel(q_ref, k_ref, v_ref, o_ref):
+    q = q_ref[...]
+
+    def step(i, carry):
+      acc, m, l = carry
+      k = widen(pltr.load(k_ref.at[pl.ds(i * block_kv, block_kv), :]))                 # [bkv, D]
+      s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+      m_new = jnp.maximum(m, s.max(axis=1))
+      p, alpha = jnp.exp2(s - m_new[:, None]), jnp.exp2(m - m_new)
+      if v_tokens_contiguous:
+        v = widen(pltr.load(v_ref.at[:, pl.ds(i * block_kv, block_kv)]))                # [D, bkv]
+        contract = (((1,), (1,)), ((), ()))
+      else:
+        v = widen(pltr.load(v_ref.at[pl.ds(i * block_kv, block_kv), :]))                # [bkv, D]
+        contract = (((1,), (0,)), ((), ()))
+      pv = lax.dot_general(p.astype(jnp.float16), v, contract, preferred_element_type=jnp.float32)
+      return acc * alpha[:, None] + pv, m_new, l * alpha + p.sum(axis=1)
+
+    init = (jnp.zeros((rows, HEAD_DIM), jnp.float32), jnp.full((rows,), -jnp.inf), jnp.zeros((rows,)))
+    acc, _, l = lax.fori_loop(0, seq_len // block_kv, step, init)
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+
+  q = jax.ShapeDtypeStruct((rows, HEAD_DIM), jnp.float16)
+  k = jax.ShapeDtypeStruct((seq_len, HEAD_DIM), kv_dtype)
+  v = jax.ShapeDtypeStruct((HEAD_DIM, seq_len) if v_tokens_contiguous else (seq_len, HEAD_DIM), kv_dtype)
+  call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((rows, HEAD_DIM), jnp.float16),
+                        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+  return _lower_triton_module(call, q, k, v)
 
 
 def compile_sass(ttir: str, *, num_warps: int, num_stages: int) -> tuple[str, str]:
@@ -152,19 +222,39 @@ def compile_sass(ttir: str, *, num_warps: int, num_stages: int) -> tuple[str, st
   return sass, resources
 
 
+def _print_loops(title: str, sass: str, resources: str) -> None:
+  registers = re.search(r"REG:(\d+)", resources)
+  print(f"== {title}, {registers.group(1) if registers else '?'} registers per thread")
+  for size, opcodes in loop_counts(sass):
+    print(f"  loop of {size} instructions: " + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(16)))
+
+
+def minimal_loop_main() -> None:
+  """The minimal loop's variants, for each cache dtype (bf16 runs as float16)."""
+  for kv_dtype in FLAGS.kv_dtype:
+    dtype = jnp.dtype(jnp.float16 if jnp.dtype(kv_dtype).itemsize == 2 else kv_dtype)
+    offsets = (False, True) if dtype == jnp.int8 else (False,)
+    for v_tokens_contiguous in (False, True):
+      for keep_offset in offsets:
+        ttir = minimal_loop_ttir(dtype, v_tokens_contiguous=v_tokens_contiguous, keep_offset=keep_offset,
+                                 block_kv=FLAGS.block_kv, num_stages=FLAGS.num_stages, num_warps=FLAGS.num_warps)
+        sass, resources = compile_sass(ttir, num_warps=FLAGS.num_warps, num_stages=FLAGS.num_stages)
+        _print_loops(f"minimal loop, {dtype.name}, V {'[D, T]' if v_tokens_contiguous else '[T, D]'}"
+                     f"{', widened with its offset' if keep_offset else ''}", sass, resources)
+
+
 def main(argv: Sequence[str]) -> None:
   del argv
+  if FLAGS.minimal_loop:
+    minimal_loop_main()
+    return
   config = pkv.DecodeConfig(block_kv=FLAGS.block_kv, num_stages=FLAGS.num_stages, num_warps=FLAGS.num_warps,
                             num_splits=1)
   for kv_dtype in FLAGS.kv_dtype:
     ttir = kernel_ttir(kv_dtype, scales=FLAGS.scales, batch=FLAGS.batch, seq_len=FLAGS.seq_len, config=config)
     sass, resources = compile_sass(ttir, num_warps=FLAGS.num_warps, num_stages=FLAGS.num_stages)
-    registers = re.search(r"REG:(\d+)", resources)
-    print(f"== {kv_dtype} (scales {FLAGS.scales if jnp.dtype(kv_dtype).itemsize == 1 else '-'}), "
-          f"{config.block_kv}-token tiles, {config.num_stages} stages, {config.num_warps} warps, "
-          f"{registers.group(1) if registers else '?'} registers per thread")
-    for size, opcodes in loop_counts(sass):
-      print(f"  loop of {size} instructions: " + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(16)))
+    _print_loops(f"{kv_dtype} (scales {FLAGS.scales if jnp.dtype(kv_dtype).itemsize == 1 else '-'}), "
+                 f"{config.block_kv}-token tiles, {config.num_stages} stages, {config.num_warps} warps", sass, resources)
 
 
 if __name__ == "__main__":

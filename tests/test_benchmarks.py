@@ -491,3 +491,15 @@ def test_triton_sass_lowers_the_decode_kernel_here():
   except ImportError:
     with pytest.raises(RuntimeError, match="pip install triton"):
       triton_sass.compile_sass(ttir, num_warps=4, num_stages=3)
+
+
+@pytest.mark.parametrize("v_tokens_contiguous, keep_offset", [(False, False), (True, True)])
+def test_triton_sass_lowers_the_minimal_loop_here(v_tokens_contiguous, keep_offset):
+  from benchmarks import triton_sass
+  ttir = triton_sass.minimal_loop_ttir("int8", v_tokens_contiguous=v_tokens_contiguous, keep_offset=keep_offset,
+                                       block_kv=64, num_stages=3, num_warps=4, seq_len=256)
+  assert "tt.dot" in ttir
+  # The widening is the kernel's PTX, or the same without its subtraction.
+  assert ("sub.f16x2" in ttir) != keep_offset
+  # V's tile is [D, bkv] when its tokens are contiguous; otherwise every tile is [bkv, D], as K's.
+  assert ("tensor<128x64xi8>" in ttir) == v_tokens_contiguous
