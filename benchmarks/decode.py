@@ -29,6 +29,11 @@ with a converter warpgroup (`DecodeConfig.convert_warpgroup`), the config otherw
   python -m benchmarks.decode --flagfile=configs/gqa_h200.flags --impl=mosaic_gpu --kv_dtype=int8 \
       --convert_warpgroup
 
+`--v_tokens_last` gives pallas_kv's own impls of the dense and paged ops v stored tokens last
+(`decode_attention(..., v_tokens_last=True)`; transposed before the timing; mosaic_gpu refuses it):
+
+  python -m benchmarks.decode --flagfile=configs/gqa_h200.flags --impl=triton --kv_dtype=int8 --v_tokens_last
+
 `--sequence_order=longest_first` (or `long_short`) runs the triton impl (and auto where it picks
 triton) with programs taking the sequences in that order (`DecodeConfig.sequence_order`), the
 config otherwise as resolved; compare with the default on ragged batches.
@@ -269,6 +274,32 @@ def mosaic_convert_warpgroup(enabled: bool):
     yield
 
 
+@contextlib.contextmanager
+def values_tokens_last(enabled: bool):
+  """While open (if enabled), pallas_kv's own impls of the dense and paged ops take v stored tokens
+  last ([B, Hkv, D, T] / [P, Hkv, D, page_size], `v_tokens_last=True`), transposed before the
+  timing; the peers take v as it is."""
+  if not enabled:
+    yield
+    return
+  original = runners.build_pallas_kv
+
+  def build(impl: str, spec: peers.OpSpec) -> peers.Runner:
+    if spec.op not in ("decode", "paged"):
+      return original(impl, spec)
+    pkv = runners.import_pallas_kv()
+    op = pkv.decode_attention if spec.op == "decode" else pkv.paged_decode_attention
+    fn = runners.with_options(functools.partial(op, impl=impl, v_tokens_last=True), spec)
+    tokens_last = lambda args: (*args[:2], jnp.transpose(args[2], (0, 2, 3, 1)), *args[3:])   # v is argument 2
+    return peers.Runner(fn=jax.jit(fn), prepare=tokens_last)
+
+  runners.build_pallas_kv = build
+  try:
+    yield
+  finally:
+    runners.build_pallas_kv = original
+
+
 def define_flags() -> None:
   """The flags of a `cases.Sweep` and the files to write the rows to."""
   cli.define_sweep_flags()
@@ -283,6 +314,8 @@ def define_flags() -> None:
   flags.DEFINE_enum("sequence_order", "given", list(config_lib.SEQUENCE_ORDERS),
                     "triton impl: the order in which programs take the sequences (DecodeConfig.sequence_order), "
                     "the config otherwise as resolved.")
+  flags.DEFINE_boolean("v_tokens_last", False, "pallas_kv impls of the dense and paged ops: v stored "
+                       "[B, Hkv, D, T] / [P, Hkv, D, page_size] (decode_attention's v_tokens_last).")
   flags.adopt_module_key_flags(cli)
 
 
@@ -295,7 +328,8 @@ def main(argv: Sequence[str]) -> int:
     raise app.UsageError(str(e)) from None
   paths = cli.output_paths()
   with (triton_merge_in_kernel(flags.FLAGS.merge_in_kernel), balanced_split_plan(flags.FLAGS.split_plan == "balanced"),
-        triton_sequence_order(flags.FLAGS.sequence_order), mosaic_convert_warpgroup(flags.FLAGS.convert_warpgroup)):
+        triton_sequence_order(flags.FLAGS.sequence_order), mosaic_convert_warpgroup(flags.FLAGS.convert_warpgroup),
+        values_tokens_last(flags.FLAGS.v_tokens_last)):
     rows = run(sweep, json_path=paths.json, csv_path=paths.csv, plot_path=paths.plot)
   return output.report_failures(
       output.failed_rows(rows), lambda r: f"{r['impl']} on {r['op']} B={r['batch']} T={r['seq_len']}",

@@ -61,6 +61,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("num_stages", 3, "DecodeConfig.num_stages")
   flags.DEFINE_integer("num_warps", 4, "DecodeConfig.num_warps")
   flags.DEFINE_bool("minimal_loop", False, "count the minimal loop's variants instead of the kernel")
+  flags.DEFINE_bool("v_tokens_last", False, "the kernel with v stored [B, Hkv, D, T] (decode_attention's option)")
 
 
 # Memory opcodes keep their width: `LDS.U8` (one byte per load) is not `LDS.128`.
@@ -111,15 +112,17 @@ def _captured_triton_modules():
     registration.lowering.lower_jaxpr_to_triton_module = original
 
 
-def kernel_ttir(kv_dtype, *, scales: str, batch: int, seq_len: int, config: pkv.DecodeConfig) -> str:
+def kernel_ttir(kv_dtype, *, scales: str, batch: int, seq_len: int, config: pkv.DecodeConfig,
+                v_tokens_last: bool = False) -> str:
   """The Triton module (TTIR text) of the decode kernel of one case, lowered for CUDA here."""
   kv_dtype = jnp.dtype(kv_dtype)
   one_byte = kv_dtype.itemsize == 1
   q = jax.ShapeDtypeStruct((batch, HEADS, HEAD_DIM), jnp.float16 if one_byte else kv_dtype)
   kv = jax.ShapeDtypeStruct((batch, seq_len, KV_HEADS, HEAD_DIM), kv_dtype)
+  v = jax.ShapeDtypeStruct((batch, KV_HEADS, HEAD_DIM, seq_len), kv_dtype) if v_tokens_last else kv
   lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
-  call = functools.partial(pkv.decode_attention, impl="triton", config=config)
-  args = [q, kv, kv, lengths]
+  call = functools.partial(pkv.decode_attention, impl="triton", config=config, v_tokens_last=v_tokens_last)
+  args = [q, kv, v, lengths]
   if one_byte and scales != "none":
     shape = (batch, seq_len, KV_HEADS) if scales == "token" else (KV_HEADS,)
     args += [jax.ShapeDtypeStruct(shape, jnp.float32)] * 2
@@ -161,7 +164,7 @@ def minimal_loop_ttir(kv_dtype, *, v_tokens_contiguous: bool, keep_offset: bool,
   def widen(x):
     if x.dtype == jnp.float16:
       return x
-    ptx = _WIDEN_INT8_WITH_OFFSET if keep_offset else triton_decode._WIDEN_PTX[kv_dtype]  # pylint: disable=protected-access
+    ptx = _WIDEN_INT8_WITH_OFFSET if keep_offset else triton_decode.WIDEN_PTX[kv_dtype]
     [out] = pltr.elementwise_inline_asm(ptx, args=[x], constraints="=r,=r,r", pack=4,
                                         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float16)])
     return out
@@ -251,10 +254,12 @@ def main(argv: Sequence[str]) -> None:
   config = pkv.DecodeConfig(block_kv=FLAGS.block_kv, num_stages=FLAGS.num_stages, num_warps=FLAGS.num_warps,
                             num_splits=1)
   for kv_dtype in FLAGS.kv_dtype:
-    ttir = kernel_ttir(kv_dtype, scales=FLAGS.scales, batch=FLAGS.batch, seq_len=FLAGS.seq_len, config=config)
+    ttir = kernel_ttir(kv_dtype, scales=FLAGS.scales, batch=FLAGS.batch, seq_len=FLAGS.seq_len, config=config,
+                       v_tokens_last=FLAGS.v_tokens_last)
     sass, resources = compile_sass(ttir, num_warps=FLAGS.num_warps, num_stages=FLAGS.num_stages)
     _print_loops(f"{kv_dtype} (scales {FLAGS.scales if jnp.dtype(kv_dtype).itemsize == 1 else '-'}), "
-                 f"{config.block_kv}-token tiles, {config.num_stages} stages, {config.num_warps} warps", sass, resources)
+                 f"{config.block_kv}-token tiles, {config.num_stages} stages, {config.num_warps} warps"
+                 f"{', v tokens last' if FLAGS.v_tokens_last else ''}", sass, resources)
 
 
 if __name__ == "__main__":

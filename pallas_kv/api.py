@@ -197,8 +197,13 @@ def _run(op: str, impl: str, config, problem, options, q, k, v, lengths, block_t
                      f"there, or impl='xla'") from e
 
 
+def _v_like_k(v, v_tokens_last: bool):
+  """v in k's layout: [B, Hkv, D, T] ([P, Hkv, D, page_size]) back to [B, T, Hkv, D]."""
+  return jnp.transpose(v, (0, 3, 1, 2)) if v_tokens_last else v
+
+
 def decode_attention(q, k, v, lengths, *, scale=None, softcap=None, window=None, sinks=None, k_scale=None,
-                     v_scale=None, return_lse=False, impl="auto", config=None):
+                     v_scale=None, return_lse=False, impl="auto", config=None, v_tokens_last=False):
   """Attention of a few new tokens per sequence over a contiguous KV cache.
 
   Args:
@@ -216,53 +221,59 @@ def decode_attention(q, k, v, lengths, *, scale=None, softcap=None, window=None,
     return_lse: also return the natural-log LSE [B, (S,) Hq] float32 over the real keys (-inf if none).
     impl: "auto" | "mosaic_gpu" | "triton" | "xla".
     config: an explicit kernel config (`pallas_kv.DecodeConfig`) for the chosen backend, else heuristic.
+    v_tokens_last: v is stored [B, Hkv, D, T] instead of like k: each kv head's values with their
+      tokens contiguous, which P V reads without byte-wise loads for a one-byte cache (Triton and
+      xla; Mosaic GPU refuses it).
 
   Returns:
     out [B, (S,) Hq, D] in q's dtype, and lse when return_lse. Sequences of length 0 give zeros.
     Gradients flow to q, k, v, sinks and the scales (kernel forward, float32 "xla" backward).
   """
-  problem = validation.validate_dense(q, k, v, lengths)
+  problem = validation.validate_dense(q, k, v, lengths, v_tokens_last)
   options = _options(problem, scale, softcap, window, sinks, k_scale, v_scale)
   _check_runtime_values(problem, lengths)
   lengths = validation.lengths_as_int32(lengths, problem.capacity)
 
   def xla_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale):
-    return xla.decode_attention(q, k, v, lengths, scale=options.scale, softcap=options.softcap,
-                                window=options.window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-                                return_lse=return_lse)
+    return xla.decode_attention(q, k, _v_like_k(v, v_tokens_last), lengths, scale=options.scale,
+                                softcap=options.softcap, window=options.window, sinks=sinks, k_scale=k_scale,
+                                v_scale=v_scale, return_lse=return_lse)
 
   def refold(q, k, v, lengths, sinks=None, k_scale=None, v_scale=None):
     return decode_attention(q, k, v, lengths, scale=options.scale, softcap=softcap, window=window, sinks=sinks,
-                            k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, impl=impl, config=config)
+                            k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, impl=impl, config=config,
+                            v_tokens_last=v_tokens_last)
 
   return _run("decode", impl, config, problem, options, q, k, v, lengths, None, sinks=sinks, k_scale=k_scale,
               v_scale=v_scale, return_lse=return_lse, xla_fn=xla_fn, refold=refold)
 
 
 def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, softcap=None, window=None,
-                           sinks=None, k_scale=None, v_scale=None, return_lse=False, impl="auto", config=None):
+                           sinks=None, k_scale=None, v_scale=None, return_lse=False, impl="auto", config=None,
+                           v_tokens_last=False):
   """Attention of a few new tokens per sequence over a paged KV cache.
 
-  k_pages, v_pages: [P, page_size, Hkv, D]; block_tables: int32 [B, max_pages_per_seq]; token t of
-  sequence b lives in page block_tables[b, t // page_size] at slot t % page_size. Page ids are
-  clamped into [0, P) and pages past a sequence's length are never read. Per-token scales are
-  [P, page_size, Hkv], addressed like the pages. Other arguments and the result are as in
-  `decode_attention`, with T = max_pages_per_seq * page_size.
+  k_pages, v_pages: [P, page_size, Hkv, D] (v_pages [P, Hkv, D, page_size] with v_tokens_last);
+  block_tables: int32 [B, max_pages_per_seq]; token t of sequence b lives in page
+  block_tables[b, t // page_size] at slot t % page_size. Page ids are clamped into [0, P) and pages
+  past a sequence's length are never read. Per-token scales are [P, page_size, Hkv], addressed like
+  the pages. Other arguments and the result are as in `decode_attention`, with
+  T = max_pages_per_seq * page_size.
   """
-  problem = validation.validate_paged(q, k_pages, v_pages, block_tables, lengths)
+  problem = validation.validate_paged(q, k_pages, v_pages, block_tables, lengths, v_tokens_last)
   options = _options(problem, scale, softcap, window, sinks, k_scale, v_scale)
   _check_runtime_values(problem, lengths, block_tables)
   lengths = validation.lengths_as_int32(lengths, problem.capacity)
 
   def xla_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale):
-    return xla.paged_decode_attention(q, k, v, block_tables, lengths, scale=options.scale, softcap=options.softcap,
-                                      window=options.window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-                                      return_lse=return_lse)
+    return xla.paged_decode_attention(q, k, _v_like_k(v, v_tokens_last), block_tables, lengths,
+                                      scale=options.scale, softcap=options.softcap, window=options.window,
+                                      sinks=sinks, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
 
   def refold(q, k, v, lengths, block_tables, sinks=None, k_scale=None, v_scale=None):
     return paged_decode_attention(q, k, v, block_tables, lengths, scale=options.scale, softcap=softcap,
                                   window=window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-                                  return_lse=return_lse, impl=impl, config=config)
+                                  return_lse=return_lse, impl=impl, config=config, v_tokens_last=v_tokens_last)
 
   return _run("paged", impl, config, problem, options, q, k_pages, v_pages, lengths, block_tables, sinks=sinks,
               k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, xla_fn=xla_fn, refold=refold)

@@ -31,6 +31,7 @@ class Problem:
   capacity: int  # T: tokens a sequence can hold (max_pages * page_size when paged)
   page_size: int | None  # None for a contiguous cache
   num_pages: int | None
+  v_tokens_last: bool = False  # v is [B, Hkv, D, T] ([P, Hkv, D, page_size] paged), not like k
 
   @property
   def group_size(self) -> int:
@@ -145,15 +146,36 @@ def _check_heads(num_heads: int, num_kv_heads: int, kv_name: str) -> None:
                      "q heads must be a multiple of the number of kv heads (MHA, GQA or MQA)")
 
 
-def validate_dense(q, k, v, lengths) -> Problem:
+def _check_v_tokens_last(v_tokens_last) -> None:
+  if not isinstance(v_tokens_last, bool):
+    raise ValueError(f"v_tokens_last must be a bool; got {v_tokens_last!r}")
+
+
+def tokens_last_shape(shape) -> tuple[int, ...]:
+  """The shape of a v stored tokens last, from k's [B, T, Hkv, D] ([P, page_size, Hkv, D]):
+  [B, Hkv, D, T] ([P, Hkv, D, page_size])."""
+  return (shape[0], shape[2], shape[3], shape[1])
+
+
+def _check_v_shape(k, v, k_name: str, v_name: str, v_tokens_last: bool) -> None:
+  if not v_tokens_last:
+    if k.shape != v.shape:
+      raise ValueError(f"{k_name} and {v_name} must have the same shape; got {k_name} {tuple(k.shape)} and "
+                       f"{v_name} {tuple(v.shape)}")
+  elif tuple(v.shape) != tokens_last_shape(k.shape):
+    raise ValueError(f"with v_tokens_last=True, {v_name} must have shape {list(tokens_last_shape(k.shape))} "
+                     f"({k_name}'s dims 0, 2, 3, 1); got {tuple(v.shape)}")
+
+
+def validate_dense(q, k, v, lengths, v_tokens_last: bool = False) -> Problem:
   b, s, hq, d = query_shape(q)
   _check_dtype("q", q, QUERY_DTYPES)
-  for name, x in (("k", k), ("v", v)):
+  _check_v_tokens_last(v_tokens_last)
+  for name, x, dims in (("k", k, "[B, T, Hkv, D]"), ("v", v, "[B, Hkv, D, T]" if v_tokens_last else "[B, T, Hkv, D]")):
     if x.ndim != 4:
-      raise ValueError(f"{name} must have rank 4 [B, T, Hkv, D]; got shape {tuple(x.shape)}")
+      raise ValueError(f"{name} must have rank 4 {dims}; got shape {tuple(x.shape)}")
     _check_dtype(name, x, CACHE_DTYPES)
-  if k.shape != v.shape:
-    raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
+  _check_v_shape(k, v, "k", "v", v_tokens_last)
   if k.dtype != v.dtype:
     raise ValueError(f"k and v must have the same dtype; got {_dtype_name(k.dtype)} and {_dtype_name(v.dtype)}")
   if k.shape[0] != b:
@@ -163,7 +185,7 @@ def validate_dense(q, k, v, lengths) -> Problem:
   _check_heads(hq, k.shape[2], "k")
   _check_integer("lengths", lengths, (b,))
   return Problem(batch=b, num_queries=s, num_heads=hq, num_kv_heads=k.shape[2], head_dim=d,
-                 v_head_dim=d, capacity=k.shape[1], page_size=None, num_pages=None)
+                 v_head_dim=d, capacity=k.shape[1], page_size=None, num_pages=None, v_tokens_last=v_tokens_last)
 
 
 def _check_block_tables(block_tables, batch: int) -> None:
@@ -172,16 +194,16 @@ def _check_block_tables(block_tables, batch: int) -> None:
   _check_integer("block_tables", block_tables, (batch, block_tables.shape[1]))
 
 
-def validate_paged(q, k_pages, v_pages, block_tables, lengths) -> Problem:
+def validate_paged(q, k_pages, v_pages, block_tables, lengths, v_tokens_last: bool = False) -> Problem:
   b, s, hq, d = query_shape(q)
   _check_dtype("q", q, QUERY_DTYPES)
-  for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+  _check_v_tokens_last(v_tokens_last)
+  v_dims = "[P, Hkv, D, page_size]" if v_tokens_last else "[P, page_size, Hkv, D]"
+  for name, x, dims in (("k_pages", k_pages, "[P, page_size, Hkv, D]"), ("v_pages", v_pages, v_dims)):
     if x.ndim != 4:
-      raise ValueError(f"{name} must have rank 4 [P, page_size, Hkv, D]; got shape {tuple(x.shape)}")
+      raise ValueError(f"{name} must have rank 4 {dims}; got shape {tuple(x.shape)}")
     _check_dtype(name, x, CACHE_DTYPES)
-  if k_pages.shape != v_pages.shape:
-    raise ValueError(f"k_pages and v_pages must have the same shape; got {tuple(k_pages.shape)} and "
-                     f"{tuple(v_pages.shape)}")
+  _check_v_shape(k_pages, v_pages, "k_pages", "v_pages", v_tokens_last)
   if k_pages.dtype != v_pages.dtype:
     raise ValueError(f"k_pages and v_pages must have the same dtype; got {_dtype_name(k_pages.dtype)} and "
                      f"{_dtype_name(v_pages.dtype)}")
@@ -193,7 +215,7 @@ def validate_paged(q, k_pages, v_pages, block_tables, lengths) -> Problem:
   num_pages, page_size = k_pages.shape[:2]
   return Problem(batch=b, num_queries=s, num_heads=hq, num_kv_heads=k_pages.shape[2], head_dim=d,
                  v_head_dim=d, capacity=block_tables.shape[1] * page_size, page_size=page_size,
-                 num_pages=num_pages)
+                 num_pages=num_pages, v_tokens_last=v_tokens_last)
 
 
 def validate_mla(q, kv_pages, block_tables, lengths, v_head_dim) -> Problem:

@@ -280,14 +280,18 @@ def scale_kind(scale, k_shape) -> str | None:
   raise ValueError(f"a scale must be [Hkv]=({hkv},) or [{k_shape[0]}, {k_shape[1]}, {hkv}]; got {tuple(scale.shape)}")
 
 
-def check_packed_args(q, k, v, lengths, block_tables, *, num_queries: int, k_scale=None, v_scale=None) -> None:
+def check_packed_args(q, k, v, lengths, block_tables, *, num_queries: int, k_scale=None, v_scale=None,
+                      v_tokens_last: bool = False) -> None:
   """The layout every backend's `decode_partials` takes: q packed as [B, Hkv, R, D] in bf16 or
-  fp16; k and v alike, in q's dtype or a one-byte dtype (QUANTIZED_DTYPES) with optional float32
-  scales (`scale_kind`); int32 lengths [B]; int32 block_tables [B, max_pages] (paged only)."""
+  fp16; k and v alike (v tokens last: k's dims 0, 2, 3, 1), in q's dtype or a one-byte dtype
+  (QUANTIZED_DTYPES) with optional float32 scales (`scale_kind`); int32 lengths [B]; int32
+  block_tables [B, max_pages] (paged only)."""
   if q.ndim != 4:
     raise ValueError(f"q must be packed rows [B, Hkv, R, D], got {q.shape=}")
-  if k.ndim != 4 or v.shape != k.shape:
-    raise ValueError(f"k and v must have one 4-d shape, got {k.shape=} {v.shape=}")
+  v_expected = (k.shape[0], k.shape[2], k.shape[3], k.shape[1]) if v_tokens_last and k.ndim == 4 else k.shape
+  if k.ndim != 4 or v.shape != v_expected:
+    raise ValueError(f"k must be 4-d and v {'its dims 0, 2, 3, 1' if v_tokens_last else 'of its shape'}, "
+                     f"got {k.shape=} {v.shape=}")
   B, Hkv, R, D = q.shape
   if k.shape[2:] != (Hkv, D):
     raise ValueError(f"k's heads and head_dim {k.shape[2:]=} must match q's {(Hkv, D)}")

@@ -66,6 +66,8 @@ def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
   if op == "mla":
     return mla_reason(problem.head_dim, problem.v_head_dim, dtypes[1]) or page_size_reason(problem.page_size)
   reason = split_k.unsupported_reason(op, problem, options, dtypes, backend="Mosaic GPU", head_dims=HEAD_DIMS)
+  if reason is None and problem.v_tokens_last:
+    reason = "v_tokens_last (v stored [B, Hkv, D, T]) is read by the triton kernel, not by Mosaic GPU's"
   if reason is None and problem.page_size is not None:
     reason = page_size_reason(problem.page_size)
   if reason is None and jnp.dtype(dtypes[1]) in split_k.QUANTIZED_DTYPES:

@@ -28,7 +28,8 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: De
   config = triton_config.resolve_config(problem, config, dtype=k.dtype)
 
   interpret = runtime.interpret_enabled()
-  kw = dict(num_queries=problem.num_queries, options=options, config=config, interpret=interpret)
+  kw = dict(num_queries=problem.num_queries, options=options, config=config, interpret=interpret,
+            v_tokens_last=problem.v_tokens_last)
 
   def plan(lengths):
     _, row_blocks = triton_config.row_blocking(problem.num_queries * problem.group_size, problem.head_dim)

@@ -66,7 +66,7 @@ FAST_WIDEN = True
 # and $1 (values 2, 3). int8: (s ^ 0x80) placed under the float16 exponent of 1024 reads
 # 1024 + s + 128; subtracting 1152 leaves s. float8_e5m2 is the high byte of a float16.
 # float8_e4m3fn has a packed hardware conversion (sm_89+).
-_WIDEN_PTX = {
+WIDEN_PTX = {
     jnp.dtype(jnp.int8): """{
       .reg .b32 t, m, c;
       xor.b32 t, $2, 0x80808080;
@@ -155,7 +155,7 @@ class _Static:
   options: AttentionOptions   # scale, softcap, window
   k_scale: str | None = None  # None, "head" ([Hkv]) or "token" (per token and kv head): split_k.scale_kind
   v_scale: str | None = None
-  fast_widen: bool = False    # widen one-byte tiles with _WIDEN_PTX (GPU only)
+  fast_widen: bool = False    # widen one-byte tiles with WIDEN_PTX (GPU only)
   merge: bool = False         # merge the splits in this launch (decode_merged)
   rows: int = 0               # R, the real packed rows (merge: padding rows are never loaded or stored)
   has_sinks: bool = False     # merge: sink logits join the denominator
@@ -163,6 +163,7 @@ class _Static:
   barriers: bool = False      # merge: CTA barriers around the counter atomic (GPU; see the module doc)
   balanced: bool = False      # the balanced split plan: tiles per split from an int32 [1] input
   ordered: bool = False       # programs take sequence order[b] (int32 [B] input), not b
+  v_tokens_last: bool = False  # v's tiles are [D, block_kv]: v [B, Hkv, D, T] | [P, Hkv, D, page_size]
 
   @property
   def paged(self) -> bool:
@@ -211,13 +212,35 @@ def _load_tile(ref, block_tables_ref, tile, length, st: _Static, *, masked: bool
   return pltr.load(ref, mask=mask, other=0.0 if jnp.issubdtype(ref.dtype, jnp.floating) else 0)
 
 
+def _load_value_columns(ref, block_tables_ref, tile, length, st: _Static, *, masked: bool, seq: tuple = ()):
+  """Tile `tile` of one kv head's values stored tokens last: [D, block_kv] of a ref [D, T] or
+  [P, D, page_size] (as `_load_tile`, transposed: each row of the tile is block_kv contiguous
+  tokens, so P V's operand loads whole words of a one-byte cache instead of single bytes)."""
+  bkv, D = st.block_kv, st.head_dim
+  start = tile * bkv
+  tokens = start + jnp.arange(bkv, dtype=jnp.int32)   # [bkv]
+  if not st.paged:
+    ref = ref.at[(*seq, slice(None), pl.ds(pl.multiple_of(start, bkv), bkv))]
+  elif bkv <= st.page_size:
+    page = jnp.clip(block_tables_ref[(*seq, start // st.page_size)], 0, st.num_pages - 1)
+    ref = ref.at[(page, slice(None), pl.ds(pl.multiple_of(start % st.page_size, bkv), bkv))]
+  else:
+    page_index = jnp.minimum(tokens // st.page_size, st.max_pages - 1)
+    pages = jnp.clip(block_tables_ref[(*seq, page_index)], 0, st.num_pages - 1)   # [bkv]
+    ref = ref.at[pages[None, :], jnp.arange(D, dtype=jnp.int32)[:, None], (tokens % st.page_size)[None, :]]
+  if not masked:
+    return pltr.load(ref)
+  mask = jnp.broadcast_to((tokens < length)[None, :], (D, bkv))
+  return pltr.load(ref, mask=mask, other=0.0 if jnp.issubdtype(ref.dtype, jnp.floating) else 0)
+
+
 def _widen(x, st: _Static):
   """A cache tile as the matmuls take it: q's dtype already, or one-byte values as float16."""
   if x.dtype == jnp.float16 or x.dtype == jnp.bfloat16:
     return x
   if not st.fast_widen:
     return x.astype(jnp.float16)
-  [out] = pltr.elementwise_inline_asm(_WIDEN_PTX[jnp.dtype(x.dtype)], args=[x], constraints="=r,=r,r", pack=4,
+  [out] = pltr.elementwise_inline_asm(WIDEN_PTX[jnp.dtype(x.dtype)], args=[x], constraints="=r,=r,r", pack=4,
                                       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float16)])
   return out
 
@@ -293,6 +316,9 @@ def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), 
       s = jnp.where(ok, s, -jnp.inf)
     acc, m_new, l_new, p = online_softmax.softmax_step(s, acc, m_i, l_i)
     p = scaled(p, v_scale_ref, st.v_scale, v_head_scale, tile, masked)   # the sum keeps the unscaled p (l_new)
+    if st.v_tokens_last:
+      v = _widen(_load_value_columns(v_ref, block_tables_ref, tile, length, st, masked=masked, seq=seq), st)
+      return acc + _dot(p.astype(q.dtype), v, trans_b=True), m_new, l_new   # v [D, bkv]
     v = _widen(_load_tile(v_ref, block_tables_ref, tile, length, st, masked=masked, seq=seq), st)   # [bkv, D]
     return acc + _dot(p.astype(q.dtype), v), m_new, l_new
 
@@ -417,9 +443,11 @@ def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width:
   if st.paged:
     num_pages, page_size = kv_shape[:2]
     kv_spec = pl.BlockSpec((num_pages, page_size, None, D), lambda hb, s, b: (0, 0, head(hb), 0))
+    v_spec = pl.BlockSpec((num_pages, None, D, page_size), lambda hb, s, b: (0, head(hb), 0, 0))
   else:
     kv_spec = per_sequence((kv_shape[1], None, D), lambda hb, s: (0, head(hb), 0))
-  in_specs = [q_spec, kv_spec, kv_spec, whole((batch,))]
+    v_spec = per_sequence((None, D, kv_shape[1]), lambda hb, s: (head(hb), 0, 0))
+  in_specs = [q_spec, kv_spec, v_spec if st.v_tokens_last else kv_spec, whole((batch,))]
   if st.ordered:
     in_specs.append(whole((batch,)))
   if st.balanced:
@@ -467,6 +495,8 @@ def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width:
     name += "_balanced"
   if st.ordered:
     name += "_ordered"
+  if st.v_tokens_last:
+    name += "_vt"
   return pl.pallas_call(
       functools.partial(_kernel, st=st),
       # grid[0] varies fastest: the KV heads of one token range sit side by side in HBM.
@@ -482,10 +512,11 @@ def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width:
 
 
 def _static(q, k, v, lengths, block_tables, *, num_queries: int, options: AttentionOptions, config: DecodeConfig,
-            k_scale, v_scale, interpret: bool, tiles_per_split=None, sequence_order=None, **merge) -> _Static:
+            k_scale, v_scale, interpret: bool, tiles_per_split=None, sequence_order=None, v_tokens_last=False,
+            **merge) -> _Static:
   """The checked static description of one call (`decode_partials`' arguments)."""
   split_k.check_packed_args(q, k, v, lengths, block_tables, num_queries=num_queries, k_scale=k_scale,
-                            v_scale=v_scale)
+                            v_scale=v_scale, v_tokens_last=v_tokens_last)
   _, _, R, D = q.shape
   if block_tables is None:
     page_size = max_pages = num_pages = None
@@ -502,7 +533,8 @@ def _static(q, k, v, lengths, block_tables, *, num_queries: int, options: Attent
                  k_scale=split_k.scale_kind(k_scale, k.shape), v_scale=split_k.scale_kind(v_scale, k.shape),
                  fast_widen=FAST_WIDEN and not interpret and jnp.dtype(k.dtype) in split_k.QUANTIZED_DTYPES,
                  rows=R, balanced=split_k.check_tiles_per_split(tiles_per_split, config),
-                 ordered=_check_sequence_order(sequence_order, config, batch=q.shape[0]), **merge)
+                 ordered=_check_sequence_order(sequence_order, config, batch=q.shape[0]),
+                 v_tokens_last=v_tokens_last, **merge)
 
 
 def _check_sequence_order(sequence_order, config: DecodeConfig, *, batch: int) -> bool:
@@ -561,7 +593,7 @@ def _args(q, k, v, lengths, block_tables, k_scale, v_scale, tiles_per_split=None
 
 def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
                     config: DecodeConfig, k_scale=None, v_scale=None, tiles_per_split=None,
-                    sequence_order=None, interpret: bool = False):
+                    sequence_order=None, interpret: bool = False, v_tokens_last: bool = False):
   """Split-K partials of decode attention over a contiguous or paged KV cache.
 
   q: [B, Hkv, R, D] bf16 or fp16, R = num_queries * G packed rows, row
@@ -586,6 +618,7 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
     of the grid computes sequence sequence_order[i]; given exactly when config.sequence_order is
     not "given". Results are indexed by sequence either way.
   interpret: run the kernel in Pallas interpret mode (CPU).
+  v_tokens_last: v is [B, Hkv, D, T] (paged [P, Hkv, D, page_size]): k's dims 0, 2, 3, 1.
 
   Returns (out [B, Hkv, num_splits, R, D] float32, each split's softmax-normalised output;
   lse [B, Hkv, num_splits, R] float32, natural-log sum-exp of the split's logits, -inf (and out
@@ -594,14 +627,15 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   """
   st = _static(q, k, v, lengths, block_tables, num_queries=num_queries, options=options, config=config,
                k_scale=k_scale, v_scale=v_scale, interpret=interpret, tiles_per_split=tiles_per_split,
-               sequence_order=sequence_order)
+               sequence_order=sequence_order, v_tokens_last=v_tokens_last)
   args = _args(q, k, v, lengths, block_tables, k_scale, v_scale, tiles_per_split, sequence_order)
   return tuple(_call(st, args, q=q, k=k, config=config, interpret=interpret))
 
 
 def decode_merged(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
                   config: DecodeConfig, sinks=None, k_scale=None, v_scale=None, out_dtype=None,
-                  return_lse: bool = True, tiles_per_split=None, sequence_order=None, interpret: bool = False):
+                  return_lse: bool = True, tiles_per_split=None, sequence_order=None, interpret: bool = False,
+                  v_tokens_last: bool = False):
   """Decode attention with the split merge in the same launch (`DecodeConfig.merge_in_kernel`;
   the module doc says how the last split of a sequence merges and why that is safe).
 
@@ -617,8 +651,8 @@ def decode_merged(q, k, v, lengths, block_tables=None, *, num_queries: int, opti
   """
   st = _static(q, k, v, lengths, block_tables, num_queries=num_queries, options=options, config=config,
                k_scale=k_scale, v_scale=v_scale, interpret=interpret, tiles_per_split=tiles_per_split,
-               sequence_order=sequence_order, merge=True, has_sinks=sinks is not None, write_lse=return_lse,
-               barriers=not interpret)
+               sequence_order=sequence_order, v_tokens_last=v_tokens_last, merge=True, has_sinks=sinks is not None,
+               write_lse=return_lse, barriers=not interpret)
   B, Hkv, R, _ = q.shape
   args = _args(q, k, v, lengths, block_tables, k_scale, v_scale, tiles_per_split, sequence_order)
   if sinks is not None:

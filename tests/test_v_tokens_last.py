@@ -1,0 +1,120 @@
+"""v stored tokens last (`v_tokens_last=True`: v [B, Hkv, D, T], paged [P, Hkv, D, page_size]):
+the Triton kernel in interpret mode and the xla impl against the same call with v laid out like k,
+its checks, and its CUDA lowering."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kv as pkv
+from harness import TRITON_CUSTOM_CALL, lower_for_cuda, make_case, poison_unread_slots, random_lengths
+from harness import assert_lse_matches, assert_matches_reference
+
+
+def tokens_last(v):
+  """[B, T, Hkv, D] ([P, page_size, Hkv, D]) -> [B, Hkv, D, T] ([P, Hkv, D, page_size])."""
+  return jnp.transpose(v, (0, 2, 3, 1))
+
+
+def _scales(rng, kind, shape):
+  if kind == "token":
+    return jnp.asarray(rng.uniform(0.005, 0.02, shape), jnp.float32)
+  if kind == "head":
+    return jnp.asarray(rng.uniform(0.005, 0.02, shape[-1:]), jnp.float32)
+  return None
+
+
+def _run(case, *, paged: bool, v_tokens_last: bool, **kw):
+  if paged:
+    v = tokens_last(case.v_pages) if v_tokens_last else case.v_pages
+    return pkv.paged_decode_attention(case.q, case.k_pages, v, case.block_tables, case.lengths,
+                                      v_tokens_last=v_tokens_last, return_lse=True, **kw)
+  v = tokens_last(case.v) if v_tokens_last else case.v
+  return pkv.decode_attention(case.q, case.k, v, case.lengths, v_tokens_last=v_tokens_last, return_lse=True, **kw)
+
+
+@pytest.mark.parametrize("kv_dtype, scale_kind, page_size, num_queries, config", [
+    (jnp.int8, "token", None, None, pkv.DecodeConfig(block_kv=32, num_stages=2, num_splits=2)),
+    (jnp.int8, "token", 16, 2, pkv.DecodeConfig(block_kv=32, num_stages=2, num_splits=2)),   # tiles span pages
+    (jnp.float8_e4m3fn, "head", 32, None, pkv.DecodeConfig(block_kv=32, num_stages=2, num_splits=1)),
+    (jnp.int8, "token", None, None,
+     pkv.DecodeConfig(block_kv=32, num_stages=2, num_splits=2, merge_in_kernel=True, sequence_order="longest_first")),
+    (jnp.float16, None, 16, None, pkv.DecodeConfig(block_kv=16, num_stages=2, num_splits=2)),
+], ids=["int8-token-dense", "int8-token-page16-s2", "e4m3-head-page32", "int8-merged-longest-first", "fp16-page16"])
+def test_triton_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, num_queries, config):
+  # Garbage (NaN or extremes) in every slot past a length or unread: the tokens-last loads mask too.
+  case = make_case(3, batch=3, seq_len=96, num_heads=8, num_kv_heads=2, head_dim=64, num_queries=num_queries,
+                   dtype=jnp.float16, kv_dtype=kv_dtype, page_size=page_size)
+  case = poison_unread_slots(case, dense=page_size is None)
+  rng = np.random.default_rng(4)
+  paged = page_size is not None
+  token_shape = case.k_pages.shape[:3] if paged else case.k.shape[:3]
+  scales = dict(k_scale=_scales(rng, scale_kind, token_shape), v_scale=_scales(rng, scale_kind, token_shape))
+  ref, ref_lse = _run(case, paged=paged, v_tokens_last=False, impl="xla", **scales)
+  with pkv.interpret():
+    out, lse = _run(case, paged=paged, v_tokens_last=True, impl="triton", config=config, **scales)
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+  assert_matches_reference(out, ref, jnp.float16)
+  assert_lse_matches(lse, ref_lse, jnp.float16)
+
+
+def test_xla_gives_the_same_values_and_gradients():
+  case = make_case(5, batch=2, seq_len=32, num_heads=4, num_kv_heads=2, head_dim=32, dtype=jnp.float32)
+  f = lambda v, last: pkv.decode_attention(case.q, case.k, v, case.lengths, impl="xla", v_tokens_last=last).sum()
+  out, grad = jax.value_and_grad(f)(case.v, False)
+  out_t, grad_t = jax.value_and_grad(f)(tokens_last(case.v), True)
+  np.testing.assert_allclose(out_t, out, rtol=1e-6)
+  np.testing.assert_allclose(grad_t, tokens_last(grad), rtol=1e-6, atol=1e-7)
+
+
+def test_vmap_folds_tokens_last_values_interpret():
+  rng = np.random.default_rng(6)
+  n, b, t, hkv, d = 2, 2, 64, 2, 64
+  q = jnp.asarray(rng.standard_normal((n, b, 4, d)), jnp.bfloat16)
+  k = jnp.asarray(rng.standard_normal((n, b, t, hkv, d)), jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((n, b, t, hkv, d)), jnp.bfloat16)
+  lengths = jnp.stack([random_lengths(rng, b, t) for _ in range(n)])
+  config = pkv.DecodeConfig(block_kv=32, num_stages=2, num_splits=1)
+  with pkv.interpret():
+    out = jax.vmap(lambda q, k, v, n: pkv.decode_attention(q, k, v, n, impl="triton", config=config,
+                                                           v_tokens_last=True))(q, k, jax.vmap(tokens_last)(v), lengths)
+  ref = jax.vmap(lambda q, k, v, n: pkv.decode_attention(q, k, v, n, impl="xla"))(q, k, v, lengths)
+  assert_matches_reference(out, ref, jnp.bfloat16)
+
+
+def test_shapes_and_backends_are_checked():
+  case = make_case(7, batch=2, seq_len=32, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
+                   page_size=16)
+  with pytest.raises(ValueError, match=r"v_tokens_last=True, v must have shape \[2, 2, 64, 32\]"):
+    pkv.decode_attention(case.q, case.k, case.v, case.lengths, v_tokens_last=True)
+  with pytest.raises(ValueError, match="v_pages must have shape"):
+    pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths,
+                               v_tokens_last=True)
+  with pytest.raises(ValueError, match="v_tokens_last must be a bool"):
+    pkv.decode_attention(case.q, case.k, case.v, case.lengths, v_tokens_last="yes")
+  with pytest.raises(NotImplementedError, match="v_tokens_last .* triton kernel"):
+    pkv.decode_attention(case.q, case.k, tokens_last(case.v), case.lengths, v_tokens_last=True, impl="mosaic_gpu")
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_triton_lowers_for_cuda(page_size):
+  b, t, hkv, d = 8, 1024, 8, 128
+  q = jax.ShapeDtypeStruct((b, 32, d), jnp.float16)
+  scale = jax.ShapeDtypeStruct((b, t, hkv) if page_size is None else (b * t // 16, 16, hkv), jnp.float32)
+  if page_size is None:
+    k = jax.ShapeDtypeStruct((b, t, hkv, d), jnp.int8)
+    v = jax.ShapeDtypeStruct((b, hkv, d, t), jnp.int8)
+    fn = lambda q, k, v, n, ks, vs: pkv.decode_attention(q, k, v, n, k_scale=ks, v_scale=vs, impl="triton",
+                                                         v_tokens_last=True)
+    args = (q, k, v, jax.ShapeDtypeStruct((b,), jnp.int32), scale, scale)
+  else:
+    pages = b * t // page_size
+    k = jax.ShapeDtypeStruct((pages, page_size, hkv, d), jnp.int8)
+    v = jax.ShapeDtypeStruct((pages, hkv, d, page_size), jnp.int8)
+    tables = jax.ShapeDtypeStruct((b, t // page_size), jnp.int32)
+    fn = lambda q, k, v, bt, n, ks, vs: pkv.paged_decode_attention(q, k, v, bt, n, k_scale=ks, v_scale=vs,
+                                                                   impl="triton", v_tokens_last=True)
+    args = (q, k, v, tables, jax.ShapeDtypeStruct((b,), jnp.int32), scale, scale)
+  text = lower_for_cuda(fn, *args).mlir_module()
+  assert TRITON_CUSTOM_CALL in text and "_vt" in text
