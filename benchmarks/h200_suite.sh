@@ -2,7 +2,7 @@
 # The measurement suite on an H200, in parts that each fit one ~10-minute command.
 #   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged quantized qprobe vmap step tune
 #   fuzz memcheck mla merge balanced smollm2 (SMOLLM2_GGUF=path: the GPU machine has no network)
-#   tune_triton ncu loadpath kernels chain timer ragged_order converter models
+#   tune_triton ncu loadpath kernels chain timer ragged_order converter vlast models
 #   tune-SWEEP-BACKEND (e.g. TUNE_CASES=32x8192,128x8192 ... tune-gpt_oss_120b-mosaic_gpu)
 #   (and scaling8k scaling32k on a machine with several GPUs)
 # Results (JSON, logs) go to $OUT if set, else bench_out/. Run from the repository root with the
@@ -20,7 +20,7 @@ for part in "$@"; do
               # (the file keeps its name; its folder becomes the weights cache).
               [ -n "${SMOLLM2_GGUF:-}" ] && export PALLAS_KV_CACHE_DIR="$(dirname "$SMOLLM2_GGUF")"
               groups=("tests/test_kernels.py tests/test_sharding.py" \
-                      "tests/test_quantized.py tests/test_mosaic_gpu.py tests/test_smollm2.py" \
+                      "tests/test_quantized.py tests/test_v_tokens_last.py tests/test_mosaic_gpu.py tests/test_smollm2.py" \
                       "tests/test_mosaic_gpu_mla.py tests/test_triton.py tests/test_split_plan.py")
               for i in 0 1 2; do
                 XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -rf -m gpu ${groups[$i]} -p no:cacheprovider \
@@ -93,6 +93,13 @@ for part in "$@"; do
                   --warmup=2 --repeats=5 --json="$out/$m.json" 2>&1 | quiet > "$out/$m.log"
                 python3 -m benchmarks.report "$out/$m.json" --auto | tee -a "$out/models_auto.log"
               done ;;
+    vlast)    # one-byte caches on triton with v like k and v stored tokens last (v_tokens_last), bf16 beside
+              for kv in bfloat16 int8 float8_e4m3fn; do for layout in nov_tokens_last v_tokens_last; do
+                [ $kv = bfloat16 ] && [ $layout = v_tokens_last ] && continue
+                python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags --impl=triton --kv_dtype=$kv \
+                  --$layout --warmup=2 --repeats=5 --json="$out/vlast_${kv}_$layout.json" 2>&1 | quiet \
+                  | tee "$out/vlast_${kv}_$layout.log"
+              done; done ;;
     converter) # one-byte caches on mosaic_gpu with and without the converter warpgroup, triton beside
               for kv in int8 float8_e4m3fn; do for cvt in noconvert_warpgroup convert_warpgroup; do
                 python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags --impl=mosaic_gpu$([ $cvt = noconvert_warpgroup ] && echo ,triton) \

@@ -118,3 +118,21 @@ def test_triton_lowers_for_cuda(page_size):
     args = (q, k, v, tables, jax.ShapeDtypeStruct((b,), jnp.int32), scale, scale)
   text = lower_for_cuda(fn, *args).mlir_module()
   assert TRITON_CUSTOM_CALL in text and "_vt" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 16, 64])
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn, jnp.bfloat16])
+def test_gpu_triton_matches_v_like_k(kv_dtype, page_size):
+  case = make_case(11, batch=4, seq_len=4096, num_heads=32, num_kv_heads=8, head_dim=128, num_queries=2,
+                   dtype=jnp.float16 if jnp.dtype(kv_dtype).itemsize == 1 else jnp.bfloat16, kv_dtype=kv_dtype,
+                   page_size=page_size)
+  rng = np.random.default_rng(12)
+  kind = "token" if jnp.dtype(kv_dtype).itemsize == 1 else None
+  token_shape = (case.k_pages if page_size else case.k).shape[:3]
+  scales = dict(k_scale=_scales(rng, kind, token_shape), v_scale=_scales(rng, kind, token_shape))
+  paged = page_size is not None
+  ref, ref_lse = _run(case, paged=paged, v_tokens_last=False, impl="xla", **scales)
+  out, lse = jax.jit(lambda: _run(case, paged=paged, v_tokens_last=True, impl="triton", **scales))()
+  assert_matches_reference(out, ref, case.q.dtype)
+  assert_lse_matches(lse, ref_lse, case.q.dtype)
