@@ -66,6 +66,10 @@ def test_xla_gives_the_same_values_and_gradients():
   out_t, grad_t = jax.value_and_grad(f)(tokens_last(case.v), True)
   np.testing.assert_allclose(out_t, out, rtol=1e-6)
   np.testing.assert_allclose(grad_t, tokens_last(grad), rtol=1e-6, atol=1e-7)
+  paged = make_case(5, batch=2, seq_len=32, num_heads=4, num_kv_heads=2, head_dim=32, dtype=jnp.float32, page_size=8)
+  out = _run(paged, paged=True, v_tokens_last=False, impl="xla")
+  out_t = _run(paged, paged=True, v_tokens_last=True, impl="xla")
+  np.testing.assert_allclose(out_t[0], out[0], rtol=1e-6)
 
 
 def test_vmap_folds_tokens_last_values_interpret():
