@@ -3,6 +3,7 @@ r"""Instructions per KV tile of the Triton decode kernel, read from its SASS on 
   pip install triton==3.9.0      (its compiler, ptxas and nvdisasm; not a dependency of the project)
   python -m benchmarks.triton_sass --kv_dtype=bfloat16,int8,float8_e4m3fn --scales=token
   python -m benchmarks.triton_sass --minimal_loop --kv_dtype=bfloat16,int8
+  python -m benchmarks.triton_sass --kv_dtype=int8 --v_tokens_last [--page_size=64]
 
 For each cache dtype it lowers `pallas_kv.decode_attention(impl="triton")` for CUDA (jax.export,
 as the lowering tests do), keeps the kernel's Triton module, compiles that for sm_90 with the pip
@@ -62,6 +63,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("num_warps", 4, "DecodeConfig.num_warps")
   flags.DEFINE_bool("minimal_loop", False, "count the minimal loop's variants instead of the kernel")
   flags.DEFINE_bool("v_tokens_last", False, "the kernel with v stored [B, Hkv, D, T] (decode_attention's option)")
+  flags.DEFINE_integer("page_size", None, "a paged cache of this page size (default: contiguous)")
 
 
 # Memory opcodes keep their width: `LDS.U8` (one byte per load) is not `LDS.128`.
@@ -113,20 +115,28 @@ def _captured_triton_modules():
 
 
 def kernel_ttir(kv_dtype, *, scales: str, batch: int, seq_len: int, config: pkv.DecodeConfig,
-                v_tokens_last: bool = False) -> str:
-  """The Triton module (TTIR text) of the decode kernel of one case, lowered for CUDA here."""
+                v_tokens_last: bool = False, page_size: int | None = None) -> str:
+  """The Triton module (TTIR text) of the decode kernel of one case (paged given page_size),
+  lowered for CUDA here."""
   kv_dtype = jnp.dtype(kv_dtype)
   one_byte = kv_dtype.itemsize == 1
   q = jax.ShapeDtypeStruct((batch, HEADS, HEAD_DIM), jnp.float16 if one_byte else kv_dtype)
-  kv = jax.ShapeDtypeStruct((batch, seq_len, KV_HEADS, HEAD_DIM), kv_dtype)
-  v = jax.ShapeDtypeStruct((batch, KV_HEADS, HEAD_DIM, seq_len), kv_dtype) if v_tokens_last else kv
+  # The cache's leading dims: [B, T] dense, [P, page_size] paged (a page per page_size tokens).
+  lead = (batch, seq_len) if page_size is None else (batch * seq_len // page_size, page_size)
+  kv = jax.ShapeDtypeStruct((*lead, KV_HEADS, HEAD_DIM), kv_dtype)
+  v = jax.ShapeDtypeStruct((lead[0], KV_HEADS, HEAD_DIM, lead[1]), kv_dtype) if v_tokens_last else kv
   lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
-  call = functools.partial(pkv.decode_attention, impl="triton", config=config, v_tokens_last=v_tokens_last)
   args = [q, kv, v, lengths]
+  if page_size is None:
+    op = pkv.decode_attention
+  else:
+    op = lambda q, k, v, n, *rest, **kw: pkv.paged_decode_attention(q, k, v, *rest[:1], n, *rest[1:], **kw)
+    args.append(jax.ShapeDtypeStruct((batch, seq_len // page_size), jnp.int32))   # block tables
+  call = functools.partial(op, impl="triton", config=config, v_tokens_last=v_tokens_last)
   if one_byte and scales != "none":
-    shape = (batch, seq_len, KV_HEADS) if scales == "token" else (KV_HEADS,)
+    shape = (*lead, KV_HEADS) if scales == "token" else (KV_HEADS,)
     args += [jax.ShapeDtypeStruct(shape, jnp.float32)] * 2
-    call = functools.partial(lambda f, q, k, v, n, ks, vs: f(q, k, v, n, k_scale=ks, v_scale=vs), call)
+    call = functools.partial(lambda f, *a: f(*a[:-2], k_scale=a[-2], v_scale=a[-1]), call)
   return _lower_triton_module(call, *args)   # the decode kernel (a split call's merge kernel comes second)
 
 
@@ -255,11 +265,12 @@ def main(argv: Sequence[str]) -> None:
                             num_splits=1)
   for kv_dtype in FLAGS.kv_dtype:
     ttir = kernel_ttir(kv_dtype, scales=FLAGS.scales, batch=FLAGS.batch, seq_len=FLAGS.seq_len, config=config,
-                       v_tokens_last=FLAGS.v_tokens_last)
+                       v_tokens_last=FLAGS.v_tokens_last, page_size=FLAGS.page_size)
     sass, resources = compile_sass(ttir, num_warps=FLAGS.num_warps, num_stages=FLAGS.num_stages)
     _print_loops(f"{kv_dtype} (scales {FLAGS.scales if jnp.dtype(kv_dtype).itemsize == 1 else '-'}), "
                  f"{config.block_kv}-token tiles, {config.num_stages} stages, {config.num_warps} warps"
-                 f"{', v tokens last' if FLAGS.v_tokens_last else ''}", sass, resources)
+                 f"{', v tokens last' if FLAGS.v_tokens_last else ''}{f', page {FLAGS.page_size}' if FLAGS.page_size else ''}",
+                 sass, resources)
 
 
 if __name__ == "__main__":

@@ -503,3 +503,11 @@ def test_triton_sass_lowers_the_minimal_loop_here(v_tokens_contiguous, keep_offs
   assert ("sub.f16x2" in ttir) != keep_offset
   # V's tile is [D, bkv] when its tokens are contiguous; otherwise every tile is [bkv, D], as K's.
   assert ("tensor<128x64xi8>" in ttir) == v_tokens_contiguous
+
+
+def test_triton_sass_lowers_the_paged_kernel_with_v_tokens_last_here():
+  import pallas_kv as pkv
+  from benchmarks import triton_sass
+  ttir = triton_sass.kernel_ttir("int8", scales="token", batch=2, seq_len=256, page_size=64, v_tokens_last=True,
+                                 config=pkv.DecodeConfig(block_kv=64, num_stages=3, num_splits=1))
+  assert "tt.func public @pallas_kv_triton_decode_paged64" in ttir and "_vt" in ttir
