@@ -287,11 +287,8 @@ def values_tokens_last(enabled: bool):
   def build(impl: str, spec: peers.OpSpec) -> peers.Runner:
     if spec.op not in ("decode", "paged"):
       return original(impl, spec)
-    pkv = runners.import_pallas_kv()
-    op = pkv.decode_attention if spec.op == "decode" else pkv.paged_decode_attention
-    fn = runners.with_options(functools.partial(op, impl=impl, v_tokens_last=True), spec)
     tokens_last = lambda args: (*args[:2], jnp.transpose(args[2], (0, 2, 3, 1)), *args[3:])   # v is argument 2
-    return peers.Runner(fn=jax.jit(fn), prepare=tokens_last)
+    return dataclasses.replace(original(impl, spec, v_tokens_last=True), prepare=tokens_last)
 
   runners.build_pallas_kv = build
   try:

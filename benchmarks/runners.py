@@ -44,15 +44,15 @@ def with_options(fn, spec: peers.OpSpec):
   return with_extras
 
 
-def build_pallas_kv(impl: str, spec: peers.OpSpec) -> peers.Runner:
-  """A runner for pallas_kv's own op with `impl=impl` and the spec's options."""
+def build_pallas_kv(impl: str, spec: peers.OpSpec, **op_kwargs) -> peers.Runner:
+  """A runner for pallas_kv's own op with `impl=impl`, the spec's options and op_kwargs."""
   pkv = import_pallas_kv()
   fn = {
       "decode": pkv.decode_attention,
       "paged": pkv.paged_decode_attention,
       "mla": functools.partial(pkv.mla_decode_attention, v_head_dim=spec.v_head_dim),
   }[spec.op]
-  return peers.Runner(fn=jax.jit(with_options(functools.partial(fn, impl=impl), spec)))
+  return peers.Runner(fn=jax.jit(with_options(functools.partial(fn, impl=impl, **op_kwargs), spec)))
 
 
 def auto_choice() -> str | None:

@@ -126,12 +126,11 @@ def kernel_ttir(kv_dtype, *, scales: str, batch: int, seq_len: int, config: pkv.
   kv = jax.ShapeDtypeStruct((*lead, KV_HEADS, HEAD_DIM), kv_dtype)
   v = jax.ShapeDtypeStruct((lead[0], KV_HEADS, HEAD_DIM, lead[1]), kv_dtype) if v_tokens_last else kv
   lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
-  args = [q, kv, v, lengths]
   if page_size is None:
-    op = pkv.decode_attention
+    op, args = pkv.decode_attention, [q, kv, v, lengths]
   else:
-    op = lambda q, k, v, n, *rest, **kw: pkv.paged_decode_attention(q, k, v, *rest[:1], n, *rest[1:], **kw)
-    args.append(jax.ShapeDtypeStruct((batch, seq_len // page_size), jnp.int32))   # block tables
+    tables = jax.ShapeDtypeStruct((batch, seq_len // page_size), jnp.int32)
+    op, args = pkv.paged_decode_attention, [q, kv, v, tables, lengths]
   call = functools.partial(op, impl="triton", config=config, v_tokens_last=v_tokens_last)
   if one_byte and scales != "none":
     shape = (*lead, KV_HEADS) if scales == "token" else (KV_HEADS,)

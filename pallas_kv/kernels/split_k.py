@@ -288,8 +288,7 @@ def check_packed_args(q, k, v, lengths, block_tables, *, num_queries: int, k_sca
   block_tables [B, max_pages] (paged only)."""
   if q.ndim != 4:
     raise ValueError(f"q must be packed rows [B, Hkv, R, D], got {q.shape=}")
-  v_expected = (k.shape[0], k.shape[2], k.shape[3], k.shape[1]) if v_tokens_last and k.ndim == 4 else k.shape
-  if k.ndim != 4 or v.shape != v_expected:
+  if k.ndim != 4 or v.shape != (validation.tokens_last_shape(k.shape) if v_tokens_last else k.shape):
     raise ValueError(f"k must be 4-d and v {'its dims 0, 2, 3, 1' if v_tokens_last else 'of its shape'}, "
                      f"got {k.shape=} {v.shape=}")
   B, Hkv, R, D = q.shape

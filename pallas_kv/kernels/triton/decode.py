@@ -177,60 +177,55 @@ def _tile_range(length, split, st: _Static, tiles_per_split):
                                   tiles_per_split=tiles_per_split)
 
 
-def _load_tile(ref, block_tables_ref, tile, length, st: _Static, *, masked: bool, seq: tuple = ()):
+def _load_tile(ref, block_tables_ref, tile, length, st: _Static, *, masked: bool, seq: tuple = (),
+               tokens_last: bool = False):
   """Tile `tile` of one KV head: [block_kv, D] of a cache ref ([T, D] or [P, page_size, D]), or
   [block_kv] of a per-token scale ref ([T] or [P, page_size]); with `masked`, tokens >= length
   read as 0. `seq` is (b,) where the per-sequence refs (a dense ref, the block tables) hold the
-  whole batch (st.ordered): a Pallas Triton access takes one indexer, so b joins it."""
+  whole batch (st.ordered): a Pallas Triton access takes one indexer, so b joins it.
+  tokens_last: a value ref stored [D, T] or [P, D, page_size] (`v_tokens_last`), read as a
+  [D, block_kv] tile whose rows are contiguous tokens, so that P V's operand of a one-byte cache
+  loads in words instead of single bytes."""
   bkv = st.block_kv
-  columns = ref.shape[-1:] if ref.ndim == (3 if st.paged else 2 + len(seq)) else ()   # (D,) for a cache tile
+  if tokens_last:
+    columns = (st.head_dim,)
+  else:
+    columns = ref.shape[-1:] if ref.ndim == (3 if st.paged else 2 + len(seq)) else ()   # (D,) for a cache tile
   start = tile * bkv
   tokens = start + jnp.arange(bkv, dtype=jnp.int32)   # [bkv]
-  every_column = (slice(None),) * len(columns)
+
+  def stored(token_index, column_index):
+    """The indices after the batch or page dim, in the ref's order of tokens and columns."""
+    if not columns:
+      return (token_index,)
+    return (column_index, token_index) if tokens_last else (token_index, column_index)
+
   if not st.paged:
-    ref = ref.at[(*seq, pl.ds(pl.multiple_of(start, bkv), bkv), *every_column)]
+    ref = ref.at[(*seq, *stored(pl.ds(pl.multiple_of(start, bkv), bkv), slice(None)))]
   elif bkv <= st.page_size:
     # The tile is one slice of one page.
     page = jnp.clip(block_tables_ref[(*seq, start // st.page_size)], 0, st.num_pages - 1)
     offset = pl.multiple_of(start % st.page_size, bkv)
-    ref = ref.at[(page, pl.ds(offset, bkv), *every_column)]
+    ref = ref.at[(page, *stored(pl.ds(offset, bkv), slice(None)))]
   else:
     # The tile spans bkv / page_size pages: gather token by token.
     page_index = jnp.minimum(tokens // st.page_size, st.max_pages - 1)
     pages = jnp.clip(block_tables_ref[(*seq, page_index)], 0, st.num_pages - 1)   # [bkv]
     slots = tokens % st.page_size
     if columns:
-      ref = ref.at[pages[:, None], slots[:, None], jnp.arange(columns[0], dtype=jnp.int32)[None, :]]
+      along_tokens = (lambda x: x[None, :]) if tokens_last else (lambda x: x[:, None])
+      across = jnp.arange(columns[0], dtype=jnp.int32)
+      across = across[:, None] if tokens_last else across[None, :]
+      ref = ref.at[(along_tokens(pages), *stored(along_tokens(slots), across))]
     else:
       ref = ref.at[pages, slots]
   if not masked:
     return pltr.load(ref)
   mask = tokens < length
   if columns:
-    mask = jnp.broadcast_to(mask[:, None], (bkv, *columns))
+    mask = jnp.broadcast_to(mask[None, :], (*columns, bkv)) if tokens_last else jnp.broadcast_to(
+        mask[:, None], (bkv, *columns))
   # The fill must share the ref's kind: Triton casts no int constant to a float8 type.
-  return pltr.load(ref, mask=mask, other=0.0 if jnp.issubdtype(ref.dtype, jnp.floating) else 0)
-
-
-def _load_value_columns(ref, block_tables_ref, tile, length, st: _Static, *, masked: bool, seq: tuple = ()):
-  """Tile `tile` of one kv head's values stored tokens last: [D, block_kv] of a ref [D, T] or
-  [P, D, page_size] (as `_load_tile`, transposed: each row of the tile is block_kv contiguous
-  tokens, so P V's operand loads whole words of a one-byte cache instead of single bytes)."""
-  bkv, D = st.block_kv, st.head_dim
-  start = tile * bkv
-  tokens = start + jnp.arange(bkv, dtype=jnp.int32)   # [bkv]
-  if not st.paged:
-    ref = ref.at[(*seq, slice(None), pl.ds(pl.multiple_of(start, bkv), bkv))]
-  elif bkv <= st.page_size:
-    page = jnp.clip(block_tables_ref[(*seq, start // st.page_size)], 0, st.num_pages - 1)
-    ref = ref.at[(page, slice(None), pl.ds(pl.multiple_of(start % st.page_size, bkv), bkv))]
-  else:
-    page_index = jnp.minimum(tokens // st.page_size, st.max_pages - 1)
-    pages = jnp.clip(block_tables_ref[(*seq, page_index)], 0, st.num_pages - 1)   # [bkv]
-    ref = ref.at[pages[None, :], jnp.arange(D, dtype=jnp.int32)[:, None], (tokens % st.page_size)[None, :]]
-  if not masked:
-    return pltr.load(ref)
-  mask = jnp.broadcast_to((tokens < length)[None, :], (D, bkv))
   return pltr.load(ref, mask=mask, other=0.0 if jnp.issubdtype(ref.dtype, jnp.floating) else 0)
 
 
@@ -316,11 +311,10 @@ def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), 
       s = jnp.where(ok, s, -jnp.inf)
     acc, m_new, l_new, p = online_softmax.softmax_step(s, acc, m_i, l_i)
     p = scaled(p, v_scale_ref, st.v_scale, v_head_scale, tile, masked)   # the sum keeps the unscaled p (l_new)
-    if st.v_tokens_last:
-      v = _widen(_load_value_columns(v_ref, block_tables_ref, tile, length, st, masked=masked, seq=seq), st)
-      return acc + _dot(p.astype(q.dtype), v, trans_b=True), m_new, l_new   # v [D, bkv]
-    v = _widen(_load_tile(v_ref, block_tables_ref, tile, length, st, masked=masked, seq=seq), st)   # [bkv, D]
-    return acc + _dot(p.astype(q.dtype), v), m_new, l_new
+    # [bkv, D], or [D, bkv] with v tokens last
+    v = _widen(_load_tile(v_ref, block_tables_ref, tile, length, st, masked=masked, seq=seq,
+                          tokens_last=st.v_tokens_last), st)
+    return acc + _dot(p.astype(q.dtype), v, trans_b=st.v_tokens_last), m_new, l_new
 
   carry = (jnp.zeros((st.block_rows, st.head_dim), jnp.float32),
            jnp.full((st.block_rows,), -jnp.inf, jnp.float32),
