@@ -72,17 +72,11 @@ class TileMath:
   def dequantize(self, tile, dtype, token_scales=None):
     """A one-byte K or V tile [bkv, D] in registers, converted to `dtype` (q's) for wgmma and,
     given per-token scales [bkv] f32 (WGMMA row layout), with row t times token_scales[t]."""
-    # The widenings are exact. Hopper converts fp8 only to f16 (two values per instruction), and
-    # int8 -> bf16 has a few-instruction path in Mosaic GPU, where int8 -> f32 takes the int/float
-    # conversion that issues at a quarter of the rate (it bounded a warpgroup widening int8 tiles).
+    # Every conversion here is exact. Hopper converts fp8 only to f16 (two values per instruction).
     if jnp.issubdtype(tile.dtype, jnp.floating):
       tile = tile.astype(jnp.float16)
     if token_scales is None:
       return tile.astype(dtype)
-    if tile.dtype == jnp.int8 and dtype == jnp.bfloat16:
-      # Scaled in bf16 pairs: the scale rounds to bf16 first (2^-9 relative), then the product.
-      scales = lax.broadcast_in_dim(token_scales.astype(dtype), tile.shape, [0])
-      return tile.astype(dtype) * scales
     return (tile.astype(jnp.float32) * lax.broadcast_in_dim(token_scales, tile.shape, [0])).astype(dtype)
 
   def qk(self, s_ref, q_tile, k_tile):
