@@ -4,7 +4,8 @@ r"""Autotuner: times kernel configs per shape on this GPU and writes the winners
   python -m benchmarks.tune --flagfile=configs/paged16_h200.flags --backend=mosaic_gpu --space=full
 
 Shapes come from the same flags as benchmarks.decode (--op, --cases, heads, dtype, ...).
-Every candidate is checked against the float32 reference before it is timed; a candidate that
+Every candidate is checked against the float32 reference before it is timed (on input sets that
+rotate past L2, like benchmarks.decode's); a candidate that
 fails, does not fit or raises is skipped. Winners are merged into
 `pallas_kv/tuned/<device kind>.json` (or --out), keyed so that nearby shapes find them
 (`pallas_kv.tuned`). `--smoke` tunes a tiny case in interpret mode on a CPU (tests).
@@ -103,7 +104,13 @@ def _problem(case: cases.Case, args: tuple):
 def tune_case(case: cases.Case, sweep: cases.Sweep, backend: str, candidates: Iterable[dict], key) -> dict | None:
   """Times every valid candidate on one case; returns the winning entry (or None)."""
   lengths = cases.make_lengths(case, key)
-  args = cases.make_inputs(case, key, lengths)
+  attended_keys = case.attended_keys(lengths)
+  kv_bytes = case.costs(attended_keys)["kv_bytes"]
+  # Calls rotate among input sets that together overflow L2, as in benchmarks.decode: a small
+  # case timed on one set reads its cache from L2 and would crown the wrong config.
+  num_sets = timing.num_rotating_sets(case.rotation_bytes(kv_bytes), sweep.rotate_bytes)
+  input_sets = cases.make_input_sets(case, key, lengths, num_sets)
+  args = input_sets[0]
   ref, _ = cases.reference_output(case, args)
   problem = _problem(case, args)
   op = {"decode": pkv.decode_attention, "paged": pkv.paged_decode_attention}[case.op]
@@ -120,7 +127,7 @@ def tune_case(case: cases.Case, sweep: cases.Sweep, backend: str, candidates: It
       if not err <= cases.TOLERANCE[case.dtype]:
         print(f"  {config}: rel err {err:.2e} fails the check; skipped", flush=True)
         continue
-      t = timing.time_jax(fn, [args], warmup=sweep.warmup, iters=sweep.iters, repeats=sweep.repeats)
+      t = timing.time_jax(fn, input_sets, warmup=sweep.warmup, iters=sweep.iters, repeats=sweep.repeats)
     except (ValueError, NotImplementedError) as e:
       print(f"  {config}: {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
       continue
@@ -129,7 +136,6 @@ def tune_case(case: cases.Case, sweep: cases.Sweep, backend: str, candidates: It
   if not results:
     return None
   seconds, best, err = min(results, key=lambda r: r[0])
-  kv_bytes = case.costs(int(np.sum(np.asarray(lengths))))["kv_bytes"]
   return dict(backend=backend, key=tuned.shape_key(case.op, problem, cache_dtype), config=best,
               time_us=seconds * 1e6, tbps=kv_bytes / seconds / 1e12, rel_err=err, candidates=len(results))
 
