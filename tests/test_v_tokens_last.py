@@ -101,6 +101,35 @@ def test_shapes_and_backends_are_checked():
     pkv.decode_attention(case.q, case.k, tokens_last(case.v), case.lengths, v_tokens_last=True, impl="mosaic_gpu")
 
 
+@pytest.mark.parametrize("page_size, expected", [(None, 128), (16, 64), (64, 64), (128, 128)])
+def test_heuristic_tiles_one_byte_values_tokens_last_by_cache_lines(page_size, expected):
+  # A tokens-last tile reads D rows of block_kv values: one-byte caches take 128-token tiles
+  # (a 128-byte row) where no page boundary cuts them; bf16 and values like k keep the default.
+  from pallas_kv import validation
+  from pallas_kv.kernels.triton import config as triton_config
+  b, t, hkv, d = 2, 1024, 2, 128
+  q = jnp.zeros((b, 8, d), jnp.bfloat16)
+  lengths = jnp.full((b,), t, jnp.int32)
+
+  def block_kv(dtype, tokens_last):
+    if page_size is None:
+      k = jnp.zeros((b, t, hkv, d), dtype)
+      v = jnp.zeros((b, hkv, d, t) if tokens_last else k.shape, dtype)
+      problem = validation.validate_dense(q, k, v, lengths, tokens_last)
+    else:
+      pages = b * t // page_size
+      k = jnp.zeros((pages, page_size, hkv, d), dtype)
+      v = jnp.zeros((pages, hkv, d, page_size) if tokens_last else k.shape, dtype)
+      tables = jnp.arange(pages, dtype=jnp.int32).reshape(b, -1)
+      problem = validation.validate_paged(q, k, v, tables, lengths, tokens_last)
+    return triton_config.heuristic_config(problem, dtype=dtype).block_kv
+
+  for dtype in (jnp.int8, jnp.float8_e4m3fn):
+    assert block_kv(dtype, True) == expected
+    assert block_kv(dtype, False) == triton_config.DEFAULT_BLOCK_KV
+  assert block_kv(jnp.bfloat16, True) == triton_config.DEFAULT_BLOCK_KV
+
+
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_triton_lowers_for_cuda(page_size):
   b, t, hkv, d = 8, 1024, 8, 128

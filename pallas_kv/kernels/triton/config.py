@@ -29,6 +29,10 @@ SMEM_BUDGET_BYTES = 160 * 1024
 # Several programs share an SM (Triton pipelines each program's loads).
 PROGRAMS_PER_SM = 2
 DEFAULT_BLOCK_KV = 64
+# A one-byte V stored tokens last is read as [D, block_kv] rows of block_kv bytes, one row per
+# head dim: 64-byte rows (half a cache line, D of them per tile) measured up to 26% slower on the
+# H200 than 128-byte rows (benchmarks/RESULTS.md, seventh set).
+TOKENS_LAST_ONE_BYTE_BLOCK_KV = 128
 DEFAULT_STAGES = 3
 # DecodeConfig fields this backend does not implement, with the value it needs.
 UNSUPPORTED_FIELDS = {"kv_groups": 1, "pipeline_qk": False, "persistent": False, "split_scores": False,
@@ -104,6 +108,11 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16") -> DecodeConfig:
   itemsize = jnp.dtype(dtype).itemsize   # one-byte caches: twice the tokens in flight per byte
   block_rows, _ = row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
   block_kv = DEFAULT_BLOCK_KV
+  if itemsize == 1 and problem.v_tokens_last:
+    # Paged, a tile stays within a page where the page is at least the default tile: a tile that
+    # spans pages gathers its values token by token.
+    block_kv = TOKENS_LAST_ONE_BYTE_BLOCK_KV if problem.page_size is None else min(
+        TOKENS_LAST_ONE_BYTE_BLOCK_KV, max(DEFAULT_BLOCK_KV, problem.page_size))
   if problem.page_size is not None:
     block_kv = block_kv_for_page(problem.page_size, block_kv) or block_kv
   config = DecodeConfig(block_kv=block_kv, num_stages=DEFAULT_STAGES,
