@@ -100,14 +100,25 @@ def _check_new(name: str, new, batch: int, tail: tuple[int, ...], dtype) -> None
     raise ValueError(f"{name} has dtype {jnp.dtype(new.dtype).name}; the cache holds {jnp.dtype(dtype).name}")
 
 
-def _write(write, cache, scale, new):
+def _write(write, cache, scale, new, write_values=None):
   """(cache, scale) after write(array, values) puts new [B, S, Hkv, D] at the new tokens'
-  places; a quantized cache stores quantize(new), and per-token scales are written alike."""
+  places; a quantized cache stores quantize(new), and per-token scales are written alike.
+  write_values, if given, writes the cache itself (v stored tokens last; its scales are not)."""
+  write_values = write_values or write
   if not is_quantized(cache.dtype):
-    return write(cache, new), scale
+    return write_values(cache, new), scale
   per_token = scale is not None and scale.ndim == 3
   values, used = quantize(new, cache.dtype, None if per_token else scale)
-  return write(cache, values), (write(scale, used) if per_token else scale)
+  return write_values(cache, values), (write(scale, used) if per_token else scale)
+
+
+def _check_tokens_last(v_tokens_last) -> None:
+  if not isinstance(v_tokens_last, bool):
+    raise ValueError(f"v_tokens_last must be a bool; got {v_tokens_last!r}")
+
+
+# A static field: the layout of v, part of the cache's type under jit.
+_TOKENS_LAST_FIELD = dict(default=False, metadata=dict(static=True))
 
 
 def _new_positions(lengths, num_new: int):
@@ -130,21 +141,27 @@ def _paged_slots(block_tables, lengths, page_size: int, num_pages: int, num_new:
 @dataclasses.dataclass(frozen=True)
 class KVCache:
   """Contiguous cache: k, v [B, T, Hkv, D]; lengths int32 [B] valid tokens per sequence;
-  k_scale, v_scale: None, or the scales of a quantized cache ([B, T, Hkv], [Hkv] or a scalar)."""
+  k_scale, v_scale: None, or the scales of a quantized cache ([B, T, Hkv], [Hkv] or a scalar).
+  v_tokens_last: v is stored [B, Hkv, D, T] (`decode_attention`'s v_tokens_last; its scales keep
+  their shape)."""
   k: jax.Array
   v: jax.Array
   lengths: jax.Array
   k_scale: jax.Array | None = None
   v_scale: jax.Array | None = None
+  v_tokens_last: bool = dataclasses.field(**_TOKENS_LAST_FIELD)
 
   @classmethod
   def create(cls, batch: int, capacity: int, num_kv_heads: int, head_dim: int, dtype=jnp.bfloat16,
-             k_scales=None, v_scales=None) -> KVCache:
+             k_scales=None, v_scales=None, v_tokens_last: bool = False) -> KVCache:
     """An empty cache. For an int8 / fp8 dtype, k_scales / v_scales: "token" (per token, computed
-    on append), a fixed number or [Hkv] array, or None (scale 1)."""
+    on append), a fixed number or [Hkv] array, or None (scale 1). v_tokens_last: store v
+    [B, Hkv, D, T], the faster layout for a one-byte cache on the Triton kernel (README)."""
+    _check_tokens_last(v_tokens_last)
     shape = (batch, capacity, num_kv_heads, head_dim)
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32),
-               _initial_scale(k_scales, shape[:3]), _initial_scale(v_scales, shape[:3]))
+    v_shape = (batch, num_kv_heads, head_dim, capacity) if v_tokens_last else shape
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(v_shape, dtype), jnp.zeros((batch,), jnp.int32),
+               _initial_scale(k_scales, shape[:3]), _initial_scale(v_scales, shape[:3]), v_tokens_last)
 
   @property
   def capacity(self) -> int:
@@ -155,13 +172,15 @@ class KVCache:
     k_new, v_new = _as_rank4(k_new, "k_new"), _as_rank4(v_new, "v_new")
     b = self.k.shape[0]
     _check_new("k_new", k_new, b, self.k.shape[2:], self.k.dtype)
-    _check_new("v_new", v_new, b, self.v.shape[2:], self.v.dtype)
+    _check_new("v_new", v_new, b, self.k.shape[2:], self.v.dtype)
     positions = _new_positions(self.lengths, k_new.shape[1])
     rows = jnp.arange(b)[:, None]
     write = lambda array, values: array.at[rows, positions].set(values, mode="drop")
+    # [B, Hkv, D, T] indexed at (rows, :, :, positions) takes values [B, S, Hkv, D] as they come.
+    write_tokens_last = lambda array, values: array.at[rows, :, :, positions].set(values, mode="drop")
     k, k_scale = _write(write, self.k, self.k_scale, k_new)
-    v, v_scale = _write(write, self.v, self.v_scale, v_new)
-    return KVCache(k, v, self.lengths + k_new.shape[1], k_scale, v_scale)
+    v, v_scale = _write(write, self.v, self.v_scale, v_new, write_tokens_last if self.v_tokens_last else None)
+    return KVCache(k, v, self.lengths + k_new.shape[1], k_scale, v_scale, self.v_tokens_last)
 
 
 @jax.tree_util.register_dataclass
@@ -170,23 +189,29 @@ class PagedKVCache:
   """Paged cache: k_pages, v_pages [P, page_size, Hkv, D]; block_tables int32 [B, max_pages];
   lengths int32 [B]. Token t of sequence b lives at [block_tables[b, t // page_size], t % page_size].
   k_scale, v_scale: None, or the scales of a quantized cache ([P, page_size, Hkv] per token,
-  addressed like the pages; [Hkv] or a scalar fixed)."""
+  addressed like the pages; [Hkv] or a scalar fixed). v_tokens_last: v_pages is stored
+  [P, Hkv, D, page_size] (`paged_decode_attention`'s v_tokens_last)."""
   k_pages: jax.Array
   v_pages: jax.Array
   block_tables: jax.Array
   lengths: jax.Array
   k_scale: jax.Array | None = None
   v_scale: jax.Array | None = None
+  v_tokens_last: bool = dataclasses.field(**_TOKENS_LAST_FIELD)
 
   @classmethod
   def create(cls, batch: int, num_pages: int, page_size: int, max_pages_per_seq: int, num_kv_heads: int,
-             head_dim: int, dtype=jnp.bfloat16, k_scales=None, v_scales=None) -> PagedKVCache:
+             head_dim: int, dtype=jnp.bfloat16, k_scales=None, v_scales=None,
+             v_tokens_last: bool = False) -> PagedKVCache:
     """An empty cache: a pool of num_pages pages and block tables with no page assigned (reserve
-    pages with `reserve_pages` before appending). k_scales / v_scales as in `KVCache.create`."""
+    pages with `reserve_pages` before appending). k_scales / v_scales / v_tokens_last as in
+    `KVCache.create` (v tokens last pays with pages of at least 64 tokens)."""
+    _check_tokens_last(v_tokens_last)
     shape = (num_pages, page_size, num_kv_heads, head_dim)
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), empty_block_tables(batch, max_pages_per_seq),
+    v_shape = (num_pages, num_kv_heads, head_dim, page_size) if v_tokens_last else shape
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(v_shape, dtype), empty_block_tables(batch, max_pages_per_seq),
                jnp.zeros((batch,), jnp.int32), _initial_scale(k_scales, shape[:3]),
-               _initial_scale(v_scales, shape[:3]))
+               _initial_scale(v_scales, shape[:3]), v_tokens_last)
 
   @property
   def page_size(self) -> int:
@@ -201,19 +226,28 @@ class PagedKVCache:
     k_new, v_new = _as_rank4(k_new, "k_new"), _as_rank4(v_new, "v_new")
     b = self.block_tables.shape[0]
     _check_new("k_new", k_new, b, self.k_pages.shape[2:], self.k_pages.dtype)
-    _check_new("v_new", v_new, b, self.v_pages.shape[2:], self.v_pages.dtype)
+    _check_new("v_new", v_new, b, self.k_pages.shape[2:], self.v_pages.dtype)
     pages, slots = _paged_slots(self.block_tables, self.lengths, self.page_size, self.k_pages.shape[0],
                                 k_new.shape[1])
     write = lambda array, values: array.at[pages, slots].set(values, mode="drop")
+    write_tokens_last = lambda array, values: array.at[pages, :, :, slots].set(values, mode="drop")
     k_pages, k_scale = _write(write, self.k_pages, self.k_scale, k_new)
-    v_pages, v_scale = _write(write, self.v_pages, self.v_scale, v_new)
-    return PagedKVCache(k_pages, v_pages, self.block_tables, self.lengths + k_new.shape[1], k_scale, v_scale)
+    v_pages, v_scale = _write(write, self.v_pages, self.v_scale, v_new,
+                              write_tokens_last if self.v_tokens_last else None)
+    return PagedKVCache(k_pages, v_pages, self.block_tables, self.lengths + k_new.shape[1], k_scale, v_scale,
+                        self.v_tokens_last)
 
   def dense_view(self) -> KVCache:
-    """A contiguous copy [B, max_pages * page_size, Hkv, D] of what the block tables point at."""
+    """A contiguous copy [B, max_pages * page_size, Hkv, D] of what the block tables point at
+    (v [B, Hkv, D, max_pages * page_size] with v tokens last)."""
     gather_scale = lambda s: gather_pages(s, self.block_tables) if s is not None and s.ndim == 3 else s
-    return KVCache(gather_pages(self.k_pages, self.block_tables), gather_pages(self.v_pages, self.block_tables),
-                   self.lengths, gather_scale(self.k_scale), gather_scale(self.v_scale))
+    if self.v_tokens_last:   # gathered [B, max_pages, Hkv, D, page_size] -> [B, Hkv, D, T]
+      v = jnp.moveaxis(self.v_pages[jnp.clip(self.block_tables, 0, self.v_pages.shape[0] - 1)], 1, 3)
+      v = v.reshape(*v.shape[:3], -1)
+    else:
+      v = gather_pages(self.v_pages, self.block_tables)
+    return KVCache(gather_pages(self.k_pages, self.block_tables), v, self.lengths, gather_scale(self.k_scale),
+                   gather_scale(self.v_scale), self.v_tokens_last)
 
 
 @jax.tree_util.register_dataclass

@@ -172,7 +172,8 @@ class DecodeAttention:
     kv_dtype = _kv_dtype(cache)
     cache = cache.append(*(_as_cache_input(t, kv_dtype) for t in (k, v)))
     options = dict(scale=self.scale, softcap=self.softcap, window=self.window, sinks=params.get("sinks"),
-                   k_scale=cache.k_scale, v_scale=cache.v_scale, impl=self.impl, config=config)
+                   k_scale=cache.k_scale, v_scale=cache.v_scale, impl=self.impl, config=config,
+                   v_tokens_last=getattr(cache, "v_tokens_last", False))
     q = q.astype(_query_dtype(kv_dtype))
     if isinstance(cache, KVCache):
       out = api.decode_attention(q, cache.k, cache.v, cache.lengths, **options)

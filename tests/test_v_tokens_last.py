@@ -2,6 +2,8 @@
 the Triton kernel in interpret mode and the xla impl against the same call with v laid out like k,
 its checks, and its CUDA lowering."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,6 +101,57 @@ def test_shapes_and_backends_are_checked():
     pkv.decode_attention(case.q, case.k, case.v, case.lengths, v_tokens_last="yes")
   with pytest.raises(NotImplementedError, match="v_tokens_last .* triton kernel"):
     pkv.decode_attention(case.q, case.k, tokens_last(case.v), case.lengths, v_tokens_last=True, impl="mosaic_gpu")
+
+
+# ---------------------------------------------------------------- caches and the layer
+
+def _cache_pair(paged: bool, dtype, scales, head_dim: int = 8):
+  """The same empty cache twice: v like k, and v stored tokens last (pages reserved if paged)."""
+  if not paged:
+    return [pkv.KVCache.create(2, 16, 2, head_dim, dtype, scales, scales, v_tokens_last=t) for t in (False, True)]
+  caches = [pkv.PagedKVCache.create(2, 10, 4, 4, 2, head_dim, dtype, scales, scales, v_tokens_last=t)
+            for t in (False, True)]
+  _, tables, ok = pkv.reserve_pages(pkv.PagePool.create(10), caches[0].block_tables, caches[0].lengths, 13, 4)
+  assert bool(ok)
+  # A short table for sequence 1 (its 4th page unassigned): tokens past it are dropped alike.
+  tables = tables.at[1, 3].set(-1)
+  return [dataclasses.replace(c, block_tables=tables) for c in caches]
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("dtype, scales", [(jnp.float32, None), (jnp.int8, "token")])
+def test_caches_store_v_tokens_last_on_append(paged, dtype, scales):
+  like_k, last = _cache_pair(paged, dtype, scales)
+  rng = np.random.default_rng(5)
+  append = jax.jit(lambda c, k, v: c.append(k, v))
+  for s in (9, 1, 3):   # 13 tokens: sequence 1's last page is missing when paged
+    k, v = (jnp.asarray(rng.standard_normal((2, s, 2, 8)), jnp.float32) for _ in range(2))
+    like_k, last = like_k.append(k, v), append(last, k, v)
+  assert last.v_tokens_last and not like_k.v_tokens_last
+  stored, want = (last.v, like_k.v) if not paged else (last.v_pages, like_k.v_pages)
+  np.testing.assert_array_equal(np.asarray(stored, np.float32), np.asarray(tokens_last(want), np.float32))
+  np.testing.assert_array_equal(last.v_scale, like_k.v_scale)
+  if paged:
+    view, want_view = last.dense_view(), like_k.dense_view()
+    assert view.v_tokens_last
+    np.testing.assert_array_equal(np.asarray(view.v, np.float32), np.asarray(tokens_last(want_view.v), np.float32))
+  with pytest.raises(ValueError, match="v_tokens_last must be a bool"):
+    pkv.KVCache.create(1, 4, 1, 8, v_tokens_last="yes")
+
+
+def test_layer_over_a_tokens_last_cache_gives_the_same_step():
+  # Paged (page 4: each kernel tile spans pages); the dense cache's append is checked above.
+  paged = True
+  layer = pkv.DecodeAttention(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=64, impl="triton")
+  params = layer.init(jax.random.key(1))
+  x = jax.random.normal(jax.random.key(2), (2, 12, 64))
+  outs = []
+  for cache in _cache_pair(paged, jnp.int8, "token", head_dim=64):
+    _, cache = layer.prefill(params, x[:, :10], cache)
+    with pkv.interpret():
+      y, cache = jax.jit(layer)(params, x[:, 10:], cache)
+    outs.append(y)
+  np.testing.assert_allclose(np.asarray(outs[1]), np.asarray(outs[0]), rtol=2e-3, atol=2e-3)
 
 
 @pytest.mark.parametrize("page_size, expected", [(None, 128), (16, 64), (64, 64), (128, 128)])
