@@ -14,6 +14,7 @@ from harness import (TRITON_CUSTOM_CALL, assert_lse_matches, assert_matches_refe
                      relative_error)
 from naive import naive_attention
 from pallas_kv import cache as kv_cache
+from pallas_kv.kernels.triton import decode as triton_decode
 
 QUANTIZED = [jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2]
 SCALE_KINDS = ["none", "head", "token"]
@@ -180,6 +181,34 @@ def pkv_problem(case):
   return validation.validate_dense(case.q, case.k, case.v, case.lengths)
 
 
+@pytest.mark.parametrize("page_size, tokens_last", [(None, False), (16, True)])
+def test_triton_int8_with_its_offset_folded_matches_reference(monkeypatch, page_size, tokens_last):
+  # int8 widened to value + 1152 (FOLD_INT8_OFFSET), the offset taken off after each product: a
+  # missing or wrong correction moves every score and output row by 1152 * a row sum.
+  monkeypatch.setattr(triton_decode, "FOLD_INT8_OFFSET", True)
+  offsets, widen = [], triton_decode._widen
+  monkeypatch.setattr(triton_decode, "_widen", lambda x, st: (offsets.append(st.int8_offset), widen(x, st))[1])
+  rng = np.random.default_rng(9)
+  case = _quantized_case(9, jnp.int8, page_size=page_size)
+  k, v = (case.k_pages, case.v_pages) if page_size else (case.k, case.v)
+  k_scale, v_scale = _scales(rng, "token", k.shape[:3])
+  v_stored = jnp.transpose(v, (0, 2, 3, 1)) if tokens_last else v
+  kw = dict(k_scale=k_scale, v_scale=v_scale, return_lse=True, impl="triton", config=KERNELS["triton"],
+            v_tokens_last=tokens_last)
+  with pkv.interpret():
+    if page_size:
+      out = pkv.paged_decode_attention(case.q, k, v_stored, case.block_tables, case.lengths, **kw)
+      ref = pkv.paged_decode_attention_reference(case.q.astype(jnp.float32), k, v, case.block_tables, case.lengths,
+                                                 k_scale=k_scale, v_scale=v_scale, return_lse=True)
+    else:
+      out = pkv.decode_attention(case.q, k, v_stored, case.lengths, **kw)
+      ref = pkv.decode_attention_reference(case.q.astype(jnp.float32), k, v, case.lengths, k_scale=k_scale,
+                                           v_scale=v_scale, return_lse=True)
+  assert triton_decode.INT8_OFFSET in offsets
+  assert_matches_reference(out[0], ref[0], jnp.bfloat16)
+  assert_lse_matches(out[1], ref[1], jnp.bfloat16)
+
+
 # ---------------------------------------------------------------- CUDA lowering (CPU)
 
 @pytest.mark.parametrize("page_size", [None, 16, 64])
@@ -200,6 +229,19 @@ def test_triton_quantized_lowers_for_cuda(kv_dtype, kind, page_size):
   f = lambda *a: op(*a[:-3], a[-3], k_scale=a[-2], v_scale=a[-1], impl="triton")
   exported = lower_for_cuda(f, *args, lengths, scale, scale)
   assert TRITON_CUSTOM_CALL in exported.mlir_module()
+
+
+def test_triton_int8_with_its_offset_folded_lowers_for_cuda(monkeypatch):
+  monkeypatch.setattr(triton_decode, "FOLD_INT8_OFFSET", True)
+  b, t, hkv, d = 8, 2048, 8, 128
+  q = jax.ShapeDtypeStruct((b, 32, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((b, t, hkv, d), jnp.int8)
+  v = jax.ShapeDtypeStruct((b, hkv, d, t), jnp.int8)
+  scale = jax.ShapeDtypeStruct((b, t, hkv), jnp.float32)
+  f = lambda q, k, v, n, ks, vs: pkv.decode_attention(q, k, v, n, k_scale=ks, v_scale=vs, impl="triton",
+                                                      v_tokens_last=True)
+  text = lower_for_cuda(f, q, k, v, jax.ShapeDtypeStruct((b,), jnp.int32), scale, scale).mlir_module()
+  assert TRITON_CUSTOM_CALL in text
 
 
 # ---------------------------------------------------------------- quantizing caches

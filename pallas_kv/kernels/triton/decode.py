@@ -90,6 +90,20 @@ WIDEN_PTX = {
       cvt.rn.f16x2.e4m3x2 $1, hi;
     }""",
 }
+# int8 with its offset folded: the widening stops at 1152 + s (exact in float16), and the kernel
+# takes 1152 * sum(q) off each score and 1152 * sum(p) off each P V row after the products
+# instead of one subtraction per 2 values: SASS 875 -> 833 instructions per 128-token tile with
+# v tokens last, 671 -> 661 at 64 with v like k. The float32 products then cancel ~8 of their 24
+# bits (~1e-5 relative). Off until timed (`benchmarks.quantized_probe` has it as a variant).
+FOLD_INT8_OFFSET = False
+INT8_OFFSET = 1152.0
+INT8_WITH_OFFSET_PTX = """{
+      .reg .b32 t, m;
+      xor.b32 t, $2, 0x80808080;
+      mov.b32 m, 0x64646464;
+      prmt.b32 $0, t, m, 0x5140;
+      prmt.b32 $1, t, m, 0x7362;
+    }"""
 
 
 # ---------------------------------------------------------------- jax's deprecation warning
@@ -164,6 +178,7 @@ class _Static:
   balanced: bool = False      # the balanced split plan: tiles per split from an int32 [1] input
   ordered: bool = False       # programs take sequence order[b] (int32 [B] input), not b
   v_tokens_last: bool = False  # v's tiles are [D, block_kv]: v [B, Hkv, D, T] | [P, Hkv, D, page_size]
+  int8_offset: float = 0.0     # int8 tiles widen to value + this (INT8_OFFSET when folded), taken off later
 
   @property
   def paged(self) -> bool:
@@ -230,12 +245,15 @@ def _load_tile(ref, block_tables_ref, tile, length, st: _Static, *, masked: bool
 
 
 def _widen(x, st: _Static):
-  """A cache tile as the matmuls take it: q's dtype already, or one-byte values as float16."""
+  """A cache tile as the matmuls take it: q's dtype already, or one-byte values as float16 (int8
+  plus st.int8_offset, which the caller takes off after the products)."""
   if x.dtype == jnp.float16 or x.dtype == jnp.bfloat16:
     return x
+  offset = st.int8_offset if x.dtype == jnp.int8 else 0.0
   if not st.fast_widen:
-    return x.astype(jnp.float16)
-  [out] = pltr.elementwise_inline_asm(WIDEN_PTX[jnp.dtype(x.dtype)], args=[x], constraints="=r,=r,r", pack=4,
+    return x.astype(jnp.float16) + jnp.float16(offset) if offset else x.astype(jnp.float16)
+  asm = INT8_WITH_OFFSET_PTX if offset else WIDEN_PTX[jnp.dtype(x.dtype)]
+  [out] = pltr.elementwise_inline_asm(asm, args=[x], constraints="=r,=r,r", pack=4,
                                       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float16)])
   return out
 
@@ -298,11 +316,16 @@ def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), 
       return x * head_scale
     return x
 
+  # int8 widened with an offset: q . (k + c) = q . k + c * sum(q) per row, taken off each tile's scores.
+  q_offset = st.int8_offset * jnp.sum(q.astype(jnp.float32), axis=1) if st.int8_offset else None
+
   def step(tile, carry, *, masked: bool):
     acc, m_i, l_i = carry
     # One-byte caches load as such and widen in registers (their values are exact in float16).
     k = _widen(_load_tile(k_ref, block_tables_ref, tile, length, st, masked=masked, seq=seq), st)   # [bkv, D]
     s = _dot(q, k, trans_b=True)   # [block_rows, bkv] f32
+    if st.int8_offset:
+      s = s - online_softmax.per_row(q_offset, s.shape)
     s = scaled(s, k_scale_ref, st.k_scale, k_head_scale, tile, masked)
     s = online_softmax.log2_logits(s, scale=st.options.scale, softcap=st.options.softcap)
     if masked:
@@ -314,7 +337,11 @@ def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), 
     # [bkv, D], or [D, bkv] with v tokens last
     v = _widen(_load_tile(v_ref, block_tables_ref, tile, length, st, masked=masked, seq=seq,
                           tokens_last=st.v_tokens_last), st)
-    return acc + _dot(p.astype(q.dtype), v, trans_b=st.v_tokens_last), m_new, l_new
+    p = p.astype(q.dtype)
+    pv = _dot(p, v, trans_b=st.v_tokens_last)
+    if st.int8_offset:   # p . (v + c) = p . v + c * sum(p) per row
+      pv = pv - online_softmax.per_row(st.int8_offset * jnp.sum(p.astype(jnp.float32), axis=1), pv.shape)
+    return acc + pv, m_new, l_new
 
   carry = (jnp.zeros((st.block_rows, st.head_dim), jnp.float32),
            jnp.full((st.block_rows,), -jnp.inf, jnp.float32),
@@ -528,7 +555,8 @@ def _static(q, k, v, lengths, block_tables, *, num_queries: int, options: Attent
                  fast_widen=FAST_WIDEN and not interpret and jnp.dtype(k.dtype) in split_k.QUANTIZED_DTYPES,
                  rows=R, balanced=split_k.check_tiles_per_split(tiles_per_split, config),
                  ordered=_check_sequence_order(sequence_order, config, batch=q.shape[0]),
-                 v_tokens_last=v_tokens_last, **merge)
+                 v_tokens_last=v_tokens_last,
+                 int8_offset=INT8_OFFSET if FOLD_INT8_OFFSET and k.dtype == jnp.int8 else 0.0, **merge)
 
 
 def _check_sequence_order(sequence_order, config: DecodeConfig, *, batch: int) -> bool:
