@@ -151,16 +151,6 @@ def _lower_triton_module(call, *args) -> str:
   return modules[0]
 
 
-# int8 -> float16 as (s ^ 0x80) under the exponent of 1024, without subtracting 1152: value + 1152.
-_WIDEN_INT8_WITH_OFFSET = """{
-      .reg .b32 t, m;
-      xor.b32 t, $2, 0x80808080;
-      mov.b32 m, 0x64646464;
-      prmt.b32 $0, t, m, 0x5140;
-      prmt.b32 $1, t, m, 0x7362;
-    }"""
-
-
 def minimal_loop_ttir(kv_dtype, *, v_tokens_contiguous: bool, keep_offset: bool, block_kv: int, num_stages: int,
                       num_warps: int, rows: int = 16, seq_len: int = 4096) -> str:
   """The Triton module of a minimal decode loop (module doc), lowered for CUDA here."""
@@ -173,7 +163,7 @@ def minimal_loop_ttir(kv_dtype, *, v_tokens_contiguous: bool, keep_offset: bool,
   def widen(x):
     if x.dtype == jnp.float16:
       return x
-    ptx = _WIDEN_INT8_WITH_OFFSET if keep_offset else triton_decode.WIDEN_PTX[kv_dtype]
+    ptx = triton_decode.INT8_WITH_OFFSET_PTX if keep_offset else triton_decode.WIDEN_PTX[kv_dtype]
     [out] = pltr.elementwise_inline_asm(ptx, args=[x], constraints="=r,=r,r", pack=4,
                                         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float16)])
     return out
