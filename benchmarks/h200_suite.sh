@@ -93,13 +93,16 @@ for part in "$@"; do
                   --warmup=2 --repeats=5 --json="$out/$m.json" 2>&1 | quiet > "$out/$m.log"
                 python3 -m benchmarks.report "$out/$m.json" --auto | tee -a "$out/models_auto.log"
               done ;;
-    vlast)    # one-byte caches on triton with v like k and v stored tokens last (v_tokens_last), bf16 beside
-              for kv in bfloat16 int8 float8_e4m3fn; do for layout in nov_tokens_last v_tokens_last; do
-                [ $kv = bfloat16 ] && [ $layout = v_tokens_last ] && continue
+    vlast)    # one-byte caches on triton with v like k and v stored tokens last (v_tokens_last), bf16
+              # beside, and int8 tokens last with its widening offset folded (~8 minutes)
+              for variant in bfloat16:nov_tokens_last int8:nov_tokens_last float8_e4m3fn:nov_tokens_last \
+                             int8:v_tokens_last float8_e4m3fn:v_tokens_last int8:v_tokens_last:fold_int8_offset; do
+                IFS=: read -r kv layout fold <<< "$variant"
+                name="vlast_${kv}_$layout${fold:+_fold}"
                 python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags --impl=triton --kv_dtype=$kv \
-                  --$layout --warmup=2 --repeats=5 --json="$out/vlast_${kv}_$layout.json" 2>&1 | quiet \
-                  | tee "$out/vlast_${kv}_$layout.log"
-              done; done ;;
+                  --$layout ${fold:+--$fold} --warmup=2 --repeats=5 --json="$out/$name.json" 2>&1 | quiet \
+                  | tee "$out/$name.log"
+              done ;;
     converter) # one-byte caches on mosaic_gpu with and without the converter warpgroup, triton beside
               for kv in int8 float8_e4m3fn; do for cvt in noconvert_warpgroup convert_warpgroup; do
                 python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags --impl=mosaic_gpu$([ $cvt = noconvert_warpgroup ] && echo ,triton) \

@@ -336,3 +336,28 @@ def test_gpu_quantized_matches_reference(impl, kv_dtype, page_size):
   ref = ref_op(case.q.astype(jnp.float32), *args[1:], k_scale=k_scale, v_scale=v_scale, return_lse=True)
   assert_matches_reference(out[0], ref[0], jnp.bfloat16)
   assert_lse_matches(out[1], ref[1], jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens_last", [False, True])
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_gpu_triton_int8_with_its_offset_folded(monkeypatch, page_size, tokens_last):
+  monkeypatch.setattr(triton_decode, "FOLD_INT8_OFFSET", True)   # the PTX path runs on the GPU only
+  rng = np.random.default_rng(11)
+  case = make_case(11, batch=4, seq_len=4096, num_heads=32, num_kv_heads=8, head_dim=128, num_queries=1,
+                   dtype=jnp.bfloat16, kv_dtype=jnp.int8, page_size=page_size)
+  k, v = (case.k_pages, case.v_pages) if page_size else (case.k, case.v)
+  k_scale, v_scale = _scales(rng, "token", k.shape[:3])
+  v_stored = jnp.transpose(v, (0, 2, 3, 1)) if tokens_last else v
+  kw = dict(k_scale=k_scale, v_scale=v_scale, return_lse=True, v_tokens_last=tokens_last)
+  if page_size:
+    out = jax.jit(functools.partial(pkv.paged_decode_attention, impl="triton", **kw))(
+        case.q, k, v_stored, case.block_tables, case.lengths)
+    ref = pkv.paged_decode_attention_reference(case.q.astype(jnp.float32), k, v, case.block_tables, case.lengths,
+                                               k_scale=k_scale, v_scale=v_scale, return_lse=True)
+  else:
+    out = jax.jit(functools.partial(pkv.decode_attention, impl="triton", **kw))(case.q, k, v_stored, case.lengths)
+    ref = pkv.decode_attention_reference(case.q.astype(jnp.float32), k, v, case.lengths, k_scale=k_scale,
+                                         v_scale=v_scale, return_lse=True)
+  assert_matches_reference(out[0], ref[0], jnp.bfloat16)
+  assert_lse_matches(out[1], ref[1], jnp.bfloat16)
