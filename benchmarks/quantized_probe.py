@@ -124,14 +124,14 @@ def variant_sweep(shapes) -> list[dict]:
       if batch == 1 and (fields is not None or kind != "token"):
         continue
       triton_decode.FAST_WIDEN = fast   # read when the kernel is traced
-      args = make_inputs(batch, seq_len, dtype, jax.random.key(0))   # the first of input_sets'
+      sets = input_sets(batch, seq_len, dtype, lengths)
+      args = sets[0][:-1]   # (q, k, v, k_scale, v_scale) of the first set
       fn = attention(kind, None if fields is None else pkv.DecodeConfig(**fields))
       ref = pkv.decode_attention_reference(args[0].astype(jnp.float32), *args[1:3], lengths, k_scale=args[3],
                                            v_scale=args[4])
       out = fn(*args, lengths).astype(jnp.float32)
       checked = kind == "token" or dtype == "bfloat16"
       err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)) if checked else float("nan")
-      sets = input_sets(batch, seq_len, dtype, lengths)
       us = timing.time_jax(fn, sets, warmup=2, iters=20, repeats=5).median_s * 1e6
       rows.append(dict(batch=batch, seq_len=seq_len, dtype=dtype, fast=fast, kind=kind, config=fields, time_us=us,
                        rel_err=err))

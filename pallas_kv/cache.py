@@ -21,6 +21,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kv import validation
+
 
 def gather_pages(pages, block_tables):
   """[P, page_size, ...] pages + [B, max_pages] table -> dense [B, max_pages * page_size, ...].
@@ -112,11 +114,6 @@ def _write(write, cache, scale, new, write_values=None):
   return write_values(cache, values), (write(scale, used) if per_token else scale)
 
 
-def _check_tokens_last(v_tokens_last) -> None:
-  if not isinstance(v_tokens_last, bool):
-    raise ValueError(f"v_tokens_last must be a bool; got {v_tokens_last!r}")
-
-
 # A static field: the layout of v, part of the cache's type under jit.
 _TOKENS_LAST_FIELD = dict(default=False, metadata=dict(static=True))
 
@@ -157,9 +154,9 @@ class KVCache:
     """An empty cache. For an int8 / fp8 dtype, k_scales / v_scales: "token" (per token, computed
     on append), a fixed number or [Hkv] array, or None (scale 1). v_tokens_last: store v
     [B, Hkv, D, T], the faster layout for a one-byte cache on the Triton kernel (README)."""
-    _check_tokens_last(v_tokens_last)
+    validation.check_v_tokens_last(v_tokens_last)
     shape = (batch, capacity, num_kv_heads, head_dim)
-    v_shape = (batch, num_kv_heads, head_dim, capacity) if v_tokens_last else shape
+    v_shape = validation.tokens_last_shape(shape) if v_tokens_last else shape
     return cls(jnp.zeros(shape, dtype), jnp.zeros(v_shape, dtype), jnp.zeros((batch,), jnp.int32),
                _initial_scale(k_scales, shape[:3]), _initial_scale(v_scales, shape[:3]), v_tokens_last)
 
@@ -206,9 +203,9 @@ class PagedKVCache:
     """An empty cache: a pool of num_pages pages and block tables with no page assigned (reserve
     pages with `reserve_pages` before appending). k_scales / v_scales / v_tokens_last as in
     `KVCache.create` (v tokens last pays with pages of at least 64 tokens)."""
-    _check_tokens_last(v_tokens_last)
+    validation.check_v_tokens_last(v_tokens_last)
     shape = (num_pages, page_size, num_kv_heads, head_dim)
-    v_shape = (num_pages, num_kv_heads, head_dim, page_size) if v_tokens_last else shape
+    v_shape = validation.tokens_last_shape(shape) if v_tokens_last else shape
     return cls(jnp.zeros(shape, dtype), jnp.zeros(v_shape, dtype), empty_block_tables(batch, max_pages_per_seq),
                jnp.zeros((batch,), jnp.int32), _initial_scale(k_scales, shape[:3]),
                _initial_scale(v_scales, shape[:3]), v_tokens_last)
@@ -241,9 +238,9 @@ class PagedKVCache:
     """A contiguous copy [B, max_pages * page_size, Hkv, D] of what the block tables point at
     (v [B, Hkv, D, max_pages * page_size] with v tokens last)."""
     gather_scale = lambda s: gather_pages(s, self.block_tables) if s is not None and s.ndim == 3 else s
-    if self.v_tokens_last:   # gathered [B, max_pages, Hkv, D, page_size] -> [B, Hkv, D, T]
-      v = jnp.moveaxis(self.v_pages[jnp.clip(self.block_tables, 0, self.v_pages.shape[0] - 1)], 1, 3)
-      v = v.reshape(*v.shape[:3], -1)
+    if self.v_tokens_last:   # pages as k's, gathered, then [B, T, Hkv, D] -> [B, Hkv, D, T]
+      v = gather_pages(jnp.moveaxis(self.v_pages, 3, 1), self.block_tables)
+      v = jnp.transpose(v, (0, 2, 3, 1))
     else:
       v = gather_pages(self.v_pages, self.block_tables)
     return KVCache(gather_pages(self.k_pages, self.block_tables), v, self.lengths, gather_scale(self.k_scale),

@@ -146,7 +146,7 @@ def _check_heads(num_heads: int, num_kv_heads: int, kv_name: str) -> None:
                      "q heads must be a multiple of the number of kv heads (MHA, GQA or MQA)")
 
 
-def _check_v_tokens_last(v_tokens_last) -> None:
+def check_v_tokens_last(v_tokens_last) -> None:
   if not isinstance(v_tokens_last, bool):
     raise ValueError(f"v_tokens_last must be a bool; got {v_tokens_last!r}")
 
@@ -170,7 +170,7 @@ def _check_v_shape(k, v, k_name: str, v_name: str, v_tokens_last: bool) -> None:
 def validate_dense(q, k, v, lengths, v_tokens_last: bool = False) -> Problem:
   b, s, hq, d = query_shape(q)
   _check_dtype("q", q, QUERY_DTYPES)
-  _check_v_tokens_last(v_tokens_last)
+  check_v_tokens_last(v_tokens_last)
   for name, x, dims in (("k", k, "[B, T, Hkv, D]"), ("v", v, "[B, Hkv, D, T]" if v_tokens_last else "[B, T, Hkv, D]")):
     if x.ndim != 4:
       raise ValueError(f"{name} must have rank 4 {dims}; got shape {tuple(x.shape)}")
@@ -197,7 +197,7 @@ def _check_block_tables(block_tables, batch: int) -> None:
 def validate_paged(q, k_pages, v_pages, block_tables, lengths, v_tokens_last: bool = False) -> Problem:
   b, s, hq, d = query_shape(q)
   _check_dtype("q", q, QUERY_DTYPES)
-  _check_v_tokens_last(v_tokens_last)
+  check_v_tokens_last(v_tokens_last)
   v_dims = "[P, Hkv, D, page_size]" if v_tokens_last else "[P, page_size, Hkv, D]"
   for name, x, dims in (("k_pages", k_pages, "[P, page_size, Hkv, D]"), ("v_pages", v_pages, v_dims)):
     if x.ndim != 4:

@@ -94,7 +94,7 @@ WIDEN_PTX = {
 # takes 1152 * sum(q) off each score and 1152 * sum(p) off each P V row after the products
 # instead of one subtraction per 2 values: SASS 875 -> 833 instructions per 128-token tile with
 # v tokens last, 671 -> 661 at 64 with v like k. The float32 products then cancel ~8 of their 24
-# bits (~1e-5 relative). Off until timed (`benchmarks.quantized_probe` has it as a variant).
+# bits (~1e-5 relative). Off until timed (`benchmarks.decode --fold_int8_offset`).
 FOLD_INT8_OFFSET = False
 INT8_OFFSET = 1152.0
 INT8_WITH_OFFSET_PTX = """{
