@@ -93,14 +93,15 @@ for part in "$@"; do
                   --warmup=2 --repeats=5 --json="$out/$m.json" 2>&1 | quiet > "$out/$m.log"
                 python3 -m benchmarks.report "$out/$m.json" --auto | tee -a "$out/models_auto.log"
               done ;;
-    vlast)    # one-byte caches on triton with v like k and v stored tokens last (v_tokens_last), bf16
-              # beside, and int8 tokens last with its widening offset folded (~8 minutes)
-              for variant in bfloat16:nov_tokens_last int8:nov_tokens_last float8_e4m3fn:nov_tokens_last \
-                             int8:v_tokens_last float8_e4m3fn:v_tokens_last int8:v_tokens_last:fold_int8_offset; do
-                IFS=: read -r kv layout fold <<< "$variant"
-                name="vlast_${kv}_$layout${fold:+_fold}"
+    vlast)    # one-byte caches on triton, v stored tokens last (v_tokens_last) and like k, bf16 beside;
+              # int8 with its widening offset folded and with q . k on int8 terms of q (~8 minutes)
+              for variant in bfloat16:nov_tokens_last int8:v_tokens_last float8_e4m3fn:v_tokens_last \
+                             int8:v_tokens_last:int8_scores int8:v_tokens_last:fold_int8_offset \
+                             int8:nov_tokens_last:int8_scores; do
+                IFS=: read -r kv layout switch <<< "$variant"
+                name="vlast_${kv}_$layout${switch:+_$switch}"
                 python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags --impl=triton --kv_dtype=$kv \
-                  --$layout ${fold:+--$fold} --warmup=2 --repeats=5 --json="$out/$name.json" 2>&1 | quiet \
+                  --$layout ${switch:+--$switch} --warmup=2 --repeats=5 --json="$out/$name.json" 2>&1 | quiet \
                   | tee "$out/$name.log"
               done ;;
     converter) # one-byte caches on mosaic_gpu with and without the converter warpgroup, triton beside
