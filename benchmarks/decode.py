@@ -275,21 +275,6 @@ def mosaic_convert_warpgroup(enabled: bool):
 
 
 @contextlib.contextmanager
-def triton_int8_switches(*, fold_int8_offset: bool, int8_scores: bool):
-  """While open, the triton kernel's int8 variants that are off by default are on where asked:
-  the widening with its offset folded (`pallas_kv.kernels.triton.decode.FOLD_INT8_OFFSET`) and
-  scores on the integer tensor cores (`INT8_SCORES`)."""
-  from pallas_kv.kernels.triton import decode as triton_decode  # pylint: disable=g-import-not-at-top
-  saved = triton_decode.FOLD_INT8_OFFSET, triton_decode.INT8_SCORES
-  triton_decode.FOLD_INT8_OFFSET = fold_int8_offset or saved[0]
-  triton_decode.INT8_SCORES = int8_scores or saved[1]
-  try:
-    yield
-  finally:
-    triton_decode.FOLD_INT8_OFFSET, triton_decode.INT8_SCORES = saved
-
-
-@contextlib.contextmanager
 def values_tokens_last(enabled: bool):
   """While open (if enabled), pallas_kv's own impls of the dense and paged ops take v stored tokens
   last ([B, Hkv, D, T] / [P, Hkv, D, page_size], `v_tokens_last=True`), transposed before the
@@ -328,10 +313,6 @@ def define_flags() -> None:
                     "the config otherwise as resolved.")
   flags.DEFINE_boolean("v_tokens_last", False, "pallas_kv impls of the dense and paged ops: v stored "
                        "[B, Hkv, D, T] / [P, Hkv, D, page_size] (decode_attention's v_tokens_last).")
-  flags.DEFINE_boolean("fold_int8_offset", False, "triton impl, int8 caches: widen with the offset folded "
-                       "out after the products (kernels.triton.decode.FOLD_INT8_OFFSET).")
-  flags.DEFINE_boolean("int8_scores", False, "triton impl, int8 caches: q . k on the integer tensor cores, "
-                       "q split in two int8 terms (kernels.triton.decode.INT8_SCORES).")
   flags.adopt_module_key_flags(cli)
 
 
@@ -345,7 +326,7 @@ def main(argv: Sequence[str]) -> int:
   paths = cli.output_paths()
   with (triton_merge_in_kernel(flags.FLAGS.merge_in_kernel), balanced_split_plan(flags.FLAGS.split_plan == "balanced"),
         triton_sequence_order(flags.FLAGS.sequence_order), mosaic_convert_warpgroup(flags.FLAGS.convert_warpgroup),
-        values_tokens_last(flags.FLAGS.v_tokens_last), triton_int8_switches(fold_int8_offset=flags.FLAGS.fold_int8_offset, int8_scores=flags.FLAGS.int8_scores)):
+        values_tokens_last(flags.FLAGS.v_tokens_last)):
     rows = run(sweep, json_path=paths.json, csv_path=paths.csv, plot_path=paths.plot)
   return output.report_failures(
       output.failed_rows(rows), lambda r: f"{r['impl']} on {r['op']} B={r['batch']} T={r['seq_len']}",

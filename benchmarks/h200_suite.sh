@@ -2,7 +2,7 @@
 # The measurement suite on an H200, in parts that each fit one ~10-minute command.
 #   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged quantized qprobe vmap step tune
 #   fuzz memcheck mla merge balanced smollm2 (SMOLLM2_GGUF=path: the GPU machine has no network)
-#   tune_triton ncu loadpath kernels chain timer ragged_order converter vlast models
+#   tune_triton ncu ncu_stalls loadpath kernels chain timer ragged_order converter vlast models
 #   tune-SWEEP-BACKEND (e.g. TUNE_CASES=32x8192,128x8192 ... tune-gpt_oss_120b-mosaic_gpu)
 #   (and scaling8k scaling32k on a machine with several GPUs)
 # Results (JSON, logs) go to $OUT if set, else bench_out/. Run from the repository root with the
@@ -93,16 +93,14 @@ for part in "$@"; do
                   --warmup=2 --repeats=5 --json="$out/$m.json" 2>&1 | quiet > "$out/$m.log"
                 python3 -m benchmarks.report "$out/$m.json" --auto | tee -a "$out/models_auto.log"
               done ;;
-    vlast)    # one-byte caches on triton, v stored tokens last (v_tokens_last) and like k, bf16 beside;
-              # int8 with its widening offset folded and with q . k on int8 terms of q (~8 minutes)
+    vlast)    # one-byte caches on triton with v stored tokens last (v_tokens_last) and like k, bf16
+              # beside (~7 minutes)
               for variant in bfloat16:nov_tokens_last int8:v_tokens_last float8_e4m3fn:v_tokens_last \
-                             int8:v_tokens_last:int8_scores int8:v_tokens_last:fold_int8_offset \
-                             int8:nov_tokens_last:int8_scores; do
-                IFS=: read -r kv layout switch <<< "$variant"
-                name="vlast_${kv}_$layout${switch:+_$switch}"
+                             int8:nov_tokens_last float8_e4m3fn:nov_tokens_last; do
+                IFS=: read -r kv layout <<< "$variant"
+                name="vlast_${kv}_$layout"
                 python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags --impl=triton --kv_dtype=$kv \
-                  --$layout ${switch:+--$switch} --warmup=2 --repeats=5 --json="$out/$name.json" 2>&1 | quiet \
-                  | tee "$out/$name.log"
+                  --$layout --warmup=2 --repeats=5 --json="$out/$name.json" 2>&1 | quiet | tee "$out/$name.log"
               done ;;
     converter) # one-byte caches on mosaic_gpu with and without the converter warpgroup, triton beside
               for kv in int8 float8_e4m3fn; do for cvt in noconvert_warpgroup convert_warpgroup; do
@@ -140,6 +138,21 @@ for part in "$@"; do
               python3 -m benchmarks.tune --flagfile="configs/$sweep.flags" --backend="$backend" \
                 ${TUNE_CASES:+--cases=$TUNE_CASES} --repeats=5 --warmup=2 2>&1 | quiet | tee "$out/$part.log"
               cp pallas_kv/tuned/*.json "$out/" ;;
+    ncu_stalls) # why a warp waits, per issued instruction, with DRAM % and issue activity: the Triton
+              # kernel at B128 T4096 on a bf16 cache and on one-byte caches stored tokens last (~2.5 min)
+              if ! command -v ncu >/dev/null 2>&1; then echo "ncu: not on this machine" | tee "$out/ncu_stalls.log"; else
+                mkdir -p /tmp/ncu_stalls
+                metrics=$(python3 -m benchmarks.ncu_summary --metrics_flag)
+                for variant in bfloat16:nov_tokens_last int8:v_tokens_last float8_e4m3fn:v_tokens_last; do
+                  IFS=: read -r kv layout <<< "$variant"
+                  timeout 150 ncu --clock-control none --kernel-name regex:'pallas_kv_triton_decode' --launch-skip 3 \
+                    --launch-count 1 --metrics "$metrics" --csv python3 -m benchmarks.profile_kernel \
+                    --flagfile=configs/gqa_h200.flags --impl=triton --kv_dtype=$kv --$layout --cases=128x4096 \
+                    --warmup=2 --calls=3 > "/tmp/ncu_stalls/${kv}_$layout.csv" 2> /tmp/ncu_stalls/err.log \
+                    || tail -3 /tmp/ncu_stalls/err.log
+                done
+                python3 -m benchmarks.ncu_summary /tmp/ncu_stalls/*.csv | tee "$out/ncu_stalls.log"
+              fi ;;
     ncu)      # Nsight Compute counters of one steady-state call (registers, smem, occupancy, DRAM %);
               # a profiled process takes minutes (compiles run under ncu), so each one has its own limit.
               if ! command -v ncu >/dev/null 2>&1; then echo "ncu: not on this machine" | tee "$out/ncu.log"; else

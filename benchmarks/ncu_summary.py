@@ -2,6 +2,10 @@ r"""The few Nsight Compute metrics that say what limits a decode kernel, one row
 
   ncu --import prof.ncu-rep --page details --csv > prof.csv
   python3 -m benchmarks.ncu_summary prof.csv [more.csv ...]
+  ncu --metrics "$(python3 -m benchmarks.ncu_summary --metrics_flag)" --csv ... > raw.csv
+
+With `--metrics` output (raw metric names) it prints DRAM and SM %, issue activity, warps per
+scheduler, and the cycles per issued instruction a warp spends stalled, by reason, largest first.
 
 Reads the "details" page CSV (one line per kernel launch x metric) and prints, per launch:
 duration, DRAM throughput (% of peak and GB/s of reads where reported), registers per
@@ -30,12 +34,45 @@ COLUMNS = (
     ("theo occ %", "Theoretical Occupancy"),
     ("ach occ %", "Achieved Occupancy"),
 )
+# The same and more as raw metrics (`ncu --metrics ...`, the suite's ncu_stalls part), printed
+# where a launch has them.
+RAW_COLUMNS = (
+    ("duration", "gpu__time_duration.sum"),
+    ("DRAM %", "dram__throughput.avg.pct_of_peak_sustained_elapsed"),
+    ("SM %", "sm__throughput.avg.pct_of_peak_sustained_elapsed"),
+    ("regs/thr", "launch__registers_per_thread"),
+    ("blocks/SM by regs", "launch__occupancy_limit_registers"),
+    ("issue active %", "smsp__issue_active.avg.pct_of_peak_sustained_active"),
+    ("warps/scheduler", "smsp__warps_active.avg.per_cycle_active"),
+    ("eligible/scheduler", "smsp__warps_eligible.avg.per_cycle_active"),
+)
+# Cycles per issued instruction a warp spends stalled, by reason: smsp__average_warps_issue_stalled_
+# <reason>_per_issue_active.ratio ("selected" is the issue itself, 1).
+STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
+STALL_REASONS = ("long_scoreboard", "short_scoreboard", "wait", "barrier", "not_selected", "dispatch_stall",
+                 "math_pipe_throttle", "mio_throttle", "lg_throttle", "branch_resolving", "no_instruction",
+                 "membar", "drain", "imc_miss", "tex_throttle", "sleeping", "misc", "selected")
+
+
+def ncu_metrics_flag() -> str:
+  """The `--metrics` list of RAW_COLUMNS and the stall reasons."""
+  return ",".join([metric for _, metric in RAW_COLUMNS] + [STALL_PREFIX + r + STALL_SUFFIX for r in STALL_REASONS])
+
+
+def _number(text: str) -> float:
+  try:
+    return float(text.split()[0].replace(",", ""))
+  except (ValueError, IndexError):
+    return float("nan")
 
 
 def read_launches(lines: Iterable[str]) -> list[dict]:
   """[{'kernel': name, 'id': launch id, metric name: 'value unit'}] from a details CSV."""
   launches: dict[str, dict] = {}
-  for row in csv.DictReader(line for line in lines if line.strip() and not line.startswith("==")):
+  # The profiled program's own output may come first: the CSV starts at its header line.
+  lines = list(lines)
+  start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), 0)
+  for row in csv.DictReader(line for line in lines[start:] if line.strip() and not line.startswith("==")):
     name = row.get("Metric Name")
     if not name or "Kernel Name" not in row:
       continue
@@ -50,12 +87,25 @@ def format_rows(launches: Sequence[dict], source: str = "") -> str:
   for launch in launches:
     kernel = launch["kernel"]
     kernel = kernel if len(kernel) <= 60 else kernel[:57] + "..."
-    cells = "  ".join(f"{title}={launch.get(metric, '-')}" for title, metric in COLUMNS)
-    lines.append(f"{source}{' ' if source else ''}[{launch['id']}] {kernel}\n    {cells}")
+    # A line per metric set that the launch has, '-' for the metrics of that set it lacks.
+    cells, raw = ("  ".join(f"{title}={launch.get(metric, '-')}" for title, metric in columns)
+                  if any(metric in launch for _, metric in columns) else "" for columns in (COLUMNS, RAW_COLUMNS))
+    stalls = sorted(((_number(launch[STALL_PREFIX + r + STALL_SUFFIX]), r) for r in STALL_REASONS
+                     if STALL_PREFIX + r + STALL_SUFFIX in launch), reverse=True)
+    text = f"{source}{' ' if source else ''}[{launch['id']}] {kernel}"
+    for part in (cells, raw):
+      text += f"\n    {part}" if part else ""
+    if stalls:
+      text += (f"\n    cycles per issue {sum(v for v, _ in stalls):.2f}: "
+               + "  ".join(f"{r}={v:.2f}" for v, r in stalls if v >= 0.01))
+    lines.append(text)
   return "\n".join(lines)
 
 
 def main(paths: Sequence[str]) -> int:
+  if list(paths) == ["--metrics_flag"]:
+    print(ncu_metrics_flag())
+    return 0
   if not paths:
     print(__doc__)
     return 2

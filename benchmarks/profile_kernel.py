@@ -45,6 +45,7 @@ import jax
 
 from benchmarks import cases
 from benchmarks import cli
+from benchmarks import decode
 from benchmarks import output
 from benchmarks import runners
 from benchmarks import timing
@@ -62,6 +63,8 @@ def define_flags() -> None:
                        "program of this many calls instead, and print the GPU's busy and elapsed time per call")
   flags.DEFINE_bool("timer_check", False, "JAX impls: the chain-diff timer plain and queued, beside the GPU's "
                     "busy time per call in a profiled chain of --chain_calls (default 40) calls")
+  flags.DEFINE_bool("v_tokens_last", False, "pallas_kv impls of the dense and paged ops: v stored tokens last "
+                    "(benchmarks.decode's flag of that name)")
   flags.DEFINE_bool("kernel_times", False, "print the GPU time of every kernel a call launches (torch.profiler's "
                     "CUDA activity, which records JAX's kernels too) instead of only running the calls")
 
@@ -228,6 +231,11 @@ def kernel_time_lines(sweep: cases.Sweep, calls: int) -> list[str]:
 
 def main(argv: Sequence[str]) -> None:
   del argv
+  with decode.values_tokens_last(FLAGS.v_tokens_last):
+    _main()
+
+
+def _main() -> None:
   if FLAGS.timer_check:
     timer_check_lines(cli.sweep_from_flags(), FLAGS.chain_calls or 40)
   elif FLAGS.kernel_times and FLAGS.chain_calls:

@@ -18,9 +18,9 @@ cycles, and a one-byte tile at the 0.55x target ~1,070, shared by the programs o
 
 `--minimal_loop` compiles instead a minimal decode loop of its own (one program: 16 rows, D 128,
 online softmax, no scales or masks) over a one-byte cache in the variants that RESULTS.md's
-sixth set compares: V laid out [T, D] as the cache is, or [D, T] (tokens contiguous, a layout the
-package does not have), and int8 widened to its value or to value + 1152 (the widening's
-subtraction left out; a real kernel would remove the offset after the products).
+sixth set compares: V laid out [T, D], or [D, T] (tokens contiguous, as `v_tokens_last=True`
+stores it), and int8 widened to its value or to value + 1152 (the widening's subtraction left
+out; the kernel tried that with the offset taken off after the products: no gain, eighth set).
 
 The pip Triton is not the one built into jaxlib, which compiles the kernel on the GPU: their
 passes are close, not identical, so the counts guide a change; the GPU measures it.
@@ -151,6 +151,18 @@ def _lower_triton_module(call, *args) -> str:
   return modules[0]
 
 
+# int8 widened to value + 1152 (the kernel's int8 widening without its subtraction), for the
+# minimal loop's variant: the kernel tried this with the offset taken off after the products and
+# measured no gain (RESULTS.md, eighth set).
+INT8_WITH_OFFSET_PTX = """{
+      .reg .b32 t, m;
+      xor.b32 t, $2, 0x80808080;
+      mov.b32 m, 0x64646464;
+      prmt.b32 $0, t, m, 0x5140;
+      prmt.b32 $1, t, m, 0x7362;
+    }"""
+
+
 def minimal_loop_ttir(kv_dtype, *, v_tokens_contiguous: bool, keep_offset: bool, block_kv: int, num_stages: int,
                       num_warps: int, rows: int = 16, seq_len: int = 4096) -> str:
   """The Triton module of a minimal decode loop (module doc), lowered for CUDA here."""
@@ -163,7 +175,7 @@ def minimal_loop_ttir(kv_dtype, *, v_tokens_contiguous: bool, keep_offset: bool,
   def widen(x):
     if x.dtype == jnp.float16:
       return x
-    ptx = triton_decode.INT8_WITH_OFFSET_PTX if keep_offset else triton_decode.WIDEN_PTX[kv_dtype]
+    ptx = INT8_WITH_OFFSET_PTX if keep_offset else triton_decode.WIDEN_PTX[kv_dtype]
     [out] = pltr.elementwise_inline_asm(ptx, args=[x], constraints="=r,=r,r", pack=4,
                                         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float16)])
     return out

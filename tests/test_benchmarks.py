@@ -357,6 +357,22 @@ def test_ncu_summary_reads_a_details_csv():
   assert "ach occ %=-" in text  # metrics a launch lacks show as '-'
 
 
+def test_ncu_summary_reads_raw_metrics_and_ranks_stalls():
+  from benchmarks import ncu_summary
+  header = '"ID","Process ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"'
+  stall = lambda reason, value: (f'"0","7","k","Command line profiler metrics","{ncu_summary.STALL_PREFIX}{reason}'
+                                 f'{ncu_summary.STALL_SUFFIX}","inst","{value}"')
+  rows = ['"0","7","k","Command line profiler metrics","gpu__time_duration.sum","ns","270,112"',
+          stall("wait", "0.60"), stall("short_scoreboard", "0.69"), stall("selected", "1"), stall("drain", "0.00")]
+  # The profiled program's own output comes before the CSV's header.
+  launches = ncu_summary.read_launches(["==PROF== Connected", "ran ['int8']", header, *rows])
+  text = ncu_summary.format_rows(launches)
+  assert "duration=270,112 ns" in text and "DRAM %=-" in text and "ach occ" not in text, text
+  assert "cycles per issue 2.29: selected=1.00  short_scoreboard=0.69  wait=0.60" in text, text
+  assert "drain" not in text
+  assert ncu_summary.STALL_PREFIX + "long_scoreboard" + ncu_summary.STALL_SUFFIX in ncu_summary.ncu_metrics_flag()
+
+
 def test_kernel_variants_load_path_rows_run_in_interpret_mode(monkeypatch):
   import pallas_kv
   from benchmarks import kernel_variants as kv

@@ -14,7 +14,6 @@ from harness import (TRITON_CUSTOM_CALL, assert_lse_matches, assert_matches_refe
                      relative_error)
 from naive import naive_attention
 from pallas_kv import cache as kv_cache
-from pallas_kv.kernels.triton import decode as triton_decode
 
 QUANTIZED = [jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2]
 SCALE_KINDS = ["none", "head", "token"]
@@ -181,62 +180,6 @@ def pkv_problem(case):
   return validation.validate_dense(case.q, case.k, case.v, case.lengths)
 
 
-def _int8_triton_against_reference(seed, page_size, tokens_last, *, q_gain=1.0):
-  """(out, lse) of the triton kernel (interpret mode) on an int8 case with per-token scales, v
-  stored tokens last or like k, and the reference's; q is scaled by q_gain (peakier logits)."""
-  rng = np.random.default_rng(seed)
-  case = _quantized_case(seed, jnp.int8, page_size=page_size)
-  q = (case.q.astype(jnp.float32) * q_gain).astype(jnp.bfloat16)
-  k, v = (case.k_pages, case.v_pages) if page_size else (case.k, case.v)
-  k_scale, v_scale = _scales(rng, "token", k.shape[:3])
-  v_stored = jnp.transpose(v, (0, 2, 3, 1)) if tokens_last else v
-  kw = dict(k_scale=k_scale, v_scale=v_scale, return_lse=True)
-  tables = (case.block_tables,) if page_size else ()
-  op, ref_op = ((pkv.paged_decode_attention, pkv.paged_decode_attention_reference) if page_size
-                else (pkv.decode_attention, pkv.decode_attention_reference))
-  with pkv.interpret():
-    out = op(q, k, v_stored, *tables, case.lengths, impl="triton", config=KERNELS["triton"],
-             v_tokens_last=tokens_last, **kw)
-  return out, ref_op(q.astype(jnp.float32), k, v, *tables, case.lengths, **kw)
-
-
-@pytest.mark.parametrize("page_size, tokens_last", [(None, False), (16, True)])
-def test_triton_int8_with_its_offset_folded_matches_reference(monkeypatch, page_size, tokens_last):
-  # int8 widened to value + 1152 (FOLD_INT8_OFFSET), the offset taken off after each product: a
-  # missing or wrong correction moves every score and output row by 1152 * a row sum.
-  monkeypatch.setattr(triton_decode, "FOLD_INT8_OFFSET", True)
-  offsets, widen = [], triton_decode._widen
-  monkeypatch.setattr(triton_decode, "_widen", lambda x, st: (offsets.append(st.int8_offset), widen(x, st))[1])
-  out, ref = _int8_triton_against_reference(9, page_size, tokens_last)
-  assert triton_decode.INT8_OFFSET in offsets
-  assert_matches_reference(out[0], ref[0], jnp.bfloat16)
-  assert_lse_matches(out[1], ref[1], jnp.bfloat16)
-
-
-@pytest.mark.parametrize("page_size, tokens_last", [(None, True), (16, False)])
-def test_triton_int8_scores_on_two_int8_terms_of_q_match_reference(monkeypatch, page_size, tokens_last):
-  # INT8_SCORES: q . k on int8 q terms. q is scaled up so that the logits are peaky (std ~16): one
-  # int8 term of q alone then misses bf16's tolerance (1.3e-2 measured); the second brings it back.
-  monkeypatch.setattr(triton_decode, "INT8_SCORES", True)
-  splits, split = [], triton_decode._split_rows_int8
-  monkeypatch.setattr(triton_decode, "_split_rows_int8", lambda q: (splits.append(q.shape), split(q))[1])
-  out, ref = _int8_triton_against_reference(12, page_size, tokens_last, q_gain=8.0)
-  assert splits, "the int8 scores path did not run"
-  assert_matches_reference(out[0], ref[0], jnp.bfloat16)
-  assert_lse_matches(out[1], ref[1], jnp.bfloat16)
-
-
-def test_split_rows_int8_leaves_a_residual_within_a_step_of_the_second_term():
-  q = jnp.asarray(np.random.default_rng(13).normal(size=(16, 64)) * np.logspace(-3, 2, 16)[:, None], jnp.float32)
-  q = q.at[3].set(0.0)   # a padding row of zeros keeps scale 1 and terms 0
-  q1, s1, q2, s2 = triton_decode._split_rows_int8(q)
-  assert q1.dtype == q2.dtype == jnp.int8 and int(jnp.max(jnp.abs(q2))) <= 64
-  rebuilt = q1.astype(jnp.float32) * s1[:, None] + q2.astype(jnp.float32) * s2[:, None]
-  bound = np.asarray(s2)[:, None] * 0.5 + np.abs(np.asarray(q)) * 1e-6   # half a step, and float32 rounding
-  np.testing.assert_array_less(np.abs(np.asarray(rebuilt - q)), bound)
-  assert float(s1[3]) == 1.0 and not np.asarray(q1[3]).any()
-
-
 # ---------------------------------------------------------------- CUDA lowering (CPU)
 
 @pytest.mark.parametrize("page_size", [None, 16, 64])
@@ -257,20 +200,6 @@ def test_triton_quantized_lowers_for_cuda(kv_dtype, kind, page_size):
   f = lambda *a: op(*a[:-3], a[-3], k_scale=a[-2], v_scale=a[-1], impl="triton")
   exported = lower_for_cuda(f, *args, lengths, scale, scale)
   assert TRITON_CUSTOM_CALL in exported.mlir_module()
-
-
-@pytest.mark.parametrize("switch", ["FOLD_INT8_OFFSET", "INT8_SCORES"])
-def test_triton_int8_variants_lower_for_cuda(monkeypatch, switch):
-  monkeypatch.setattr(triton_decode, switch, True)
-  b, t, hkv, d = 8, 2048, 8, 128
-  q = jax.ShapeDtypeStruct((b, 32, d), jnp.bfloat16)
-  k = jax.ShapeDtypeStruct((b, t, hkv, d), jnp.int8)
-  v = jax.ShapeDtypeStruct((b, hkv, d, t), jnp.int8)
-  scale = jax.ShapeDtypeStruct((b, t, hkv), jnp.float32)
-  f = lambda q, k, v, n, ks, vs: pkv.decode_attention(q, k, v, n, k_scale=ks, v_scale=vs, impl="triton",
-                                                      v_tokens_last=True)
-  text = lower_for_cuda(f, q, k, v, jax.ShapeDtypeStruct((b,), jnp.int32), scale, scale).mlir_module()
-  assert TRITON_CUSTOM_CALL in text
 
 
 # ---------------------------------------------------------------- quantizing caches
@@ -367,27 +296,3 @@ def test_gpu_quantized_matches_reference(impl, kv_dtype, page_size):
   assert_lse_matches(out[1], ref[1], jnp.bfloat16)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("switch", ["FOLD_INT8_OFFSET", "INT8_SCORES"])
-@pytest.mark.parametrize("tokens_last", [False, True])
-@pytest.mark.parametrize("page_size", [None, 64])
-def test_gpu_triton_int8_variants(monkeypatch, page_size, tokens_last, switch):
-  monkeypatch.setattr(triton_decode, switch, True)   # their PTX paths run on the GPU only
-  rng = np.random.default_rng(11)
-  case = make_case(11, batch=4, seq_len=4096, num_heads=32, num_kv_heads=8, head_dim=128, num_queries=1,
-                   dtype=jnp.bfloat16, kv_dtype=jnp.int8, page_size=page_size)
-  k, v = (case.k_pages, case.v_pages) if page_size else (case.k, case.v)
-  k_scale, v_scale = _scales(rng, "token", k.shape[:3])
-  v_stored = jnp.transpose(v, (0, 2, 3, 1)) if tokens_last else v
-  kw = dict(k_scale=k_scale, v_scale=v_scale, return_lse=True, v_tokens_last=tokens_last)
-  if page_size:
-    out = jax.jit(functools.partial(pkv.paged_decode_attention, impl="triton", **kw))(
-        case.q, k, v_stored, case.block_tables, case.lengths)
-    ref = pkv.paged_decode_attention_reference(case.q.astype(jnp.float32), k, v, case.block_tables, case.lengths,
-                                               k_scale=k_scale, v_scale=v_scale, return_lse=True)
-  else:
-    out = jax.jit(functools.partial(pkv.decode_attention, impl="triton", **kw))(case.q, k, v_stored, case.lengths)
-    ref = pkv.decode_attention_reference(case.q.astype(jnp.float32), k, v, case.lengths, k_scale=k_scale,
-                                         v_scale=v_scale, return_lse=True)
-  assert_matches_reference(out[0], ref[0], jnp.bfloat16)
-  assert_lse_matches(out[1], ref[1], jnp.bfloat16)

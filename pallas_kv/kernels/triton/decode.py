@@ -90,30 +90,11 @@ WIDEN_PTX = {
       cvt.rn.f16x2.e4m3x2 $1, hi;
     }""",
 }
-# int8 with its offset folded: the widening stops at 1152 + s (exact in float16), and the kernel
-# takes 1152 * sum(q) off each score and 1152 * sum(p) off each P V row after the products
-# instead of one subtraction per 2 values: SASS 875 -> 833 instructions per 128-token tile with
-# v tokens last, 671 -> 661 at 64 with v like k. The float32 products then cancel ~8 of their 24
-# bits (~1e-5 relative). Off until timed (`benchmarks.decode --fold_int8_offset`).
-FOLD_INT8_OFFSET = False
-INT8_OFFSET = 1152.0
-INT8_WITH_OFFSET_PTX = """{
-      .reg .b32 t, m;
-      xor.b32 t, $2, 0x80808080;
-      mov.b32 m, 0x64646464;
-      prmt.b32 $0, t, m, 0x5140;
-      prmt.b32 $1, t, m, 0x7362;
-    }"""
-# int8 keys scored on the integer tensor cores: q split per row into two int8 terms,
-# q ~ s1 q1 + s2 q2 (s1 = max|q| / 127, q2 the rounded remainder at s2 = s1 / 127), each q_i . k
-# exact in int32. K then loads and multiplies as it is stored (no widening: about a third of an
-# int8 tile's instructions) and two k32 int8 products replace one k16 float16 product. One term
-# alone adds ~0.8% relative error on the output at logits of std 2 (more on peakier rows); two
-# leave ~1/32000 of max|q| per element, below bf16's rounding of q. SASS per 128-token tile
-# (v tokens last): 875 -> 702 instructions (with the folded offset on v too: 700). The same
-# for p . v (p split per tile row) measured 1034 (v alone) and 863 (both): quantizing p costs
-# more than widening v. Off until timed (`benchmarks.decode --int8_scores`).
-INT8_SCORES = False
+# Measured on the H200 and left out (benchmarks/RESULTS.md, eighth set): int8 widened to
+# value + 1152 with the offset taken off after the products, and q . k on the integer tensor cores
+# from two int8 terms of q. They cut the SASS per 128-token tile from 875 to 833 and 702
+# instructions and changed the time by -4% to +7%. With two programs per SM (~240 registers) the
+# loop is bound by each warp's latency, not by how many instructions it issues.
 
 
 # ---------------------------------------------------------------- jax's deprecation warning
@@ -188,8 +169,6 @@ class _Static:
   balanced: bool = False      # the balanced split plan: tiles per split from an int32 [1] input
   ordered: bool = False       # programs take sequence order[b] (int32 [B] input), not b
   v_tokens_last: bool = False  # v's tiles are [D, block_kv]: v [B, Hkv, D, T] | [P, Hkv, D, page_size]
-  int8_offset: float = 0.0     # int8 tiles widen to value + this (INT8_OFFSET when folded), taken off later
-  int8_scores: bool = False    # int8 k: q . k on the integer tensor cores, q split in two int8 terms (INT8_SCORES)
 
   @property
   def paged(self) -> bool:
@@ -256,16 +235,13 @@ def _load_tile(ref, block_tables_ref, tile, length, st: _Static, *, masked: bool
 
 
 def _widen(x, st: _Static):
-  """A cache tile as the matmuls take it: q's dtype already, or one-byte values as float16 (int8
-  plus st.int8_offset, which the caller takes off after the products)."""
+  """A cache tile as the matmuls take it: q's dtype already, or one-byte values as float16."""
   if x.dtype == jnp.float16 or x.dtype == jnp.bfloat16:
     return x
-  offset = st.int8_offset if x.dtype == jnp.int8 else 0.0
   if not st.fast_widen:
-    return x.astype(jnp.float16) + jnp.float16(offset) if offset else x.astype(jnp.float16)
-  asm = INT8_WITH_OFFSET_PTX if offset else WIDEN_PTX[jnp.dtype(x.dtype)]
-  [out] = pltr.elementwise_inline_asm(asm, args=[x], constraints="=r,=r,r", pack=4,
-                                      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float16)])
+    return x.astype(jnp.float16)
+  [out] = pltr.elementwise_inline_asm(WIDEN_PTX[jnp.dtype(x.dtype)], args=[x], constraints="=r,=r,r",
+                                      pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float16)])
   return out
 
 
@@ -275,24 +251,9 @@ def _per_column(x, shape):
 
 
 def _dot(a, b, *, trans_b: bool = False):
-  """a @ b (or a @ b.T) with a float32 result (int32 for int8 operands, exact); Triton needs
-  every dimension >= 16."""
+  """a @ b (or a @ b.T) with a float32 result; Triton needs every dimension >= 16."""
   contract = (((1,), (1 if trans_b else 0,)), ((), ()))
-  integer = a.dtype == jnp.int8 and b.dtype == jnp.int8
-  return lax.dot_general(a, b, contract, preferred_element_type=jnp.int32 if integer else jnp.float32)
-
-
-def _split_rows_int8(q):
-  """q [rows, D] as two int8 terms with float32 row scales, q ~ s1 q1 + s2 q2 (INT8_SCORES):
-  s1 = max|q| / 127 (1 for rows of zeros), s2 = s1 / 127, |q2| <= 64."""
-  q = q.astype(jnp.float32)
-  peak = jnp.max(jnp.abs(q), axis=1)
-  s1 = jnp.where(peak > 0, peak / 127.0, 1.0)
-  nearest = lambda x: jnp.floor(x + 0.5)   # Pallas Triton has no round
-  q1 = nearest(q / online_softmax.per_row(s1, q.shape))
-  s2 = s1 / 127.0
-  q2 = nearest((q - q1 * online_softmax.per_row(s1, q.shape)) / online_softmax.per_row(s2, q.shape))
-  return q1.astype(jnp.int8), s1, q2.astype(jnp.int8), s2
+  return lax.dot_general(a, b, contract, preferred_element_type=jnp.float32)
 
 
 def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), unpadded
@@ -342,24 +303,11 @@ def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), 
       return x * head_scale
     return x
 
-  # int8 widened with an offset: q . (k + c) = q . k + c * sum(q) per row, taken off each tile's scores.
-  q_offset = (st.int8_offset * jnp.sum(q.astype(jnp.float32), axis=1)
-              if st.int8_offset and not st.int8_scores else None)
-  q_terms = _split_rows_int8(q) if st.int8_scores else None
-
   def step(tile, carry, *, masked: bool):
     acc, m_i, l_i = carry
     # One-byte caches load as such and widen in registers (their values are exact in float16).
-    k = _load_tile(k_ref, block_tables_ref, tile, length, st, masked=masked, seq=seq)   # [bkv, D]
-    if st.int8_scores:
-      q1, s1, q2, s2 = q_terms
-      shape = (st.block_rows, bkv)
-      s = (_dot(q1, k, trans_b=True).astype(jnp.float32) * online_softmax.per_row(s1, shape)
-           + _dot(q2, k, trans_b=True).astype(jnp.float32) * online_softmax.per_row(s2, shape))
-    else:
-      s = _dot(q, _widen(k, st), trans_b=True)   # [block_rows, bkv] f32
-    if q_offset is not None:
-      s = s - online_softmax.per_row(q_offset, s.shape)
+    k = _widen(_load_tile(k_ref, block_tables_ref, tile, length, st, masked=masked, seq=seq), st)   # [bkv, D]
+    s = _dot(q, k, trans_b=True)   # [block_rows, bkv] f32
     s = scaled(s, k_scale_ref, st.k_scale, k_head_scale, tile, masked)
     s = online_softmax.log2_logits(s, scale=st.options.scale, softcap=st.options.softcap)
     if masked:
@@ -369,11 +317,9 @@ def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), 
     acc, m_new, l_new, p = online_softmax.softmax_step(s, acc, m_i, l_i)
     p = scaled(p, v_scale_ref, st.v_scale, v_head_scale, tile, masked)   # the sum keeps the unscaled p (l_new)
     # [bkv, D], or [D, bkv] with v tokens last
-    v = _load_tile(v_ref, block_tables_ref, tile, length, st, masked=masked, seq=seq, tokens_last=st.v_tokens_last)
-    p = p.astype(q.dtype)
-    pv = _dot(p, _widen(v, st), trans_b=st.v_tokens_last)
-    if st.int8_offset:   # p . (v + c) = p . v + c * sum(p) per row
-      pv = pv - online_softmax.per_row(st.int8_offset * jnp.sum(p.astype(jnp.float32), axis=1), pv.shape)
+    v = _widen(_load_tile(v_ref, block_tables_ref, tile, length, st, masked=masked, seq=seq,
+                          tokens_last=st.v_tokens_last), st)
+    pv = _dot(p.astype(q.dtype), v, trans_b=st.v_tokens_last)
     return acc + pv, m_new, l_new
 
   carry = (jnp.zeros((st.block_rows, st.head_dim), jnp.float32),
@@ -588,9 +534,7 @@ def _static(q, k, v, lengths, block_tables, *, num_queries: int, options: Attent
                  fast_widen=FAST_WIDEN and not interpret and jnp.dtype(k.dtype) in split_k.QUANTIZED_DTYPES,
                  rows=R, balanced=split_k.check_tiles_per_split(tiles_per_split, config),
                  ordered=_check_sequence_order(sequence_order, config, batch=q.shape[0]),
-                 v_tokens_last=v_tokens_last,
-                 int8_offset=INT8_OFFSET if FOLD_INT8_OFFSET and k.dtype == jnp.int8 else 0.0,
-                 int8_scores=INT8_SCORES and k.dtype == jnp.int8, **merge)
+                 v_tokens_last=v_tokens_last, **merge)
 
 
 def _check_sequence_order(sequence_order, config: DecodeConfig, *, batch: int) -> bool:
