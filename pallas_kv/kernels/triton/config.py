@@ -109,8 +109,9 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16") -> DecodeConfig:
   block_rows, _ = row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
   block_kv = DEFAULT_BLOCK_KV
   if itemsize == 1 and problem.v_tokens_last:
-    # Paged, a tile stays within a page where the page is at least the default tile: a tile that
-    # spans pages gathers its values token by token.
+    # Paged, a tile stays within a page where the page is at least the default tile. (A tile that
+    # spans pages loads each page's [D, page_size] block as a run of vectors; 128-token tiles over
+    # pages of 16 or 32 are not timed yet.)
     block_kv = TOKENS_LAST_ONE_BYTE_BLOCK_KV if problem.page_size is None else min(
         TOKENS_LAST_ONE_BYTE_BLOCK_KV, max(DEFAULT_BLOCK_KV, problem.page_size))
   if problem.page_size is not None:

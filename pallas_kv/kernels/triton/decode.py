@@ -192,6 +192,8 @@ def _load_tile(ref, block_tables_ref, tile, length, st: _Static, *, masked: bool
   [D, block_kv] tile whose rows are contiguous tokens, so that P V's operand of a one-byte cache
   loads in words instead of single bytes."""
   bkv = st.block_kv
+  if tokens_last and st.paged and bkv > st.page_size:
+    return _load_pages_tokens_last(ref, block_tables_ref, tile, length, st, masked=masked, seq=seq)
   if tokens_last:
     columns = (st.head_dim,)
   else:
@@ -232,6 +234,27 @@ def _load_tile(ref, block_tables_ref, tile, length, st: _Static, *, masked: bool
         mask[:, None], (bkv, *columns))
   # The fill must share the ref's kind: Triton casts no int constant to a float8 type.
   return pltr.load(ref, mask=mask, other=0.0 if jnp.issubdtype(ref.dtype, jnp.floating) else 0)
+
+
+def _load_pages_tokens_last(ref, block_tables_ref, tile, length, st: _Static, *, masked: bool, seq: tuple):
+  """Tile `tile` [D, block_kv] of a tokens-last value ref [P, D, page_size] when the tile spans
+  block_kv / page_size pages. It loads as [D, pages, page_size] with one page id per page, so
+  each page's run of tokens is contiguous to the compiler and loads as a vector (a page id per
+  token would make every byte a load of its own), then merges the last two dims."""
+  ps, D = st.page_size, st.head_dim
+  n = st.block_kv // ps
+  start = tile * st.block_kv
+  page_index = jnp.minimum(start // ps + jnp.arange(n, dtype=jnp.int32), st.max_pages - 1)
+  pages = jnp.clip(block_tables_ref[(*seq, page_index)], 0, st.num_pages - 1)   # [n]
+  slots = jnp.arange(ps, dtype=jnp.int32)
+  view = ref.at[pages[None, :, None], jnp.arange(D, dtype=jnp.int32)[:, None, None], slots[None, None, :]]
+  if masked:
+    tokens = start + ps * jnp.arange(n, dtype=jnp.int32)[:, None] + slots[None, :]   # [n, ps]
+    mask = jnp.broadcast_to((tokens < length)[None], (D, n, ps))
+    x = pltr.load(view, mask=mask, other=0.0 if jnp.issubdtype(ref.dtype, jnp.floating) else 0)
+  else:
+    x = pltr.load(view)
+  return x.reshape(D, st.block_kv)
 
 
 def _widen(x, st: _Static):
