@@ -2,7 +2,7 @@
 # The measurement suite on an H200, in parts that each fit one ~10-minute command.
 #   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged quantized qprobe vmap step tune
 #   fuzz memcheck mla merge balanced smollm2 (SMOLLM2_GGUF=path: the GPU machine has no network)
-#   tune_triton ncu ncu_stalls loadpath kernels chain timer ragged_order converter vlast models
+#   tune_triton ncu ncu_stalls loadpath kernels chain timer ragged_order ragged_one qpaged16 qpaged64 converter vlast models
 #   tune-SWEEP-BACKEND (e.g. TUNE_CASES=32x8192,128x8192 ... tune-gpt_oss_120b-mosaic_gpu)
 #   (and scaling8k scaling32k on a machine with several GPUs)
 # Results (JSON, logs) go to $OUT if set, else bench_out/. Run from the repository root with the
@@ -102,6 +102,17 @@ for part in "$@"; do
                 python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags --impl=triton --kv_dtype=$kv \
                   --$layout --warmup=2 --repeats=5 --json="$out/$name.json" 2>&1 | quiet | tee "$out/$name.log"
               done ;;
+    qpaged16|qpaged64) # paged caches of pages 16 or 64 on triton: bf16, and int8 / fp8 e4m3 (per-token
+              # scales) with v like k and v tokens last; page 16 int8 tokens last also with 128-token tiles (~5 min)
+              ps=${part#qpaged}
+              for variant in bfloat16:nov_tokens_last int8:nov_tokens_last float8_e4m3fn:nov_tokens_last \
+                             int8:v_tokens_last float8_e4m3fn:v_tokens_last $([ "$ps" = 16 ] && echo int8:v_tokens_last:128); do
+                IFS=: read -r kv layout tiles <<< "$variant"
+                name="qpaged${ps}_${kv}_$layout${tiles:+_bkv$tiles}"
+                python3 -m benchmarks.decode --flagfile=configs/paged${ps}_h200.flags --impl=triton --kv_dtype=$kv \
+                  --$layout ${tiles:+--triton_block_kv=$tiles} --warmup=2 --repeats=5 --json="$out/$name.json" 2>&1 \
+                  | quiet | tee "$out/$name.log"
+              done ;;
     converter) # one-byte caches on mosaic_gpu with and without the converter warpgroup, triton beside
               for kv in int8 float8_e4m3fn; do for cvt in noconvert_warpgroup convert_warpgroup; do
                 python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags --impl=mosaic_gpu$([ $cvt = noconvert_warpgroup ] && echo ,triton) \
@@ -114,6 +125,17 @@ for part in "$@"; do
                   --cases=16x32768,64x8192,128x4096 --impl=triton$([ $order = given ] && echo ,cudnn) \
                   --sequence_order=$order --warmup=2 --repeats=5 --json="$out/ragged_$order.json" 2>&1 | quiet \
                   | tee "$out/ragged_$order.log"
+              done ;;
+    ragged_one) # one triton setting for every ragged row: the balanced plan with the merge in the kernel's
+              # launch (batch order, longest first) against per-sequence splits, cuDNN and the full-length
+              # batch beside (~4 min)
+              for setting in full:per_sequence:given: given:per_sequence:given balanced_merged:balanced:given \
+                             balanced_merged_longest:balanced:longest_first; do
+                IFS=: read -r name plan order <<< "$setting"
+                python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags $([ $name = full ] || echo --ragged) \
+                  --cases=16x32768,64x8192,128x4096 --impl=triton$([ $name = given ] && echo ,cudnn) \
+                  --split_plan=$plan --sequence_order=$order $([ $plan = balanced ] && echo --merge_in_kernel) \
+                  --warmup=2 --repeats=5 --json="$out/ragged_one_$name.json" 2>&1 | quiet | tee "$out/ragged_one_$name.log"
               done ;;
     smollm2)  python3 -m benchmarks.smollm2 --gguf="${SMOLLM2_GGUF:?set SMOLLM2_GGUF to the GGUF file}" \
                 --batch=1,8,64 --impl=auto,xla --prompt_len=256 --new_tokens=64 --json="$out/smollm2.json" 2>&1 \
