@@ -51,7 +51,9 @@ BASELINE = "bf16_einsum"
 PIPELINED = "mosaic_gpu_pqk"
 # ... or both consumers score half of each tile and trade row maxima and P (DecodeConfig.split_scores).
 HALVES = "mosaic_gpu_halves"
-VARIANTS = {PIPELINED: dict(pipeline_qk=True), HALVES: dict(split_scores=True)}
+# ... or splits balanced by tokens across a ragged batch (DecodeConfig.split_plan="balanced").
+BALANCED = "mosaic_gpu_balanced"
+VARIANTS = {PIPELINED: dict(pipeline_qk=True), HALVES: dict(split_scores=True), BALANCED: dict(split_plan="balanced")}
 # ... or a fixed split count: mosaic_gpu_sp<N> (e.g. mosaic_gpu_sp33), the heuristic's schedule.
 FIXED_SPLITS = re.compile(r"mosaic_gpu_sp([1-9][0-9]*)")
 GPU_IMPLS = ("mosaic_gpu", PIPELINED, HALVES, BASELINE, "xla")

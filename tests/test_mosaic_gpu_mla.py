@@ -107,6 +107,29 @@ def test_mla_zero_lengths_give_zeros_and_no_keys(interpret_mode):
   assert np.isneginf(np.asarray(lse)).all()
 
 
+def test_mla_balanced_plan_gives_a_long_sequence_more_splits_and_matches_reference(interpret_mode):
+  # The balanced plan (split_plan="balanced"): one tile count per split from the lengths, so the
+  # 448-token sequence takes 7 one-tile splits and the 64-token one a single split (its other
+  # splits empty, lse -inf); zero and tile-crossing lengths as well. Unbalanced, every sequence
+  # would be cut in num_splits equal shares.
+  args = _case(8, batch=4, seq_len=448, num_heads=4, num_queries=2, page_size=16, lengths=[448, 64, 0, 130])
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  config = pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=8, split_plan="balanced")
+  plan = jnp.asarray([1], jnp.int32)
+  q, pages, tables, lengths = args
+  rows = q.reshape(4, 2 * 4, SMALL_QK)
+  _, lse = mgpu_mla.mla_partials(rows, pages, lengths, tables, num_queries=2, v_head_dim=SMALL_V, scale=0.1,
+                                 config=config, tiles_per_split=plan, interpret=plgpu.InterpretGPUParams())
+  has_keys = np.isfinite(np.asarray(lse)).any(axis=2)   # [B, splits]
+  assert has_keys.sum(axis=1).tolist() == [7, 1, 0, 3]
+  with pytest.raises(ValueError, match="tiles_per_split must be given exactly when"):
+    mgpu_mla.mla_partials(rows, pages, lengths, tables, num_queries=2, v_head_dim=SMALL_V, scale=0.1,
+                          config=config, interpret=plgpu.InterpretGPUParams())
+  # Through the op: the plan comes from the lengths (split_k.split_plan).
+  out = pkv.mla_decode_attention(*args, v_head_dim=SMALL_V, return_lse=True, impl=IMPL, config=config)
+  _check(args, out)
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_mla_race_detection_finds_none(variant):
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -240,6 +263,11 @@ def test_mla_split_scores_lowers_for_cuda(shape):
   _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, split_scores=True))
 
 
+@pytest.mark.parametrize("shape", [LOWERING_SHAPES[i] for i in (1, 3)], ids=_shape_id)
+def test_mla_balanced_plan_lowers_for_cuda(shape):
+  _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, split_plan="balanced"))
+
+
 def _lower(shape, config):
   args, problem = _problem(**shape)
   config = mgpu_mla.resolve_config(problem, config, num_sms=132)
@@ -272,8 +300,8 @@ def test_gpu_mla_matches_reference(batch, seq_len, num_heads, num_queries, page_
       q, jnp.asarray(bad_pages, q.dtype), bad_tables, lengths)
   assert pkv.last_impl() == IMPL
   _check(args, out, v_head_dim=V)
-  for variant in ("pipeline_qk", "split_scores"):
-    config = pkv.DecodeConfig(block_kv=64, num_stages=2, **VARIANTS[variant])
+  for fields in (VARIANTS["pipeline_qk"], VARIANTS["split_scores"], dict(split_plan="balanced")):
+    config = pkv.DecodeConfig(block_kv=64, num_stages=2, **fields)
     out = jax.jit(functools.partial(pkv.mla_decode_attention, v_head_dim=V, return_lse=True, impl=IMPL,
                                     config=config))(q, jnp.asarray(bad_pages, q.dtype), bad_tables, lengths)
     _check(args, out, v_head_dim=V)
@@ -295,6 +323,7 @@ def test_mla_benchmark_names_its_kernel_variants():
   from benchmarks import mla as mla_bench
   assert mla_bench.variant_fields("mosaic_gpu_sp33") == dict(num_splits=33)
   assert mla_bench.variant_fields("mosaic_gpu_halves") == dict(split_scores=True)
+  assert mla_bench.variant_fields("mosaic_gpu_balanced") == dict(split_plan="balanced")
   assert mla_bench.variant_fields("mosaic_gpu") is None and mla_bench.is_ours("mosaic_gpu_sp4")
   row = mla_bench.cpu_rows()[0]
   for bad in ("mosaic_gpu_sp0", "mosaic_gpu_sp", "flashmla"):

@@ -66,9 +66,12 @@ def run_mla(q, kv_pages, lengths, block_tables, *, problem, options, config: Dec
 
   def partials(rows, lengths, block_tables, k_scale, v_scale):
     del k_scale, v_scale   # MLA takes no scales
+    plan = split_k.split_plan(lengths, problem=problem, config=config, window=None,
+                              row_blocks=mgpu_mla.row_blocks(rows.shape[2]))
     out, lse = mgpu_mla.mla_partials(rows[:, 0], kv_pages, lengths, block_tables,
                                      num_queries=problem.num_queries, v_head_dim=problem.v_head_dim,
-                                     scale=options.scale, config=config, interpret=interpret_params())
+                                     scale=options.scale, config=config, tiles_per_split=plan,
+                                     interpret=interpret_params())
     return out[:, None], lse[:, None]   # [B, Hkv = 1, splits, R, ...]
 
   return split_k.run(partials, q, kv_pages, lengths, block_tables, problem=problem, sinks=None,

@@ -28,7 +28,10 @@ operands, so Q and the ring use the 64-byte swizzle then.
 
 SMEM at Dqk 576 (bf16): Q 72 KiB + two 64 x 576 stages 144 KiB + P 8 KiB + alpha / row sums
 = 225 KiB of the 227 (`MlaSmem`); the output staging (64 KiB in bf16) reuses the ring. The split
-count fills about one wave of 132 SMs (`resolve_config`).
+count fills about one wave of 132 SMs (`resolve_config`). With `DecodeConfig(split_plan="balanced")`
+the splits are balanced by tokens across a ragged batch instead: one tile count per split for
+the whole batch, computed from the lengths before the launch (`split_k.split_plan`, an int32 [1]
+input), so a long sequence takes more splits than a short one and every split about the same work.
 
 Values past a sequence's length (stale memory, pages its table does not name, NaN) never reach an
 output: scores there are replaced by -inf, and the scorer zeroes those rows of the tile's first
@@ -184,10 +187,10 @@ def check_config(config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, p
                      "while this one is used)")
   if config.pipeline_qk and config.split_scores:
     raise ValueError("MLA on mosaic_gpu takes pipeline_qk or split_scores, not both")
-  if (config.kv_groups != 1 or config.persistent or config.merge_in_kernel or config.split_plan != "per_sequence"
-      or config.sequence_order != "given" or config.convert_warpgroup):
-    raise ValueError(f"MLA on mosaic_gpu takes none of kv_groups, persistent, merge_in_kernel, a balanced "
-                     f"split_plan, a sequence_order other than 'given', convert_warpgroup; got {config}")
+  if (config.kv_groups != 1 or config.persistent or config.merge_in_kernel or config.sequence_order != "given"
+      or config.convert_warpgroup):
+    raise ValueError(f"MLA on mosaic_gpu takes none of kv_groups, persistent, merge_in_kernel, a sequence_order "
+                     f"other than 'given', convert_warpgroup; got {config}")
   reason = mgpu_config.page_size_reason(page_size)
   if reason:
     raise NotImplementedError(f"mosaic_gpu: {reason}")
@@ -211,11 +214,13 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16") -> DecodeConfig:
 
 def resolve_config(problem, config: DecodeConfig | None, *, dtype: Any = "bfloat16",
                    num_sms: int | None = None) -> DecodeConfig:
-  """An explicit config, else the heuristic one; a split count left None fills about one wave."""
+  """An explicit config, else the heuristic one; a split count left None fills about one wave (the
+  balanced plan: its bound on one sequence's splits, `split_k.choose_balanced_splits`)."""
   if config is None:
     config = heuristic_config(problem, dtype=dtype)
   if config.num_splits is None:
-    splits = split_k.choose_num_splits(
+    choose = split_k.choose_balanced_splits if config.split_plan == "balanced" else split_k.choose_num_splits
+    splits = choose(
         batch=problem.batch, num_kv_heads=1, row_blocks=row_blocks(problem.num_queries * problem.num_heads),
         capacity=problem.capacity, block_kv=config.block_kv, num_sms=num_sms or runtime.num_sms())
     config = dataclasses.replace(config, num_splits=splits)
@@ -240,6 +245,7 @@ class _Static:
   interpret: bool       # GPU interpret mode (jax 0.11.2) cannot run pl.run_state
   pipeline_qk: bool = False   # the scorer issues tile i+1's Q K^T before tile i's softmax
   split_scores: bool = False  # both consumers score half of each tile (`_score_half_tiles`)
+  balanced: bool = False      # the balanced split plan: tiles per split from an int32 [1] input
 
   @property
   def half_v(self) -> int:
@@ -491,17 +497,22 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
             kv_ref,             # [P, page_size, 1, Dqk]  GMEM
             lengths_ref,        # [B] int32
             block_tables_ref,   # [B, max_pages] int32
-            out_ref,            # [B, splits, out_rows, Dv]  f32, or q's dtype with one split
-            lse_ref,            # [B, splits, lse_rows] f32
-            *, st: _Static, q_smem, union, p_smem, row_smem, produced, consumed, q_barrier, p_ready,
+            *refs,              # [the balanced plan's tiles per split, int32 [1]], out, lse
+            st: _Static, q_smem, union, p_smem, row_smem, produced, consumed, q_barrier, p_ready,
             p_free, max_ready, consumers_done):
+  refs = list(refs)
+  tiles_per_split = refs.pop(0)[0] if st.balanced else None   # `split_k.balanced_tiles_per_split`
+  (out_ref,   # [B, splits, out_rows, Dv]  f32, or q's dtype with one split
+   lse_ref,   # [B, splits, lse_rows] f32
+   ) = refs
   ring_slots, (out_smem, lse_smem) = union
   ring = pipeline.Ring(st.smem.ring_spec(), ring_slots, produced, consumed)
   shared = _SharedP(p_smem, row_smem, p_ready, p_free)
   row_block, split, b = lax.axis_index("rows"), lax.axis_index("split"), lax.axis_index("batch")
   length = jnp.clip(lengths_ref[b], 0, st.tiling.max_pages * st.tiling.page_size)
   t0, t1, _, c = split_k.split_tile_range(length, split, block_kv=st.tiling.block_kv,
-                                          num_queries=st.num_queries, num_splits=st.num_splits, window=None)
+                                          num_queries=st.num_queries, num_splits=st.num_splits, window=None,
+                                          tiles_per_split=tiles_per_split)
   row0 = row_block * ROWS
   wg = lax.axis_index("wg")
 
@@ -611,7 +622,8 @@ def _build(st: _Static, interpret: Any):
               jax.ShapeDtypeStruct((st.batch, st.num_splits, st.lse_rows), jnp.float32))
   name = (f"pallas_kv_mla_paged_r{st.num_queries * st.group}_d{st.smem.qk_dim}_v{st.smem.v_dim}"
           f"_bkv{st.tiling.block_kv}_st{st.smem.num_stages}_sp{st.num_splits}_ps{st.tiling.page_size}"
-          f"{'_pqk' if st.pipeline_qk else ''}{'_halves' if st.split_scores else ''}")
+          f"{'_pqk' if st.pipeline_qk else ''}{'_halves' if st.split_scores else ''}"
+          f"{'_balanced' if st.balanced else ''}")
   return plgpu.kernel(
       functools.partial(_kernel, st=st),
       out_type=out_type,
@@ -627,7 +639,7 @@ def _build(st: _Static, interpret: Any):
 
 
 def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head_dim: int, scale: float,
-                 config: DecodeConfig, interpret: Any = False):
+                 config: DecodeConfig, tiles_per_split=None, interpret: Any = False):
   """Split-K partials of MLA decode over a paged latent cache.
 
   q: [B, R, Dqk] packed rows in the cache's dtype (bf16 / fp16), R = num_queries * Hq, row
@@ -637,6 +649,10 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
   lengths: int32 [B] (clamped to the capacity); block_tables: int32 [B, max_pages] (page ids are
     clamped into the pool in-kernel).
   config: a resolved DecodeConfig (`resolve_config`), checked by `check_config`.
+  tiles_per_split: int32 [1], the balanced plan (`split_k.split_plan`): every split of every
+    sequence takes that many tiles, so a long sequence gets more splits than a short one (a
+    sequence needing fewer leaves the rest empty: lse -inf). Given exactly when
+    config.split_plan is "balanced".
   interpret: False, or a plgpu.InterpretGPUParams (run on the CPU in interpret mode).
 
   Returns (out [B, splits, R, v_head_dim] in q's dtype, each split's normalised output; lse
@@ -666,9 +682,11 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
                lse_rows=split_k.round_up(out_rows, LSE_ROW_MULTIPLE), num_row_blocks=num_row_blocks,
                num_splits=config.num_splits, batch=B, scale=float(scale), tiling=kv_tiling,
                smem=MlaSmem.for_call(config, qk_dim=D, v_dim=v_head_dim, dtype=q.dtype, page_size=page_size),
-               interpret=bool(interpret), pipeline_qk=config.pipeline_qk, split_scores=config.split_scores)
+               interpret=bool(interpret), pipeline_qk=config.pipeline_qk, split_scores=config.split_scores,
+               balanced=split_k.check_tiles_per_split(tiles_per_split, config))
   if rows_padded != R:
     q = jnp.pad(q, ((0, 0), (0, rows_padded - R), (0, 0)))
   kv = kv_pages.reshape(*kv_pages.shape[:2], 1, D)   # KVTiling's [P, page_size, Hkv, D]
-  out, lse = _build(st, interpret or None)(q, kv, lengths, block_tables)
+  plan = [] if tiles_per_split is None else [tiles_per_split]
+  out, lse = _build(st, interpret or None)(q, kv, lengths, block_tables, *plan)
   return out[:, :, :R], lse[:, :, :R]
