@@ -53,7 +53,10 @@ PIPELINED = "mosaic_gpu_pqk"
 HALVES = "mosaic_gpu_halves"
 # ... or splits balanced by tokens across a ragged batch (DecodeConfig.split_plan="balanced").
 BALANCED = "mosaic_gpu_balanced"
-VARIANTS = {PIPELINED: dict(pipeline_qk=True), HALVES: dict(split_scores=True), BALANCED: dict(split_plan="balanced")}
+# ... or the q rows as wgmma's N, for few heads (DecodeConfig.rows_as_n; at most 64 rows).
+ROWS_AS_N = "mosaic_gpu_rows_as_n"
+VARIANTS = {PIPELINED: dict(pipeline_qk=True), HALVES: dict(split_scores=True), BALANCED: dict(split_plan="balanced"),
+            ROWS_AS_N: dict(rows_as_n=True)}
 # ... or a fixed split count: mosaic_gpu_sp<N> (e.g. mosaic_gpu_sp33), the heuristic's schedule.
 FIXED_SPLITS = re.compile(r"mosaic_gpu_sp([1-9][0-9]*)")
 GPU_IMPLS = ("mosaic_gpu", PIPELINED, HALVES, BASELINE, "xla")

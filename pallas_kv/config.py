@@ -79,6 +79,11 @@ class DecodeConfig:
     and trade row maxima and their halves of P through SMEM (FlashMLA's balance), instead of one
     scorer computing all of Q K^T and the softmax while its partner only runs P V. Measured
     slower on the H200 (412 against 465 TFLOP/s at B64 T4096; benchmarks/RESULTS.md).
+  rows_as_n: MLA on mosaic_gpu only, for few packed rows (S x Hq <= 64, e.g. 16 heads under
+    tensor parallelism): the rows become wgmma's N instead of being padded to its M of 64, so
+    the kernel computes S^T = K Q^T and O^T = V^T P^T (keys and value columns as M) and the
+    softmax reduces across warps. At 16 rows that is a quarter of the padded tensor work; all
+    SMEM operands then take the swizzle of the rows' width (32 bytes at 16 rows). Not yet timed.
   """
   block_kv: int = 64
   num_stages: int = 4
@@ -92,6 +97,7 @@ class DecodeConfig:
   split_scores: bool = False
   sequence_order: str = "given"
   convert_warpgroup: bool = False
+  rows_as_n: bool = False
 
   def __post_init__(self):
     if self.block_kv not in BLOCK_KV_CHOICES:
@@ -112,6 +118,8 @@ class DecodeConfig:
       raise ValueError(f"{self.merge_in_kernel=} must be a bool")
     if not isinstance(self.split_scores, bool):
       raise ValueError(f"{self.split_scores=} must be a bool")
+    if not isinstance(self.rows_as_n, bool):
+      raise ValueError(f"{self.rows_as_n=} must be a bool")
     if self.split_plan not in SPLIT_PLANS:
       raise ValueError(f"{self.split_plan=} must be one of {SPLIT_PLANS}")
     if not isinstance(self.convert_warpgroup, bool):

@@ -3,6 +3,7 @@ latent dims (Dqk 192 / Dv 128 keep the CPU simulation quick; the kernel is the s
 576 / 512), garbage past lengths and in unnamed pages, race detection, what it refuses, CUDA
 lowering of the shipped configs at the benchmark shapes, and real shapes on a GPU."""
 
+import dataclasses
 import functools
 
 import jax
@@ -59,8 +60,10 @@ def _check(args, out_lse, *, v_head_dim=SMALL_V, scale=None, clean_pages=None, c
   assert_lse_matches(lse, ref_lse, q.dtype)
 
 
-# The consumers' schedules: plain (a scorer and a P V partner), pipeline_qk, split_scores.
-VARIANTS = {"plain": {}, "pipeline_qk": dict(pipeline_qk=True), "split_scores": dict(split_scores=True)}
+# The consumers' schedules: plain (a scorer and a P V partner), pipeline_qk, split_scores, and
+# rows_as_n (transposed tiles: the q rows are wgmma's N).
+VARIANTS = {"plain": {}, "pipeline_qk": dict(pipeline_qk=True), "split_scores": dict(split_scores=True),
+            "rows_as_n": dict(rows_as_n=True)}
 
 
 def _config(num_splits, num_stages=2, variant="plain"):
@@ -77,8 +80,11 @@ def _config(num_splits, num_stages=2, variant="plain"):
     (16, 1, 24, 1, jnp.bfloat16, "pipeline_qk"),
     (16, 2, 4, 2, jnp.bfloat16, "split_scores"),
     (128, 3, 24, 1, jnp.float16, "split_scores"),
+    (16, 2, 4, 2, jnp.bfloat16, "rows_as_n"),
+    (64, 4, 16, 3, jnp.float16, "rows_as_n"),
 ], ids=["page16-s2-splits2", "page64-s1-splits1", "page32-s4-splits3", "page128-s3-rowblocks2-splits2-fp16",
-        "page16-pipeline_qk-splits1", "page16-s2-split_scores-splits2", "page128-s3-rowblocks2-split_scores-fp16"])
+        "page16-pipeline_qk-splits1", "page16-s2-split_scores-splits2", "page128-s3-rowblocks2-split_scores-fp16",
+        "page16-s2-rows_as_n-splits2", "page64-s4-h16-rows_as_n-splits3-fp16"])
 def test_mla_interpret(interpret_mode, page_size, num_queries, num_heads, num_splits, dtype, variant):
   # Ragged lengths (not multiples of a tile), one of zero, shuffled pages; 3 x 24 heads = 72 rows
   # take two row blocks.
@@ -89,7 +95,8 @@ def test_mla_interpret(interpret_mode, page_size, num_queries, num_heads, num_sp
   _check(args, out, scale=0.11)
 
 
-@pytest.mark.parametrize("page_size,variant", [(16, "plain"), (64, "pipeline_qk"), (32, "split_scores")])
+@pytest.mark.parametrize("page_size,variant", [(16, "plain"), (64, "pipeline_qk"), (32, "split_scores"),
+                                               (16, "rows_as_n")])
 def test_mla_garbage_past_lengths_and_in_unnamed_pages_never_reaches_an_output(interpret_mode, page_size,
                                                                                variant):
   q, pages, tables, lengths = _case(3, batch=3, seq_len=256, num_heads=4, num_queries=2, page_size=page_size,
@@ -206,6 +213,14 @@ def test_mla_configs_are_checked():
     check(pkv.DecodeConfig(num_stages=2))
   with pytest.raises(ValueError, match="pipeline_qk or split_scores, not both"):
     check(pkv.DecodeConfig(num_stages=2, num_splits=1, pipeline_qk=True, split_scores=True))
+  rows_as_n = pkv.DecodeConfig(num_stages=2, num_splits=1, rows_as_n=True)
+  check(rows_as_n, rows=64)
+  with pytest.raises(ValueError, match="rows_as_n needs at most 64 packed q rows"):
+    check(rows_as_n, rows=128)
+  with pytest.raises(ValueError, match="rows_as_n without pipeline_qk or split_scores"):
+    check(dataclasses.replace(rows_as_n, split_scores=True), rows=16)
+  with pytest.raises(ValueError, match="rows_as_n=1 must be a bool"):
+    pkv.DecodeConfig(rows_as_n=1)
   with pytest.raises(ValueError, match="split_scores"):
     pkv.DecodeConfig(split_scores=1)
   from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
@@ -263,6 +278,15 @@ def test_mla_split_scores_lowers_for_cuda(shape):
   _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, split_scores=True))
 
 
+@pytest.mark.parametrize("shape", [dict(batch=64, seq_len=8192, num_heads=16),
+                                   dict(batch=8, seq_len=4096, num_heads=16, num_queries=2, page_size=16),
+                                   dict(batch=8, seq_len=4096, num_heads=32, num_queries=2, dtype=jnp.float16),
+                                   dict(batch=8, seq_len=4096, num_heads=16, num_queries=4)],
+                         ids=_shape_id)
+def test_mla_rows_as_n_lowers_for_cuda(shape):
+  _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, rows_as_n=True))
+
+
 @pytest.mark.parametrize("shape", [LOWERING_SHAPES[i] for i in (1, 3)], ids=_shape_id)
 def test_mla_balanced_plan_lowers_for_cuda(shape):
   _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, split_plan="balanced"))
@@ -300,7 +324,9 @@ def test_gpu_mla_matches_reference(batch, seq_len, num_heads, num_queries, page_
       q, jnp.asarray(bad_pages, q.dtype), bad_tables, lengths)
   assert pkv.last_impl() == IMPL
   _check(args, out, v_head_dim=V)
-  for fields in (VARIANTS["pipeline_qk"], VARIANTS["split_scores"], dict(split_plan="balanced")):
+  few_rows = num_heads * (num_queries or 1) <= mgpu_mla.ROWS_AS_N_MAX
+  for fields in (VARIANTS["pipeline_qk"], VARIANTS["split_scores"], dict(split_plan="balanced"),
+                 *([VARIANTS["rows_as_n"]] if few_rows else [])):
     config = pkv.DecodeConfig(block_kv=64, num_stages=2, **fields)
     out = jax.jit(functools.partial(pkv.mla_decode_attention, v_head_dim=V, return_lse=True, impl=IMPL,
                                     config=config))(q, jnp.asarray(bad_pages, q.dtype), bad_tables, lengths)
@@ -324,6 +350,7 @@ def test_mla_benchmark_names_its_kernel_variants():
   assert mla_bench.variant_fields("mosaic_gpu_sp33") == dict(num_splits=33)
   assert mla_bench.variant_fields("mosaic_gpu_halves") == dict(split_scores=True)
   assert mla_bench.variant_fields("mosaic_gpu_balanced") == dict(split_plan="balanced")
+  assert mla_bench.variant_fields("mosaic_gpu_rows_as_n") == dict(rows_as_n=True)
   assert mla_bench.variant_fields("mosaic_gpu") is None and mla_bench.is_ours("mosaic_gpu_sp4")
   row = mla_bench.cpu_rows()[0]
   for bad in ("mosaic_gpu_sp0", "mosaic_gpu_sp", "flashmla"):

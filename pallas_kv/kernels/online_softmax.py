@@ -24,9 +24,9 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
-def per_row(x, shape):
-  """Row vector [rows] broadcast to `shape` [rows, cols]."""
-  return lax.broadcast_in_dim(x, shape, [0])
+def per_row(x, shape, rows_axis: int = 0):
+  """Row vector [rows] broadcast to `shape` [rows, cols] (or [cols, rows] with rows_axis=1)."""
+  return lax.broadcast_in_dim(x, shape, [rows_axis])
 
 
 def log2_logits(s, *, scale: float, softcap: float | None):
@@ -51,20 +51,22 @@ def visible(rows, cols, *, tile_start, length, num_queries: int, group: int, win
   return ok
 
 
-def rescale_step(s, m_i, l_i, tile_max=None):
+def rescale_step(s, m_i, l_i, tile_max=None, *, rows_axis: int = 0):
   """One tile of the online softmax, leaving the accumulator to the caller.
 
-  s: [rows, bkv] float32 logits in log2 units (-inf where masked); m_i, l_i: [rows] running max
-  (log2 units) and sum. tile_max: the tile's row max when s is only part of the tile (default
-  s's own); l_new then sums only s's part. Returns (alpha [rows], the factor that rescales an
-  accumulator to the new max, m_new, l_new, p [rows, bkv] float32).
+  s: [rows, bkv] float32 logits in log2 units (-inf where masked), or [bkv, rows] with
+  rows_axis=1 (a transposed tile); m_i, l_i: [rows] running max (log2 units) and sum. tile_max:
+  the tile's row max when s is only part of the tile (default s's own); l_new then sums only s's
+  part. Returns (alpha [rows], the factor that rescales an accumulator to the new max, m_new,
+  l_new, p float32 shaped as s).
   """
-  m_new = jnp.maximum(m_i, s.max(axis=1) if tile_max is None else tile_max)
+  keys_axis = 1 - rows_axis
+  m_new = jnp.maximum(m_i, s.max(axis=keys_axis) if tile_max is None else tile_max)
   # A row with no valid key yet keeps m = -inf: shift by 0 then, so that exp2 gives 0, not NaN.
   m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m_i - m_use)
-  p = jnp.exp2(s - per_row(m_use, s.shape))
-  return alpha, m_new, l_i * alpha + p.sum(axis=1), p
+  p = jnp.exp2(s - per_row(m_use, s.shape, rows_axis))
+  return alpha, m_new, l_i * alpha + p.sum(axis=keys_axis), p
 
 
 def softmax_step(s, acc, m_i, l_i):
@@ -74,10 +76,11 @@ def softmax_step(s, acc, m_i, l_i):
   return acc * per_row(alpha, acc.shape), m_new, l_new, p
 
 
-def finalize(acc, m_i, l_i):
-  """(out = acc / l, natural-log lse) of one split; a row that saw no key gives 0 and -inf."""
+def finalize(acc, m_i, l_i, *, rows_axis: int = 0):
+  """(out = acc / l, natural-log lse) of one split; a row that saw no key gives 0 and -inf.
+  acc is [rows, Dv], or [Dv, rows] with rows_axis=1."""
   has_keys = l_i > 0
   l_safe = jnp.where(has_keys, l_i, 1.0)
-  out = acc / per_row(l_safe, acc.shape)
+  out = acc / per_row(l_safe, acc.shape, rows_axis)
   lse = jnp.where(has_keys, m_i * LN2 + jnp.log(l_safe), -jnp.inf)
   return out, lse

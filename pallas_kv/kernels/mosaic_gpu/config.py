@@ -376,8 +376,9 @@ def check_config(config: DecodeConfig, *, rows: int, head_dim: int, dtype: Any, 
       raise ValueError(f"kv_groups=2 needs an even num_splits, got {config.num_splits=}")
     if config.num_stages % 2:
       raise ValueError(f"kv_groups=2 needs an even num_stages, got {config.num_stages=}")
-  if config.split_scores:
-    raise ValueError("config.split_scores=True is an option of the MLA kernel, not of GQA decode")
+  if config.split_scores or config.rows_as_n:
+    field = "split_scores" if config.split_scores else "rows_as_n"
+    raise ValueError(f"config.{field}=True is an option of the MLA kernel, not of GQA decode")
   if config.merge_in_kernel:
     raise ValueError("config.merge_in_kernel=True is a triton option: the mosaic_gpu kernel merges its splits "
                      "in a second launch")

@@ -26,6 +26,14 @@ work overlaps the other's softmax (FlashMLA's balance; measured 13% slower at B6
 H200, benchmarks/RESULTS.md). Its P halves have 64-byte rows and wgmma takes one swizzle for both
 operands, so Q and the ring use the 64-byte swizzle then.
 
+Opt-in (`DecodeConfig.rows_as_n`, `_rows_as_n_consumers`), for at most 64 packed rows: the rows
+are wgmma's N (padded to 16) instead of being padded to its M of 64. The scorer computes
+S^T = K Q^T [bkv, N], runs the softmax down its columns (over keys: across its four warps,
+through SMEM scratch) and hands P^T [bkv, N] over; each consumer accumulates O^T = V^T P^T for
+its half of the value columns ([Dv/2, N], the tile's value columns read as a transposed A
+operand). wgmma takes one swizzle for both SMEM operands, so Q and the ring take P^T's (32 bytes
+at 16 rows). At 16 rows this is a quarter of the padded tensor work.
+
 SMEM at Dqk 576 (bf16): Q 72 KiB + two 64 x 576 stages 144 KiB + P 8 KiB + alpha / row sums
 = 225 KiB of the 227 (`MlaSmem`); the output staging (64 KiB in bf16) reuses the ring. The split
 count fills about one wave of 132 SMs (`resolve_config`). With `DecodeConfig(split_plan="balanced")`
@@ -72,6 +80,14 @@ LSE_ROW_MULTIPLE = 4
 # Row reductions of the WGMMA layout stay inside a warp: no cross-warp scratch is needed, and the
 # 64 x 576 tiles leave none to spare.
 REDUCTION_SCRATCH_BYTES = 0
+# DecodeConfig.rows_as_n: the packed rows are wgmma's N, padded to a multiple of 16 (P's rows
+# then span 32 bytes, the narrowest swizzle), at most 64 (beyond that, rows as M pad nothing).
+# The softmax reduces the transposed scores over keys, across the scorer's four warps, through
+# SMEM scratch: 1 KiB per register reduced at once (4 warps x 32 lanes x 2 float32), four at once
+# where it fits; at 64 rows Q takes 72 KiB and one fits.
+ROWS_AS_N_MULTIPLE = 16
+ROWS_AS_N_MAX = 64
+ROWS_AS_N_SCRATCH_BYTES = {16: 4096, 32: 4096, 48: 1024, 64: 1024}
 
 
 # ---------------------------------------------------------------- SMEM layout, config
@@ -95,6 +111,7 @@ class MlaSmem:
   num_stages: int = 2
   copies_per_tile: int = 1
   split_scores: bool = False   # P as two [64, bkv/2] halves, one per consumer (`_score_half_tiles`)
+  rows_as_n: int = 0           # q rows as wgmma N (DecodeConfig.rows_as_n): this many, padded; 0: rows as M
 
   def __post_init__(self):
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -108,16 +125,32 @@ class MlaSmem:
   def half_kv(self) -> int:
     return self.block_kv // VALUE_WGS
 
+  @property
+  def q_rows(self) -> int:
+    """Rows of Q, of the row vectors and of the output staging: 64, or the rows as N."""
+    return self.rows_as_n or ROWS
+
+  @property
+  def reduction_scratch_bytes(self) -> int:
+    return ROWS_AS_N_SCRATCH_BYTES[self.rows_as_n] if self.rows_as_n else REDUCTION_SCRATCH_BYTES
+
   def transforms(self, minor_dim: int):
-    """SMEM transforms of an operand: split_scores' P halves have 64-byte rows, and wgmma takes
-    one swizzle for both operands, so Q and the ring take the 64-byte swizzle too."""
-    limit = self.half_kv * self.dtype.itemsize if self.split_scores else None
+    """SMEM transforms of an operand. wgmma takes one swizzle for both of its operands, so Q and
+    the ring follow P's rows: split_scores' P halves have 64-byte rows, and with rows as N P's
+    rows are the q rows (32 bytes at 16)."""
+    limit = None
+    if self.split_scores:
+      limit = self.half_kv * self.dtype.itemsize
+    elif self.rows_as_n:
+      limit = self.rows_as_n * self.dtype.itemsize
     return tiling.smem_transforms(self.dtype, minor_dim, max_swizzle=limit)
 
   def p_type(self):
     if self.split_scores:   # one half per consumer (separate buffers: wgmma takes no indexed ref)
       return tuple(plgpu.SMEM((ROWS, self.half_kv), self.dtype, transforms=self.transforms(self.half_kv))
                    for _ in range(VALUE_WGS))
+    if self.rows_as_n:   # P^T [bkv, N]: the B operand of O^T = V^T P^T
+      return plgpu.SMEM((self.block_kv, self.rows_as_n), self.dtype, transforms=self.transforms(self.rows_as_n))
     return plgpu.SMEM((ROWS, self.block_kv), self.dtype, transforms=self.transforms(self.block_kv))
 
   def ring_spec(self) -> pipeline.RingSpec:
@@ -128,15 +161,17 @@ class MlaSmem:
   def scratch_types(self) -> dict[str, Any]:
     ring = self.ring_spec()
     produced, consumed = ring.barrier_types()
-    out_stage = (plgpu.SMEM((VALUE_WGS, ROWS, self.half_v), self.out_dtype),
-                 plgpu.SMEM((ROWS,), jnp.float32))
+    # Each consumer's half of the output: [64, Dv/2], or O^T's [Dv/2, N] with rows as N.
+    half_out = (self.half_v, self.rows_as_n) if self.rows_as_n else (ROWS, self.half_v)
+    out_stage = (plgpu.SMEM((VALUE_WGS, *half_out), self.out_dtype),
+                 plgpu.SMEM((self.q_rows,), jnp.float32))
     return dict(
-        q_smem=plgpu.SMEM((ROWS, self.qk_dim), self.dtype,
+        q_smem=plgpu.SMEM((self.q_rows, self.qk_dim), self.dtype,
                           transforms=self.transforms(self.qk_dim)),
         # The output staging reuses the ring's memory once every tile is consumed.
         union=plgpu.RefUnion(ring.buffer_type(), out_stage),
         p_smem=self.p_type(),
-        row_smem=plgpu.SMEM((2, ROWS), jnp.float32),
+        row_smem=plgpu.SMEM((2, self.q_rows), jnp.float32),
         produced=produced, consumed=consumed,
         q_barrier=plgpu.Barrier(),
         # split_scores: both consumers arrive at each (and max_ready carries the row maxima).
@@ -150,24 +185,28 @@ class MlaSmem:
     """SMEM bytes the kernel asks for (allocations aligned as Mosaic GPU aligns them)."""
     align = pipeline.align_up
     ring = self.ring_spec()
-    out_stage = align(ROWS * self.v_dim * self.out_dtype.itemsize) + ROWS * 4
-    q = ROWS * self.qk_dim * self.dtype.itemsize
-    p = ROWS * self.block_kv * self.dtype.itemsize
+    rows = self.q_rows
+    out_stage = align(rows * self.v_dim * self.out_dtype.itemsize) + rows * 4
+    q = rows * self.qk_dim * self.dtype.itemsize
+    p = rows * self.block_kv * self.dtype.itemsize
     barriers = ring.barrier_bytes + 5 * pipeline.BARRIER_BYTES
-    return (align(q) + align(max(ring.buffer_bytes, out_stage)) + align(p) + align(2 * ROWS * 4)
-            + align(REDUCTION_SCRATCH_BYTES) + barriers)
+    return (align(q) + align(max(ring.buffer_bytes, out_stage)) + align(p) + align(2 * rows * 4)
+            + align(self.reduction_scratch_bytes) + barriers)
 
   @property
   def fits(self) -> bool:
     return self.nbytes <= mgpu_config.SMEM_CAPACITY_BYTES
 
   @classmethod
-  def for_call(cls, config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, page_size: int) -> "MlaSmem":
-    """Outputs and split partials alike are staged in the cache's dtype (`mla_partials`)."""
+  def for_call(cls, config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, page_size: int,
+               rows: int = ROWS) -> "MlaSmem":
+    """Outputs and split partials alike are staged in the cache's dtype (`mla_partials`); rows:
+    the packed q rows (they size the rows-as-N layout)."""
     return cls(qk_dim=qk_dim, v_dim=v_dim, dtype=dtype, out_dtype=dtype,
                block_kv=config.block_kv, num_stages=config.num_stages,
                copies_per_tile=mgpu_config.copies_per_tile(config.block_kv, page_size),
-               split_scores=config.split_scores)
+               split_scores=config.split_scores,
+               rows_as_n=split_k.round_up(rows, ROWS_AS_N_MULTIPLE) if config.rows_as_n else 0)
 
 
 def row_blocks(rows: int) -> int:
@@ -175,8 +214,10 @@ def row_blocks(rows: int) -> int:
   return split_k.cdiv(rows, ROWS)
 
 
-def check_config(config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, page_size: int) -> None:
-  """What the MLA kernel needs of a resolved config beyond `DecodeConfig`'s own rules."""
+def check_config(config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, page_size: int,
+                 rows: int = ROWS) -> None:
+  """What the MLA kernel needs of a resolved config beyond `DecodeConfig`'s own rules (rows: the
+  packed q rows of the call)."""
   if config.num_splits is None:
     raise ValueError("config.num_splits must be resolved (resolve_config) before the kernel runs")
   if config.block_kv != BLOCK_KV:
@@ -187,6 +228,10 @@ def check_config(config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, p
                      "while this one is used)")
   if config.pipeline_qk and config.split_scores:
     raise ValueError("MLA on mosaic_gpu takes pipeline_qk or split_scores, not both")
+  if config.rows_as_n and (config.pipeline_qk or config.split_scores):
+    raise ValueError("MLA on mosaic_gpu takes rows_as_n without pipeline_qk or split_scores")
+  if config.rows_as_n and rows > ROWS_AS_N_MAX:
+    raise ValueError(f"rows_as_n needs at most {ROWS_AS_N_MAX} packed q rows (new tokens x heads), got {rows}")
   if (config.kv_groups != 1 or config.persistent or config.merge_in_kernel or config.sequence_order != "given"
       or config.convert_warpgroup):
     raise ValueError(f"MLA on mosaic_gpu takes none of kv_groups, persistent, merge_in_kernel, a sequence_order "
@@ -194,7 +239,7 @@ def check_config(config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, p
   reason = mgpu_config.page_size_reason(page_size)
   if reason:
     raise NotImplementedError(f"mosaic_gpu: {reason}")
-  smem = MlaSmem.for_call(config, qk_dim=qk_dim, v_dim=v_dim, dtype=dtype, page_size=page_size)
+  smem = MlaSmem.for_call(config, qk_dim=qk_dim, v_dim=v_dim, dtype=dtype, page_size=page_size, rows=rows)
   if not smem.fits:
     raise ValueError(f"num_stages={config.num_stages} of {config.block_kv} x {qk_dim} tiles needs {smem.nbytes} "
                      f"bytes of SMEM, over the {mgpu_config.SMEM_CAPACITY_BYTES} available; use fewer stages")
@@ -246,6 +291,7 @@ class _Static:
   pipeline_qk: bool = False   # the scorer issues tile i+1's Q K^T before tile i's softmax
   split_scores: bool = False  # both consumers score half of each tile (`_score_half_tiles`)
   balanced: bool = False      # the balanced split plan: tiles per split from an int32 [1] input
+  rows_as_n: int = 0          # q rows as wgmma N (`_rows_as_n_consumers`), this many padded rows; 0: off
 
   @property
   def half_v(self) -> int:
@@ -268,6 +314,7 @@ class _SharedP:
   rows: Any
   ready: Any
   free: Any
+  vector_layout: Any = plgpu.Layout.WGMMA.reduce(1)   # alpha's layout (reduce(0) with rows as N)
 
   def publish(self, p16, alpha, *, wait_free):
     """Scorer: waits until the partner is done with the previous tile's P, then stores this one."""
@@ -282,7 +329,7 @@ class _SharedP:
   def receive(self):
     """Partner: waits for the tile's P; returns alpha [64] f32 (WGMMA row layout)."""
     plgpu.barrier_wait(self.ready)
-    return plgpu.load(self.rows.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+    return plgpu.load(self.rows.at[0], layout=self.vector_layout)
 
   def hand_back(self):
     plgpu.barrier_arrive(self.free)
@@ -330,7 +377,10 @@ class _Scores:
     def _():
       tiling.zero_rows_past(slot, valid_rows, width=self.st.smem.v_dim)
 
-    plgpu.wgmma(s_ref, self.q_smem, slot.transpose((1, 0)))
+    if self.st.rows_as_n:   # S^T [bkv, N] = K Q^T
+      plgpu.wgmma(s_ref, slot, self.q_smem.transpose((1, 0)))
+    else:
+      plgpu.wgmma(s_ref, self.q_smem, slot.transpose((1, 0)))
 
 
 def _score_tiles(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0, t1, c, *, length, row0,
@@ -491,6 +541,118 @@ def _score_half_tiles(w: int, q_smem, sync: _HalfSync, ring: pipeline.Ring, t0, 
   return carry
 
 
+def _partner_tiles(shared: _SharedP, ring: pipeline.Ring, t0, t1, st: _Static):
+  """The partner's loop: per tile, wait for the slot and the scorer's P, rescale by alpha and add
+  P V for the second half of the value columns. Returns acc [64, Dv/2] (O^T's [Dv/2, N] with
+  rows as N, from V^T P^T)."""
+  rows_axis = 1 if st.rows_as_n else 0
+  shape = (st.half_v, st.rows_as_n) if st.rows_as_n else (ROWS, st.half_v)
+
+  def step(tile, acc):
+    i = tile - t0
+    slot = ring.wait(i)
+    alpha = shared.receive()
+    values = slot.at[:, pl.ds(st.half_v, st.half_v)]
+    parts = [(values.transpose((1, 0)), shared.p)] if st.rows_as_n else [(shared.p, values)]
+    acc = _pv(acc * online_softmax.per_row(alpha, acc.shape, rows_axis), parts, st)
+    shared.hand_back()
+    ring.release(i)
+    return acc
+
+  return lax.fori_loop(t0, t1, step, plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA))
+
+
+# ---------------------------------------------------------------- rows as wgmma N
+
+def _score_tiles_as_n(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0, t1, c, *, length,
+                      st: _Static):
+  """The scorer's loop with rows as N (DecodeConfig.rows_as_n): per tile S^T = K Q^T [bkv, N],
+  the masked online softmax down its columns (over keys, across warps), P^T to the partner,
+  O^T[:Dv/2] += V^T[:Dv/2] P^T. Returns (acc [Dv/2, N], m [N], l [N])."""
+  n, bkv = st.rows_as_n, st.tiling.block_kv
+  columns = plgpu.Layout.WGMMA.reduce(0)
+  s_type = plgpu.ACC((bkv, n), jnp.float32)
+
+  def step(tile, carry, *, masked: bool):
+    acc, m_i, l_i = carry
+    i = tile - t0
+    slot = ring.wait(i)   # [bkv, Dqk]
+
+    def qk(s_ref):
+      scores.start(s_ref, tile, slot)
+      return s_ref[...]
+
+    s = online_softmax.log2_logits(pl.run_scoped(qk, s_type), scale=st.scale, softcap=None)
+    if masked:
+      keys = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+      rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+      ok = online_softmax.visible(rows, keys, tile_start=tile * bkv, length=length, num_queries=st.num_queries,
+                                  group=st.group, window=None)
+      s = jnp.where(ok, s, -jnp.inf)
+    alpha, m_new, l_new, p = online_softmax.rescale_step(s, m_i, l_i, rows_axis=1)
+    shared.publish(p.astype(st.smem.dtype), alpha, wait_free=tile > t0)
+    values = slot.at[:, pl.ds(0, st.half_v)].transpose((1, 0))   # V^T [Dv/2, bkv]
+    acc = _pv(acc * online_softmax.per_row(alpha, acc.shape, 1), [(values, shared.p)], st)
+    ring.release(i)
+    return acc, m_new, l_new
+
+  carry = (plgpu.layout_cast(jnp.zeros((st.half_v, n), jnp.float32), plgpu.Layout.WGMMA),
+           plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), columns),
+           plgpu.layout_cast(jnp.zeros((n,), jnp.float32), columns))
+  carry = lax.fori_loop(t0, c, functools.partial(step, masked=False), carry)
+  return lax.fori_loop(c, t1, functools.partial(step, masked=True), carry)
+
+
+def _rows_as_n_consumers(wg, q_ref, q_smem, q_barrier, ring: pipeline.Ring, shared: _SharedP, row_smem, out_smem,
+                         lse_smem, out_ref, lse_ref, consumers_done, *, b, split, t0, t1, c, length, st: _Static):
+  """The scorer and its partner with rows as N: the same hand-over as `_score_tiles` and the
+  partner's loop, on transposed tiles; each stores its half of O^T [Dv/2, N] and the scorer the
+  lse, into out [B, splits, Dv, N] / lse [B, splits, >= N]."""
+  n = st.rows_as_n
+
+  def store(half: int, result):
+    """result() -> (this half of the output, the lse or None), made once both consumers are here."""
+    # The staging buffers alias the ring: wait until both consumers are done reading it (and the
+    # scorer has stored its row sums).
+    plgpu.barrier_arrive(consumers_done)
+    plgpu.barrier_wait(consumers_done)
+    out, lse = result()
+    out_smem[half] = out.astype(out_smem.dtype)
+    if lse is not None:
+      lse_smem[...] = lse
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem.at[half], out_ref.at[b, split, pl.ds(half * st.half_v, st.half_v)])
+    if lse is not None:
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(0, n)])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == SCORER)
+  def _scorer():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_barrier)   # q [B, N, Dqk]: every row
+    plgpu.barrier_wait(q_barrier)
+    acc, m_i, l_i = _score_tiles_as_n(_Scores(q_smem=q_smem, length=length, st=st), shared, ring, t0, t1, c,
+                                      length=length, st=st)
+
+    @pl.when(t1 > t0)
+    def _():
+      plgpu.barrier_wait(shared.free)   # the partner's last P V: observe every phase of the barrier
+
+    row_smem[1] = l_i
+    store(0, lambda: online_softmax.finalize(acc, m_i, l_i, rows_axis=1))
+
+  @pl.when(wg == PARTNER)
+  def _partner():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    acc = _partner_tiles(shared, ring, t0, t1, st)
+
+    def normalised():
+      l = plgpu.load(row_smem.at[1], layout=plgpu.Layout.WGMMA.reduce(0))
+      return acc / online_softmax.per_row(jnp.where(l > 0, l, 1.0), acc.shape, 1), None
+
+    store(1, normalised)
+
+
 # ---------------------------------------------------------------- the kernel
 
 def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
@@ -529,6 +691,12 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
 
     ring.drain(t1 - t0)
 
+  if st.rows_as_n:
+    shared = dataclasses.replace(shared, vector_layout=plgpu.Layout.WGMMA.reduce(0))
+    _rows_as_n_consumers(wg, q_ref, q_smem, q_barrier, ring, shared, row_smem, out_smem, lse_smem, out_ref, lse_ref,
+                         consumers_done, b=b, split=split, t0=t0, t1=t1, c=c, length=length, st=st)
+    return
+
   if st.split_scores:
     sync = _HalfSync(rows=row_smem, p=p_smem, max_ready=max_ready, p_ready=p_ready, p_free=p_free)
     for w in range(VALUE_WGS):
@@ -564,19 +732,7 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
   @pl.when(wg == PARTNER)
   def _partner():
     plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-
-    def step(tile, acc):
-      i = tile - t0
-      slot = ring.wait(i)
-      alpha = shared.receive()
-      values = slot.at[:, pl.ds(st.half_v, st.half_v)]
-      acc = _pv(acc * online_softmax.per_row(alpha, acc.shape), [(shared.p, values)], st)
-      shared.hand_back()
-      ring.release(i)
-      return acc
-
-    acc = plgpu.layout_cast(jnp.zeros((ROWS, st.half_v), jnp.float32), plgpu.Layout.WGMMA)
-    acc = lax.fori_loop(t0, t1, step, acc)
+    acc = _partner_tiles(shared, ring, t0, t1, st)
     _store(acc, None, 1, out_smem, lse_smem, out_ref, lse_ref, consumers_done, b=b, split=split, row0=row0,
            st=st, row_sums=(row_smem.at[1],))
 
@@ -618,12 +774,14 @@ def _store(out, lse, half: int, out_smem, lse_smem, out_ref, lse_ref, consumers_
 
 
 def _build(st: _Static, interpret: Any):
-  out_type = (jax.ShapeDtypeStruct((st.batch, st.num_splits, st.out_rows, st.smem.v_dim), st.smem.out_dtype),
+  # Rows as N store O^T: out [B, splits, Dv, N] (`mla_partials` transposes it back).
+  out_shape = (st.smem.v_dim, st.rows_as_n) if st.rows_as_n else (st.out_rows, st.smem.v_dim)
+  out_type = (jax.ShapeDtypeStruct((st.batch, st.num_splits, *out_shape), st.smem.out_dtype),
               jax.ShapeDtypeStruct((st.batch, st.num_splits, st.lse_rows), jnp.float32))
   name = (f"pallas_kv_mla_paged_r{st.num_queries * st.group}_d{st.smem.qk_dim}_v{st.smem.v_dim}"
           f"_bkv{st.tiling.block_kv}_st{st.smem.num_stages}_sp{st.num_splits}_ps{st.tiling.page_size}"
           f"{'_pqk' if st.pipeline_qk else ''}{'_halves' if st.split_scores else ''}"
-          f"{'_balanced' if st.balanced else ''}")
+          f"{'_balanced' if st.balanced else ''}{f'_n{st.rows_as_n}' if st.rows_as_n else ''}")
   return plgpu.kernel(
       functools.partial(_kernel, st=st),
       out_type=out_type,
@@ -632,7 +790,7 @@ def _build(st: _Static, interpret: Any):
       grid_names=("rows", "split", "batch"),
       num_threads=VALUE_WGS + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES),
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=st.smem.reduction_scratch_bytes),
       interpret=interpret,
       kernel_name=name,
   )
@@ -672,21 +830,23 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
   if reason:
     raise NotImplementedError(f"mosaic_gpu: {reason}")
   page_size = kv_pages.shape[1]
-  check_config(config, qk_dim=D, v_dim=v_head_dim, dtype=q.dtype, page_size=page_size)
+  check_config(config, qk_dim=D, v_dim=v_head_dim, dtype=q.dtype, page_size=page_size, rows=R)
   kv_tiling = tiling.KVTiling(config.block_kv, D, kv_pages.dtype, page_size=page_size,
                               num_pages=kv_pages.shape[0], max_pages=block_tables.shape[1])
-  num_row_blocks = row_blocks(R)
-  rows_padded = num_row_blocks * ROWS
+  smem = MlaSmem.for_call(config, qk_dim=D, v_dim=v_head_dim, dtype=q.dtype, page_size=page_size, rows=R)
+  num_row_blocks = 1 if smem.rows_as_n else row_blocks(R)
+  rows_padded = smem.rows_as_n or num_row_blocks * ROWS
   out_rows = R if num_row_blocks == 1 else rows_padded
   st = _Static(num_queries=num_queries, group=R // num_queries, out_rows=out_rows,
-               lse_rows=split_k.round_up(out_rows, LSE_ROW_MULTIPLE), num_row_blocks=num_row_blocks,
-               num_splits=config.num_splits, batch=B, scale=float(scale), tiling=kv_tiling,
-               smem=MlaSmem.for_call(config, qk_dim=D, v_dim=v_head_dim, dtype=q.dtype, page_size=page_size),
+               lse_rows=split_k.round_up(smem.rows_as_n or out_rows, LSE_ROW_MULTIPLE), num_row_blocks=num_row_blocks,
+               num_splits=config.num_splits, batch=B, scale=float(scale), tiling=kv_tiling, smem=smem,
                interpret=bool(interpret), pipeline_qk=config.pipeline_qk, split_scores=config.split_scores,
-               balanced=split_k.check_tiles_per_split(tiles_per_split, config))
+               balanced=split_k.check_tiles_per_split(tiles_per_split, config), rows_as_n=smem.rows_as_n)
   if rows_padded != R:
     q = jnp.pad(q, ((0, 0), (0, rows_padded - R), (0, 0)))
   kv = kv_pages.reshape(*kv_pages.shape[:2], 1, D)   # KVTiling's [P, page_size, Hkv, D]
   plan = [] if tiles_per_split is None else [tiles_per_split]
   out, lse = _build(st, interpret or None)(q, kv, lengths, block_tables, *plan)
+  if st.rows_as_n:
+    out = jnp.swapaxes(out, 2, 3)   # O^T [B, splits, Dv, N] -> [B, splits, N, Dv]
   return out[:, :, :R], lse[:, :, :R]
