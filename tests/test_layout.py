@@ -18,6 +18,7 @@ LAYERS = [
     {"xla", "batching", "kernels.split_k", "kernels.online_softmax"},
     {"kernels.mosaic_gpu.pipeline", "kernels.mosaic_gpu.tiling"},
     {"kernels.mosaic_gpu.config", "kernels.triton.config"},
+    {"kernels.mosaic_gpu.mla_config"},   # sizes the MLA kernel from the backend config's SMEM capacity
     {"kernels.mosaic_gpu.decode", "kernels.mosaic_gpu.mla", "kernels.triton.decode"},
     {"kernels.triton.merge"},   # the merge launch: the Triton decode module's compiler params
     {"kernels.mosaic_gpu.backend", "kernels.triton.backend"},

@@ -14,7 +14,9 @@ import pytest
 import pallas_kv as pkv
 from harness import assert_lse_matches, assert_matches_reference, lower_for_cuda, paginate
 from pallas_kv import validation
+from pallas_kv.kernels import split_k
 from pallas_kv.kernels.mosaic_gpu import mla as mgpu_mla
+from pallas_kv.kernels.mosaic_gpu import mla_config
 
 IMPL = "mosaic_gpu"
 SMALL_QK, SMALL_V = 192, 128      # 128 latent + 64 rope
@@ -115,23 +117,21 @@ def test_mla_zero_lengths_give_zeros_and_no_keys(interpret_mode):
 
 
 def test_mla_balanced_plan_gives_a_long_sequence_more_splits_and_matches_reference(interpret_mode):
-  # The balanced plan (split_plan="balanced"): one tile count per split from the lengths, so the
-  # 448-token sequence takes 7 one-tile splits and the 64-token one a single split (its other
-  # splits empty, lse -inf); zero and tile-crossing lengths as well. Unbalanced, every sequence
-  # would be cut in num_splits equal shares.
-  args = _case(8, batch=4, seq_len=448, num_heads=4, num_queries=2, page_size=16, lengths=[448, 64, 0, 130])
+  # The balanced plan (split_plan="balanced"): one tile count per split from the lengths, so at
+  # one tile per split the 256-token sequence takes 4 splits and the 64-token one a single split
+  # (its other splits empty, lse -inf); zero and tile-crossing lengths as well. Unbalanced, every
+  # sequence would be cut in num_splits equal shares.
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  config = pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=8, split_plan="balanced")
-  plan = jnp.asarray([1], jnp.int32)
+  args = _case(8, batch=4, seq_len=256, num_heads=4, num_queries=2, page_size=16, lengths=[256, 64, 0, 130])
+  config = pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=4, split_plan="balanced")
   q, pages, tables, lengths = args
   rows = q.reshape(4, 2 * 4, SMALL_QK)
-  _, lse = mgpu_mla.mla_partials(rows, pages, lengths, tables, num_queries=2, v_head_dim=SMALL_V, scale=0.1,
-                                 config=config, tiles_per_split=plan, interpret=plgpu.InterpretGPUParams())
-  has_keys = np.isfinite(np.asarray(lse)).any(axis=2)   # [B, splits]
-  assert has_keys.sum(axis=1).tolist() == [7, 1, 0, 3]
+  partials = functools.partial(mgpu_mla.mla_partials, rows, pages, lengths, tables, num_queries=2,
+                               v_head_dim=SMALL_V, scale=0.1, config=config, interpret=plgpu.InterpretGPUParams())
+  _, lse = partials(tiles_per_split=jnp.asarray([1], jnp.int32))
+  assert np.isfinite(np.asarray(lse)).any(axis=2).sum(axis=1).tolist() == [4, 1, 0, 3]   # splits with keys
   with pytest.raises(ValueError, match="tiles_per_split must be given exactly when"):
-    mgpu_mla.mla_partials(rows, pages, lengths, tables, num_queries=2, v_head_dim=SMALL_V, scale=0.1,
-                          config=config, interpret=plgpu.InterpretGPUParams())
+    partials()
   # Through the op: the plan comes from the lengths (split_k.split_plan).
   out = pkv.mla_decode_attention(*args, v_head_dim=SMALL_V, return_lse=True, impl=IMPL, config=config)
   _check(args, out)
@@ -199,7 +199,7 @@ def test_mla_on_triton_names_what_is_missing_and_auto_on_cpu_runs_xla():
 
 
 def test_mla_configs_are_checked():
-  check = functools.partial(mgpu_mla.check_config, qk_dim=QK, v_dim=V, dtype=jnp.bfloat16, page_size=64)
+  check = functools.partial(mla_config.check_config, qk_dim=QK, v_dim=V, dtype=jnp.bfloat16, page_size=64)
   check(_config(1))
   with pytest.raises(ValueError, match="block_kv=128 must be 64"):
     check(pkv.DecodeConfig(block_kv=128, num_stages=2, num_splits=1))
@@ -228,20 +228,31 @@ def test_mla_configs_are_checked():
     mgpu_config.check_config(pkv.DecodeConfig(num_splits=1, split_scores=True), rows=4, head_dim=128,
                              dtype=jnp.bfloat16, page_size=None)
   # The split-scores layout has the same SMEM footprint (P in two halves), so it fits as well.
-  assert mgpu_mla.MlaSmem.for_call(_config(1, variant="split_scores"), qk_dim=QK, v_dim=V, dtype=jnp.bfloat16,
+  assert mla_config.MlaSmem.for_call(_config(1, variant="split_scores"), qk_dim=QK, v_dim=V, dtype=jnp.bfloat16,
                                    page_size=64).fits
   # Two 64 x 576 stages beside Q fill SMEM (as FlashMLA's); small latent dims get a deeper ring.
   _, problem = _problem()
-  assert mgpu_mla.heuristic_config(problem).num_stages == 2
+  assert mla_config.heuristic_config(problem).num_stages == 2
   _, small = _problem(qk_dim=SMALL_QK, v_dim=SMALL_V)
-  assert mgpu_mla.heuristic_config(small).num_stages > 2
+  assert mla_config.heuristic_config(small).num_stages > 2
 
 
 @pytest.mark.parametrize("batch,seq_len,num_heads,want_splits", [
     (1, 32768, 128, 64), (16, 4096, 128, 4), (64, 4096, 128, 1), (128, 8192, 128, 1), (64, 8192, 16, 2)])
 def test_mla_split_count_fills_one_wave(batch, seq_len, num_heads, want_splits):
   _, problem = _problem(batch=batch, seq_len=seq_len, num_heads=num_heads)
-  assert mgpu_mla.resolve_config(problem, None, num_sms=132).num_splits == want_splits
+  assert mla_config.resolve_config(problem, None, num_sms=132).num_splits == want_splits
+
+
+def test_mla_balanced_plan_bounds_the_splits_by_the_batch():
+  # The balanced plan sizes the grid for a batch at least half full: at B128 (two row blocks of
+  # 128 heads) up to 5 splits where the per-sequence plan takes 1; at B1, the most splits.
+  _, ragged = _problem(batch=128, seq_len=8192)
+  balanced = pkv.DecodeConfig(block_kv=64, num_stages=2, split_plan="balanced")
+  assert mla_config.resolve_config(ragged, None, num_sms=132).num_splits == 1
+  assert mla_config.resolve_config(ragged, balanced, num_sms=132).num_splits == 5
+  _, one = _problem(batch=1, seq_len=32768)
+  assert mla_config.resolve_config(one, balanced, num_sms=132).num_splits == split_k.MAX_SPLITS
 
 
 # ---------------------------------------------------------------- CUDA lowering (CPU)
@@ -294,7 +305,7 @@ def test_mla_balanced_plan_lowers_for_cuda(shape):
 
 def _lower(shape, config):
   args, problem = _problem(**shape)
-  config = mgpu_mla.resolve_config(problem, config, num_sms=132)
+  config = mla_config.resolve_config(problem, config, num_sms=132)
   exported = lower_for_cuda(functools.partial(pkv.mla_decode_attention, v_head_dim=problem.v_head_dim,
                                               return_lse=True, impl=IMPL, config=config), *args)
   module = exported.mlir_module()
@@ -324,7 +335,7 @@ def test_gpu_mla_matches_reference(batch, seq_len, num_heads, num_queries, page_
       q, jnp.asarray(bad_pages, q.dtype), bad_tables, lengths)
   assert pkv.last_impl() == IMPL
   _check(args, out, v_head_dim=V)
-  few_rows = num_heads * (num_queries or 1) <= mgpu_mla.ROWS_AS_N_MAX
+  few_rows = num_heads * (num_queries or 1) <= mla_config.ROWS_AS_N_MAX
   for fields in (VARIANTS["pipeline_qk"], VARIANTS["split_scores"], dict(split_plan="balanced"),
                  *([VARIANTS["rows_as_n"]] if few_rows else [])):
     config = pkv.DecodeConfig(block_kv=64, num_stages=2, **fields)

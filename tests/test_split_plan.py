@@ -166,13 +166,6 @@ def test_balanced_plan_lowers_for_cuda(impl, page_size):
   lower_for_cuda(functools.partial(op, impl=impl, config=config), *args)
 
 
-def test_mla_refuses_the_balanced_plan():
-  from pallas_kv.kernels.mosaic_gpu import mla
-  config = pkv.DecodeConfig(block_kv=mla.BLOCK_KV, num_stages=2, num_splits=2, split_plan="balanced")
-  with pytest.raises(ValueError, match="split_plan"):
-    mla.check_config(config, qk_dim=576, v_dim=512, dtype=jnp.bfloat16, page_size=64)
-
-
 # ---------------------------------------------------------------- on the GPU
 
 @pytest.mark.gpu

@@ -1,7 +1,7 @@
 """The Mosaic GPU backend as `pallas_kv.api` sees it: what it serves, and the ops on its kernels.
 
 Each op picks a config (explicit, else tuned, else heuristic: `config.resolve_config`, or
-`mla.resolve_config` for MLA) and runs its split-K kernel between the row packing and split
+`mla_config.resolve_config` for MLA) and runs its split-K kernel between the row packing and split
 merging that both backends share (`pallas_kv.kernels.split_k`).
 """
 
@@ -17,6 +17,7 @@ from pallas_kv.kernels import split_k
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
 from pallas_kv.kernels.mosaic_gpu import mla as mgpu_mla
+from pallas_kv.kernels.mosaic_gpu import mla_config
 
 NAME = mgpu_config.NAME
 unsupported_reason = mgpu_config.unsupported_reason
@@ -62,12 +63,12 @@ def run_mla(q, kv_pages, lengths, block_tables, *, problem, options, config: Dec
             return_lse: bool):
   """MLA over the latent pool kv_pages [P, page_size, Dqk]: the packed rows of every q head go to
   `mla.mla_partials` (one latent head: Hkv = 1)."""
-  config = mgpu_mla.resolve_config(problem, config, dtype=kv_pages.dtype)
+  config = mla_config.resolve_config(problem, config, dtype=kv_pages.dtype)
 
   def partials(rows, lengths, block_tables, k_scale, v_scale):
     del k_scale, v_scale   # MLA takes no scales
     plan = split_k.split_plan(lengths, problem=problem, config=config, window=None,
-                              row_blocks=mgpu_mla.row_blocks(rows.shape[2]))
+                              row_blocks=mla_config.row_blocks(rows.shape[2]))
     out, lse = mgpu_mla.mla_partials(rows[:, 0], kv_pages, lengths, block_tables,
                                      num_queries=problem.num_queries, v_head_dim=problem.v_head_dim,
                                      scale=options.scale, config=config, tiles_per_split=plan,

@@ -1,0 +1,217 @@
+"""The MLA kernel's SMEM layout and its config: what fits, what the kernel accepts, the split count.
+
+`mla.py` is the kernel; this module sizes it (`MlaSmem`: the single source for its scratch and
+for the fit check) and chooses and checks its `DecodeConfig` (`resolve_config`, `check_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kv import runtime
+from pallas_kv.config import DecodeConfig
+from pallas_kv.kernels import split_k
+from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
+from pallas_kv.kernels.mosaic_gpu import pipeline
+from pallas_kv.kernels.mosaic_gpu import tiling
+
+ROWS = mgpu_config.ROWS_PER_WG     # packed query rows per program (wgmma M)
+VALUE_WGS = 2                      # consumers, each owning Dv / 2 value columns
+BLOCK_KV = 64                      # wgmma K of P V; two 64 x 576 tiles + Q fill SMEM
+# Row reductions of the WGMMA layout stay inside a warp: no cross-warp scratch is needed, and the
+# 64 x 576 tiles leave none to spare.
+REDUCTION_SCRATCH_BYTES = 0
+# DecodeConfig.rows_as_n: the packed rows are wgmma's N, padded to a multiple of 16 (P's rows
+# then span 32 bytes, the narrowest swizzle), at most 64 (beyond that, rows as M pad nothing).
+# The softmax reduces the transposed scores over keys, across the scorer's four warps, through
+# SMEM scratch: 1 KiB per register reduced at once (4 warps x 32 lanes x 2 float32), four at once
+# where it fits; at 64 rows Q takes 72 KiB and one fits.
+ROWS_AS_N_MULTIPLE = 16
+ROWS_AS_N_MAX = 64
+ROWS_AS_N_SCRATCH_BYTES = {16: 4096, 32: 4096, 48: 1024, 64: 1024}
+
+
+# ---------------------------------------------------------------- SMEM layout, config
+
+@dataclasses.dataclass(frozen=True)
+class MlaSmem:
+  """The SMEM layout of one program; the single source for scratch and for the fit check.
+
+  q        [64, Dqk]  dtype, swizzled          packed query rows (wgmma A of Q K^T)
+  union    ring [num_stages, bkv, Dqk] dtype, swizzled   | (out [2, 64, Dv/2] out_dtype,
+                                                            lse [64] f32)   after the loop
+  p        [64, bkv]  dtype, swizzled          P of the current tile (wgmma A of P V)
+  rows     [2, 64]    f32                      alpha of the current tile; the final row sum
+  barriers: ring produced / consumed per slot, q, p_ready, p_free, consumers_done.
+  """
+  qk_dim: int
+  v_dim: int
+  dtype: Any
+  out_dtype: Any
+  block_kv: int = BLOCK_KV
+  num_stages: int = 2
+  copies_per_tile: int = 1
+  split_scores: bool = False   # P as two [64, bkv/2] halves, one per consumer (`_score_half_tiles`)
+  rows_as_n: int = 0           # q rows as wgmma N (DecodeConfig.rows_as_n): this many, padded; 0: rows as M
+
+  def __post_init__(self):
+    object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+    object.__setattr__(self, "out_dtype", jnp.dtype(self.out_dtype))
+
+  @property
+  def half_v(self) -> int:
+    return self.v_dim // VALUE_WGS
+
+  @property
+  def half_kv(self) -> int:
+    return self.block_kv // VALUE_WGS
+
+  @property
+  def q_rows(self) -> int:
+    """Rows of Q, of the row vectors and of the output staging: 64, or the rows as N."""
+    return self.rows_as_n or ROWS
+
+  @property
+  def reduction_scratch_bytes(self) -> int:
+    return ROWS_AS_N_SCRATCH_BYTES[self.rows_as_n] if self.rows_as_n else REDUCTION_SCRATCH_BYTES
+
+  def transforms(self, minor_dim: int):
+    """SMEM transforms of an operand. wgmma takes one swizzle for both of its operands, so Q and
+    the ring follow P's rows: split_scores' P halves have 64-byte rows, and with rows as N P's
+    rows are the q rows (32 bytes at 16)."""
+    limit = None
+    if self.split_scores:
+      limit = self.half_kv * self.dtype.itemsize
+    elif self.rows_as_n:
+      limit = self.rows_as_n * self.dtype.itemsize
+    return tiling.smem_transforms(self.dtype, minor_dim, max_swizzle=limit)
+
+  def p_type(self):
+    if self.split_scores:   # one half per consumer (separate buffers: wgmma takes no indexed ref)
+      return tuple(plgpu.SMEM((ROWS, self.half_kv), self.dtype, transforms=self.transforms(self.half_kv))
+                   for _ in range(VALUE_WGS))
+    if self.rows_as_n:   # P^T [bkv, N]: the B operand of O^T = V^T P^T
+      return plgpu.SMEM((self.block_kv, self.rows_as_n), self.dtype, transforms=self.transforms(self.rows_as_n))
+    return plgpu.SMEM((ROWS, self.block_kv), self.dtype, transforms=self.transforms(self.block_kv))
+
+  def ring_spec(self) -> pipeline.RingSpec:
+    return pipeline.RingSpec(num_stages=self.num_stages, block_shape=(self.block_kv, self.qk_dim),
+                             dtype=self.dtype, transforms=self.transforms(self.qk_dim),
+                             copies_per_slot=self.copies_per_tile, num_consumers=VALUE_WGS)
+
+  def scratch_types(self) -> dict[str, Any]:
+    ring = self.ring_spec()
+    produced, consumed = ring.barrier_types()
+    # Each consumer's half of the output: [64, Dv/2], or O^T's [Dv/2, N] with rows as N.
+    half_out = (self.half_v, self.rows_as_n) if self.rows_as_n else (ROWS, self.half_v)
+    out_stage = (plgpu.SMEM((VALUE_WGS, *half_out), self.out_dtype),
+                 plgpu.SMEM((self.q_rows,), jnp.float32))
+    return dict(
+        q_smem=plgpu.SMEM((self.q_rows, self.qk_dim), self.dtype,
+                          transforms=self.transforms(self.qk_dim)),
+        # The output staging reuses the ring's memory once every tile is consumed.
+        union=plgpu.RefUnion(ring.buffer_type(), out_stage),
+        p_smem=self.p_type(),
+        row_smem=plgpu.SMEM((2, self.q_rows), jnp.float32),
+        produced=produced, consumed=consumed,
+        q_barrier=plgpu.Barrier(),
+        # split_scores: both consumers arrive at each (and max_ready carries the row maxima).
+        p_ready=plgpu.Barrier(num_arrivals=VALUE_WGS if self.split_scores else 1),
+        p_free=plgpu.Barrier(num_arrivals=VALUE_WGS if self.split_scores else 1),
+        max_ready=plgpu.Barrier(num_arrivals=VALUE_WGS),
+        consumers_done=plgpu.Barrier(num_arrivals=VALUE_WGS))
+
+  @property
+  def nbytes(self) -> int:
+    """SMEM bytes the kernel asks for (allocations aligned as Mosaic GPU aligns them)."""
+    align = pipeline.align_up
+    ring = self.ring_spec()
+    rows = self.q_rows
+    out_stage = align(rows * self.v_dim * self.out_dtype.itemsize) + rows * 4
+    q = rows * self.qk_dim * self.dtype.itemsize
+    p = rows * self.block_kv * self.dtype.itemsize
+    barriers = ring.barrier_bytes + 5 * pipeline.BARRIER_BYTES
+    return (align(q) + align(max(ring.buffer_bytes, out_stage)) + align(p) + align(2 * rows * 4)
+            + align(self.reduction_scratch_bytes) + barriers)
+
+  @property
+  def fits(self) -> bool:
+    return self.nbytes <= mgpu_config.SMEM_CAPACITY_BYTES
+
+  @classmethod
+  def for_call(cls, config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, page_size: int,
+               rows: int = ROWS) -> "MlaSmem":
+    """Outputs and split partials alike are staged in the cache's dtype (`mla_partials`); rows:
+    the packed q rows (they size the rows-as-N layout)."""
+    return cls(qk_dim=qk_dim, v_dim=v_dim, dtype=dtype, out_dtype=dtype,
+               block_kv=config.block_kv, num_stages=config.num_stages,
+               copies_per_tile=mgpu_config.copies_per_tile(config.block_kv, page_size),
+               split_scores=config.split_scores,
+               rows_as_n=split_k.round_up(rows, ROWS_AS_N_MULTIPLE) if config.rows_as_n else 0)
+
+
+def row_blocks(rows: int) -> int:
+  """Programs per (sequence, split): one per 64 packed rows."""
+  return split_k.cdiv(rows, ROWS)
+
+
+def check_config(config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, page_size: int,
+                 rows: int = ROWS) -> None:
+  """What the MLA kernel needs of a resolved config beyond `DecodeConfig`'s own rules (rows: the
+  packed q rows of the call)."""
+  if config.num_splits is None:
+    raise ValueError("config.num_splits must be resolved (resolve_config) before the kernel runs")
+  if config.block_kv != BLOCK_KV:
+    raise ValueError(f"config.block_kv={config.block_kv} must be {BLOCK_KV} for MLA on mosaic_gpu "
+                     "(wgmma K of P V; larger tiles of Dqk columns leave no room for two stages)")
+  if config.num_stages < 2:
+    raise ValueError(f"config.num_stages={config.num_stages} must be >= 2 for MLA (the next tile loads "
+                     "while this one is used)")
+  if config.pipeline_qk and config.split_scores:
+    raise ValueError("MLA on mosaic_gpu takes pipeline_qk or split_scores, not both")
+  if config.rows_as_n and (config.pipeline_qk or config.split_scores):
+    raise ValueError("MLA on mosaic_gpu takes rows_as_n without pipeline_qk or split_scores")
+  if config.rows_as_n and rows > ROWS_AS_N_MAX:
+    raise ValueError(f"rows_as_n needs at most {ROWS_AS_N_MAX} packed q rows (new tokens x heads), got {rows}")
+  if (config.kv_groups != 1 or config.persistent or config.merge_in_kernel or config.sequence_order != "given"
+      or config.convert_warpgroup):
+    raise ValueError(f"MLA on mosaic_gpu takes none of kv_groups, persistent, merge_in_kernel, a sequence_order "
+                     f"other than 'given', convert_warpgroup; got {config}")
+  reason = mgpu_config.page_size_reason(page_size)
+  if reason:
+    raise NotImplementedError(f"mosaic_gpu: {reason}")
+  smem = MlaSmem.for_call(config, qk_dim=qk_dim, v_dim=v_dim, dtype=dtype, page_size=page_size, rows=rows)
+  if not smem.fits:
+    raise ValueError(f"num_stages={config.num_stages} of {config.block_kv} x {qk_dim} tiles needs {smem.nbytes} "
+                     f"bytes of SMEM, over the {mgpu_config.SMEM_CAPACITY_BYTES} available; use fewer stages")
+
+
+def heuristic_config(problem, *, dtype: Any = "bfloat16") -> DecodeConfig:
+  """64-token tiles and the deepest ring that fits (2 stages at Dqk 576, as FlashMLA)."""
+  config = DecodeConfig(block_kv=BLOCK_KV, num_stages=2)
+  while True:
+    deeper = dataclasses.replace(config, num_stages=config.num_stages + 1)
+    smem = MlaSmem.for_call(deeper, qk_dim=problem.head_dim, v_dim=problem.v_head_dim, dtype=dtype,
+                            page_size=problem.page_size)
+    if deeper.num_stages > 4 or not smem.fits:
+      return config
+    config = deeper
+
+
+def resolve_config(problem, config: DecodeConfig | None, *, dtype: Any = "bfloat16",
+                   num_sms: int | None = None) -> DecodeConfig:
+  """An explicit config, else the heuristic one; a split count left None fills about one wave (the
+  balanced plan: its bound on one sequence's splits, `split_k.choose_balanced_splits`)."""
+  if config is None:
+    config = heuristic_config(problem, dtype=dtype)
+  if config.num_splits is None:
+    choose = split_k.choose_balanced_splits if config.split_plan == "balanced" else split_k.choose_num_splits
+    splits = choose(
+        batch=problem.batch, num_kv_heads=1, row_blocks=row_blocks(problem.num_queries * problem.num_heads),
+        capacity=problem.capacity, block_kv=config.block_kv, num_sms=num_sms or runtime.num_sms())
+    config = dataclasses.replace(config, num_splits=splits)
+  return config
