@@ -123,16 +123,17 @@ def test_scan_over_layers_vmap_and_grad():
     return jax.lax.scan(body, x, (params, caches))
 
   out, new_caches = jax.jit(stack)(x, caches, params)
+  one_layer = jax.jit(lambda p, x, c: layer(p, x, c))   # compiled once for the loops below
   loop_x = x
   for i in range(num_layers):
-    y, c = layer(jax.tree.map(lambda a: a[i], params), loop_x, jax.tree.map(lambda a: a[i], caches))
+    y, c = one_layer(jax.tree.map(lambda a: a[i], params), loop_x, jax.tree.map(lambda a: a[i], caches))
     loop_x = loop_x + y
     np.testing.assert_allclose(new_caches.k[i], c.k, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(out, loop_x, rtol=1e-5, atol=1e-5)
   # vmap over layers (independent inputs) equals the loop.
   ys, _ = jax.vmap(layer, in_axes=(0, None, 0))(params, x, caches)
   for i in range(num_layers):
-    y, _ = layer(jax.tree.map(lambda a: a[i], params), x, jax.tree.map(lambda a: a[i], caches))
+    y, _ = one_layer(jax.tree.map(lambda a: a[i], params), x, jax.tree.map(lambda a: a[i], caches))
     np.testing.assert_allclose(ys[i], y, rtol=1e-5, atol=1e-5)
   grads = jax.grad(lambda p: jnp.sum(stack(x, caches, p)[0] ** 2))(params)
   for g in jax.tree.leaves(grads):
