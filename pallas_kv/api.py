@@ -223,8 +223,8 @@ def decode_attention(q, k, v, lengths, *, scale=None, softcap=None, window=None,
     config: an explicit kernel config (`pallas_kv.DecodeConfig`) for the chosen backend, else heuristic.
     v_tokens_last: v is stored [B, Hkv, D, T] instead of like k: each kv head's values with their
       tokens contiguous, which P V reads without byte-wise loads for a one-byte cache (Triton and
-      xla; Mosaic GPU refuses it), with 128-token tiles by default. Paged, it pays only with pages
-      of at least 64 tokens: a tile spanning smaller pages gathers its values token by token.
+      xla; Mosaic GPU refuses it), with 128-token tiles by default. Paged, a tile spanning pages
+      loads page by page (paged caches with v tokens last are not timed yet).
 
   Returns:
     out [B, (S,) Hq, D] in q's dtype, and lse when return_lse. Sequences of length 0 give zeros.

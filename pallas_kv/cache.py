@@ -202,7 +202,7 @@ class PagedKVCache:
              v_tokens_last: bool = False) -> PagedKVCache:
     """An empty cache: a pool of num_pages pages and block tables with no page assigned (reserve
     pages with `reserve_pages` before appending). k_scales / v_scales / v_tokens_last as in
-    `KVCache.create` (v tokens last pays with pages of at least 64 tokens)."""
+    `KVCache.create`."""
     validation.check_v_tokens_last(v_tokens_last)
     shape = (num_pages, page_size, num_kv_heads, head_dim)
     v_shape = validation.tokens_last_shape(shape) if v_tokens_last else shape

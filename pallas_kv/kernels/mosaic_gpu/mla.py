@@ -155,15 +155,17 @@ def _pv(acc, parts, st: _Static):
 
 
 def _softmax_step(s, m_i, l_i, *, tile, length, row0, masked: bool, st: _Static):
-  """One tile of the online softmax on raw scores s [64, bkv] f32: (alpha, m, l, p f32)."""
+  """One tile of the online softmax on raw scores s [64, bkv] f32, or S^T [bkv, N] with rows as
+  N: (alpha, m, l, p f32 shaped as s)."""
+  rows_axis = 1 if st.rows_as_n else 0
   s = online_softmax.log2_logits(s, scale=st.scale, softcap=None)
   if masked:
-    rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA) + row0
-    cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+    rows = plgpu.broadcasted_iota(jnp.int32, s.shape, rows_axis, layout=plgpu.Layout.WGMMA) + row0
+    cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1 - rows_axis, layout=plgpu.Layout.WGMMA)
     ok = online_softmax.visible(rows, cols, tile_start=tile * st.tiling.block_kv, length=length,
                                 num_queries=st.num_queries, group=st.group, window=None)
     s = jnp.where(ok, s, -jnp.inf)   # also drops NaN scores of keys past the length
-  return online_softmax.rescale_step(s, m_i, l_i)
+  return online_softmax.rescale_step(s, m_i, l_i, rows_axis=rows_axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,14 +388,8 @@ def _score_tiles_as_n(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0
       scores.start(s_ref, tile, slot)
       return s_ref[...]
 
-    s = online_softmax.log2_logits(pl.run_scoped(qk, s_type), scale=st.scale, softcap=None)
-    if masked:
-      keys = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-      rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-      ok = online_softmax.visible(rows, keys, tile_start=tile * bkv, length=length, num_queries=st.num_queries,
-                                  group=st.group, window=None)
-      s = jnp.where(ok, s, -jnp.inf)
-    alpha, m_new, l_new, p = online_softmax.rescale_step(s, m_i, l_i, rows_axis=1)
+    alpha, m_new, l_new, p = _softmax_step(pl.run_scoped(qk, s_type), m_i, l_i, tile=tile, length=length, row0=0,
+                                           masked=masked, st=st)
     shared.publish(p.astype(st.smem.dtype), alpha, wait_free=tile > t0)
     values = slot.at[:, pl.ds(0, st.half_v)].transpose((1, 0))   # V^T [Dv/2, bkv]
     acc = _pv(acc * online_softmax.per_row(alpha, acc.shape, 1), [(values, shared.p)], st)

@@ -215,15 +215,13 @@ def _load_tile(ref, block_tables_ref, tile, length, st: _Static, *, masked: bool
     offset = pl.multiple_of(start % st.page_size, bkv)
     ref = ref.at[(page, *stored(pl.ds(offset, bkv), slice(None)))]
   else:
-    # The tile spans bkv / page_size pages: gather token by token.
+    # The tile spans bkv / page_size pages: gather token by token (a key row, D contiguous
+    # values, is one run of vectors; tokens-last values took `_load_pages_tokens_last` above).
     page_index = jnp.minimum(tokens // st.page_size, st.max_pages - 1)
     pages = jnp.clip(block_tables_ref[(*seq, page_index)], 0, st.num_pages - 1)   # [bkv]
     slots = tokens % st.page_size
     if columns:
-      along_tokens = (lambda x: x[None, :]) if tokens_last else (lambda x: x[:, None])
-      across = jnp.arange(columns[0], dtype=jnp.int32)
-      across = across[:, None] if tokens_last else across[None, :]
-      ref = ref.at[(along_tokens(pages), *stored(along_tokens(slots), across))]
+      ref = ref.at[pages[:, None], slots[:, None], jnp.arange(columns[0], dtype=jnp.int32)[None, :]]
     else:
       ref = ref.at[pages, slots]
   if not masked:
