@@ -224,7 +224,7 @@ def decode_attention(q, k, v, lengths, *, scale=None, softcap=None, window=None,
     v_tokens_last: v is stored [B, Hkv, D, T] instead of like k: each kv head's values with their
       tokens contiguous, which P V reads without byte-wise loads for a one-byte cache (Triton and
       xla; Mosaic GPU refuses it), with 128-token tiles by default. Paged, a tile spanning pages
-      loads page by page (paged caches with v tokens last are not timed yet).
+      loads page by page.
 
   Returns:
     out [B, (S,) Hq, D] in q's dtype, and lse when return_lse. Sequences of length 0 give zeros.

@@ -83,7 +83,9 @@ class DecodeConfig:
     tensor parallelism): the rows become wgmma's N instead of being padded to its M of 64, so
     the kernel computes S^T = K Q^T and O^T = V^T P^T (keys and value columns as M) and the
     softmax reduces across warps. At 16 rows that is a quarter of the padded tensor work; all
-    SMEM operands then take the swizzle of the rows' width (32 bytes at 16 rows). Not yet timed.
+    SMEM operands then take the swizzle of the rows' width (32 bytes at 16 rows). Measured
+    slower on the H200 (188 against 160 us at 16 heads B64 T8192: P V then takes four times the
+    wgmma instructions, each of N = 16; benchmarks/RESULTS.md, ninth set).
   """
   block_kv: int = 64
   num_stages: int = 4

@@ -152,10 +152,11 @@ def test_layer_over_a_tokens_last_cache_gives_the_same_step(paged):
   np.testing.assert_array_equal(np.asarray(outs[1]), np.asarray(outs[0]))
 
 
-@pytest.mark.parametrize("page_size, expected", [(None, 128), (16, 64), (64, 64), (128, 128)])
+@pytest.mark.parametrize("page_size, expected", [(None, 128), (16, 128), (64, 128), (128, 128)])
 def test_heuristic_tiles_one_byte_values_tokens_last_by_cache_lines(page_size, expected):
   # A tokens-last tile reads D rows of block_kv values: one-byte caches take 128-token tiles
-  # (a 128-byte row) where no page boundary cuts them; bf16 and values like k keep the default.
+  # (a 128-byte row), dense or paged (pages below the tile load page by page); bf16 and values
+  # like k keep the default.
   from pallas_kv import validation
   from pallas_kv.kernels.triton import config as triton_config
   b, t, hkv, d = 2, 1024, 2, 128

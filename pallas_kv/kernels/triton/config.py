@@ -109,11 +109,9 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16") -> DecodeConfig:
   block_rows, _ = row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
   block_kv = DEFAULT_BLOCK_KV
   if itemsize == 1 and problem.v_tokens_last:
-    # Paged, a tile stays within a page where the page is at least the default tile. (A tile that
-    # spans pages loads each page's [D, page_size] block as a run of vectors; 128-token tiles over
-    # pages of 16 or 32 are not timed yet.)
-    block_kv = TOKENS_LAST_ONE_BYTE_BLOCK_KV if problem.page_size is None else min(
-        TOKENS_LAST_ONE_BYTE_BLOCK_KV, max(DEFAULT_BLOCK_KV, problem.page_size))
+    # Paged too: a tile that spans pages of 16 or 32 loads page by page; 128-token tiles measured
+    # faster than 64 at pages 16 and 64 (benchmarks/RESULTS.md, ninth set).
+    block_kv = TOKENS_LAST_ONE_BYTE_BLOCK_KV
   if problem.page_size is not None:
     block_kv = block_kv_for_page(problem.page_size, block_kv) or block_kv
   config = DecodeConfig(block_kv=block_kv, num_stages=DEFAULT_STAGES,
