@@ -21,6 +21,7 @@ sys.path.insert(0, REPO)
 from benchmarks import cases  # noqa: E402
 from benchmarks import cli  # noqa: E402
 from benchmarks import decode as decode_bench  # noqa: E402
+from benchmarks import operand_precision  # noqa: E402
 from benchmarks import output  # noqa: E402
 from benchmarks import peers  # noqa: E402
 from benchmarks import report  # noqa: E402
@@ -530,3 +531,13 @@ def test_triton_sass_lowers_the_paged_kernel_with_v_tokens_last_here():
   ttir = triton_sass.kernel_ttir("int8", scales="token", batch=2, seq_len=256, page_size=64, v_tokens_last=True,
                                  config=pkv.DecodeConfig(block_kv=64, num_stages=3, num_splits=1))
   assert "tt.func public @pallas_kv_triton_decode_paged64" in ttir and "_vt" in ttir
+
+
+def test_one_byte_operands_cost_accuracy_that_the_bf16_path_does_not():
+  # Small shape: the bf16 operand path stays within the bf16 tolerance; e4m3 q (3 mantissa bits)
+  # adds an error several times larger, which is what the measurement exists to show.
+  errors = operand_precision.measure(jnp.dtype(jnp.float8_e4m3fn), peaked=False, seed=0, batch=1, seq_len=256,
+                                     num_kv_heads=2, group_size=4, head_dim=64)
+  assert errors["bf16"] < 1e-2
+  assert errors["qk8"] > 3 * errors["bf16"]
+  assert errors["qk8_pv8"] > errors["bf16"]
