@@ -3,8 +3,9 @@
 The cache is kv_pages [P, page_size, Dqk] (Dqk = 512 latent + 64 rope); keys are whole rows and
 values their first Dv (512) columns. Every q head shares the one KV head, so the packed rows
 (S new tokens x Hq heads, `split_k.pack_queries`) are cut into blocks of 64 (wgmma M) and the grid
-is (row block, split, sequence): the row blocks of one token range run side by side and read
-the same KV, mostly from L2.
+is (sequence, split, row block). Mosaic GPU launches the last grid dimension fastest, so the row
+blocks of one token range run side by side and read the same KV, the second mostly from L2 (with
+the row block first, past one wave the second block re-read every sequence from DRAM).
 
 Three warpgroups per program:
   producer  TMA-copies each KV tile [bkv, Dqk] once into an SMEM ring (`pipeline.Ring`; one copy
@@ -105,7 +106,7 @@ class _Static:
 
   @property
   def grid(self) -> tuple[int, int, int]:
-    return (self.num_row_blocks, self.num_splits, self.batch)
+    return (self.batch, self.num_splits, self.num_row_blocks)   # the last dim launches fastest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -589,7 +590,7 @@ def _build(st: _Static, interpret: Any):
       out_type=out_type,
       scratch_types=st.smem.scratch_types(),
       grid=st.grid,
-      grid_names=("rows", "split", "batch"),
+      grid_names=("batch", "split", "rows"),
       num_threads=VALUE_WGS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=st.smem.reduction_scratch_bytes),
