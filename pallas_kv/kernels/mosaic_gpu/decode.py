@@ -611,9 +611,11 @@ def _build(st: _Static, interpret: Any):
   if st.persistent:
     grid, grid_names = (st.num_programs,), ("program",)
   else:
-    # grid[0] is CUDA's fastest-varying block index: the KV heads of one token range sit
-    # side by side in HBM ([.., T, Hkv, D]), so programs launched together read them together.
-    grid, grid_names = st.grid_shape, ("head", "split", "batch")
+    # The KV heads of one token range sit side by side in HBM ([.., T, Hkv, D]), so programs
+    # launched together should read them together: heads vary fastest. Mosaic GPU launches the
+    # last grid dimension fastest (CUDA's x), so the grid is grid_shape reversed. (Until the
+    # ninth set of benchmarks/RESULTS.md it was grid_shape itself: the batch varied fastest.)
+    grid, grid_names = st.grid_shape[::-1], ("batch", "split", "head")
   return plgpu.kernel(
       functools.partial(_kernel, st=st),
       out_type=out_type,
