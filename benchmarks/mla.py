@@ -10,8 +10,9 @@ Rows (page 64, shuffled pages): 128 heads at (B, T) = (1, 32768), (16, 4096), (6
 (128, 8192), and ragged lengths (uniform in [1, 8192], mean ~4096) at B=128; 16 heads at
 (64, 8192); two new tokens (S=2) at (64, 4096).
 
-Impls: `mosaic_gpu` (our kernel), `mosaic_gpu_pqk` (the same with `DecodeConfig(pipeline_qk=True)`:
-the next tile's Q K^T overlaps this tile's softmax), `mosaic_gpu_halves` (`DecodeConfig(split_scores=True)`:
+Impls: `mosaic_gpu` (our kernel), `mosaic_gpu_pqk` (the same with `DecodeConfig(pipeline_qk=True)`
+on 32-token tiles in four stages: the next tile's Q K^T overlaps this tile's softmax),
+`mosaic_gpu_bkv32` (the plain schedule on those tiles), `mosaic_gpu_halves` (`DecodeConfig(split_scores=True)`:
 both consumers score half of each tile), `mosaic_gpu_sp<N>` (N splits per sequence instead of the
 heuristic's count, e.g. `mosaic_gpu_sp33`), `auto` (what `impl="auto"` picks), `xla`
 (pallas_kv's pure XLA impl), and `bf16_einsum` (written here: XLA einsums over the gathered pages with bf16 operands and
@@ -47,16 +48,19 @@ from benchmarks import timing
 PAGE_SIZE = 64
 BASELINE = "bf16_einsum"
 # Our kernel with its opt-in schedule: the scorer issues the next tile's Q K^T before this tile's
-# softmax (kernels/mosaic_gpu/mla.py, DecodeConfig.pipeline_qk).
+# softmax (kernels/mosaic_gpu/mla.py, DecodeConfig.pipeline_qk), on 32-token tiles in four stages
+# (it holds two tiles, and a third must be loading) ...
 PIPELINED = "mosaic_gpu_pqk"
+# ... and the plain schedule on those tiles, to tell the tiles' cost from the schedule's gain.
+TILES_32 = "mosaic_gpu_bkv32"
 # ... or both consumers score half of each tile and trade row maxima and P (DecodeConfig.split_scores).
 HALVES = "mosaic_gpu_halves"
 # ... or splits balanced by tokens across a ragged batch (DecodeConfig.split_plan="balanced").
 BALANCED = "mosaic_gpu_balanced"
 # ... or the q rows as wgmma's N, for few heads (DecodeConfig.rows_as_n; at most 64 rows).
 ROWS_AS_N = "mosaic_gpu_rows_as_n"
-VARIANTS = {PIPELINED: dict(pipeline_qk=True), HALVES: dict(split_scores=True), BALANCED: dict(split_plan="balanced"),
-            ROWS_AS_N: dict(rows_as_n=True)}
+VARIANTS = {PIPELINED: dict(pipeline_qk=True, block_kv=32, num_stages=4), TILES_32: dict(block_kv=32, num_stages=4),
+            HALVES: dict(split_scores=True), BALANCED: dict(split_plan="balanced"), ROWS_AS_N: dict(rows_as_n=True)}
 # ... or a fixed split count: mosaic_gpu_sp<N> (e.g. mosaic_gpu_sp33), the heuristic's schedule.
 FIXED_SPLITS = re.compile(r"mosaic_gpu_sp([1-9][0-9]*)")
 GPU_IMPLS = ("mosaic_gpu", PIPELINED, HALVES, BASELINE, "xla")
@@ -147,7 +151,7 @@ def build_fn(impl: str, row: Row):
   config = None
   fields = variant_fields(impl)
   if fields is not None:
-    impl, config = "mosaic_gpu", pkv.DecodeConfig(block_kv=64, num_stages=2, **fields)
+    impl, config = "mosaic_gpu", pkv.DecodeConfig(**(dict(block_kv=64, num_stages=2) | fields))
   return jax.jit(lambda *a: pkv.mla_decode_attention(*a, v_head_dim=row.v_dim, scale=scale, impl=impl,
                                                      config=config))
 

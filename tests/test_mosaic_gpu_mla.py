@@ -62,14 +62,15 @@ def _check(args, out_lse, *, v_head_dim=SMALL_V, scale=None, clean_pages=None, c
   assert_lse_matches(lse, ref_lse, q.dtype)
 
 
-# The consumers' schedules: plain (a scorer and a P V partner), pipeline_qk, split_scores, and
-# rows_as_n (transposed tiles: the q rows are wgmma's N).
-VARIANTS = {"plain": {}, "pipeline_qk": dict(pipeline_qk=True), "split_scores": dict(split_scores=True),
-            "rows_as_n": dict(rows_as_n=True)}
+# The consumers' schedules: plain (a scorer and a P V partner), pipeline_qk (with the 32-token
+# tiles and four stages it needs), split_scores, and rows_as_n (transposed tiles: the q rows are
+# wgmma's N).
+VARIANTS = {"plain": {}, "pipeline_qk": dict(pipeline_qk=True, block_kv=32, num_stages=4),
+            "split_scores": dict(split_scores=True), "rows_as_n": dict(rows_as_n=True)}
 
 
 def _config(num_splits, num_stages=2, variant="plain"):
-  return pkv.DecodeConfig(block_kv=64, num_stages=num_stages, num_splits=num_splits, **VARIANTS[variant])
+  return pkv.DecodeConfig(**(dict(block_kv=64, num_stages=num_stages, num_splits=num_splits) | VARIANTS[variant]))
 
 
 # ---------------------------------------------------------------- interpret mode (CPU)
@@ -201,8 +202,13 @@ def test_mla_on_triton_names_what_is_missing_and_auto_on_cpu_runs_xla():
 def test_mla_configs_are_checked():
   check = functools.partial(mla_config.check_config, qk_dim=QK, v_dim=V, dtype=jnp.bfloat16, page_size=64)
   check(_config(1))
-  with pytest.raises(ValueError, match="block_kv=128 must be 64"):
+  with pytest.raises(ValueError, match="block_kv=128 must be one of"):
     check(pkv.DecodeConfig(block_kv=128, num_stages=2, num_splits=1))
+  check(_config(1, variant="pipeline_qk"))   # 32-token tiles: four stages fit where 64-token ones take two
+  with pytest.raises(ValueError, match="SMEM"):
+    check(pkv.DecodeConfig(block_kv=32, num_stages=5, num_splits=1))
+  with pytest.raises(ValueError, match="split_scores and rows_as_n take block_kv=64"):
+    check(pkv.DecodeConfig(block_kv=32, num_stages=4, num_splits=1, split_scores=True))
   with pytest.raises(ValueError, match="num_stages=1 must be >= 2"):
     check(_config(1, num_stages=1))
   with pytest.raises(ValueError, match="SMEM"):
@@ -277,10 +283,17 @@ def test_mla_shipped_configs_lower_for_cuda(shape):
   _lower(shape, None)
 
 
-# The opt-in schedule (benchmarks/mla.py times it as mosaic_gpu_pqk) at the benchmark rows.
+# The opt-in schedule at the benchmark rows (benchmarks/mla.py times it as mosaic_gpu_pqk), and
+# the plain schedule with the same 32-token tiles (mosaic_gpu_bkv32; the tiles' 64-byte rows set
+# every operand's swizzle).
 @pytest.mark.parametrize("shape", LOWERING_SHAPES[:7], ids=_shape_id)
 def test_mla_pipelined_qk_lowers_for_cuda(shape):
-  _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, pipeline_qk=True))
+  _lower(shape, pkv.DecodeConfig(block_kv=32, num_stages=4, pipeline_qk=True))
+
+
+@pytest.mark.parametrize("shape", [LOWERING_SHAPES[i] for i in (0, 2, 6, 9)], ids=_shape_id)
+def test_mla_32_token_tiles_lower_for_cuda(shape):
+  _lower(shape, pkv.DecodeConfig(block_kv=32, num_stages=4))
 
 
 # B1 (64 splits), B64 (one split: the bf16 output staging), pages of 16 (four copies per tile).
@@ -338,7 +351,7 @@ def test_gpu_mla_matches_reference(batch, seq_len, num_heads, num_queries, page_
   few_rows = num_heads * (num_queries or 1) <= mla_config.ROWS_AS_N_MAX
   for fields in (VARIANTS["pipeline_qk"], VARIANTS["split_scores"], dict(split_plan="balanced"),
                  *([VARIANTS["rows_as_n"]] if few_rows else [])):
-    config = pkv.DecodeConfig(block_kv=64, num_stages=2, **fields)
+    config = pkv.DecodeConfig(**(dict(block_kv=64, num_stages=2) | fields))
     out = jax.jit(functools.partial(pkv.mla_decode_attention, v_head_dim=V, return_lse=True, impl=IMPL,
                                     config=config))(q, jnp.asarray(bad_pages, q.dtype), bad_tables, lengths)
     _check(args, out, v_head_dim=V)
@@ -362,6 +375,8 @@ def test_mla_benchmark_names_its_kernel_variants():
   assert mla_bench.variant_fields("mosaic_gpu_halves") == dict(split_scores=True)
   assert mla_bench.variant_fields("mosaic_gpu_balanced") == dict(split_plan="balanced")
   assert mla_bench.variant_fields("mosaic_gpu_rows_as_n") == dict(rows_as_n=True)
+  assert mla_bench.variant_fields("mosaic_gpu_pqk") == dict(pipeline_qk=True, block_kv=32, num_stages=4)
+  assert mla_bench.variant_fields("mosaic_gpu_bkv32") == dict(block_kv=32, num_stages=4)
   assert mla_bench.variant_fields("mosaic_gpu") is None and mla_bench.is_ours("mosaic_gpu_sp4")
   row = mla_bench.cpu_rows()[0]
   for bad in ("mosaic_gpu_sp0", "mosaic_gpu_sp", "flashmla"):

@@ -19,7 +19,10 @@ split by value columns it takes 128 in each (FlashMLA's plan). V is the K tile i
 wgmma as is (no second load); P lives in one SMEM buffer handed over with two barriers
 (`_SharedP`). The partner's P V overlaps the scorer's next Q K^T and softmax. Opt-in
 (`DecodeConfig.pipeline_qk`): the scorer issues tile i+1's Q K^T before tile i's softmax, so the
-tensor cores also work while it runs (FA3's intra-warpgroup overlap; measured slower).
+tensor cores also work while it runs (FA3's intra-warpgroup overlap). It holds two tiles at once,
+so a third must be loading meanwhile: with 64-token tiles only two stages fit and it measured 2x
+slower (likely for that reason). Give it `DecodeConfig(block_kv=32, num_stages=4)` (not yet
+timed; Q, the ring and P then take the 64-byte swizzle of P's 32-token rows).
 Opt-in (`DecodeConfig.split_scores`, `_score_half_tiles`): the two consumers are alike, each
 scoring half of every tile's keys (S [64, bkv/2]); they trade row maxima through SMEM, each
 stores its half of P, and each runs P V over both halves for its value columns, so one's tensor

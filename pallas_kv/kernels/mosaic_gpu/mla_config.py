@@ -22,6 +22,9 @@ from pallas_kv.kernels.mosaic_gpu import tiling
 ROWS = mgpu_config.ROWS_PER_WG     # packed query rows per program (wgmma M)
 VALUE_WGS = 2                      # consumers, each owning Dv / 2 value columns
 BLOCK_KV = 64                      # wgmma K of P V; two 64 x 576 tiles + Q fill SMEM
+# 32-token tiles fit four stages in the same SMEM: what pipeline_qk needs, since its scorer holds
+# two tiles at once (Q K^T of the next in flight with P V of this one) and a third must be loading.
+BLOCK_KVS = (32, 64)
 # Row reductions of the WGMMA layout stay inside a warp: no cross-warp scratch is needed, and the
 # 64 x 576 tiles leave none to spare.
 REDUCTION_SCRATCH_BYTES = 0
@@ -81,9 +84,9 @@ class MlaSmem:
 
   def transforms(self, minor_dim: int):
     """SMEM transforms of an operand. wgmma takes one swizzle for both of its operands, so Q and
-    the ring follow P's rows: split_scores' P halves have 64-byte rows, and with rows as N P's
-    rows are the q rows (32 bytes at 16)."""
-    limit = None
+    the ring follow P's rows: 64 bytes with 32-token tiles or split_scores' P halves, and with
+    rows as N P's rows are the q rows (32 bytes at 16)."""
+    limit = self.block_kv * self.dtype.itemsize
     if self.split_scores:
       limit = self.half_kv * self.dtype.itemsize
     elif self.rows_as_n:
@@ -165,9 +168,11 @@ def check_config(config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, p
   packed q rows of the call)."""
   if config.num_splits is None:
     raise ValueError("config.num_splits must be resolved (resolve_config) before the kernel runs")
-  if config.block_kv != BLOCK_KV:
-    raise ValueError(f"config.block_kv={config.block_kv} must be {BLOCK_KV} for MLA on mosaic_gpu "
+  if config.block_kv not in BLOCK_KVS:
+    raise ValueError(f"config.block_kv={config.block_kv} must be one of {BLOCK_KVS} for MLA on mosaic_gpu "
                      "(wgmma K of P V; larger tiles of Dqk columns leave no room for two stages)")
+  if config.block_kv != BLOCK_KV and (config.split_scores or config.rows_as_n):
+    raise ValueError(f"split_scores and rows_as_n take block_kv={BLOCK_KV}, got {config.block_kv}")
   if config.num_stages < 2:
     raise ValueError(f"config.num_stages={config.num_stages} must be >= 2 for MLA (the next tile loads "
                      "while this one is used)")

@@ -81,7 +81,13 @@ def zero_rows_past(tile, valid_rows, *, width: int | None = None):
   width = tile.shape[1] if width is None else width
   for c in range(width // _ZERO_CHUNK):
     chunk = tile.at[:, pl.ds(c * _ZERO_CHUNK, _ZERO_CHUNK)]
-    chunk[...] = rows_below(plgpu.load(chunk, layout=plgpu.Layout.WGMMA), valid_rows, plgpu.Layout.WGMMA)
+    if tile.shape[0] % 64 == 0:
+      chunk[...] = rows_below(plgpu.load(chunk, layout=plgpu.Layout.WGMMA), valid_rows, plgpu.Layout.WGMMA)
+    else:   # the WGMMA layout spans 64 rows: a 32-token tile is zeroed through its transpose
+      columns = chunk.transpose((1, 0))   # [64, bkv]
+      values = plgpu.load(columns, layout=plgpu.Layout.WGMMA)
+      tokens = plgpu.broadcasted_iota(jnp.int32, values.shape, 1, layout=plgpu.Layout.WGMMA)
+      columns[...] = jnp.where(tokens < valid_rows, values, jnp.zeros_like(values))
   plgpu.commit_smem()
 
 
