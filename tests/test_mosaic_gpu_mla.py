@@ -286,12 +286,12 @@ def test_mla_shipped_configs_lower_for_cuda(shape):
 # The opt-in schedule at the benchmark rows (benchmarks/mla.py times it as mosaic_gpu_pqk), and
 # the plain schedule with the same 32-token tiles (mosaic_gpu_bkv32; the tiles' 64-byte rows set
 # every operand's swizzle).
-@pytest.mark.parametrize("shape", LOWERING_SHAPES[:7], ids=_shape_id)
+@pytest.mark.parametrize("shape", [LOWERING_SHAPES[i] for i in (0, 2, 3, 6)], ids=_shape_id)
 def test_mla_pipelined_qk_lowers_for_cuda(shape):
   _lower(shape, pkv.DecodeConfig(block_kv=32, num_stages=4, pipeline_qk=True))
 
 
-@pytest.mark.parametrize("shape", [LOWERING_SHAPES[i] for i in (0, 2, 6, 9)], ids=_shape_id)
+@pytest.mark.parametrize("shape", [LOWERING_SHAPES[i] for i in (2, 9)], ids=_shape_id)
 def test_mla_32_token_tiles_lower_for_cuda(shape):
   _lower(shape, pkv.DecodeConfig(block_kv=32, num_stages=4))
 
