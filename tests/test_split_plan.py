@@ -64,6 +64,20 @@ def test_a_long_sequence_among_short_ones_takes_more_splits():
   assert int(split_k.active_splits(100, num_splits=16, **kw)) == 2
 
 
+@pytest.mark.parametrize("batch,ragged,one_split", [(128, False, True), (128, True, False), (16, False, False)])
+def test_near_equal_lengths_that_fill_a_wave_stay_unsplit(batch, ragged, one_split):
+  # 132 SMs, 128 heads (two row blocks, one latent head): the MLA kernel's plan at T8192.
+  chunks = split_k.balanced_chunks(num_kv_heads=1, row_blocks=2, num_sms=132)
+  lengths = np.full(batch, 8192, np.int32)
+  if ragged:
+    lengths = np.random.default_rng(batch).integers(1, 8193, size=batch).astype(np.int32)
+  else:
+    lengths[:batch // 4] -= 700   # near-equal: a quarter of them 11 tiles shorter
+  per_split = int(split_k.balanced_tiles_per_split(jnp.asarray(lengths), block_kv=64, num_queries=1, num_splits=5,
+                                                   window=None, chunks=chunks)[0])
+  assert (per_split >= 128) == one_split   # 128 tiles: the longest sequence in one split
+
+
 def test_choose_balanced_splits():
   kw = dict(num_kv_heads=8, row_blocks=1, capacity=32768, block_kv=64, num_sms=132)
   chunks = split_k.balanced_chunks(num_kv_heads=8, row_blocks=1, num_sms=132)

@@ -36,6 +36,11 @@ MAX_SPLITS = 64
 # scheduler evens out the last one), and assumes a ragged batch fills at least half its capacity
 # when it sizes the grid.
 BALANCE_WAVES = 4
+# ... but a batch of near-equal lengths (longest at most this times the mean) that fills a wave of
+# programs unsplit stays unsplit: its programs already end together, and cutting them only adds
+# programs, merges and short remainders (measured on the H200, MLA B128 T8192: 655 us unsplit,
+# 702 us cut into 63 + 63 + 2 tiles; benchmarks/RESULTS.md, ninth set).
+NEAR_EQUAL_LENGTHS = 1.25
 
 
 def cdiv(a, b):
@@ -131,12 +136,18 @@ def balanced_tiles_per_split(lengths, *, block_kv: int, num_queries: int, num_sp
 
   About `chunks` splits over the batch's visible tiles, never more than num_splits for one
   sequence, never fewer than MIN_TILES_PER_SPLIT tiles (a split that short costs more than it
-  saves). `split_tile_range(..., tiles_per_split=)` then cuts each sequence with it; a sequence
-  needing fewer splits leaves the rest empty.
+  saves); one split per sequence when the lengths are near-equal and the batch alone fills a wave
+  (NEAR_EQUAL_LENGTHS). `split_tile_range(..., tiles_per_split=)` then cuts each sequence with
+  it; a sequence needing fewer splits leaves the rest empty.
   """
   first_tile, end_tile = _visible_tiles(lengths, block_kv=block_kv, num_queries=num_queries, window=window)
   tiles = jnp.maximum(end_tile - first_tile, 0)
-  per_split = jnp.maximum(cdiv(jnp.sum(tiles), chunks), cdiv(jnp.max(tiles), num_splits))
+  longest, total = jnp.max(tiles), jnp.sum(tiles)
+  per_split = jnp.maximum(cdiv(total, chunks), cdiv(longest, num_splits))
+  batch = lengths.shape[0]
+  if batch * BALANCE_WAVES >= chunks:   # the sequences alone make a wave of programs
+    near_equal = longest * batch <= NEAR_EQUAL_LENGTHS * total
+    per_split = jnp.where(near_equal, jnp.maximum(longest, per_split), per_split)
   return jnp.maximum(per_split, MIN_TILES_PER_SPLIT).astype(jnp.int32).reshape(1)
 
 
