@@ -13,8 +13,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
 	touch $(STAMP)
 
+# Two workers: the interpret-mode tests are CPU-bound, ~35% less wall time on two cores.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.decode $(BENCH_FLAGS)
