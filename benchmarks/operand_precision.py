@@ -47,16 +47,11 @@ def define_flags() -> None:
   flags.DEFINE_string("json", None, "write the rows here")
 
 
-def _quantize_rows(x, dtype, axis=-1):
-  """x quantized to the one-byte dtype with one scale per slice along `axis`; returns its values
-  after the round trip (what the tensor cores would see, times the scale)."""
-  limit = kv_cache.QUANTIZED_MAX[jnp.dtype(dtype)]
-  amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
-  scale = jnp.where(amax > 0, amax / limit, 1.0)
-  scaled = x / scale
-  if jnp.issubdtype(dtype, jnp.integer):
-    scaled = jnp.round(scaled)
-  return jnp.clip(scaled, -limit, limit).astype(dtype).astype(jnp.float32) * scale
+def _quantize_rows(x, dtype):
+  """x quantized to the one-byte dtype with one scale per slice of its last axis (the cache's own
+  per-token quantizer), back in float32: what the tensor cores would see, times the scale."""
+  values, scale = kv_cache.quantize(x, dtype)
+  return values.astype(jnp.float32) * scale[..., None]
 
 
 def attention(q, k, v, k_scale, v_scale, *, path: str, kv_dtype):
