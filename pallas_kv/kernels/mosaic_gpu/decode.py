@@ -611,11 +611,11 @@ def _build(st: _Static, interpret: Any):
   if st.persistent:
     grid, grid_names = (st.num_programs,), ("program",)
   else:
-    # The KV heads of one token range sit side by side in HBM ([.., T, Hkv, D]), so programs
-    # launched together should read them together: heads vary fastest. Mosaic GPU launches the
-    # last grid dimension fastest (CUDA's x), so the grid is grid_shape reversed. (Until the
-    # ninth set of benchmarks/RESULTS.md it was grid_shape itself: the batch varied fastest.)
-    grid, grid_names = st.grid_shape[::-1], ("batch", "split", "head")
+    # Mosaic GPU launches the last grid dimension fastest, so this order launches the batch
+    # fastest. Launching the heads fastest (the grid reversed, so the KV heads of one token range,
+    # side by side in HBM, are read together) measured no faster: 0-6% slower on the gqa_h200
+    # sweep (benchmarks/RESULTS.md, tenth set).
+    grid, grid_names = st.grid_shape, ("head", "split", "batch")
   return plgpu.kernel(
       functools.partial(_kernel, st=st),
       out_type=out_type,
