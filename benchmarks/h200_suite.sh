@@ -2,7 +2,7 @@
 # The measurement suite on an H200, in parts that each fit one ~10-minute command.
 #   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged quantized qprobe vmap step tune
 #   fuzz memcheck mla merge balanced smollm2 (SMOLLM2_GGUF=path: the GPU machine has no network)
-#   tune_triton ncu ncu_stalls loadpath kernels chain timer ragged_order ragged_one qpaged16 qpaged64 converter vlast models
+#   tune_triton ncu ncu_stalls ncu_mla loadpath kernels chain timer ragged_order ragged_one qpaged16 qpaged64 converter vlast models
 #   tune-SWEEP-BACKEND (e.g. TUNE_CASES=32x8192,128x8192 ... tune-gpt_oss_120b-mosaic_gpu)
 #   (and scaling8k scaling32k on a machine with several GPUs)
 # Results (JSON, logs) go to $OUT if set, else bench_out/. Run from the repository root with the
@@ -175,6 +175,19 @@ for part in "$@"; do
                 done
                 python3 -m benchmarks.ncu_summary /tmp/ncu_stalls/*.csv | tee "$out/ncu_stalls.log"
               fi ;;
+    ncu_mla)  # the MLA kernel (128 heads, page 64) under Nsight Compute: how busy the tensor pipe is, the L2
+              # hit rate (a sequence's two row blocks read the same tiles), why warps wait (~3 min)
+              if ! command -v ncu >/dev/null 2>&1; then echo "ncu: not on this machine" | tee "$out/ncu_mla.log"; else
+                mkdir -p /tmp/ncu_mla
+                metrics=$(python3 -m benchmarks.ncu_summary --metrics_flag --pipes)
+                for c in 64x4096 128x8192; do
+                  timeout 170 ncu --clock-control none --kernel-name regex:'pallas_kv_mla' --launch-skip 3 \
+                    --launch-count 1 --metrics "$metrics" --csv python3 -m benchmarks.profile_kernel \
+                    --flagfile=configs/mla_h200.flags --impl=mosaic_gpu --cases=$c --warmup=2 --calls=3 \
+                    > "/tmp/ncu_mla/$c.csv" 2> /tmp/ncu_mla/err.log || tail -3 /tmp/ncu_mla/err.log
+                done
+                python3 -m benchmarks.ncu_summary /tmp/ncu_mla/*.csv | tee "$out/ncu_mla.log"
+              fi ;;
     ncu)      # Nsight Compute counters of one steady-state call (registers, smem, occupancy, DRAM %);
               # a profiled process takes minutes (compiles run under ncu), so each one has its own limit.
               if ! command -v ncu >/dev/null 2>&1; then echo "ncu: not on this machine" | tee "$out/ncu.log"; else
@@ -194,7 +207,7 @@ for part in "$@"; do
               ctx=$([ "$part" = scaling8k ] && echo 8192 || echo 32768)
               python3 -m benchmarks.scaling --flagfile=configs/scaling_h200.flags --seq_len=$ctx \
                 --json="$out/$part.json" 2>&1 | quiet | tee "$out/$part.log" ;;
-    *) echo "unknown part: $part (tests variants loadpath gqa paged quantized qprobe vmap fuzz memcheck mla merge balanced smollm2 step tune tune_triton tune-SWEEP-BACKEND ncu kernels chain timer ragged_order converter models scaling8k scaling32k)"; status=2 ;;
+    *) echo "unknown part: $part (tests variants loadpath gqa paged quantized qprobe vmap fuzz memcheck mla merge balanced smollm2 step tune tune_triton tune-SWEEP-BACKEND ncu ncu_stalls ncu_mla kernels chain timer ragged_order converter models scaling8k scaling32k)"; status=2 ;;
   esac
 done
 exit $status

@@ -2,7 +2,7 @@ r"""The few Nsight Compute metrics that say what limits a decode kernel, one row
 
   ncu --import prof.ncu-rep --page details --csv > prof.csv
   python3 -m benchmarks.ncu_summary prof.csv [more.csv ...]
-  ncu --metrics "$(python3 -m benchmarks.ncu_summary --metrics_flag)" --csv ... > raw.csv
+  ncu --metrics "$(python3 -m benchmarks.ncu_summary --metrics_flag [--pipes])" --csv ... > raw.csv
 
 With `--metrics` output (raw metric names) it prints DRAM and SM %, issue activity, warps per
 scheduler, and the cycles per issued instruction a warp spends stalled, by reason, largest first.
@@ -39,6 +39,7 @@ COLUMNS = (
 RAW_COLUMNS = (
     ("duration", "gpu__time_duration.sum"),
     ("DRAM %", "dram__throughput.avg.pct_of_peak_sustained_elapsed"),
+    ("L2 hit %", "lts__t_sector_hit_rate.pct"),
     ("SM %", "sm__throughput.avg.pct_of_peak_sustained_elapsed"),
     ("regs/thr", "launch__registers_per_thread"),
     ("blocks/SM by regs", "launch__occupancy_limit_registers"),
@@ -54,9 +55,17 @@ STALL_REASONS = ("long_scoreboard", "short_scoreboard", "wait", "barrier", "not_
                  "membar", "drain", "imc_miss", "tex_throttle", "sleeping", "misc", "selected")
 
 
-def ncu_metrics_flag() -> str:
-  """The `--metrics` list of RAW_COLUMNS and the stall reasons."""
-  return ",".join([metric for _, metric in RAW_COLUMNS] + [STALL_PREFIX + r + STALL_SUFFIX for r in STALL_REASONS])
+# How busy each SM pipe was (the tensor pipe, which runs wgmma, first): ncu names them by pattern,
+# and which names exist depends on the GPU and ncu version, so they are asked for by regex and
+# printed as found.
+PIPE_PREFIX, PIPE_SUFFIX = "sm__pipe_", "_cycles_active.avg.pct_of_peak_sustained_active"
+PIPES_REGEX = "regex:sm__pipe_.*_cycles_active.avg.pct_of_peak_sustained_active"
+
+
+def ncu_metrics_flag(pipes: bool = False) -> str:
+  """The `--metrics` list of RAW_COLUMNS and the stall reasons (and every pipe's activity)."""
+  metrics = [metric for _, metric in RAW_COLUMNS] + [STALL_PREFIX + r + STALL_SUFFIX for r in STALL_REASONS]
+  return ",".join(metrics + ([PIPES_REGEX] if pipes else []))
 
 
 def _number(text: str) -> float:
@@ -92,8 +101,11 @@ def format_rows(launches: Sequence[dict], source: str = "") -> str:
                   if any(metric in launch for _, metric in columns) else "" for columns in (COLUMNS, RAW_COLUMNS))
     stalls = sorted(((_number(launch[STALL_PREFIX + r + STALL_SUFFIX]), r) for r in STALL_REASONS
                      if STALL_PREFIX + r + STALL_SUFFIX in launch), reverse=True)
+    pipes = sorted(((_number(value), name[len(PIPE_PREFIX):-len(PIPE_SUFFIX)]) for name, value in launch.items()
+                    if name.startswith(PIPE_PREFIX) and name.endswith(PIPE_SUFFIX)), reverse=True)
+    busy = "pipes busy %: " + "  ".join(f"{name}={v:.1f}" for v, name in pipes if v >= 1) if pipes else ""
     text = f"{source}{' ' if source else ''}[{launch['id']}] {kernel}"
-    for part in (cells, raw):
+    for part in (cells, raw, busy):
       text += f"\n    {part}" if part else ""
     if stalls:
       text += (f"\n    cycles per issue {sum(v for v, _ in stalls):.2f}: "
@@ -103,8 +115,8 @@ def format_rows(launches: Sequence[dict], source: str = "") -> str:
 
 
 def main(paths: Sequence[str]) -> int:
-  if list(paths) == ["--metrics_flag"]:
-    print(ncu_metrics_flag())
+  if list(paths) in (["--metrics_flag"], ["--metrics_flag", "--pipes"]):
+    print(ncu_metrics_flag(pipes="--pipes" in paths))
     return 0
   if not paths:
     print(__doc__)

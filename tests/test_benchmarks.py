@@ -372,6 +372,18 @@ def test_ncu_summary_reads_raw_metrics_and_ranks_stalls():
   assert "cycles per issue 2.29: selected=1.00  short_scoreboard=0.69  wait=0.60" in text, text
   assert "drain" not in text
   assert ncu_summary.STALL_PREFIX + "long_scoreboard" + ncu_summary.STALL_SUFFIX in ncu_summary.ncu_metrics_flag()
+  assert "regex:" not in ncu_summary.ncu_metrics_flag() and "regex:" in ncu_summary.ncu_metrics_flag(pipes=True)
+
+
+def test_ncu_summary_ranks_busy_pipes():
+  from benchmarks import ncu_summary
+  header = '"ID","Process ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"'
+  pipe = lambda name, value: (f'"0","7","mla","Command line profiler metrics","{ncu_summary.PIPE_PREFIX}{name}'
+                              f'{ncu_summary.PIPE_SUFFIX}","%","{value}"')
+  rows = [pipe("alu", "12.5"), pipe("tensor_op_gmma", "61.25"), pipe("fp64", "0.0")]
+  text = ncu_summary.format_rows(ncu_summary.read_launches([header, *rows]))
+  assert "pipes busy %: tensor_op_gmma=61.2  alu=12.5" in text, text
+  assert "fp64" not in text
 
 
 def test_kernel_variants_load_path_rows_run_in_interpret_mode(monkeypatch):
