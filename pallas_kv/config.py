@@ -42,7 +42,9 @@ class DecodeConfig:
     (mosaic_gpu only; needs <= 64 packed rows and even num_splits and num_stages).
   pipeline_qk: issue the QK^T wgmma of tile i+1 before the softmax of tile i, so that the tensor
     cores and the softmax overlap (FA3-style intra-warpgroup pipelining; mosaic_gpu only). MLA
-    holds two tiles at once with it: use block_kv=32 and num_stages=4 there, so that a third loads.
+    holds two tiles at once with it: use block_kv=32 and num_stages=4 there, so that a third loads
+    (measured no faster than the plain schedule on those tiles, both slower than the default
+    64-token tiles: benchmarks/RESULTS.md, tenth set).
   persistent: launch one program per SM that loops over the (kv head, split, batch) work items,
     keeping the KV ring streaming across items (mosaic_gpu only; kv_groups must be 1).
   merge_in_kernel: merge the splits in the kernel's own launch instead of the merge kernel's
