@@ -14,7 +14,10 @@ Impls: `mosaic_gpu` (our kernel), `mosaic_gpu_pqk` (the same with `DecodeConfig(
 on 32-token tiles in four stages: the next tile's Q K^T overlaps this tile's softmax),
 `mosaic_gpu_bkv32` (the plain schedule on those tiles), `mosaic_gpu_halves` (`DecodeConfig(split_scores=True)`:
 both consumers score half of each tile), `mosaic_gpu_sp<N>` (N splits per sequence instead of the
-heuristic's count, e.g. `mosaic_gpu_sp33`), `auto` (what `impl="auto"` picks), `xla`
+heuristic's count, e.g. `mosaic_gpu_sp33`), `kernel` (the kernel's launch alone, one split, no
+merge) and its probes `kernel_no_qk`, `kernel_no_softmax`, `kernel_no_pv`, `kernel_loads_only`
+(the same launch with those stages left out: the TMA ring and the P hand-over still run; results
+wrong by design, so they are not checked; they tell where a tile's time goes), `auto` (what `impl="auto"` picks), `xla`
 (pallas_kv's pure XLA impl), and `bf16_einsum` (written here: XLA einsums over the gathered pages with bf16 operands and
 float32 accumulation, the plain-JAX baseline). Every impl's output of a row is first checked
 against bf16_einsum's (relative error ||out - ref|| / ||ref||, at most 1e-2 for ours), then
@@ -62,10 +65,15 @@ ROWS_AS_N = "mosaic_gpu_rows_as_n"
 VARIANTS = {PIPELINED: dict(pipeline_qk=True, block_kv=32, num_stages=4), TILES_32: dict(block_kv=32, num_stages=4),
             HALVES: dict(split_scores=True), BALANCED: dict(split_plan="balanced"), ROWS_AS_N: dict(rows_as_n=True)}
 # ... or a fixed split count: mosaic_gpu_sp<N> (e.g. mosaic_gpu_sp33), the heuristic's schedule.
+# The kernel's launch alone with one split, and probes of it that leave stages of the tile's math
+# out (MEASUREMENT ONLY: their outputs are wrong by design and go unchecked).
+KERNEL = "kernel"
+PROBES = {KERNEL: frozenset(), "kernel_no_qk": frozenset({"qk"}), "kernel_no_softmax": frozenset({"softmax"}),
+          "kernel_no_pv": frozenset({"pv"}), "kernel_loads_only": frozenset({"qk", "softmax", "pv"})}
 FIXED_SPLITS = re.compile(r"mosaic_gpu_sp([1-9][0-9]*)")
 GPU_IMPLS = ("mosaic_gpu", PIPELINED, HALVES, BASELINE, "xla")
 CPU_IMPLS = ("auto", "xla", BASELINE)
-OUR_IMPLS = runners.OUR_IMPLS + tuple(VARIANTS)
+OUR_IMPLS = runners.OUR_IMPLS + tuple(VARIANTS) + (KERNEL,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +139,56 @@ def bf16_einsum(q, kv_pages, block_tables, lengths, *, v_head_dim: int, scale: f
 
 
 def is_ours(impl: str) -> bool:
+  """Ours and checked against the baseline (the probes are neither)."""
   return impl in OUR_IMPLS or FIXED_SPLITS.fullmatch(impl) is not None
+
+
+def is_probe(impl: str) -> bool:
+  return impl in PROBES and impl != KERNEL
+
+
+def probe_math(impl: str):
+  """The kernel's TileMath for impl `kernel`, or a subclass that leaves impl's stages out."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu   # pylint: disable=g-import-not-at-top
+  from pallas_kv.kernels.mosaic_gpu import mla as mgpu_mla   # pylint: disable=g-import-not-at-top
+
+  @dataclasses.dataclass(frozen=True)
+  class ProbeMath(mgpu_mla.TileMath):
+    """MEASUREMENT ONLY: Q K^T, the softmax (P = the raw scores, alpha = 1) or P V left out."""
+    skip: frozenset = frozenset()
+
+    def qk(self, s_ref, q_tile, k_tile):
+      if "qk" not in self.skip:
+        super().qk(s_ref, q_tile, k_tile)
+
+    def pv(self, acc_ref, p_tile, v_tile):
+      if "pv" not in self.skip:
+        super().pv(acc_ref, p_tile, v_tile)
+
+    def softmax(self, s, m_i, l_i, *, st, **where):
+      if "softmax" not in self.skip:
+        return super().softmax(s, m_i, l_i, st=st, **where)
+      layout = plgpu.Layout.WGMMA.reduce(0 if st.rows_as_n else 1)
+      return plgpu.layout_cast(jnp.ones(m_i.shape, jnp.float32), layout), m_i, l_i, s
+
+  return mgpu_mla.TileMath() if impl == KERNEL else ProbeMath(name=impl, skip=PROBES[impl])
+
+
+def build_kernel_launch(impl: str, row: "Row", scale: float):
+  """The MLA kernel's launch alone (one split, so no merge) with impl's tile math."""
+  pkv = runners.import_pallas_kv()
+  from pallas_kv.kernels.mosaic_gpu import backend, mla as mgpu_mla   # pylint: disable=g-import-not-at-top
+  config = pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=1)
+  math = probe_math(impl)
+
+  def launch(q, kv_pages, block_tables, lengths):
+    rows = q.reshape(q.shape[0], -1, q.shape[-1])   # [B, S * Hq, Dqk]: row s * Hq + h
+    out, _ = mgpu_mla.mla_partials(rows, kv_pages, lengths, block_tables, num_queries=row.num_queries,
+                                   v_head_dim=row.v_dim, scale=scale, config=config, tile_math=math,
+                                   interpret=backend.interpret_params())
+    return out[:, 0].reshape(*q.shape[:-1], row.v_dim)
+
+  return jax.jit(launch)
 
 
 def variant_fields(impl: str) -> dict | None:
@@ -145,8 +202,11 @@ def build_fn(impl: str, row: Row):
   scale = float(row.qk_dim) ** -0.5
   if impl == BASELINE:
     return jax.jit(lambda *a: bf16_einsum(*a, v_head_dim=row.v_dim, scale=scale))
+  if impl in PROBES:
+    return build_kernel_launch(impl, row, scale)
   if not is_ours(impl):
-    raise ValueError(f"unknown impl {impl!r}; choose from {OUR_IMPLS + (BASELINE,)} or mosaic_gpu_sp<N>")
+    raise ValueError(f"unknown impl {impl!r}; choose from {OUR_IMPLS + tuple(PROBES) + (BASELINE,)} or "
+                     "mosaic_gpu_sp<N>")
   pkv = runners.import_pallas_kv()
   config = None
   fields = variant_fields(impl)
@@ -199,7 +259,7 @@ def format_table(rows: Sequence[dict]) -> str:
     if r["status"] != "ok":
       lines.append(f"{r['row']:<22} {r['impl']:<12} {r['status']}: {r.get('reason', '')}")
       continue
-    note = "" if r["check_ok"] or not r["ours"] else "CHECK FAILED"
+    note = "probe (unchecked)" if is_probe(r["impl"]) else "" if r["check_ok"] or not r["ours"] else "CHECK FAILED"
     if r.get("auto_choice"):
       note += f" auto->{r['auto_choice']}"
     lines.append(f"{r['row']:<22} {r['impl']:<12} {r['time_us']:>9.1f} {r['tflops']:>8.1f} {r['tbps']:>6.2f} "
@@ -244,7 +304,7 @@ ALL_ROWS = {row.name: row for row in GPU_ROWS + cpu_rows()}
 def define_flags() -> None:
   flags.DEFINE_list("rows", None, f"Rows to run, from {','.join(ALL_ROWS)}. Default: GPU all but "
                     "tiny_cpu; CPU tiny_cpu.")
-  flags.DEFINE_list("impl", None, f"Impls, from {','.join(OUR_IMPLS + (BASELINE,))}, or mosaic_gpu_sp<N> "
+  flags.DEFINE_list("impl", None, f"Impls, from {','.join(OUR_IMPLS + tuple(PROBES) + (BASELINE,))}, or mosaic_gpu_sp<N> "
                     "(N splits fixed). Default: GPU "
                     f"{','.join(GPU_IMPLS)}; CPU {','.join(CPU_IMPLS)}.")
   flags.DEFINE_float("rotate_bytes", None, "Rotate among input sets until their KV totals this many bytes "

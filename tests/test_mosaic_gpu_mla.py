@@ -382,3 +382,36 @@ def test_mla_benchmark_names_its_kernel_variants():
   for bad in ("mosaic_gpu_sp0", "mosaic_gpu_sp", "flashmla"):
     with pytest.raises(ValueError, match="unknown impl"):
       mla_bench.build_fn(bad, row)
+
+
+# ---------------------------------------------------------------- the benchmark's probes
+
+def test_mla_kernel_launch_matches_the_baseline_and_its_probes_run_in_interpret_mode():
+  """benchmarks.mla's `kernel` impl (the launch alone, TileMath as the kernel uses it) matches the
+  bf16 baseline; the probes, which leave stages of the tile's math out, run and change the output
+  (a probe that left nothing out would measure nothing)."""
+  from benchmarks import cases as bench_cases
+  from benchmarks import mla as mla_bench
+  row = mla_bench.cpu_rows()[0]
+  case = row.case()
+  lengths = bench_cases.make_lengths(case, jax.random.key(1))
+  args = bench_cases.make_input_sets(case, jax.random.key(2), lengths, 1)[0]
+  baseline = np.asarray(mla_bench.build_fn(mla_bench.BASELINE, row)(*args), np.float32)
+  with pkv.interpret():
+    outs = {impl: np.asarray(mla_bench.build_fn(impl, row)(*args), np.float32)
+            for impl in (mla_bench.KERNEL, "kernel_no_softmax", "kernel_loads_only")}
+  assert bench_cases.relative_error(outs[mla_bench.KERNEL], baseline) < 1e-2
+  for impl in ("kernel_no_softmax", "kernel_loads_only"):
+    assert outs[impl].shape == baseline.shape and mla_bench.is_probe(impl) and not mla_bench.is_ours(impl)
+    assert not np.allclose(outs[impl], outs[mla_bench.KERNEL], atol=1e-2, equal_nan=True), impl
+
+
+@pytest.mark.parametrize("impl", ["kernel", "kernel_no_qk", "kernel_no_softmax", "kernel_no_pv", "kernel_loads_only"])
+def test_mla_kernel_launch_and_probes_lower_for_cuda(impl):
+  from benchmarks import mla as mla_bench
+  row = mla_bench.ALL_ROWS["h128_b64_t4096"]
+  args, _ = _problem(batch=row.batch, seq_len=row.seq_len, num_heads=row.num_heads)
+  module = lower_for_cuda(mla_bench.build_fn(impl, row), *args).mlir_module()
+  assert "custom_call @mosaic_gpu" in module and "pallas_kv_mla" in module
+  if mla_bench.is_probe(impl):
+    assert f"_{impl}" in module   # a probe's kernel says so in its name

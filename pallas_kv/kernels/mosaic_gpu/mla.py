@@ -21,8 +21,9 @@ wgmma as is (no second load); P lives in one SMEM buffer handed over with two ba
 (`DecodeConfig.pipeline_qk`): the scorer issues tile i+1's Q K^T before tile i's softmax, so the
 tensor cores also work while it runs (FA3's intra-warpgroup overlap). It holds two tiles at once,
 so a third must be loading meanwhile: with 64-token tiles only two stages fit and it measured 2x
-slower (likely for that reason). Give it `DecodeConfig(block_kv=32, num_stages=4)` (not yet
-timed; Q, the ring and P then take the 64-byte swizzle of P's 32-token rows).
+slower. With `DecodeConfig(block_kv=32, num_stages=4)` (Q, the ring and P then take the 64-byte
+swizzle of P's 32-token rows) it measured as fast as the plain schedule on those tiles, both
+21-27% slower than 64-token tiles (benchmarks/RESULTS.md, tenth set).
 Opt-in (`DecodeConfig.split_scores`, `_score_half_tiles`): the two consumers are alike, each
 scoring half of every tile's keys (S [64, bkv/2]); they trade row maxima through SMEM, each
 stores its half of P, and each runs P V over both halves for its value columns, so one's tensor
@@ -45,7 +46,11 @@ count fills about one wave of 132 SMs (`resolve_config`). With `DecodeConfig(spl
 the splits are balanced by tokens across a ragged batch instead: one tile count per split for
 the whole batch, computed from the lengths before the launch (`split_k.split_plan`, an int32 [1]
 input), so a long sequence takes more splits than a short one and every split about the same work
-(measured on the H200: 12% faster at B128 ragged, 7% slower at B128 T8192, so it stays opt-in).
+(measured on the H200: 15% faster at B128 ragged, 14% slower at B128 T8192 and 55% at B64 T4096,
+where the grid's empty splits still launch and merge, so it stays opt-in for ragged batches).
+
+What the consumers compute per tile (Q K^T, the softmax, P V) goes through `TileMath`, which the
+kernel uses as is; a measurement probe subclasses it to leave a stage out (benchmarks/mla.py).
 
 Values past a sequence's length (stale memory, pages its table does not name, NaN) never reach an
 output: scores there are replaced by -inf, and the scorer zeroes those rows of the tile's first
@@ -85,6 +90,38 @@ LSE_ROW_MULTIPLE = 4
 # ---------------------------------------------------------------- per-tile pieces
 
 @dataclasses.dataclass(frozen=True)
+class TileMath:
+  """What the consumers compute on each KV tile: Q K^T, the masked online softmax and P V.
+
+  The kernel uses this class as is. A measurement probe may subclass it and leave a stage out (its
+  results are then wrong by design) to see where a tile's time goes; `name` goes into the kernel
+  name so that profiles tell them apart. (`split_scores` runs its own softmax, not `softmax`.)
+  """
+  name: str = ""
+
+  def qk(self, s_ref, q_tile, k_tile):
+    """Starts S = q_tile k_tile into the accumulator s_ref (SMEM operands, either orientation)."""
+    plgpu.wgmma(s_ref, q_tile, k_tile)
+
+  def pv(self, acc_ref, p_tile, v_tile):
+    """Starts acc_ref += p_tile v_tile (SMEM operands, either orientation)."""
+    plgpu.wgmma(acc_ref, p_tile, v_tile)
+
+  def softmax(self, s, m_i, l_i, *, tile, length, row0, masked: bool, st: "_Static"):
+    """One tile of the online softmax on raw scores s [64, bkv] f32, or S^T [bkv, N] with rows as
+    N: (alpha, m, l, p f32 shaped as s)."""
+    rows_axis = 1 if st.rows_as_n else 0
+    s = online_softmax.log2_logits(s, scale=st.scale, softcap=None)
+    if masked:
+      rows = plgpu.broadcasted_iota(jnp.int32, s.shape, rows_axis, layout=plgpu.Layout.WGMMA) + row0
+      cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1 - rows_axis, layout=plgpu.Layout.WGMMA)
+      ok = online_softmax.visible(rows, cols, tile_start=tile * st.tiling.block_kv, length=length,
+                                  num_queries=st.num_queries, group=st.group, window=None)
+      s = jnp.where(ok, s, -jnp.inf)   # also drops NaN scores of keys past the length
+    return online_softmax.rescale_step(s, m_i, l_i, rows_axis=rows_axis)
+
+
+@dataclasses.dataclass(frozen=True)
 class _Static:
   """Everything the kernel body needs to know at trace time."""
   num_queries: int      # S
@@ -102,6 +139,7 @@ class _Static:
   split_scores: bool = False  # both consumers score half of each tile (`_score_half_tiles`)
   balanced: bool = False      # the balanced split plan: tiles per split from an int32 [1] input
   rows_as_n: int = 0          # q rows as wgmma N (`_rows_as_n_consumers`), this many padded rows; 0: off
+  tile_math: TileMath = TileMath()
 
   @property
   def half_v(self) -> int:
@@ -150,7 +188,7 @@ def _pv(acc, parts, st: _Static):
   SMEM whose products add up to P V (one pair, or P's column blocks with V's matching row blocks)."""
   def mma(acc_ref):
     for p, v in parts:
-      plgpu.wgmma(acc_ref, p, v)
+      st.tile_math.pv(acc_ref, p, v)
 
   if st.interpret:
     def staged(acc_ref):
@@ -158,20 +196,6 @@ def _pv(acc, parts, st: _Static):
       return acc_ref[...]
     return acc + pl.run_scoped(staged, plgpu.ACC(acc.shape, jnp.float32))
   return pl.run_state(mma)(plgpu.ACC.init(acc))
-
-
-def _softmax_step(s, m_i, l_i, *, tile, length, row0, masked: bool, st: _Static):
-  """One tile of the online softmax on raw scores s [64, bkv] f32, or S^T [bkv, N] with rows as
-  N: (alpha, m, l, p f32 shaped as s)."""
-  rows_axis = 1 if st.rows_as_n else 0
-  s = online_softmax.log2_logits(s, scale=st.scale, softcap=None)
-  if masked:
-    rows = plgpu.broadcasted_iota(jnp.int32, s.shape, rows_axis, layout=plgpu.Layout.WGMMA) + row0
-    cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1 - rows_axis, layout=plgpu.Layout.WGMMA)
-    ok = online_softmax.visible(rows, cols, tile_start=tile * st.tiling.block_kv, length=length,
-                                num_queries=st.num_queries, group=st.group, window=None)
-    s = jnp.where(ok, s, -jnp.inf)   # also drops NaN scores of keys past the length
-  return online_softmax.rescale_step(s, m_i, l_i, rows_axis=rows_axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,9 +214,9 @@ class _Scores:
       tiling.zero_rows_past(slot, valid_rows, width=self.st.smem.v_dim)
 
     if self.st.rows_as_n:   # S^T [bkv, N] = K Q^T
-      plgpu.wgmma(s_ref, slot, self.q_smem.transpose((1, 0)))
+      self.st.tile_math.qk(s_ref, slot, self.q_smem.transpose((1, 0)))
     else:
-      plgpu.wgmma(s_ref, self.q_smem, slot.transpose((1, 0)))
+      self.st.tile_math.qk(s_ref, self.q_smem, slot.transpose((1, 0)))
 
 
 def _score_tiles(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0, t1, c, *, length, row0,
@@ -208,7 +232,8 @@ def _score_tiles(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0, t1,
 
   def finish(s, tile, acc, m_i, l_i, slot, masked):
     """Softmax of tile's scores s, P to the partner, acc + P V[:, :Dv/2]."""
-    alpha, m_new, l_new, p = _softmax_step(s, m_i, l_i, tile=tile, length=length, row0=row0, masked=masked, st=st)
+    alpha, m_new, l_new, p = st.tile_math.softmax(s, m_i, l_i, tile=tile, length=length, row0=row0, masked=masked,
+                                                  st=st)
     shared.publish(p.astype(st.smem.dtype), alpha, wait_free=tile > t0)
     acc = _pv(acc * online_softmax.per_row(alpha, acc.shape), [(shared.p, slot.at[:, pl.ds(0, st.half_v)])], st)
     return acc, m_new, l_new
@@ -306,7 +331,7 @@ def _score_half_tiles(w: int, q_smem, sync: _HalfSync, ring: pipeline.Ring, t0, 
     slot = ring.wait(i)   # [bkv, Dqk]
 
     def qk(s_ref):
-      plgpu.wgmma(s_ref, q_smem, slot.at[pl.ds(w * hk, hk)].transpose((1, 0)))
+      st.tile_math.qk(s_ref, q_smem, slot.at[pl.ds(w * hk, hk)].transpose((1, 0)))
       return s_ref[...]
 
     s = online_softmax.log2_logits(pl.run_scoped(qk, s_type), scale=st.scale, softcap=None)
@@ -394,8 +419,8 @@ def _score_tiles_as_n(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0
       scores.start(s_ref, tile, slot)
       return s_ref[...]
 
-    alpha, m_new, l_new, p = _softmax_step(pl.run_scoped(qk, s_type), m_i, l_i, tile=tile, length=length, row0=0,
-                                           masked=masked, st=st)
+    alpha, m_new, l_new, p = st.tile_math.softmax(pl.run_scoped(qk, s_type), m_i, l_i, tile=tile, length=length,
+                                                  row0=0, masked=masked, st=st)
     shared.publish(p.astype(st.smem.dtype), alpha, wait_free=tile > t0)
     values = slot.at[:, pl.ds(0, st.half_v)].transpose((1, 0))   # V^T [Dv/2, bkv]
     acc = _pv(acc * online_softmax.per_row(alpha, acc.shape, 1), [(values, shared.p)], st)
@@ -587,7 +612,8 @@ def _build(st: _Static, interpret: Any):
   name = (f"pallas_kv_mla_paged_r{st.num_queries * st.group}_d{st.smem.qk_dim}_v{st.smem.v_dim}"
           f"_bkv{st.tiling.block_kv}_st{st.smem.num_stages}_sp{st.num_splits}_ps{st.tiling.page_size}"
           f"{'_pqk' if st.pipeline_qk else ''}{'_halves' if st.split_scores else ''}"
-          f"{'_balanced' if st.balanced else ''}{f'_n{st.rows_as_n}' if st.rows_as_n else ''}")
+          f"{'_balanced' if st.balanced else ''}{f'_n{st.rows_as_n}' if st.rows_as_n else ''}"
+          f"{f'_{st.tile_math.name}' if st.tile_math.name else ''}")
   return plgpu.kernel(
       functools.partial(_kernel, st=st),
       out_type=out_type,
@@ -603,7 +629,8 @@ def _build(st: _Static, interpret: Any):
 
 
 def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head_dim: int, scale: float,
-                 config: DecodeConfig, tiles_per_split=None, interpret: Any = False):
+                 config: DecodeConfig, tiles_per_split=None, tile_math: TileMath = TileMath(),
+                 interpret: Any = False):
   """Split-K partials of MLA decode over a paged latent cache.
 
   q: [B, R, Dqk] packed rows in the cache's dtype (bf16 / fp16), R = num_queries * Hq, row
@@ -617,6 +644,7 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
     sequence takes that many tiles, so a long sequence gets more splits than a short one (a
     sequence needing fewer leaves the rest empty: lse -inf). Given exactly when
     config.split_plan is "balanced".
+  tile_math: what the consumers compute per tile (`TileMath`; measurement probes subclass it).
   interpret: False, or a plgpu.InterpretGPUParams (run on the CPU in interpret mode).
 
   Returns (out [B, splits, R, v_head_dim] in q's dtype, each split's normalised output; lse
@@ -647,7 +675,8 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
                lse_rows=split_k.round_up(smem.rows_as_n or out_rows, LSE_ROW_MULTIPLE), num_row_blocks=num_row_blocks,
                num_splits=config.num_splits, batch=B, scale=float(scale), tiling=kv_tiling, smem=smem,
                interpret=bool(interpret), pipeline_qk=config.pipeline_qk, split_scores=config.split_scores,
-               balanced=split_k.check_tiles_per_split(tiles_per_split, config), rows_as_n=smem.rows_as_n)
+               balanced=split_k.check_tiles_per_split(tiles_per_split, config), rows_as_n=smem.rows_as_n,
+               tile_math=tile_math)
   if rows_padded != R:
     q = jnp.pad(q, ((0, 0), (0, rows_padded - R), (0, 0)))
   kv = kv_pages.reshape(*kv_pages.shape[:2], 1, D)   # KVTiling's [P, page_size, Hkv, D]
