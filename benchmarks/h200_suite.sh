@@ -69,9 +69,10 @@ for part in "$@"; do
               done ;;
     mla)      python3 -m benchmarks.mla --iters=10 --json="$out/mla.json" 2>&1 | quiet | tee "$out/mla.log" ;;
     mla_probes) # where an MLA tile's time goes: the kernel's launch alone beside probes that leave Q K^T,
-              # the softmax or P V out (results wrong by design, unchecked), two rows (~3 min)
+              # the softmax or P V out (results wrong by design, unchecked), and the alternate-scorer
+              # schedule, two rows (~4 min)
               python3 -m benchmarks.mla --rows=h128_b64_t4096,h128_b128_t8192 --iters=10 --repeats=10 \
-                --impl=mosaic_gpu,kernel,kernel_no_qk,kernel_no_softmax,kernel_no_pv,kernel_loads_only \
+                --impl=mosaic_gpu,mosaic_gpu_alt,kernel,kernel_no_qk,kernel_no_softmax,kernel_no_pv,kernel_loads_only \
                 --json="$out/mla_probes.json" 2>&1 | quiet | tee "$out/mla_probes.log" ;;
     kernels)  # every kernel of one call and its GPU us (torch.profiler), ours and the peers, per shape
               for c in 1x32768 8x8192 32x4096 128x4096; do

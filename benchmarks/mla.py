@@ -13,7 +13,8 @@ Rows (page 64, shuffled pages): 128 heads at (B, T) = (1, 32768), (16, 4096), (6
 Impls: `mosaic_gpu` (our kernel), `mosaic_gpu_pqk` (the same with `DecodeConfig(pipeline_qk=True)`
 on 32-token tiles in four stages: the next tile's Q K^T overlaps this tile's softmax),
 `mosaic_gpu_bkv32` (the plain schedule on those tiles), `mosaic_gpu_halves` (`DecodeConfig(split_scores=True)`:
-both consumers score half of each tile), `mosaic_gpu_sp<N>` (N splits per sequence instead of the
+both consumers score half of each tile), `mosaic_gpu_alt` (`DecodeConfig(alternate_scores=True)`: they
+score alternate tiles), `mosaic_gpu_sp<N>` (N splits per sequence instead of the
 heuristic's count, e.g. `mosaic_gpu_sp33`), `kernel` (the kernel's launch alone, one split, no
 merge) and its probes `kernel_no_qk`, `kernel_no_softmax`, `kernel_no_pv`, `kernel_loads_only`
 (the same launch with those stages left out: the TMA ring and the P hand-over still run; results
@@ -62,16 +63,19 @@ HALVES = "mosaic_gpu_halves"
 BALANCED = "mosaic_gpu_balanced"
 # ... or the q rows as wgmma's N, for few heads (DecodeConfig.rows_as_n; at most 64 rows).
 ROWS_AS_N = "mosaic_gpu_rows_as_n"
+# ... or the two consumers score alternate tiles (DecodeConfig.alternate_scores).
+ALTERNATE = "mosaic_gpu_alt"
 VARIANTS = {PIPELINED: dict(pipeline_qk=True, block_kv=32, num_stages=4), TILES_32: dict(block_kv=32, num_stages=4),
-            HALVES: dict(split_scores=True), BALANCED: dict(split_plan="balanced"), ROWS_AS_N: dict(rows_as_n=True)}
+            HALVES: dict(split_scores=True), BALANCED: dict(split_plan="balanced"), ROWS_AS_N: dict(rows_as_n=True),
+            ALTERNATE: dict(alternate_scores=True)}
 # ... or a fixed split count: mosaic_gpu_sp<N> (e.g. mosaic_gpu_sp33), the heuristic's schedule.
+FIXED_SPLITS = re.compile(r"mosaic_gpu_sp([1-9][0-9]*)")
 # The kernel's launch alone with one split, and probes of it that leave stages of the tile's math
 # out (MEASUREMENT ONLY: their outputs are wrong by design and go unchecked).
 KERNEL = "kernel"
 PROBES = {KERNEL: frozenset(), "kernel_no_qk": frozenset({"qk"}), "kernel_no_softmax": frozenset({"softmax"}),
           "kernel_no_pv": frozenset({"pv"}), "kernel_loads_only": frozenset({"qk", "softmax", "pv"})}
-FIXED_SPLITS = re.compile(r"mosaic_gpu_sp([1-9][0-9]*)")
-GPU_IMPLS = ("mosaic_gpu", PIPELINED, HALVES, BASELINE, "xla")
+GPU_IMPLS = ("mosaic_gpu", ALTERNATE, BASELINE, "xla")
 CPU_IMPLS = ("auto", "xla", BASELINE)
 OUR_IMPLS = runners.OUR_IMPLS + tuple(VARIANTS) + (KERNEL,)
 

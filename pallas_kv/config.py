@@ -82,6 +82,12 @@ class DecodeConfig:
     and trade row maxima and their halves of P through SMEM (FlashMLA's balance), instead of one
     scorer computing all of Q K^T and the softmax while its partner only runs P V. Measured
     slower on the H200 (412 against 465 TFLOP/s at B64 T4096; benchmarks/RESULTS.md).
+  alternate_scores: MLA on mosaic_gpu only: the two consumer warpgroups score alternate tiles
+    (FlashMLA's "seesaw"): each runs Q K^T and the softmax of every other tile and P V of every
+    tile for its half of the value columns, handing its P, row rescale and running max to the
+    other through SMEM. Q K^T keeps its 64 keys (N = 64: split_scores halves it), and one
+    consumer's softmax runs while the other's wgmma does, so the tensor cores idle less than
+    under one scorer. Not yet timed on a GPU.
   rows_as_n: MLA on mosaic_gpu only, for few packed rows (S x Hq <= 64, e.g. 16 heads under
     tensor parallelism): the rows become wgmma's N instead of being padded to its M of 64, so
     the kernel computes S^T = K Q^T and O^T = V^T P^T (keys and value columns as M) and the
@@ -103,6 +109,7 @@ class DecodeConfig:
   sequence_order: str = "given"
   convert_warpgroup: bool = False
   rows_as_n: bool = False
+  alternate_scores: bool = False
 
   def __post_init__(self):
     if self.block_kv not in BLOCK_KV_CHOICES:
@@ -125,6 +132,8 @@ class DecodeConfig:
       raise ValueError(f"{self.split_scores=} must be a bool")
     if not isinstance(self.rows_as_n, bool):
       raise ValueError(f"{self.rows_as_n=} must be a bool")
+    if not isinstance(self.alternate_scores, bool):
+      raise ValueError(f"{self.alternate_scores=} must be a bool")
     if self.split_plan not in SPLIT_PLANS:
       raise ValueError(f"{self.split_plan=} must be one of {SPLIT_PLANS}")
     if not isinstance(self.convert_warpgroup, bool):

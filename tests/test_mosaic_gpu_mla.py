@@ -63,10 +63,11 @@ def _check(args, out_lse, *, v_head_dim=SMALL_V, scale=None, clean_pages=None, c
 
 
 # The consumers' schedules: plain (a scorer and a P V partner), pipeline_qk (with the 32-token
-# tiles and four stages it needs), split_scores, and rows_as_n (transposed tiles: the q rows are
-# wgmma's N).
+# tiles and four stages it needs), split_scores, rows_as_n (transposed tiles: the q rows are
+# wgmma's N) and alternate_scores (the consumers score alternate tiles).
 VARIANTS = {"plain": {}, "pipeline_qk": dict(pipeline_qk=True, block_kv=32, num_stages=4),
-            "split_scores": dict(split_scores=True), "rows_as_n": dict(rows_as_n=True)}
+            "split_scores": dict(split_scores=True), "rows_as_n": dict(rows_as_n=True),
+            "alternate_scores": dict(alternate_scores=True)}
 
 
 def _config(num_splits, num_stages=2, variant="plain"):
@@ -85,9 +86,12 @@ def _config(num_splits, num_stages=2, variant="plain"):
     (128, 3, 24, 1, jnp.float16, "split_scores"),
     (16, 2, 4, 2, jnp.bfloat16, "rows_as_n"),
     (64, 4, 16, 3, jnp.float16, "rows_as_n"),
+    (16, 2, 4, 3, jnp.bfloat16, "alternate_scores"),
+    (128, 3, 24, 1, jnp.float16, "alternate_scores"),
 ], ids=["page16-s2-splits2", "page64-s1-splits1", "page32-s4-splits3", "page128-s3-rowblocks2-splits2-fp16",
         "page16-pipeline_qk-splits1", "page16-s2-split_scores-splits2", "page128-s3-rowblocks2-split_scores-fp16",
-        "page16-s2-rows_as_n-splits2", "page64-s4-h16-rows_as_n-splits3-fp16"])
+        "page16-s2-rows_as_n-splits2", "page64-s4-h16-rows_as_n-splits3-fp16", "page16-s2-alternate-splits3",
+        "page128-s3-rowblocks2-alternate-fp16"])
 def test_mla_interpret(interpret_mode, page_size, num_queries, num_heads, num_splits, dtype, variant):
   # Ragged lengths (not multiples of a tile), one of zero, shuffled pages; 3 x 24 heads = 72 rows
   # take two row blocks.
@@ -99,7 +103,7 @@ def test_mla_interpret(interpret_mode, page_size, num_queries, num_heads, num_sp
 
 
 @pytest.mark.parametrize("page_size,variant", [(16, "plain"), (64, "pipeline_qk"), (32, "split_scores"),
-                                               (16, "rows_as_n")])
+                                               (16, "rows_as_n"), (64, "alternate_scores")])
 def test_mla_garbage_past_lengths_and_in_unnamed_pages_never_reaches_an_output(interpret_mode, page_size,
                                                                                variant):
   q, pages, tables, lengths = _case(3, batch=3, seq_len=256, num_heads=4, num_queries=2, page_size=page_size,
@@ -229,10 +233,20 @@ def test_mla_configs_are_checked():
     pkv.DecodeConfig(rows_as_n=1)
   with pytest.raises(ValueError, match="split_scores"):
     pkv.DecodeConfig(split_scores=1)
+  alternate = _config(1, variant="alternate_scores")
+  check(alternate)
+  assert mla_config.MlaSmem.for_call(alternate, qk_dim=QK, v_dim=V, dtype=jnp.bfloat16, page_size=64).fits
+  with pytest.raises(ValueError, match="alternate_scores takes block_kv=64 and none of pipeline_qk"):
+    check(dataclasses.replace(alternate, split_scores=True))
+  with pytest.raises(ValueError, match="alternate_scores takes block_kv=64"):
+    check(dataclasses.replace(alternate, block_kv=32, num_stages=4))
+  with pytest.raises(ValueError, match="alternate_scores=2 must be a bool"):
+    pkv.DecodeConfig(alternate_scores=2)
   from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
-  with pytest.raises(ValueError, match="split_scores=True is an option of the MLA kernel"):
-    mgpu_config.check_config(pkv.DecodeConfig(num_splits=1, split_scores=True), rows=4, head_dim=128,
-                             dtype=jnp.bfloat16, page_size=None)
+  for field in ("split_scores", "alternate_scores"):
+    with pytest.raises(ValueError, match=f"{field}=True is an option of the MLA kernel"):
+      mgpu_config.check_config(pkv.DecodeConfig(num_splits=1, **{field: True}), rows=4, head_dim=128,
+                               dtype=jnp.bfloat16, page_size=None)
   # The split-scores layout has the same SMEM footprint (P in two halves), so it fits as well.
   assert mla_config.MlaSmem.for_call(_config(1, variant="split_scores"), qk_dim=QK, v_dim=V, dtype=jnp.bfloat16,
                                    page_size=64).fits
@@ -311,6 +325,12 @@ def test_mla_rows_as_n_lowers_for_cuda(shape):
   _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, rows_as_n=True))
 
 
+# B1 (64 splits), B64 and B128 (one split), two new tokens, pages of 16.
+@pytest.mark.parametrize("shape", [LOWERING_SHAPES[i] for i in (0, 2, 3, 5, 6)], ids=_shape_id)
+def test_mla_alternate_scores_lowers_for_cuda(shape):
+  _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, alternate_scores=True))
+
+
 @pytest.mark.parametrize("shape", [LOWERING_SHAPES[i] for i in (1, 3)], ids=_shape_id)
 def test_mla_balanced_plan_lowers_for_cuda(shape):
   _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, split_plan="balanced"))
@@ -349,7 +369,8 @@ def test_gpu_mla_matches_reference(batch, seq_len, num_heads, num_queries, page_
   assert pkv.last_impl() == IMPL
   _check(args, out, v_head_dim=V)
   few_rows = num_heads * (num_queries or 1) <= mla_config.ROWS_AS_N_MAX
-  for fields in (VARIANTS["pipeline_qk"], VARIANTS["split_scores"], dict(split_plan="balanced"),
+  for fields in (VARIANTS["pipeline_qk"], VARIANTS["split_scores"], VARIANTS["alternate_scores"],
+                 dict(split_plan="balanced"),
                  *([VARIANTS["rows_as_n"]] if few_rows else [])):
     config = pkv.DecodeConfig(**(dict(block_kv=64, num_stages=2) | fields))
     out = jax.jit(functools.partial(pkv.mla_decode_attention, v_head_dim=V, return_lse=True, impl=IMPL,
@@ -377,6 +398,7 @@ def test_mla_benchmark_names_its_kernel_variants():
   assert mla_bench.variant_fields("mosaic_gpu_rows_as_n") == dict(rows_as_n=True)
   assert mla_bench.variant_fields("mosaic_gpu_pqk") == dict(pipeline_qk=True, block_kv=32, num_stages=4)
   assert mla_bench.variant_fields("mosaic_gpu_bkv32") == dict(block_kv=32, num_stages=4)
+  assert mla_bench.variant_fields("mosaic_gpu_alt") == dict(alternate_scores=True)
   assert mla_bench.variant_fields("mosaic_gpu") is None and mla_bench.is_ours("mosaic_gpu_sp4")
   row = mla_bench.cpu_rows()[0]
   for bad in ("mosaic_gpu_sp0", "mosaic_gpu_sp", "flashmla"):

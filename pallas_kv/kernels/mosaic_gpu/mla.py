@@ -17,28 +17,20 @@ Three warpgroups per program:
 The 64 x 512 float32 output accumulator would take 256 registers per thread in one warpgroup;
 split by value columns it takes 128 in each (FlashMLA's plan). V is the K tile itself, read by
 wgmma as is (no second load); P lives in one SMEM buffer handed over with two barriers
-(`_SharedP`). The partner's P V overlaps the scorer's next Q K^T and softmax. Opt-in
-(`DecodeConfig.pipeline_qk`): the scorer issues tile i+1's Q K^T before tile i's softmax, so the
-tensor cores also work while it runs (FA3's intra-warpgroup overlap). It holds two tiles at once,
-so a third must be loading meanwhile: with 64-token tiles only two stages fit and it measured 2x
-slower. With `DecodeConfig(block_kv=32, num_stages=4)` (Q, the ring and P then take the 64-byte
-swizzle of P's 32-token rows) it measured as fast as the plain schedule on those tiles, both
-21-27% slower than 64-token tiles (benchmarks/RESULTS.md, tenth set).
-Opt-in (`DecodeConfig.split_scores`, `_score_half_tiles`): the two consumers are alike, each
-scoring half of every tile's keys (S [64, bkv/2]); they trade row maxima through SMEM, each
-stores its half of P, and each runs P V over both halves for its value columns, so one's tensor
-work overlaps the other's softmax (FlashMLA's balance; measured 13% slower at B64 T4096 on the
-H200, benchmarks/RESULTS.md). Its P halves have 64-byte rows and wgmma takes one swizzle for both
-operands, so Q and the ring use the 64-byte swizzle then.
-
-Opt-in (`DecodeConfig.rows_as_n`, `_rows_as_n_consumers`), for at most 64 packed rows: the rows
-are wgmma's N (padded to 16) instead of being padded to its M of 64. The scorer computes
-S^T = K Q^T [bkv, N], runs the softmax down its columns (over keys: across its four warps,
-through SMEM scratch) and hands P^T [bkv, N] over; each consumer accumulates O^T = V^T P^T for
-its half of the value columns ([Dv/2, N], the tile's value columns read as a transposed A
-operand). wgmma takes one swizzle for both SMEM operands, so Q and the ring take P^T's (32 bytes
-at 16 rows). At 16 rows this is a quarter of the padded tensor work, but P V takes four times the
-wgmma instructions (each of N = 16): measured 17% slower at 16 heads B64 T8192 on the H200.
+(`_SharedP`). The partner's P V overlaps the scorer's next Q K^T and softmax. Opt-in schedules
+(DecodeConfig; measured on the H200 in benchmarks/RESULTS.md):
+  pipeline_qk       the scorer issues tile i+1's Q K^T before tile i's softmax (FA3's overlap); it
+                    holds two tiles, so it takes 32-token tiles in four stages (Q, the ring and P
+                    then take P's 64-byte swizzle). As fast as the plain schedule on those tiles,
+                    both 21-27% slower than 64-token tiles.
+  split_scores      both consumers score half of every tile (`_score_half_tiles`) and trade row
+                    maxima and P halves: 13% slower at B64 T4096 (its Q K^T has N = 32).
+  alternate_scores  the consumers score alternate whole tiles (`_alternate_consumer`, FlashMLA's
+                    seesaw): each hands its P, alpha and running max to the other, whose P V for
+                    its value columns follows; one's softmax runs beside the other's wgmma.
+  rows_as_n         at most 64 packed rows become wgmma's N (`_rows_as_n_consumers`): S^T = K Q^T,
+                    O^T = V^T P^T, the softmax reduced over keys across warps, every SMEM operand
+                    in the rows' swizzle; 17% slower at 16 heads B64 T8192 (P V's N = 16).
 
 SMEM at Dqk 576 (bf16): Q 72 KiB + two 64 x 576 stages 144 KiB + P 8 KiB + alpha / row sums
 = 225 KiB of the 227 (`MlaSmem`); the output staging (64 KiB in bf16) reuses the ring. The split
@@ -139,6 +131,7 @@ class _Static:
   split_scores: bool = False  # both consumers score half of each tile (`_score_half_tiles`)
   balanced: bool = False      # the balanced split plan: tiles per split from an int32 [1] input
   rows_as_n: int = 0          # q rows as wgmma N (`_rows_as_n_consumers`), this many padded rows; 0: off
+  alternate_scores: bool = False   # the consumers score alternate tiles (`_alternate_consumer`)
   tile_math: TileMath = TileMath()
 
   @property
@@ -399,6 +392,90 @@ def _partner_tiles(shared: _SharedP, ring: pipeline.Ring, t0, t1, st: _Static):
   return lax.fori_loop(t0, t1, step, plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA))
 
 
+# ---------------------------------------------------------------- alternate scorers
+
+def _alternate_consumer(w: int, scores: _Scores, ring: pipeline.Ring, p_smem, row_smem, p_ready, p_free, t0, t1,
+                        c, *, length, row0, st: _Static):
+  """alternate_scores: consumer w's loop over tiles [t0, t1). Returns (acc [64, Dv/2] of value
+  columns w, m, l: the row sum of its own tiles' P), all relative to the final max.
+
+  Tile j (from t0) is scored by consumer j % 2, from the running max handed over with tile j - 1:
+  it stores P, alpha and the new max (row_smem rows 0, 1), arrives on p_ready[j % 2], and both
+  consumers add P V for their value columns. A consumer issues its tile's Q K^T before the other's
+  tile's P V, and its softmax runs while the other's wgmma do. p_free (two arrivals) completes
+  once both are done with a tile's P; each consumer waits every phase of it in order, the last
+  before it arrives on the next (so neither runs two phases ahead), and P is overwritten only after.
+  """
+  n = t1 - t0
+  columns = pl.ds(w * st.half_v, st.half_v)
+  rows_layout = plgpu.Layout.WGMMA.reduce(1)
+  s_type = plgpu.ACC((ROWS, st.tiling.block_kv), jnp.float32)
+
+  def rescaled(acc, alpha):
+    return acc * online_softmax.per_row(alpha, acc.shape)
+
+  def others(j, acc, l_i):
+    """The other consumer's tile j: its alpha and max, then acc + P V for columns w."""
+    slot = ring.wait(j)
+    plgpu.barrier_wait(p_ready.at[1 - w])
+    alpha = plgpu.load(row_smem.at[0], layout=rows_layout)
+    m_new = plgpu.load(row_smem.at[1], layout=rows_layout)
+
+    @pl.when(j >= 1)
+    def _():
+      plgpu.barrier_wait(p_free)   # phase j - 1 (long complete: the other had met it)
+
+    acc = _pv(rescaled(acc, alpha), [(p_smem, slot.at[:, columns])], st)
+    plgpu.barrier_arrive(p_free)
+    ring.release(j)
+    return acc, m_new, l_i * alpha
+
+  def own(j, carry, *, masked: bool, after_other: bool):
+    """Consumer w's tile j, after the other's tile j - 1 when after_other."""
+    acc, m_i, l_i = carry
+    slot = ring.wait(j)
+
+    def qk_beside_others(s_ref):
+      scores.start(s_ref, t0 + j, slot)   # in flight during the other tile's P V
+      acc_, m_, l_ = others(j - 1, acc, l_i) if after_other else (acc, m_i, l_i)
+      return acc_, m_, l_, s_ref[...]
+
+    acc, m_i, l_i, s = pl.run_scoped(qk_beside_others, s_type)
+    alpha, m_new, l_new, p = st.tile_math.softmax(s, m_i, l_i, tile=t0 + j, length=length, row0=row0,
+                                                  masked=masked, st=st)
+    if after_other:
+      plgpu.barrier_wait(p_free)   # phase j - 1: both are done with the other's P
+    p_smem[...] = p.astype(st.smem.dtype)
+    row_smem[0] = alpha
+    row_smem[1] = m_new
+    plgpu.commit_smem()   # P (and a last tile's zeroed values), read next by wgmma
+    plgpu.barrier_arrive(p_ready.at[w])
+    acc = _pv(rescaled(acc, alpha), [(p_smem, slot.at[:, columns])], st)
+    plgpu.barrier_arrive(p_free)
+    ring.release(j)
+    return acc, m_new, l_new
+
+  carry = (plgpu.layout_cast(jnp.zeros((ROWS, st.half_v), jnp.float32), plgpu.Layout.WGMMA),
+           plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), rows_layout),
+           plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), rows_layout))
+  if w == 0:   # tile 0 follows no tile (masked: it may be the last)
+    carry = lax.fori_loop(0, jnp.minimum(n, 1), lambda j, cr: own(j, cr, masked=True, after_other=False), carry)
+  first = 2 - w   # then pairs: the other's tile first - 1, own tile first, ...
+  pairs, unmasked = (jnp.maximum(split_k.cdiv(end - first, 2), 0) for end in (n, c - t0))
+  for lo, hi, masked in ((0, unmasked, False), (unmasked, pairs, True)):
+    carry = lax.fori_loop(lo, hi, lambda k, cr, masked=masked: own(first + 2 * k, cr, masked=masked,
+                                                                     after_other=True), carry)
+  acc, m_i, l_i = carry
+  last_is_others = (n >= 1) & ((n - 1) % 2 != w)
+  acc, m_i, l_i = lax.fori_loop(0, last_is_others.astype(jnp.int32), lambda _, cr: others(n - 1, cr[0], cr[2]),
+                                (acc, m_i, l_i))
+
+  @pl.when(n >= 1)
+  def _():
+    plgpu.barrier_wait(p_free)   # the last phase
+  return acc, m_i, l_i
+
+
 # ---------------------------------------------------------------- rows as wgmma N
 
 def _score_tiles_as_n(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0, t1, c, *, length,
@@ -528,6 +605,22 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
                          consumers_done, b=b, split=split, t0=t0, t1=t1, c=c, length=length, st=st)
     return
 
+  if st.alternate_scores:
+    scores = _Scores(q_smem=q_smem, length=length, st=st)
+    for w in range(VALUE_WGS):
+      @pl.when(wg == w)
+      def _alternate():
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        if w == 0:   # both read Q: each waits on the one copy's barrier
+          plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, ROWS)], q_smem, q_barrier)
+        plgpu.barrier_wait(q_barrier)
+        acc, m_i, l_i = _alternate_consumer(w, scores, ring, p_smem, row_smem, p_ready, p_free, t0, t1, c,
+                                            length=length, row0=row0, st=st)
+        row_smem[2 + w] = l_i   # rows 2, 3: free of the hand-over
+        _store(acc, None, w, out_smem, lse_smem, out_ref, lse_ref, consumers_done, b=b, split=split,
+               row0=row0, st=st, row_sums=(row_smem.at[2], row_smem.at[3]), lse_of_max=m_i if w == 0 else None)
+    return
+
   if st.split_scores:
     sync = _HalfSync(rows=row_smem, p=p_smem, max_ready=max_ready, p_ready=p_ready, p_free=p_free)
     for w in range(VALUE_WGS):
@@ -612,6 +705,7 @@ def _build(st: _Static, interpret: Any):
   name = (f"pallas_kv_mla_paged_r{st.num_queries * st.group}_d{st.smem.qk_dim}_v{st.smem.v_dim}"
           f"_bkv{st.tiling.block_kv}_st{st.smem.num_stages}_sp{st.num_splits}_ps{st.tiling.page_size}"
           f"{'_pqk' if st.pipeline_qk else ''}{'_halves' if st.split_scores else ''}"
+          f"{'_alt' if st.alternate_scores else ''}"
           f"{'_balanced' if st.balanced else ''}{f'_n{st.rows_as_n}' if st.rows_as_n else ''}"
           f"{f'_{st.tile_math.name}' if st.tile_math.name else ''}")
   return plgpu.kernel(
@@ -676,7 +770,7 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
                num_splits=config.num_splits, batch=B, scale=float(scale), tiling=kv_tiling, smem=smem,
                interpret=bool(interpret), pipeline_qk=config.pipeline_qk, split_scores=config.split_scores,
                balanced=split_k.check_tiles_per_split(tiles_per_split, config), rows_as_n=smem.rows_as_n,
-               tile_math=tile_math)
+               alternate_scores=config.alternate_scores, tile_math=tile_math)
   if rows_padded != R:
     q = jnp.pad(q, ((0, 0), (0, rows_padded - R), (0, 0)))
   kv = kv_pages.reshape(*kv_pages.shape[:2], 1, D)   # KVTiling's [P, page_size, Hkv, D]

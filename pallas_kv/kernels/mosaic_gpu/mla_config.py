@@ -49,7 +49,10 @@ class MlaSmem:
                                                             lse [64] f32)   after the loop
   p        [64, bkv]  dtype, swizzled          P of the current tile (wgmma A of P V)
   rows     [2, 64]    f32                      alpha of the current tile; the final row sum
-  barriers: ring produced / consumed per slot, q, p_ready, p_free, consumers_done.
+           ([4, 64] with alternate_scores: the tile's alpha and running max, then each consumer's
+           row sum; the same 1 KiB once aligned)
+  barriers: ring produced / consumed per slot, q, p_ready (one per consumer with
+  alternate_scores), p_free, max_ready, consumers_done.
   """
   qk_dim: int
   v_dim: int
@@ -60,6 +63,7 @@ class MlaSmem:
   copies_per_tile: int = 1
   split_scores: bool = False   # P as two [64, bkv/2] halves, one per consumer (`_score_half_tiles`)
   rows_as_n: int = 0           # q rows as wgmma N (DecodeConfig.rows_as_n): this many, padded; 0: rows as M
+  alternate_scores: bool = False   # the consumers score alternate tiles (`_alternate_consumer`)
 
   def __post_init__(self):
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -119,14 +123,21 @@ class MlaSmem:
         # The output staging reuses the ring's memory once every tile is consumed.
         union=plgpu.RefUnion(ring.buffer_type(), out_stage),
         p_smem=self.p_type(),
-        row_smem=plgpu.SMEM((2, self.q_rows), jnp.float32),
+        row_smem=plgpu.SMEM((self.row_vectors, self.q_rows), jnp.float32),
         produced=produced, consumed=consumed,
         q_barrier=plgpu.Barrier(),
         # split_scores: both consumers arrive at each (and max_ready carries the row maxima).
-        p_ready=plgpu.Barrier(num_arrivals=VALUE_WGS if self.split_scores else 1),
-        p_free=plgpu.Barrier(num_arrivals=VALUE_WGS if self.split_scores else 1),
+        # alternate_scores: p_ready[w] is consumer w's hand-over of its tile; p_free completes
+        # when both consumers' P V are done with the P in SMEM.
+        p_ready=plgpu.Barrier(num_arrivals=VALUE_WGS if self.split_scores else 1,
+                              num_barriers=VALUE_WGS if self.alternate_scores else 1),
+        p_free=plgpu.Barrier(num_arrivals=VALUE_WGS if self.split_scores or self.alternate_scores else 1),
         max_ready=plgpu.Barrier(num_arrivals=VALUE_WGS),
         consumers_done=plgpu.Barrier(num_arrivals=VALUE_WGS))
+
+  @property
+  def row_vectors(self) -> int:
+    return 4 if self.alternate_scores else 2
 
   @property
   def nbytes(self) -> int:
@@ -137,8 +148,8 @@ class MlaSmem:
     out_stage = align(rows * self.v_dim * self.out_dtype.itemsize) + rows * 4
     q = rows * self.qk_dim * self.dtype.itemsize
     p = rows * self.block_kv * self.dtype.itemsize
-    barriers = ring.barrier_bytes + 5 * pipeline.BARRIER_BYTES
-    return (align(q) + align(max(ring.buffer_bytes, out_stage)) + align(p) + align(2 * rows * 4)
+    barriers = ring.barrier_bytes + (6 if self.alternate_scores else 5) * pipeline.BARRIER_BYTES
+    return (align(q) + align(max(ring.buffer_bytes, out_stage)) + align(p) + align(self.row_vectors * rows * 4)
             + align(self.reduction_scratch_bytes) + barriers)
 
   @property
@@ -154,7 +165,8 @@ class MlaSmem:
                block_kv=config.block_kv, num_stages=config.num_stages,
                copies_per_tile=mgpu_config.copies_per_tile(config.block_kv, page_size),
                split_scores=config.split_scores,
-               rows_as_n=split_k.round_up(rows, ROWS_AS_N_MULTIPLE) if config.rows_as_n else 0)
+               rows_as_n=split_k.round_up(rows, ROWS_AS_N_MULTIPLE) if config.rows_as_n else 0,
+               alternate_scores=config.alternate_scores)
 
 
 def row_blocks(rows: int) -> int:
@@ -178,6 +190,10 @@ def check_config(config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, p
                      "while this one is used)")
   if config.pipeline_qk and config.split_scores:
     raise ValueError("MLA on mosaic_gpu takes pipeline_qk or split_scores, not both")
+  if config.alternate_scores and (config.pipeline_qk or config.split_scores or config.rows_as_n
+                                  or config.block_kv != BLOCK_KV):
+    raise ValueError(f"alternate_scores takes block_kv={BLOCK_KV} and none of pipeline_qk, split_scores, rows_as_n; "
+                     f"got {config}")
   if config.rows_as_n and (config.pipeline_qk or config.split_scores):
     raise ValueError("MLA on mosaic_gpu takes rows_as_n without pipeline_qk or split_scores")
   if config.rows_as_n and rows > ROWS_AS_N_MAX:

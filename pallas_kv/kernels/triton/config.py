@@ -36,7 +36,7 @@ TOKENS_LAST_ONE_BYTE_BLOCK_KV = 128
 DEFAULT_STAGES = 3
 # DecodeConfig fields this backend does not implement, with the value it needs.
 UNSUPPORTED_FIELDS = {"kv_groups": 1, "pipeline_qk": False, "persistent": False, "split_scores": False,
-                      "convert_warpgroup": False, "rows_as_n": False}
+                      "convert_warpgroup": False, "rows_as_n": False, "alternate_scores": False}
 
 
 def _next_pow2(n: int) -> int:
