@@ -325,8 +325,8 @@ def test_mla_rows_as_n_lowers_for_cuda(shape):
   _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, rows_as_n=True))
 
 
-# B1 (64 splits), B64 and B128 (one split), two new tokens, pages of 16.
-@pytest.mark.parametrize("shape", [LOWERING_SHAPES[i] for i in (0, 2, 3, 5, 6)], ids=_shape_id)
+# B1 (64 splits), B64 (one split), pages of 16 with four new tokens.
+@pytest.mark.parametrize("shape", [LOWERING_SHAPES[i] for i in (0, 2, 6)], ids=_shape_id)
 def test_mla_alternate_scores_lowers_for_cuda(shape):
   _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, alternate_scores=True))
 

@@ -160,13 +160,14 @@ def test_merge_in_kernel_with_fixed_splits_is_batch_invariant(interpret_mode):
 
 
 def _check_merge_kernel(splits, rows, dv, interpret):
-  # Random partials (some splits and one whole sequence empty), rows and splits not powers of two.
+  # Random partials (some splits and one whole sequence empty; of several splits, their outputs
+  # NaN: a kernel may leave them unwritten), rows and splits not powers of two.
   rng = np.random.default_rng(splits * rows)
   out = rng.standard_normal((2, 3, splits, rows, dv)).astype(np.float32)
   lse = (4 * rng.standard_normal((2, 3, splits, rows))).astype(np.float32)
   empty = rng.random((2, 3, splits)) < 0.3
   empty[1, 2] = True
-  lse[empty], out[empty] = -np.inf, 0.0
+  lse[empty], out[empty] = -np.inf, np.nan if splits > 1 else 0.0
   sinks = jnp.asarray(rng.standard_normal((3, rows)), jnp.float32)
   for row_sinks in (None, sinks):
     want, want_lse = split_k.merge_splits(jnp.asarray(out), jnp.asarray(lse), row_sinks)

@@ -254,8 +254,9 @@ def merge_splits(out, lse, sinks=None):
   """Merges split-K partials.
 
   Args:
-    out: [B, Hkv, splits, R, Dv], each split's softmax-normalised output (0 where empty): float32,
-      or 16-bit (summed in float32).
+    out: [B, Hkv, splits, R, Dv], each split's softmax-normalised output (0 with one split where
+      it saw no key; with several, any values there: ignored, the MLA kernel leaves them
+      unwritten): float32, or 16-bit (summed in float32).
     lse: [B, Hkv, splits, R] float32, each split's log-sum-exp (-inf where empty).
     sinks: optional [Hkv, R] float32 sink logit of each packed row; joins the denominator only.
   Returns:
@@ -273,7 +274,7 @@ def merge_splits(out, lse, sinks=None):
   denom = norm
   if sinks is not None:
     denom = denom + jnp.exp(sinks[None].astype(jnp.float32) - shift)
-  merged = jnp.einsum("bhsr,bhsrd->bhrd", weights, out)
+  merged = jnp.einsum("bhsr,bhsrd->bhrd", weights, jnp.where((lse > -jnp.inf)[..., None], out, 0.0))
   merged = merged / jnp.where(has_keys, denom, 1.0)[..., None]
   return merged, lse_total
 

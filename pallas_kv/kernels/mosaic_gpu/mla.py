@@ -2,10 +2,9 @@
 
 The cache is kv_pages [P, page_size, Dqk] (Dqk = 512 latent + 64 rope); keys are whole rows and
 values their first Dv (512) columns. Every q head shares the one KV head, so the packed rows
-(S new tokens x Hq heads, `split_k.pack_queries`) are cut into blocks of 64 (wgmma M) and the grid
-is (sequence, split, row block). Mosaic GPU launches the last grid dimension fastest, so the row
-blocks of one token range run side by side and read the same KV, the second mostly from L2 (with
-the row block first, past one wave the second block re-read every sequence from DRAM).
+(S new tokens x Hq heads, `split_k.pack_queries`) are cut into blocks of 64 (wgmma M); the grid
+(sequence, split, row block) launches the row blocks of a token range together (Mosaic GPU
+launches the last dimension fastest), so the second reads the KV mostly from L2.
 
 Three warpgroups per program:
   producer  TMA-copies each KV tile [bkv, Dqk] once into an SMEM ring (`pipeline.Ring`; one copy
@@ -41,15 +40,14 @@ input), so a long sequence takes more splits than a short one and every split ab
 (measured on the H200: 15% faster at B128 ragged, 14% slower at B128 T8192 and 55% at B64 T4096,
 where the grid's empty splits still launch and merge, so it stays opt-in for ragged batches).
 
-What the consumers compute per tile (Q K^T, the softmax, P V) goes through `TileMath`, which the
-kernel uses as is; a measurement probe subclasses it to leave a stage out (benchmarks/mla.py).
+The consumers' per-tile math goes through `TileMath` (probes in benchmarks/mla.py subclass it).
 
 Values past a sequence's length (stale memory, pages its table does not name, NaN) never reach an
 output: scores there are replaced by -inf, and the scorer zeroes those rows of the tile's first
 Dv columns in SMEM before either product reads them (0 x NaN would be NaN).
 
-Each split writes its normalised partial output and natural-log LSE; `split_k.merge_splits`
-merges them (a second, small XLA launch). With one split the kernel writes q's dtype directly.
+Each split writes its normalised partial output and natural-log LSE (a split with no tile, its
+LSE alone: -inf), merged in a second launch; with one split the kernel writes the output itself.
 """
 
 from __future__ import annotations
@@ -305,13 +303,10 @@ class _HalfSync:
 def _score_half_tiles(w: int, q_smem, sync: _HalfSync, ring: pipeline.Ring, t0, t1, c, *, length, row0,
                       st: _Static):
   """split_scores: consumer w's loop over tiles [t0, t1) ([c, t1) masked). Returns (acc [64, Dv/2]
-  of value columns w, m, l over its own half of the keys).
-
-  Per tile: S_w = Q K_w^T for its half of the tile's keys; the tile's row max from both halves;
-  P_w into SMEM; acc_w = alpha acc_w + P V[:, columns w] over both halves of P. The QK^T and
-  softmax work is the same on both consumers, so each one's tensor work overlaps the other's
-  softmax (FlashMLA's balance). Consumer 0 zeroes a last tile's value rows past the length once
-  both Q K^T are done (they see those keys only as masked scores) and before either P V.
+  of value columns w, m, l over its own half of the keys). Per tile: S_w = Q K_w^T for its half
+  of the keys; the row max of both halves; P_w into SMEM; acc_w = alpha acc_w + P V[:, columns w]
+  over both halves of P. Consumer 0 zeroes a last tile's value rows past the length once both
+  Q K^T are done (they see those keys only as masked scores) and before either P V.
   """
   hk, bkv = st.smem.half_kv, st.tiling.block_kv
   s_type = plgpu.ACC((ROWS, hk), jnp.float32)
@@ -396,16 +391,12 @@ def _partner_tiles(shared: _SharedP, ring: pipeline.Ring, t0, t1, st: _Static):
 
 def _alternate_consumer(w: int, scores: _Scores, ring: pipeline.Ring, p_smem, row_smem, p_ready, p_free, t0, t1,
                         c, *, length, row0, st: _Static):
-  """alternate_scores: consumer w's loop over tiles [t0, t1). Returns (acc [64, Dv/2] of value
-  columns w, m, l: the row sum of its own tiles' P), all relative to the final max.
-
-  Tile j (from t0) is scored by consumer j % 2, from the running max handed over with tile j - 1:
-  it stores P, alpha and the new max (row_smem rows 0, 1), arrives on p_ready[j % 2], and both
-  consumers add P V for their value columns. A consumer issues its tile's Q K^T before the other's
-  tile's P V, and its softmax runs while the other's wgmma do. p_free (two arrivals) completes
-  once both are done with a tile's P; each consumer waits every phase of it in order, the last
-  before it arrives on the next (so neither runs two phases ahead), and P is overwritten only after.
-  """
+  """alternate_scores: consumer w's loop over tiles [t0, t1); returns (acc [64, Dv/2] of columns w,
+  m, l of its own tiles' P), relative to the final max. Tile j (from t0) is scored by consumer
+  j % 2 from the max handed over with tile j - 1: P, alpha, the new max into SMEM (rows 0, 1),
+  p_ready[j % 2], then both add P V. Its Q K^T is issued before the other tile's P V. p_free (two
+  arrivals) completes once both are done with a P; each waits every phase of it, the last before
+  arriving on the next (neither runs two phases ahead), and P is overwritten only after."""
   n = t1 - t0
   columns = pl.ds(w * st.half_v, st.half_v)
   rows_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -599,66 +590,94 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
 
     ring.drain(t1 - t0)
 
-  if st.rows_as_n:
-    shared = dataclasses.replace(shared, vector_layout=plgpu.Layout.WGMMA.reduce(0))
-    _rows_as_n_consumers(wg, q_ref, q_smem, q_barrier, ring, shared, row_smem, out_smem, lse_smem, out_ref, lse_ref,
-                         consumers_done, b=b, split=split, t0=t0, t1=t1, c=c, length=length, st=st)
+  def consumers():
+    if st.rows_as_n:
+      transposed = dataclasses.replace(shared, vector_layout=plgpu.Layout.WGMMA.reduce(0))
+      _rows_as_n_consumers(wg, q_ref, q_smem, q_barrier, ring, transposed, row_smem, out_smem, lse_smem, out_ref,
+                           lse_ref, consumers_done, b=b, split=split, t0=t0, t1=t1, c=c, length=length, st=st)
+      return
+
+    if st.alternate_scores:
+      scores = _Scores(q_smem=q_smem, length=length, st=st)
+      for w in range(VALUE_WGS):
+        @pl.when(wg == w)
+        def _alternate():
+          plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+          if w == 0:   # both read Q: each waits on the one copy's barrier
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, ROWS)], q_smem, q_barrier)
+          plgpu.barrier_wait(q_barrier)
+          acc, m_i, l_i = _alternate_consumer(w, scores, ring, p_smem, row_smem, p_ready, p_free, t0, t1, c,
+                                              length=length, row0=row0, st=st)
+          row_smem[2 + w] = l_i   # rows 2, 3: free of the hand-over
+          _store(acc, None, w, out_smem, lse_smem, out_ref, lse_ref, consumers_done, b=b, split=split,
+                 row0=row0, st=st, row_sums=(row_smem.at[2], row_smem.at[3]), lse_of_max=m_i if w == 0 else None)
+      return
+
+    if st.split_scores:
+      sync = _HalfSync(rows=row_smem, p=p_smem, max_ready=max_ready, p_ready=p_ready, p_free=p_free)
+      for w in range(VALUE_WGS):
+        @pl.when(wg == w)
+        def _half_scorer():
+          plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+          # Both consumers read Q: each waits on the one copy's barrier.
+          if w == 0:
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, ROWS)], q_smem, q_barrier)
+          plgpu.barrier_wait(q_barrier)
+          acc, m_i, l_i = _score_half_tiles(w, q_smem, sync, ring, t0, t1, c, length=length, row0=row0, st=st)
+          row_smem[w] = l_i   # the other has read this row's last maximum (it met p_ready since)
+          _store(acc, None, w, out_smem, lse_smem, out_ref, lse_ref, consumers_done, b=b, split=split,
+                 row0=row0, st=st, row_sums=(row_smem.at[0], row_smem.at[1]), lse_of_max=m_i if w == 0 else None)
+      return
+
+    @pl.when(wg == SCORER)
+    def _scorer():
+      plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, ROWS)], q_smem, q_barrier)
+      plgpu.barrier_wait(q_barrier)
+      scores = _Scores(q_smem=q_smem, length=length, st=st)
+      acc, m_i, l_i = _score_tiles(scores, shared, ring, t0, t1, c, length=length, row0=row0, st=st)
+
+      @pl.when(t1 > t0)
+      def _():
+        plgpu.barrier_wait(p_free)   # the partner's last P V: observe every phase of the barrier
+
+      out, lse = online_softmax.finalize(acc, m_i, l_i)
+      row_smem[1] = l_i
+      _store(out, lse, 0, out_smem, lse_smem, out_ref, lse_ref, consumers_done, b=b, split=split, row0=row0, st=st)
+
+    @pl.when(wg == PARTNER)
+    def _partner():
+      plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+      acc = _partner_tiles(shared, ring, t0, t1, st)
+      _store(acc, None, 1, out_smem, lse_smem, out_ref, lse_ref, consumers_done, b=b, split=split, row0=row0,
+             st=st, row_sums=(row_smem.at[1],))
+
+
+  if st.num_splits == 1:   # the output itself: written whatever the length
+    consumers()
     return
 
-  if st.alternate_scores:
-    scores = _Scores(q_smem=q_smem, length=length, st=st)
-    for w in range(VALUE_WGS):
-      @pl.when(wg == w)
-      def _alternate():
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        if w == 0:   # both read Q: each waits on the one copy's barrier
-          plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, ROWS)], q_smem, q_barrier)
-        plgpu.barrier_wait(q_barrier)
-        acc, m_i, l_i = _alternate_consumer(w, scores, ring, p_smem, row_smem, p_ready, p_free, t0, t1, c,
-                                            length=length, row0=row0, st=st)
-        row_smem[2 + w] = l_i   # rows 2, 3: free of the hand-over
-        _store(acc, None, w, out_smem, lse_smem, out_ref, lse_ref, consumers_done, b=b, split=split,
-               row0=row0, st=st, row_sums=(row_smem.at[2], row_smem.at[3]), lse_of_max=m_i if w == 0 else None)
-    return
+  @pl.when(t1 > t0)
+  def _():
+    consumers()
 
-  if st.split_scores:
-    sync = _HalfSync(rows=row_smem, p=p_smem, max_ready=max_ready, p_ready=p_ready, p_free=p_free)
-    for w in range(VALUE_WGS):
-      @pl.when(wg == w)
-      def _half_scorer():
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        # Both consumers read Q: each waits on the one copy's barrier.
-        if w == 0:
-          plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, ROWS)], q_smem, q_barrier)
-        plgpu.barrier_wait(q_barrier)
-        acc, m_i, l_i = _score_half_tiles(w, q_smem, sync, ring, t0, t1, c, length=length, row0=row0, st=st)
-        row_smem[w] = l_i   # the other has read this row's last maximum (it met p_ready since)
-        _store(acc, None, w, out_smem, lse_smem, out_ref, lse_ref, consumers_done, b=b, split=split,
-               row0=row0, st=st, row_sums=(row_smem.at[0], row_smem.at[1]), lse_of_max=m_i if w == 0 else None)
-    return
+  @pl.when((t1 == t0) & (wg == SCORER))
+  def _():
+    _store_no_keys(lse_smem, lse_ref, b=b, split=split, row0=row0, st=st)
 
-  @pl.when(wg == SCORER)
-  def _scorer():
-    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, ROWS)], q_smem, q_barrier)
-    plgpu.barrier_wait(q_barrier)
-    scores = _Scores(q_smem=q_smem, length=length, st=st)
-    acc, m_i, l_i = _score_tiles(scores, shared, ring, t0, t1, c, length=length, row0=row0, st=st)
-
-    @pl.when(t1 > t0)
-    def _():
-      plgpu.barrier_wait(p_free)   # the partner's last P V: observe every phase of the barrier
-
-    out, lse = online_softmax.finalize(acc, m_i, l_i)
-    row_smem[1] = l_i
-    _store(out, lse, 0, out_smem, lse_smem, out_ref, lse_ref, consumers_done, b=b, split=split, row0=row0, st=st)
-
-  @pl.when(wg == PARTNER)
-  def _partner():
-    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-    acc = _partner_tiles(shared, ring, t0, t1, st)
-    _store(acc, None, 1, out_smem, lse_smem, out_ref, lse_ref, consumers_done, b=b, split=split, row0=row0,
-           st=st, row_sums=(row_smem.at[1],))
+def _store_no_keys(lse_smem, lse_ref, *, b, split, row0, st: _Static):
+  """A split with no tile (of several): its lse alone, -inf, which tells the merges to skip its
+  output (left unwritten, as Q is left unread)."""
+  n = st.rows_as_n or ROWS
+  vector = plgpu.Layout.WGMMA.reduce(0 if st.rows_as_n else 1)
+  lse_smem[...] = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), vector)
+  plgpu.commit_smem()
+  if st.rows_as_n or st.num_row_blocks == 1:
+    rows = st.rows_as_n or st.lse_rows
+    plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, rows)], lse_ref.at[b, split, pl.ds(0, rows)])
+  else:
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(row0, ROWS)])
+  plgpu.wait_smem_to_gmem(0)
 
 
 def _store(out, lse, half: int, out_smem, lse_smem, out_ref, lse_ref, consumers_done, *, b, split, row0,
@@ -741,11 +760,11 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
   tile_math: what the consumers compute per tile (`TileMath`; measurement probes subclass it).
   interpret: False, or a plgpu.InterpretGPUParams (run on the CPU in interpret mode).
 
-  Returns (out [B, splits, R, v_head_dim] in q's dtype, each split's normalised output; lse
-  [B, splits, R] float32, natural log, -inf where a split saw no key). Partials in q's dtype (as
-  FlashInfer stores them) halve what the splits write and the merge reads: at 128 heads and 64
-  splits that is 16.8 MB of float32 per sequence, ~9 us of traffic at batch 1. Their rounding
-  (2^-9 relative in bf16) is that of the bf16 output, before the merge's float32 sum.
+  Returns (out [B, splits, R, v_head_dim] in q's dtype, each split's normalised output, unwritten
+  for a split with no tile of several; lse [B, splits, R] float32, natural log, -inf where a split
+  saw no key). Partials in q's dtype (as
+  FlashInfer stores them) halve what the splits write and the merge reads (at 128 heads and 64
+  splits, 16.8 MB of float32 per sequence); their rounding is that of the bf16 output.
   """
   if q.ndim != 3 or kv_pages.ndim != 3 or q.shape[2] != kv_pages.shape[2]:
     raise ValueError(f"q [B, R, Dqk] and kv_pages [P, page_size, Dqk] must share Dqk: {q.shape=} {kv_pages.shape=}")

@@ -63,8 +63,9 @@ def _kernel(out_ref,     # [splits, >= R, Dv] f32 or 16-bit, this (sequence, kv 
   norm = jnp.sum(weights, axis=0)
 
   column = pl.program_id(2) * columns + jnp.arange(columns, dtype=jnp.int32)     # [columns]
+  # A split with no key (lse -inf) is never read: its output may be left unwritten (MLA).
   parts = pltr.load(out_ref.at[split[:, :, None], row[None, :, None], column[None, None, :]],
-                    mask=jnp.broadcast_to(ok[:, :, None], (s_pad, row_block, columns)),
+                    mask=jnp.broadcast_to((ok & (lse > -jnp.inf))[:, :, None], (s_pad, row_block, columns)),
                     other=0.0).astype(jnp.float32)
   acc = jnp.sum(parts * weights[:, :, None], axis=0)                               # [row_block, columns]
 
@@ -88,8 +89,8 @@ def merge_partials(out, lse, sinks=None, *, out_dtype, return_lse: bool = True, 
   """`split_k.merge_splits(out, lse, sinks)` in one launch, cast to out_dtype.
 
   Args:
-    out: [B, Hkv, splits, >= R, Dv] partials (0 where a split saw no key): float32, or 16-bit
-      (bf16 / fp16, as the MLA kernel stores them), summed in float32.
+    out: [B, Hkv, splits, >= R, Dv] partials (where a split saw no key, any values: never read):
+      float32, or 16-bit (bf16 / fp16, as the MLA kernel stores them), summed in float32.
     lse: [B, Hkv, splits, >= R] float32 (-inf where a split saw no key).
     sinks: optional [Hkv, R] float32 sink logit of each packed row (joins the denominator only).
     out_dtype: the dtype of the merged output.
