@@ -40,8 +40,9 @@ BALANCE_WAVES = 4
 # programs unsplit stays unsplit: its programs already end together, and cutting them only adds
 # programs, merges and short remainders (measured on the H200, MLA B128 T8192: 655 us unsplit,
 # 702 us cut into 63 + 63 + 2 tiles; benchmarks/RESULTS.md, ninth set). The grid still holds the
-# empty splits, which load q, write empty partials and join the merge: 663 us against 579 for the
-# per-sequence plan at that row (tenth set), so the balanced plan is for ragged batches.
+# empty splits, which launch and join the merge (and then also loaded q and wrote empty partials):
+# 663 us against 579 for the per-sequence plan at that row (tenth set), so the balanced plan is
+# for ragged batches.
 NEAR_EQUAL_LENGTHS = 1.25
 
 

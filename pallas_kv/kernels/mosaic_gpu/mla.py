@@ -189,6 +189,15 @@ def _pv(acc, parts, st: _Static):
   return pl.run_state(mma)(plgpu.ACC.init(acc))
 
 
+def _start_state(acc_shape, rows_axis: int = 0):
+  """(acc 0 [acc_shape] f32 in the WGMMA layout, running max -inf, row sum 0 over the q rows of
+  acc's rows_axis: 1 with rows as N): a loop's carry."""
+  rows, vector_layout = acc_shape[rows_axis], plgpu.Layout.WGMMA.reduce(1 - rows_axis)
+  return (plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA),
+          plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), vector_layout),
+          plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), vector_layout))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Scores:
   """Starts S = Q K^T of a tile (its ring slot [bkv, Dqk]) into s_ref [64, bkv] f32, after zeroing
@@ -219,7 +228,6 @@ def _score_tiles(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0, t1,
   tile longer; the last step scores its own tile again rather than branch around the wgmma).
   """
   s_type = plgpu.ACC((ROWS, st.tiling.block_kv), jnp.float32)
-  rows_layout = plgpu.Layout.WGMMA.reduce(1)
 
   def finish(s, tile, acc, m_i, l_i, slot, masked):
     """Softmax of tile's scores s, P to the partner, acc + P V[:, :Dv/2]."""
@@ -229,9 +237,7 @@ def _score_tiles(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0, t1,
     acc = _pv(acc * online_softmax.per_row(alpha, acc.shape), [(shared.p, slot.at[:, pl.ds(0, st.half_v)])], st)
     return acc, m_new, l_new
 
-  acc = plgpu.layout_cast(jnp.zeros((ROWS, st.half_v), jnp.float32), plgpu.Layout.WGMMA)
-  m_i = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), rows_layout)
-  l_i = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), rows_layout)
+  acc, m_i, l_i = _start_state((ROWS, st.half_v))
 
   if not st.pipeline_qk:
     def step(tile, carry, *, masked: bool):
@@ -354,9 +360,7 @@ def _score_half_tiles(w: int, q_smem, sync: _HalfSync, ring: pipeline.Ring, t0, 
     ring.release(i)
     return acc, m_new, l_new
 
-  carry = (plgpu.layout_cast(jnp.zeros((ROWS, st.half_v), jnp.float32), plgpu.Layout.WGMMA),
-           plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), rows_layout),
-           plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), rows_layout))
+  carry = _start_state((ROWS, st.half_v))
   carry = lax.fori_loop(t0, c, functools.partial(step, masked=False), carry)
   carry = lax.fori_loop(c, t1, functools.partial(step, masked=True), carry)
 
@@ -446,9 +450,7 @@ def _alternate_consumer(w: int, scores: _Scores, ring: pipeline.Ring, p_smem, ro
     ring.release(j)
     return acc, m_new, l_new
 
-  carry = (plgpu.layout_cast(jnp.zeros((ROWS, st.half_v), jnp.float32), plgpu.Layout.WGMMA),
-           plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), rows_layout),
-           plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), rows_layout))
+  carry = _start_state((ROWS, st.half_v))
   if w == 0:   # tile 0 follows no tile (masked: it may be the last)
     carry = lax.fori_loop(0, jnp.minimum(n, 1), lambda j, cr: own(j, cr, masked=True, after_other=False), carry)
   first = 2 - w   # then pairs: the other's tile first - 1, own tile first, ...
@@ -475,7 +477,6 @@ def _score_tiles_as_n(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0
   the masked online softmax down its columns (over keys, across warps), P^T to the partner,
   O^T[:Dv/2] += V^T[:Dv/2] P^T. Returns (acc [Dv/2, N], m [N], l [N])."""
   n, bkv = st.rows_as_n, st.tiling.block_kv
-  columns = plgpu.Layout.WGMMA.reduce(0)
   s_type = plgpu.ACC((bkv, n), jnp.float32)
 
   def step(tile, carry, *, masked: bool):
@@ -495,9 +496,7 @@ def _score_tiles_as_n(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0
     ring.release(i)
     return acc, m_new, l_new
 
-  carry = (plgpu.layout_cast(jnp.zeros((st.half_v, n), jnp.float32), plgpu.Layout.WGMMA),
-           plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), columns),
-           plgpu.layout_cast(jnp.zeros((n,), jnp.float32), columns))
+  carry = _start_state((st.half_v, n), rows_axis=1)
   carry = lax.fori_loop(t0, c, functools.partial(step, masked=False), carry)
   return lax.fori_loop(c, t1, functools.partial(step, masked=True), carry)
 
@@ -507,7 +506,6 @@ def _rows_as_n_consumers(wg, q_ref, q_smem, q_barrier, ring: pipeline.Ring, shar
   """The scorer and its partner with rows as N: the same hand-over as `_score_tiles` and the
   partner's loop, on transposed tiles; each stores its half of O^T [Dv/2, N] and the scorer the
   lse, into out [B, splits, Dv, N] / lse [B, splits, >= N]."""
-  n = st.rows_as_n
 
   def store(half: int, result):
     """result() -> (this half of the output, the lse or None), made once both consumers are here."""
@@ -522,7 +520,7 @@ def _rows_as_n_consumers(wg, q_ref, q_smem, q_barrier, ring: pipeline.Ring, shar
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_smem.at[half], out_ref.at[b, split, pl.ds(half * st.half_v, st.half_v)])
     if lse is not None:
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(0, n)])
+      plgpu.copy_smem_to_gmem(*_lse_copy(lse_smem, lse_ref, b=b, split=split, row0=0, st=st))
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == SCORER)
@@ -597,36 +595,32 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
                            lse_ref, consumers_done, b=b, split=split, t0=t0, t1=t1, c=c, length=length, st=st)
       return
 
-    if st.alternate_scores:
-      scores = _Scores(q_smem=q_smem, length=length, st=st)
+    def both_score(loop, sums_row: int):
+      """split_scores, alternate_scores: both consumers read Q and run loop(w) -> (acc, m, l); their
+      row sums meet in row_smem rows sums_row and sums_row + 1."""
       for w in range(VALUE_WGS):
         @pl.when(wg == w)
-        def _alternate():
+        def _():
           plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
           if w == 0:   # both read Q: each waits on the one copy's barrier
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, ROWS)], q_smem, q_barrier)
           plgpu.barrier_wait(q_barrier)
-          acc, m_i, l_i = _alternate_consumer(w, scores, ring, p_smem, row_smem, p_ready, p_free, t0, t1, c,
-                                              length=length, row0=row0, st=st)
-          row_smem[2 + w] = l_i   # rows 2, 3: free of the hand-over
-          _store(acc, None, w, out_smem, lse_smem, out_ref, lse_ref, consumers_done, b=b, split=split,
-                 row0=row0, st=st, row_sums=(row_smem.at[2], row_smem.at[3]), lse_of_max=m_i if w == 0 else None)
+          acc, m_i, l_i = loop(w)
+          row_smem[sums_row + w] = l_i
+          _store(acc, None, w, out_smem, lse_smem, out_ref, lse_ref, consumers_done, b=b, split=split, row0=row0,
+                 st=st, row_sums=(row_smem.at[sums_row], row_smem.at[sums_row + 1]),
+                 lse_of_max=m_i if w == 0 else None)
+
+    if st.alternate_scores:   # rows 0, 1 carry the hand-over; 2, 3 are free for the sums
+      scores = _Scores(q_smem=q_smem, length=length, st=st)
+      both_score(lambda w: _alternate_consumer(w, scores, ring, p_smem, row_smem, p_ready, p_free, t0, t1, c,
+                                               length=length, row0=row0, st=st), sums_row=2)
       return
 
-    if st.split_scores:
+    if st.split_scores:   # each consumer's last row maximum has been read (it met p_ready since)
       sync = _HalfSync(rows=row_smem, p=p_smem, max_ready=max_ready, p_ready=p_ready, p_free=p_free)
-      for w in range(VALUE_WGS):
-        @pl.when(wg == w)
-        def _half_scorer():
-          plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-          # Both consumers read Q: each waits on the one copy's barrier.
-          if w == 0:
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, ROWS)], q_smem, q_barrier)
-          plgpu.barrier_wait(q_barrier)
-          acc, m_i, l_i = _score_half_tiles(w, q_smem, sync, ring, t0, t1, c, length=length, row0=row0, st=st)
-          row_smem[w] = l_i   # the other has read this row's last maximum (it met p_ready since)
-          _store(acc, None, w, out_smem, lse_smem, out_ref, lse_ref, consumers_done, b=b, split=split,
-                 row0=row0, st=st, row_sums=(row_smem.at[0], row_smem.at[1]), lse_of_max=m_i if w == 0 else None)
+      both_score(lambda w: _score_half_tiles(w, q_smem, sync, ring, t0, t1, c, length=length, row0=row0, st=st),
+                 sums_row=0)
       return
 
     @pl.when(wg == SCORER)
@@ -652,7 +646,6 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
       _store(acc, None, 1, out_smem, lse_smem, out_ref, lse_ref, consumers_done, b=b, split=split, row0=row0,
              st=st, row_sums=(row_smem.at[1],))
 
-
   if st.num_splits == 1:   # the output itself: written whatever the length
     consumers()
     return
@@ -665,6 +658,7 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
   def _():
     _store_no_keys(lse_smem, lse_ref, b=b, split=split, row0=row0, st=st)
 
+
 def _store_no_keys(lse_smem, lse_ref, *, b, split, row0, st: _Static):
   """A split with no tile (of several): its lse alone, -inf, which tells the merges to skip its
   output (left unwritten, as Q is left unread)."""
@@ -672,12 +666,16 @@ def _store_no_keys(lse_smem, lse_ref, *, b, split, row0, st: _Static):
   vector = plgpu.Layout.WGMMA.reduce(0 if st.rows_as_n else 1)
   lse_smem[...] = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), vector)
   plgpu.commit_smem()
-  if st.rows_as_n or st.num_row_blocks == 1:
-    rows = st.rows_as_n or st.lse_rows
-    plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, rows)], lse_ref.at[b, split, pl.ds(0, rows)])
-  else:
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(row0, ROWS)])
+  plgpu.copy_smem_to_gmem(*_lse_copy(lse_smem, lse_ref, b=b, split=split, row0=row0, st=st))
   plgpu.wait_smem_to_gmem(0)
+
+
+def _lse_copy(lse_smem, lse_ref, *, b, split, row0, st: _Static):
+  """(SMEM source, GMEM destination) of a program's lse: every row with one row block or rows as
+  N (static counts, padded to 16 bytes), else the block's 64 rows."""
+  if st.rows_as_n or st.num_row_blocks == 1:
+    return lse_smem.at[pl.ds(0, st.lse_rows)], lse_ref.at[b, split, pl.ds(0, st.lse_rows)]
+  return lse_smem, lse_ref.at[b, split, pl.ds(row0, ROWS)]
 
 
 def _store(out, lse, half: int, out_smem, lse_smem, out_ref, lse_ref, consumers_done, *, b, split, row0,
@@ -704,15 +702,13 @@ def _store(out, lse, half: int, out_smem, lse_smem, out_ref, lse_ref, consumers_
     lse_smem[...] = lse
   plgpu.commit_smem()
   columns = pl.ds(half * st.half_v, st.half_v)
-  if st.num_row_blocks == 1:   # static row counts: only the real rows (lse padded to 16 bytes)
-    n_out, n_lse = st.out_rows, st.lse_rows
+  if st.num_row_blocks == 1:   # static row counts: only the real rows
+    n_out = st.out_rows
     plgpu.copy_smem_to_gmem(out_smem.at[half, pl.ds(0, n_out)], out_ref.at[b, split, pl.ds(0, n_out), columns])
-    if lse is not None:
-      plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, n_lse)], lse_ref.at[b, split, pl.ds(0, n_lse)])
   else:
     plgpu.copy_smem_to_gmem(out_smem.at[half], out_ref.at[b, split, pl.ds(row0, ROWS), columns])
-    if lse is not None:
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(row0, ROWS)])
+  if lse is not None:
+    plgpu.copy_smem_to_gmem(*_lse_copy(lse_smem, lse_ref, b=b, split=split, row0=row0, st=st))
   plgpu.wait_smem_to_gmem(0)
 
 
