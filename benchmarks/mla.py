@@ -14,10 +14,12 @@ Impls: `mosaic_gpu` (our kernel), `mosaic_gpu_pqk` (the same with `DecodeConfig(
 on 32-token tiles in four stages: the next tile's Q K^T overlaps this tile's softmax),
 `mosaic_gpu_bkv32` (the plain schedule on those tiles), `mosaic_gpu_halves` (`DecodeConfig(split_scores=True)`:
 both consumers score half of each tile), `mosaic_gpu_alt` (`DecodeConfig(alternate_scores=True)`: they
-score alternate tiles), `mosaic_gpu_sp<N>` (N splits per sequence instead of the
+score alternate tiles), `mosaic_gpu_rh` (`DecodeConfig(ring_halves=True)`: ring slots loaded and
+freed in two column parts), `mosaic_gpu_sp<N>` (N splits per sequence instead of the
 heuristic's count, e.g. `mosaic_gpu_sp33`), `kernel` (the kernel's launch alone, one split, no
-merge) and its probes `kernel_no_qk`, `kernel_no_softmax`, `kernel_no_pv`, `kernel_loads_only`
-(the same launch with those stages left out: the TMA ring and the P hand-over still run; results
+merge) and its probes `kernel_no_qk`, `kernel_no_softmax`, `kernel_no_pv`, `kernel_loads_only`,
+`kernel_no_loads` (the same launch with those stages left out: the TMA ring and the P hand-over
+still run, and without loads the producer marks each slot full as it frees; results
 wrong by design, so they are not checked; they tell where a tile's time goes), `auto` (what `impl="auto"` picks), `xla`
 (pallas_kv's pure XLA impl), and `bf16_einsum` (written here: XLA einsums over the gathered pages with bf16 operands and
 float32 accumulation, the plain-JAX baseline). Every impl's output of a row is first checked
@@ -65,17 +67,20 @@ BALANCED = "mosaic_gpu_balanced"
 ROWS_AS_N = "mosaic_gpu_rows_as_n"
 # ... or the two consumers score alternate tiles (DecodeConfig.alternate_scores).
 ALTERNATE = "mosaic_gpu_alt"
+# ... or ring slots loaded and freed in two column parts (DecodeConfig.ring_halves).
+RING_HALVES = "mosaic_gpu_rh"
 VARIANTS = {PIPELINED: dict(pipeline_qk=True, block_kv=32, num_stages=4), TILES_32: dict(block_kv=32, num_stages=4),
             HALVES: dict(split_scores=True), BALANCED: dict(split_plan="balanced"), ROWS_AS_N: dict(rows_as_n=True),
-            ALTERNATE: dict(alternate_scores=True)}
+            ALTERNATE: dict(alternate_scores=True), RING_HALVES: dict(ring_halves=True)}
 # ... or a fixed split count: mosaic_gpu_sp<N> (e.g. mosaic_gpu_sp33), the heuristic's schedule.
 FIXED_SPLITS = re.compile(r"mosaic_gpu_sp([1-9][0-9]*)")
 # The kernel's launch alone with one split, and probes of it that leave stages of the tile's math
 # out (MEASUREMENT ONLY: their outputs are wrong by design and go unchecked).
 KERNEL = "kernel"
 PROBES = {KERNEL: frozenset(), "kernel_no_qk": frozenset({"qk"}), "kernel_no_softmax": frozenset({"softmax"}),
-          "kernel_no_pv": frozenset({"pv"}), "kernel_loads_only": frozenset({"qk", "softmax", "pv"})}
-GPU_IMPLS = ("mosaic_gpu", ALTERNATE, BASELINE, "xla")
+          "kernel_no_pv": frozenset({"pv"}), "kernel_loads_only": frozenset({"qk", "softmax", "pv"}),
+          "kernel_no_loads": frozenset({"loads"})}
+GPU_IMPLS = ("mosaic_gpu", RING_HALVES, BASELINE, "xla")
 CPU_IMPLS = ("auto", "xla", BASELINE)
 OUR_IMPLS = runners.OUR_IMPLS + tuple(VARIANTS) + (KERNEL,)
 
@@ -158,7 +163,8 @@ def probe_math(impl: str):
 
   @dataclasses.dataclass(frozen=True)
   class ProbeMath(mgpu_mla.TileMath):
-    """MEASUREMENT ONLY: Q K^T, the softmax (P = the raw scores, alpha = 1) or P V left out."""
+    """MEASUREMENT ONLY: Q K^T, the softmax (P = the raw scores, alpha = 1), P V or the loads left
+    out (`TileMath.load_tiles`)."""
     skip: frozenset = frozenset()
 
     def qk(self, s_ref, q_tile, k_tile):
@@ -175,7 +181,9 @@ def probe_math(impl: str):
       layout = plgpu.Layout.WGMMA.reduce(0 if st.rows_as_n else 1)
       return plgpu.layout_cast(jnp.ones(m_i.shape, jnp.float32), layout), m_i, l_i, s
 
-  return mgpu_mla.TileMath() if impl == KERNEL else ProbeMath(name=impl, skip=PROBES[impl])
+  if impl == KERNEL:
+    return mgpu_mla.TileMath()
+  return ProbeMath(name=impl, skip=PROBES[impl], load_tiles="loads" not in PROBES[impl])
 
 
 def build_kernel_launch(impl: str, row: "Row", scale: float):

@@ -95,6 +95,11 @@ class DecodeConfig:
     SMEM operands then take the swizzle of the rows' width (32 bytes at 16 rows). Measured
     slower on the H200 (188 against 160 us at 16 heads B64 T8192: P V then takes four times the
     wgmma instructions, each of N = 16; benchmarks/RESULTS.md, ninth set).
+  ring_halves: MLA on mosaic_gpu only, with the plain scorer schedule: each ring slot is loaded
+    and freed in two column parts, the scorer's value half and the rest (the partner's value
+    half and the rope columns), each with its own barriers (FlashMLA's K tiles). The scorer's
+    Q K^T starts on the first part while the second lands, and each part is refilled as soon as
+    its one reader's P V is done instead of when both are. Not yet timed on a GPU.
   """
   block_kv: int = 64
   num_stages: int = 4
@@ -110,6 +115,7 @@ class DecodeConfig:
   convert_warpgroup: bool = False
   rows_as_n: bool = False
   alternate_scores: bool = False
+  ring_halves: bool = False
 
   def __post_init__(self):
     if self.block_kv not in BLOCK_KV_CHOICES:
@@ -134,6 +140,8 @@ class DecodeConfig:
       raise ValueError(f"{self.rows_as_n=} must be a bool")
     if not isinstance(self.alternate_scores, bool):
       raise ValueError(f"{self.alternate_scores=} must be a bool")
+    if not isinstance(self.ring_halves, bool):
+      raise ValueError(f"{self.ring_halves=} must be a bool")
     if self.split_plan not in SPLIT_PLANS:
       raise ValueError(f"{self.split_plan=} must be one of {SPLIT_PLANS}")
     if not isinstance(self.convert_warpgroup, bool):

@@ -64,10 +64,11 @@ def _check(args, out_lse, *, v_head_dim=SMALL_V, scale=None, clean_pages=None, c
 
 # The consumers' schedules: plain (a scorer and a P V partner), pipeline_qk (with the 32-token
 # tiles and four stages it needs), split_scores, rows_as_n (transposed tiles: the q rows are
-# wgmma's N) and alternate_scores (the consumers score alternate tiles).
+# wgmma's N), alternate_scores (the consumers score alternate tiles) and ring_halves (the plain
+# schedule on slots loaded and freed in two column parts).
 VARIANTS = {"plain": {}, "pipeline_qk": dict(pipeline_qk=True, block_kv=32, num_stages=4),
             "split_scores": dict(split_scores=True), "rows_as_n": dict(rows_as_n=True),
-            "alternate_scores": dict(alternate_scores=True)}
+            "alternate_scores": dict(alternate_scores=True), "ring_halves": dict(ring_halves=True)}
 
 
 def _config(num_splits, num_stages=2, variant="plain"):
@@ -88,10 +89,13 @@ def _config(num_splits, num_stages=2, variant="plain"):
     (64, 4, 16, 3, jnp.float16, "rows_as_n"),
     (16, 2, 4, 3, jnp.bfloat16, "alternate_scores"),
     (128, 3, 24, 1, jnp.float16, "alternate_scores"),
+    (16, 2, 4, 3, jnp.bfloat16, "ring_halves"),
+    (128, 3, 24, 2, jnp.float16, "ring_halves"),
 ], ids=["page16-s2-splits2", "page64-s1-splits1", "page32-s4-splits3", "page128-s3-rowblocks2-splits2-fp16",
         "page16-pipeline_qk-splits1", "page16-s2-split_scores-splits2", "page128-s3-rowblocks2-split_scores-fp16",
         "page16-s2-rows_as_n-splits2", "page64-s4-h16-rows_as_n-splits3-fp16", "page16-s2-alternate-splits3",
-        "page128-s3-rowblocks2-alternate-fp16"])
+        "page128-s3-rowblocks2-alternate-fp16", "page16-s2-ring_halves-splits3",
+        "page128-s3-rowblocks2-ring_halves-splits2-fp16"])
 def test_mla_interpret(interpret_mode, page_size, num_queries, num_heads, num_splits, dtype, variant):
   # Ragged lengths (not multiples of a tile), one of zero, shuffled pages; 3 x 24 heads = 72 rows
   # take two row blocks.
@@ -103,7 +107,8 @@ def test_mla_interpret(interpret_mode, page_size, num_queries, num_heads, num_sp
 
 
 @pytest.mark.parametrize("page_size,variant", [(16, "plain"), (64, "pipeline_qk"), (32, "split_scores"),
-                                               (16, "rows_as_n"), (64, "alternate_scores")])
+                                               (16, "rows_as_n"), (64, "alternate_scores"),
+                                               (32, "ring_halves")])
 def test_mla_garbage_past_lengths_and_in_unnamed_pages_never_reaches_an_output(interpret_mode, page_size,
                                                                                variant):
   q, pages, tables, lengths = _case(3, batch=3, seq_len=256, num_heads=4, num_queries=2, page_size=page_size,
@@ -242,8 +247,16 @@ def test_mla_configs_are_checked():
     check(dataclasses.replace(alternate, block_kv=32, num_stages=4))
   with pytest.raises(ValueError, match="alternate_scores=2 must be a bool"):
     pkv.DecodeConfig(alternate_scores=2)
+  halves = _config(1, variant="ring_halves")
+  check(halves)
+  assert mla_config.MlaSmem.for_call(halves, qk_dim=QK, v_dim=V, dtype=jnp.bfloat16, page_size=64).fits
+  for other in (dict(alternate_scores=True), dict(split_scores=True), dict(rows_as_n=True)):
+    with pytest.raises(ValueError, match="ring_halves takes the plain scorer schedule"):
+      check(dataclasses.replace(halves, **other))
+  with pytest.raises(ValueError, match="ring_halves=1 must be a bool"):
+    pkv.DecodeConfig(ring_halves=1)
   from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
-  for field in ("split_scores", "alternate_scores"):
+  for field in ("split_scores", "alternate_scores", "ring_halves"):
     with pytest.raises(ValueError, match=f"{field}=True is an option of the MLA kernel"):
       mgpu_config.check_config(pkv.DecodeConfig(num_splits=1, **{field: True}), rows=4, head_dim=128,
                                dtype=jnp.bfloat16, page_size=None)
@@ -331,6 +344,12 @@ def test_mla_alternate_scores_lowers_for_cuda(shape):
   _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, alternate_scores=True))
 
 
+# B1 (64 splits), B64 (one split), pages of 16 (four copies per part), fp16.
+@pytest.mark.parametrize("shape", [LOWERING_SHAPES[i] for i in (0, 2, 6, 9)], ids=_shape_id)
+def test_mla_ring_halves_lowers_for_cuda(shape):
+  _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, ring_halves=True))
+
+
 @pytest.mark.parametrize("shape", [LOWERING_SHAPES[i] for i in (1, 3)], ids=_shape_id)
 def test_mla_balanced_plan_lowers_for_cuda(shape):
   _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, split_plan="balanced"))
@@ -370,7 +389,7 @@ def test_gpu_mla_matches_reference(batch, seq_len, num_heads, num_queries, page_
   _check(args, out, v_head_dim=V)
   few_rows = num_heads * (num_queries or 1) <= mla_config.ROWS_AS_N_MAX
   for fields in (VARIANTS["pipeline_qk"], VARIANTS["split_scores"], VARIANTS["alternate_scores"],
-                 dict(split_plan="balanced"),
+                 VARIANTS["ring_halves"], dict(split_plan="balanced"),
                  *([VARIANTS["rows_as_n"]] if few_rows else [])):
     config = pkv.DecodeConfig(**(dict(block_kv=64, num_stages=2) | fields))
     out = jax.jit(functools.partial(pkv.mla_decode_attention, v_head_dim=V, return_lse=True, impl=IMPL,
@@ -399,6 +418,7 @@ def test_mla_benchmark_names_its_kernel_variants():
   assert mla_bench.variant_fields("mosaic_gpu_pqk") == dict(pipeline_qk=True, block_kv=32, num_stages=4)
   assert mla_bench.variant_fields("mosaic_gpu_bkv32") == dict(block_kv=32, num_stages=4)
   assert mla_bench.variant_fields("mosaic_gpu_alt") == dict(alternate_scores=True)
+  assert mla_bench.variant_fields("mosaic_gpu_rh") == dict(ring_halves=True)
   assert mla_bench.variant_fields("mosaic_gpu") is None and mla_bench.is_ours("mosaic_gpu_sp4")
   row = mla_bench.cpu_rows()[0]
   for bad in ("mosaic_gpu_sp0", "mosaic_gpu_sp", "flashmla"):
@@ -428,7 +448,8 @@ def test_mla_kernel_launch_matches_the_baseline_and_its_probes_run_in_interpret_
     assert not np.allclose(outs[impl], outs[mla_bench.KERNEL], atol=1e-2, equal_nan=True), impl
 
 
-@pytest.mark.parametrize("impl", ["kernel", "kernel_no_qk", "kernel_no_softmax", "kernel_no_pv", "kernel_loads_only"])
+@pytest.mark.parametrize("impl", ["kernel", "kernel_no_qk", "kernel_no_softmax", "kernel_no_pv", "kernel_loads_only",
+                                  "kernel_no_loads"])
 def test_mla_kernel_launch_and_probes_lower_for_cuda(impl):
   from benchmarks import mla as mla_bench
   row = mla_bench.ALL_ROWS["h128_b64_t4096"]

@@ -86,6 +86,78 @@ def test_ring_races_only_without_the_register_read_fence(fence):
   assert gpu_callbacks.get_races().races_found == (not fence)
 
 
+def _parts_stream(x, *, parts, num_stages: int, copies_per_slot: int):
+  """Streams x [steps * TILE_ROWS, COLS] through a Ring of column parts, one consumer warpgroup
+  per part loading its part into registers; returns sum_i (i + 1) * tile_i, the parts side by
+  side. Each part is released by its own consumer alone, with races detected."""
+  num_steps = x.shape[0] // TILE_ROWS
+  spec = pipeline.RingSpec(num_stages=num_stages, block_shape=(TILE_ROWS, COLS), dtype=x.dtype,
+                           copies_per_slot=copies_per_slot, column_parts=parts)
+  rows_per_copy = TILE_ROWS // copies_per_slot
+  producer = len(parts)
+
+  def body(x_ref, out_ref, slots, produced, consumed, out_smem):
+    ring = pipeline.Ring(spec, slots, produced, consumed)
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == producer)
+    def _producer():
+      @pl.loop(0, num_steps)
+      def _(step):
+        first = step * TILE_ROWS
+        for part in range(len(parts)):
+          ring.acquire(step, part)
+          ring.commit(step, [x_ref.at[pl.ds(first + j * rows_per_copy, rows_per_copy)]
+                             for j in range(copies_per_slot)], part)
+      ring.drain(num_steps)
+
+    for part, width in enumerate(parts):
+      @pl.when(wg == part)
+      def _consumer():
+        def step(i, acc):
+          tile = ring.wait(i, part)[...].astype(jnp.float32)
+          ring.release(i, part=part, read_by_registers=True)
+          return acc + tile * (i + 1).astype(jnp.float32)
+
+        out_smem[part] = lax.fori_loop(0, num_steps, step, jnp.zeros((TILE_ROWS, width), jnp.float32))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[part], out_ref.at[part])
+        plgpu.wait_smem_to_gmem(0)
+
+  produced, consumed = spec.barrier_types()
+  width = parts[0]
+  out = plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((len(parts), TILE_ROWS, width), jnp.float32),
+      scratch_types=(spec.buffer_type(), produced, consumed, plgpu.SMEM((len(parts), TILE_ROWS, width), jnp.float32)),
+      num_threads=len(parts) + 1, thread_name="wg",
+      interpret=plgpu.InterpretGPUParams(detect_races=True))(x)
+  return jnp.concatenate(list(out), axis=1)
+
+
+@pytest.mark.parametrize("num_stages,copies_per_slot,num_steps", [(2, 1, 7), (3, 2, 5)])
+def test_ring_of_column_parts_streams_each_part_to_its_consumer(num_stages, copies_per_slot, num_steps):
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
+  rng = np.random.default_rng(num_stages)
+  x = jnp.asarray(rng.integers(-8, 8, (num_steps * TILE_ROWS, COLS)), jnp.bfloat16)
+  got = _parts_stream(x, parts=(COLS // 2, COLS // 2), num_stages=num_stages, copies_per_slot=copies_per_slot)
+  tiles = np.asarray(x, np.float32).reshape(num_steps, TILE_ROWS, COLS)
+  want = np.einsum("i,irc->rc", np.arange(1, num_steps + 1, dtype=np.float32), tiles)
+  np.testing.assert_array_equal(np.asarray(got), want)
+  assert not gpu_callbacks.get_races().races_found
+
+
+def test_ring_of_column_parts_checks_its_parts():
+  with pytest.raises(ValueError, match="adding up to the slot's 64 columns"):
+    pipeline.RingSpec(num_stages=2, block_shape=(TILE_ROWS, COLS), dtype=jnp.bfloat16, column_parts=(32, 16))
+  spec = pipeline.RingSpec(num_stages=2, block_shape=(TILE_ROWS, COLS), dtype=jnp.bfloat16, column_parts=(16, 48))
+  assert spec.part_columns(1) == (16, 48) and spec.num_parts == 2
+  assert spec.buffer_bytes == 2 * TILE_ROWS * COLS * 2 and spec.barrier_bytes == 2 * 2 * 2 * pipeline.BARRIER_BYTES
+  assert [t.shape for t in spec.buffer_type()] == [(2, TILE_ROWS, 16), (2, TILE_ROWS, 48)]
+  ring = pipeline.Ring(spec, slots=None, produced=None, consumed=None)
+  with pytest.raises(ValueError, match="name a part exactly when"):
+    ring.release(0)
+
+
 def test_ring_refuses_a_commit_of_the_wrong_number_of_copies():
   spec = pipeline.RingSpec(num_stages=2, block_shape=(TILE_ROWS, COLS), dtype=jnp.bfloat16, copies_per_slot=2)
   ring = pipeline.Ring(spec, slots=None, produced=None, consumed=None)

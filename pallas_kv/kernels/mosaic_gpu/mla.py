@@ -16,29 +16,17 @@ Three warpgroups per program:
 The 64 x 512 float32 output accumulator would take 256 registers per thread in one warpgroup;
 split by value columns it takes 128 in each (FlashMLA's plan). V is the K tile itself, read by
 wgmma as is (no second load); P lives in one SMEM buffer handed over with two barriers
-(`_SharedP`). The partner's P V overlaps the scorer's next Q K^T and softmax. Opt-in schedules
-(DecodeConfig; measured on the H200 in benchmarks/RESULTS.md):
-  pipeline_qk       the scorer issues tile i+1's Q K^T before tile i's softmax (FA3's overlap); it
-                    holds two tiles, so it takes 32-token tiles in four stages (Q, the ring and P
-                    then take P's 64-byte swizzle). As fast as the plain schedule on those tiles,
-                    both 21-27% slower than 64-token tiles.
-  split_scores      both consumers score half of every tile (`_score_half_tiles`) and trade row
-                    maxima and P halves: 13% slower at B64 T4096 (its Q K^T has N = 32).
-  alternate_scores  the consumers score alternate whole tiles (`_alternate_consumer`, FlashMLA's
-                    seesaw): each hands its P, alpha and running max to the other, whose P V for
-                    its value columns follows; one's softmax runs beside the other's wgmma.
-  rows_as_n         at most 64 packed rows become wgmma's N (`_rows_as_n_consumers`): S^T = K Q^T,
-                    O^T = V^T P^T, the softmax reduced over keys across warps, every SMEM operand
-                    in the rows' swizzle; 17% slower at 16 heads B64 T8192 (P V's N = 16).
+(`_SharedP`). The partner's P V overlaps the scorer's next Q K^T and softmax. Opt-in schedules,
+each documented (with its measured speed) under its `DecodeConfig` field: pipeline_qk (32-token
+tiles, the next Q K^T issued before the softmax), split_scores (`_score_half_tiles`),
+alternate_scores (`_alternate_consumer`, FlashMLA's seesaw), rows_as_n (`_rows_as_n_consumers`),
+ring_halves (`_Scores.start_halves`: slots loaded and freed in two column parts).
 
 SMEM at Dqk 576 (bf16): Q 72 KiB + two 64 x 576 stages 144 KiB + P 8 KiB + alpha / row sums
 = 225 KiB of the 227 (`MlaSmem`); the output staging (64 KiB in bf16) reuses the ring. The split
-count fills about one wave of 132 SMs (`resolve_config`). With `DecodeConfig(split_plan="balanced")`
-the splits are balanced by tokens across a ragged batch instead: one tile count per split for
-the whole batch, computed from the lengths before the launch (`split_k.split_plan`, an int32 [1]
-input), so a long sequence takes more splits than a short one and every split about the same work
-(measured on the H200: 15% faster at B128 ragged, 14% slower at B128 T8192 and 55% at B64 T4096,
-where the grid's empty splits still launch and merge, so it stays opt-in for ragged batches).
+count fills about one wave of 132 SMs (`resolve_config`); `DecodeConfig(split_plan="balanced")`
+balances splits by tokens across a ragged batch instead (one tile count per split, computed from
+the lengths before the launch: `split_k.split_plan`, an int32 [1] input).
 
 The consumers' per-tile math goes through `TileMath` (probes in benchmarks/mla.py subclass it).
 
@@ -69,12 +57,12 @@ from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import pipeline
 from pallas_kv.kernels.mosaic_gpu import tiling
 from pallas_kv.kernels.mosaic_gpu.mla_config import ROWS, VALUE_WGS, MlaSmem, check_config, row_blocks
+from pallas_kv.kernels.mosaic_gpu.mla_output import ProgramOutput
 
 SCORER, PARTNER, PRODUCER = 0, 1, 2
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232           # (512 - 40) / 2, a multiple of 8
-# TMA stores need 16-byte rows: the lse output is padded to a multiple of 4 float32 rows.
-LSE_ROW_MULTIPLE = 4
+LSE_ROW_MULTIPLE = 4   # TMA stores need 16-byte rows: the lse output is padded to 4 float32 rows
 
 
 # ---------------------------------------------------------------- per-tile pieces
@@ -88,6 +76,7 @@ class TileMath:
   name so that profiles tell them apart. (`split_scores` runs its own softmax, not `softmax`.)
   """
   name: str = ""
+  load_tiles: bool = True   # False (a probe): the producer marks slots full without loading them
 
   def qk(self, s_ref, q_tile, k_tile):
     """Starts S = q_tile k_tile into the accumulator s_ref (SMEM operands, either orientation)."""
@@ -130,6 +119,7 @@ class _Static:
   balanced: bool = False      # the balanced split plan: tiles per split from an int32 [1] input
   rows_as_n: int = 0          # q rows as wgmma N (`_rows_as_n_consumers`), this many padded rows; 0: off
   alternate_scores: bool = False   # the consumers score alternate tiles (`_alternate_consumer`)
+  ring_halves: bool = False   # the ring's slots in two column parts (`_Scores.start_halves`)
   tile_math: TileMath = TileMath()
 
   @property
@@ -218,6 +208,23 @@ class _Scores:
     else:
       self.st.tile_math.qk(s_ref, self.q_smem, slot.transpose((1, 0)))
 
+  def start_halves(self, s_ref, ring: pipeline.Ring, i):
+    """ring_halves: S = Q K^T over the first column part once it lands, then over the second.
+    Values past the length are zeroed afterwards (`zero_past`), not before: their scores are
+    masked, and the wgmma must be done reading the tile before the scorer writes it."""
+    for part in (0, 1):
+      columns = pl.ds(*ring.spec.part_columns(part))
+      self.st.tile_math.qk(s_ref, self.q_smem.at[:, columns], ring.wait(i, part).transpose((1, 0)))
+
+  def zero_past(self, tile, parts):
+    """Zeroes the values of rows past the length in a tile's column parts (the first Dv columns)."""
+    valid_rows = self.length - tile * self.st.tiling.block_kv
+
+    @pl.when(valid_rows < self.st.tiling.block_kv)
+    def _():
+      for part in parts:
+        tiling.zero_rows_past(part, valid_rows, width=min(part.shape[1], self.st.half_v))
+
 
 def _score_tiles(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0, t1, c, *, length, row0,
                  st: _Static):
@@ -229,27 +236,39 @@ def _score_tiles(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0, t1,
   """
   s_type = plgpu.ACC((ROWS, st.tiling.block_kv), jnp.float32)
 
-  def finish(s, tile, acc, m_i, l_i, slot, masked):
-    """Softmax of tile's scores s, P to the partner, acc + P V[:, :Dv/2]."""
+  def finish(s, tile, acc, m_i, l_i, values, masked):
+    """Softmax of tile's scores s, P to the partner, acc + P V[:, :Dv/2] (values: V[:, :Dv/2])."""
     alpha, m_new, l_new, p = st.tile_math.softmax(s, m_i, l_i, tile=tile, length=length, row0=row0, masked=masked,
                                                   st=st)
     shared.publish(p.astype(st.smem.dtype), alpha, wait_free=tile > t0)
-    acc = _pv(acc * online_softmax.per_row(alpha, acc.shape), [(shared.p, slot.at[:, pl.ds(0, st.half_v)])], st)
+    acc = _pv(acc * online_softmax.per_row(alpha, acc.shape), [(shared.p, values)], st)
     return acc, m_new, l_new
+
+  def first_values(slot):
+    return slot.at[:, pl.ds(0, st.half_v)]
 
   acc, m_i, l_i = _start_state((ROWS, st.half_v))
 
   if not st.pipeline_qk:
     def step(tile, carry, *, masked: bool):
       i = tile - t0
-      slot = ring.wait(i)   # [bkv, Dqk]
 
       def qk(s_ref):
-        scores.start(s_ref, tile, slot)
+        if st.ring_halves:
+          scores.start_halves(s_ref, ring, i)
+        else:
+          scores.start(s_ref, tile, ring.wait(i))
         return s_ref[...]
 
-      carry = finish(pl.run_scoped(qk, s_type), tile, *carry, slot, masked)
-      ring.release(i)
+      s = pl.run_scoped(qk, s_type)
+      if st.ring_halves:
+        parts = (ring.slot(i, 0), ring.slot(i, 1))   # [bkv, Dv/2], [bkv, Dqk - Dv/2]
+        if masked:
+          scores.zero_past(tile, parts)   # before P goes out: both P V read the values
+        carry = finish(s, tile, *carry, parts[0], masked)
+      else:
+        carry = finish(s, tile, *carry, first_values(ring.slot(i)), masked)
+      ring.release(i, part=0 if st.ring_halves else None)
       return carry
 
     carry = (acc, m_i, l_i)
@@ -273,7 +292,7 @@ def _score_tiles(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0, t1,
 
       def body(s_ref):
         scores.start(s_ref, scored, ring.slot(scored - t0))
-        return (*finish(s, tile, acc, m_i, l_i, ring.slot(i), masked), s_ref[...])
+        return (*finish(s, tile, acc, m_i, l_i, first_values(ring.slot(i)), masked), s_ref[...])
 
       carry = pl.run_scoped(body, s_type)
       ring.release(i)
@@ -377,15 +396,18 @@ def _partner_tiles(shared: _SharedP, ring: pipeline.Ring, t0, t1, st: _Static):
   rows_axis = 1 if st.rows_as_n else 0
   shape = (st.half_v, st.rows_as_n) if st.rows_as_n else (ROWS, st.half_v)
 
+  part = 1 if st.ring_halves else None   # its value half (after the scorer's Q K^T of the tile)
+  first_column = 0 if st.ring_halves else st.half_v
+
   def step(tile, acc):
     i = tile - t0
-    slot = ring.wait(i)
+    slot = ring.wait(i, part)
     alpha = shared.receive()
-    values = slot.at[:, pl.ds(st.half_v, st.half_v)]
+    values = slot.at[:, pl.ds(first_column, st.half_v)]
     parts = [(values.transpose((1, 0)), shared.p)] if st.rows_as_n else [(shared.p, values)]
     acc = _pv(acc * online_softmax.per_row(alpha, acc.shape, rows_axis), parts, st)
     shared.hand_back()
-    ring.release(i)
+    ring.release(i, part=part)
     return acc
 
   return lax.fori_loop(t0, t1, step, plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA))
@@ -501,27 +523,11 @@ def _score_tiles_as_n(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0
   return lax.fori_loop(c, t1, functools.partial(step, masked=True), carry)
 
 
-def _rows_as_n_consumers(wg, q_ref, q_smem, q_barrier, ring: pipeline.Ring, shared: _SharedP, row_smem, out_smem,
-                         lse_smem, out_ref, lse_ref, consumers_done, *, b, split, t0, t1, c, length, st: _Static):
+def _rows_as_n_consumers(wg, q_ref, q_smem, q_barrier, ring: pipeline.Ring, shared: _SharedP, row_smem,
+                         output: ProgramOutput, *, b, t0, t1, c, length, st: _Static):
   """The scorer and its partner with rows as N: the same hand-over as `_score_tiles` and the
   partner's loop, on transposed tiles; each stores its half of O^T [Dv/2, N] and the scorer the
   lse, into out [B, splits, Dv, N] / lse [B, splits, >= N]."""
-
-  def store(half: int, result):
-    """result() -> (this half of the output, the lse or None), made once both consumers are here."""
-    # The staging buffers alias the ring: wait until both consumers are done reading it (and the
-    # scorer has stored its row sums).
-    plgpu.barrier_arrive(consumers_done)
-    plgpu.barrier_wait(consumers_done)
-    out, lse = result()
-    out_smem[half] = out.astype(out_smem.dtype)
-    if lse is not None:
-      lse_smem[...] = lse
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem.at[half], out_ref.at[b, split, pl.ds(half * st.half_v, st.half_v)])
-    if lse is not None:
-      plgpu.copy_smem_to_gmem(*_lse_copy(lse_smem, lse_ref, b=b, split=split, row0=0, st=st))
-    plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == SCORER)
   def _scorer():
@@ -536,18 +542,17 @@ def _rows_as_n_consumers(wg, q_ref, q_smem, q_barrier, ring: pipeline.Ring, shar
       plgpu.barrier_wait(shared.free)   # the partner's last P V: observe every phase of the barrier
 
     row_smem[1] = l_i
-    store(0, lambda: online_softmax.finalize(acc, m_i, l_i, rows_axis=1))
+    output.meet()
+    output.store(0, *online_softmax.finalize(acc, m_i, l_i, rows_axis=1))
 
   @pl.when(wg == PARTNER)
   def _partner():
     plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
     acc = _partner_tiles(shared, ring, t0, t1, st)
 
-    def normalised():
-      l = plgpu.load(row_smem.at[1], layout=plgpu.Layout.WGMMA.reduce(0))
-      return acc / online_softmax.per_row(jnp.where(l > 0, l, 1.0), acc.shape, 1), None
-
-    store(1, normalised)
+    output.meet()   # the scorer's row sums are in
+    l = plgpu.load(row_smem.at[1], layout=plgpu.Layout.WGMMA.reduce(0))
+    output.store(1, acc / online_softmax.per_row(jnp.where(l > 0, l, 1.0), acc.shape, 1))
 
 
 # ---------------------------------------------------------------- the kernel
@@ -574,6 +579,9 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
                                           tiles_per_split=tiles_per_split)
   row0 = row_block * ROWS
   wg = lax.axis_index("wg")
+  output = ProgramOutput(out_smem, lse_smem, out_ref, lse_ref, consumers_done, b=b, split=split,
+                         row0=0 if st.rows_as_n else row0, half_v=st.half_v, out_rows=st.out_rows,
+                         lse_rows=st.lse_rows, one_row_block=st.num_row_blocks == 1, rows_as_n=st.rows_as_n)
 
   @pl.when(wg == PRODUCER)
   def _producer():
@@ -583,16 +591,20 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
     def _(step):
       # Page ids are read before waiting for the slot, so that their latency overlaps the wait.
       where = st.tiling.tile_locations(t0 + step, batch=b, block_tables_ref=block_tables_ref)
-      ring.acquire(step)
-      ring.commit(step, st.tiling.tile_sources(kv_ref, where, head=0))
+      for part in (0, 1) if st.ring_halves else (None,):   # the scorer's value half first
+        ring.acquire(step, part)
+        if st.tile_math.load_tiles:
+          ring.commit(step, st.tiling.tile_sources(kv_ref, where, head=0), part)
+        else:   # a probe: the consumers compute on whatever the slot holds
+          ring.commit_stores(step, part)
 
     ring.drain(t1 - t0)
 
   def consumers():
     if st.rows_as_n:
       transposed = dataclasses.replace(shared, vector_layout=plgpu.Layout.WGMMA.reduce(0))
-      _rows_as_n_consumers(wg, q_ref, q_smem, q_barrier, ring, transposed, row_smem, out_smem, lse_smem, out_ref,
-                           lse_ref, consumers_done, b=b, split=split, t0=t0, t1=t1, c=c, length=length, st=st)
+      _rows_as_n_consumers(wg, q_ref, q_smem, q_barrier, ring, transposed, row_smem, output, b=b, t0=t0, t1=t1,
+                           c=c, length=length, st=st)
       return
 
     def both_score(loop, sums_row: int):
@@ -607,8 +619,7 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
           plgpu.barrier_wait(q_barrier)
           acc, m_i, l_i = loop(w)
           row_smem[sums_row + w] = l_i
-          _store(acc, None, w, out_smem, lse_smem, out_ref, lse_ref, consumers_done, b=b, split=split, row0=row0,
-                 st=st, row_sums=(row_smem.at[sums_row], row_smem.at[sums_row + 1]),
+          _store(output, acc, None, w, row_sums=(row_smem.at[sums_row], row_smem.at[sums_row + 1]),
                  lse_of_max=m_i if w == 0 else None)
 
     if st.alternate_scores:   # rows 0, 1 carry the hand-over; 2, 3 are free for the sums
@@ -637,14 +648,13 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
 
       out, lse = online_softmax.finalize(acc, m_i, l_i)
       row_smem[1] = l_i
-      _store(out, lse, 0, out_smem, lse_smem, out_ref, lse_ref, consumers_done, b=b, split=split, row0=row0, st=st)
+      _store(output, out, lse, 0)
 
     @pl.when(wg == PARTNER)
     def _partner():
       plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
       acc = _partner_tiles(shared, ring, t0, t1, st)
-      _store(acc, None, 1, out_smem, lse_smem, out_ref, lse_ref, consumers_done, b=b, split=split, row0=row0,
-             st=st, row_sums=(row_smem.at[1],))
+      _store(output, acc, None, 1, row_sums=(row_smem.at[1],))
 
   if st.num_splits == 1:   # the output itself: written whatever the length
     consumers()
@@ -656,60 +666,25 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
 
   @pl.when((t1 == t0) & (wg == SCORER))
   def _():
-    _store_no_keys(lse_smem, lse_ref, b=b, split=split, row0=row0, st=st)
+    output.store_no_keys()
 
 
-def _store_no_keys(lse_smem, lse_ref, *, b, split, row0, st: _Static):
-  """A split with no tile (of several): its lse alone, -inf, which tells the merges to skip its
-  output (left unwritten, as Q is left unread)."""
-  n = st.rows_as_n or ROWS
-  vector = plgpu.Layout.WGMMA.reduce(0 if st.rows_as_n else 1)
-  lse_smem[...] = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), vector)
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(*_lse_copy(lse_smem, lse_ref, b=b, split=split, row0=row0, st=st))
-  plgpu.wait_smem_to_gmem(0)
-
-
-def _lse_copy(lse_smem, lse_ref, *, b, split, row0, st: _Static):
-  """(SMEM source, GMEM destination) of a program's lse: every row with one row block or rows as
-  N (static counts, padded to 16 bytes), else the block's 64 rows."""
-  if st.rows_as_n or st.num_row_blocks == 1:
-    return lse_smem.at[pl.ds(0, st.lse_rows)], lse_ref.at[b, split, pl.ds(0, st.lse_rows)]
-  return lse_smem, lse_ref.at[b, split, pl.ds(row0, ROWS)]
-
-
-def _store(out, lse, half: int, out_smem, lse_smem, out_ref, lse_ref, consumers_done, *, b, split, row0,
-           st: _Static, row_sums=(), lse_of_max=None):
-  """Stores one consumer's half of the output (and the scorer's lse) to GMEM.
+def _store(output: ProgramOutput, out, lse, half: int, *, row_sums=(), lse_of_max=None):
+  """Stores one consumer's half of the output (and the scorer's lse).
 
   The scorer passes its normalised half and the lse, after putting its row sums in SMEM; the
   partner passes its raw accumulator and row_sums (SMEM row sums, added up), read once both are
-  here. lse_of_max: the running max (log2 units) to make the lse from the
-  total row sum (split_scores, consumer 0).
+  here. lse_of_max: the running max (log2 units) to make the lse from the total row sum
+  (split_scores and alternate_scores, consumer 0).
   """
-  # The staging buffers alias the ring: wait until both consumers are done reading it (and the
-  # scorer has stored its row sums).
-  plgpu.barrier_arrive(consumers_done)
-  plgpu.barrier_wait(consumers_done)
+  output.meet()
   if row_sums:
     l = sum(plgpu.load(part, layout=plgpu.Layout.WGMMA.reduce(1)) for part in row_sums)
     if lse_of_max is not None:
       out, lse = online_softmax.finalize(out, lse_of_max, l)
     else:
       out = out / online_softmax.per_row(jnp.where(l > 0, l, 1.0), out.shape)
-  out_smem[half] = out.astype(out_smem.dtype)
-  if lse is not None:
-    lse_smem[...] = lse
-  plgpu.commit_smem()
-  columns = pl.ds(half * st.half_v, st.half_v)
-  if st.num_row_blocks == 1:   # static row counts: only the real rows
-    n_out = st.out_rows
-    plgpu.copy_smem_to_gmem(out_smem.at[half, pl.ds(0, n_out)], out_ref.at[b, split, pl.ds(0, n_out), columns])
-  else:
-    plgpu.copy_smem_to_gmem(out_smem.at[half], out_ref.at[b, split, pl.ds(row0, ROWS), columns])
-  if lse is not None:
-    plgpu.copy_smem_to_gmem(*_lse_copy(lse_smem, lse_ref, b=b, split=split, row0=row0, st=st))
-  plgpu.wait_smem_to_gmem(0)
+  output.store(half, out, lse)
 
 
 def _build(st: _Static, interpret: Any):
@@ -720,7 +695,7 @@ def _build(st: _Static, interpret: Any):
   name = (f"pallas_kv_mla_paged_r{st.num_queries * st.group}_d{st.smem.qk_dim}_v{st.smem.v_dim}"
           f"_bkv{st.tiling.block_kv}_st{st.smem.num_stages}_sp{st.num_splits}_ps{st.tiling.page_size}"
           f"{'_pqk' if st.pipeline_qk else ''}{'_halves' if st.split_scores else ''}"
-          f"{'_alt' if st.alternate_scores else ''}"
+          f"{'_alt' if st.alternate_scores else ''}{'_ringhalves' if st.ring_halves else ''}"
           f"{'_balanced' if st.balanced else ''}{f'_n{st.rows_as_n}' if st.rows_as_n else ''}"
           f"{f'_{st.tile_math.name}' if st.tile_math.name else ''}")
   return plgpu.kernel(
@@ -785,7 +760,7 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
                num_splits=config.num_splits, batch=B, scale=float(scale), tiling=kv_tiling, smem=smem,
                interpret=bool(interpret), pipeline_qk=config.pipeline_qk, split_scores=config.split_scores,
                balanced=split_k.check_tiles_per_split(tiles_per_split, config), rows_as_n=smem.rows_as_n,
-               alternate_scores=config.alternate_scores, tile_math=tile_math)
+               alternate_scores=config.alternate_scores, ring_halves=config.ring_halves, tile_math=tile_math)
   if rows_padded != R:
     q = jnp.pad(q, ((0, 0), (0, rows_padded - R), (0, 0)))
   kv = kv_pages.reshape(*kv_pages.shape[:2], 1, D)   # KVTiling's [P, page_size, Hkv, D]

@@ -64,6 +64,7 @@ class MlaSmem:
   split_scores: bool = False   # P as two [64, bkv/2] halves, one per consumer (`_score_half_tiles`)
   rows_as_n: int = 0           # q rows as wgmma N (DecodeConfig.rows_as_n): this many, padded; 0: rows as M
   alternate_scores: bool = False   # the consumers score alternate tiles (`_alternate_consumer`)
+  ring_halves: bool = False    # ring slots in two column parts: [0, Dv/2) and [Dv/2, Dqk)
 
   def __post_init__(self):
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -106,9 +107,13 @@ class MlaSmem:
     return plgpu.SMEM((ROWS, self.block_kv), self.dtype, transforms=self.transforms(self.block_kv))
 
   def ring_spec(self) -> pipeline.RingSpec:
+    """With ring_halves, part 0 (the scorer's value half) is released by the scorer alone and part
+    1 by the partner alone (the scorer's Q K^T is done with it before P reaches the partner)."""
+    parts = (self.half_v, self.qk_dim - self.half_v) if self.ring_halves else ()
     return pipeline.RingSpec(num_stages=self.num_stages, block_shape=(self.block_kv, self.qk_dim),
                              dtype=self.dtype, transforms=self.transforms(self.qk_dim),
-                             copies_per_slot=self.copies_per_tile, num_consumers=VALUE_WGS)
+                             copies_per_slot=self.copies_per_tile,
+                             num_consumers=1 if self.ring_halves else VALUE_WGS, column_parts=parts)
 
   def scratch_types(self) -> dict[str, Any]:
     ring = self.ring_spec()
@@ -166,7 +171,7 @@ class MlaSmem:
                copies_per_tile=mgpu_config.copies_per_tile(config.block_kv, page_size),
                split_scores=config.split_scores,
                rows_as_n=split_k.round_up(rows, ROWS_AS_N_MULTIPLE) if config.rows_as_n else 0,
-               alternate_scores=config.alternate_scores)
+               alternate_scores=config.alternate_scores, ring_halves=config.ring_halves)
 
 
 def row_blocks(rows: int) -> int:
@@ -194,6 +199,10 @@ def check_config(config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, p
                                   or config.block_kv != BLOCK_KV):
     raise ValueError(f"alternate_scores takes block_kv={BLOCK_KV} and none of pipeline_qk, split_scores, rows_as_n; "
                      f"got {config}")
+  if config.ring_halves and (config.pipeline_qk or config.split_scores or config.alternate_scores
+                             or config.rows_as_n):
+    raise ValueError(f"ring_halves takes the plain scorer schedule: none of pipeline_qk, split_scores, "
+                     f"alternate_scores, rows_as_n; got {config}")
   if config.rows_as_n and (config.pipeline_qk or config.split_scores):
     raise ValueError("MLA on mosaic_gpu takes rows_as_n without pipeline_qk or split_scores")
   if config.rows_as_n and rows > ROWS_AS_N_MAX:
