@@ -63,7 +63,10 @@ class DecodeConfig:
     computed each call from `lengths` (`split_k.balanced_tiles_per_split`), so that a ragged batch
     gives every SM about the same number of tiles: long sequences take more splits, short ones
     fewer; num_splits is then the most splits any sequence may take. A sequence's result then
-    depends (in its last bits) on the other lengths in the batch.
+    depends (in its last bits) on the other lengths in the batch. Measured on the H200 it gains on
+    ragged batches (MLA B128: 349.8 against 423.7 us) and loses on full-length ones that do not
+    fill the GPU (GQA B1 T32768 on triton: 76.6 against 40.6 us; MLA B16 T4096: 76.7 against
+    38.4; benchmarks/RESULTS.md, eleventh set), so `auto` keeps "per_sequence".
   convert_warpgroup: one-byte caches on mosaic_gpu only: a converter warpgroup between the TMA
     producer and the consumers widens each one-byte K / V tile (and applies its per-token scales)
     into a ring of q-dtype tiles that the consumers' wgmma reads as it reads a bf16 cache, as
@@ -86,8 +89,9 @@ class DecodeConfig:
     (FlashMLA's "seesaw"): each runs Q K^T and the softmax of every other tile and P V of every
     tile for its half of the value columns, handing its P, row rescale and running max to the
     other through SMEM. Q K^T keeps its 64 keys (N = 64: split_scores halves it), and one
-    consumer's softmax runs while the other's wgmma does, so the tensor cores idle less than
-    under one scorer. Not yet timed on a GPU.
+    consumer's softmax runs while the other's wgmma does. Measured 1.7x slower than the default
+    on the H200 (249.9 against 143.8 us at B64 T4096; benchmarks/RESULTS.md, eleventh set): with
+    two ring stages both tiles of a pair are held at once, so nothing loads while they are scored.
   rows_as_n: MLA on mosaic_gpu only, for few packed rows (S x Hq <= 64, e.g. 16 heads under
     tensor parallelism): the rows become wgmma's N instead of being padded to its M of 64, so
     the kernel computes S^T = K Q^T and O^T = V^T P^T (keys and value columns as M) and the
@@ -99,7 +103,9 @@ class DecodeConfig:
     and freed in two column parts, the scorer's value half and the rest (the partner's value
     half and the rope columns), each with its own barriers (FlashMLA's K tiles). The scorer's
     Q K^T starts on the first part while the second lands, and each part is refilled as soon as
-    its one reader's P V is done instead of when both are. Not yet timed on a GPU.
+    its one reader's P V is done instead of when both are. Measured on the H200 within the run's
+    spread of the default (148.5 against 145.5 us at B64 T4096, 565.7 against 608.7 at B128
+    T8192, 45.1 against 38.4 at B16; benchmarks/RESULTS.md, eleventh set), so it is opt-in.
   """
   block_kv: int = 64
   num_stages: int = 4
