@@ -74,15 +74,20 @@ VARIANTS = {PIPELINED: dict(pipeline_qk=True, block_kv=32, num_stages=4), TILES_
             ALTERNATE: dict(alternate_scores=True), RING_HALVES: dict(ring_halves=True)}
 # ... or a fixed split count: mosaic_gpu_sp<N> (e.g. mosaic_gpu_sp33), the heuristic's schedule.
 FIXED_SPLITS = re.compile(r"mosaic_gpu_sp([1-9][0-9]*)")
-# The kernel's launch alone with one split, and probes of it that leave stages of the tile's math
-# out (MEASUREMENT ONLY: their outputs are wrong by design and go unchecked).
+# The kernel's launch alone with one split (no merge), under the default schedule or an opt-in
+# one (`kernel_alt`, `kernel_rh`), and probes of each that leave stages of the tile's math or the
+# loads out (MEASUREMENT ONLY: their outputs are wrong by design and go unchecked), e.g.
+# `kernel_no_qk`, `kernel_alt_no_loads`.
 KERNEL = "kernel"
-PROBES = {KERNEL: frozenset(), "kernel_no_qk": frozenset({"qk"}), "kernel_no_softmax": frozenset({"softmax"}),
-          "kernel_no_pv": frozenset({"pv"}), "kernel_loads_only": frozenset({"qk", "softmax", "pv"}),
-          "kernel_no_loads": frozenset({"loads"})}
+KERNEL_SCHEDULES = {"": {}, "_alt": VARIANTS[ALTERNATE], "_rh": VARIANTS[RING_HALVES]}
+PROBE_STAGES = {"_no_qk": frozenset({"qk"}), "_no_softmax": frozenset({"softmax"}), "_no_pv": frozenset({"pv"}),
+                "_loads_only": frozenset({"qk", "softmax", "pv"}), "_no_loads": frozenset({"loads"})}
+KERNEL_IMPLS = {f"{KERNEL}{schedule}{probe}": (fields, skip) for schedule, fields in KERNEL_SCHEDULES.items()
+                for probe, skip in {"": frozenset(), **PROBE_STAGES}.items()}
+PROBES = tuple(name for name, (_, skip) in KERNEL_IMPLS.items() if skip)
 GPU_IMPLS = ("mosaic_gpu", RING_HALVES, BASELINE, "xla")
 CPU_IMPLS = ("auto", "xla", BASELINE)
-OUR_IMPLS = runners.OUR_IMPLS + tuple(VARIANTS) + (KERNEL,)
+OUR_IMPLS = runners.OUR_IMPLS + tuple(VARIANTS) + tuple(name for name in KERNEL_IMPLS if name not in PROBES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,11 +158,12 @@ def is_ours(impl: str) -> bool:
 
 
 def is_probe(impl: str) -> bool:
-  return impl in PROBES and impl != KERNEL
+  return impl in PROBES
 
 
 def probe_math(impl: str):
-  """The kernel's TileMath for impl `kernel`, or a subclass that leaves impl's stages out."""
+  """The kernel's TileMath for a kernel impl that leaves nothing out, else a subclass that leaves
+  impl's stages out."""
   from jax.experimental.pallas import mosaic_gpu as plgpu   # pylint: disable=g-import-not-at-top
   from pallas_kv.kernels.mosaic_gpu import mla as mgpu_mla   # pylint: disable=g-import-not-at-top
 
@@ -181,16 +187,18 @@ def probe_math(impl: str):
       layout = plgpu.Layout.WGMMA.reduce(0 if st.rows_as_n else 1)
       return plgpu.layout_cast(jnp.ones(m_i.shape, jnp.float32), layout), m_i, l_i, s
 
-  if impl == KERNEL:
+  _, skip = KERNEL_IMPLS[impl]
+  if not skip:
     return mgpu_mla.TileMath()
-  return ProbeMath(name=impl, skip=PROBES[impl], load_tiles="loads" not in PROBES[impl])
+  return ProbeMath(name=impl, skip=skip, load_tiles="loads" not in skip)
 
 
 def build_kernel_launch(impl: str, row: "Row", scale: float):
-  """The MLA kernel's launch alone (one split, so no merge) with impl's tile math."""
+  """The MLA kernel's launch alone (one split, so no merge) under impl's schedule and tile math."""
   pkv = runners.import_pallas_kv()
   from pallas_kv.kernels.mosaic_gpu import backend, mla as mgpu_mla   # pylint: disable=g-import-not-at-top
-  config = pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=1)
+  fields, _ = KERNEL_IMPLS[impl]
+  config = pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=1, **fields)
   math = probe_math(impl)
 
   def launch(q, kv_pages, block_tables, lengths):
@@ -214,10 +222,10 @@ def build_fn(impl: str, row: Row):
   scale = float(row.qk_dim) ** -0.5
   if impl == BASELINE:
     return jax.jit(lambda *a: bf16_einsum(*a, v_head_dim=row.v_dim, scale=scale))
-  if impl in PROBES:
+  if impl in KERNEL_IMPLS:
     return build_kernel_launch(impl, row, scale)
   if not is_ours(impl):
-    raise ValueError(f"unknown impl {impl!r}; choose from {OUR_IMPLS + tuple(PROBES) + (BASELINE,)} or "
+    raise ValueError(f"unknown impl {impl!r}; choose from {OUR_IMPLS + PROBES + (BASELINE,)} or "
                      "mosaic_gpu_sp<N>")
   pkv = runners.import_pallas_kv()
   config = None
@@ -316,7 +324,7 @@ ALL_ROWS = {row.name: row for row in GPU_ROWS + cpu_rows()}
 def define_flags() -> None:
   flags.DEFINE_list("rows", None, f"Rows to run, from {','.join(ALL_ROWS)}. Default: GPU all but "
                     "tiny_cpu; CPU tiny_cpu.")
-  flags.DEFINE_list("impl", None, f"Impls, from {','.join(OUR_IMPLS + tuple(PROBES) + (BASELINE,))}, or mosaic_gpu_sp<N> "
+  flags.DEFINE_list("impl", None, f"Impls, from {','.join(OUR_IMPLS + PROBES + (BASELINE,))}, or mosaic_gpu_sp<N> "
                     "(N splits fixed). Default: GPU "
                     f"{','.join(GPU_IMPLS)}; CPU {','.join(CPU_IMPLS)}.")
   flags.DEFINE_float("rotate_bytes", None, "Rotate among input sets until their KV totals this many bytes "

@@ -420,6 +420,11 @@ def test_mla_benchmark_names_its_kernel_variants():
   assert mla_bench.variant_fields("mosaic_gpu_alt") == dict(alternate_scores=True)
   assert mla_bench.variant_fields("mosaic_gpu_rh") == dict(ring_halves=True)
   assert mla_bench.variant_fields("mosaic_gpu") is None and mla_bench.is_ours("mosaic_gpu_sp4")
+  # The kernel's launch alone under each schedule, with or without a probe's stages left out.
+  assert mla_bench.KERNEL_IMPLS["kernel_alt_no_loads"] == (dict(alternate_scores=True), frozenset({"loads"}))
+  assert mla_bench.KERNEL_IMPLS["kernel_rh"] == (dict(ring_halves=True), frozenset())
+  assert mla_bench.is_ours("kernel_alt") and not mla_bench.is_probe("kernel_alt")
+  assert mla_bench.is_probe("kernel_rh_no_pv") and not mla_bench.is_ours("kernel_rh_no_pv")
   row = mla_bench.cpu_rows()[0]
   for bad in ("mosaic_gpu_sp0", "mosaic_gpu_sp", "flashmla"):
     with pytest.raises(ValueError, match="unknown impl"):
@@ -429,8 +434,8 @@ def test_mla_benchmark_names_its_kernel_variants():
 # ---------------------------------------------------------------- the benchmark's probes
 
 def test_mla_kernel_launch_matches_the_baseline_and_its_probes_run_in_interpret_mode():
-  """benchmarks.mla's `kernel` impl (the launch alone, TileMath as the kernel uses it) matches the
-  bf16 baseline; the probes, which leave stages of the tile's math out, run and change the output
+  """benchmarks.mla's `kernel` impls (the launch alone, TileMath as the kernel uses it, under the
+  default schedule, alternate scorers and ring halves) match the bf16 baseline; the probes, which leave stages of the tile's math out, run and change the output
   (a probe that left nothing out would measure nothing)."""
   from benchmarks import cases as bench_cases
   from benchmarks import mla as mla_bench
@@ -441,15 +446,16 @@ def test_mla_kernel_launch_matches_the_baseline_and_its_probes_run_in_interpret_
   baseline = np.asarray(mla_bench.build_fn(mla_bench.BASELINE, row)(*args), np.float32)
   with pkv.interpret():
     outs = {impl: np.asarray(mla_bench.build_fn(impl, row)(*args), np.float32)
-            for impl in (mla_bench.KERNEL, "kernel_no_softmax", "kernel_loads_only")}
-  assert bench_cases.relative_error(outs[mla_bench.KERNEL], baseline) < 1e-2
+            for impl in (mla_bench.KERNEL, "kernel_alt", "kernel_rh", "kernel_no_softmax", "kernel_loads_only")}
+  for impl in (mla_bench.KERNEL, "kernel_alt", "kernel_rh"):   # the schedules' launches alone
+    assert bench_cases.relative_error(outs[impl], baseline) < 1e-2, impl
   for impl in ("kernel_no_softmax", "kernel_loads_only"):
     assert outs[impl].shape == baseline.shape and mla_bench.is_probe(impl) and not mla_bench.is_ours(impl)
     assert not np.allclose(outs[impl], outs[mla_bench.KERNEL], atol=1e-2, equal_nan=True), impl
 
 
 @pytest.mark.parametrize("impl", ["kernel", "kernel_no_qk", "kernel_no_softmax", "kernel_no_pv", "kernel_loads_only",
-                                  "kernel_no_loads"])
+                                  "kernel_no_loads", "kernel_alt", "kernel_alt_no_loads", "kernel_rh_no_qk"])
 def test_mla_kernel_launch_and_probes_lower_for_cuda(impl):
   from benchmarks import mla as mla_bench
   row = mla_bench.ALL_ROWS["h128_b64_t4096"]
