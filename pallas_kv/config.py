@@ -106,6 +106,11 @@ class DecodeConfig:
     its one reader's P V is done instead of when both are. Measured on the H200 within the run's
     spread of the default (148.5 against 145.5 us at B64 T4096, 565.7 against 608.7 at B128
     T8192, 45.1 against 38.4 at B16; benchmarks/RESULTS.md, eleventh set), so it is opt-in.
+  p_in_registers: MLA on mosaic_gpu only, with the plain scorer schedule (ring_halves allowed):
+    the scorer's P V takes P from its registers (wgmma's A operand) and is issued before P is
+    stored to SMEM for the partner, so that the store, its fence and the hand-over run while the
+    tensor cores do (FlashMLA's "local P"); its P V also reads 8 KiB less SMEM per tile. GPU
+    interpret mode cannot run register operands, so there the P in SMEM is used. Not yet timed.
   """
   block_kv: int = 64
   num_stages: int = 4
@@ -122,6 +127,7 @@ class DecodeConfig:
   rows_as_n: bool = False
   alternate_scores: bool = False
   ring_halves: bool = False
+  p_in_registers: bool = False
 
   def __post_init__(self):
     if self.block_kv not in BLOCK_KV_CHOICES:
@@ -148,6 +154,8 @@ class DecodeConfig:
       raise ValueError(f"{self.alternate_scores=} must be a bool")
     if not isinstance(self.ring_halves, bool):
       raise ValueError(f"{self.ring_halves=} must be a bool")
+    if not isinstance(self.p_in_registers, bool):
+      raise ValueError(f"{self.p_in_registers=} must be a bool")
     if self.split_plan not in SPLIT_PLANS:
       raise ValueError(f"{self.split_plan=} must be one of {SPLIT_PLANS}")
     if not isinstance(self.convert_warpgroup, bool):

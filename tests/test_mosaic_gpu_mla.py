@@ -68,7 +68,8 @@ def _check(args, out_lse, *, v_head_dim=SMALL_V, scale=None, clean_pages=None, c
 # schedule on slots loaded and freed in two column parts).
 VARIANTS = {"plain": {}, "pipeline_qk": dict(pipeline_qk=True, block_kv=32, num_stages=4),
             "split_scores": dict(split_scores=True), "rows_as_n": dict(rows_as_n=True),
-            "alternate_scores": dict(alternate_scores=True), "ring_halves": dict(ring_halves=True)}
+            "alternate_scores": dict(alternate_scores=True), "ring_halves": dict(ring_halves=True),
+            "p_in_registers": dict(p_in_registers=True)}
 
 
 def _config(num_splits, num_stages=2, variant="plain"):
@@ -255,8 +256,12 @@ def test_mla_configs_are_checked():
       check(dataclasses.replace(halves, **other))
   with pytest.raises(ValueError, match="ring_halves=1 must be a bool"):
     pkv.DecodeConfig(ring_halves=1)
+  check(dataclasses.replace(halves, p_in_registers=True))
+  for other in (dict(alternate_scores=True), dict(pipeline_qk=True, block_kv=32, num_stages=4)):
+    with pytest.raises(ValueError, match="p_in_registers takes the plain scorer schedule"):
+      check(dataclasses.replace(_config(1, variant="p_in_registers"), **other))
   from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
-  for field in ("split_scores", "alternate_scores", "ring_halves"):
+  for field in ("split_scores", "alternate_scores", "ring_halves", "p_in_registers"):
     with pytest.raises(ValueError, match=f"{field}=True is an option of the MLA kernel"):
       mgpu_config.check_config(pkv.DecodeConfig(num_splits=1, **{field: True}), rows=4, head_dim=128,
                                dtype=jnp.bfloat16, page_size=None)
@@ -350,6 +355,15 @@ def test_mla_ring_halves_lowers_for_cuda(shape):
   _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, ring_halves=True))
 
 
+# The scorer's P V from registers: the only check of that path on the CPU (interpret mode runs the
+# P in SMEM instead; the GPU test runs both). B1, B64, pages of 16 with ring halves, fp16.
+@pytest.mark.parametrize("shape,halves", [(LOWERING_SHAPES[0], False), (LOWERING_SHAPES[2], False),
+                                          (LOWERING_SHAPES[6], True), (LOWERING_SHAPES[9], False)],
+                         ids=lambda v: _shape_id(v) if isinstance(v, dict) else f"ring_halves={v}")
+def test_mla_p_in_registers_lowers_for_cuda(shape, halves):
+  _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, p_in_registers=True, ring_halves=halves))
+
+
 @pytest.mark.parametrize("shape", [LOWERING_SHAPES[i] for i in (1, 3)], ids=_shape_id)
 def test_mla_balanced_plan_lowers_for_cuda(shape):
   _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, split_plan="balanced"))
@@ -389,7 +403,8 @@ def test_gpu_mla_matches_reference(batch, seq_len, num_heads, num_queries, page_
   _check(args, out, v_head_dim=V)
   few_rows = num_heads * (num_queries or 1) <= mla_config.ROWS_AS_N_MAX
   for fields in (VARIANTS["pipeline_qk"], VARIANTS["split_scores"], VARIANTS["alternate_scores"],
-                 VARIANTS["ring_halves"], dict(split_plan="balanced"),
+                 VARIANTS["ring_halves"], VARIANTS["p_in_registers"], dict(p_in_registers=True, ring_halves=True),
+                 dict(split_plan="balanced"),
                  *([VARIANTS["rows_as_n"]] if few_rows else [])):
     config = pkv.DecodeConfig(**(dict(block_kv=64, num_stages=2) | fields))
     out = jax.jit(functools.partial(pkv.mla_decode_attention, v_head_dim=V, return_lse=True, impl=IMPL,
@@ -419,6 +434,7 @@ def test_mla_benchmark_names_its_kernel_variants():
   assert mla_bench.variant_fields("mosaic_gpu_bkv32") == dict(block_kv=32, num_stages=4)
   assert mla_bench.variant_fields("mosaic_gpu_alt") == dict(alternate_scores=True)
   assert mla_bench.variant_fields("mosaic_gpu_rh") == dict(ring_halves=True)
+  assert mla_bench.variant_fields("mosaic_gpu_regp") == dict(p_in_registers=True)
   assert mla_bench.variant_fields("mosaic_gpu") is None and mla_bench.is_ours("mosaic_gpu_sp4")
   # The kernel's launch alone under each schedule, with or without a probe's stages left out.
   assert mla_bench.KERNEL_IMPLS["kernel_alt_no_loads"] == (dict(alternate_scores=True), frozenset({"loads"}))
@@ -455,7 +471,8 @@ def test_mla_kernel_launch_matches_the_baseline_and_its_probes_run_in_interpret_
 
 
 @pytest.mark.parametrize("impl", ["kernel", "kernel_no_qk", "kernel_no_softmax", "kernel_no_pv", "kernel_loads_only",
-                                  "kernel_no_loads", "kernel_alt", "kernel_alt_no_loads", "kernel_rh_no_qk"])
+                                  "kernel_no_loads", "kernel_alt", "kernel_alt_no_loads", "kernel_rh_no_qk",
+                                  "kernel_regp", "kernel_regp_no_pv"])
 def test_mla_kernel_launch_and_probes_lower_for_cuda(impl):
   from benchmarks import mla as mla_bench
   row = mla_bench.ALL_ROWS["h128_b64_t4096"]

@@ -376,7 +376,8 @@ def check_config(config: DecodeConfig, *, rows: int, head_dim: int, dtype: Any, 
       raise ValueError(f"kv_groups=2 needs an even num_splits, got {config.num_splits=}")
     if config.num_stages % 2:
       raise ValueError(f"kv_groups=2 needs an even num_stages, got {config.num_stages=}")
-  mla_only = [f for f in ("split_scores", "rows_as_n", "alternate_scores", "ring_halves") if getattr(config, f)]
+  mla_only = [f for f in ("split_scores", "rows_as_n", "alternate_scores", "ring_halves", "p_in_registers")
+              if getattr(config, f)]
   if mla_only:
     field = mla_only[0]
     raise ValueError(f"config.{field}=True is an option of the MLA kernel, not of GQA decode")

@@ -20,7 +20,8 @@ wgmma as is (no second load); P lives in one SMEM buffer handed over with two ba
 each documented (with its measured speed) under its `DecodeConfig` field: pipeline_qk (32-token
 tiles, the next Q K^T issued before the softmax), split_scores (`_score_half_tiles`),
 alternate_scores (`_alternate_consumer`, FlashMLA's seesaw), rows_as_n (`_rows_as_n_consumers`),
-ring_halves (`_Scores.start_halves`: slots loaded and freed in two column parts).
+ring_halves (`_Scores.start_halves`: slots loaded and freed in two column parts), p_in_registers
+(the scorer's P V from registers, issued before the hand-over: `_score_tiles`).
 
 SMEM at Dqk 576 (bf16): Q 72 KiB + two 64 x 576 stages 144 KiB + P 8 KiB + alpha / row sums
 = 225 KiB of the 227 (`MlaSmem`); the output staging (64 KiB in bf16) reuses the ring. The split
@@ -120,6 +121,7 @@ class _Static:
   rows_as_n: int = 0          # q rows as wgmma N (`_rows_as_n_consumers`), this many padded rows; 0: off
   alternate_scores: bool = False   # the consumers score alternate tiles (`_alternate_consumer`)
   ring_halves: bool = False   # the ring's slots in two column parts (`_Scores.start_halves`)
+  p_in_registers: bool = False   # the scorer's P V with P from registers (not in interpret mode)
   tile_math: TileMath = TileMath()
 
   @property
@@ -164,12 +166,15 @@ class _SharedP:
     plgpu.barrier_arrive(self.free)
 
 
-def _pv(acc, parts, st: _Static):
+def _pv(acc, parts, st: _Static, meanwhile=None):
   """acc + P @ V on the tensor cores: acc [64, Dv/2] f32 (WGMMA layout); parts: (P, V) pairs in
-  SMEM whose products add up to P V (one pair, or P's column blocks with V's matching row blocks)."""
+  SMEM (P also in registers) whose products add up to P V (one pair, or P's column blocks with V's
+  matching row blocks). meanwhile(): run after the wgmma is issued, before it is waited on."""
   def mma(acc_ref):
     for p, v in parts:
       st.tile_math.pv(acc_ref, p, v)
+    if meanwhile is not None:
+      meanwhile()
 
   if st.interpret:
     def staged(acc_ref):
@@ -240,9 +245,12 @@ def _score_tiles(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0, t1,
     """Softmax of tile's scores s, P to the partner, acc + P V[:, :Dv/2] (values: V[:, :Dv/2])."""
     alpha, m_new, l_new, p = st.tile_math.softmax(s, m_i, l_i, tile=tile, length=length, row0=row0, masked=masked,
                                                   st=st)
-    shared.publish(p.astype(st.smem.dtype), alpha, wait_free=tile > t0)
-    acc = _pv(acc * online_softmax.per_row(alpha, acc.shape), [(shared.p, values)], st)
-    return acc, m_new, l_new
+    p16, acc = p.astype(st.smem.dtype), acc * online_softmax.per_row(alpha, acc.shape)
+    publish = functools.partial(shared.publish, p16, alpha, wait_free=tile > t0)
+    if st.p_in_registers and not st.interpret:   # the hand-over while the tensor cores run P V
+      return _pv(acc, [(p16, values)], st, meanwhile=publish), m_new, l_new
+    publish()
+    return _pv(acc, [(shared.p, values)], st), m_new, l_new
 
   def first_values(slot):
     return slot.at[:, pl.ds(0, st.half_v)]
@@ -696,6 +704,7 @@ def _build(st: _Static, interpret: Any):
           f"_bkv{st.tiling.block_kv}_st{st.smem.num_stages}_sp{st.num_splits}_ps{st.tiling.page_size}"
           f"{'_pqk' if st.pipeline_qk else ''}{'_halves' if st.split_scores else ''}"
           f"{'_alt' if st.alternate_scores else ''}{'_ringhalves' if st.ring_halves else ''}"
+          f"{'_regp' if st.p_in_registers else ''}"
           f"{'_balanced' if st.balanced else ''}{f'_n{st.rows_as_n}' if st.rows_as_n else ''}"
           f"{f'_{st.tile_math.name}' if st.tile_math.name else ''}")
   return plgpu.kernel(
@@ -760,7 +769,8 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
                num_splits=config.num_splits, batch=B, scale=float(scale), tiling=kv_tiling, smem=smem,
                interpret=bool(interpret), pipeline_qk=config.pipeline_qk, split_scores=config.split_scores,
                balanced=split_k.check_tiles_per_split(tiles_per_split, config), rows_as_n=smem.rows_as_n,
-               alternate_scores=config.alternate_scores, ring_halves=config.ring_halves, tile_math=tile_math)
+               alternate_scores=config.alternate_scores, ring_halves=config.ring_halves,
+               p_in_registers=config.p_in_registers, tile_math=tile_math)
   if rows_padded != R:
     q = jnp.pad(q, ((0, 0), (0, rows_padded - R), (0, 0)))
   kv = kv_pages.reshape(*kv_pages.shape[:2], 1, D)   # KVTiling's [P, page_size, Hkv, D]
