@@ -90,8 +90,8 @@ class DecodeConfig:
     tile for its half of the value columns, handing its P, row rescale and running max to the
     other through SMEM. Q K^T keeps its 64 keys (N = 64: split_scores halves it), and one
     consumer's softmax runs while the other's wgmma does. Measured 1.7x slower than the default
-    on the H200 (249.9 against 143.8 us at B64 T4096; benchmarks/RESULTS.md, eleventh set): with
-    two ring stages both tiles of a pair are held at once, so nothing loads while they are scored.
+    on the H200 (249.9 against 143.8 us at B64 T4096; benchmarks/RESULTS.md, eleventh set); likely
+    because with two ring stages each hand-over waits for a whole tile's load (benchmarks/NOTES.md).
   rows_as_n: MLA on mosaic_gpu only, for few packed rows (S x Hq <= 64, e.g. 16 heads under
     tensor parallelism): the rows become wgmma's N instead of being padded to its M of 64, so
     the kernel computes S^T = K Q^T and O^T = V^T P^T (keys and value columns as M) and the
