@@ -25,6 +25,8 @@ class AttentionOptions:
 BLOCK_KV_CHOICES = (16, 32, 64, 128, 256)  # the mosaic_gpu backend needs >= 64 (wgmma K)
 MAX_STAGES = 8
 SPLIT_PLANS = ("per_sequence", "balanced")
+BOOL_FIELDS = ("pipeline_qk", "persistent", "merge_in_kernel", "split_scores", "convert_warpgroup", "rows_as_n",
+               "alternate_scores", "ring_halves", "p_in_registers")   # DecodeConfig's on/off options
 SEQUENCE_ORDERS = ("given", "longest_first", "long_short")
 
 
@@ -140,26 +142,11 @@ class DecodeConfig:
       raise ValueError(f"{self.num_warps=} must be a power of two in [1, 16]")
     if self.kv_groups not in (1, 2):
       raise ValueError(f"{self.kv_groups=} must be 1 or 2")
-    if not isinstance(self.pipeline_qk, bool):
-      raise ValueError(f"{self.pipeline_qk=} must be a bool")
-    if not isinstance(self.persistent, bool):
-      raise ValueError(f"{self.persistent=} must be a bool")
-    if not isinstance(self.merge_in_kernel, bool):
-      raise ValueError(f"{self.merge_in_kernel=} must be a bool")
-    if not isinstance(self.split_scores, bool):
-      raise ValueError(f"{self.split_scores=} must be a bool")
-    if not isinstance(self.rows_as_n, bool):
-      raise ValueError(f"{self.rows_as_n=} must be a bool")
-    if not isinstance(self.alternate_scores, bool):
-      raise ValueError(f"{self.alternate_scores=} must be a bool")
-    if not isinstance(self.ring_halves, bool):
-      raise ValueError(f"{self.ring_halves=} must be a bool")
-    if not isinstance(self.p_in_registers, bool):
-      raise ValueError(f"{self.p_in_registers=} must be a bool")
+    for name in BOOL_FIELDS:
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"self.{name}={getattr(self, name)!r} must be a bool")
     if self.split_plan not in SPLIT_PLANS:
       raise ValueError(f"{self.split_plan=} must be one of {SPLIT_PLANS}")
-    if not isinstance(self.convert_warpgroup, bool):
-      raise ValueError(f"{self.convert_warpgroup=} must be a bool")
     if self.sequence_order not in SEQUENCE_ORDERS:
       raise ValueError(f"{self.sequence_order=} must be one of {SEQUENCE_ORDERS}")
     if self.persistent and self.kv_groups != 1:

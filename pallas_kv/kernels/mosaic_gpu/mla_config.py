@@ -199,14 +199,11 @@ def check_config(config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, p
                                   or config.block_kv != BLOCK_KV):
     raise ValueError(f"alternate_scores takes block_kv={BLOCK_KV} and none of pipeline_qk, split_scores, rows_as_n; "
                      f"got {config}")
-  if config.ring_halves and (config.pipeline_qk or config.split_scores or config.alternate_scores
-                             or config.rows_as_n):
-    raise ValueError(f"ring_halves takes the plain scorer schedule: none of pipeline_qk, split_scores, "
-                     f"alternate_scores, rows_as_n; got {config}")
-  if config.p_in_registers and (config.pipeline_qk or config.split_scores or config.alternate_scores
-                                or config.rows_as_n):
-    raise ValueError(f"p_in_registers takes the plain scorer schedule: none of pipeline_qk, split_scores, "
-                     f"alternate_scores, rows_as_n; got {config}")
+  other_schedule = config.pipeline_qk or config.split_scores or config.alternate_scores or config.rows_as_n
+  for field in ("ring_halves", "p_in_registers"):   # options of the plain scorer schedule
+    if getattr(config, field) and other_schedule:
+      raise ValueError(f"{field} takes the plain scorer schedule: none of pipeline_qk, split_scores, "
+                       f"alternate_scores, rows_as_n; got {config}")
   if config.rows_as_n and (config.pipeline_qk or config.split_scores):
     raise ValueError("MLA on mosaic_gpu takes rows_as_n without pipeline_qk or split_scores")
   if config.rows_as_n and rows > ROWS_AS_N_MAX:
