@@ -2,7 +2,7 @@
 # The measurement suite on an H200, in parts that each fit one ~10-minute command.
 #   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged quantized qprobe vmap step tune
 #   fuzz memcheck mla merge balanced smollm2 (SMOLLM2_GGUF=path: the GPU machine has no network)
-#   tune_triton ncu ncu_stalls ncu_mla mla_probes mla_schedules loadpath kernels chain timer ragged_order ragged_one qpaged16 qpaged64 converter vlast models
+#   tune_triton ncu ncu_stalls ncu_mla mla_probes mla_schedules ptxas loadpath kernels chain timer ragged_order ragged_one qpaged16 qpaged64 converter vlast models
 #   tune-SWEEP-BACKEND (e.g. TUNE_CASES=32x8192,128x8192 ... tune-gpt_oss_120b-mosaic_gpu)
 #   (and scaling8k scaling32k on a machine with several GPUs)
 # Results (JSON, logs) go to $OUT if set, else bench_out/. Run from the repository root with the
@@ -74,12 +74,18 @@ for part in "$@"; do
               python3 -m benchmarks.mla --rows=h128_b64_t4096,h128_b128_t8192 --iters=10 --repeats=10 \
                 --impl=mosaic_gpu,mosaic_gpu_alt,kernel,kernel_no_qk,kernel_no_softmax,kernel_no_pv,kernel_loads_only \
                 --json="$out/mla_probes.json" 2>&1 | quiet | tee "$out/mla_probes.log" ;;
-    mla_schedules) # the scorer's P V from registers (mosaic_gpu_regp) beside the default, and why the
-              # alternate scorers run slower than one scorer: their launch alone with the loads, Q K^T,
-              # the softmax or P V left out, beside the default's; B64 T4096 (~4 min)
+    mla_schedules) # the scorer's P V from SMEM (mosaic_gpu_smemp) beside the default (P from registers),
+              # and the alternate scorers' launch alone with the loads, Q K^T, the softmax or P V left
+              # out, beside the default's; B64 T4096 (~4 min)
               python3 -m benchmarks.mla --rows=h128_b64_t4096 --iters=10 --repeats=10 \
-                --impl=mosaic_gpu,mosaic_gpu_regp,kernel,kernel_regp,kernel_no_loads,kernel_alt,kernel_alt_no_loads,kernel_alt_no_qk,kernel_alt_no_softmax,kernel_alt_no_pv \
+                --impl=mosaic_gpu,mosaic_gpu_smemp,kernel,kernel_smemp,kernel_no_loads,kernel_alt,kernel_alt_no_loads,kernel_alt_no_qk,kernel_alt_no_softmax,kernel_alt_no_pv \
                 --json="$out/mla_schedules.json" 2>&1 | quiet | tee "$out/mla_schedules.log" ;;
+    ptxas)    # registers, spills and wgmma warnings of every MLA schedule, from ptxas (compiles only,
+              # ~2 min); one gzipped PTX per kernel comes back in ptx/ for `--ptx` on a machine without a GPU
+              python3 -m benchmarks.ptxas_summary --dump_dir=/tmp/ptxas_dump --keep_ptx="$out/ptx" \
+                --compile=kernel,kernel_smemp,kernel_rh,kernel_alt,kernel_alt_no_qk,mosaic_gpu_pqk,mosaic_gpu_halves 2>&1 \
+                | quiet | tee "$out/ptxas.log"
+              rm -rf /tmp/ptxas_dump ;;
     kernels)  # every kernel of one call and its GPU us (torch.profiler), ours and the peers, per shape
               for c in 1x32768 8x8192 32x4096 128x4096; do
                 python3 -m benchmarks.profile_kernel --kernel_times --flagfile=configs/gqa_h200.flags \

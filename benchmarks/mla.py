@@ -15,8 +15,8 @@ on 32-token tiles in four stages: the next tile's Q K^T overlaps this tile's sof
 `mosaic_gpu_bkv32` (the plain schedule on those tiles), `mosaic_gpu_halves` (`DecodeConfig(split_scores=True)`:
 both consumers score half of each tile), `mosaic_gpu_alt` (`DecodeConfig(alternate_scores=True)`: they
 score alternate tiles), `mosaic_gpu_rh` (`DecodeConfig(ring_halves=True)`: ring slots loaded and
-freed in two column parts), `mosaic_gpu_regp` (`DecodeConfig(p_in_registers=True)`: the scorer's
-P V from registers), `mosaic_gpu_sp<N>` (N splits per sequence instead of the
+freed in two column parts), `mosaic_gpu_smemp` (`DecodeConfig(p_in_registers=False)`: the scorer's
+P V from SMEM, the default before the twelfth set), `mosaic_gpu_sp<N>` (N splits per sequence instead of the
 heuristic's count, e.g. `mosaic_gpu_sp33`), `kernel` (the kernel's launch alone, one split, no
 merge) and its probes `kernel_no_qk`, `kernel_no_softmax`, `kernel_no_pv`, `kernel_loads_only`,
 `kernel_no_loads` (the same launch with those stages left out: the TMA ring and the P hand-over
@@ -70,21 +70,24 @@ ROWS_AS_N = "mosaic_gpu_rows_as_n"
 ALTERNATE = "mosaic_gpu_alt"
 # ... or ring slots loaded and freed in two column parts (DecodeConfig.ring_halves).
 RING_HALVES = "mosaic_gpu_rh"
-# ... or the scorer's P V with P from registers (DecodeConfig.p_in_registers).
-P_IN_REGISTERS = "mosaic_gpu_regp"
-VARIANTS = {PIPELINED: dict(pipeline_qk=True, block_kv=32, num_stages=4), TILES_32: dict(block_kv=32, num_stages=4),
-            HALVES: dict(split_scores=True), BALANCED: dict(split_plan="balanced"), ROWS_AS_N: dict(rows_as_n=True),
-            ALTERNATE: dict(alternate_scores=True), RING_HALVES: dict(ring_halves=True),
-            P_IN_REGISTERS: dict(p_in_registers=True)}
+# ... or the scorer's P V with P from SMEM (DecodeConfig.p_in_registers=False; the default before).
+P_IN_SMEM = "mosaic_gpu_smemp"
+# Every variant is the heuristic's config (mla_config.heuristic_config at Dqk 576) with its fields
+# changed; the consumer schedules other than the plain scorer take P from SMEM.
+DEFAULT_FIELDS = dict(block_kv=64, num_stages=2, p_in_registers=True)
+SMEM_P = dict(p_in_registers=False)
+VARIANTS = {PIPELINED: SMEM_P | dict(pipeline_qk=True, block_kv=32, num_stages=4),
+            TILES_32: SMEM_P | dict(block_kv=32, num_stages=4), HALVES: SMEM_P | dict(split_scores=True),
+            BALANCED: dict(split_plan="balanced"), ROWS_AS_N: SMEM_P | dict(rows_as_n=True),
+            ALTERNATE: SMEM_P | dict(alternate_scores=True), RING_HALVES: dict(ring_halves=True), P_IN_SMEM: SMEM_P}
 # ... or a fixed split count: mosaic_gpu_sp<N> (e.g. mosaic_gpu_sp33), the heuristic's schedule.
 FIXED_SPLITS = re.compile(r"mosaic_gpu_sp([1-9][0-9]*)")
-# The kernel's launch alone with one split (no merge), under the default schedule or an opt-in
-# one (`kernel_alt`, `kernel_rh`, `kernel_regp`), and probes of each that leave stages of the tile's math or the
-# loads out (MEASUREMENT ONLY: their outputs are wrong by design and go unchecked), e.g.
-# `kernel_no_qk`, `kernel_alt_no_loads`.
+# The kernel's launch alone with one split (no merge), under the default schedule or another
+# (`kernel_smemp`, `kernel_alt`, `kernel_rh`), and probes of each that leave stages of the tile's
+# math or the loads out (MEASUREMENT ONLY: their outputs are wrong by design and go unchecked),
+# e.g. `kernel_no_qk`, `kernel_alt_no_loads`.
 KERNEL = "kernel"
-KERNEL_SCHEDULES = {"": {}, "_alt": VARIANTS[ALTERNATE], "_rh": VARIANTS[RING_HALVES],
-                    "_regp": VARIANTS[P_IN_REGISTERS]}
+KERNEL_SCHEDULES = {"": {}, "_smemp": VARIANTS[P_IN_SMEM], "_alt": VARIANTS[ALTERNATE], "_rh": VARIANTS[RING_HALVES]}
 PROBE_STAGES = {"_no_qk": frozenset({"qk"}), "_no_softmax": frozenset({"softmax"}), "_no_pv": frozenset({"pv"}),
                 "_loads_only": frozenset({"qk", "softmax", "pv"}), "_no_loads": frozenset({"loads"})}
 KERNEL_IMPLS = {f"{KERNEL}{schedule}{probe}": (fields, skip) for schedule, fields in KERNEL_SCHEDULES.items()
@@ -203,7 +206,7 @@ def build_kernel_launch(impl: str, row: "Row", scale: float):
   pkv = runners.import_pallas_kv()
   from pallas_kv.kernels.mosaic_gpu import backend, mla as mgpu_mla   # pylint: disable=g-import-not-at-top
   fields, _ = KERNEL_IMPLS[impl]
-  config = pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=1, **fields)
+  config = pkv.DecodeConfig(**(DEFAULT_FIELDS | dict(num_splits=1) | fields))
   math = probe_math(impl)
 
   def launch(q, kv_pages, block_tables, lengths):
@@ -236,7 +239,7 @@ def build_fn(impl: str, row: Row):
   config = None
   fields = variant_fields(impl)
   if fields is not None:
-    impl, config = "mosaic_gpu", pkv.DecodeConfig(**(dict(block_kv=64, num_stages=2) | fields))
+    impl, config = "mosaic_gpu", pkv.DecodeConfig(**(DEFAULT_FIELDS | fields))
   return jax.jit(lambda *a: pkv.mla_decode_attention(*a, v_head_dim=row.v_dim, scale=scale, impl=impl,
                                                      config=config))
 

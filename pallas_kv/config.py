@@ -92,8 +92,9 @@ class DecodeConfig:
     tile for its half of the value columns, handing its P, row rescale and running max to the
     other through SMEM. Q K^T keeps its 64 keys (N = 64: split_scores halves it), and one
     consumer's softmax runs while the other's wgmma does. Measured 1.7x slower than the default
-    on the H200 (249.9 against 143.8 us at B64 T4096; benchmarks/RESULTS.md, eleventh set); likely
-    because with two ring stages each hand-over waits for a whole tile's load (benchmarks/NOTES.md).
+    on the H200 (249.9 against 143.8 us at B64 T4096; benchmarks/RESULTS.md, eleventh set). Its
+    math alone (no loads) is 24% slower than the default's, and ptxas reports it spilling
+    (760-byte stack frame: the next tile's scores in flight beside this one's P V; twelfth set).
   rows_as_n: MLA on mosaic_gpu only, for few packed rows (S x Hq <= 64, e.g. 16 heads under
     tensor parallelism): the rows become wgmma's N instead of being padded to its M of 64, so
     the kernel computes S^T = K Q^T and O^T = V^T P^T (keys and value columns as M) and the
@@ -112,7 +113,10 @@ class DecodeConfig:
     the scorer's P V takes P from its registers (wgmma's A operand) and is issued before P is
     stored to SMEM for the partner, so that the store, its fence and the hand-over run while the
     tensor cores do (FlashMLA's "local P"); its P V also reads 8 KiB less SMEM per tile. GPU
-    interpret mode cannot run register operands, so there the P in SMEM is used. Not yet timed.
+    interpret mode cannot run register operands, so there the P in SMEM is used. The MLA
+    heuristic config sets it: faster in 7 of 8 same-run comparisons on the H200, by 1-7% (147.7
+    against 150.9 us at B64 T4096, 574.9 against 598.3 at B128 T8192; 2.5% slower at B16 T4096;
+    benchmarks/RESULTS.md, twelfth set). An explicit DecodeConfig leaves it off unless given.
   """
   block_kv: int = 64
   num_stages: int = 4

@@ -6,6 +6,7 @@ import glob
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -384,6 +386,90 @@ def test_ncu_summary_ranks_busy_pipes():
   text = ncu_summary.format_rows(ncu_summary.read_launches([header, *rows]))
   assert "pipes busy %: tensor_op_gmma=61.2  alu=12.5" in text, text
   assert "fp64" not in text
+
+
+# ptxas's report of two kernels as Mosaic GPU dumps it: the first as the H200 machine's ptxas wrote
+# it for the alternate scorers (name shortened), the second made up, with a wgmma warning.
+PTXAS_REPORT = """\
+ptxas info    : (C7519) warpgroup.arrive is injected in around line 1010 by compiler to allow use of registers in GMMA in function 'mla_alt_kernel'
+ptxas info    : (C7519) warpgroup.arrive is injected in around line 2236 by compiler to allow use of registers in GMMA in function 'mla_alt_kernel'
+ptxas warning : Registers are spilled to local memory in function 'mla_alt_kernel', 1932 bytes spill stores, 2232 bytes spill loads
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'mla_alt_kernel' for 'sm_90a'
+ptxas info    : Function properties for mla_alt_kernel
+    760 bytes stack frame, 1932 bytes spill stores, 2232 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 760 bytes cumulative stack size, 1 bytes smem
+ptxas warning : (C7510) Potential Performance Loss: wgmma.mma_async instructions are serialized in function 'mla_kernel'
+ptxas info    : Compiling entry function 'mla_kernel' for 'sm_90a'
+ptxas info    : Function properties for mla_kernel
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 128 registers, used 16 barriers, 1 bytes smem
+"""
+
+
+def test_ptxas_summary_reads_registers_spills_and_warnings(tmp_path):
+  from benchmarks import ptxas_summary
+  alt, plain = ptxas_summary.parse(PTXAS_REPORT)
+  assert (alt.name, alt.registers, alt.stack_bytes, alt.spill_store_bytes, alt.spill_load_bytes) == \
+      ("mla_alt_kernel", 168, 760, 1932, 2232)
+  assert alt.spills and alt.injected_arrives == 2 and alt.warnings == ()   # the spill warning is in the columns
+  assert (plain.registers, plain.spills, plain.injected_arrives) == (128, False, 0)
+  assert plain.warnings == ("(C7510) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+                            "in function 'mla_kernel'",)
+  # A folder of dumps (one file per compile; a kernel compiled twice is listed once).
+  for i in range(2):
+    (tmp_path / f"mla_{i}.ptxas").write_text(PTXAS_REPORT)
+  (tmp_path / "mla_0.ptx").write_text("not a report")
+  reports = ptxas_summary.read_folder(str(tmp_path))
+  assert [r.name for r in reports] == ["mla_alt_kernel", "mla_kernel"]
+  table = ptxas_summary.format_table(reports).splitlines()
+  assert table[2].split()[:6] == ["mla_alt_kernel", "168", "760", "1932", "2232", "2"]
+  assert "serialized" in table[3]
+
+
+def test_ptxas_summary_keeps_one_ptx_per_kernel_and_rewrites_register_counts(tmp_path):
+  import gzip
+  from benchmarks import ptxas_summary
+  ptx = """.visible .entry mla_kernel(
+\t.param .u64 .ptr .align 256 mla_kernel_param_0
+)
+\tsetmaxnreg.dec.sync.aligned.u32 40;
+\tsetmaxnreg.inc.sync.aligned.u32 232;
+\tsetmaxnreg.inc.sync.aligned.u32 232;
+"""
+  dump, keep = tmp_path / "dump", tmp_path / "keep"
+  dump.mkdir()
+  for i in range(2):   # a kernel compiled twice
+    (dump / f"mla_{i}.ptx").write_text(ptx)
+  (dump / "other_2.ptx").write_text(ptx.replace("mla_kernel", "other_kernel"))
+  assert ptxas_summary.keep_ptx(str(dump), str(keep)) == ["mla_kernel", "other_kernel"]
+  assert gzip.open(keep / "mla_kernel.ptx.gz", "rt").read() == ptx
+  both = ptxas_summary.with_registers(ptx, consumer=240, producer=24)
+  assert both.count("setmaxnreg.inc.sync.aligned.u32 240;") == 2 and "dec.sync.aligned.u32 24;" in both
+  assert ptxas_summary.with_registers(ptx, consumer=None, producer=None) == ptx
+  sass = """
+        /*0060*/                   LDL.LU R8, [R1+0x80] ;
+        /*09b0*/                   USETMAXREG.DEALLOC.CTAPOOL 0x28 ;
+        /*0a00*/                   STL [R1+0x4], R3 ;
+        /*1a40*/                   USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe8 ;
+        /*3ce0*/                   LDL R7, [R1+0x50] ;
+        /*4e50*/                   STL.64 [R1+0x38], R190 ;
+        /*4e60*/                   LDS R9, [R2] ;
+"""
+  assert ptxas_summary.spills_by_role(sass) == {"launch": 1, "producer": 1, "consumer": 2}
+
+
+@pytest.mark.skipif(not (shutil.which("ptxas") and shutil.which("nvdisasm")),
+                    reason="needs the CUDA toolkit's ptxas and nvdisasm on the PATH")
+def test_ptxas_summary_compiles_a_ptx_here(tmp_path):
+  from benchmarks import ptxas_summary
+  path = tmp_path / "tiny.ptx"
+  path.write_text(".version 8.0\n.target sm_90a\n.address_size 64\n\n.visible .entry tiny_kernel()\n"
+                  ".maxntid 256, 1, 1\n{\n\tsetmaxnreg.inc.sync.aligned.u32 240;\n\tret;\n}\n")
+  report, sass = ptxas_summary.compile_ptx_locally(str(path), consumer=232, producer=None)
+  (kernel,) = ptxas_summary.parse(report)
+  assert kernel.name == "tiny_kernel" and not kernel.spills
+  assert "EXIT" in sass and ptxas_summary.spills_by_role(sass) == {}
 
 
 def test_kernel_variants_load_path_rows_run_in_interpret_mode(monkeypatch):

@@ -271,6 +271,7 @@ def test_mla_configs_are_checked():
   # Two 64 x 576 stages beside Q fill SMEM (as FlashMLA's); small latent dims get a deeper ring.
   _, problem = _problem()
   assert mla_config.heuristic_config(problem).num_stages == 2
+  assert mla_config.heuristic_config(problem).p_in_registers   # measured faster on the H200
   _, small = _problem(qk_dim=SMALL_QK, v_dim=SMALL_V)
   assert mla_config.heuristic_config(small).num_stages > 2
 
@@ -402,7 +403,7 @@ def test_gpu_mla_matches_reference(batch, seq_len, num_heads, num_queries, page_
   assert pkv.last_impl() == IMPL
   _check(args, out, v_head_dim=V)
   few_rows = num_heads * (num_queries or 1) <= mla_config.ROWS_AS_N_MAX
-  for fields in (VARIANTS["pipeline_qk"], VARIANTS["split_scores"], VARIANTS["alternate_scores"],
+  for fields in (VARIANTS["plain"], VARIANTS["pipeline_qk"], VARIANTS["split_scores"], VARIANTS["alternate_scores"],
                  VARIANTS["ring_halves"], VARIANTS["p_in_registers"], dict(p_in_registers=True, ring_halves=True),
                  dict(split_plan="balanced"),
                  *([VARIANTS["rows_as_n"]] if few_rows else [])):
@@ -427,17 +428,22 @@ def test_mla_benchmark_runs_a_tiny_case_on_cpu():
 def test_mla_benchmark_names_its_kernel_variants():
   from benchmarks import mla as mla_bench
   assert mla_bench.variant_fields("mosaic_gpu_sp33") == dict(num_splits=33)
-  assert mla_bench.variant_fields("mosaic_gpu_halves") == dict(split_scores=True)
+  assert mla_bench.variant_fields("mosaic_gpu_halves") == dict(split_scores=True, p_in_registers=False)
   assert mla_bench.variant_fields("mosaic_gpu_balanced") == dict(split_plan="balanced")
-  assert mla_bench.variant_fields("mosaic_gpu_rows_as_n") == dict(rows_as_n=True)
-  assert mla_bench.variant_fields("mosaic_gpu_pqk") == dict(pipeline_qk=True, block_kv=32, num_stages=4)
-  assert mla_bench.variant_fields("mosaic_gpu_bkv32") == dict(block_kv=32, num_stages=4)
-  assert mla_bench.variant_fields("mosaic_gpu_alt") == dict(alternate_scores=True)
+  assert mla_bench.variant_fields("mosaic_gpu_rows_as_n") == dict(rows_as_n=True, p_in_registers=False)
+  assert mla_bench.variant_fields("mosaic_gpu_pqk") == dict(pipeline_qk=True, block_kv=32, num_stages=4,
+                                                            p_in_registers=False)
+  assert mla_bench.variant_fields("mosaic_gpu_bkv32") == dict(block_kv=32, num_stages=4, p_in_registers=False)
+  assert mla_bench.variant_fields("mosaic_gpu_alt") == dict(alternate_scores=True, p_in_registers=False)
   assert mla_bench.variant_fields("mosaic_gpu_rh") == dict(ring_halves=True)
-  assert mla_bench.variant_fields("mosaic_gpu_regp") == dict(p_in_registers=True)
+  assert mla_bench.variant_fields("mosaic_gpu_smemp") == dict(p_in_registers=False)
+  # Variants change the heuristic's config: the benchmark's base is what the heuristic gives.
+  _, problem = _problem()
+  assert pkv.DecodeConfig(**mla_bench.DEFAULT_FIELDS) == mla_config.heuristic_config(problem)
   assert mla_bench.variant_fields("mosaic_gpu") is None and mla_bench.is_ours("mosaic_gpu_sp4")
   # The kernel's launch alone under each schedule, with or without a probe's stages left out.
-  assert mla_bench.KERNEL_IMPLS["kernel_alt_no_loads"] == (dict(alternate_scores=True), frozenset({"loads"}))
+  assert mla_bench.KERNEL_IMPLS["kernel_alt_no_loads"] == (dict(alternate_scores=True, p_in_registers=False),
+                                                           frozenset({"loads"}))
   assert mla_bench.KERNEL_IMPLS["kernel_rh"] == (dict(ring_halves=True), frozenset())
   assert mla_bench.is_ours("kernel_alt") and not mla_bench.is_probe("kernel_alt")
   assert mla_bench.is_probe("kernel_rh_no_pv") and not mla_bench.is_ours("kernel_rh_no_pv")
@@ -472,7 +478,7 @@ def test_mla_kernel_launch_matches_the_baseline_and_its_probes_run_in_interpret_
 
 @pytest.mark.parametrize("impl", ["kernel", "kernel_no_qk", "kernel_no_softmax", "kernel_no_pv", "kernel_loads_only",
                                   "kernel_no_loads", "kernel_alt", "kernel_alt_no_loads", "kernel_rh_no_qk",
-                                  "kernel_regp", "kernel_regp_no_pv"])
+                                  "kernel_smemp", "kernel_smemp_no_pv"])
 def test_mla_kernel_launch_and_probes_lower_for_cuda(impl):
   from benchmarks import mla as mla_bench
   row = mla_bench.ALL_ROWS["h128_b64_t4096"]

@@ -16,12 +16,13 @@ Three warpgroups per program:
 The 64 x 512 float32 output accumulator would take 256 registers per thread in one warpgroup;
 split by value columns it takes 128 in each (FlashMLA's plan). V is the K tile itself, read by
 wgmma as is (no second load); P lives in one SMEM buffer handed over with two barriers
-(`_SharedP`). The partner's P V overlaps the scorer's next Q K^T and softmax. Opt-in schedules,
+(`_SharedP`). The partner's P V overlaps the scorer's next Q K^T and softmax. The heuristic
+config sets p_in_registers: the scorer's own P V reads P from its registers and the hand-over
+runs while it does (`_score_tiles`). Other schedules,
 each documented (with its measured speed) under its `DecodeConfig` field: pipeline_qk (32-token
 tiles, the next Q K^T issued before the softmax), split_scores (`_score_half_tiles`),
 alternate_scores (`_alternate_consumer`, FlashMLA's seesaw), rows_as_n (`_rows_as_n_consumers`),
-ring_halves (`_Scores.start_halves`: slots loaded and freed in two column parts), p_in_registers
-(the scorer's P V from registers, issued before the hand-over: `_score_tiles`).
+ring_halves (`_Scores.start_halves`: slots loaded and freed in two column parts).
 
 SMEM at Dqk 576 (bf16): Q 72 KiB + two 64 x 576 stages 144 KiB + P 8 KiB + alpha / row sums
 = 225 KiB of the 227 (`MlaSmem`); the output staging (64 KiB in bf16) reuses the ring. The split

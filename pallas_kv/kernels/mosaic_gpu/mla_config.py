@@ -222,8 +222,10 @@ def check_config(config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, p
 
 
 def heuristic_config(problem, *, dtype: Any = "bfloat16") -> DecodeConfig:
-  """64-token tiles and the deepest ring that fits (2 stages at Dqk 576, as FlashMLA)."""
-  config = DecodeConfig(block_kv=BLOCK_KV, num_stages=2)
+  """64-token tiles, the deepest ring that fits (2 stages at Dqk 576, as FlashMLA), and the
+  scorer's P V from registers (faster in 7 of 8 same-run H200 comparisons, by 1-7%: RESULTS.md,
+  twelfth set)."""
+  config = DecodeConfig(block_kv=BLOCK_KV, num_stages=2, p_in_registers=True)
   while True:
     deeper = dataclasses.replace(config, num_stages=config.num_stages + 1)
     smem = MlaSmem.for_call(deeper, qk_dim=problem.head_dim, v_dim=problem.v_head_dim, dtype=dtype,
