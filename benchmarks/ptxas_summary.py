@@ -12,11 +12,11 @@ nothing runs. `--keep_ptx` copies one gzipped PTX per kernel out of the dump.
 `--ptx` needs no GPU, only the CUDA toolkit's ptxas and nvdisasm on the PATH: it compiles a kept
 PTX for sm_90a, optionally with other `setmaxnreg` counts for the warpgroups that raise (consumers)
 or lower (producer) theirs, and prints the summary and the spill instructions (STL / LDL) in the
-code after each `setmaxnreg`: what a change of kernels/mosaic_gpu/mla.py's CONSUMER_REGISTERS /
-PRODUCER_REGISTERS would do to the spills, before any GPU time.
+code after each `setmaxnreg`: what another MLA register split (`mla_config.RegisterSplit`) would
+do to the spills, before any GPU time.
 
 Per kernel (a kernel compiled several times is listed once): registers ptxas allocated at launch
-(with setmaxnreg the consumers run with more: kernels/mosaic_gpu/mla.py CONSUMER_REGISTERS), the
+(with setmaxnreg the consumers run with more: `mla_config.RegisterSplit`), the
 stack frame, spill stores and loads in bytes, how many `warpgroup.arrive` ptxas injected before a
 wgmma that reads registers (info C7519), and ptxas's warnings other than spills, e.g. wgmma
 serialized: a spill inside the consumers' loop, or a serialized wgmma, costs more than any

@@ -58,12 +58,10 @@ from pallas_kv.kernels import split_k
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import pipeline
 from pallas_kv.kernels.mosaic_gpu import tiling
-from pallas_kv.kernels.mosaic_gpu.mla_config import ROWS, VALUE_WGS, MlaSmem, check_config, row_blocks
+from pallas_kv.kernels.mosaic_gpu.mla_config import ROWS, VALUE_WGS, MlaSmem, RegisterSplit, check_config, row_blocks
 from pallas_kv.kernels.mosaic_gpu.mla_output import ProgramOutput
 
 SCORER, PARTNER, PRODUCER = 0, 1, 2
-PRODUCER_REGISTERS = 40
-CONSUMER_REGISTERS = 232           # (512 - 40) / 2, a multiple of 8
 LSE_ROW_MULTIPLE = 4   # TMA stores need 16-byte rows: the lse output is padded to 4 float32 rows
 
 
@@ -124,6 +122,7 @@ class _Static:
   ring_halves: bool = False   # the ring's slots in two column parts (`_Scores.start_halves`)
   p_in_registers: bool = False   # the scorer's P V with P from registers (not in interpret mode)
   tile_math: TileMath = TileMath()
+  registers: RegisterSplit = RegisterSplit()
 
   @property
   def half_v(self) -> int:
@@ -540,7 +539,7 @@ def _rows_as_n_consumers(wg, q_ref, q_smem, q_barrier, ring: pipeline.Ring, shar
 
   @pl.when(wg == SCORER)
   def _scorer():
-    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    plgpu.set_max_registers(st.registers.consumer, action="increase")
     plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_barrier)   # q [B, N, Dqk]: every row
     plgpu.barrier_wait(q_barrier)
     acc, m_i, l_i = _score_tiles_as_n(_Scores(q_smem=q_smem, length=length, st=st), shared, ring, t0, t1, c,
@@ -556,7 +555,7 @@ def _rows_as_n_consumers(wg, q_ref, q_smem, q_barrier, ring: pipeline.Ring, shar
 
   @pl.when(wg == PARTNER)
   def _partner():
-    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    plgpu.set_max_registers(st.registers.consumer, action="increase")
     acc = _partner_tiles(shared, ring, t0, t1, st)
 
     output.meet()   # the scorer's row sums are in
@@ -594,7 +593,7 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
 
   @pl.when(wg == PRODUCER)
   def _producer():
-    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    plgpu.set_max_registers(st.registers.producer, action="decrease")
 
     @pl.loop(0, t1 - t0)
     def _(step):
@@ -622,7 +621,7 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
       for w in range(VALUE_WGS):
         @pl.when(wg == w)
         def _():
-          plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+          plgpu.set_max_registers(st.registers.consumer, action="increase")
           if w == 0:   # both read Q: each waits on the one copy's barrier
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, ROWS)], q_smem, q_barrier)
           plgpu.barrier_wait(q_barrier)
@@ -645,7 +644,7 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
 
     @pl.when(wg == SCORER)
     def _scorer():
-      plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+      plgpu.set_max_registers(st.registers.consumer, action="increase")
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, ROWS)], q_smem, q_barrier)
       plgpu.barrier_wait(q_barrier)
       scores = _Scores(q_smem=q_smem, length=length, st=st)
@@ -661,7 +660,7 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
 
     @pl.when(wg == PARTNER)
     def _partner():
-      plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+      plgpu.set_max_registers(st.registers.consumer, action="increase")
       acc = _partner_tiles(shared, ring, t0, t1, st)
       _store(output, acc, None, 1, row_sums=(row_smem.at[1],))
 
@@ -707,7 +706,7 @@ def _build(st: _Static, interpret: Any):
           f"{'_alt' if st.alternate_scores else ''}{'_ringhalves' if st.ring_halves else ''}"
           f"{'_regp' if st.p_in_registers else ''}"
           f"{'_balanced' if st.balanced else ''}{f'_n{st.rows_as_n}' if st.rows_as_n else ''}"
-          f"{f'_{st.tile_math.name}' if st.tile_math.name else ''}")
+          f"{st.registers.name}{f'_{st.tile_math.name}' if st.tile_math.name else ''}")
   return plgpu.kernel(
       functools.partial(_kernel, st=st),
       out_type=out_type,
@@ -724,7 +723,7 @@ def _build(st: _Static, interpret: Any):
 
 def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head_dim: int, scale: float,
                  config: DecodeConfig, tiles_per_split=None, tile_math: TileMath = TileMath(),
-                 interpret: Any = False):
+                 registers: RegisterSplit = RegisterSplit(), interpret: Any = False):
   """Split-K partials of MLA decode over a paged latent cache.
 
   q: [B, R, Dqk] packed rows in the cache's dtype (bf16 / fp16), R = num_queries * Hq, row
@@ -739,6 +738,7 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
     sequence needing fewer leaves the rest empty: lse -inf). Given exactly when
     config.split_plan is "balanced".
   tile_math: what the consumers compute per tile (`TileMath`; measurement probes subclass it).
+  registers: the warpgroups' register counts (`RegisterSplit`).
   interpret: False, or a plgpu.InterpretGPUParams (run on the CPU in interpret mode).
 
   Returns (out [B, splits, R, v_head_dim] in q's dtype, each split's normalised output, unwritten
@@ -771,7 +771,7 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
                interpret=bool(interpret), pipeline_qk=config.pipeline_qk, split_scores=config.split_scores,
                balanced=split_k.check_tiles_per_split(tiles_per_split, config), rows_as_n=smem.rows_as_n,
                alternate_scores=config.alternate_scores, ring_halves=config.ring_halves,
-               p_in_registers=config.p_in_registers, tile_math=tile_math)
+               p_in_registers=config.p_in_registers, tile_math=tile_math, registers=registers)
   if rows_padded != R:
     q = jnp.pad(q, ((0, 0), (0, rows_padded - R), (0, 0)))
   kv = kv_pages.reshape(*kv_pages.shape[:2], 1, D)   # KVTiling's [P, page_size, Hkv, D]

@@ -38,6 +38,39 @@ ROWS_AS_N_MAX = 64
 ROWS_AS_N_SCRATCH_BYTES = {16: 4096, 32: 4096, 48: 1024, 64: 1024}
 
 
+# ---------------------------------------------------------------- registers
+
+# Three warpgroups of 128 threads launch with 168 registers each (64K / 384, rounded down to 8):
+# setmaxnreg then moves registers between them within that pool, in multiples of 8.
+LAUNCH_REGISTERS = 168
+REGISTER_POOL = (VALUE_WGS + 1) * LAUNCH_REGISTERS
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisterSplit:
+  """Registers per thread of the producer warpgroup and of each consumer (`setmaxnreg`).
+
+  The producer only issues copies; the consumers hold a 64 x 256 float32 accumulator (128
+  registers), the scores (32) and wgmma descriptors. ptxas allocates within each warpgroup's count
+  and spills past it (`benchmarks.ptxas_summary`). FA3 splits 24 / 240.
+  """
+  producer: int = 40
+  consumer: int = 232
+
+  def __post_init__(self):
+    for name, count in (("producer", self.producer), ("consumer", self.consumer)):
+      if count % 8 or not 24 <= count <= 256:
+        raise ValueError(f"RegisterSplit.{name}={count} must be a multiple of 8 in [24, 256]")
+    if self.producer + VALUE_WGS * self.consumer > REGISTER_POOL:
+      raise ValueError(f"{self} needs {self.producer + VALUE_WGS * self.consumer} registers per thread slot; the "
+                       f"three warpgroups launch with {REGISTER_POOL}")
+
+  @property
+  def name(self) -> str:
+    """The kernel name's suffix: empty for the default split."""
+    return "" if self == RegisterSplit() else f"_r{self.producer}_{self.consumer}"
+
+
 # ---------------------------------------------------------------- SMEM layout, config
 
 @dataclasses.dataclass(frozen=True)
