@@ -74,16 +74,16 @@ for part in "$@"; do
               python3 -m benchmarks.mla --rows=h128_b64_t4096,h128_b128_t8192 --iters=10 --repeats=10 \
                 --impl=mosaic_gpu,mosaic_gpu_alt,kernel,kernel_no_qk,kernel_no_softmax,kernel_no_pv,kernel_loads_only \
                 --json="$out/mla_probes.json" 2>&1 | quiet | tee "$out/mla_probes.log" ;;
-    mla_schedules) # the default (P from registers) beside P from SMEM, FA3's register split (producer 24,
-              # consumers 240: _r240) on the default and the alternate scorers, with their no-loads
-              # probes; B64 T4096 (~4 min)
+    mla_schedules) # the default's launch alone compiled otherwise (mla_config.Codegen): FA3's register split
+              # (producer 24, consumers 240: _r240), Q's descriptors rebuilt every tile (_qpt), both; the
+              # same for the alternate scorers, with no-loads probes; B64 T4096 (~4 min)
               python3 -m benchmarks.mla --rows=h128_b64_t4096 --iters=10 --repeats=10 \
-                --impl=mosaic_gpu,kernel,kernel_smemp,kernel_r240,kernel_no_loads,kernel_r240_no_loads,kernel_alt,kernel_alt_r240,kernel_alt_no_loads,kernel_alt_r240_no_loads \
+                --impl=mosaic_gpu,kernel,kernel_r240,kernel_qpt,kernel_r240_qpt,kernel_r240_qpt_no_loads,kernel_alt,kernel_alt_r240,kernel_alt_r240_qpt,kernel_alt_r240_qpt_no_loads \
                 --json="$out/mla_schedules.json" 2>&1 | quiet | tee "$out/mla_schedules.log" ;;
     ptxas)    # registers, spills and wgmma warnings of every MLA schedule, from ptxas (compiles only,
               # ~2 min); one gzipped PTX per kernel comes back in ptx/ for `--ptx` on a machine without a GPU
               python3 -m benchmarks.ptxas_summary --dump_dir=/tmp/ptxas_dump --keep_ptx="$out/ptx" \
-                --compile=kernel,kernel_r240,kernel_smemp,kernel_rh,kernel_alt,kernel_alt_r240,kernel_alt_no_qk,mosaic_gpu_pqk,mosaic_gpu_halves 2>&1 \
+                --compile=kernel,kernel_r240,kernel_qpt,kernel_r240_qpt,kernel_smemp,kernel_rh,kernel_alt,kernel_alt_r240,kernel_alt_r240_qpt,kernel_alt_no_qk,mosaic_gpu_pqk,mosaic_gpu_halves 2>&1 \
                 | quiet | tee "$out/ptxas.log"
               rm -rf /tmp/ptxas_dump ;;
     kernels)  # every kernel of one call and its GPU us (torch.profiler), ours and the peers, per shape

@@ -83,17 +83,19 @@ VARIANTS = {PIPELINED: SMEM_P | dict(pipeline_qk=True, block_kv=32, num_stages=4
 # ... or a fixed split count: mosaic_gpu_sp<N> (e.g. mosaic_gpu_sp33), the heuristic's schedule.
 FIXED_SPLITS = re.compile(r"mosaic_gpu_sp([1-9][0-9]*)")
 # The kernel's launch alone with one split (no merge), under the default schedule or another
-# (`kernel_smemp`, `kernel_alt`, `kernel_rh`), with the default register split or FA3's
-# (`_r240`: producer 24, consumers 240 registers; `mla_config.RegisterSplit`), and probes of each
-# that leave stages of the tile's math or the loads out (MEASUREMENT ONLY: their outputs are wrong
-# by design and go unchecked), e.g. `kernel_no_qk`, `kernel_alt_r240_no_loads`.
+# (`kernel_smemp`, `kernel_alt`, `kernel_rh`), compiled as by default or otherwise
+# (`mla_config.Codegen`: `_r240` FA3's register split, producer 24 and consumers 240; `_qpt` Q's
+# wgmma descriptors rebuilt every tile), and probes of each that leave stages of the tile's math
+# or the loads out (MEASUREMENT ONLY: their outputs are wrong by design and go unchecked), e.g.
+# `kernel_no_qk`, `kernel_alt_r240_no_loads`.
 KERNEL = "kernel"
 KERNEL_SCHEDULES = {"": {}, "_smemp": VARIANTS[P_IN_SMEM], "_alt": VARIANTS[ALTERNATE], "_rh": VARIANTS[RING_HALVES]}
-KERNEL_REGISTERS = {"": None, "_r240": (24, 240)}   # RegisterSplit(producer, consumer); None: the default
+# Codegen as (RegisterSplit(producer, consumer) or None for the default, q_per_tile).
+KERNEL_CODEGEN = {"": (None, False), "_r240": ((24, 240), False), "_qpt": (None, True), "_r240_qpt": ((24, 240), True)}
 PROBE_STAGES = {"_no_qk": frozenset({"qk"}), "_no_softmax": frozenset({"softmax"}), "_no_pv": frozenset({"pv"}),
                 "_loads_only": frozenset({"qk", "softmax", "pv"}), "_no_loads": frozenset({"loads"})}
-KERNEL_IMPLS = {f"{KERNEL}{schedule}{regs}{probe}": (fields, skip, split)
-                for schedule, fields in KERNEL_SCHEDULES.items() for regs, split in KERNEL_REGISTERS.items()
+KERNEL_IMPLS = {f"{KERNEL}{schedule}{option}{probe}": (fields, skip, codegen)
+                for schedule, fields in KERNEL_SCHEDULES.items() for option, codegen in KERNEL_CODEGEN.items()
                 for probe, skip in {"": frozenset(), **PROBE_STAGES}.items()}
 PROBES = tuple(name for name, (_, skip, _) in KERNEL_IMPLS.items() if skip)
 GPU_IMPLS = ("mosaic_gpu", RING_HALVES, BASELINE, "xla")
@@ -208,16 +210,17 @@ def build_kernel_launch(impl: str, row: "Row", scale: float):
   """The MLA kernel's launch alone (one split, so no merge) under impl's schedule and tile math."""
   pkv = runners.import_pallas_kv()
   from pallas_kv.kernels.mosaic_gpu import backend, mla as mgpu_mla, mla_config   # pylint: disable=g-import-not-at-top
-  fields, _, split = KERNEL_IMPLS[impl]
+  fields, _, (split, q_per_tile) = KERNEL_IMPLS[impl]
   config = pkv.DecodeConfig(**(DEFAULT_FIELDS | dict(num_splits=1) | fields))
   registers = mla_config.RegisterSplit(*split) if split else mla_config.RegisterSplit()
+  codegen = mla_config.Codegen(registers=registers, q_per_tile=q_per_tile)
   math = probe_math(impl)
 
   def launch(q, kv_pages, block_tables, lengths):
     rows = q.reshape(q.shape[0], -1, q.shape[-1])   # [B, S * Hq, Dqk]: row s * Hq + h
     out, _ = mgpu_mla.mla_partials(rows, kv_pages, lengths, block_tables, num_queries=row.num_queries,
                                    v_head_dim=row.v_dim, scale=scale, config=config, tile_math=math,
-                                   registers=registers, interpret=backend.interpret_params())
+                                   codegen=codegen, interpret=backend.interpret_params())
     return out[:, 0].reshape(*q.shape[:-1], row.v_dim)
 
   return jax.jit(launch)

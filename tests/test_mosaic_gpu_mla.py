@@ -211,6 +211,8 @@ def test_mla_on_triton_names_what_is_missing_and_auto_on_cpu_runs_xla():
 
 def test_mla_register_splits_are_checked():
   assert mla_config.RegisterSplit().name == "" and mla_config.RegisterSplit(24, 240).name == "_r24_240"
+  assert mla_config.Codegen().name == "" and mla_config.Codegen(q_per_tile=True).name == "_qpt"
+  assert mla_config.Codegen(mla_config.RegisterSplit(24, 240), q_per_tile=True).name == "_r24_240_qpt"
   for producer, consumer, match in ((40, 236, "multiple of 8"), (16, 240, r"\[24, 256\]"),
                                     (32, 240, "three warpgroups launch with 504")):   # 512 > 504
     with pytest.raises(ValueError, match=match):
@@ -451,10 +453,11 @@ def test_mla_benchmark_names_its_kernel_variants():
   assert mla_bench.variant_fields("mosaic_gpu") is None and mla_bench.is_ours("mosaic_gpu_sp4")
   # The kernel's launch alone under each schedule, with or without a probe's stages left out.
   assert mla_bench.KERNEL_IMPLS["kernel_alt_no_loads"] == (dict(alternate_scores=True, p_in_registers=False),
-                                                           frozenset({"loads"}), None)
-  assert mla_bench.KERNEL_IMPLS["kernel_rh"] == (dict(ring_halves=True), frozenset(), None)
+                                                           frozenset({"loads"}), (None, False))
+  assert mla_bench.KERNEL_IMPLS["kernel_rh"] == (dict(ring_halves=True), frozenset(), (None, False))
   assert mla_bench.KERNEL_IMPLS["kernel_alt_r240_no_qk"] == (dict(alternate_scores=True, p_in_registers=False),
-                                                             frozenset({"qk"}), (24, 240))
+                                                             frozenset({"qk"}), ((24, 240), False))
+  assert mla_bench.KERNEL_IMPLS["kernel_r240_qpt"][2] == ((24, 240), True)
   assert mla_bench.is_ours("kernel_alt") and not mla_bench.is_probe("kernel_alt")
   assert mla_bench.is_probe("kernel_rh_no_pv") and not mla_bench.is_ours("kernel_rh_no_pv")
   row = mla_bench.cpu_rows()[0]
@@ -478,9 +481,10 @@ def test_mla_kernel_launch_matches_the_baseline_and_its_probes_run_in_interpret_
   baseline = np.asarray(mla_bench.build_fn(mla_bench.BASELINE, row)(*args), np.float32)
   with pkv.interpret():
     outs = {impl: np.asarray(mla_bench.build_fn(impl, row)(*args), np.float32)
-            for impl in (mla_bench.KERNEL, "kernel_alt", "kernel_rh", "kernel_r240", "kernel_no_softmax",
-                         "kernel_loads_only")}
-  for impl in (mla_bench.KERNEL, "kernel_alt", "kernel_rh", "kernel_r240"):   # the schedules' launches alone
+            for impl in (mla_bench.KERNEL, "kernel_alt", "kernel_rh", "kernel_r240_qpt", "kernel_alt_qpt",
+                         "kernel_no_softmax", "kernel_loads_only")}
+  # The schedules' launches alone, and compiled otherwise (mla_config.Codegen).
+  for impl in (mla_bench.KERNEL, "kernel_alt", "kernel_rh", "kernel_r240_qpt", "kernel_alt_qpt"):
     assert bench_cases.relative_error(outs[impl], baseline) < 1e-2, impl
   for impl in ("kernel_no_softmax", "kernel_loads_only"):
     assert outs[impl].shape == baseline.shape and mla_bench.is_probe(impl) and not mla_bench.is_ours(impl)
@@ -489,7 +493,8 @@ def test_mla_kernel_launch_matches_the_baseline_and_its_probes_run_in_interpret_
 
 @pytest.mark.parametrize("impl", ["kernel", "kernel_no_qk", "kernel_no_softmax", "kernel_no_pv", "kernel_loads_only",
                                   "kernel_no_loads", "kernel_alt", "kernel_alt_no_loads", "kernel_rh_no_qk",
-                                  "kernel_smemp", "kernel_smemp_no_pv", "kernel_r240", "kernel_alt_r240"])
+                                  "kernel_smemp", "kernel_smemp_no_pv", "kernel_r240", "kernel_alt_r240", "kernel_qpt",
+                                  "kernel_alt_r240_qpt"])
 def test_mla_kernel_launch_and_probes_lower_for_cuda(impl):
   from benchmarks import mla as mla_bench
   row = mla_bench.ALL_ROWS["h128_b64_t4096"]
@@ -500,3 +505,5 @@ def test_mla_kernel_launch_and_probes_lower_for_cuda(impl):
     assert f"_{impl}" in module   # a probe's kernel says so in its name
   if "_r240" in impl:   # and so does a register split other than the default
     assert "_r24_240" in module
+  if "_qpt" in impl:   # and Q's descriptors rebuilt every tile
+    assert "_qpt" in module

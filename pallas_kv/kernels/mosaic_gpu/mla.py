@@ -24,7 +24,7 @@ tiles, the next Q K^T issued before the softmax), split_scores (`_score_half_til
 alternate_scores (`_alternate_consumer`, FlashMLA's seesaw), rows_as_n (`_rows_as_n_consumers`),
 ring_halves (`_Scores.start_halves`: slots loaded and freed in two column parts).
 
-SMEM at Dqk 576 (bf16): Q 72 KiB + two 64 x 576 stages 144 KiB + P 8 KiB + alpha / row sums
+SMEM at Dqk 576 (bf16): Q 72 KiB + two 64 x 576 stages 144 KiB + P 8 KiB + row vectors
 = 225 KiB of the 227 (`MlaSmem`); the output staging (64 KiB in bf16) reuses the ring. The split
 count fills about one wave of 132 SMs (`resolve_config`); `DecodeConfig(split_plan="balanced")`
 balances splits by tokens across a ragged batch instead (one tile count per split, computed from
@@ -58,7 +58,7 @@ from pallas_kv.kernels import split_k
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import pipeline
 from pallas_kv.kernels.mosaic_gpu import tiling
-from pallas_kv.kernels.mosaic_gpu.mla_config import ROWS, VALUE_WGS, MlaSmem, RegisterSplit, check_config, row_blocks
+from pallas_kv.kernels.mosaic_gpu.mla_config import ROWS, VALUE_WGS, Codegen, MlaSmem, check_config, row_blocks
 from pallas_kv.kernels.mosaic_gpu.mla_output import ProgramOutput
 
 SCORER, PARTNER, PRODUCER = 0, 1, 2
@@ -122,7 +122,7 @@ class _Static:
   ring_halves: bool = False   # the ring's slots in two column parts (`_Scores.start_halves`)
   p_in_registers: bool = False   # the scorer's P V with P from registers (not in interpret mode)
   tile_math: TileMath = TileMath()
-  registers: RegisterSplit = RegisterSplit()
+  codegen: Codegen = Codegen()
 
   @property
   def half_v(self) -> int:
@@ -197,9 +197,17 @@ def _start_state(acc_shape, rows_axis: int = 0):
 class _Scores:
   """Starts S = Q K^T of a tile (its ring slot [bkv, Dqk]) into s_ref [64, bkv] f32, after zeroing
   the values of rows past the length (only a sequence's last tile has any)."""
-  q_smem: Any
+  q_block: Any   # [1, 64, Dqk]: Q is q_block.at[0]
   length: Any
   st: _Static
+  q_index: Any = None   # Codegen.q_per_tile: this consumer's row of zeros in SMEM (`_q_index`)
+
+  @property
+  def q_smem(self):
+    """Q [64, Dqk]; with Codegen.q_per_tile at a 0 loaded each tile (descriptors rebuilt per tile)."""
+    if self.q_index is not None:
+      return self.q_block.at[self.q_index[0].astype(jnp.int32)]
+    return self.q_block.at[0]
 
   def start(self, s_ref, tile, slot):
     valid_rows = self.length - tile * self.st.tiling.block_kv
@@ -229,6 +237,15 @@ class _Scores:
     def _():
       for part in parts:
         tiling.zero_rows_past(part, valid_rows, width=min(part.shape[1], self.st.half_v))
+
+
+def _q_index(row_smem, w: int, st: _Static):
+  """Codegen.q_per_tile: consumer w's zero for `_Scores.q_index`, written by w, read by w alone."""
+  if not st.codegen.q_per_tile:
+    return None
+  row = row_smem.at[st.smem.zero_rows + w]
+  row[0] = jnp.float32(0)
+  return row
 
 
 def _score_tiles(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0, t1, c, *, length, row0,
@@ -531,7 +548,7 @@ def _score_tiles_as_n(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0
   return lax.fori_loop(c, t1, functools.partial(step, masked=True), carry)
 
 
-def _rows_as_n_consumers(wg, q_ref, q_smem, q_barrier, ring: pipeline.Ring, shared: _SharedP, row_smem,
+def _rows_as_n_consumers(wg, q_ref, q_block, q_barrier, ring: pipeline.Ring, shared: _SharedP, row_smem,
                          output: ProgramOutput, *, b, t0, t1, c, length, st: _Static):
   """The scorer and its partner with rows as N: the same hand-over as `_score_tiles` and the
   partner's loop, on transposed tiles; each stores its half of O^T [Dv/2, N] and the scorer the
@@ -539,11 +556,11 @@ def _rows_as_n_consumers(wg, q_ref, q_smem, q_barrier, ring: pipeline.Ring, shar
 
   @pl.when(wg == SCORER)
   def _scorer():
-    plgpu.set_max_registers(st.registers.consumer, action="increase")
-    plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_barrier)   # q [B, N, Dqk]: every row
+    plgpu.set_max_registers(st.codegen.registers.consumer, action="increase")
+    plgpu.copy_gmem_to_smem(q_ref.at[b], q_block.at[0], q_barrier)   # q [B, N, Dqk]: every row
     plgpu.barrier_wait(q_barrier)
-    acc, m_i, l_i = _score_tiles_as_n(_Scores(q_smem=q_smem, length=length, st=st), shared, ring, t0, t1, c,
-                                      length=length, st=st)
+    scores = _Scores(q_block=q_block, length=length, st=st, q_index=_q_index(row_smem, SCORER, st))
+    acc, m_i, l_i = _score_tiles_as_n(scores, shared, ring, t0, t1, c, length=length, st=st)
 
     @pl.when(t1 > t0)
     def _():
@@ -555,7 +572,7 @@ def _rows_as_n_consumers(wg, q_ref, q_smem, q_barrier, ring: pipeline.Ring, shar
 
   @pl.when(wg == PARTNER)
   def _partner():
-    plgpu.set_max_registers(st.registers.consumer, action="increase")
+    plgpu.set_max_registers(st.codegen.registers.consumer, action="increase")
     acc = _partner_tiles(shared, ring, t0, t1, st)
 
     output.meet()   # the scorer's row sums are in
@@ -570,13 +587,14 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
             lengths_ref,        # [B] int32
             block_tables_ref,   # [B, max_pages] int32
             *refs,              # [the balanced plan's tiles per split, int32 [1]], out, lse
-            st: _Static, q_smem, union, p_smem, row_smem, produced, consumed, q_barrier, p_ready,
+            st: _Static, q_block, union, p_smem, row_smem, produced, consumed, q_barrier, p_ready,
             p_free, max_ready, consumers_done):
   refs = list(refs)
   tiles_per_split = refs.pop(0)[0] if st.balanced else None   # `split_k.balanced_tiles_per_split`
   (out_ref,   # [B, splits, out_rows, Dv]  f32, or q's dtype with one split
    lse_ref,   # [B, splits, lse_rows] f32
    ) = refs
+  q_smem = q_block.at[0]
   ring_slots, (out_smem, lse_smem) = union
   ring = pipeline.Ring(st.smem.ring_spec(), ring_slots, produced, consumed)
   shared = _SharedP(p_smem, row_smem, p_ready, p_free)
@@ -593,7 +611,7 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
 
   @pl.when(wg == PRODUCER)
   def _producer():
-    plgpu.set_max_registers(st.registers.producer, action="decrease")
+    plgpu.set_max_registers(st.codegen.registers.producer, action="decrease")
 
     @pl.loop(0, t1 - t0)
     def _(step):
@@ -611,7 +629,7 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
   def consumers():
     if st.rows_as_n:
       transposed = dataclasses.replace(shared, vector_layout=plgpu.Layout.WGMMA.reduce(0))
-      _rows_as_n_consumers(wg, q_ref, q_smem, q_barrier, ring, transposed, row_smem, output, b=b, t0=t0, t1=t1,
+      _rows_as_n_consumers(wg, q_ref, q_block, q_barrier, ring, transposed, row_smem, output, b=b, t0=t0, t1=t1,
                            c=c, length=length, st=st)
       return
 
@@ -621,7 +639,7 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
       for w in range(VALUE_WGS):
         @pl.when(wg == w)
         def _():
-          plgpu.set_max_registers(st.registers.consumer, action="increase")
+          plgpu.set_max_registers(st.codegen.registers.consumer, action="increase")
           if w == 0:   # both read Q: each waits on the one copy's barrier
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, ROWS)], q_smem, q_barrier)
           plgpu.barrier_wait(q_barrier)
@@ -631,9 +649,9 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
                  lse_of_max=m_i if w == 0 else None)
 
     if st.alternate_scores:   # rows 0, 1 carry the hand-over; 2, 3 are free for the sums
-      scores = _Scores(q_smem=q_smem, length=length, st=st)
-      both_score(lambda w: _alternate_consumer(w, scores, ring, p_smem, row_smem, p_ready, p_free, t0, t1, c,
-                                               length=length, row0=row0, st=st), sums_row=2)
+      both_score(lambda w: _alternate_consumer(
+          w, _Scores(q_block=q_block, length=length, st=st, q_index=_q_index(row_smem, w, st)), ring, p_smem,
+          row_smem, p_ready, p_free, t0, t1, c, length=length, row0=row0, st=st), sums_row=2)
       return
 
     if st.split_scores:   # each consumer's last row maximum has been read (it met p_ready since)
@@ -644,10 +662,10 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
 
     @pl.when(wg == SCORER)
     def _scorer():
-      plgpu.set_max_registers(st.registers.consumer, action="increase")
+      plgpu.set_max_registers(st.codegen.registers.consumer, action="increase")
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, ROWS)], q_smem, q_barrier)
       plgpu.barrier_wait(q_barrier)
-      scores = _Scores(q_smem=q_smem, length=length, st=st)
+      scores = _Scores(q_block=q_block, length=length, st=st, q_index=_q_index(row_smem, SCORER, st))
       acc, m_i, l_i = _score_tiles(scores, shared, ring, t0, t1, c, length=length, row0=row0, st=st)
 
       @pl.when(t1 > t0)
@@ -660,7 +678,7 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
 
     @pl.when(wg == PARTNER)
     def _partner():
-      plgpu.set_max_registers(st.registers.consumer, action="increase")
+      plgpu.set_max_registers(st.codegen.registers.consumer, action="increase")
       acc = _partner_tiles(shared, ring, t0, t1, st)
       _store(output, acc, None, 1, row_sums=(row_smem.at[1],))
 
@@ -706,7 +724,7 @@ def _build(st: _Static, interpret: Any):
           f"{'_alt' if st.alternate_scores else ''}{'_ringhalves' if st.ring_halves else ''}"
           f"{'_regp' if st.p_in_registers else ''}"
           f"{'_balanced' if st.balanced else ''}{f'_n{st.rows_as_n}' if st.rows_as_n else ''}"
-          f"{st.registers.name}{f'_{st.tile_math.name}' if st.tile_math.name else ''}")
+          f"{st.codegen.name}{f'_{st.tile_math.name}' if st.tile_math.name else ''}")
   return plgpu.kernel(
       functools.partial(_kernel, st=st),
       out_type=out_type,
@@ -723,7 +741,7 @@ def _build(st: _Static, interpret: Any):
 
 def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head_dim: int, scale: float,
                  config: DecodeConfig, tiles_per_split=None, tile_math: TileMath = TileMath(),
-                 registers: RegisterSplit = RegisterSplit(), interpret: Any = False):
+                 codegen: Codegen = Codegen(), interpret: Any = False):
   """Split-K partials of MLA decode over a paged latent cache.
 
   q: [B, R, Dqk] packed rows in the cache's dtype (bf16 / fp16), R = num_queries * Hq, row
@@ -738,7 +756,7 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
     sequence needing fewer leaves the rest empty: lse -inf). Given exactly when
     config.split_plan is "balanced".
   tile_math: what the consumers compute per tile (`TileMath`; measurement probes subclass it).
-  registers: the warpgroups' register counts (`RegisterSplit`).
+  codegen: how the kernel is compiled (`mla_config.Codegen`: register split, Q's descriptors).
   interpret: False, or a plgpu.InterpretGPUParams (run on the CPU in interpret mode).
 
   Returns (out [B, splits, R, v_head_dim] in q's dtype, each split's normalised output, unwritten
@@ -771,7 +789,7 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
                interpret=bool(interpret), pipeline_qk=config.pipeline_qk, split_scores=config.split_scores,
                balanced=split_k.check_tiles_per_split(tiles_per_split, config), rows_as_n=smem.rows_as_n,
                alternate_scores=config.alternate_scores, ring_halves=config.ring_halves,
-               p_in_registers=config.p_in_registers, tile_math=tile_math, registers=registers)
+               p_in_registers=config.p_in_registers, tile_math=tile_math, codegen=codegen)
   if rows_padded != R:
     q = jnp.pad(q, ((0, 0), (0, rows_padded - R), (0, 0)))
   kv = kv_pages.reshape(*kv_pages.shape[:2], 1, D)   # KVTiling's [P, page_size, Hkv, D]

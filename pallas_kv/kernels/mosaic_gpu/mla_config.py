@@ -71,6 +71,25 @@ class RegisterSplit:
     return "" if self == RegisterSplit() else f"_r{self.producer}_{self.consumer}"
 
 
+@dataclasses.dataclass(frozen=True)
+class Codegen:
+  """How the kernel is compiled, not what it computes: measured choices, named in the kernel name.
+
+  registers: the warpgroups' register split.
+  q_per_tile: Q's SMEM address is made opaque to the compilers on every tile (its index is a zero
+    loaded from SMEM, which neither LLVM nor ptxas can fold), so that Q K^T's wgmma descriptors (one 64-bit value per 16 columns:
+    36 at Dqk 576) are rebuilt each tile from one base instead of being hoisted out of the loop,
+    where they hold 72 registers or, past the consumers' count, spill (ptxas, twelfth set).
+    Every schedule but split_scores (which slices Q itself). Not yet timed.
+  """
+  registers: RegisterSplit = RegisterSplit()
+  q_per_tile: bool = False
+
+  @property
+  def name(self) -> str:
+    return f"{self.registers.name}{'_qpt' if self.q_per_tile else ''}"
+
+
 # ---------------------------------------------------------------- SMEM layout, config
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +100,9 @@ class MlaSmem:
   union    ring [num_stages, bkv, Dqk] dtype, swizzled   | (out [2, 64, Dv/2] out_dtype,
                                                             lse [64] f32)   after the loop
   p        [64, bkv]  dtype, swizzled          P of the current tile (wgmma A of P V)
-  rows     [2, 64]    f32                      alpha of the current tile; the final row sum
-           ([4, 64] with alternate_scores: the tile's alpha and running max, then each consumer's
-           row sum; the same 1 KiB once aligned)
+  rows     [4, 64]    f32                      alpha of the current tile; the final row sum;
+           ([6, 64] with alternate_scores: the tile's alpha and running max, then each consumer's
+           row sum); then a row of zeros per consumer (Codegen.q_per_tile's index)
   barriers: ring produced / consumed per slot, q, p_ready (one per consumer with
   alternate_scores), p_free, max_ready, consumers_done.
   """
@@ -156,7 +175,8 @@ class MlaSmem:
     out_stage = (plgpu.SMEM((VALUE_WGS, *half_out), self.out_dtype),
                  plgpu.SMEM((self.q_rows,), jnp.float32))
     return dict(
-        q_smem=plgpu.SMEM((self.q_rows, self.qk_dim), self.dtype,
+        # [1, rows, Dqk]: a leading index for Codegen.q_per_tile (Q is q_block.at[0]).
+        q_block=plgpu.SMEM((1, self.q_rows, self.qk_dim), self.dtype,
                           transforms=self.transforms(self.qk_dim)),
         # The output staging reuses the ring's memory once every tile is consumed.
         union=plgpu.RefUnion(ring.buffer_type(), out_stage),
@@ -174,8 +194,13 @@ class MlaSmem:
         consumers_done=plgpu.Barrier(num_arrivals=VALUE_WGS))
 
   @property
-  def row_vectors(self) -> int:
+  def zero_rows(self) -> int:
+    """The first of the rows of zeros, one per consumer, that Codegen.q_per_tile reads Q's index from."""
     return 4 if self.alternate_scores else 2
+
+  @property
+  def row_vectors(self) -> int:
+    return self.zero_rows + VALUE_WGS
 
   @property
   def nbytes(self) -> int:
