@@ -148,19 +148,24 @@ def test_mla_balanced_plan_gives_a_long_sequence_more_splits_and_matches_referen
   _check(args, out)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_mla_race_detection_finds_none(variant):
+@pytest.mark.parametrize("variant,q_per_tile", [(v, False) for v in VARIANTS] + [
+    (v, True) for v in ("plain", "alternate_scores", "rows_as_n")])
+def test_mla_race_detection_finds_none(variant, q_per_tile):
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
   # 6 tiles through a 2-slot ring, pages of 16 (4 copies per tile), a masked last tile.
-  q, pages, tables, lengths = _case(5, batch=1, seq_len=384, num_heads=4, num_queries=1, page_size=16,
-                                    lengths=[350])
+  args = _case(5, batch=1, seq_len=384, num_heads=4, num_queries=1, page_size=16, lengths=[350])
+  q, pages, tables, lengths = args
   rows = q.reshape(1, 4, SMALL_QK)
-  out, _ = mgpu_mla.mla_partials(rows, pages, lengths, tables, num_queries=1, v_head_dim=SMALL_V, scale=0.1,
-                                 config=_config(1, variant=variant),
-                                 interpret=plgpu.InterpretGPUParams(detect_races=True))
+  out, lse = mgpu_mla.mla_partials(rows, pages, lengths, tables, num_queries=1, v_head_dim=SMALL_V, scale=0.1,
+                                   config=_config(1, variant=variant), codegen=mla_config.Codegen(q_per_tile=q_per_tile),
+                                   interpret=plgpu.InterpretGPUParams(detect_races=True))
   jax.block_until_ready(out)
   assert not gpu_callbacks.get_races().races_found
+  if q_per_tile:   # Q read at the zero loaded from SMEM: the same results as the reference
+    ref = pkv.mla_decode_attention_reference(q.astype(jnp.float32), pages.astype(jnp.float32), tables, lengths,
+                                             v_head_dim=SMALL_V, scale=0.1)
+    assert_matches_reference(out[:, 0].reshape(ref.shape), ref, q.dtype)
 
 
 def test_mla_split_partials_are_stored_in_the_cache_dtype():
