@@ -496,10 +496,9 @@ def test_mla_kernel_launch_matches_the_baseline_and_its_probes_run_in_interpret_
     assert not np.allclose(outs[impl], outs[mla_bench.KERNEL], atol=1e-2, equal_nan=True), impl
 
 
-@pytest.mark.parametrize("impl", ["kernel", "kernel_no_qk", "kernel_no_softmax", "kernel_no_pv", "kernel_loads_only",
-                                  "kernel_no_loads", "kernel_alt", "kernel_alt_no_loads", "kernel_rh_no_qk",
-                                  "kernel_smemp", "kernel_smemp_no_pv", "kernel_r240", "kernel_alt_r240", "kernel_qpt",
-                                  "kernel_alt_r240_qpt"])
+# Every probe stage, schedule and Codegen option at least once (each lowering takes 5-9 s on 2 cores).
+@pytest.mark.parametrize("impl", ["kernel", "kernel_rh_no_qk", "kernel_smemp_no_pv", "kernel_qpt_no_softmax",
+                                  "kernel_r240_loads_only", "kernel_alt_no_loads", "kernel_alt_r240_qpt"])
 def test_mla_kernel_launch_and_probes_lower_for_cuda(impl):
   from benchmarks import mla as mla_bench
   row = mla_bench.ALL_ROWS["h128_b64_t4096"]

@@ -96,7 +96,7 @@ class Codegen:
 class MlaSmem:
   """The SMEM layout of one program; the single source for scratch and for the fit check.
 
-  q        [64, Dqk]  dtype, swizzled          packed query rows (wgmma A of Q K^T)
+  q_block  [1, 64, Dqk] dtype, swizzled        packed query rows (wgmma A of Q K^T)
   union    ring [num_stages, bkv, Dqk] dtype, swizzled   | (out [2, 64, Dv/2] out_dtype,
                                                             lse [64] f32)   after the loop
   p        [64, bkv]  dtype, swizzled          P of the current tile (wgmma A of P V)
