@@ -210,12 +210,7 @@ class _Scores:
     return self.q_block.at[0]
 
   def start(self, s_ref, tile, slot):
-    valid_rows = self.length - tile * self.st.tiling.block_kv
-
-    @pl.when(valid_rows < self.st.tiling.block_kv)
-    def _():
-      tiling.zero_rows_past(slot, valid_rows, width=self.st.smem.v_dim)
-
+    self.zero_past(tile, [(slot, self.st.smem.v_dim)])
     if self.st.rows_as_n:   # S^T [bkv, N] = K Q^T
       self.st.tile_math.qk(s_ref, slot, self.q_smem.transpose((1, 0)))
     else:
@@ -230,13 +225,14 @@ class _Scores:
       self.st.tile_math.qk(s_ref, self.q_smem.at[:, columns], ring.wait(i, part).transpose((1, 0)))
 
   def zero_past(self, tile, parts):
-    """Zeroes the values of rows past the length in a tile's column parts (the first Dv columns)."""
+    """Zeroes the values of rows past the length in a tile: parts are (SMEM ref, its number of
+    value columns) pairs, the slot itself or its column parts."""
     valid_rows = self.length - tile * self.st.tiling.block_kv
 
     @pl.when(valid_rows < self.st.tiling.block_kv)
     def _():
-      for part in parts:
-        tiling.zero_rows_past(part, valid_rows, width=min(part.shape[1], self.st.half_v))
+      for part, width in parts:
+        tiling.zero_rows_past(part, valid_rows, width=width)
 
 
 def _q_index(row_smem, w: int, st: _Static):
@@ -289,7 +285,7 @@ def _score_tiles(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0, t1,
       if st.ring_halves:
         parts = (ring.slot(i, 0), ring.slot(i, 1))   # [bkv, Dv/2], [bkv, Dqk - Dv/2]
         if masked:
-          scores.zero_past(tile, parts)   # before P goes out: both P V read the values
+          scores.zero_past(tile, [(part, st.half_v) for part in parts])   # before P goes out: both P V read them
         carry = finish(s, tile, *carry, parts[0], masked)
       else:
         carry = finish(s, tile, *carry, first_values(ring.slot(i)), masked)
@@ -617,7 +613,7 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
     def _(step):
       # Page ids are read before waiting for the slot, so that their latency overlaps the wait.
       where = st.tiling.tile_locations(t0 + step, batch=b, block_tables_ref=block_tables_ref)
-      for part in (0, 1) if st.ring_halves else (None,):   # the scorer's value half first
+      for part in ring.spec.part_ids:   # with ring halves the scorer's value half first
         ring.acquire(step, part)
         if st.tile_math.load_tiles:
           ring.commit(step, st.tiling.tile_sources(kv_ref, where, head=0), part)

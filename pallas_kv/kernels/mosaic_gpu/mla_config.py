@@ -77,9 +77,10 @@ class Codegen:
 
   registers: the warpgroups' register split.
   q_per_tile: Q's SMEM address is made opaque to the compilers on every tile (its index is a zero
-    loaded from SMEM, which neither LLVM nor ptxas can fold), so that Q K^T's wgmma descriptors (one 64-bit value per 16 columns:
-    36 at Dqk 576) are rebuilt each tile from one base instead of being hoisted out of the loop,
-    where they hold 72 registers or, past the consumers' count, spill (ptxas, twelfth set).
+    loaded from SMEM, which neither LLVM nor ptxas can fold), so that Q K^T's wgmma descriptors
+    (one 64-bit value per 16 columns: 36 at Dqk 576) are rebuilt each tile from one base instead
+    of being hoisted out of the loop, where they hold 72 registers or, past the consumers' count,
+    spill (ptxas, twelfth set).
     Every schedule but split_scores (which slices Q itself). Not yet timed.
   """
   registers: RegisterSplit = RegisterSplit()

@@ -84,6 +84,11 @@ class RingSpec:
   def num_parts(self) -> int:
     return len(self.column_parts) or 1
 
+  @property
+  def part_ids(self) -> tuple[int | None, ...]:
+    """What every call takes as `part`, in order: (None,) without column parts."""
+    return tuple(range(len(self.column_parts))) if self.column_parts else (None,)
+
   def part_columns(self, part: int) -> tuple[int, int]:
     """(first column of the slot, width) of a column part."""
     return sum(self.column_parts[:part]), self.column_parts[part]
@@ -173,7 +178,7 @@ class Ring:
     """
     @pl.loop(jnp.maximum(num_steps - self.spec.num_stages, 0), num_steps)
     def _(step):
-      for part in range(self.spec.num_parts) if self.spec.column_parts else (None,):
+      for part in self.spec.part_ids:
         plgpu.barrier_wait(self._barrier(self.consumed, step, part))
 
   # Consumer side.
