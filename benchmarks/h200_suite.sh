@@ -74,18 +74,20 @@ for part in "$@"; do
               python3 -m benchmarks.mla --rows=h128_b64_t4096,h128_b128_t8192 --iters=10 --repeats=10 \
                 --impl=mosaic_gpu,mosaic_gpu_alt,kernel,kernel_no_qk,kernel_no_softmax,kernel_no_pv,kernel_loads_only \
                 --json="$out/mla_probes.json" 2>&1 | quiet | tee "$out/mla_probes.log" ;;
-    mla_schedules) # the default's launch alone compiled otherwise (mla_config.Codegen): FA3's register split
-              # (producer 24, consumers 240: _r240), Q's descriptors rebuilt every tile (_qpt), both; the
-              # same for the alternate scorers, with no-loads probes; B64 T4096 (~4 min)
+    mla_schedules) # the kernel's launch alone (B64 T4096) compiled as by default (mla_config.Codegen: producer
+              # 24 / consumers 240 registers, Q's descriptors rebuilt every tile) and as before (_r232_heldq:
+              # 40 / 232, Q's descriptors held), the alternate scorers and pipeline_qk beside, with
+              # no-loads probes (~5 min)
               python3 -m benchmarks.mla --rows=h128_b64_t4096 --iters=10 --repeats=10 \
-                --impl=mosaic_gpu,kernel,kernel_r240,kernel_qpt,kernel_r240_qpt,kernel_r240_qpt_no_loads,kernel_alt,kernel_alt_r240,kernel_alt_r240_qpt,kernel_alt_r240_qpt_no_loads \
+                --impl=kernel,kernel_r232_heldq,kernel_no_loads,kernel_alt,kernel_alt_no_loads,mosaic_gpu_pqk,mosaic_gpu \
                 --json="$out/mla_schedules.json" 2>&1 | quiet | tee "$out/mla_schedules.log" ;;
-    ptxas)    # registers, spills and wgmma warnings of every MLA schedule, from ptxas (compiles only,
-              # ~2 min); one gzipped PTX per kernel comes back in ptx/ for `--ptx` on a machine without a GPU
-              python3 -m benchmarks.ptxas_summary --dump_dir=/tmp/ptxas_dump --keep_ptx="$out/ptx" \
-                --compile=kernel,kernel_r240,kernel_qpt,kernel_r240_qpt,kernel_smemp,kernel_rh,kernel_alt,kernel_alt_r240,kernel_alt_r240_qpt,kernel_alt_no_qk,mosaic_gpu_pqk,mosaic_gpu_halves 2>&1 \
+    ptxas)    # registers, spills and wgmma warnings of the MLA schedules, from ptxas (compiles only,
+              # ~40 s a kernel); their gzipped PTX comes back as one ptx.tar (the device returns few
+              # files) for `--ptx` on a machine without a GPU
+              python3 -m benchmarks.ptxas_summary --dump_dir=/tmp/ptxas_dump --keep_ptx=/tmp/ptx \
+                --compile=kernel,kernel_r232_heldq,kernel_smemp,kernel_rh,kernel_alt,mosaic_gpu_pqk,mosaic_gpu_halves 2>&1 \
                 | quiet | tee "$out/ptxas.log"
-              rm -rf /tmp/ptxas_dump ;;
+              tar cf "$out/ptx.tar" -C /tmp ptx && rm -rf /tmp/ptxas_dump /tmp/ptx ;;
     kernels)  # every kernel of one call and its GPU us (torch.profiler), ours and the peers, per shape
               for c in 1x32768 8x8192 32x4096 128x4096; do
                 python3 -m benchmarks.profile_kernel --kernel_times --flagfile=configs/gqa_h200.flags \

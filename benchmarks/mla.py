@@ -84,14 +84,16 @@ VARIANTS = {PIPELINED: SMEM_P | dict(pipeline_qk=True, block_kv=32, num_stages=4
 FIXED_SPLITS = re.compile(r"mosaic_gpu_sp([1-9][0-9]*)")
 # The kernel's launch alone with one split (no merge), under the default schedule or another
 # (`kernel_smemp`, `kernel_alt`, `kernel_rh`), compiled as by default or otherwise
-# (`mla_config.Codegen`: `_r240` FA3's register split, producer 24 and consumers 240; `_qpt` Q's
-# wgmma descriptors rebuilt every tile), and probes of each that leave stages of the tile's math
-# or the loads out (MEASUREMENT ONLY: their outputs are wrong by design and go unchecked), e.g.
-# `kernel_no_qk`, `kernel_alt_r240_no_loads`.
+# (`mla_config.Codegen`, whose default is producer 24 / consumers 240 registers with Q's wgmma
+# descriptors rebuilt every tile: `_r232` the split 40 / 232, `_heldq` Q's descriptors held across
+# the loop, `_r232_heldq` both, the default before the thirteenth set), and probes of each that
+# leave stages of the tile's math or the loads out (MEASUREMENT ONLY: their outputs are wrong by
+# design and go unchecked), e.g. `kernel_no_qk`, `kernel_alt_r232_no_loads`.
 KERNEL = "kernel"
 KERNEL_SCHEDULES = {"": {}, "_smemp": VARIANTS[P_IN_SMEM], "_alt": VARIANTS[ALTERNATE], "_rh": VARIANTS[RING_HALVES]}
 # Codegen as (RegisterSplit(producer, consumer) or None for the default, q_per_tile).
-KERNEL_CODEGEN = {"": (None, False), "_r240": ((24, 240), False), "_qpt": (None, True), "_r240_qpt": ((24, 240), True)}
+KERNEL_CODEGEN = {"": (None, True), "_r232": ((40, 232), True), "_heldq": (None, False),
+                  "_r232_heldq": ((40, 232), False)}
 PROBE_STAGES = {"_no_qk": frozenset({"qk"}), "_no_softmax": frozenset({"softmax"}), "_no_pv": frozenset({"pv"}),
                 "_loads_only": frozenset({"qk", "softmax", "pv"}), "_no_loads": frozenset({"loads"})}
 KERNEL_IMPLS = {f"{KERNEL}{schedule}{option}{probe}": (fields, skip, codegen)

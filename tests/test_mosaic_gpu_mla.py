@@ -148,8 +148,8 @@ def test_mla_balanced_plan_gives_a_long_sequence_more_splits_and_matches_referen
   _check(args, out)
 
 
-@pytest.mark.parametrize("variant,q_per_tile", [(v, False) for v in VARIANTS] + [
-    (v, True) for v in ("plain", "alternate_scores", "rows_as_n")])
+@pytest.mark.parametrize("variant,q_per_tile", [(v, True) for v in VARIANTS] + [
+    (v, False) for v in ("plain", "alternate_scores", "rows_as_n")])
 def test_mla_race_detection_finds_none(variant, q_per_tile):
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
@@ -162,10 +162,10 @@ def test_mla_race_detection_finds_none(variant, q_per_tile):
                                    interpret=plgpu.InterpretGPUParams(detect_races=True))
   jax.block_until_ready(out)
   assert not gpu_callbacks.get_races().races_found
-  if q_per_tile:   # Q read at the zero loaded from SMEM: the same results as the reference
-    ref = pkv.mla_decode_attention_reference(q.astype(jnp.float32), pages.astype(jnp.float32), tables, lengths,
-                                             v_head_dim=SMALL_V, scale=0.1)
-    assert_matches_reference(out[:, 0].reshape(ref.shape), ref, q.dtype)
+  # Q read at the zero loaded from SMEM (the default) or held: the reference's results.
+  ref = pkv.mla_decode_attention_reference(q.astype(jnp.float32), pages.astype(jnp.float32), tables, lengths,
+                                           v_head_dim=SMALL_V, scale=0.1)
+  assert_matches_reference(out[:, 0].reshape(ref.shape), ref, q.dtype)
 
 
 def test_mla_split_partials_are_stored_in_the_cache_dtype():
@@ -215,9 +215,9 @@ def test_mla_on_triton_names_what_is_missing_and_auto_on_cpu_runs_xla():
 
 
 def test_mla_register_splits_are_checked():
-  assert mla_config.RegisterSplit().name == "" and mla_config.RegisterSplit(24, 240).name == "_r24_240"
-  assert mla_config.Codegen().name == "" and mla_config.Codegen(q_per_tile=True).name == "_qpt"
-  assert mla_config.Codegen(mla_config.RegisterSplit(24, 240), q_per_tile=True).name == "_r24_240_qpt"
+  assert mla_config.RegisterSplit().name == "" and mla_config.RegisterSplit(40, 232).name == "_r40_232"
+  assert mla_config.Codegen().name == "" and mla_config.Codegen(q_per_tile=False).name == "_heldq"
+  assert mla_config.Codegen(mla_config.RegisterSplit(40, 232), q_per_tile=False).name == "_r40_232_heldq"
   for producer, consumer, match in ((40, 236, "multiple of 8"), (16, 240, r"\[24, 256\]"),
                                     (32, 240, "three warpgroups launch with 504")):   # 512 > 504
     with pytest.raises(ValueError, match=match):
@@ -458,11 +458,11 @@ def test_mla_benchmark_names_its_kernel_variants():
   assert mla_bench.variant_fields("mosaic_gpu") is None and mla_bench.is_ours("mosaic_gpu_sp4")
   # The kernel's launch alone under each schedule, with or without a probe's stages left out.
   assert mla_bench.KERNEL_IMPLS["kernel_alt_no_loads"] == (dict(alternate_scores=True, p_in_registers=False),
-                                                           frozenset({"loads"}), (None, False))
-  assert mla_bench.KERNEL_IMPLS["kernel_rh"] == (dict(ring_halves=True), frozenset(), (None, False))
-  assert mla_bench.KERNEL_IMPLS["kernel_alt_r240_no_qk"] == (dict(alternate_scores=True, p_in_registers=False),
-                                                             frozenset({"qk"}), ((24, 240), False))
-  assert mla_bench.KERNEL_IMPLS["kernel_r240_qpt"][2] == ((24, 240), True)
+                                                           frozenset({"loads"}), (None, True))
+  assert mla_bench.KERNEL_IMPLS["kernel_rh"] == (dict(ring_halves=True), frozenset(), (None, True))
+  assert mla_bench.KERNEL_IMPLS["kernel_alt_r232_no_qk"] == (dict(alternate_scores=True, p_in_registers=False),
+                                                             frozenset({"qk"}), ((40, 232), True))
+  assert mla_bench.KERNEL_IMPLS["kernel_r232_heldq"][2] == ((40, 232), False)
   assert mla_bench.is_ours("kernel_alt") and not mla_bench.is_probe("kernel_alt")
   assert mla_bench.is_probe("kernel_rh_no_pv") and not mla_bench.is_ours("kernel_rh_no_pv")
   row = mla_bench.cpu_rows()[0]
@@ -486,10 +486,10 @@ def test_mla_kernel_launch_matches_the_baseline_and_its_probes_run_in_interpret_
   baseline = np.asarray(mla_bench.build_fn(mla_bench.BASELINE, row)(*args), np.float32)
   with pkv.interpret():
     outs = {impl: np.asarray(mla_bench.build_fn(impl, row)(*args), np.float32)
-            for impl in (mla_bench.KERNEL, "kernel_alt", "kernel_rh", "kernel_r240_qpt", "kernel_alt_qpt",
+            for impl in (mla_bench.KERNEL, "kernel_alt", "kernel_rh", "kernel_r232_heldq", "kernel_alt_heldq",
                          "kernel_no_softmax", "kernel_loads_only")}
   # The schedules' launches alone, and compiled otherwise (mla_config.Codegen).
-  for impl in (mla_bench.KERNEL, "kernel_alt", "kernel_rh", "kernel_r240_qpt", "kernel_alt_qpt"):
+  for impl in (mla_bench.KERNEL, "kernel_alt", "kernel_rh", "kernel_r232_heldq", "kernel_alt_heldq"):
     assert bench_cases.relative_error(outs[impl], baseline) < 1e-2, impl
   for impl in ("kernel_no_softmax", "kernel_loads_only"):
     assert outs[impl].shape == baseline.shape and mla_bench.is_probe(impl) and not mla_bench.is_ours(impl)
@@ -497,8 +497,8 @@ def test_mla_kernel_launch_matches_the_baseline_and_its_probes_run_in_interpret_
 
 
 # Every probe stage, schedule and Codegen option at least once (each lowering takes 5-9 s on 2 cores).
-@pytest.mark.parametrize("impl", ["kernel", "kernel_rh_no_qk", "kernel_smemp_no_pv", "kernel_qpt_no_softmax",
-                                  "kernel_r240_loads_only", "kernel_alt_no_loads", "kernel_alt_r240_qpt"])
+@pytest.mark.parametrize("impl", ["kernel", "kernel_rh_no_qk", "kernel_smemp_no_pv", "kernel_heldq_no_softmax",
+                                  "kernel_r232_loads_only", "kernel_alt_no_loads", "kernel_alt_r232_heldq"])
 def test_mla_kernel_launch_and_probes_lower_for_cuda(impl):
   from benchmarks import mla as mla_bench
   row = mla_bench.ALL_ROWS["h128_b64_t4096"]
@@ -507,7 +507,7 @@ def test_mla_kernel_launch_and_probes_lower_for_cuda(impl):
   assert "custom_call @mosaic_gpu" in module and "pallas_kv_mla" in module
   if mla_bench.is_probe(impl):
     assert f"_{impl}" in module   # a probe's kernel says so in its name
-  if "_r240" in impl:   # and so does a register split other than the default
-    assert "_r24_240" in module
-  if "_qpt" in impl:   # and Q's descriptors rebuilt every tile
-    assert "_qpt" in module
+  if "_r232" in impl:   # and so does a register split other than the default
+    assert "_r40_232" in module
+  if "_heldq" in impl:   # and Q's descriptors held across the loop
+    assert "_heldq" in module

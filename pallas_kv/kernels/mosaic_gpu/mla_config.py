@@ -52,10 +52,11 @@ class RegisterSplit:
 
   The producer only issues copies; the consumers hold a 64 x 256 float32 accumulator (128
   registers), the scores (32) and wgmma descriptors. ptxas allocates within each warpgroup's count
-  and spills past it (`benchmarks.ptxas_summary`). FA3 splits 24 / 240.
+  and spills past it (`benchmarks.ptxas_summary`). The default is FA3's 24 / 240: with
+  Codegen.q_per_tile the consumers' code spills nothing (ptxas, thirteenth set; 40 / 232 spilled).
   """
-  producer: int = 40
-  consumer: int = 232
+  producer: int = 24
+  consumer: int = 240
 
   def __post_init__(self):
     for name, count in (("producer", self.producer), ("consumer", self.consumer)):
@@ -80,15 +81,17 @@ class Codegen:
     loaded from SMEM, which neither LLVM nor ptxas can fold), so that Q K^T's wgmma descriptors
     (one 64-bit value per 16 columns: 36 at Dqk 576) are rebuilt each tile from one base instead
     of being hoisted out of the loop, where they hold 72 registers or, past the consumers' count,
-    spill (ptxas, twelfth set).
-    Every schedule but split_scores (which slices Q itself). Not yet timed.
+    spill (ptxas, twelfth set). On by default: with 24 / 240 registers the kernel's launch alone
+    ran 131.5 us against 146.3 held and 40 / 232 at B64 T4096 (benchmarks/RESULTS.md, thirteenth
+    set). Every schedule but split_scores (which slices Q itself, and ignores it).
   """
   registers: RegisterSplit = RegisterSplit()
-  q_per_tile: bool = False
+  q_per_tile: bool = True
 
   @property
   def name(self) -> str:
-    return f"{self.registers.name}{'_qpt' if self.q_per_tile else ''}"
+    """The kernel name's suffix: empty for the default; `_heldq` where Q's descriptors are held."""
+    return f"{self.registers.name}{'' if self.q_per_tile else '_heldq'}"
 
 
 # ---------------------------------------------------------------- SMEM layout, config
