@@ -66,8 +66,10 @@ HALVES = "mosaic_gpu_halves"
 BALANCED = "mosaic_gpu_balanced"
 # ... or the q rows as wgmma's N, for few heads (DecodeConfig.rows_as_n; at most 64 rows).
 ROWS_AS_N = "mosaic_gpu_rows_as_n"
-# ... or the two consumers score alternate tiles (DecodeConfig.alternate_scores).
+# ... or the two consumers score alternate tiles (DecodeConfig.alternate_scores), each own P V with
+# P from SMEM or from its registers.
 ALTERNATE = "mosaic_gpu_alt"
+ALTERNATE_REGP = "mosaic_gpu_alt_regp"
 # ... or ring slots loaded and freed in two column parts (DecodeConfig.ring_halves).
 RING_HALVES = "mosaic_gpu_rh"
 # ... or the scorer's P V with P from SMEM (DecodeConfig.p_in_registers=False; the default before).
@@ -79,7 +81,7 @@ SMEM_P = dict(p_in_registers=False)
 VARIANTS = {PIPELINED: SMEM_P | dict(pipeline_qk=True, block_kv=32, num_stages=4),
             TILES_32: SMEM_P | dict(block_kv=32, num_stages=4), HALVES: SMEM_P | dict(split_scores=True),
             BALANCED: dict(split_plan="balanced"), ROWS_AS_N: SMEM_P | dict(rows_as_n=True),
-            ALTERNATE: SMEM_P | dict(alternate_scores=True), RING_HALVES: dict(ring_halves=True), P_IN_SMEM: SMEM_P}
+            ALTERNATE: SMEM_P | dict(alternate_scores=True), ALTERNATE_REGP: dict(alternate_scores=True), RING_HALVES: dict(ring_halves=True), P_IN_SMEM: SMEM_P}
 # ... or a fixed split count: mosaic_gpu_sp<N> (e.g. mosaic_gpu_sp33), the heuristic's schedule.
 FIXED_SPLITS = re.compile(r"mosaic_gpu_sp([1-9][0-9]*)")
 # The kernel's launch alone with one split (no merge), under the default schedule or another
@@ -90,10 +92,12 @@ FIXED_SPLITS = re.compile(r"mosaic_gpu_sp([1-9][0-9]*)")
 # leave stages of the tile's math or the loads out (MEASUREMENT ONLY: their outputs are wrong by
 # design and go unchecked), e.g. `kernel_no_qk`, `kernel_alt_r232_no_loads`.
 KERNEL = "kernel"
-KERNEL_SCHEDULES = {"": {}, "_smemp": VARIANTS[P_IN_SMEM], "_alt": VARIANTS[ALTERNATE], "_rh": VARIANTS[RING_HALVES]}
-# Codegen as (RegisterSplit(producer, consumer) or None for the default, q_per_tile).
-KERNEL_CODEGEN = {"": (None, True), "_r232": ((40, 232), True), "_heldq": (None, False),
-                  "_r232_heldq": ((40, 232), False)}
+KERNEL_SCHEDULES = {"": {}, "_smemp": VARIANTS[P_IN_SMEM], "_alt": VARIANTS[ALTERNATE],
+                    "_altregp": VARIANTS[ALTERNATE_REGP], "_rh": VARIANTS[RING_HALVES]}
+# Codegen's fields changed from its default (registers as (producer, consumer)); `_spt` the
+# ring's slots made opaque per tile (Codegen.slots_per_tile, read by the alternate scorers).
+KERNEL_CODEGEN = {"": {}, "_r232": dict(registers=(40, 232)), "_heldq": dict(q_per_tile=False),
+                  "_r232_heldq": dict(registers=(40, 232), q_per_tile=False), "_spt": dict(slots_per_tile=True)}
 PROBE_STAGES = {"_no_qk": frozenset({"qk"}), "_no_softmax": frozenset({"softmax"}), "_no_pv": frozenset({"pv"}),
                 "_loads_only": frozenset({"qk", "softmax", "pv"}), "_no_loads": frozenset({"loads"})}
 KERNEL_IMPLS = {f"{KERNEL}{schedule}{option}{probe}": (fields, skip, codegen)
@@ -212,10 +216,10 @@ def build_kernel_launch(impl: str, row: "Row", scale: float):
   """The MLA kernel's launch alone (one split, so no merge) under impl's schedule and tile math."""
   pkv = runners.import_pallas_kv()
   from pallas_kv.kernels.mosaic_gpu import backend, mla as mgpu_mla, mla_config   # pylint: disable=g-import-not-at-top
-  fields, _, (split, q_per_tile) = KERNEL_IMPLS[impl]
+  fields, _, codegen_fields = KERNEL_IMPLS[impl]
   config = pkv.DecodeConfig(**(DEFAULT_FIELDS | dict(num_splits=1) | fields))
-  registers = mla_config.RegisterSplit(*split) if split else mla_config.RegisterSplit()
-  codegen = mla_config.Codegen(registers=registers, q_per_tile=q_per_tile)
+  codegen = mla_config.Codegen(**{name: mla_config.RegisterSplit(*value) if name == "registers" else value
+                                  for name, value in codegen_fields.items()})
   math = probe_math(impl)
 
   def launch(q, kv_pages, block_tables, lengths):

@@ -109,7 +109,8 @@ class DecodeConfig:
     its one reader's P V is done instead of when both are. Measured on the H200 within the run's
     spread of the default (148.5 against 145.5 us at B64 T4096, 565.7 against 608.7 at B128
     T8192, 45.1 against 38.4 at B16; benchmarks/RESULTS.md, eleventh set), so it is opt-in.
-  p_in_registers: MLA on mosaic_gpu only, with the plain scorer schedule (ring_halves allowed):
+  p_in_registers: MLA on mosaic_gpu only, with the plain scorer schedule (ring_halves allowed) or
+    alternate_scores (each scorer's own P V; not yet timed there):
     the scorer's P V takes P from its registers (wgmma's A operand) and is issued before P is
     stored to SMEM for the partner, so that the store, its fence and the hand-over run while the
     tensor cores do (FlashMLA's "local P"); its P V also reads 8 KiB less SMEM per tile. GPU

@@ -261,9 +261,12 @@ def test_chain_length_grows_short_chains_up_to_the_cap(per_call_s, iters, expect
 
 
 def test_time_jax_lengthens_the_chain_when_asked():
-  x = jnp.ones((8,), jnp.float32)
-  t = timing.time_jax(lambda a: a * 2.0, [(x,)], warmup=1, iters=2, repeats=2, min_chain_s=1.0)
+  # A call long enough (~1 ms on two cores) that the pilot's chain difference stands above the
+  # noise of a loaded machine: a negative pilot keeps the given length (above).
+  big = jax.random.normal(jax.random.key(0), (256, 256), jnp.float32)
+  t = timing.time_jax(lambda a: jnp.tanh(a @ a), [(big,)], warmup=1, iters=2, repeats=2, min_chain_s=1.0)
   assert t.calls > 2 and t.calls <= timing.MAX_CHAIN_CALLS
+  x = jnp.ones((8,), jnp.float32)
   fixed = timing.time_jax(lambda a: a * 2.0, [(x,)], warmup=1, iters=2, repeats=2)
   assert fixed.calls == 2  # CPU default: no lengthening
 

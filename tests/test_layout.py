@@ -19,7 +19,8 @@ LAYERS = [
     {"kernels.mosaic_gpu.pipeline", "kernels.mosaic_gpu.tiling"},
     {"kernels.mosaic_gpu.config", "kernels.triton.config"},
     {"kernels.mosaic_gpu.mla_config"},   # sizes the MLA kernel from the backend config's SMEM capacity
-    {"kernels.mosaic_gpu.mla_output"},   # the MLA kernel's output stores (its SMEM staging's rows)
+    # the MLA kernel's output stores (its SMEM staging's rows) and per-tile pieces
+    {"kernels.mosaic_gpu.mla_output", "kernels.mosaic_gpu.mla_tiles"},
     {"kernels.mosaic_gpu.decode", "kernels.mosaic_gpu.mla", "kernels.triton.decode"},
     {"kernels.triton.merge"},   # the merge launch: the Triton decode module's compiler params
     {"kernels.mosaic_gpu.backend", "kernels.triton.backend"},

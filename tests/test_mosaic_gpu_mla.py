@@ -148,9 +148,10 @@ def test_mla_balanced_plan_gives_a_long_sequence_more_splits_and_matches_referen
   _check(args, out)
 
 
-@pytest.mark.parametrize("variant,q_per_tile", [(v, True) for v in VARIANTS] + [
-    (v, False) for v in ("plain", "alternate_scores", "rows_as_n")])
-def test_mla_race_detection_finds_none(variant, q_per_tile):
+@pytest.mark.parametrize("variant,codegen", [(v, {}) for v in VARIANTS] + [
+    (v, dict(q_per_tile=False)) for v in ("plain", "alternate_scores", "rows_as_n")] + [
+    ("alternate_scores", dict(slots_per_tile=True))])
+def test_mla_race_detection_finds_none(variant, codegen):
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
   # 6 tiles through a 2-slot ring, pages of 16 (4 copies per tile), a masked last tile.
@@ -158,11 +159,11 @@ def test_mla_race_detection_finds_none(variant, q_per_tile):
   q, pages, tables, lengths = args
   rows = q.reshape(1, 4, SMALL_QK)
   out, lse = mgpu_mla.mla_partials(rows, pages, lengths, tables, num_queries=1, v_head_dim=SMALL_V, scale=0.1,
-                                   config=_config(1, variant=variant), codegen=mla_config.Codegen(q_per_tile=q_per_tile),
+                                   config=_config(1, variant=variant), codegen=mla_config.Codegen(**codegen),
                                    interpret=plgpu.InterpretGPUParams(detect_races=True))
   jax.block_until_ready(out)
   assert not gpu_callbacks.get_races().races_found
-  # Q read at the zero loaded from SMEM (the default) or held: the reference's results.
+  # Q (and the alternate scorers' slots) read at a zero loaded from SMEM or not: the reference's results.
   ref = pkv.mla_decode_attention_reference(q.astype(jnp.float32), pages.astype(jnp.float32), tables, lengths,
                                            v_head_dim=SMALL_V, scale=0.1)
   assert_matches_reference(out[:, 0].reshape(ref.shape), ref, q.dtype)
@@ -218,6 +219,7 @@ def test_mla_register_splits_are_checked():
   assert mla_config.RegisterSplit().name == "" and mla_config.RegisterSplit(40, 232).name == "_r40_232"
   assert mla_config.Codegen().name == "" and mla_config.Codegen(q_per_tile=False).name == "_heldq"
   assert mla_config.Codegen(mla_config.RegisterSplit(40, 232), q_per_tile=False).name == "_r40_232_heldq"
+  assert mla_config.Codegen(slots_per_tile=True).name == "_spt"
   for producer, consumer, match in ((40, 236, "multiple of 8"), (16, 240, r"\[24, 256\]"),
                                     (32, 240, "three warpgroups launch with 504")):   # 512 > 504
     with pytest.raises(ValueError, match=match):
@@ -272,8 +274,9 @@ def test_mla_configs_are_checked():
   with pytest.raises(ValueError, match="ring_halves=1 must be a bool"):
     pkv.DecodeConfig(ring_halves=1)
   check(dataclasses.replace(halves, p_in_registers=True))
-  for other in (dict(alternate_scores=True), dict(pipeline_qk=True, block_kv=32, num_stages=4)):
-    with pytest.raises(ValueError, match="p_in_registers takes the plain scorer schedule"):
+  check(dataclasses.replace(_config(1, variant="p_in_registers"), alternate_scores=True))
+  for other in (dict(split_scores=True), dict(rows_as_n=True), dict(pipeline_qk=True, block_kv=32, num_stages=4)):
+    with pytest.raises(ValueError, match="p_in_registers takes the plain scorer schedule or alternate_scores"):
       check(dataclasses.replace(_config(1, variant="p_in_registers"), **other))
   from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
   for field in ("split_scores", "alternate_scores", "ring_halves", "p_in_registers"):
@@ -372,12 +375,14 @@ def test_mla_ring_halves_lowers_for_cuda(shape):
 
 
 # The scorer's P V from registers: the only check of that path on the CPU (interpret mode runs the
-# P in SMEM instead; the GPU test runs both). B1, B64, pages of 16 with ring halves, fp16.
-@pytest.mark.parametrize("shape,halves", [(LOWERING_SHAPES[0], False), (LOWERING_SHAPES[2], False),
-                                          (LOWERING_SHAPES[6], True), (LOWERING_SHAPES[9], False)],
-                         ids=lambda v: _shape_id(v) if isinstance(v, dict) else f"ring_halves={v}")
-def test_mla_p_in_registers_lowers_for_cuda(shape, halves):
-  _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, p_in_registers=True, ring_halves=halves))
+# P in SMEM instead; the GPU test runs both). B1, B64, pages of 16 with ring halves, fp16; B64 with
+# the alternate scorers.
+@pytest.mark.parametrize("shape,schedule", [(LOWERING_SHAPES[0], {}), (LOWERING_SHAPES[2], {}),
+                                            (LOWERING_SHAPES[6], dict(ring_halves=True)), (LOWERING_SHAPES[9], {}),
+                                            (LOWERING_SHAPES[2], dict(alternate_scores=True))],
+                         ids=lambda v: _shape_id(v) if "batch" in v else ("_".join(v) or "plain"))
+def test_mla_p_in_registers_lowers_for_cuda(shape, schedule):
+  _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, p_in_registers=True, **schedule))
 
 
 @pytest.mark.parametrize("shape", [LOWERING_SHAPES[i] for i in (1, 3)], ids=_shape_id)
@@ -420,6 +425,7 @@ def test_gpu_mla_matches_reference(batch, seq_len, num_heads, num_queries, page_
   few_rows = num_heads * (num_queries or 1) <= mla_config.ROWS_AS_N_MAX
   for fields in (VARIANTS["plain"], VARIANTS["pipeline_qk"], VARIANTS["split_scores"], VARIANTS["alternate_scores"],
                  VARIANTS["ring_halves"], VARIANTS["p_in_registers"], dict(p_in_registers=True, ring_halves=True),
+                 dict(p_in_registers=True, alternate_scores=True),
                  dict(split_plan="balanced"),
                  *([VARIANTS["rows_as_n"]] if few_rows else [])):
     config = pkv.DecodeConfig(**(dict(block_kv=64, num_stages=2) | fields))
@@ -458,11 +464,12 @@ def test_mla_benchmark_names_its_kernel_variants():
   assert mla_bench.variant_fields("mosaic_gpu") is None and mla_bench.is_ours("mosaic_gpu_sp4")
   # The kernel's launch alone under each schedule, with or without a probe's stages left out.
   assert mla_bench.KERNEL_IMPLS["kernel_alt_no_loads"] == (dict(alternate_scores=True, p_in_registers=False),
-                                                           frozenset({"loads"}), (None, True))
-  assert mla_bench.KERNEL_IMPLS["kernel_rh"] == (dict(ring_halves=True), frozenset(), (None, True))
+                                                           frozenset({"loads"}), {})
+  assert mla_bench.KERNEL_IMPLS["kernel_rh"] == (dict(ring_halves=True), frozenset(), {})
   assert mla_bench.KERNEL_IMPLS["kernel_alt_r232_no_qk"] == (dict(alternate_scores=True, p_in_registers=False),
-                                                             frozenset({"qk"}), ((40, 232), True))
-  assert mla_bench.KERNEL_IMPLS["kernel_r232_heldq"][2] == ((40, 232), False)
+                                                             frozenset({"qk"}), dict(registers=(40, 232)))
+  assert mla_bench.KERNEL_IMPLS["kernel_r232_heldq"][2] == dict(registers=(40, 232), q_per_tile=False)
+  assert mla_bench.KERNEL_IMPLS["kernel_alt_spt"][2] == dict(slots_per_tile=True)
   assert mla_bench.is_ours("kernel_alt") and not mla_bench.is_probe("kernel_alt")
   assert mla_bench.is_probe("kernel_rh_no_pv") and not mla_bench.is_ours("kernel_rh_no_pv")
   row = mla_bench.cpu_rows()[0]
@@ -486,10 +493,10 @@ def test_mla_kernel_launch_matches_the_baseline_and_its_probes_run_in_interpret_
   baseline = np.asarray(mla_bench.build_fn(mla_bench.BASELINE, row)(*args), np.float32)
   with pkv.interpret():
     outs = {impl: np.asarray(mla_bench.build_fn(impl, row)(*args), np.float32)
-            for impl in (mla_bench.KERNEL, "kernel_alt", "kernel_rh", "kernel_r232_heldq", "kernel_alt_heldq",
+            for impl in (mla_bench.KERNEL, "kernel_alt", "kernel_rh", "kernel_r232_heldq", "kernel_alt_spt",
                          "kernel_no_softmax", "kernel_loads_only")}
   # The schedules' launches alone, and compiled otherwise (mla_config.Codegen).
-  for impl in (mla_bench.KERNEL, "kernel_alt", "kernel_rh", "kernel_r232_heldq", "kernel_alt_heldq"):
+  for impl in (mla_bench.KERNEL, "kernel_alt", "kernel_rh", "kernel_r232_heldq", "kernel_alt_spt"):
     assert bench_cases.relative_error(outs[impl], baseline) < 1e-2, impl
   for impl in ("kernel_no_softmax", "kernel_loads_only"):
     assert outs[impl].shape == baseline.shape and mla_bench.is_probe(impl) and not mla_bench.is_ours(impl)
@@ -498,7 +505,7 @@ def test_mla_kernel_launch_matches_the_baseline_and_its_probes_run_in_interpret_
 
 # Every probe stage, schedule and Codegen option at least once (each lowering takes 5-9 s on 2 cores).
 @pytest.mark.parametrize("impl", ["kernel", "kernel_rh_no_qk", "kernel_smemp_no_pv", "kernel_heldq_no_softmax",
-                                  "kernel_r232_loads_only", "kernel_alt_no_loads", "kernel_alt_r232_heldq"])
+                                  "kernel_r232_loads_only", "kernel_alt_no_loads", "kernel_alt_spt"])
 def test_mla_kernel_launch_and_probes_lower_for_cuda(impl):
   from benchmarks import mla as mla_bench
   row = mla_bench.ALL_ROWS["h128_b64_t4096"]
@@ -509,5 +516,5 @@ def test_mla_kernel_launch_and_probes_lower_for_cuda(impl):
     assert f"_{impl}" in module   # a probe's kernel says so in its name
   if "_r232" in impl:   # and so does a register split other than the default
     assert "_r40_232" in module
-  if "_heldq" in impl:   # and Q's descriptors held across the loop
-    assert "_heldq" in module
+  for option in ("_heldq", "_spt"):   # and Q's descriptors held, the ring's slots opaque
+    assert (option in impl) == (option in module), option

@@ -16,13 +16,13 @@ Three warpgroups per program:
 The 64 x 512 float32 output accumulator would take 256 registers per thread in one warpgroup;
 split by value columns it takes 128 in each (FlashMLA's plan). V is the K tile itself, read by
 wgmma as is (no second load); P lives in one SMEM buffer handed over with two barriers
-(`_SharedP`). The partner's P V overlaps the scorer's next Q K^T and softmax. The heuristic
+(`SharedP`). The partner's P V overlaps the scorer's next Q K^T and softmax. The heuristic
 config sets p_in_registers: the scorer's own P V reads P from its registers and the hand-over
 runs while it does (`_score_tiles`). Other schedules,
 each documented (with its measured speed) under its `DecodeConfig` field: pipeline_qk (32-token
 tiles, the next Q K^T issued before the softmax), split_scores (`_score_half_tiles`),
 alternate_scores (`_alternate_consumer`, FlashMLA's seesaw), rows_as_n (`_rows_as_n_consumers`),
-ring_halves (`_Scores.start_halves`: slots loaded and freed in two column parts).
+ring_halves (`Scores.start_halves`: slots loaded and freed in two column parts).
 
 SMEM at Dqk 576 (bf16): Q 72 KiB + two 64 x 576 stages 144 KiB + P 8 KiB + row vectors
 = 225 KiB of the 227 (`MlaSmem`); the output staging (64 KiB in bf16) reuses the ring. The split
@@ -30,7 +30,9 @@ count fills about one wave of 132 SMs (`resolve_config`); `DecodeConfig(split_pl
 balances splits by tokens across a ragged batch instead (one tile count per split, computed from
 the lengths before the launch: `split_k.split_plan`, an int32 [1] input).
 
-The consumers' per-tile math goes through `TileMath` (probes in benchmarks/mla.py subclass it).
+The consumers' per-tile math goes through `TileMath` (probes in benchmarks/mla.py subclass it);
+it and the other pieces every schedule shares (Q K^T's start, P V, P's hand-over) are in
+`mla_tiles.py`.
 
 Values past a sequence's length (stale memory, pages its table does not name, NaN) never reach an
 output: scores there are replaced by -inf, and the scorer zeroes those rows of the tile's first
@@ -60,192 +62,14 @@ from pallas_kv.kernels.mosaic_gpu import pipeline
 from pallas_kv.kernels.mosaic_gpu import tiling
 from pallas_kv.kernels.mosaic_gpu.mla_config import ROWS, VALUE_WGS, Codegen, MlaSmem, check_config, row_blocks
 from pallas_kv.kernels.mosaic_gpu.mla_output import ProgramOutput
+from pallas_kv.kernels.mosaic_gpu.mla_tiles import Scores, SharedP, Static, TileMath, add_pv, start_state, zero_row
 
 SCORER, PARTNER, PRODUCER = 0, 1, 2
 LSE_ROW_MULTIPLE = 4   # TMA stores need 16-byte rows: the lse output is padded to 4 float32 rows
 
 
-# ---------------------------------------------------------------- per-tile pieces
-
-@dataclasses.dataclass(frozen=True)
-class TileMath:
-  """What the consumers compute on each KV tile: Q K^T, the masked online softmax and P V.
-
-  The kernel uses this class as is. A measurement probe may subclass it and leave a stage out (its
-  results are then wrong by design) to see where a tile's time goes; `name` goes into the kernel
-  name so that profiles tell them apart. (`split_scores` runs its own softmax, not `softmax`.)
-  """
-  name: str = ""
-  load_tiles: bool = True   # False (a probe): the producer marks slots full without loading them
-
-  def qk(self, s_ref, q_tile, k_tile):
-    """Starts S = q_tile k_tile into the accumulator s_ref (SMEM operands, either orientation)."""
-    plgpu.wgmma(s_ref, q_tile, k_tile)
-
-  def pv(self, acc_ref, p_tile, v_tile):
-    """Starts acc_ref += p_tile v_tile (SMEM operands, either orientation)."""
-    plgpu.wgmma(acc_ref, p_tile, v_tile)
-
-  def softmax(self, s, m_i, l_i, *, tile, length, row0, masked: bool, st: "_Static"):
-    """One tile of the online softmax on raw scores s [64, bkv] f32, or S^T [bkv, N] with rows as
-    N: (alpha, m, l, p f32 shaped as s)."""
-    rows_axis = 1 if st.rows_as_n else 0
-    s = online_softmax.log2_logits(s, scale=st.scale, softcap=None)
-    if masked:
-      rows = plgpu.broadcasted_iota(jnp.int32, s.shape, rows_axis, layout=plgpu.Layout.WGMMA) + row0
-      cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1 - rows_axis, layout=plgpu.Layout.WGMMA)
-      ok = online_softmax.visible(rows, cols, tile_start=tile * st.tiling.block_kv, length=length,
-                                  num_queries=st.num_queries, group=st.group, window=None)
-      s = jnp.where(ok, s, -jnp.inf)   # also drops NaN scores of keys past the length
-    return online_softmax.rescale_step(s, m_i, l_i, rows_axis=rows_axis)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-  """Everything the kernel body needs to know at trace time."""
-  num_queries: int      # S
-  group: int            # Hq: packed row r is token r // Hq of head r % Hq
-  out_rows: int         # rows of the out array
-  lse_rows: int         # rows of the lse array (multiple of 4)
-  num_row_blocks: int
-  num_splits: int
-  batch: int
-  scale: float
-  tiling: tiling.KVTiling
-  smem: MlaSmem
-  interpret: bool       # GPU interpret mode (jax 0.11.2) cannot run pl.run_state
-  pipeline_qk: bool = False   # the scorer issues tile i+1's Q K^T before tile i's softmax
-  split_scores: bool = False  # both consumers score half of each tile (`_score_half_tiles`)
-  balanced: bool = False      # the balanced split plan: tiles per split from an int32 [1] input
-  rows_as_n: int = 0          # q rows as wgmma N (`_rows_as_n_consumers`), this many padded rows; 0: off
-  alternate_scores: bool = False   # the consumers score alternate tiles (`_alternate_consumer`)
-  ring_halves: bool = False   # the ring's slots in two column parts (`_Scores.start_halves`)
-  p_in_registers: bool = False   # the scorer's P V with P from registers (not in interpret mode)
-  tile_math: TileMath = TileMath()
-  codegen: Codegen = Codegen()
-
-  @property
-  def half_v(self) -> int:
-    return self.smem.half_v
-
-  @property
-  def grid(self) -> tuple[int, int, int]:
-    return (self.batch, self.num_splits, self.num_row_blocks)   # the last dim launches fastest
-
-
-@dataclasses.dataclass(frozen=True)
-class _SharedP:
-  """The scorer's P and row rescale of the current tile, handed to the partner through SMEM.
-
-  p [64, bkv] (wgmma A operand), rows [2, 64] f32: row 0 alpha, row 1 the final row sum.
-  p_ready: the scorer stored P and alpha (one arrival); p_free: the partner's P V is done with
-  them (one arrival). Each side visits every tile in order (barrier phases are per thread).
-  """
-  p: Any
-  rows: Any
-  ready: Any
-  free: Any
-  vector_layout: Any = plgpu.Layout.WGMMA.reduce(1)   # alpha's layout (reduce(0) with rows as N)
-
-  def publish(self, p16, alpha, *, wait_free):
-    """Scorer: waits until the partner is done with the previous tile's P, then stores this one."""
-    @pl.when(wait_free)
-    def _():
-      plgpu.barrier_wait(self.free)
-    self.p[...] = p16
-    self.rows[0] = alpha
-    plgpu.commit_smem()   # generic-proxy stores, read next by wgmma (the async proxy)
-    plgpu.barrier_arrive(self.ready)
-
-  def receive(self):
-    """Partner: waits for the tile's P; returns alpha [64] f32 (WGMMA row layout)."""
-    plgpu.barrier_wait(self.ready)
-    return plgpu.load(self.rows.at[0], layout=self.vector_layout)
-
-  def hand_back(self):
-    plgpu.barrier_arrive(self.free)
-
-
-def _pv(acc, parts, st: _Static, meanwhile=None):
-  """acc + P @ V on the tensor cores: acc [64, Dv/2] f32 (WGMMA layout); parts: (P, V) pairs in
-  SMEM (P also in registers) whose products add up to P V (one pair, or P's column blocks with V's
-  matching row blocks). meanwhile(): run after the wgmma is issued, before it is waited on."""
-  def mma(acc_ref):
-    for p, v in parts:
-      st.tile_math.pv(acc_ref, p, v)
-    if meanwhile is not None:
-      meanwhile()
-
-  if st.interpret:
-    def staged(acc_ref):
-      mma(acc_ref)
-      return acc_ref[...]
-    return acc + pl.run_scoped(staged, plgpu.ACC(acc.shape, jnp.float32))
-  return pl.run_state(mma)(plgpu.ACC.init(acc))
-
-
-def _start_state(acc_shape, rows_axis: int = 0):
-  """(acc 0 [acc_shape] f32 in the WGMMA layout, running max -inf, row sum 0 over the q rows of
-  acc's rows_axis: 1 with rows as N): a loop's carry."""
-  rows, vector_layout = acc_shape[rows_axis], plgpu.Layout.WGMMA.reduce(1 - rows_axis)
-  return (plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA),
-          plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), vector_layout),
-          plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), vector_layout))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Scores:
-  """Starts S = Q K^T of a tile (its ring slot [bkv, Dqk]) into s_ref [64, bkv] f32, after zeroing
-  the values of rows past the length (only a sequence's last tile has any)."""
-  q_block: Any   # [1, 64, Dqk]: Q is q_block.at[0]
-  length: Any
-  st: _Static
-  q_index: Any = None   # Codegen.q_per_tile: this consumer's row of zeros in SMEM (`_q_index`)
-
-  @property
-  def q_smem(self):
-    """Q [64, Dqk]; with Codegen.q_per_tile at a 0 loaded each tile (descriptors rebuilt per tile)."""
-    if self.q_index is not None:
-      return self.q_block.at[self.q_index[0].astype(jnp.int32)]
-    return self.q_block.at[0]
-
-  def start(self, s_ref, tile, slot):
-    self.zero_past(tile, [(slot, self.st.smem.v_dim)])
-    if self.st.rows_as_n:   # S^T [bkv, N] = K Q^T
-      self.st.tile_math.qk(s_ref, slot, self.q_smem.transpose((1, 0)))
-    else:
-      self.st.tile_math.qk(s_ref, self.q_smem, slot.transpose((1, 0)))
-
-  def start_halves(self, s_ref, ring: pipeline.Ring, i):
-    """ring_halves: S = Q K^T over the first column part once it lands, then over the second.
-    Values past the length are zeroed afterwards (`zero_past`), not before: their scores are
-    masked, and the wgmma must be done reading the tile before the scorer writes it."""
-    for part in (0, 1):
-      columns = pl.ds(*ring.spec.part_columns(part))
-      self.st.tile_math.qk(s_ref, self.q_smem.at[:, columns], ring.wait(i, part).transpose((1, 0)))
-
-  def zero_past(self, tile, parts):
-    """Zeroes the values of rows past the length in a tile: parts are (SMEM ref, its number of
-    value columns) pairs, the slot itself or its column parts."""
-    valid_rows = self.length - tile * self.st.tiling.block_kv
-
-    @pl.when(valid_rows < self.st.tiling.block_kv)
-    def _():
-      for part, width in parts:
-        tiling.zero_rows_past(part, valid_rows, width=width)
-
-
-def _q_index(row_smem, w: int, st: _Static):
-  """Codegen.q_per_tile: consumer w's zero for `_Scores.q_index`, written by w, read by w alone."""
-  if not st.codegen.q_per_tile:
-    return None
-  row = row_smem.at[st.smem.zero_rows + w]
-  row[0] = jnp.float32(0)
-  return row
-
-
-def _score_tiles(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0, t1, c, *, length, row0,
-                 st: _Static):
+def _score_tiles(scores: Scores, shared: SharedP, ring: pipeline.Ring, t0, t1, c, *, length, row0,
+                 st: Static):
   """The scorer's loop over tiles [t0, t1) ([c, t1) masked): returns (acc, m, l).
 
   Plain: per tile, Q K^T, softmax, publish P, P V. pipeline_qk: tile i+1's Q K^T is issued before
@@ -261,14 +85,14 @@ def _score_tiles(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0, t1,
     p16, acc = p.astype(st.smem.dtype), acc * online_softmax.per_row(alpha, acc.shape)
     publish = functools.partial(shared.publish, p16, alpha, wait_free=tile > t0)
     if st.p_in_registers and not st.interpret:   # the hand-over while the tensor cores run P V
-      return _pv(acc, [(p16, values)], st, meanwhile=publish), m_new, l_new
+      return add_pv(acc, [(p16, values)], st, meanwhile=publish), m_new, l_new
     publish()
-    return _pv(acc, [(shared.p, values)], st), m_new, l_new
+    return add_pv(acc, [(shared.p, values)], st), m_new, l_new
 
   def first_values(slot):
     return slot.at[:, pl.ds(0, st.half_v)]
 
-  acc, m_i, l_i = _start_state((ROWS, st.half_v))
+  acc, m_i, l_i = start_state((ROWS, st.half_v))
 
   if not st.pipeline_qk:
     def step(tile, carry, *, masked: bool):
@@ -347,7 +171,7 @@ class _HalfSync:
 
 
 def _score_half_tiles(w: int, q_smem, sync: _HalfSync, ring: pipeline.Ring, t0, t1, c, *, length, row0,
-                      st: _Static):
+                      st: Static):
   """split_scores: consumer w's loop over tiles [t0, t1) ([c, t1) masked). Returns (acc [64, Dv/2]
   of value columns w, m, l over its own half of the keys). Per tile: S_w = Q K_w^T for its half
   of the keys; the row max of both halves; P_w into SMEM; acc_w = alpha acc_w + P V[:, columns w]
@@ -395,12 +219,12 @@ def _score_half_tiles(w: int, q_smem, sync: _HalfSync, ring: pipeline.Ring, t0, 
     plgpu.commit_smem()   # P (and zeroed values), read next by wgmma
     sync.meet(sync.p_ready)
     parts = [(sync.p[j], slot.at[pl.ds(j * hk, hk), columns]) for j in range(VALUE_WGS)]
-    acc = _pv(acc * online_softmax.per_row(alpha, acc.shape), parts, st)
+    acc = add_pv(acc * online_softmax.per_row(alpha, acc.shape), parts, st)
     plgpu.barrier_arrive(sync.p_free)
     ring.release(i)
     return acc, m_new, l_new
 
-  carry = _start_state((ROWS, st.half_v))
+  carry = start_state((ROWS, st.half_v))
   carry = lax.fori_loop(t0, c, functools.partial(step, masked=False), carry)
   carry = lax.fori_loop(c, t1, functools.partial(step, masked=True), carry)
 
@@ -410,7 +234,7 @@ def _score_half_tiles(w: int, q_smem, sync: _HalfSync, ring: pipeline.Ring, t0, 
   return carry
 
 
-def _partner_tiles(shared: _SharedP, ring: pipeline.Ring, t0, t1, st: _Static):
+def _partner_tiles(shared: SharedP, ring: pipeline.Ring, t0, t1, st: Static):
   """The partner's loop: per tile, wait for the slot and the scorer's P, rescale by alpha and add
   P V for the second half of the value columns. Returns acc [64, Dv/2] (O^T's [Dv/2, N] with
   rows as N, from V^T P^T)."""
@@ -426,7 +250,7 @@ def _partner_tiles(shared: _SharedP, ring: pipeline.Ring, t0, t1, st: _Static):
     alpha = shared.receive()
     values = slot.at[:, pl.ds(first_column, st.half_v)]
     parts = [(values.transpose((1, 0)), shared.p)] if st.rows_as_n else [(shared.p, values)]
-    acc = _pv(acc * online_softmax.per_row(alpha, acc.shape, rows_axis), parts, st)
+    acc = add_pv(acc * online_softmax.per_row(alpha, acc.shape, rows_axis), parts, st)
     shared.hand_back()
     ring.release(i, part=part)
     return acc
@@ -436,12 +260,13 @@ def _partner_tiles(shared: _SharedP, ring: pipeline.Ring, t0, t1, st: _Static):
 
 # ---------------------------------------------------------------- alternate scorers
 
-def _alternate_consumer(w: int, scores: _Scores, ring: pipeline.Ring, p_smem, row_smem, p_ready, p_free, t0, t1,
-                        c, *, length, row0, st: _Static):
+def _alternate_consumer(w: int, scores: Scores, ring: pipeline.Ring, p_smem, row_smem, p_ready, p_free, t0, t1,
+                        c, *, length, row0, st: Static):
   """alternate_scores: consumer w's loop over tiles [t0, t1); returns (acc [64, Dv/2] of columns w,
   m, l of its own tiles' P), relative to the final max. Tile j (from t0) is scored by consumer
   j % 2 from the max handed over with tile j - 1: P, alpha, the new max into SMEM (rows 0, 1),
-  p_ready[j % 2], then both add P V. Its Q K^T is issued before the other tile's P V. p_free (two
+  p_ready[j % 2], then both add P V (the scorer's own with P from its registers under
+  p_in_registers, issued before the hand-over). Its Q K^T is issued before the other tile's P V. p_free (two
   arrivals) completes once both are done with a P; each waits every phase of it, the last before
   arriving on the next (neither runs two phases ahead), and P is overwritten only after."""
   n = t1 - t0
@@ -454,6 +279,7 @@ def _alternate_consumer(w: int, scores: _Scores, ring: pipeline.Ring, p_smem, ro
 
   def others(j, acc, l_i):
     """The other consumer's tile j: its alpha and max, then acc + P V for columns w."""
+    j = scores.ring_step(j)
     slot = ring.wait(j)
     plgpu.barrier_wait(p_ready.at[1 - w])
     alpha = plgpu.load(row_smem.at[0], layout=rows_layout)
@@ -463,7 +289,7 @@ def _alternate_consumer(w: int, scores: _Scores, ring: pipeline.Ring, p_smem, ro
     def _():
       plgpu.barrier_wait(p_free)   # phase j - 1 (long complete: the other had met it)
 
-    acc = _pv(rescaled(acc, alpha), [(p_smem, slot.at[:, columns])], st)
+    acc = add_pv(rescaled(acc, alpha), [(p_smem, slot.at[:, columns])], st)
     plgpu.barrier_arrive(p_free)
     ring.release(j)
     return acc, m_new, l_i * alpha
@@ -471,6 +297,7 @@ def _alternate_consumer(w: int, scores: _Scores, ring: pipeline.Ring, p_smem, ro
   def own(j, carry, *, masked: bool, after_other: bool):
     """Consumer w's tile j, after the other's tile j - 1 when after_other."""
     acc, m_i, l_i = carry
+    j = scores.ring_step(j)
     slot = ring.wait(j)
 
     def qk_beside_others(s_ref):
@@ -481,19 +308,27 @@ def _alternate_consumer(w: int, scores: _Scores, ring: pipeline.Ring, p_smem, ro
     acc, m_i, l_i, s = pl.run_scoped(qk_beside_others, s_type)
     alpha, m_new, l_new, p = st.tile_math.softmax(s, m_i, l_i, tile=t0 + j, length=length, row0=row0,
                                                   masked=masked, st=st)
-    if after_other:
-      plgpu.barrier_wait(p_free)   # phase j - 1: both are done with the other's P
-    p_smem[...] = p.astype(st.smem.dtype)
-    row_smem[0] = alpha
-    row_smem[1] = m_new
-    plgpu.commit_smem()   # P (and a last tile's zeroed values), read next by wgmma
-    plgpu.barrier_arrive(p_ready.at[w])
-    acc = _pv(rescaled(acc, alpha), [(p_smem, slot.at[:, columns])], st)
+    p16 = p.astype(st.smem.dtype)
+
+    def publish():
+      if after_other:
+        plgpu.barrier_wait(p_free)   # phase j - 1: both are done with the other's P
+      p_smem[...] = p16
+      row_smem[0] = alpha
+      row_smem[1] = m_new
+      plgpu.commit_smem()   # P, read next by wgmma
+      plgpu.barrier_arrive(p_ready.at[w])
+
+    if st.p_in_registers and not st.interpret:   # the hand-over while the tensor cores run P V
+      acc = add_pv(rescaled(acc, alpha), [(p16, slot.at[:, columns])], st, meanwhile=publish)
+    else:
+      publish()
+      acc = add_pv(rescaled(acc, alpha), [(p_smem, slot.at[:, columns])], st)
     plgpu.barrier_arrive(p_free)
     ring.release(j)
     return acc, m_new, l_new
 
-  carry = _start_state((ROWS, st.half_v))
+  carry = start_state((ROWS, st.half_v))
   if w == 0:   # tile 0 follows no tile (masked: it may be the last)
     carry = lax.fori_loop(0, jnp.minimum(n, 1), lambda j, cr: own(j, cr, masked=True, after_other=False), carry)
   first = 2 - w   # then pairs: the other's tile first - 1, own tile first, ...
@@ -514,8 +349,8 @@ def _alternate_consumer(w: int, scores: _Scores, ring: pipeline.Ring, p_smem, ro
 
 # ---------------------------------------------------------------- rows as wgmma N
 
-def _score_tiles_as_n(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0, t1, c, *, length,
-                      st: _Static):
+def _score_tiles_as_n(scores: Scores, shared: SharedP, ring: pipeline.Ring, t0, t1, c, *, length,
+                      st: Static):
   """The scorer's loop with rows as N (DecodeConfig.rows_as_n): per tile S^T = K Q^T [bkv, N],
   the masked online softmax down its columns (over keys, across warps), P^T to the partner,
   O^T[:Dv/2] += V^T[:Dv/2] P^T. Returns (acc [Dv/2, N], m [N], l [N])."""
@@ -535,17 +370,17 @@ def _score_tiles_as_n(scores: _Scores, shared: _SharedP, ring: pipeline.Ring, t0
                                                   row0=0, masked=masked, st=st)
     shared.publish(p.astype(st.smem.dtype), alpha, wait_free=tile > t0)
     values = slot.at[:, pl.ds(0, st.half_v)].transpose((1, 0))   # V^T [Dv/2, bkv]
-    acc = _pv(acc * online_softmax.per_row(alpha, acc.shape, 1), [(values, shared.p)], st)
+    acc = add_pv(acc * online_softmax.per_row(alpha, acc.shape, 1), [(values, shared.p)], st)
     ring.release(i)
     return acc, m_new, l_new
 
-  carry = _start_state((st.half_v, n), rows_axis=1)
+  carry = start_state((st.half_v, n), rows_axis=1)
   carry = lax.fori_loop(t0, c, functools.partial(step, masked=False), carry)
   return lax.fori_loop(c, t1, functools.partial(step, masked=True), carry)
 
 
-def _rows_as_n_consumers(wg, q_ref, q_block, q_barrier, ring: pipeline.Ring, shared: _SharedP, row_smem,
-                         output: ProgramOutput, *, b, t0, t1, c, length, st: _Static):
+def _rows_as_n_consumers(wg, q_ref, q_block, q_barrier, ring: pipeline.Ring, shared: SharedP, row_smem,
+                         output: ProgramOutput, *, b, t0, t1, c, length, st: Static):
   """The scorer and its partner with rows as N: the same hand-over as `_score_tiles` and the
   partner's loop, on transposed tiles; each stores its half of O^T [Dv/2, N] and the scorer the
   lse, into out [B, splits, Dv, N] / lse [B, splits, >= N]."""
@@ -555,7 +390,7 @@ def _rows_as_n_consumers(wg, q_ref, q_block, q_barrier, ring: pipeline.Ring, sha
     plgpu.set_max_registers(st.codegen.registers.consumer, action="increase")
     plgpu.copy_gmem_to_smem(q_ref.at[b], q_block.at[0], q_barrier)   # q [B, N, Dqk]: every row
     plgpu.barrier_wait(q_barrier)
-    scores = _Scores(q_block=q_block, length=length, st=st, q_index=_q_index(row_smem, SCORER, st))
+    scores = Scores(q_block=q_block, length=length, st=st, q_index=zero_row(row_smem, SCORER, st))
     acc, m_i, l_i = _score_tiles_as_n(scores, shared, ring, t0, t1, c, length=length, st=st)
 
     @pl.when(t1 > t0)
@@ -583,7 +418,7 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
             lengths_ref,        # [B] int32
             block_tables_ref,   # [B, max_pages] int32
             *refs,              # [the balanced plan's tiles per split, int32 [1]], out, lse
-            st: _Static, q_block, union, p_smem, row_smem, produced, consumed, q_barrier, p_ready,
+            st: Static, q_block, union, p_smem, row_smem, produced, consumed, q_barrier, p_ready,
             p_free, max_ready, consumers_done):
   refs = list(refs)
   tiles_per_split = refs.pop(0)[0] if st.balanced else None   # `split_k.balanced_tiles_per_split`
@@ -593,7 +428,7 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
   q_smem = q_block.at[0]
   ring_slots, (out_smem, lse_smem) = union
   ring = pipeline.Ring(st.smem.ring_spec(), ring_slots, produced, consumed)
-  shared = _SharedP(p_smem, row_smem, p_ready, p_free)
+  shared = SharedP(p_smem, row_smem, p_ready, p_free)
   row_block, split, b = lax.axis_index("rows"), lax.axis_index("split"), lax.axis_index("batch")
   length = jnp.clip(lengths_ref[b], 0, st.tiling.max_pages * st.tiling.page_size)
   t0, t1, _, c = split_k.split_tile_range(length, split, block_kv=st.tiling.block_kv,
@@ -646,7 +481,7 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
 
     if st.alternate_scores:   # rows 0, 1 carry the hand-over; 2, 3 are free for the sums
       both_score(lambda w: _alternate_consumer(
-          w, _Scores(q_block=q_block, length=length, st=st, q_index=_q_index(row_smem, w, st)), ring, p_smem,
+          w, Scores(q_block=q_block, length=length, st=st, q_index=zero_row(row_smem, w, st)), ring, p_smem,
           row_smem, p_ready, p_free, t0, t1, c, length=length, row0=row0, st=st), sums_row=2)
       return
 
@@ -661,7 +496,7 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
       plgpu.set_max_registers(st.codegen.registers.consumer, action="increase")
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, ROWS)], q_smem, q_barrier)
       plgpu.barrier_wait(q_barrier)
-      scores = _Scores(q_block=q_block, length=length, st=st, q_index=_q_index(row_smem, SCORER, st))
+      scores = Scores(q_block=q_block, length=length, st=st, q_index=zero_row(row_smem, SCORER, st))
       acc, m_i, l_i = _score_tiles(scores, shared, ring, t0, t1, c, length=length, row0=row0, st=st)
 
       @pl.when(t1 > t0)
@@ -709,7 +544,7 @@ def _store(output: ProgramOutput, out, lse, half: int, *, row_sums=(), lse_of_ma
   output.store(half, out, lse)
 
 
-def _build(st: _Static, interpret: Any):
+def _build(st: Static, interpret: Any):
   # Rows as N store O^T: out [B, splits, Dv, N] (`mla_partials` transposes it back).
   out_shape = (st.smem.v_dim, st.rows_as_n) if st.rows_as_n else (st.out_rows, st.smem.v_dim)
   out_type = (jax.ShapeDtypeStruct((st.batch, st.num_splits, *out_shape), st.smem.out_dtype),
@@ -779,7 +614,7 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
   num_row_blocks = 1 if smem.rows_as_n else row_blocks(R)
   rows_padded = smem.rows_as_n or num_row_blocks * ROWS
   out_rows = R if num_row_blocks == 1 else rows_padded
-  st = _Static(num_queries=num_queries, group=R // num_queries, out_rows=out_rows,
+  st = Static(num_queries=num_queries, group=R // num_queries, out_rows=out_rows,
                lse_rows=split_k.round_up(smem.rows_as_n or out_rows, LSE_ROW_MULTIPLE), num_row_blocks=num_row_blocks,
                num_splits=config.num_splits, batch=B, scale=float(scale), tiling=kv_tiling, smem=smem,
                interpret=bool(interpret), pipeline_qk=config.pipeline_qk, split_scores=config.split_scores,

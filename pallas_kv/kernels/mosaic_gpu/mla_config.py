@@ -84,14 +84,19 @@ class Codegen:
     spill (ptxas, twelfth set). On by default: with 24 / 240 registers the kernel's launch alone
     ran 131.5 us against 146.3 held and 40 / 232 at B64 T4096 (benchmarks/RESULTS.md, thirteenth
     set). Every schedule but split_scores (which slices Q itself, and ignores it).
+  slots_per_tile: the alternate scorers' ring steps are made opaque the same way: with two stages
+    consumer w scores only tiles in slot w and reads the other's in slot 1 - w, so the K and V
+    descriptors of both slots are loop-invariant, hoisted, and spill (ptxas, thirteenth set).
+    Only alternate_scores reads it. Not yet timed.
   """
   registers: RegisterSplit = RegisterSplit()
   q_per_tile: bool = True
+  slots_per_tile: bool = False
 
   @property
   def name(self) -> str:
     """The kernel name's suffix: empty for the default; `_heldq` where Q's descriptors are held."""
-    return f"{self.registers.name}{'' if self.q_per_tile else '_heldq'}"
+    return f"{self.registers.name}{'' if self.q_per_tile else '_heldq'}{'_spt' if self.slots_per_tile else ''}"
 
 
 # ---------------------------------------------------------------- SMEM layout, config
@@ -261,11 +266,13 @@ def check_config(config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, p
                                   or config.block_kv != BLOCK_KV):
     raise ValueError(f"alternate_scores takes block_kv={BLOCK_KV} and none of pipeline_qk, split_scores, rows_as_n; "
                      f"got {config}")
-  other_schedule = config.pipeline_qk or config.split_scores or config.alternate_scores or config.rows_as_n
-  for field in ("ring_halves", "p_in_registers"):   # options of the plain scorer schedule
-    if getattr(config, field) and other_schedule:
-      raise ValueError(f"{field} takes the plain scorer schedule: none of pipeline_qk, split_scores, "
-                       f"alternate_scores, rows_as_n; got {config}")
+  if config.ring_halves and (config.pipeline_qk or config.split_scores or config.alternate_scores
+                             or config.rows_as_n):
+    raise ValueError(f"ring_halves takes the plain scorer schedule: none of pipeline_qk, split_scores, "
+                     f"alternate_scores, rows_as_n; got {config}")
+  if config.p_in_registers and (config.pipeline_qk or config.split_scores or config.rows_as_n):
+    raise ValueError(f"p_in_registers takes the plain scorer schedule or alternate_scores: none of pipeline_qk, "
+                     f"split_scores, rows_as_n; got {config}")
   if config.rows_as_n and (config.pipeline_qk or config.split_scores):
     raise ValueError("MLA on mosaic_gpu takes rows_as_n without pipeline_qk or split_scores")
   if config.rows_as_n and rows > ROWS_AS_N_MAX:
