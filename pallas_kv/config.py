@@ -88,13 +88,13 @@ class DecodeConfig:
     scorer computing all of Q K^T and the softmax while its partner only runs P V. Measured
     slower on the H200 (412 against 465 TFLOP/s at B64 T4096; benchmarks/RESULTS.md).
   alternate_scores: MLA on mosaic_gpu only: the two consumer warpgroups score alternate tiles
-    (FlashMLA's "seesaw"): each runs Q K^T and the softmax of every other tile and P V of every
-    tile for its half of the value columns, handing its P, row rescale and running max to the
-    other through SMEM. Q K^T keeps its 64 keys (N = 64: split_scores halves it), and one
-    consumer's softmax runs while the other's wgmma does. Measured 1.7x slower than the default
-    on the H200 (249.9 against 143.8 us at B64 T4096; benchmarks/RESULTS.md, eleventh set). Its
-    math alone (no loads) is 24% slower than the default's, and ptxas reports it spilling
-    (760-byte stack frame: the next tile's scores in flight beside this one's P V; twelfth set).
+    (FlashMLA's "seesaw"), in pairs: one scores a pair's first tile, the other its second from the
+    first's running max, and each runs P V of both tiles for its half of the value columns (its
+    own P from registers, the other's through SMEM, rescaled to the pair's max). Only the max
+    passes between the softmaxes, so neither waits on a P V, and Q K^T keeps its 64 keys (N = 64:
+    split_scores halves it). An earlier schedule (each tile's P, rescale and max handed over
+    together, behind the other tile's P V) measured 28% slower than the default (168.5 against
+    131.5 us at B64 T4096; benchmarks/RESULTS.md, thirteenth set). This one is not yet timed.
   rows_as_n: MLA on mosaic_gpu only, for few packed rows (S x Hq <= 64, e.g. 16 heads under
     tensor parallelism): the rows become wgmma's N instead of being padded to its M of 64, so
     the kernel computes S^T = K Q^T and O^T = V^T P^T (keys and value columns as M) and the
@@ -109,8 +109,8 @@ class DecodeConfig:
     its one reader's P V is done instead of when both are. Measured on the H200 within the run's
     spread of the default (148.5 against 145.5 us at B64 T4096, 565.7 against 608.7 at B128
     T8192, 45.1 against 38.4 at B16; benchmarks/RESULTS.md, eleventh set), so it is opt-in.
-  p_in_registers: MLA on mosaic_gpu only, with the plain scorer schedule (ring_halves allowed) or
-    alternate_scores (each scorer's own P V; not yet timed there):
+  p_in_registers: MLA on mosaic_gpu only, with the plain scorer schedule (ring_halves allowed; the
+    alternate scorers always read their own P from registers):
     the scorer's P V takes P from its registers (wgmma's A operand) and is issued before P is
     stored to SMEM for the partner, so that the store, its fence and the hand-over run while the
     tensor cores do (FlashMLA's "local P"); its P V also reads 8 KiB less SMEM per tile. GPU

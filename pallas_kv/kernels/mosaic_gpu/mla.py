@@ -260,91 +260,123 @@ def _partner_tiles(shared: SharedP, ring: pipeline.Ring, t0, t1, st: Static):
 
 # ---------------------------------------------------------------- alternate scorers
 
-def _alternate_consumer(w: int, scores: Scores, ring: pipeline.Ring, p_smem, row_smem, p_ready, p_free, t0, t1,
-                        c, *, length, row0, st: Static):
-  """alternate_scores: consumer w's loop over tiles [t0, t1); returns (acc [64, Dv/2] of columns w,
-  m, l of its own tiles' P), relative to the final max. Tile j (from t0) is scored by consumer
-  j % 2 from the max handed over with tile j - 1: P, alpha, the new max into SMEM (rows 0, 1),
-  p_ready[j % 2], then both add P V (the scorer's own with P from its registers under
-  p_in_registers, issued before the hand-over). Its Q K^T is issued before the other tile's P V. p_free (two
-  arrivals) completes once both are done with a P; each waits every phase of it, the last before
-  arriving on the next (neither runs two phases ahead), and P is overwritten only after."""
+def _own_pv(acc, p16, values, st: Static, meanwhile=None):
+  """acc + P V with P from this consumer's registers; meanwhile() runs while the tensor cores do.
+  GPU interpret mode cannot run register operands: there the product is a plain dot."""
+  if st.interpret:
+    if meanwhile is not None:
+      meanwhile()
+    return acc + jnp.dot(p16, values[...], preferred_element_type=jnp.float32)
+  return add_pv(acc, [(p16, values)], st, meanwhile=meanwhile)
+
+
+def _alternate_consumer(w: int, scores: Scores, ring: pipeline.Ring, p_smem, row_smem, p_ready, max_ready, p_free,
+                        t0, t1, c, *, length, row0, st: Static):
+  """alternate_scores (FlashMLA's seesaw): consumer w's loop over the pairs of tiles (t0 + 2k,
+  t0 + 2k + 1) of [t0, t1). Consumer 0 scores each pair's first tile a, consumer 1 its second b,
+  and each adds P V of both tiles for its value columns w. Returns (acc [64, Dv/2], m, l),
+  relative to the final max.
+
+  Only the running max passes between the two softmaxes, before either P V: consumer 0 puts a's
+  max and rescale in rows 0, 1 (max_ready[0]); consumer 1 scores b from them, puts b's in rows
+  2, 3 (max_ready[1]). Each consumer's own P V reads P from its registers. The other's P comes
+  through the one SMEM buffer: b's P first (p_ready[1]), then a's rescaled to b's max
+  (p_ready[0]). Each writer has read the buffer's previous P with its own P V before it
+  overwrites it, so no barrier frees the buffer, except before an odd last tile (p_free).
+  """
   n = t1 - t0
+  pairs, has_tail = n // 2, n % 2
   columns = pl.ds(w * st.half_v, st.half_v)
-  rows_layout = plgpu.Layout.WGMMA.reduce(1)
   s_type = plgpu.ACC((ROWS, st.tiling.block_kv), jnp.float32)
 
-  def rescaled(acc, alpha):
-    return acc * online_softmax.per_row(alpha, acc.shape)
+  def rows(i):
+    return tuple(plgpu.load(row_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(1)) for j in (i, i + 1))
 
-  def others(j, acc, l_i):
-    """The other consumer's tile j: its alpha and max, then acc + P V for columns w."""
-    j = scores.ring_step(j)
-    slot = ring.wait(j)
-    plgpu.barrier_wait(p_ready.at[1 - w])
-    alpha = plgpu.load(row_smem.at[0], layout=rows_layout)
-    m_new = plgpu.load(row_smem.at[1], layout=rows_layout)
+  def rescaled(acc, factor):
+    return acc * online_softmax.per_row(factor, acc.shape)
 
-    @pl.when(j >= 1)
-    def _():
-      plgpu.barrier_wait(p_free)   # phase j - 1 (long complete: the other had met it)
+  def other_p(acc, step, ready):
+    """acc + (the other's P in SMEM) V of step's tile for columns w; then the slot is released."""
+    plgpu.barrier_wait(ready)
+    acc = add_pv(acc, [(p_smem, ring.slot(step).at[:, columns])], st)
+    ring.release(step)
+    return acc
 
-    acc = add_pv(rescaled(acc, alpha), [(p_smem, slot.at[:, columns])], st)
-    plgpu.barrier_arrive(p_free)
-    ring.release(j)
-    return acc, m_new, l_i * alpha
+  def score(step, meanwhile=lambda: None):
+    """(slot, S = Q K^T of step's tile, meanwhile()'s result: it runs while Q K^T does)."""
+    slot = ring.wait(step)
 
-  def own(j, carry, *, masked: bool, after_other: bool):
-    """Consumer w's tile j, after the other's tile j - 1 when after_other."""
+    def qk(s_ref):
+      scores.start(s_ref, t0 + step, slot)
+      result = meanwhile()
+      return s_ref[...], result
+
+    return (slot, *pl.run_scoped(qk, s_type))
+
+  def softmax(s, step, m_i, l_i, masked):
+    return st.tile_math.softmax(s, m_i, l_i, tile=t0 + step, length=length, row0=row0, masked=masked, st=st)
+
+  def first(k, carry, *, masked: bool, second: bool):
+    """Consumer 0, pair k: tile a; with a second tile, b's P from consumer 1; a's P to consumer 1."""
     acc, m_i, l_i = carry
-    j = scores.ring_step(j)
-    slot = ring.wait(j)
+    a = scores.ring_step(2 * k)
+    slot, s, _ = score(a)
+    scale_a, m_a, l_i, p = softmax(s, a, m_i, l_i, masked)
+    row_smem[0], row_smem[1] = m_a, scale_a
+    plgpu.barrier_arrive(max_ready.at[0])
+    acc = _own_pv(rescaled(acc, scale_a), p.astype(st.smem.dtype), slot.at[:, columns], st)
+    ring.release(a, read_by_registers=st.interpret)
+    if second:
+      plgpu.barrier_wait(max_ready.at[1])
+      m_a, scale_b = rows(2)   # from here on the pair's max, b's
+      acc = other_p(rescaled(acc, scale_b), a + 1, p_ready.at[1])
+      p, l_i = p * online_softmax.per_row(scale_b, p.shape), l_i * scale_b
+    else:
+      @pl.when(pairs > 0)
+      def _():
+        plgpu.barrier_wait(p_free)   # consumer 1 is done with the last pair's P
+    p_smem[...] = p.astype(st.smem.dtype)
+    plgpu.commit_smem()   # read next by consumer 1's wgmma
+    plgpu.barrier_arrive(p_ready.at[0])
+    return acc, m_a, l_i
 
-    def qk_beside_others(s_ref):
-      scores.start(s_ref, t0 + j, slot)   # in flight during the other tile's P V
-      acc_, m_, l_ = others(j - 1, acc, l_i) if after_other else (acc, m_i, l_i)
-      return acc_, m_, l_, s_ref[...]
+  def second(k, carry, *, masked: bool, second: bool):
+    """Consumer 1, pair k: with a second tile, b from a's max and its P to consumer 0; then a's P."""
+    acc, _, l_i = carry
+    a = scores.ring_step(2 * k)
 
-    acc, m_i, l_i, s = pl.run_scoped(qk_beside_others, s_type)
-    alpha, m_new, l_new, p = st.tile_math.softmax(s, m_i, l_i, tile=t0 + j, length=length, row0=row0,
-                                                  masked=masked, st=st)
+    def max_of_a():
+      plgpu.barrier_wait(max_ready.at[0])
+      return rows(0)
+
+    if not second:
+      m, scale_a = max_of_a()
+      return other_p(rescaled(acc, scale_a), a, p_ready.at[0]), m, l_i * scale_a
+    slot, s, (m_a, scale_a) = score(a + 1, max_of_a)
+    scale_b, m, l_i, p = softmax(s, a + 1, m_a, l_i * scale_a, masked)
+    row_smem[2], row_smem[3] = m, scale_b
+    plgpu.barrier_arrive(max_ready.at[1])
     p16 = p.astype(st.smem.dtype)
 
     def publish():
-      if after_other:
-        plgpu.barrier_wait(p_free)   # phase j - 1: both are done with the other's P
       p_smem[...] = p16
-      row_smem[0] = alpha
-      row_smem[1] = m_new
-      plgpu.commit_smem()   # P, read next by wgmma
-      plgpu.barrier_arrive(p_ready.at[w])
+      plgpu.commit_smem()   # read next by consumer 0's wgmma
+      plgpu.barrier_arrive(p_ready.at[1])
 
-    if st.p_in_registers and not st.interpret:   # the hand-over while the tensor cores run P V
-      acc = add_pv(rescaled(acc, alpha), [(p16, slot.at[:, columns])], st, meanwhile=publish)
-    else:
-      publish()
-      acc = add_pv(rescaled(acc, alpha), [(p_smem, slot.at[:, columns])], st)
-    plgpu.barrier_arrive(p_free)
-    ring.release(j)
-    return acc, m_new, l_new
+    acc = _own_pv(rescaled(acc, scale_a * scale_b), p16, slot.at[:, columns], st, meanwhile=publish)
+    ring.release(a + 1, read_by_registers=st.interpret)
+    return other_p(acc, a, p_ready.at[0]), m, l_i
 
+  pair = (first, second)[w]
+  unmasked = jnp.minimum(pairs, jnp.maximum(c - t0, 0) // 2)   # pairs with both tiles before c
   carry = start_state((ROWS, st.half_v))
-  if w == 0:   # tile 0 follows no tile (masked: it may be the last)
-    carry = lax.fori_loop(0, jnp.minimum(n, 1), lambda j, cr: own(j, cr, masked=True, after_other=False), carry)
-  first = 2 - w   # then pairs: the other's tile first - 1, own tile first, ...
-  pairs, unmasked = (jnp.maximum(split_k.cdiv(end - first, 2), 0) for end in (n, c - t0))
   for lo, hi, masked in ((0, unmasked, False), (unmasked, pairs, True)):
-    carry = lax.fori_loop(lo, hi, lambda k, cr, masked=masked: own(first + 2 * k, cr, masked=masked,
-                                                                     after_other=True), carry)
-  acc, m_i, l_i = carry
-  last_is_others = (n >= 1) & ((n - 1) % 2 != w)
-  acc, m_i, l_i = lax.fori_loop(0, last_is_others.astype(jnp.int32), lambda _, cr: others(n - 1, cr[0], cr[2]),
-                                (acc, m_i, l_i))
-
-  @pl.when(n >= 1)
-  def _():
-    plgpu.barrier_wait(p_free)   # the last phase
-  return acc, m_i, l_i
+    carry = lax.fori_loop(lo, hi, lambda k, cr, masked=masked: pair(k, cr, masked=masked, second=True), carry)
+  if w == 1:
+    @pl.when((has_tail == 1) & (pairs > 0))
+    def _():
+      plgpu.barrier_arrive(p_free)   # its last P V is done with consumer 0's last P
+  return lax.fori_loop(0, has_tail, lambda k, cr: pair(pairs, cr, masked=True, second=False), carry)
 
 
 # ---------------------------------------------------------------- rows as wgmma N
@@ -479,10 +511,10 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
           _store(output, acc, None, w, row_sums=(row_smem.at[sums_row], row_smem.at[sums_row + 1]),
                  lse_of_max=m_i if w == 0 else None)
 
-    if st.alternate_scores:   # rows 0, 1 carry the hand-over; 2, 3 are free for the sums
+    if st.alternate_scores:   # rows 0-3 carry the maxima and rescales; 4, 5 are free for the sums
       both_score(lambda w: _alternate_consumer(
           w, Scores(q_block=q_block, length=length, st=st, q_index=zero_row(row_smem, w, st)), ring, p_smem,
-          row_smem, p_ready, p_free, t0, t1, c, length=length, row0=row0, st=st), sums_row=2)
+          row_smem, p_ready, max_ready, p_free, t0, t1, c, length=length, row0=row0, st=st), sums_row=4)
       return
 
     if st.split_scores:   # each consumer's last row maximum has been read (it met p_ready since)

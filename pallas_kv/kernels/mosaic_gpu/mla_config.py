@@ -110,10 +110,11 @@ class MlaSmem:
                                                             lse [64] f32)   after the loop
   p        [64, bkv]  dtype, swizzled          P of the current tile (wgmma A of P V)
   rows     [4, 64]    f32                      alpha of the current tile; the final row sum;
-           ([6, 64] with alternate_scores: the tile's alpha and running max, then each consumer's
-           row sum); then a row of zeros per consumer (Codegen.q_per_tile's index)
-  barriers: ring produced / consumed per slot, q, p_ready (one per consumer with
-  alternate_scores), p_free, max_ready, consumers_done.
+           ([6, 64] with alternate_scores: the max and rescale of a pair's first tile, of its
+           second, then each consumer's row sum); then a row of zeros per consumer
+           (Codegen's per-tile index)
+  barriers: ring produced / consumed per slot, q, p_ready and max_ready (one per consumer with
+  alternate_scores), p_free, consumers_done.
   """
   qk_dim: int
   v_dim: int
@@ -194,18 +195,19 @@ class MlaSmem:
         produced=produced, consumed=consumed,
         q_barrier=plgpu.Barrier(),
         # split_scores: both consumers arrive at each (and max_ready carries the row maxima).
-        # alternate_scores: p_ready[w] is consumer w's hand-over of its tile; p_free completes
-        # when both consumers' P V are done with the P in SMEM.
+        # alternate_scores: p_ready[w] and max_ready[w] are consumer w's hand-over of its P and of
+        # its tile's max; p_free frees P before an odd last tile.
         p_ready=plgpu.Barrier(num_arrivals=VALUE_WGS if self.split_scores else 1,
                               num_barriers=VALUE_WGS if self.alternate_scores else 1),
-        p_free=plgpu.Barrier(num_arrivals=VALUE_WGS if self.split_scores or self.alternate_scores else 1),
-        max_ready=plgpu.Barrier(num_arrivals=VALUE_WGS),
+        p_free=plgpu.Barrier(num_arrivals=VALUE_WGS if self.split_scores else 1),
+        max_ready=plgpu.Barrier(num_arrivals=1 if self.alternate_scores else VALUE_WGS,
+                                num_barriers=VALUE_WGS if self.alternate_scores else 1),
         consumers_done=plgpu.Barrier(num_arrivals=VALUE_WGS))
 
   @property
   def zero_rows(self) -> int:
     """The first of the rows of zeros, one per consumer, that Codegen.q_per_tile reads Q's index from."""
-    return 4 if self.alternate_scores else 2
+    return 6 if self.alternate_scores else 2
 
   @property
   def row_vectors(self) -> int:
@@ -220,7 +222,7 @@ class MlaSmem:
     out_stage = align(rows * self.v_dim * self.out_dtype.itemsize) + rows * 4
     q = rows * self.qk_dim * self.dtype.itemsize
     p = rows * self.block_kv * self.dtype.itemsize
-    barriers = ring.barrier_bytes + (6 if self.alternate_scores else 5) * pipeline.BARRIER_BYTES
+    barriers = ring.barrier_bytes + (7 if self.alternate_scores else 5) * pipeline.BARRIER_BYTES
     return (align(q) + align(max(ring.buffer_bytes, out_stage)) + align(p) + align(self.row_vectors * rows * 4)
             + align(self.reduction_scratch_bytes) + barriers)
 
@@ -270,9 +272,10 @@ def check_config(config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, p
                              or config.rows_as_n):
     raise ValueError(f"ring_halves takes the plain scorer schedule: none of pipeline_qk, split_scores, "
                      f"alternate_scores, rows_as_n; got {config}")
-  if config.p_in_registers and (config.pipeline_qk or config.split_scores or config.rows_as_n):
-    raise ValueError(f"p_in_registers takes the plain scorer schedule or alternate_scores: none of pipeline_qk, "
-                     f"split_scores, rows_as_n; got {config}")
+  if config.p_in_registers and (config.pipeline_qk or config.split_scores or config.alternate_scores
+                                 or config.rows_as_n):
+    raise ValueError(f"p_in_registers takes the plain scorer schedule (alternate_scores always reads its own P "
+                     f"from registers): none of pipeline_qk, split_scores, alternate_scores, rows_as_n; got {config}")
   if config.rows_as_n and (config.pipeline_qk or config.split_scores):
     raise ValueError("MLA on mosaic_gpu takes rows_as_n without pipeline_qk or split_scores")
   if config.rows_as_n and rows > ROWS_AS_N_MAX:
