@@ -77,15 +77,15 @@ for part in "$@"; do
     mla_schedules) # the kernel's launch alone (B64 T4096) compiled as by default (mla_config.Codegen: producer
               # 24 / consumers 240 registers, Q's descriptors rebuilt every tile) and as before (_r232_heldq:
               # 40 / 232, Q's descriptors held), the alternate scorers (also with their ring slots opaque,
-              # _spt) and pipeline_qk beside, with no-loads probes (~7 min)
+              # _spt, and with ring halves, _altrh) and pipeline_qk beside, with no-loads probes (~7 min)
               python3 -m benchmarks.mla --rows=h128_b64_t4096 --iters=10 --repeats=10 \
-                --impl=kernel,kernel_r232_heldq,kernel_no_loads,kernel_alt,kernel_alt_spt,kernel_alt_no_loads,kernel_alt_spt_no_loads,mosaic_gpu_alt,mosaic_gpu_pqk,mosaic_gpu \
+                --impl=kernel,kernel_r232_heldq,kernel_no_loads,kernel_alt,kernel_alt_spt,kernel_alt_no_loads,kernel_altrh,kernel_altrh_spt,mosaic_gpu_pqk,mosaic_gpu \
                 --json="$out/mla_schedules.json" 2>&1 | quiet | tee "$out/mla_schedules.log" ;;
     ptxas)    # registers, spills and wgmma warnings of the MLA schedules, from ptxas (compiles only,
               # ~40 s a kernel); their gzipped PTX comes back as one ptx.tar (the device returns few
               # files) for `--ptx` on a machine without a GPU
               python3 -m benchmarks.ptxas_summary --dump_dir=/tmp/ptxas_dump --keep_ptx=/tmp/ptx \
-                --compile=kernel,kernel_r232_heldq,kernel_rh,kernel_alt,kernel_alt_spt,mosaic_gpu_pqk 2>&1 \
+                --compile=kernel,kernel_r232_heldq,kernel_rh,kernel_alt,kernel_alt_spt,kernel_altrh_spt,mosaic_gpu_pqk 2>&1 \
                 | quiet | tee "$out/ptxas.log"
               tar cf "$out/ptx.tar" -C /tmp ptx && rm -rf /tmp/ptxas_dump /tmp/ptx ;;
     kernels)  # every kernel of one call and its GPU us (torch.profiler), ours and the peers, per shape

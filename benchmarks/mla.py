@@ -66,8 +66,9 @@ HALVES = "mosaic_gpu_halves"
 BALANCED = "mosaic_gpu_balanced"
 # ... or the q rows as wgmma's N, for few heads (DecodeConfig.rows_as_n; at most 64 rows).
 ROWS_AS_N = "mosaic_gpu_rows_as_n"
-# ... or the two consumers score alternate tiles (DecodeConfig.alternate_scores).
+# ... or the two consumers score alternate tiles (DecodeConfig.alternate_scores), also with ring halves.
 ALTERNATE = "mosaic_gpu_alt"
+ALTERNATE_HALVES = "mosaic_gpu_alt_rh"
 # ... or ring slots loaded and freed in two column parts (DecodeConfig.ring_halves).
 RING_HALVES = "mosaic_gpu_rh"
 # ... or the scorer's P V with P from SMEM (DecodeConfig.p_in_registers=False; the default before).
@@ -79,7 +80,8 @@ SMEM_P = dict(p_in_registers=False)
 VARIANTS = {PIPELINED: SMEM_P | dict(pipeline_qk=True, block_kv=32, num_stages=4),
             TILES_32: SMEM_P | dict(block_kv=32, num_stages=4), HALVES: SMEM_P | dict(split_scores=True),
             BALANCED: dict(split_plan="balanced"), ROWS_AS_N: SMEM_P | dict(rows_as_n=True),
-            ALTERNATE: SMEM_P | dict(alternate_scores=True), RING_HALVES: dict(ring_halves=True), P_IN_SMEM: SMEM_P}
+            ALTERNATE: SMEM_P | dict(alternate_scores=True),
+            ALTERNATE_HALVES: SMEM_P | dict(alternate_scores=True, ring_halves=True), RING_HALVES: dict(ring_halves=True), P_IN_SMEM: SMEM_P}
 # ... or a fixed split count: mosaic_gpu_sp<N> (e.g. mosaic_gpu_sp33), the heuristic's schedule.
 FIXED_SPLITS = re.compile(r"mosaic_gpu_sp([1-9][0-9]*)")
 # The kernel's launch alone with one split (no merge), under the default schedule or another
@@ -90,7 +92,8 @@ FIXED_SPLITS = re.compile(r"mosaic_gpu_sp([1-9][0-9]*)")
 # leave stages of the tile's math or the loads out (MEASUREMENT ONLY: their outputs are wrong by
 # design and go unchecked), e.g. `kernel_no_qk`, `kernel_alt_r232_no_loads`.
 KERNEL = "kernel"
-KERNEL_SCHEDULES = {"": {}, "_smemp": VARIANTS[P_IN_SMEM], "_alt": VARIANTS[ALTERNATE], "_rh": VARIANTS[RING_HALVES]}
+KERNEL_SCHEDULES = {"": {}, "_smemp": VARIANTS[P_IN_SMEM], "_alt": VARIANTS[ALTERNATE],
+                    "_altrh": VARIANTS[ALTERNATE_HALVES], "_rh": VARIANTS[RING_HALVES]}
 # Codegen's fields changed from its default (registers as (producer, consumer)); `_spt` the
 # ring's slots made opaque per tile (Codegen.slots_per_tile, read by the alternate scorers).
 KERNEL_CODEGEN = {"": {}, "_r232": dict(registers=(40, 232)), "_heldq": dict(q_per_tile=False),

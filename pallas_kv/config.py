@@ -102,7 +102,8 @@ class DecodeConfig:
     SMEM operands then take the swizzle of the rows' width (32 bytes at 16 rows). Measured
     slower on the H200 (188 against 160 us at 16 heads B64 T8192: P V then takes four times the
     wgmma instructions, each of N = 16; benchmarks/RESULTS.md, ninth set).
-  ring_halves: MLA on mosaic_gpu only, with the plain scorer schedule: each ring slot is loaded
+  ring_halves: MLA on mosaic_gpu only, with the plain scorer schedule or alternate_scores (not
+    yet timed there: each consumer frees the part its P V reads): each ring slot is loaded
     and freed in two column parts, the scorer's value half and the rest (the partner's value
     half and the rope columns), each with its own barriers (FlashMLA's K tiles). The scorer's
     Q K^T starts on the first part while the second lands, and each part is refilled as soon as

@@ -69,6 +69,7 @@ def _check(args, out_lse, *, v_head_dim=SMALL_V, scale=None, clean_pages=None, c
 VARIANTS = {"plain": {}, "pipeline_qk": dict(pipeline_qk=True, block_kv=32, num_stages=4),
             "split_scores": dict(split_scores=True), "rows_as_n": dict(rows_as_n=True),
             "alternate_scores": dict(alternate_scores=True), "ring_halves": dict(ring_halves=True),
+            "alternate_halves": dict(alternate_scores=True, ring_halves=True),
             "p_in_registers": dict(p_in_registers=True)}
 
 
@@ -92,11 +93,12 @@ def _config(num_splits, num_stages=2, variant="plain"):
     (128, 3, 24, 1, jnp.float16, "alternate_scores"),
     (16, 2, 4, 3, jnp.bfloat16, "ring_halves"),
     (128, 3, 24, 2, jnp.float16, "ring_halves"),
+    (32, 3, 24, 2, jnp.bfloat16, "alternate_halves"),
 ], ids=["page16-s2-splits2", "page64-s1-splits1", "page32-s4-splits3", "page128-s3-rowblocks2-splits2-fp16",
         "page16-pipeline_qk-splits1", "page16-s2-split_scores-splits2", "page128-s3-rowblocks2-split_scores-fp16",
         "page16-s2-rows_as_n-splits2", "page64-s4-h16-rows_as_n-splits3-fp16", "page16-s2-alternate-splits3",
         "page128-s3-rowblocks2-alternate-fp16", "page16-s2-ring_halves-splits3",
-        "page128-s3-rowblocks2-ring_halves-splits2-fp16"])
+        "page128-s3-rowblocks2-ring_halves-splits2-fp16", "page32-s3-rowblocks2-alternate_halves-splits2"])
 def test_mla_interpret(interpret_mode, page_size, num_queries, num_heads, num_splits, dtype, variant):
   # Ragged lengths (not multiples of a tile), one of zero, shuffled pages; 3 x 24 heads = 72 rows
   # take two row blocks.
@@ -269,8 +271,9 @@ def test_mla_configs_are_checked():
   halves = _config(1, variant="ring_halves")
   check(halves)
   assert mla_config.MlaSmem.for_call(halves, qk_dim=QK, v_dim=V, dtype=jnp.bfloat16, page_size=64).fits
-  for other in (dict(alternate_scores=True), dict(split_scores=True), dict(rows_as_n=True)):
-    with pytest.raises(ValueError, match="ring_halves takes the plain scorer schedule"):
+  check(dataclasses.replace(halves, alternate_scores=True))
+  for other in (dict(split_scores=True), dict(rows_as_n=True)):
+    with pytest.raises(ValueError, match="ring_halves takes the plain scorer schedule or alternate_scores"):
       check(dataclasses.replace(halves, **other))
   with pytest.raises(ValueError, match="ring_halves=1 must be a bool"):
     pkv.DecodeConfig(ring_halves=1)
@@ -422,7 +425,8 @@ def test_gpu_mla_matches_reference(batch, seq_len, num_heads, num_queries, page_
   _check(args, out, v_head_dim=V)
   few_rows = num_heads * (num_queries or 1) <= mla_config.ROWS_AS_N_MAX
   for fields in (VARIANTS["plain"], VARIANTS["pipeline_qk"], VARIANTS["split_scores"], VARIANTS["alternate_scores"],
-                 VARIANTS["ring_halves"], VARIANTS["p_in_registers"], dict(p_in_registers=True, ring_halves=True),
+                 VARIANTS["ring_halves"], VARIANTS["alternate_halves"], VARIANTS["p_in_registers"],
+                 dict(p_in_registers=True, ring_halves=True),
                  dict(split_plan="balanced"),
                  *([VARIANTS["rows_as_n"]] if few_rows else [])):
     config = pkv.DecodeConfig(**(dict(block_kv=64, num_stages=2) | fields))
@@ -502,7 +506,7 @@ def test_mla_kernel_launch_matches_the_baseline_and_its_probes_run_in_interpret_
 
 # Every probe stage, schedule and Codegen option at least once (each lowering takes 5-9 s on 2 cores).
 @pytest.mark.parametrize("impl", ["kernel", "kernel_rh_no_qk", "kernel_smemp_no_pv", "kernel_heldq_no_softmax",
-                                  "kernel_r232_loads_only", "kernel_alt_no_loads", "kernel_alt_spt"])
+                                  "kernel_r232_loads_only", "kernel_alt_no_loads", "kernel_altrh_spt"])
 def test_mla_kernel_launch_and_probes_lower_for_cuda(impl):
   from benchmarks import mla as mla_bench
   row = mla_bench.ALL_ROWS["h128_b64_t4096"]

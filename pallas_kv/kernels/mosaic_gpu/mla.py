@@ -283,6 +283,9 @@ def _alternate_consumer(w: int, scores: Scores, ring: pipeline.Ring, p_smem, row
   through the one SMEM buffer: b's P first (p_ready[1]), then a's rescaled to b's max
   (p_ready[0]). Each writer has read the buffer's previous P with its own P V before it
   overwrites it, so no barrier frees the buffer, except before an odd last tile (p_free).
+  With ring_halves consumer w reads only column part w of a tile for its P V (part 0 holds value
+  columns 0, part 1 begins with value columns 1), so it alone releases part w, once done with it,
+  and the producer refills each part as soon as its reader is done.
   """
   n = t1 - t0
   pairs, has_tail = n // 2, n % 2
@@ -295,23 +298,39 @@ def _alternate_consumer(w: int, scores: Scores, ring: pipeline.Ring, p_smem, row
   def rescaled(acc, factor):
     return acc * online_softmax.per_row(factor, acc.shape)
 
+  def values(step):
+    """V of step's tile for value columns w."""
+    if st.ring_halves:
+      return ring.slot(step, w).at[:, pl.ds(0, st.half_v)]
+    return ring.slot(step).at[:, columns]
+
+  def release(step):
+    ring.release(step, part=w if st.ring_halves else None, read_by_registers=st.interpret)
+
   def other_p(acc, step, ready):
     """acc + (the other's P in SMEM) V of step's tile for columns w; then the slot is released."""
     plgpu.barrier_wait(ready)
-    acc = add_pv(acc, [(p_smem, ring.slot(step).at[:, columns])], st)
-    ring.release(step)
+    acc = add_pv(acc, [(p_smem, values(step))], st)
+    release(step)
     return acc
 
-  def score(step, meanwhile=lambda: None):
-    """(slot, S = Q K^T of step's tile, meanwhile()'s result: it runs while Q K^T does)."""
-    slot = ring.wait(step)
+  def score(step, masked, meanwhile=lambda: None):
+    """(S = Q K^T of step's tile, meanwhile()'s result: it runs while Q K^T does); the tile's values
+    past the length are zeroed before either P V."""
+    slot = None if st.ring_halves else ring.wait(step)
 
     def qk(s_ref):
-      scores.start(s_ref, t0 + step, slot)
+      if st.ring_halves:   # zeroed after Q K^T has read the parts
+        scores.start_halves(s_ref, ring, step)
+      else:
+        scores.start(s_ref, t0 + step, slot)
       result = meanwhile()
       return s_ref[...], result
 
-    return (slot, *pl.run_scoped(qk, s_type))
+    s, result = pl.run_scoped(qk, s_type)
+    if st.ring_halves and masked:
+      scores.zero_past(t0 + step, [(ring.slot(step, part), st.half_v) for part in (0, 1)])
+    return s, result
 
   def softmax(s, step, m_i, l_i, masked):
     return st.tile_math.softmax(s, m_i, l_i, tile=t0 + step, length=length, row0=row0, masked=masked, st=st)
@@ -320,12 +339,12 @@ def _alternate_consumer(w: int, scores: Scores, ring: pipeline.Ring, p_smem, row
     """Consumer 0, pair k: tile a; with a second tile, b's P from consumer 1; a's P to consumer 1."""
     acc, m_i, l_i = carry
     a = scores.ring_step(2 * k)
-    slot, s, _ = score(a)
+    s, _ = score(a, masked)
     scale_a, m_a, l_i, p = softmax(s, a, m_i, l_i, masked)
     row_smem[0], row_smem[1] = m_a, scale_a
     plgpu.barrier_arrive(max_ready.at[0])
-    acc = _own_pv(rescaled(acc, scale_a), p.astype(st.smem.dtype), slot.at[:, columns], st)
-    ring.release(a, read_by_registers=st.interpret)
+    acc = _own_pv(rescaled(acc, scale_a), p.astype(st.smem.dtype), values(a), st)
+    release(a)
     if second:
       plgpu.barrier_wait(max_ready.at[1])
       m_a, scale_b = rows(2)   # from here on the pair's max, b's
@@ -352,7 +371,7 @@ def _alternate_consumer(w: int, scores: Scores, ring: pipeline.Ring, p_smem, row
     if not second:
       m, scale_a = max_of_a()
       return other_p(rescaled(acc, scale_a), a, p_ready.at[0]), m, l_i * scale_a
-    slot, s, (m_a, scale_a) = score(a + 1, max_of_a)
+    s, (m_a, scale_a) = score(a + 1, masked, max_of_a)
     scale_b, m, l_i, p = softmax(s, a + 1, m_a, l_i * scale_a, masked)
     row_smem[2], row_smem[3] = m, scale_b
     plgpu.barrier_arrive(max_ready.at[1])
@@ -363,8 +382,8 @@ def _alternate_consumer(w: int, scores: Scores, ring: pipeline.Ring, p_smem, row
       plgpu.commit_smem()   # read next by consumer 0's wgmma
       plgpu.barrier_arrive(p_ready.at[1])
 
-    acc = _own_pv(rescaled(acc, scale_a * scale_b), p16, slot.at[:, columns], st, meanwhile=publish)
-    ring.release(a + 1, read_by_registers=st.interpret)
+    acc = _own_pv(rescaled(acc, scale_a * scale_b), p16, values(a + 1), st, meanwhile=publish)
+    release(a + 1)
     return other_p(acc, a, p_ready.at[0]), m, l_i
 
   pair = (first, second)[w]

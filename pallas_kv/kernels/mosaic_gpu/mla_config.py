@@ -170,7 +170,8 @@ class MlaSmem:
 
   def ring_spec(self) -> pipeline.RingSpec:
     """With ring_halves, part 0 (the scorer's value half) is released by the scorer alone and part
-    1 by the partner alone (the scorer's Q K^T is done with it before P reaches the partner)."""
+    1 by the partner alone (the scorer's Q K^T is done with it before P reaches the partner); the
+    alternate scorers: part w by consumer w."""
     parts = (self.half_v, self.qk_dim - self.half_v) if self.ring_halves else ()
     return pipeline.RingSpec(num_stages=self.num_stages, block_shape=(self.block_kv, self.qk_dim),
                              dtype=self.dtype, transforms=self.transforms(self.qk_dim),
@@ -268,10 +269,9 @@ def check_config(config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, p
                                   or config.block_kv != BLOCK_KV):
     raise ValueError(f"alternate_scores takes block_kv={BLOCK_KV} and none of pipeline_qk, split_scores, rows_as_n; "
                      f"got {config}")
-  if config.ring_halves and (config.pipeline_qk or config.split_scores or config.alternate_scores
-                             or config.rows_as_n):
-    raise ValueError(f"ring_halves takes the plain scorer schedule: none of pipeline_qk, split_scores, "
-                     f"alternate_scores, rows_as_n; got {config}")
+  if config.ring_halves and (config.pipeline_qk or config.split_scores or config.rows_as_n):
+    raise ValueError(f"ring_halves takes the plain scorer schedule or alternate_scores: none of pipeline_qk, "
+                     f"split_scores, rows_as_n; got {config}")
   if config.p_in_registers and (config.pipeline_qk or config.split_scores or config.alternate_scores
                                  or config.rows_as_n):
     raise ValueError(f"p_in_registers takes the plain scorer schedule (alternate_scores always reads its own P "
