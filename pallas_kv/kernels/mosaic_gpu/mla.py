@@ -478,7 +478,7 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
    ) = refs
   q_smem = q_block.at[0]
   ring_slots, (out_smem, lse_smem) = union
-  ring = pipeline.Ring(st.smem.ring_spec(), ring_slots, produced, consumed)
+  ring = pipeline.Ring(st.smem.ring_spec(), ring_slots, produced, consumed, poison_released=st.interpret)
   shared = SharedP(p_smem, row_smem, p_ready, p_free)
   row_block, split, b = lax.axis_index("rows"), lax.axis_index("split"), lax.axis_index("batch")
   length = jnp.clip(lengths_ref[b], 0, st.tiling.max_pages * st.tiling.page_size)

@@ -115,11 +115,15 @@ class Ring:
   slots:    [num_stages, *block_shape] SMEM (with column parts: a tuple of one array per part)
   produced: [num_stages] barriers, `copies_per_slot` arrivals
   consumed: [num_stages] barriers, `num_consumers` arrivals
+  poison_released: a check for GPU interpret mode: a slot (part) with one consumer is filled with
+    NaN when released, so a consumer that frees what another still reads makes that reader's
+    output NaN, whatever order the interpreter runs them in (a race it may not report).
   """
   spec: RingSpec
   slots: Any
   produced: Any
   consumed: Any
+  poison_released: bool = False
 
   def _slot(self, step):
     return lax.rem(step, jnp.int32(self.spec.num_stages))
@@ -200,6 +204,10 @@ class Ring:
     the async proxy) needs nothing more; one that loaded it into registers (ordinary loads)
     passes read_by_registers=True, which fences those reads before the slot can be refilled.
     """
-    if read_by_registers:
+    poison = self.poison_released and self.spec.num_consumers == 1
+    if poison:
+      slot = self.slot(step, part)
+      slot[...] = jnp.full(slot.shape, jnp.nan, slot.dtype)
+    if read_by_registers or poison:   # before the async proxy writes it again
       plgpu.commit_smem()
     plgpu.barrier_arrive(self._barrier(self.consumed, step, part))
