@@ -99,18 +99,14 @@ def _score_tiles(scores: Scores, shared: SharedP, ring: pipeline.Ring, t0, t1, c
       i = tile - t0
 
       def qk(s_ref):
-        if st.ring_halves:
-          scores.start_halves(s_ref, ring, i)
-        else:
-          scores.start(s_ref, tile, ring.wait(i))
+        scores.start_from(s_ref, ring, i, tile)
         return s_ref[...]
 
       s = pl.run_scoped(qk, s_type)
       if st.ring_halves:
-        parts = (ring.slot(i, 0), ring.slot(i, 1))   # [bkv, Dv/2], [bkv, Dqk - Dv/2]
         if masked:
-          scores.zero_past(tile, [(part, st.half_v) for part in parts])   # before P goes out: both P V read them
-        carry = finish(s, tile, *carry, parts[0], masked)
+          scores.zero_past_parts(ring, i, tile)
+        carry = finish(s, tile, *carry, ring.slot(i, 0), masked)   # part 0: V[:, :Dv/2]
       else:
         carry = finish(s, tile, *carry, first_values(ring.slot(i)), masked)
       ring.release(i, part=0 if st.ring_halves else None)
@@ -317,19 +313,14 @@ def _alternate_consumer(w: int, scores: Scores, ring: pipeline.Ring, p_smem, row
   def score(step, masked, meanwhile=lambda: None):
     """(S = Q K^T of step's tile, meanwhile()'s result: it runs while Q K^T does); the tile's values
     past the length are zeroed before either P V."""
-    slot = None if st.ring_halves else ring.wait(step)
-
     def qk(s_ref):
-      if st.ring_halves:   # zeroed after Q K^T has read the parts
-        scores.start_halves(s_ref, ring, step)
-      else:
-        scores.start(s_ref, t0 + step, slot)
+      scores.start_from(s_ref, ring, step, t0 + step)
       result = meanwhile()
       return s_ref[...], result
 
     s, result = pl.run_scoped(qk, s_type)
     if st.ring_halves and masked:
-      scores.zero_past(t0 + step, [(ring.slot(step, part), st.half_v) for part in (0, 1)])
+      scores.zero_past_parts(ring, step, t0 + step)
     return s, result
 
   def softmax(s, step, m_i, l_i, masked):

@@ -176,6 +176,19 @@ class Scores:
       columns = pl.ds(*ring.spec.part_columns(part))
       self.st.tile_math.qk(s_ref, self.q_smem.at[:, columns], ring.wait(i, part).transpose((1, 0)))
 
+  def start_from(self, s_ref, ring: pipeline.Ring, step, tile):
+    """Starts S of step's tile (tile from the sequence's start) once it lands: the whole slot
+    (`start`), or with ring halves part by part (`start_halves`; then `zero_past_parts`)."""
+    if self.st.ring_halves:
+      self.start_halves(s_ref, ring, step)
+    else:
+      self.start(s_ref, tile, ring.wait(step))
+
+  def zero_past_parts(self, ring: pipeline.Ring, step, tile):
+    """ring_halves: zeroes the values past the length in both parts of step's tile, once Q K^T
+    has read them and before either P V does."""
+    self.zero_past(tile, [(ring.slot(step, part), self.st.half_v) for part in (0, 1)])
+
   def zero_past(self, tile, parts):
     """Zeroes the values of rows past the length in a tile: parts are (SMEM ref, its number of
     value columns) pairs, the slot itself or its column parts."""
