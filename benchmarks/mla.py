@@ -97,9 +97,7 @@ KERNEL_SCHEDULES = {"": {}, "_smemp": VARIANTS[P_IN_SMEM], "_alt": VARIANTS[ALTE
 # Codegen's fields changed from its default (registers as (producer, consumer)); `_spt` the
 # ring's slots made opaque per tile (Codegen.slots_per_tile, read by the alternate scorers).
 KERNEL_CODEGEN = {"": {}, "_r232": dict(registers=(40, 232)), "_heldq": dict(q_per_tile=False),
-                  "_r232_heldq": dict(registers=(40, 232), q_per_tile=False), "_spt": dict(slots_per_tile=True),
-                  **{f"_l2p{n}": dict(l2_prefetch=n) for n in range(1, 5)}, "_qkbpv": dict(qk_behind_pv=True),
-                  **{f"_qkbpv_l2p{n}": dict(qk_behind_pv=True, l2_prefetch=n) for n in range(1, 5)}}
+                  "_r232_heldq": dict(registers=(40, 232), q_per_tile=False), "_spt": dict(slots_per_tile=True)}
 PROBE_STAGES = {"_no_qk": frozenset({"qk"}), "_no_softmax": frozenset({"softmax"}), "_no_pv": frozenset({"pv"}),
                 "_loads_only": frozenset({"qk", "softmax", "pv"}), "_no_loads": frozenset({"loads"})}
 KERNEL_IMPLS = {f"{KERNEL}{schedule}{option}{probe}": (fields, skip, codegen)

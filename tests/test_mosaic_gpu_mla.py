@@ -152,7 +152,7 @@ def test_mla_balanced_plan_gives_a_long_sequence_more_splits_and_matches_referen
 
 @pytest.mark.parametrize("variant,codegen", [(v, {}) for v in VARIANTS] + [
     (v, dict(q_per_tile=False)) for v in ("plain", "alternate_scores", "rows_as_n")] + [
-    ("alternate_scores", dict(slots_per_tile=True)), ("p_in_registers", dict(qk_behind_pv=True, l2_prefetch=2))])
+    ("alternate_scores", dict(slots_per_tile=True))])
 def test_mla_race_detection_finds_none(variant, codegen):
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
@@ -223,15 +223,6 @@ def test_mla_register_splits_are_checked():
   assert mla_config.Codegen().name == "" and mla_config.Codegen(q_per_tile=False).name == "_heldq"
   assert mla_config.Codegen(mla_config.RegisterSplit(40, 232), q_per_tile=False).name == "_r40_232_heldq"
   assert mla_config.Codegen(slots_per_tile=True).name == "_spt"
-  assert mla_config.Codegen(l2_prefetch=2, qk_behind_pv=True).name == "_l2p2_qkbpv"
-  for ahead in (-1, mla_config.MAX_L2_PREFETCH + 1):
-    with pytest.raises(ValueError, match="l2_prefetch"):
-      mla_config.Codegen(l2_prefetch=ahead)
-  behind = mla_config.Codegen(qk_behind_pv=True)
-  mla_config.check_codegen(behind, _config(1, variant="p_in_registers"))
-  for variant in ("plain", "ring_halves", "alternate_scores", "pipeline_qk"):   # P from SMEM, other schedules
-    with pytest.raises(ValueError, match="qk_behind_pv takes the plain scorer schedule with p_in_registers"):
-      mla_config.check_codegen(behind, _config(1, variant=variant))
   for producer, consumer, match in ((40, 236, "multiple of 8"), (16, 240, r"\[24, 256\]"),
                                     (32, 240, "three warpgroups launch with 504")):   # 512 > 504
     with pytest.raises(ValueError, match=match):
@@ -442,15 +433,6 @@ def test_gpu_mla_matches_reference(batch, seq_len, num_heads, num_queries, page_
     out = jax.jit(functools.partial(pkv.mla_decode_attention, v_head_dim=V, return_lse=True, impl=IMPL,
                                     config=config))(q, jnp.asarray(bad_pages, q.dtype), bad_tables, lengths)
     _check(args, out, v_head_dim=V)
-  # Codegen options the op does not take (the kernel's launch, one split).
-  rows = q.reshape(batch, -1, QK)
-  one_split = pkv.DecodeConfig(block_kv=64, num_stages=2, p_in_registers=True, num_splits=1)
-  for codegen in (mla_config.Codegen(qk_behind_pv=True), mla_config.Codegen(qk_behind_pv=True, l2_prefetch=2),
-                  mla_config.Codegen(l2_prefetch=4)):
-    out, lse = jax.jit(functools.partial(mgpu_mla.mla_partials, num_queries=num_queries or 1, v_head_dim=V,
-                                         scale=QK ** -0.5, config=one_split, codegen=codegen))(
-        rows, jnp.asarray(bad_pages, q.dtype), lengths, bad_tables)
-    _check(args, (out[:, 0].reshape(*q.shape[:-1], V), lse[:, 0].reshape(q.shape[:-1])), v_head_dim=V)
 
 
 # ---------------------------------------------------------------- the benchmark program
@@ -513,10 +495,9 @@ def test_mla_kernel_launch_matches_the_baseline_and_its_probes_run_in_interpret_
   with pkv.interpret():
     outs = {impl: np.asarray(mla_bench.build_fn(impl, row)(*args), np.float32)
             for impl in (mla_bench.KERNEL, "kernel_alt", "kernel_rh", "kernel_r232_heldq", "kernel_alt_spt",
-                         "kernel_qkbpv_l2p2", "kernel_no_softmax", "kernel_loads_only")}
+                         "kernel_no_softmax", "kernel_loads_only")}
   # The schedules' launches alone, and compiled otherwise (mla_config.Codegen).
-  for impl in (mla_bench.KERNEL, "kernel_alt", "kernel_rh", "kernel_r232_heldq", "kernel_alt_spt",
-               "kernel_qkbpv_l2p2"):
+  for impl in (mla_bench.KERNEL, "kernel_alt", "kernel_rh", "kernel_r232_heldq", "kernel_alt_spt"):
     assert bench_cases.relative_error(outs[impl], baseline) < 1e-2, impl
   for impl in ("kernel_no_softmax", "kernel_loads_only"):
     assert outs[impl].shape == baseline.shape and mla_bench.is_probe(impl) and not mla_bench.is_ours(impl)
@@ -525,8 +506,7 @@ def test_mla_kernel_launch_matches_the_baseline_and_its_probes_run_in_interpret_
 
 # Every probe stage, schedule and Codegen option at least once (each lowering takes 5-9 s on 2 cores).
 @pytest.mark.parametrize("impl", ["kernel", "kernel_rh_no_qk", "kernel_smemp_no_pv", "kernel_heldq_no_softmax",
-                                  "kernel_r232_loads_only", "kernel_alt_no_loads", "kernel_altrh_spt",
-                                  "kernel_qkbpv_l2p2"])
+                                  "kernel_r232_loads_only", "kernel_alt_no_loads", "kernel_altrh_spt"])
 def test_mla_kernel_launch_and_probes_lower_for_cuda(impl):
   from benchmarks import mla as mla_bench
   row = mla_bench.ALL_ROWS["h128_b64_t4096"]
@@ -537,5 +517,5 @@ def test_mla_kernel_launch_and_probes_lower_for_cuda(impl):
     assert f"_{impl}" in module   # a probe's kernel says so in its name
   if "_r232" in impl:   # and so does a register split other than the default
     assert "_r40_232" in module
-  for option in ("_heldq", "_spt", "_qkbpv", "_l2p2"):   # and Q's descriptors held, the ring's slots opaque, ...
+  for option in ("_heldq", "_spt"):   # and Q's descriptors held, the ring's slots opaque
     assert (option in impl) == (option in module), option

@@ -60,14 +60,12 @@ from pallas_kv.kernels import split_k
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import pipeline
 from pallas_kv.kernels.mosaic_gpu import tiling
-from pallas_kv.kernels.mosaic_gpu.mla_config import (ROWS, VALUE_WGS, Codegen, MlaSmem, check_codegen, check_config,
-                                                      row_blocks)
+from pallas_kv.kernels.mosaic_gpu.mla_config import ROWS, VALUE_WGS, Codegen, MlaSmem, check_config, row_blocks
 from pallas_kv.kernels.mosaic_gpu.mla_output import ProgramOutput
 from pallas_kv.kernels.mosaic_gpu.mla_tiles import Scores, SharedP, Static, TileMath, add_pv, start_state, zero_row
 
 SCORER, PARTNER, PRODUCER = 0, 1, 2
 LSE_ROW_MULTIPLE = 4   # TMA stores need 16-byte rows: the lse output is padded to 4 float32 rows
-TMA_BOX_MAX = 256      # elements per dimension of one TMA copy or prefetch
 
 
 def _score_tiles(scores: Scores, shared: SharedP, ring: pipeline.Ring, t0, t1, c, *, length, row0,
@@ -95,10 +93,6 @@ def _score_tiles(scores: Scores, shared: SharedP, ring: pipeline.Ring, t0, t1, c
     return slot.at[:, pl.ds(0, st.half_v)]
 
   acc, m_i, l_i = start_state((ROWS, st.half_v))
-
-  if st.codegen.qk_behind_pv:
-    return _score_tiles_qk_behind_pv(scores, shared, ring, t0, t1, c, finish=finish, values=first_values,
-                                     start=(acc, m_i, l_i), length=length, row0=row0, st=st)
 
   if not st.pipeline_qk:
     def step(tile, carry, *, masked: bool):
@@ -150,62 +144,6 @@ def _score_tiles(scores: Scores, shared: SharedP, ring: pipeline.Ring, t0, t1, c
   carry = lax.fori_loop(t0, c, functools.partial(step, masked=False), carry)
   carry = lax.fori_loop(c, t1, functools.partial(step, masked=True), carry)
   return carry[:3]
-
-
-def _score_tiles_qk_behind_pv(scores: Scores, shared: SharedP, ring: pipeline.Ring, t0, t1, c, *, finish, values,
-                              start, length, row0, st: Static):
-  """Codegen.qk_behind_pv: the scorer's loop with the next tile's Q K^T issued right behind this
-  tile's P V, so that the tensor cores go from one to the other without the scorer waiting in
-  between; the slot is released once P V alone has retired (wgmma groups retire in order), while
-  Q K^T still runs. The carry holds the next tile's scores; the last tile has no next and is
-  finished as the plain schedule does (`finish`)."""
-  s_type = plgpu.ACC((ROWS, st.tiling.block_kv), jnp.float32)
-
-  def first(s_ref):
-    @pl.when(t1 > t0)
-    def _():
-      scores.start_from(s_ref, ring, 0, t0)
-    return s_ref[...]
-
-  def step(tile, carry, *, masked: bool):
-    acc, m_i, l_i, s = carry
-    i = tile - t0
-    alpha, m_new, l_new, p = st.tile_math.softmax(s, m_i, l_i, tile=tile, length=length, row0=row0, masked=masked,
-                                                  st=st)
-    p16, acc = p.astype(st.smem.dtype), acc * online_softmax.per_row(alpha, acc.shape)
-    publish = functools.partial(shared.publish, p16, alpha, wait_free=tile > t0)
-    if st.interpret:   # no pl.run_state, no register operands: the same order, each product waited
-      publish()
-      acc = add_pv(acc, [(shared.p, values(ring.slot(i)))], st)
-      s_next = pl.run_scoped(lambda s_ref: (scores.start_from(s_ref, ring, i + 1, tile + 1), s_ref[...])[1], s_type)
-      ring.release(i)
-      return acc, m_new, l_new, s_next
-
-    def products(refs):
-      acc_ref, s_ref = refs
-      st.tile_math.pv(acc_ref, p16, values(ring.slot(i)))
-      publish()
-      scores.start_from(s_ref, ring, i + 1, tile + 1)
-      plgpu.wgmma_wait(1)   # P V has retired, Q K^T runs on
-      ring.release(i)
-
-    s_zero = plgpu.layout_cast(jnp.zeros((ROWS, st.tiling.block_kv), jnp.float32), plgpu.Layout.WGMMA)
-    acc, s_next = pl.run_state(products)((plgpu.ACC.init(acc), plgpu.ACC.init(s_zero)))
-    return acc, m_new, l_new, s_next
-
-  last = t1 - 1   # its tile is finished without a next Q K^T
-  carry = (*start, pl.run_scoped(first, s_type))
-  carry = lax.fori_loop(t0, jnp.minimum(c, last), functools.partial(step, masked=False), carry)
-  carry = lax.fori_loop(jnp.minimum(c, last), last, functools.partial(step, masked=True), carry)
-
-  def final(tile, carry):
-    acc, m_i, l_i, s = carry
-    i = tile - t0
-    acc, m_i, l_i = finish(s, tile, acc, m_i, l_i, values(ring.slot(i)), True)
-    ring.release(i)
-    return acc, m_i, l_i, s
-
-  return lax.fori_loop(jnp.maximum(last, t0), t1, final, carry)[:3]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -558,7 +496,6 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
           ring.commit(step, st.tiling.tile_sources(kv_ref, where, head=0), part)
         else:   # a probe: the consumers compute on whatever the slot holds
           ring.commit_stores(step, part)
-      _prefetch_into_l2(kv_ref, block_tables_ref, t0, t1, step, batch=b, st=st)
 
     ring.drain(t1 - t0)
 
@@ -629,21 +566,6 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
   @pl.when((t1 == t0) & (wg == SCORER))
   def _():
     output.store_no_keys()
-
-
-def _prefetch_into_l2(kv_ref, block_tables_ref, t0, t1, step, *, batch, st: Static):
-  """Codegen.l2_prefetch: brings the tile that many steps after `step` into L2, if the split has
-  one (a prefetch changes no value: GPU interpret mode, which has no L2, skips it)."""
-  ahead = st.codegen.l2_prefetch
-  if not ahead or st.interpret or not st.tile_math.load_tiles:
-    return
-
-  @pl.when(step + ahead < t1 - t0)
-  def _():
-    where = st.tiling.tile_locations(t0 + step + ahead, batch=batch, block_tables_ref=block_tables_ref)
-    for source in st.tiling.tile_sources(kv_ref, where, head=0):
-      for first in range(0, st.smem.qk_dim, TMA_BOX_MAX):   # a TMA box spans at most 256 columns
-        plgpu.async_prefetch(source.at[:, pl.ds(first, min(TMA_BOX_MAX, st.smem.qk_dim - first))])
 
 
 def _store(output: ProgramOutput, out, lse, half: int, *, row_sums=(), lse_of_max=None):
@@ -728,7 +650,6 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
     raise NotImplementedError(f"mosaic_gpu: {reason}")
   page_size = kv_pages.shape[1]
   check_config(config, qk_dim=D, v_dim=v_head_dim, dtype=q.dtype, page_size=page_size, rows=R)
-  check_codegen(codegen, config)
   kv_tiling = tiling.KVTiling(config.block_kv, D, kv_pages.dtype, page_size=page_size,
                               num_pages=kv_pages.shape[0], max_pages=block_tables.shape[1])
   smem = MlaSmem.for_call(config, qk_dim=D, v_dim=v_head_dim, dtype=q.dtype, page_size=page_size, rows=R)

@@ -43,9 +43,6 @@ ROWS_AS_N_SCRATCH_BYTES = {16: 4096, 32: 4096, 48: 1024, 64: 1024}
 # Three warpgroups of 128 threads launch with 168 registers each (64K / 384, rounded down to 8):
 # setmaxnreg then moves registers between them within that pool, in multiples of 8.
 LAUNCH_REGISTERS = 168
-# Codegen.l2_prefetch: how far ahead of its copies the producer may prefetch tiles into L2 (each
-# SM's prefetched tiles stay in L2 until copied: 132 SMs x 4 x 72 KiB = 38 MiB of the 50 MB).
-MAX_L2_PREFETCH = 4
 REGISTER_POOL = (VALUE_WGS + 1) * LAUNCH_REGISTERS
 
 
@@ -91,30 +88,15 @@ class Codegen:
     consumer w scores only tiles in slot w and reads the other's in slot 1 - w, so the K and V
     descriptors of both slots are loop-invariant, hoisted, and spill (ptxas, thirteenth set).
     Only alternate_scores reads it. Not yet timed.
-  l2_prefetch: the producer, after starting tile i's copy into the ring, asks for tile
-    i + l2_prefetch to be brought into L2 (a TMA prefetch, no SMEM), so that its copy, issued once
-    a slot frees, reads L2 instead of HBM. 0: none. With two 72 KiB stages a copy has about one
-    tile's math to land in; without loads at all the kernel ran 13% faster (RESULTS.md,
-    fourteenth set).
-  qk_behind_pv: the plain scorer issues the next tile's Q K^T right behind this tile's P V and
-    releases the slot once P V alone has retired (`mla._score_tiles_qk_behind_pv`), instead of
-    waiting for P V before it starts Q K^T. The plain schedule with P from registers only.
   """
   registers: RegisterSplit = RegisterSplit()
   q_per_tile: bool = True
   slots_per_tile: bool = False
-  l2_prefetch: int = 0
-  qk_behind_pv: bool = False
-
-  def __post_init__(self):
-    if not 0 <= self.l2_prefetch <= MAX_L2_PREFETCH:
-      raise ValueError(f"Codegen.l2_prefetch={self.l2_prefetch} must be in [0, {MAX_L2_PREFETCH}] tiles ahead")
 
   @property
   def name(self) -> str:
     """The kernel name's suffix: empty for the default; `_heldq` where Q's descriptors are held."""
-    return (f"{self.registers.name}{'' if self.q_per_tile else '_heldq'}{'_spt' if self.slots_per_tile else ''}"
-            f"{f'_l2p{self.l2_prefetch}' if self.l2_prefetch else ''}{'_qkbpv' if self.qk_behind_pv else ''}")
+    return f"{self.registers.name}{'' if self.q_per_tile else '_heldq'}{'_spt' if self.slots_per_tile else ''}"
 
 
 # ---------------------------------------------------------------- SMEM layout, config
@@ -309,15 +291,6 @@ def check_config(config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, p
   if not smem.fits:
     raise ValueError(f"num_stages={config.num_stages} of {config.block_kv} x {qk_dim} tiles needs {smem.nbytes} "
                      f"bytes of SMEM, over the {mgpu_config.SMEM_CAPACITY_BYTES} available; use fewer stages")
-
-
-def check_codegen(codegen: Codegen, config: DecodeConfig) -> None:
-  """What a Codegen option needs of the schedule it compiles."""
-  other = (config.pipeline_qk or config.split_scores or config.alternate_scores or config.rows_as_n
-           or config.ring_halves)
-  if codegen.qk_behind_pv and (other or not config.p_in_registers):
-    raise ValueError(f"Codegen.qk_behind_pv takes the plain scorer schedule with p_in_registers (none of "
-                     f"pipeline_qk, split_scores, alternate_scores, rows_as_n, ring_halves); got {config}")
 
 
 def heuristic_config(problem, *, dtype: Any = "bfloat16") -> DecodeConfig:

@@ -9,7 +9,6 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -202,13 +201,10 @@ class Scores:
 
 
 def zero_row(row_smem, w: int, st: Static):
-  """Codegen's per-tile options: consumer w's zero for `Scores.q_index`, written and read by w (run
-  by warpgroup w). The row is indexed by the warpgroup's index, a runtime value: a view at a
-  constant index closed over by a `pl.run_state` body fails Mosaic GPU's lowering."""
+  """Codegen's per-tile options: consumer w's zero for `Scores.q_index`, written and read by w."""
   if not (st.codegen.q_per_tile or st.codegen.slots_per_tile):
     return None
-  del w   # == lax.axis_index("wg") where this runs
-  row = row_smem.at[st.smem.zero_rows + lax.axis_index("wg")]
+  row = row_smem.at[st.smem.zero_rows + w]
   row[0] = jnp.float32(0)
   return row
 

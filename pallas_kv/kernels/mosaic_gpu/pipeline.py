@@ -126,7 +126,7 @@ class Ring:
   poison_released: bool = False
 
   def _slot(self, step):
-    return lax.rem(step, self.spec.num_stages)   # a literal: no constant captured by pl.run_state bodies
+    return lax.rem(step, jnp.int32(self.spec.num_stages))
 
   def _barrier(self, barriers, step, part):
     """The barrier of (step's slot, part): part must be given exactly when the ring has parts."""
