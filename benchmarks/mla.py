@@ -21,7 +21,10 @@ heuristic's count, e.g. `mosaic_gpu_sp33`), `kernel` (the kernel's launch alone,
 merge) and its probes `kernel_no_qk`, `kernel_no_softmax`, `kernel_no_pv`, `kernel_loads_only`,
 `kernel_no_loads` (the same launch with those stages left out: the TMA ring and the P hand-over
 still run, and without loads the producer marks each slot full as it frees; results
-wrong by design, so they are not checked; they tell where a tile's time goes), `auto` (what `impl="auto"` picks), `xla`
+wrong by design, so they are not checked; they tell where a tile's time goes),
+`kernel_sp<N>_mosaic_merge` / `kernel_sp<N>_triton_merge` (the launch with N splits, then the
+split merge the op runs, which overlaps the kernel's last wave, or the Triton merge as a plain
+second launch), `auto` (what `impl="auto"` picks), `xla`
 (pallas_kv's pure XLA impl), and `bf16_einsum` (written here: XLA einsums over the gathered pages with bf16 operands and
 float32 accumulation, the plain-JAX baseline). Every impl's output of a row is first checked
 against bf16_einsum's (relative error ||out - ref|| / ||ref||, at most 1e-2 for ours), then
@@ -104,6 +107,10 @@ KERNEL_IMPLS = {f"{KERNEL}{schedule}{option}{probe}": (fields, skip, codegen)
                 for schedule, fields in KERNEL_SCHEDULES.items() for option, codegen in KERNEL_CODEGEN.items()
                 for probe, skip in {"": frozenset(), **PROBE_STAGES}.items()}
 PROBES = tuple(name for name, (_, skip, _) in KERNEL_IMPLS.items() if skip)
+# The default kernel with N splits and then the split merge as the op runs it (the Mosaic GPU
+# launch that overlaps the kernel's last wave, kernels/mosaic_gpu/merge.py) or as a plain second
+# launch (the Triton merge kernel), e.g. kernel_sp64_mosaic_merge beside kernel_sp64_triton_merge.
+MERGED_SPLITS = re.compile(r"kernel_sp([1-9][0-9]*)_(mosaic|triton)_merge")
 GPU_IMPLS = ("mosaic_gpu", RING_HALVES, BASELINE, "xla")
 CPU_IMPLS = ("auto", "xla", BASELINE)
 OUR_IMPLS = runners.OUR_IMPLS + tuple(VARIANTS) + tuple(name for name in KERNEL_IMPLS if name not in PROBES)
@@ -173,7 +180,7 @@ def bf16_einsum(q, kv_pages, block_tables, lengths, *, v_head_dim: int, scale: f
 
 def is_ours(impl: str) -> bool:
   """Ours and checked against the baseline (the probes are neither)."""
-  return impl in OUR_IMPLS or FIXED_SPLITS.fullmatch(impl) is not None
+  return impl in OUR_IMPLS or any(p.fullmatch(impl) is not None for p in (FIXED_SPLITS, MERGED_SPLITS))
 
 
 def is_probe(impl: str) -> bool:
@@ -232,6 +239,25 @@ def build_kernel_launch(impl: str, row: "Row", scale: float):
   return jax.jit(launch)
 
 
+def build_merged_splits(impl: str, row: "Row", scale: float):
+  """The default kernel's launch with a fixed split count, then one of the two split merges."""
+  pkv = runners.import_pallas_kv()
+  from pallas_kv.kernels.mosaic_gpu import backend, mla as mgpu_mla   # pylint: disable=g-import-not-at-top
+  splits, which = MERGED_SPLITS.fullmatch(impl).groups()
+  config = pkv.DecodeConfig(**(DEFAULT_FIELDS | dict(num_splits=int(splits))))
+  merge = backend.mla_merge() if which == "mosaic" else backend.fused_merge()   # fused: the Triton merge
+
+  def launch(q, kv_pages, block_tables, lengths):
+    rows = q.reshape(q.shape[0], -1, q.shape[-1])   # [B, S * Hq, Dqk]: row s * Hq + h
+    out, lse = mgpu_mla.mla_partials(rows, kv_pages, lengths, block_tables, num_queries=row.num_queries,
+                                     v_head_dim=row.v_dim, scale=scale, config=config,
+                                     interpret=backend.interpret_params())
+    merged, _ = merge(out[:, None], lse[:, None], None, rows=rows.shape[1], out_dtype=q.dtype, return_lse=False)
+    return merged[:, 0].reshape(*q.shape[:-1], row.v_dim)
+
+  return jax.jit(launch)
+
+
 def variant_fields(impl: str) -> dict | None:
   """The DecodeConfig fields of a Mosaic GPU variant impl, or None for a plain impl."""
   fixed = FIXED_SPLITS.fullmatch(impl)
@@ -245,6 +271,8 @@ def build_fn(impl: str, row: Row):
     return jax.jit(lambda *a: bf16_einsum(*a, v_head_dim=row.v_dim, scale=scale))
   if impl in KERNEL_IMPLS:
     return build_kernel_launch(impl, row, scale)
+  if MERGED_SPLITS.fullmatch(impl):
+    return build_merged_splits(impl, row, scale)
   if not is_ours(impl):
     raise ValueError(f"unknown impl {impl!r}; choose from {OUR_IMPLS + PROBES + (BASELINE,)} or "
                      "mosaic_gpu_sp<N>")
@@ -346,7 +374,7 @@ def define_flags() -> None:
   flags.DEFINE_list("rows", None, f"Rows to run, from {','.join(ALL_ROWS)}. Default: GPU all but "
                     "tiny_cpu; CPU tiny_cpu.")
   flags.DEFINE_list("impl", None, f"Impls, from {','.join(OUR_IMPLS + PROBES + (BASELINE,))}, or mosaic_gpu_sp<N> "
-                    "(N splits fixed). Default: GPU "
+                    "(N splits fixed), kernel_sp<N>_mosaic_merge, kernel_sp<N>_triton_merge. Default: GPU "
                     f"{','.join(GPU_IMPLS)}; CPU {','.join(CPU_IMPLS)}.")
   flags.DEFINE_float("rotate_bytes", None, "Rotate among input sets until their KV totals this many bytes "
                      "(L2 defeat). Default: GPU 3 x L2, CPU 0.")

@@ -435,6 +435,28 @@ def test_gpu_mla_matches_reference(batch, seq_len, num_heads, num_queries, page_
     _check(args, out, v_head_dim=V)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,seq_len,num_heads,num_queries", [(4, 4096, 128, None), (3, 8192, 64, 2)])
+def test_gpu_mla_split_merge_matches_reference(batch, seq_len, num_heads, num_queries):
+  """The op's split merge on the GPU (the Mosaic GPU launch overlapped with the kernel, 64-row
+  blocks): ragged, zero and short lengths leave splits with no key, whose partials are unwritten."""
+  from pallas_kv import runtime
+  if not runtime.is_hopper_or_newer():
+    pytest.skip("needs a Hopper GPU (compute capability 9.0+)")
+  lengths = [seq_len, 0, 100, seq_len // 3][:batch]
+  args = _case(batch, batch=batch, seq_len=seq_len, num_heads=num_heads, num_queries=num_queries, page_size=64,
+               lengths=lengths, qk_dim=QK)
+  q, pages, tables, lengths = args
+  bad_pages, bad_tables = _poisoned(pages, tables, lengths, 64)
+  for splits in (None, 8):
+    config = None if splits is None else pkv.DecodeConfig(block_kv=64, num_stages=2, p_in_registers=True,
+                                                          num_splits=splits)
+    out = jax.jit(functools.partial(pkv.mla_decode_attention, v_head_dim=V, return_lse=True, config=config))(
+        q, jnp.asarray(bad_pages, q.dtype), bad_tables, lengths)
+    assert pkv.last_impl() == IMPL
+    _check(args, out, v_head_dim=V)
+
+
 # ---------------------------------------------------------------- the benchmark program
 
 def test_mla_benchmark_runs_a_tiny_case_on_cpu():

@@ -16,6 +16,7 @@ from pallas_kv.config import DecodeConfig
 from pallas_kv.kernels import split_k
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
+from pallas_kv.kernels.mosaic_gpu import merge as mgpu_merge
 from pallas_kv.kernels.mosaic_gpu import mla as mgpu_mla
 from pallas_kv.kernels.mosaic_gpu import mla_config
 
@@ -37,6 +38,24 @@ def fused_merge():
   except ImportError:
     return None
   return functools.partial(merge.merge_partials, interpret=runtime.interpret_enabled())
+
+
+def mla_merge():
+  """MLA's split merge: the Mosaic GPU merge launch, which overlaps the MLA kernel's last wave
+  (programmatic dependent launch, `merge.py`), where its 64-row blocks cover the rows; else
+  `fused_merge` (or XLA's when that is None)."""
+  fallback = fused_merge()
+
+  def merge(out, lse, sinks, *, rows, out_dtype, return_lse):
+    if mgpu_merge.unsupported_reason(out.shape, out.dtype, rows=rows, has_sinks=sinks is not None) is None:
+      return mgpu_merge.merge_partials(out, lse, sinks, rows=rows, out_dtype=out_dtype, return_lse=return_lse,
+                                       interpret=interpret_params())
+    if fallback is not None:
+      return fallback(out, lse, sinks, rows=rows, out_dtype=out_dtype, return_lse=return_lse)
+    merged, merged_lse = split_k.merge_splits(out[:, :, :, :rows], lse[:, :, :, :rows], sinks)
+    return merged.astype(out_dtype), merged_lse if return_lse else None
+
+  return merge
 
 
 def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: DecodeConfig | None, sinks,
@@ -76,4 +95,4 @@ def run_mla(q, kv_pages, lengths, block_tables, *, problem, options, config: Dec
     return out[:, None], lse[:, None]   # [B, Hkv = 1, splits, R, ...]
 
   return split_k.run(partials, q, kv_pages, lengths, block_tables, problem=problem, sinks=None,
-                     return_lse=return_lse, merge=fused_merge())
+                     return_lse=return_lse, merge=mla_merge())
