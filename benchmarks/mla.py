@@ -23,7 +23,7 @@ merge) and its probes `kernel_no_qk`, `kernel_no_softmax`, `kernel_no_pv`, `kern
 still run, and without loads the producer marks each slot full as it frees; results
 wrong by design, so they are not checked; they tell where a tile's time goes),
 `kernel_sp<N>_mosaic_merge` / `kernel_sp<N>_triton_merge` (the launch with N splits, then the
-split merge the op runs, which overlaps the kernel's last wave, or the Triton merge as a plain
+Mosaic GPU merge overlapped with the kernel's last wave, or the Triton merge the op runs, a plain
 second launch), `auto` (what `impl="auto"` picks), `xla`
 (pallas_kv's pure XLA impl), and `bf16_einsum` (written here: XLA einsums over the gathered pages with bf16 operands and
 float32 accumulation, the plain-JAX baseline). Every impl's output of a row is first checked
@@ -107,9 +107,9 @@ KERNEL_IMPLS = {f"{KERNEL}{schedule}{option}{probe}": (fields, skip, codegen)
                 for schedule, fields in KERNEL_SCHEDULES.items() for option, codegen in KERNEL_CODEGEN.items()
                 for probe, skip in {"": frozenset(), **PROBE_STAGES}.items()}
 PROBES = tuple(name for name, (_, skip, _) in KERNEL_IMPLS.items() if skip)
-# The default kernel with N splits and then the split merge as the op runs it (the Mosaic GPU
-# launch that overlaps the kernel's last wave, kernels/mosaic_gpu/merge.py) or as a plain second
-# launch (the Triton merge kernel), e.g. kernel_sp64_mosaic_merge beside kernel_sp64_triton_merge.
+# The default kernel with N splits and then a split merge: the Mosaic GPU launch that overlaps
+# the kernel's last wave (kernels/mosaic_gpu/merge.py) or the op's, the Triton merge kernel as a
+# plain second launch, e.g. kernel_sp64_mosaic_merge beside kernel_sp64_triton_merge.
 MERGED_SPLITS = re.compile(r"kernel_sp([1-9][0-9]*)_(mosaic|triton)_merge")
 GPU_IMPLS = ("mosaic_gpu", RING_HALVES, BASELINE, "xla")
 CPU_IMPLS = ("auto", "xla", BASELINE)

@@ -438,8 +438,10 @@ def test_gpu_mla_matches_reference(batch, seq_len, num_heads, num_queries, page_
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,seq_len,num_heads,num_queries", [(4, 4096, 128, None), (3, 8192, 64, 2)])
 def test_gpu_mla_split_merge_matches_reference(batch, seq_len, num_heads, num_queries):
-  """The op's split merge on the GPU (the Mosaic GPU launch overlapped with the kernel, 64-row
-  blocks): ragged, zero and short lengths leave splits with no key, whose partials are unwritten."""
+  """The split merges on the GPU, the op's (Triton) and the Mosaic GPU launch overlapped with the
+  kernel (`backend.mla_merge`): ragged, zero and short lengths leave splits with no key, whose
+  partials are unwritten."""
+  from pallas_kv.kernels.mosaic_gpu import backend
   from pallas_kv import runtime
   if not runtime.is_hopper_or_newer():
     pytest.skip("needs a Hopper GPU (compute capability 9.0+)")
@@ -455,6 +457,16 @@ def test_gpu_mla_split_merge_matches_reference(batch, seq_len, num_heads, num_qu
         q, jnp.asarray(bad_pages, q.dtype), bad_tables, lengths)
     assert pkv.last_impl() == IMPL
     _check(args, out, v_head_dim=V)
+
+  def overlapped(q, pages, tables, lengths):
+    rows = q.reshape(batch, -1, QK)
+    out, lse = mgpu_mla.mla_partials(rows, pages, lengths, tables, num_queries=num_queries or 1, v_head_dim=V,
+                                     scale=QK ** -0.5, config=config)
+    merged, merged_lse = backend.mla_merge()(out[:, None], lse[:, None], None, rows=rows.shape[1], out_dtype=q.dtype,
+                                             return_lse=True)
+    return merged[:, 0].reshape(*q.shape[:-1], V), merged_lse[:, 0].reshape(q.shape[:-1])
+
+  _check(args, jax.jit(overlapped)(q, jnp.asarray(bad_pages, q.dtype), bad_tables, lengths), v_head_dim=V)
 
 
 # ---------------------------------------------------------------- the benchmark program

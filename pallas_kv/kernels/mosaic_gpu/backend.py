@@ -41,9 +41,11 @@ def fused_merge():
 
 
 def mla_merge():
-  """MLA's split merge: the Mosaic GPU merge launch, which overlaps the MLA kernel's last wave
-  (programmatic dependent launch, `merge.py`), where its 64-row blocks cover the rows; else
-  `fused_merge` (or XLA's when that is None)."""
+  """An MLA split merge overlapped with the kernel: the Mosaic GPU merge launch (programmatic
+  dependent launch, `merge.py`) where its 64-row blocks cover the rows, else `fused_merge` (or
+  XLA's when that is None). Not the op's: at B1 T32768 (64 splits, 128 heads) the call took
+  34.4 us with it against 25.8 with the Triton merge (benchmarks/RESULTS.md, fourteenth set);
+  `benchmarks.mla` times it (kernel_sp<N>_mosaic_merge)."""
   fallback = fused_merge()
 
   def merge(out, lse, sinks, *, rows, out_dtype, return_lse):
@@ -95,4 +97,4 @@ def run_mla(q, kv_pages, lengths, block_tables, *, problem, options, config: Dec
     return out[:, None], lse[:, None]   # [B, Hkv = 1, splits, R, ...]
 
   return split_k.run(partials, q, kv_pages, lengths, block_tables, problem=problem, sinks=None,
-                     return_lse=return_lse, merge=mla_merge())
+                     return_lse=return_lse, merge=fused_merge())

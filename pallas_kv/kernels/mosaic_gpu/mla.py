@@ -471,7 +471,7 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
   ring_slots, (out_smem, lse_smem) = union
   ring = pipeline.Ring(st.smem.ring_spec(), ring_slots, produced, consumed, poison_released=st.interpret)
   shared = SharedP(p_smem, row_smem, p_ready, p_free)
-  if not st.interpret and st.num_splits > 1:   # the merge launch may start on SMs this launch leaves
+  if not st.interpret and st.num_splits > 1:   # a merge launch that waits (PDL) may take SMs this one leaves
     plgpu.griddepcontrol_launch_dependents()
   row_block, split, b = lax.axis_index("rows"), lax.axis_index("split"), lax.axis_index("batch")
   length = jnp.clip(lengths_ref[b], 0, st.tiling.max_pages * st.tiling.page_size)
