@@ -22,7 +22,8 @@ LAYERS = [
     # the MLA kernel's output stores (its SMEM staging's rows) and per-tile pieces
     {"kernels.mosaic_gpu.mla_output", "kernels.mosaic_gpu.mla_tiles"},
     {"kernels.mosaic_gpu.decode", "kernels.mosaic_gpu.mla", "kernels.triton.decode"},
-    {"kernels.triton.merge"},   # the merge launch: the Triton decode module's compiler params
+    # the merge launches: the Triton one takes the Triton decode module's compiler params
+    {"kernels.triton.merge", "kernels.mosaic_gpu.merge"},
     {"kernels.mosaic_gpu.backend", "kernels.triton.backend"},
     {"api"},
     {"module", "sharding", "reference"},
