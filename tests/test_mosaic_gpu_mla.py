@@ -441,7 +441,6 @@ def test_gpu_mla_split_merge_matches_reference(batch, seq_len, num_heads, num_qu
   """The split merges on the GPU, the op's (Triton) and the Mosaic GPU launch overlapped with the
   kernel (`backend.mla_merge`): ragged, zero and short lengths leave splits with no key, whose
   partials are unwritten."""
-  from pallas_kv.kernels.mosaic_gpu import backend
   from pallas_kv import runtime
   if not runtime.is_hopper_or_newer():
     pytest.skip("needs a Hopper GPU (compute capability 9.0+)")
@@ -450,23 +449,42 @@ def test_gpu_mla_split_merge_matches_reference(batch, seq_len, num_heads, num_qu
                lengths=lengths, qk_dim=QK)
   q, pages, tables, lengths = args
   bad_pages, bad_tables = _poisoned(pages, tables, lengths, 64)
-  for splits in (None, 8):
-    config = None if splits is None else pkv.DecodeConfig(block_kv=64, num_stages=2, p_in_registers=True,
-                                                          num_splits=splits)
+  eight_splits = pkv.DecodeConfig(block_kv=64, num_stages=2, p_in_registers=True, num_splits=8)
+  for config in (None, eight_splits):
     out = jax.jit(functools.partial(pkv.mla_decode_attention, v_head_dim=V, return_lse=True, config=config))(
         q, jnp.asarray(bad_pages, q.dtype), bad_tables, lengths)
     assert pkv.last_impl() == IMPL
     _check(args, out, v_head_dim=V)
+  out = jax.jit(functools.partial(_overlapped_merge, qk_dim=QK, v_dim=V, config=eight_splits))(
+      q, jnp.asarray(bad_pages, q.dtype), bad_tables, lengths)
+  _check(args, out, v_head_dim=V)
 
-  def overlapped(q, pages, tables, lengths):
-    rows = q.reshape(batch, -1, QK)
-    out, lse = mgpu_mla.mla_partials(rows, pages, lengths, tables, num_queries=num_queries or 1, v_head_dim=V,
-                                     scale=QK ** -0.5, config=config)
-    merged, merged_lse = backend.mla_merge()(out[:, None], lse[:, None], None, rows=rows.shape[1], out_dtype=q.dtype,
-                                             return_lse=True)
-    return merged[:, 0].reshape(*q.shape[:-1], V), merged_lse[:, 0].reshape(q.shape[:-1])
 
-  _check(args, jax.jit(overlapped)(q, jnp.asarray(bad_pages, q.dtype), bad_tables, lengths), v_head_dim=V)
+def _overlapped_merge(q, pages, tables, lengths, *, qk_dim, v_dim, config, interpret=False):
+  """(out, lse) of the MLA kernel's partials merged by `backend.mla_merge` (q [B, (S,) Hq, Dqk])."""
+  from pallas_kv.kernels.mosaic_gpu import backend
+  rows = q.reshape(q.shape[0], -1, qk_dim)
+  num_queries = 1 if q.ndim == 3 else q.shape[1]
+  out, lse = mgpu_mla.mla_partials(rows, pages, lengths, tables, num_queries=num_queries, v_head_dim=v_dim,
+                                   scale=qk_dim ** -0.5, config=config, interpret=interpret)
+  merged, merged_lse = backend.mla_merge()(out[:, None], lse[:, None], None, rows=rows.shape[1], out_dtype=q.dtype,
+                                           return_lse=True)
+  return merged[:, 0].reshape(*q.shape[:-1], v_dim), merged_lse[:, 0].reshape(q.shape[:-1])
+
+
+def test_mla_overlapped_merge_matches_reference(interpret_mode):
+  """`backend.mla_merge` after the kernel (interpret mode): the Mosaic GPU merge at 128 packed rows
+  (64 heads x 2 tokens), with empty splits (lengths 0 and 100 of 4 splits over 512) and NaN pages."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  args = _case(3, batch=3, seq_len=512, num_heads=64, num_queries=2, page_size=64, lengths=[512, 0, 100])
+  q, pages, tables, lengths = args
+  bad_pages, bad_tables = _poisoned(pages, tables, lengths, 64)
+  config = pkv.DecodeConfig(block_kv=64, num_stages=2, p_in_registers=True, num_splits=4)
+  from pallas_kv.kernels.mosaic_gpu import merge as mgpu_merge   # the Mosaic GPU merge serves it, no fallback
+  assert mgpu_merge.unsupported_reason((3, 1, 4, 128, SMALL_V), q.dtype, rows=128, has_sinks=False) is None
+  out = _overlapped_merge(q, jnp.asarray(bad_pages, q.dtype), bad_tables, lengths, qk_dim=SMALL_QK, v_dim=SMALL_V,
+                          config=config, interpret=plgpu.InterpretGPUParams())
+  _check(args, out)
 
 
 # ---------------------------------------------------------------- the benchmark program
