@@ -2,7 +2,7 @@
 # The measurement suite on an H200, in parts that each fit one ~10-minute command.
 #   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged quantized qprobe vmap step tune
 #   fuzz memcheck mla merge balanced smollm2 (SMOLLM2_GGUF=path: the GPU machine has no network)
-#   tune_triton ncu ncu_stalls ncu_mla mla_probes mla_schedules ptxas loadpath kernels chain timer ragged_order ragged_one qpaged16 qpaged64 converter vlast models
+#   tune_triton ncu ncu_stalls ncu_mla mla_probes mla_schedules mla_merge ptxas loadpath kernels chain timer ragged_order ragged_one qpaged16 qpaged64 converter vlast models
 #   tune-SWEEP-BACKEND (e.g. TUNE_CASES=32x8192,128x8192 ... tune-gpt_oss_120b-mosaic_gpu)
 #   (and scaling8k scaling32k on a machine with several GPUs)
 # Results (JSON, logs) go to $OUT if set, else bench_out/. Run from the repository root with the
@@ -81,6 +81,15 @@ for part in "$@"; do
               python3 -m benchmarks.mla --rows=h128_b64_t4096 --iters=10 --repeats=10 \
                 --impl=kernel,kernel_r232_heldq,kernel_no_loads,kernel_alt,kernel_alt_spt,kernel_alt_no_loads,kernel_altrh,kernel_altrh_spt,mosaic_gpu_pqk,mosaic_gpu \
                 --json="$out/mla_schedules.json" 2>&1 | quiet | tee "$out/mla_schedules.log" ;;
+    mla_merge) # the MLA split merge overlapped with the kernel (the Mosaic GPU launch, programmatic dependent
+              # launch) against the Triton merge the op runs, at B1 (64 splits) and B16 (4), and its GPU test (~5 min)
+              python3 -m benchmarks.mla --rows=h128_b1_t32768 --iters=10 --repeats=10 \
+                --impl=mosaic_gpu,kernel_sp64_triton_merge,kernel_sp64_mosaic_merge --json="$out/mla_merge_b1.json" 2>&1 \
+                | quiet | tee "$out/mla_merge.log"
+              python3 -m benchmarks.mla --rows=h128_b16_t4096 --iters=10 --repeats=10 \
+                --impl=mosaic_gpu,kernel_sp4_triton_merge,kernel_sp4_mosaic_merge --json="$out/mla_merge_b16.json" 2>&1 \
+                | quiet | tee -a "$out/mla_merge.log"
+              python3 -m pytest -q -m gpu tests/test_mosaic_gpu_mla.py -k split_merge -p no:cacheprovider 2>&1 | tail -3 ;;
     ptxas)    # registers, spills and wgmma warnings of the MLA schedules, from ptxas (compiles only,
               # ~40 s a kernel); their gzipped PTX comes back as one ptx.tar (the device returns few
               # files) for `--ptx` on a machine without a GPU
