@@ -480,7 +480,7 @@ def test_mla_overlapped_merge_matches_reference(interpret_mode):
   q, pages, tables, lengths = args
   bad_pages, bad_tables = _poisoned(pages, tables, lengths, 64)
   config = pkv.DecodeConfig(block_kv=64, num_stages=2, p_in_registers=True, num_splits=4)
-  from pallas_kv.kernels.mosaic_gpu import merge as mgpu_merge   # the Mosaic GPU merge serves it, no fallback
+  from pallas_kv.kernels.mosaic_gpu import merge as mgpu_merge   # the Mosaic GPU merge serves these rows
   assert mgpu_merge.unsupported_reason((3, 1, 4, 128, SMALL_V), q.dtype, rows=128, has_sinks=False) is None
   out = _overlapped_merge(q, jnp.asarray(bad_pages, q.dtype), bad_tables, lengths, qk_dim=SMALL_QK, v_dim=SMALL_V,
                           config=config, interpret=plgpu.InterpretGPUParams())

@@ -41,23 +41,12 @@ def fused_merge():
 
 
 def mla_merge():
-  """An MLA split merge overlapped with the kernel: the Mosaic GPU merge launch (programmatic
-  dependent launch, `merge.py`) where its 64-row blocks cover the rows, else `fused_merge` (or
-  XLA's when that is None). Not the op's: at B1 T32768 (64 splits, 128 heads) the call took
-  34.4 us with it against 25.8 with the Triton merge (benchmarks/RESULTS.md, fourteenth set);
+  """The MLA split merge overlapped with the kernel: the Mosaic GPU merge launch (programmatic
+  dependent launch, `merge.py`), with `fused_merge`'s signature; it refuses (NotImplementedError)
+  what its 64-row blocks cannot cover. Not the op's: at B1 T32768 (64 splits, 128 heads) the call
+  took 34.4 us with it against 25.8 with the Triton merge (benchmarks/RESULTS.md, fourteenth set);
   `benchmarks.mla` times it (kernel_sp<N>_mosaic_merge)."""
-  fallback = fused_merge()
-
-  def merge(out, lse, sinks, *, rows, out_dtype, return_lse):
-    if mgpu_merge.unsupported_reason(out.shape, out.dtype, rows=rows, has_sinks=sinks is not None) is None:
-      return mgpu_merge.merge_partials(out, lse, sinks, rows=rows, out_dtype=out_dtype, return_lse=return_lse,
-                                       interpret=interpret_params())
-    if fallback is not None:
-      return fallback(out, lse, sinks, rows=rows, out_dtype=out_dtype, return_lse=return_lse)
-    merged, merged_lse = split_k.merge_splits(out[:, :, :, :rows], lse[:, :, :, :rows], sinks)
-    return merged.astype(out_dtype), merged_lse if return_lse else None
-
-  return merge
+  return functools.partial(mgpu_merge.merge_partials, interpret=interpret_params())
 
 
 def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: DecodeConfig | None, sinks,
