@@ -156,13 +156,21 @@ KERNEL_IMPLS = ("mosaic_gpu", "triton")
 
 
 def auto_table(rows: Sequence[dict]) -> str:
-  """Markdown: per case, auto's time against the fastest kernel backend and the fastest peer."""
+  """Markdown: per case, auto's time against the fastest kernel backend and the fastest peer.
+
+  auto runs the same kernel with the same config as the backend it picked, so two more columns
+  say how far to trust a ratio: that backend's own row against auto's (the same kernel timed
+  twice: the run's spread) and whether a row's chains were dispatch-bound (timer
+  "chain-diff+dispatch": the host could not queue calls as fast as the GPU ran them, so those
+  figures hold host time).
+  """
   cases: dict[tuple, dict[str, dict]] = {}
   for row in rows:
     if row.get("time_us") is not None:
       cases.setdefault((family(row), case_label(row)), {})[row["impl"]] = row
-  lines = ["| case | auto ran | auto µs | fastest backend µs | auto / fastest | fastest peer µs | auto / peer |",
-           "|---|---|---|---|---|---|---|"]
+  lines = ["| case | auto ran | auto µs | fastest backend µs | auto / fastest | same kernel, other row | "
+           "dispatch-bound | fastest peer µs | auto / peer |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for (fam, label), by_impl in cases.items():
     auto = by_impl.get("auto")
     if auto is None:
@@ -171,9 +179,13 @@ def auto_table(rows: Sequence[dict]) -> str:
     peers = [r for r in by_impl.values() if not r.get("ours", r["impl"] in KERNEL_IMPLS + ("auto", "xla"))]
     best = min(kernels, key=lambda r: r["time_us"], default=None)
     peer = min(peers, key=lambda r: r["time_us"], default=None)
+    ran = by_impl.get(auto.get("auto_choice") or "")
     ratio = lambda other: f"{auto['time_us'] / other['time_us']:.3f}" if other else "–"
+    bound = [r["impl"] for r in (auto, best) if r and str(r.get("timer", "")).endswith("+dispatch")]
     lines.append(f"| {fam} {label} | {auto.get('auto_choice') or '?'} | {auto['time_us']:.1f} | "
                  + (f"{best['time_us']:.1f} ({best['impl']})" if best else "–") + f" | {ratio(best)} | "
+                 + (f"{ran['time_us']:.1f} ({ratio(ran)})" if ran else "–") + " | "
+                 + (", ".join(dict.fromkeys(bound)) or "no") + " | "
                  + (f"{peer['time_us']:.1f} ({peer['impl']})" if peer else "–") + f" | {ratio(peer)} |")
   return "\n".join(lines)
 
