@@ -173,7 +173,7 @@ def main(argv):
   del argv
   out = pathlib.Path(FLAGS.out) if FLAGS.out else None
   if FLAGS.smoke:
-    sweep = cases.Sweep(op="decode", impls=("xla",), cases=((2, 256),), num_heads=4, num_kv_heads=2, head_dim=64,
+    sweep = cases.Sweep(op="decode", impls=("xla",), cases=((1, 128),), num_heads=4, num_kv_heads=2, head_dim=64,
                         iters=1, repeats=1, warmup=0)
     with pkv.interpret():
       run(sweep, FLAGS.backend, "smoke", out)

@@ -89,7 +89,7 @@ def test_tuner_smoke_writes_a_file_the_config_choice_uses(tmp_path):
   os.environ[tuned.TUNED_DIR_ENV_VAR] = str(tmp_path)
   try:
     tuned.clear_cache()
-    problem = _problem(2, 256, heads=(4, 2))
+    problem = _problem(1, 128, heads=(4, 2))
     problem = validation.Problem(**{**problem.__dict__, "head_dim": 64})
     assert mgpu_config.resolve_config(problem, None, device_kind="cpu") == pkv.DecodeConfig(**entry["config"])
   finally:
