@@ -252,6 +252,17 @@ def triton_block_kv(block_kv: int | None):
 
 
 @contextlib.contextmanager
+def triton_num_stages(num_stages: int | None):
+  """While open (if num_stages is set), the triton backend resolves its configs as usual, then
+  pipelines num_stages tiles (the config checked again as given)."""
+  from pallas_kv.kernels.triton import config as triton_config  # pylint: disable=g-import-not-at-top
+  staged = lambda resolve, problem, config, kw: resolve(problem, dataclasses.replace(config, num_stages=num_stages),
+                                                         **kw)
+  with _resolved_configs_rewritten([triton_config] if num_stages else [], staged):
+    yield
+
+
+@contextlib.contextmanager
 def triton_sequence_order(order: str):
   """While open (unless order is "given"), the triton backend resolves its configs as usual, then
   sets sequence_order=order."""
@@ -323,6 +334,8 @@ def define_flags() -> None:
                     "the config otherwise as resolved.")
   flags.DEFINE_integer("triton_block_kv", None, "triton impl: tiles of this many tokens, the config otherwise "
                        "as resolved.")
+  flags.DEFINE_integer("triton_num_stages", None, "triton impl: tiles pipelined (DecodeConfig.num_stages), the "
+                       "config otherwise as resolved.")
   flags.DEFINE_boolean("v_tokens_last", False, "pallas_kv impls of the dense and paged ops: v stored "
                        "[B, Hkv, D, T] / [P, Hkv, D, page_size] (decode_attention's v_tokens_last).")
   flags.adopt_module_key_flags(cli)
@@ -338,7 +351,8 @@ def main(argv: Sequence[str]) -> int:
   paths = cli.output_paths()
   with (triton_merge_in_kernel(flags.FLAGS.merge_in_kernel), balanced_split_plan(flags.FLAGS.split_plan == "balanced"),
         triton_sequence_order(flags.FLAGS.sequence_order), mosaic_convert_warpgroup(flags.FLAGS.convert_warpgroup),
-        values_tokens_last(flags.FLAGS.v_tokens_last), triton_block_kv(flags.FLAGS.triton_block_kv)):
+        values_tokens_last(flags.FLAGS.v_tokens_last), triton_block_kv(flags.FLAGS.triton_block_kv),
+        triton_num_stages(flags.FLAGS.triton_num_stages)):
     rows = run(sweep, json_path=paths.json, csv_path=paths.csv, plot_path=paths.plot)
   return output.report_failures(
       output.failed_rows(rows), lambda r: f"{r['impl']} on {r['op']} B={r['batch']} T={r['seq_len']}",

@@ -2,7 +2,7 @@
 # The measurement suite on an H200, in parts that each fit one ~10-minute command.
 #   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged quantized qprobe vmap step tune
 #   fuzz memcheck mla merge balanced smollm2 (SMOLLM2_GGUF=path: the GPU machine has no network)
-#   tune_triton ncu ncu_stalls ncu_mla mla_probes mla_schedules mla_merge ptxas loadpath kernels chain timer ragged_order ragged_one qpaged16 qpaged64 converter vlast models
+#   tune_triton ncu ncu_stalls ncu_mla mla_probes mla_schedules mla_merge ptxas loadpath kernels chain timer ragged_order ragged_one qpaged16 qpaged64 converter vlast models stages
 #   tune-SWEEP-BACKEND (e.g. TUNE_CASES=32x8192,128x8192 ... tune-gpt_oss_120b-mosaic_gpu)
 #   (and scaling8k scaling32k on a machine with several GPUs)
 # Results (JSON, logs) go to $OUT if set, else bench_out/. Run from the repository root with the
@@ -123,6 +123,14 @@ for part in "$@"; do
                   --warmup=2 --repeats=5 --json="$out/$m.json" 2>&1 | quiet > "$out/$m.log"
                 python3 -m benchmarks.report "$out/$m.json" --auto | tee -a "$out/models_auto.log"
               done ;;
+    stages)   # the Triton heuristic's pipelined tiles, 3 against 2, over batch at 8K at group 4 (Llama-3-8B)
+              # and group 7 (Qwen-2.5-7B), the tuned file set aside (an empty PALLAS_KV_TUNED_DIR; ~5 min)
+              mkdir -p /tmp/no_tuned
+              for m in llama3_8b qwen25_7b; do for st in 2 3; do
+                PALLAS_KV_TUNED_DIR=/tmp/no_tuned python3 -m benchmarks.decode --flagfile=configs/$m.flags --impl=triton \
+                  --cases=8x8192,32x8192,64x8192,128x8192,256x8192 --triton_num_stages=$st --warmup=2 --repeats=7 \
+                  --json="$out/stages_${m}_$st.json" 2>&1 | quiet | tee "$out/stages_${m}_$st.log"
+              done; done ;;
     vlast)    # one-byte caches on triton with v stored tokens last (v_tokens_last) and like k, bf16
               # beside (~7 minutes)
               for variant in bfloat16:nov_tokens_last int8:v_tokens_last float8_e4m3fn:v_tokens_last \

@@ -544,6 +544,10 @@ def test_decode_benchmark_config_switches_apply_and_restore():
   with decode_bench.triton_block_kv(32):
     retiled = triton_config.resolve_config(problem, None, num_sms=132)
     assert retiled.block_kv == 32 and retiled.num_splits == plain[triton_config].num_splits
+  with decode_bench.triton_num_stages(5 - plain[triton_config].num_stages):
+    staged = triton_config.resolve_config(problem, None, num_sms=132)
+    assert staged.num_stages == 5 - plain[triton_config].num_stages
+    assert dataclasses.replace(staged, num_stages=plain[triton_config].num_stages) == plain[triton_config]
   with decode_bench.mosaic_convert_warpgroup(True):
     converted = mgpu_config.resolve_config(problem, None, dtype="int8", num_sms=132)
     assert converted.convert_warpgroup and converted.kv_groups == 1 and not converted.persistent
