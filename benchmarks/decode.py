@@ -242,23 +242,13 @@ def balanced_split_plan(enabled: bool):
 
 
 @contextlib.contextmanager
-def triton_block_kv(block_kv: int | None):
-  """While open (if block_kv is set), the triton backend resolves its configs as usual, then
-  takes tiles of block_kv tokens (the config checked again as given)."""
+def triton_fields(**fields):
+  """While open, the triton backend resolves its configs as usual, then takes the given
+  `DecodeConfig` fields (those not None; e.g. block_kv, num_stages) and checks the config again."""
   from pallas_kv.kernels.triton import config as triton_config  # pylint: disable=g-import-not-at-top
-  retiled = lambda resolve, problem, config, kw: resolve(problem, dataclasses.replace(config, block_kv=block_kv), **kw)
-  with _resolved_configs_rewritten([triton_config] if block_kv else [], retiled):
-    yield
-
-
-@contextlib.contextmanager
-def triton_num_stages(num_stages: int | None):
-  """While open (if num_stages is set), the triton backend resolves its configs as usual, then
-  pipelines num_stages tiles (the config checked again as given)."""
-  from pallas_kv.kernels.triton import config as triton_config  # pylint: disable=g-import-not-at-top
-  staged = lambda resolve, problem, config, kw: resolve(problem, dataclasses.replace(config, num_stages=num_stages),
-                                                         **kw)
-  with _resolved_configs_rewritten([triton_config] if num_stages else [], staged):
+  fields = {name: value for name, value in fields.items() if value is not None}
+  rewritten = lambda resolve, problem, config, kw: resolve(problem, dataclasses.replace(config, **fields), **kw)
+  with _resolved_configs_rewritten([triton_config] if fields else [], rewritten):
     yield
 
 
@@ -351,8 +341,8 @@ def main(argv: Sequence[str]) -> int:
   paths = cli.output_paths()
   with (triton_merge_in_kernel(flags.FLAGS.merge_in_kernel), balanced_split_plan(flags.FLAGS.split_plan == "balanced"),
         triton_sequence_order(flags.FLAGS.sequence_order), mosaic_convert_warpgroup(flags.FLAGS.convert_warpgroup),
-        values_tokens_last(flags.FLAGS.v_tokens_last), triton_block_kv(flags.FLAGS.triton_block_kv),
-        triton_num_stages(flags.FLAGS.triton_num_stages)):
+        values_tokens_last(flags.FLAGS.v_tokens_last),
+        triton_fields(block_kv=flags.FLAGS.triton_block_kv, num_stages=flags.FLAGS.triton_num_stages)):
     rows = run(sweep, json_path=paths.json, csv_path=paths.csv, plot_path=paths.plot)
   return output.report_failures(
       output.failed_rows(rows), lambda r: f"{r['impl']} on {r['op']} B={r['batch']} T={r['seq_len']}",

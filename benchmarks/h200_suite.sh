@@ -124,10 +124,10 @@ for part in "$@"; do
                 python3 -m benchmarks.report "$out/$m.json" --auto | tee -a "$out/models_auto.log"
               done ;;
     stages)   # the Triton heuristic's pipelined tiles, 3 against 2, over batch at 8K at group 4 (Llama-3-8B)
-              # and group 7 (Qwen-2.5-7B), the tuned file set aside (an empty PALLAS_KV_TUNED_DIR; ~5 min)
-              mkdir -p /tmp/no_tuned
+              # and group 7 (Qwen-2.5-7B), the tuned file set aside (PALLAS_KV_TUNED_DIR names a folder
+              # that does not exist: no tuned entries; ~5 min)
               for m in llama3_8b qwen25_7b; do for st in 2 3; do
-                PALLAS_KV_TUNED_DIR=/tmp/no_tuned python3 -m benchmarks.decode --flagfile=configs/$m.flags --impl=triton \
+                PALLAS_KV_TUNED_DIR="$out/no_tuned_configs" python3 -m benchmarks.decode --flagfile=configs/$m.flags --impl=triton \
                   --cases=8x8192,32x8192,64x8192,128x8192,256x8192 --triton_num_stages=$st --warmup=2 --repeats=7 \
                   --json="$out/stages_${m}_$st.json" 2>&1 | quiet | tee "$out/stages_${m}_$st.log"
               done; done ;;

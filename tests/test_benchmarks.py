@@ -541,10 +541,10 @@ def test_decode_benchmark_config_switches_apply_and_restore():
     assert triton_config.resolve_config(problem, None, num_sms=132).merge_in_kernel
   with decode_bench.triton_sequence_order("longest_first"):
     assert triton_config.resolve_config(problem, None, num_sms=132).sequence_order == "longest_first"
-  with decode_bench.triton_block_kv(32):
+  with decode_bench.triton_fields(block_kv=32):
     retiled = triton_config.resolve_config(problem, None, num_sms=132)
     assert retiled.block_kv == 32 and retiled.num_splits == plain[triton_config].num_splits
-  with decode_bench.triton_num_stages(5 - plain[triton_config].num_stages):
+  with decode_bench.triton_fields(num_stages=5 - plain[triton_config].num_stages):
     staged = triton_config.resolve_config(problem, None, num_sms=132)
     assert staged.num_stages == 5 - plain[triton_config].num_stages
     assert dataclasses.replace(staged, num_stages=plain[triton_config].num_stages) == plain[triton_config]
