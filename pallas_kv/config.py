@@ -75,7 +75,8 @@ class DecodeConfig:
     FA3's fp8 path prepares V in its producer; the consumers then do no conversion. Needs
     kv_groups=1 and no persistent grid. Measured on an H200 it is slower than the default (the one
     converter widening every tile is the bound; benchmarks/RESULTS.md), so it is opt-in.
-  sequence_order: the order in which programs take the sequences of a batch (triton only).
+  sequence_order: the order in which programs take the sequences of a batch (triton, and MLA on
+    mosaic_gpu).
     "given": batch order. "longest_first": by length, longest first (an argsort of `lengths` each
     call, one small launch), so that the long sequences of a ragged batch start in the first wave
     instead of trailing the last one (list scheduling's longest-processing-time rule).

@@ -150,6 +150,31 @@ def test_mla_balanced_plan_gives_a_long_sequence_more_splits_and_matches_referen
   _check(args, out)
 
 
+def test_mla_sequence_order_gives_the_bits_of_batch_order(interpret_mode):
+  # Programs take the sequences longest first (or long, short, ...): zero, tile-crossing and
+  # page-crossing lengths, 2 splits, and the balanced plan; only the schedule changes, so every
+  # output and lse is the bits of batch order. The kernel is told the order exactly when the
+  # config asks for one.
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  args = _case(9, batch=4, seq_len=256, num_heads=4, num_queries=None, page_size=16, lengths=[64, 0, 256, 130])
+  op = functools.partial(pkv.mla_decode_attention, *args, v_head_dim=SMALL_V, return_lse=True, impl=IMPL)
+  for fields in (dict(num_splits=2), dict(num_splits=4, split_plan="balanced")):
+    given = op(config=pkv.DecodeConfig(block_kv=64, num_stages=2, **fields))
+    _check(args, given)
+    for order in ("longest_first", "long_short"):
+      ordered = op(config=pkv.DecodeConfig(block_kv=64, num_stages=2, sequence_order=order, **fields))
+      for a, b in zip(given, ordered):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  q, pages, tables, lengths = args
+  partials = functools.partial(mgpu_mla.mla_partials, q, pages, lengths, tables, num_queries=1, v_head_dim=SMALL_V,
+                               scale=0.1, interpret=plgpu.InterpretGPUParams())
+  with pytest.raises(ValueError, match="sequence_order must be given exactly when"):
+    partials(config=pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=1, sequence_order="longest_first"))
+  with pytest.raises(ValueError, match=r"sequence_order must be int32 \[B\]=\[4\]"):
+    partials(config=pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=1, sequence_order="longest_first"),
+             sequence_order=jnp.arange(3, dtype=jnp.int32))
+
+
 @pytest.mark.parametrize("variant,codegen", [(v, {}) for v in VARIANTS] + [
     (v, dict(q_per_tile=False)) for v in ("plain", "alternate_scores", "rows_as_n")] + [
     ("alternate_scores", dict(slots_per_tile=True))])
@@ -391,6 +416,14 @@ def test_mla_balanced_plan_lowers_for_cuda(shape):
   _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, split_plan="balanced"))
 
 
+# The ragged row's shape (B128 T8192, one split) and B16 (4 splits) under the balanced plan.
+@pytest.mark.parametrize("shape,plan", [(LOWERING_SHAPES[3], "per_sequence"), (LOWERING_SHAPES[1], "balanced")],
+                         ids=lambda v: _shape_id(v) if isinstance(v, dict) else v)
+def test_mla_longest_first_lowers_for_cuda(shape, plan):
+  _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, p_in_registers=True, sequence_order="longest_first",
+                                 split_plan=plan))
+
+
 def _lower(shape, config):
   args, problem = _problem(**shape)
   config = mla_config.resolve_config(problem, config, num_sms=132)
@@ -427,7 +460,8 @@ def test_gpu_mla_matches_reference(batch, seq_len, num_heads, num_queries, page_
   for fields in (VARIANTS["plain"], VARIANTS["pipeline_qk"], VARIANTS["split_scores"], VARIANTS["alternate_scores"],
                  VARIANTS["ring_halves"], VARIANTS["alternate_halves"], VARIANTS["p_in_registers"],
                  dict(p_in_registers=True, ring_halves=True),
-                 dict(split_plan="balanced"),
+                 dict(split_plan="balanced"), dict(p_in_registers=True, sequence_order="longest_first"),
+                 dict(p_in_registers=True, split_plan="balanced", sequence_order="long_short"),
                  *([VARIANTS["rows_as_n"]] if few_rows else [])):
     config = pkv.DecodeConfig(**(dict(block_kv=64, num_stages=2) | fields))
     out = jax.jit(functools.partial(pkv.mla_decode_attention, v_head_dim=V, return_lse=True, impl=IMPL,

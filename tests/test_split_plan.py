@@ -202,13 +202,12 @@ def test_gpu_balanced_plan_on_a_ragged_batch(impl, page_size):
 # ---------------------------------------------------------------- the longest-first sequence order
 
 def test_longest_first_is_a_stable_descending_order():
-  from pallas_kv.kernels.triton import decode as triton_decode
-  order = triton_decode.longest_first(jnp.asarray([5, 9, 0, 9, 7]))
+  order = split_k.longest_first(jnp.asarray([5, 9, 0, 9, 7]))
   assert order.dtype == jnp.int32 and order.tolist() == [1, 3, 4, 0, 2]
   lengths = jnp.asarray([5, 9, 0, 9, 7, 1])
-  order = triton_decode.long_short(lengths)
+  order = split_k.long_short(lengths)
   assert order.dtype == jnp.int32 and order.tolist() == [1, 2, 3, 5, 4, 0]   # 9, 0, 9, 1, 7, 5
-  assert sorted(triton_decode.long_short(lengths[:5]).tolist()) == list(range(5))   # odd B: a permutation
+  assert sorted(split_k.long_short(lengths[:5]).tolist()) == list(range(5))   # odd B: a permutation
 
 
 @pytest.mark.parametrize("paged,merge,num_splits,kv_dtype", [
@@ -242,14 +241,13 @@ def test_longest_first_gives_the_bits_of_batch_order(interpret_mode, paged, merg
 
 
 def test_sequence_order_is_validated():
-  from pallas_kv.kernels.triton import decode as triton_decode
   with pytest.raises(ValueError, match="sequence_order"):
     pkv.DecodeConfig(sequence_order="shortest_first")
   config = pkv.DecodeConfig(num_splits=2, sequence_order="longest_first")
   with pytest.raises(ValueError, match="sequence_order must be given"):
-    triton_decode._check_sequence_order(None, config, batch=3)
+    split_k.check_sequence_order(None, config, batch=3)
   with pytest.raises(ValueError, match=r"int32 \[B\]"):
-    triton_decode._check_sequence_order(jnp.zeros((2,), jnp.int32), config, batch=3)
+    split_k.check_sequence_order(jnp.zeros((2,), jnp.int32), config, batch=3)
   with pytest.raises(ValueError, match="sequence_order='longest_first' is a triton option"):
     mgpu_config.check_config(config, rows=4, head_dim=128, dtype=jnp.bfloat16, page_size=None)
 

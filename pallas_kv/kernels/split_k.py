@@ -219,6 +219,44 @@ def check_tiles_per_split(tiles_per_split, config: DecodeConfig) -> bool:
   return balanced
 
 
+def check_sequence_order(sequence_order, config: DecodeConfig, *, batch: int) -> bool:
+  """Whether programs take sequences in a given order: sequence_order (int32 [B], a permutation
+  of the batch) is given exactly when config.sequence_order is not "given"."""
+  ordered = config.sequence_order != "given"
+  if ordered != (sequence_order is not None):
+    raise ValueError(f"sequence_order must be given exactly when config.sequence_order is not 'given'; got "
+                     f"{config.sequence_order=} and sequence_order={'None' if sequence_order is None else 'an array'}")
+  if ordered and (sequence_order.shape != (batch,) or sequence_order.dtype != jnp.int32):
+    raise ValueError(f"sequence_order must be int32 [B]=[{batch}], got {sequence_order.shape=} "
+                     f"{sequence_order.dtype=}")
+  return ordered
+
+
+def longest_first(lengths):
+  """int32 [B]: the batch's sequences by length, longest first (ties in batch order)."""
+  return jnp.argsort(-lengths.astype(jnp.int32), stable=True).astype(jnp.int32)
+
+
+def long_short(lengths):
+  """int32 [B]: longest, shortest, second longest, second shortest, ... (`longest_first` order
+  taken from both ends in turn)."""
+  by_length = longest_first(lengths)
+  n = by_length.shape[0]
+  i = jnp.arange(n, dtype=jnp.int32)
+  return by_length[jnp.where(i % 2 == 0, i // 2, n - 1 - i // 2)]
+
+
+# DecodeConfig.sequence_order -> the permutation it takes; "given" (batch order) needs none.
+ORDER_FUNCTIONS = {"longest_first": longest_first, "long_short": long_short}
+
+
+def sequence_order(lengths, config: DecodeConfig):
+  """The `sequence_order` argument of a kernel call: config.sequence_order's permutation of these
+  lengths, or None for batch order."""
+  permutation = ORDER_FUNCTIONS.get(config.sequence_order)
+  return None if permutation is None else permutation(lengths)
+
+
 def split_plan(lengths, *, problem, config: DecodeConfig, window: int | None, row_blocks: int,
                programs_per_sm: int = 1, num_sms: int | None = None):
   """The `tiles_per_split` argument of a kernel call: the balanced plan of these lengths (clamped

@@ -82,6 +82,7 @@ def run_mla(q, kv_pages, lengths, block_tables, *, problem, options, config: Dec
     out, lse = mgpu_mla.mla_partials(rows[:, 0], kv_pages, lengths, block_tables,
                                      num_queries=problem.num_queries, v_head_dim=problem.v_head_dim,
                                      scale=options.scale, config=config, tiles_per_split=plan,
+                                     sequence_order=split_k.sequence_order(lengths, config),
                                      interpret=interpret_params())
     return out[:, None], lse[:, None]   # [B, Hkv = 1, splits, R, ...]
 

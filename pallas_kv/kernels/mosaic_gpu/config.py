@@ -395,7 +395,7 @@ def check_config(config: DecodeConfig, *, rows: int, head_dim: int, dtype: Any, 
                                 "holds a whole float32 tile in its registers)")
   if config.sequence_order != "given":
     raise ValueError(f"config.sequence_order={config.sequence_order!r} is a triton option: the mosaic_gpu "
-                     "kernel takes the sequences in batch order ('given')")
+                     "GQA kernel takes the sequences in batch order ('given'; its MLA kernel takes an order)")
   if config.pipeline_qk and config.num_stages < 2:
     raise ValueError(f"pipeline_qk=True needs num_stages >= 2, got {config.num_stages=}")
   smem = DecodeSmem.for_call(config, rows=rows, head_dim=head_dim, dtype=dtype, page_size=page_size, **quantized)

@@ -459,11 +459,12 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
             kv_ref,             # [P, page_size, 1, Dqk]  GMEM
             lengths_ref,        # [B] int32
             block_tables_ref,   # [B, max_pages] int32
-            *refs,              # [the balanced plan's tiles per split, int32 [1]], out, lse
+            *refs,              # [the balanced plan's tiles per split, int32 [1]], [sequence order, int32 [B]], out, lse
             st: Static, q_block, union, p_smem, row_smem, produced, consumed, q_barrier, p_ready,
             p_free, max_ready, consumers_done):
   refs = list(refs)
   tiles_per_split = refs.pop(0)[0] if st.balanced else None   # `split_k.balanced_tiles_per_split`
+  sequence_order = refs.pop(0) if st.ordered else None        # batch slot -> the sequence it takes
   (out_ref,   # [B, splits, out_rows, Dv]  f32, or q's dtype with one split
    lse_ref,   # [B, splits, lse_rows] f32
    ) = refs
@@ -474,6 +475,8 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
   if not st.interpret and st.num_splits > 1:   # a merge launch that waits (PDL) may take SMs this one leaves
     plgpu.griddepcontrol_launch_dependents()
   row_block, split, b = lax.axis_index("rows"), lax.axis_index("split"), lax.axis_index("batch")
+  if st.ordered:   # clamped: a runtime value never addresses past the batch
+    b = jnp.clip(sequence_order[b], 0, st.batch - 1)
   length = jnp.clip(lengths_ref[b], 0, st.tiling.max_pages * st.tiling.page_size)
   t0, t1, _, c = split_k.split_tile_range(length, split, block_kv=st.tiling.block_kv,
                                           num_queries=st.num_queries, num_splits=st.num_splits, window=None,
@@ -598,7 +601,8 @@ def _build(st: Static, interpret: Any):
           f"{'_pqk' if st.pipeline_qk else ''}{'_halves' if st.split_scores else ''}"
           f"{'_alt' if st.alternate_scores else ''}{'_ringhalves' if st.ring_halves else ''}"
           f"{'_regp' if st.p_in_registers else ''}"
-          f"{'_balanced' if st.balanced else ''}{f'_n{st.rows_as_n}' if st.rows_as_n else ''}"
+          f"{'_balanced' if st.balanced else ''}{'_ordered' if st.ordered else ''}"
+          f"{f'_n{st.rows_as_n}' if st.rows_as_n else ''}"
           f"{st.codegen.name}{f'_{st.tile_math.name}' if st.tile_math.name else ''}")
   return plgpu.kernel(
       functools.partial(_kernel, st=st),
@@ -615,7 +619,7 @@ def _build(st: Static, interpret: Any):
 
 
 def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head_dim: int, scale: float,
-                 config: DecodeConfig, tiles_per_split=None, tile_math: TileMath = TileMath(),
+                 config: DecodeConfig, tiles_per_split=None, sequence_order=None, tile_math: TileMath = TileMath(),
                  codegen: Codegen = Codegen(), interpret: Any = False):
   """Split-K partials of MLA decode over a paged latent cache.
 
@@ -630,6 +634,10 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
     sequence takes that many tiles, so a long sequence gets more splits than a short one (a
     sequence needing fewer leaves the rest empty: lse -inf). Given exactly when
     config.split_plan is "balanced".
+  sequence_order: int32 [B], a permutation of the batch (`split_k.ORDER_FUNCTIONS`): batch slot i
+    of the grid takes sequence sequence_order[i] (e.g. longest first, so that the long sequences of
+    a ragged batch start in the first wave; outputs are the same bits). Given exactly when
+    config.sequence_order is not "given".
   tile_math: what the consumers compute per tile (`TileMath`; measurement probes subclass it).
   codegen: how the kernel is compiled (`mla_config.Codegen`: register split, Q's descriptors).
   interpret: False, or a plgpu.InterpretGPUParams (run on the CPU in interpret mode).
@@ -662,14 +670,16 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
                lse_rows=split_k.round_up(smem.rows_as_n or out_rows, LSE_ROW_MULTIPLE), num_row_blocks=num_row_blocks,
                num_splits=config.num_splits, batch=B, scale=float(scale), tiling=kv_tiling, smem=smem,
                interpret=bool(interpret), pipeline_qk=config.pipeline_qk, split_scores=config.split_scores,
-               balanced=split_k.check_tiles_per_split(tiles_per_split, config), rows_as_n=smem.rows_as_n,
+               balanced=split_k.check_tiles_per_split(tiles_per_split, config),
+               ordered=split_k.check_sequence_order(sequence_order, config, batch=B), rows_as_n=smem.rows_as_n,
                alternate_scores=config.alternate_scores, ring_halves=config.ring_halves,
                p_in_registers=config.p_in_registers, tile_math=tile_math, codegen=codegen)
   if rows_padded != R:
     q = jnp.pad(q, ((0, 0), (0, rows_padded - R), (0, 0)))
   kv = kv_pages.reshape(*kv_pages.shape[:2], 1, D)   # KVTiling's [P, page_size, Hkv, D]
   plan = [] if tiles_per_split is None else [tiles_per_split]
-  out, lse = _build(st, interpret or None)(q, kv, lengths, block_tables, *plan)
+  order = [] if sequence_order is None else [sequence_order]
+  out, lse = _build(st, interpret or None)(q, kv, lengths, block_tables, *plan, *order)
   if st.rows_as_n:
     out = jnp.swapaxes(out, 2, 3)   # O^T [B, splits, Dv, N] -> [B, splits, N, Dv]
   return out[:, :, :R], lse[:, :, :R]

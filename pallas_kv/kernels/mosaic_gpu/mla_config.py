@@ -280,10 +280,9 @@ def check_config(config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, p
     raise ValueError("MLA on mosaic_gpu takes rows_as_n without pipeline_qk or split_scores")
   if config.rows_as_n and rows > ROWS_AS_N_MAX:
     raise ValueError(f"rows_as_n needs at most {ROWS_AS_N_MAX} packed q rows (new tokens x heads), got {rows}")
-  if (config.kv_groups != 1 or config.persistent or config.merge_in_kernel or config.sequence_order != "given"
-      or config.convert_warpgroup):
-    raise ValueError(f"MLA on mosaic_gpu takes none of kv_groups, persistent, merge_in_kernel, a sequence_order "
-                     f"other than 'given', convert_warpgroup; got {config}")
+  if config.kv_groups != 1 or config.persistent or config.merge_in_kernel or config.convert_warpgroup:
+    raise ValueError(f"MLA on mosaic_gpu takes none of kv_groups, persistent, merge_in_kernel, convert_warpgroup; "
+                     f"got {config}")
   reason = mgpu_config.page_size_reason(page_size)
   if reason:
     raise NotImplementedError(f"mosaic_gpu: {reason}")

@@ -67,6 +67,7 @@ class Static:
   pipeline_qk: bool = False   # the scorer issues tile i+1's Q K^T before tile i's softmax
   split_scores: bool = False  # both consumers score half of each tile (`_score_half_tiles`)
   balanced: bool = False      # the balanced split plan: tiles per split from an int32 [1] input
+  ordered: bool = False       # the sequence order: batch slot -> sequence from an int32 [B] input
   rows_as_n: int = 0          # q rows as wgmma N (`_rows_as_n_consumers`), this many padded rows; 0: off
   alternate_scores: bool = False   # the consumers score alternate tiles (`_alternate_consumer`)
   ring_halves: bool = False   # the ring's slots in two column parts (`Scores.start_halves`)

@@ -36,18 +36,14 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: De
     return split_k.split_plan(lengths, problem=problem, config=config, window=options.window, row_blocks=row_blocks,
                               programs_per_sm=triton_config.PROGRAMS_PER_SM)
 
-  def order(lengths):
-    permutation = triton_decode.ORDER_FUNCTIONS.get(config.sequence_order)
-    return None if permutation is None else permutation(lengths)
-
   def partials(rows, lengths, block_tables, k_scale, v_scale):
     return triton_decode.decode_partials(rows, k, v, lengths, block_tables, k_scale=k_scale, v_scale=v_scale,
-                                         tiles_per_split=plan(lengths), sequence_order=order(lengths), **kw)
+                                         tiles_per_split=plan(lengths), sequence_order=split_k.sequence_order(lengths, config), **kw)
 
   def merged(rows, lengths, block_tables, k_scale, v_scale, row_sinks):
     return triton_decode.decode_merged(rows, k, v, lengths, block_tables, sinks=row_sinks, k_scale=k_scale,
                                        v_scale=v_scale, out_dtype=q.dtype, return_lse=return_lse,
-                                       tiles_per_split=plan(lengths), sequence_order=order(lengths), **kw)
+                                       tiles_per_split=plan(lengths), sequence_order=split_k.sequence_order(lengths, config), **kw)
 
   # With one split the merged kernel writes the output itself (no partials, no counters): measured
   # 134.3 -> 125.6 us at B64 T2048 on an H200 (benchmarks/RESULTS.md, "the Triton split merge").

@@ -554,39 +554,8 @@ def _static(q, k, v, lengths, block_tables, *, num_queries: int, options: Attent
                  k_scale=split_k.scale_kind(k_scale, k.shape), v_scale=split_k.scale_kind(v_scale, k.shape),
                  fast_widen=FAST_WIDEN and not interpret and jnp.dtype(k.dtype) in split_k.QUANTIZED_DTYPES,
                  rows=R, balanced=split_k.check_tiles_per_split(tiles_per_split, config),
-                 ordered=_check_sequence_order(sequence_order, config, batch=q.shape[0]),
+                 ordered=split_k.check_sequence_order(sequence_order, config, batch=q.shape[0]),
                  v_tokens_last=v_tokens_last, **merge)
-
-
-def _check_sequence_order(sequence_order, config: DecodeConfig, *, batch: int) -> bool:
-  """Whether programs take sequences in a given order: sequence_order (int32 [B], a permutation
-  of the batch) is given exactly when config.sequence_order is not "given"."""
-  ordered = config.sequence_order != "given"
-  if ordered != (sequence_order is not None):
-    raise ValueError(f"sequence_order must be given exactly when config.sequence_order is not 'given'; got "
-                     f"{config.sequence_order=} and sequence_order={'None' if sequence_order is None else 'an array'}")
-  if ordered and (sequence_order.shape != (batch,) or sequence_order.dtype != jnp.int32):
-    raise ValueError(f"sequence_order must be int32 [B]=[{batch}], got {sequence_order.shape=} "
-                     f"{sequence_order.dtype=}")
-  return ordered
-
-
-def longest_first(lengths):
-  """int32 [B]: the batch's sequences by length, longest first (ties in batch order)."""
-  return jnp.argsort(-lengths.astype(jnp.int32), stable=True).astype(jnp.int32)
-
-
-def long_short(lengths):
-  """int32 [B]: longest, shortest, second longest, second shortest, ... (`longest_first` order
-  taken from both ends in turn)."""
-  by_length = longest_first(lengths)
-  n = by_length.shape[0]
-  i = jnp.arange(n, dtype=jnp.int32)
-  return by_length[jnp.where(i % 2 == 0, i // 2, n - 1 - i // 2)]
-
-
-# DecodeConfig.sequence_order -> the permutation it takes; "given" (batch order) needs none.
-ORDER_FUNCTIONS = {"longest_first": longest_first, "long_short": long_short}
 
 
 def _call(st: _Static, args, *, q, k, config: DecodeConfig, interpret: bool, out_dtype=None):
@@ -635,7 +604,7 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
     `config.check_config`. Its merge_in_kernel is not read here: `decode_merged` is that kernel.
   tiles_per_split: int32 [1], the balanced plan (`split_k.balanced_tiles_per_split`), given
     exactly when config.split_plan is "balanced".
-  sequence_order: int32 [B], a permutation of the batch (`ORDER_FUNCTIONS`): batch slot i
+  sequence_order: int32 [B], a permutation of the batch (`split_k.ORDER_FUNCTIONS`): batch slot i
     of the grid computes sequence sequence_order[i]; given exactly when config.sequence_order is
     not "given". Results are indexed by sequence either way.
   interpret: run the kernel in Pallas interpret mode (CPU).
