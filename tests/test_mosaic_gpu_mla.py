@@ -322,11 +322,18 @@ def test_mla_configs_are_checked():
   assert mla_config.heuristic_config(small).num_stages > 2
 
 
-@pytest.mark.parametrize("batch,seq_len,num_heads,want_splits", [
-    (1, 32768, 128, 64), (16, 4096, 128, 4), (64, 4096, 128, 1), (128, 8192, 128, 1), (64, 8192, 16, 2)])
-def test_mla_split_count_fills_one_wave(batch, seq_len, num_heads, want_splits):
+# (B, T, heads, splits, order): past one wave of programs (batch x row blocks x splits > 132 SMs)
+# the heuristic takes the sequences longest first.
+@pytest.mark.parametrize("batch,seq_len,num_heads,want_splits,want_order", [
+    (1, 32768, 128, 64, "given"), (16, 4096, 128, 4, "given"), (64, 4096, 128, 1, "given"),
+    (128, 8192, 128, 1, "longest_first"), (64, 8192, 16, 2, "given"), (67, 4096, 128, 1, "longest_first")])
+def test_mla_split_count_fills_one_wave(batch, seq_len, num_heads, want_splits, want_order):
   _, problem = _problem(batch=batch, seq_len=seq_len, num_heads=num_heads)
-  assert mla_config.resolve_config(problem, None, num_sms=132).num_splits == want_splits
+  config = mla_config.resolve_config(problem, None, num_sms=132)
+  assert (config.num_splits, config.sequence_order) == (want_splits, want_order)
+  # An explicit config keeps its own order.
+  explicit = pkv.DecodeConfig(block_kv=64, num_stages=2)
+  assert mla_config.resolve_config(problem, explicit, num_sms=132).sequence_order == "given"
 
 
 def test_mla_balanced_plan_bounds_the_splits_by_the_batch():
