@@ -75,6 +75,24 @@ def test_other_head_dims_and_page_sizes_are_refused_with_reason():
     _paged(case)
 
 
+# The heuristic's stages against the grid's waves of 3-stage programs (2 per SM on 132 SMs), at
+# the shapes the H200 measured (benchmarks/RESULTS.md, sixteenth set): two stages at 1.45-2.42
+# waves, three under one wave and at 3.9.
+@pytest.mark.parametrize("heads,case,want_stages", [
+    ((32, 8), (32, 8192), 3), ((32, 8), (48, 4096), 2), ((32, 8), (64, 8192), 2), ((32, 8), (80, 4096), 2),
+    ((32, 8), (128, 8192), 3), ((28, 4), (64, 8192), 3), ((28, 4), (128, 8192), 2), ((28, 4), (144, 4096), 2),
+    ((28, 4), (256, 8192), 3), ((64, 8), (64, 8192), 2), ((32, 8), (8, 8192), 3)])
+def test_heuristic_stages_follow_the_waves(heads, case, want_stages, tmp_path, monkeypatch):
+  from pallas_kv import tuned
+  monkeypatch.setenv(tuned.TUNED_DIR_ENV_VAR, str(tmp_path))   # no tuned entries: the heuristic decides
+  tuned.clear_cache()
+  _, problem = sweeps.problem_args(heads, case, None)
+  assert triton_config.resolve_config(problem, None, num_sms=132).num_stages == want_stages
+  _, paged = sweeps.problem_args(heads, case, 64)   # measured on dense caches only: paged keeps three
+  assert triton_config.resolve_config(paged, None, num_sms=132).num_stages == 3
+  tuned.clear_cache()
+
+
 def test_bad_explicit_configs_raise_value_error():
   case = make_case(17, batch=1, seq_len=96, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
                    page_size=48)

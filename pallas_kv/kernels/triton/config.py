@@ -9,10 +9,12 @@ this kernel adds, and `decode_partials` runs it once per call.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax.numpy as jnp
 
+from pallas_kv import runtime
 from pallas_kv.config import DecodeConfig
 from pallas_kv.kernels import split_k
 
@@ -102,9 +104,10 @@ def check_config(config: DecodeConfig, *, head_dim: int, page_size: int | None) 
     raise ValueError(f"block_kv={config.block_kv} must divide page_size={page_size} or be a multiple of it")
 
 
-def heuristic_config(problem, *, dtype: Any = "bfloat16") -> DecodeConfig:
+def heuristic_config(problem, *, dtype: Any = "bfloat16", num_sms: int | None = None) -> DecodeConfig:
   """The default tile, stages and warps: fewer stages, then smaller tiles, until the tiles in
-  flight fit in shared memory (split count left to `resolve_config`)."""
+  flight fit in shared memory (split count left to `resolve_config`); two stages where three
+  would make a grid of one to 2.5 waves (`two_stages_by_waves`)."""
   itemsize = jnp.dtype(dtype).itemsize   # one-byte caches: twice the tokens in flight per byte
   block_rows, _ = row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
   block_kv = DEFAULT_BLOCK_KV
@@ -125,13 +128,36 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16") -> DecodeConfig:
       config = dataclasses.replace(config, block_kv=config.block_kv // 2)
     else:
       break
+  if config.num_stages == DEFAULT_STAGES and two_stages_by_waves(problem, itemsize=itemsize, block_rows=block_rows,
+                                                                 num_sms=num_sms or runtime.num_sms()):
+    config = dataclasses.replace(config, num_stages=2)
   return config
+
+
+# Three-stage programs of 64-token tiles at head_dim <= 128 fit two per SM. When a grid of them
+# makes more than one wave and at most this many, two stages (three programs per SM) measured
+# faster on the H200: 1.45 to 2.42 waves, by 1.5-14% on eight shapes of groups 4, 7 and 8 (two of
+# them held out); under one wave three stages won by 5-11%, and at 3.9 waves and more the two
+# were within 3% (benchmarks/RESULTS.md, sixteenth set). Measured on dense 16-bit caches only.
+TWO_STAGE_WAVES = 2.5
+
+
+def two_stages_by_waves(problem, *, itemsize: int, block_rows: int, num_sms: int) -> bool:
+  """Whether the heuristic's three stages give way to two: a dense 16-bit cache at head_dim <=
+  128 whose grid (one split: the batch fills the GPU) makes (1, TWO_STAGE_WAVES] waves of
+  PROGRAMS_PER_SM programs per SM."""
+  if itemsize != 2 or problem.head_dim > 128 or problem.page_size is not None:
+    return False
+  _, row_blocks = row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
+  waves = problem.batch * problem.num_kv_heads * row_blocks / (num_sms * PROGRAMS_PER_SM)
+  return 1 < waves <= TWO_STAGE_WAVES
 
 
 def resolve_config(problem, config: DecodeConfig | None, *, dtype: Any = "bfloat16", num_sms: int | None = None,
                    device_kind: str | None = None) -> DecodeConfig:
   """Explicit config, else tuned, else the heuristic one, with the split count filled in."""
   _, row_blocks = row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
-  return split_k.resolve_config(problem, config, backend=NAME, heuristic=heuristic_config, row_blocks=row_blocks,
+  heuristic = functools.partial(heuristic_config, num_sms=num_sms)
+  return split_k.resolve_config(problem, config, backend=NAME, heuristic=heuristic, row_blocks=row_blocks,
                                 programs_per_sm=PROGRAMS_PER_SM, dtype=dtype, num_sms=num_sms,
                                 device_kind=device_kind)
