@@ -90,6 +90,12 @@ def test_heuristic_stages_follow_the_waves(heads, case, want_stages, tmp_path, m
   assert triton_config.resolve_config(problem, None, num_sms=132).num_stages == want_stages
   _, paged = sweeps.problem_args(heads, case, 64)   # measured on dense caches only: paged keeps three
   assert triton_config.resolve_config(paged, None, num_sms=132).num_stages == 3
+  from pallas_kv import validation   # and at head_dim 128 only (gpt-oss's 64 fits more programs per SM)
+  b, t = case
+  q = jax.ShapeDtypeStruct((b, heads[0], 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((b, t, heads[1], 64), jnp.bfloat16)
+  small_heads = validation.validate_dense(q, kv, kv, jax.ShapeDtypeStruct((b,), jnp.int32))
+  assert triton_config.resolve_config(small_heads, None, num_sms=132).num_stages == 3
   tuned.clear_cache()
 
 

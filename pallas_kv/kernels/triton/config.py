@@ -134,19 +134,19 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", num_sms: int | None = 
   return config
 
 
-# Three-stage programs of 64-token tiles at head_dim <= 128 fit two per SM. When a grid of them
+# Three-stage programs of 64-token tiles at head_dim 128 fit two per SM. When a grid of them
 # makes more than one wave and at most this many, two stages (three programs per SM) measured
-# faster on the H200: 1.45 to 2.42 waves, by 1.5-14% on eight shapes of groups 4, 7 and 8 (two of
-# them held out); under one wave three stages won by 5-11%, and at 3.9 waves and more the two
+# faster on the H200: 1.45 to 2.42 waves, by 1.5-14% on eight shapes of groups 4, 7 and 8 (five
+# of them held out); under one wave three stages won by 4-11%, and at 3.9 waves and more the two
 # were within 3% (benchmarks/RESULTS.md, sixteenth set). Measured on dense 16-bit caches only.
 TWO_STAGE_WAVES = 2.5
 
 
 def two_stages_by_waves(problem, *, itemsize: int, block_rows: int, num_sms: int) -> bool:
-  """Whether the heuristic's three stages give way to two: a dense 16-bit cache at head_dim <=
-  128 whose grid (one split: the batch fills the GPU) makes (1, TWO_STAGE_WAVES] waves of
-  PROGRAMS_PER_SM programs per SM."""
-  if itemsize != 2 or problem.head_dim > 128 or problem.page_size is not None:
+  """Whether the heuristic's three stages give way to two: a dense 16-bit cache at head_dim 128
+  (the measured case; smaller heads fit more programs per SM) whose grid (one split: the batch
+  fills the GPU) makes (1, TWO_STAGE_WAVES] waves of PROGRAMS_PER_SM programs per SM."""
+  if itemsize != 2 or problem.head_dim != 128 or problem.page_size is not None:
     return False
   _, row_blocks = row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
   waves = problem.batch * problem.num_kv_heads * row_blocks / (num_sms * PROGRAMS_PER_SM)
