@@ -2,7 +2,7 @@
 # The measurement suite on an H200, in parts that each fit one ~10-minute command.
 #   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged quantized qprobe vmap step tune
 #   fuzz memcheck mla merge balanced smollm2 (SMOLLM2_GGUF=path: the GPU machine has no network)
-#   tune_triton ncu ncu_stalls ncu_mla mla_order mla_probes mla_schedules mla_merge ptxas loadpath kernels chain timer ragged_order ragged_one qpaged16 qpaged64 converter vlast models stages
+#   tune_triton ncu ncu_stages ncu_stalls ncu_mla mla_order mla_probes mla_schedules mla_merge ptxas loadpath kernels chain timer ragged_order ragged_one qpaged16 qpaged64 converter vlast models stages
 #   tune-SWEEP-BACKEND (e.g. TUNE_CASES=32x8192,128x8192 ... tune-gpt_oss_120b-mosaic_gpu)
 #   (and scaling8k scaling32k on a machine with several GPUs)
 # Results (JSON, logs) go to $OUT if set, else bench_out/. Run from the repository root with the
@@ -133,13 +133,15 @@ for part in "$@"; do
                   --warmup=2 --repeats=5 --json="$out/$m.json" 2>&1 | quiet > "$out/$m.log"
                 python3 -m benchmarks.report "$out/$m.json" --auto | tee -a "$out/models_auto.log"
               done ;;
-    stages)   # the Triton heuristic's pipelined tiles, 3 against 2, over batch at 8K at group 4 (Llama-3-8B)
+    stages)   # the Triton kernel's pipelined tiles, 3 against 2, over batch at 8K at group 4 (Llama-3-8B)
               # and group 7 (Qwen-2.5-7B), the tuned file set aside (PALLAS_KV_TUNED_DIR names a folder
-              # that does not exist: no tuned entries; ~5 min)
-              for m in llama3_8b qwen25_7b; do for st in 2 3; do
+              # that does not exist: no tuned entries; ~3 min). STAGES_MODELS, STAGES_CASES and
+              # STAGES_EXTRA (more benchmarks.decode flags, e.g. --ragged) pick other sweeps.
+              for m in ${STAGES_MODELS:-llama3_8b qwen25_7b}; do for st in 2 3; do
                 PALLAS_KV_TUNED_DIR="$out/no_tuned_configs" python3 -m benchmarks.decode --flagfile=configs/$m.flags --impl=triton \
-                  --cases=8x8192,32x8192,64x8192,128x8192,256x8192 --triton_num_stages=$st --warmup=2 --repeats=7 \
-                  --json="$out/stages_${m}_$st.json" 2>&1 | quiet | tee "$out/stages_${m}_$st.log"
+                  --cases=${STAGES_CASES:-8x8192,32x8192,64x8192,128x8192,256x8192} --triton_num_stages=$st \
+                  ${STAGES_EXTRA:-} --warmup=2 --repeats=7 --json="$out/stages_${m}_$st.json" 2>&1 | quiet \
+                  | tee "$out/stages_${m}_$st.log"
               done; done ;;
     vlast)    # one-byte caches on triton with v stored tokens last (v_tokens_last) and like k, bf16
               # beside (~7 minutes)
@@ -235,6 +237,22 @@ for part in "$@"; do
                     > "/tmp/ncu_mla/$c.csv" 2> /tmp/ncu_mla/err.log || tail -3 /tmp/ncu_mla/err.log
                 done
                 python3 -m benchmarks.ncu_summary /tmp/ncu_mla/*.csv | tee "$out/ncu_mla.log"
+              fi ;;
+    ncu_stages) # Nsight Compute on the Triton kernel at 2 and 3 stages where 3 lose (Llama-3-8B B64 T8192:
+              # 1.94 waves of 3-stage programs; 469.6 against 544.3 us), tuned file set aside: achieved
+              # occupancy, DRAM throughput, SMEM per block (~4 min)
+              if ! command -v ncu >/dev/null 2>&1; then echo "ncu: not on this machine" | tee "$out/ncu_stages.log"; else
+                mkdir -p /tmp/ncu_stages
+                for st in 2 3; do
+                  PALLAS_KV_TUNED_DIR="$out/no_tuned_configs" timeout 170 ncu --clock-control none --target-processes all \
+                    --kernel-name regex:'pallas_kv' --launch-skip 3 --launch-count 1 --section LaunchStats \
+                    --section Occupancy --section SpeedOfLight --export "/tmp/ncu_stages/triton-st$st" --force-overwrite \
+                    python3 -m benchmarks.profile_kernel --flagfile=configs/llama3_8b.flags --impl=triton --cases=64x8192 \
+                    --triton_num_stages=$st --warmup=2 --calls=3 2>&1 | tail -3
+                  [ -f "/tmp/ncu_stages/triton-st$st.ncu-rep" ] && ncu --import "/tmp/ncu_stages/triton-st$st.ncu-rep" \
+                    --page details --csv > "/tmp/ncu_stages/triton-st$st.csv"
+                done
+                python3 -m benchmarks.ncu_summary /tmp/ncu_stages/*.csv | tee "$out/ncu_stages.log"
               fi ;;
     ncu)      # Nsight Compute counters of one steady-state call (registers, smem, occupancy, DRAM %);
               # a profiled process takes minutes (compiles run under ncu), so each one has its own limit.

@@ -65,6 +65,8 @@ def define_flags() -> None:
                     "busy time per call in a profiled chain of --chain_calls (default 40) calls")
   flags.DEFINE_bool("v_tokens_last", False, "pallas_kv impls of the dense and paged ops: v stored tokens last "
                     "(benchmarks.decode's flag of that name)")
+  flags.DEFINE_integer("triton_num_stages", None, "triton impl: tiles pipelined (DecodeConfig.num_stages; "
+                       "benchmarks.decode's flag of that name)")
   flags.DEFINE_bool("kernel_times", False, "print the GPU time of every kernel a call launches (torch.profiler's "
                     "CUDA activity, which records JAX's kernels too) instead of only running the calls")
 
@@ -231,7 +233,7 @@ def kernel_time_lines(sweep: cases.Sweep, calls: int) -> list[str]:
 
 def main(argv: Sequence[str]) -> None:
   del argv
-  with decode.values_tokens_last(FLAGS.v_tokens_last):
+  with decode.values_tokens_last(FLAGS.v_tokens_last), decode.triton_fields(num_stages=FLAGS.triton_num_stages):
     _main()
 
 
