@@ -2,7 +2,7 @@
 # The measurement suite on an H200, in parts that each fit one ~10-minute command.
 #   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged quantized qprobe vmap step tune
 #   fuzz memcheck mla merge balanced smollm2 (SMOLLM2_GGUF=path: the GPU machine has no network)
-#   tune_triton ncu ncu_stages ncu_stalls ncu_mla mla_order mla_probes mla_schedules mla_merge ptxas loadpath kernels chain timer ragged_order ragged_one qpaged16 qpaged64 converter vlast models stages
+#   tune_triton ncu ncu_stages ncu_stalls ncu_mla mla_order mla_waits mla_probes mla_schedules mla_merge ptxas loadpath kernels chain timer ragged_order ragged_one qpaged16 qpaged64 converter vlast models stages
 #   tune-SWEEP-BACKEND (e.g. TUNE_CASES=32x8192,128x8192 ... tune-gpt_oss_120b-mosaic_gpu)
 #   (and scaling8k scaling32k on a machine with several GPUs)
 # Results (JSON, logs) go to $OUT if set, else bench_out/. Run from the repository root with the
@@ -78,6 +78,11 @@ for part in "$@"; do
               python3 -m benchmarks.mla --rows=h128_b64_t4096,h128_b128_t8192 --iters=10 --repeats=10 \
                 --impl=mosaic_gpu,mosaic_gpu_lf,mosaic_gpu_rh,kernel,kernel_rh \
                 --json="$out/mla_order_full.json" 2>&1 | quiet | tee -a "$out/mla_order.log" ;;
+    mla_waits) # what the MLA loads cost: the launch alone, without loads, and with the loads but no
+              # waits for them (the consumers compute on slots before they land), two rows (~3 min)
+              python3 -m benchmarks.mla --rows=h128_b64_t4096,h128_b128_t8192 --iters=10 --repeats=10 \
+                --impl=kernel,kernel_no_loads,kernel_late_waits --json="$out/mla_waits.json" 2>&1 | quiet \
+                | tee "$out/mla_waits.log" ;;
     mla_probes) # where an MLA tile's time goes: the kernel's launch alone beside probes that leave Q K^T,
               # the softmax or P V out (results wrong by design, unchecked), and the alternate-scorer
               # schedule, two rows (~4 min)

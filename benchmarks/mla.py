@@ -21,7 +21,9 @@ P V from SMEM, the default before the twelfth set), `mosaic_gpu_sp<N>` (N splits
 heuristic's count, e.g. `mosaic_gpu_sp33`), `kernel` (the kernel's launch alone, one split, no
 merge) and its probes `kernel_no_qk`, `kernel_no_softmax`, `kernel_no_pv`, `kernel_loads_only`,
 `kernel_no_loads` (the same launch with those stages left out: the TMA ring and the P hand-over
-still run, and without loads the producer marks each slot full as it frees; results
+still run, and without loads the producer marks each slot full as it frees), `kernel_late_waits`
+(the loads run, but the consumers compute on each slot before its copy lands and wait for it only
+before releasing it: the loads' SMEM traffic without their waits; plain schedule only; results
 wrong by design, so they are not checked; they tell where a tile's time goes),
 `kernel_sp<N>_mosaic_merge` / `kernel_sp<N>_triton_merge` (the launch with N splits, then the
 Mosaic GPU merge overlapped with the kernel's last wave, or the Triton merge the op runs, a plain
@@ -108,7 +110,8 @@ KERNEL_SCHEDULES = {"": {}, "_smemp": VARIANTS[P_IN_SMEM], "_alt": VARIANTS[ALTE
 KERNEL_CODEGEN = {"": {}, "_r232": dict(registers=(40, 232)), "_heldq": dict(q_per_tile=False),
                   "_r232_heldq": dict(registers=(40, 232), q_per_tile=False), "_spt": dict(slots_per_tile=True)}
 PROBE_STAGES = {"_no_qk": frozenset({"qk"}), "_no_softmax": frozenset({"softmax"}), "_no_pv": frozenset({"pv"}),
-                "_loads_only": frozenset({"qk", "softmax", "pv"}), "_no_loads": frozenset({"loads"})}
+                "_loads_only": frozenset({"qk", "softmax", "pv"}), "_no_loads": frozenset({"loads"}),
+                "_late_waits": frozenset({"waits"})}
 KERNEL_IMPLS = {f"{KERNEL}{schedule}{option}{probe}": (fields, skip, codegen)
                 for schedule, fields in KERNEL_SCHEDULES.items() for option, codegen in KERNEL_CODEGEN.items()
                 for probe, skip in {"": frozenset(), **PROBE_STAGES}.items()}
@@ -222,7 +225,7 @@ def probe_math(impl: str):
   _, skip, _ = KERNEL_IMPLS[impl]
   if not skip:
     return mgpu_mla.TileMath()
-  return ProbeMath(name=impl, skip=skip, load_tiles="loads" not in skip)
+  return ProbeMath(name=impl, skip=skip, load_tiles="loads" not in skip, wait_for_loads="waits" not in skip)
 
 
 def build_kernel_launch(impl: str, row: "Row", scale: float):

@@ -109,6 +109,8 @@ def _score_tiles(scores: Scores, shared: SharedP, ring: pipeline.Ring, t0, t1, c
         carry = finish(s, tile, *carry, ring.slot(i, 0), masked)   # part 0: V[:, :Dv/2]
       else:
         carry = finish(s, tile, *carry, first_values(ring.slot(i)), masked)
+      if not st.tile_math.wait_for_loads:   # a probe: the slot's phase is observed late, in order
+        ring.wait(i)
       ring.release(i, part=0 if st.ring_halves else None)
       return carry
 
@@ -242,12 +244,14 @@ def _partner_tiles(shared: SharedP, ring: pipeline.Ring, t0, t1, st: Static):
 
   def step(tile, acc):
     i = tile - t0
-    slot = ring.wait(i, part)
+    slot = ring.wait(i, part) if st.tile_math.wait_for_loads else ring.slot(i, part)
     alpha = shared.receive()
     values = slot.at[:, pl.ds(first_column, st.half_v)]
     parts = [(values.transpose((1, 0)), shared.p)] if st.rows_as_n else [(shared.p, values)]
     acc = add_pv(acc * online_softmax.per_row(alpha, acc.shape, rows_axis), parts, st)
     shared.hand_back()
+    if not st.tile_math.wait_for_loads:   # a probe: the slot's phase is observed late, in order
+      ring.wait(i, part)
     ring.release(i, part=part)
     return acc
 

@@ -27,6 +27,9 @@ class TileMath:
   """
   name: str = ""
   load_tiles: bool = True   # False (a probe): the producer marks slots full without loading them
+  # False (a probe; the plain schedule only): the consumers read a slot before its copy lands and
+  # wait for it only before releasing it, so the loads' SMEM traffic stays and their waits go.
+  wait_for_loads: bool = True
 
   def qk(self, s_ref, q_tile, k_tile):
     """Starts S = q_tile k_tile into the accumulator s_ref (SMEM operands, either orientation)."""
@@ -183,7 +186,7 @@ class Scores:
     if self.st.ring_halves:
       self.start_halves(s_ref, ring, step)
     else:
-      self.start(s_ref, tile, ring.wait(step))
+      self.start(s_ref, tile, ring.wait(step) if self.st.tile_math.wait_for_loads else ring.slot(step))
 
   def zero_past_parts(self, ring: pipeline.Ring, step, tile):
     """ring_halves: zeroes the values past the length in both parts of step's tile, once Q K^T
