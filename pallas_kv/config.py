@@ -83,7 +83,8 @@ class DecodeConfig:
     "long_short": longest, shortest, second longest, second shortest, ...: the long sequences
     still start early, and the short ones (mostly fixed cost per program) run beside them instead
     of all at the end. Only the schedule changes: every sequence's result is the same bits as with
-    "given".
+    "given". The MLA heuristic takes "longest_first" where its programs make more than one wave
+    (`mla_config.resolve_config`); the GQA heuristics keep "given".
   split_scores: MLA on mosaic_gpu only: both consumer warpgroups score half of each tile's keys
     and trade row maxima and their halves of P through SMEM (FlashMLA's balance), instead of one
     scorer computing all of Q K^T and the softmax while its partner only runs P V. Measured
