@@ -15,7 +15,8 @@ on 32-token tiles in four stages: the next tile's Q K^T overlaps this tile's sof
 `mosaic_gpu_bkv32` (the plain schedule on those tiles), `mosaic_gpu_halves` (`DecodeConfig(split_scores=True)`:
 both consumers score half of each tile), `mosaic_gpu_alt` (`DecodeConfig(alternate_scores=True)`: they
 score alternate tiles), `mosaic_gpu_lf` / `mosaic_gpu_balanced_lf` (`DecodeConfig(sequence_order=
-"longest_first")`, per-sequence or balanced splits: programs take the longest sequences first), `mosaic_gpu_rh` (`DecodeConfig(ring_halves=True)`: ring slots loaded and
+"longest_first")`, per-sequence or balanced splits: programs take the longest sequences first;
+`mosaic_gpu` itself does where its programs make more than one wave), `mosaic_gpu_rh` (`DecodeConfig(ring_halves=True)`: ring slots loaded and
 freed in two column parts), `mosaic_gpu_smemp` (`DecodeConfig(p_in_registers=False)`: the scorer's
 P V from SMEM, the default before the twelfth set), `mosaic_gpu_sp<N>` (N splits per sequence instead of the
 heuristic's count, e.g. `mosaic_gpu_sp33`), `kernel` (the kernel's launch alone, one split, no
@@ -90,7 +91,8 @@ SMEM_P = dict(p_in_registers=False)
 VARIANTS = {PIPELINED: SMEM_P | dict(pipeline_qk=True, block_kv=32, num_stages=4),
             TILES_32: SMEM_P | dict(block_kv=32, num_stages=4), HALVES: SMEM_P | dict(split_scores=True),
             BALANCED: dict(split_plan="balanced"), LONGEST_FIRST: dict(sequence_order="longest_first"),
-            BALANCED_LONGEST_FIRST: dict(split_plan="balanced", sequence_order="longest_first"), ROWS_AS_N: SMEM_P | dict(rows_as_n=True),
+            BALANCED_LONGEST_FIRST: dict(split_plan="balanced", sequence_order="longest_first"),
+            ROWS_AS_N: SMEM_P | dict(rows_as_n=True),
             ALTERNATE: SMEM_P | dict(alternate_scores=True),
             ALTERNATE_HALVES: SMEM_P | dict(alternate_scores=True, ring_halves=True), RING_HALVES: dict(ring_halves=True), P_IN_SMEM: SMEM_P}
 # ... or a fixed split count: mosaic_gpu_sp<N> (e.g. mosaic_gpu_sp33), the heuristic's schedule.

@@ -158,7 +158,8 @@ def test_mla_sequence_order_gives_the_bits_of_batch_order(interpret_mode):
   from jax.experimental.pallas import mosaic_gpu as plgpu
   args = _case(9, batch=4, seq_len=256, num_heads=4, num_queries=None, page_size=32, lengths=[64, 0, 256, 130])
   op = functools.partial(pkv.mla_decode_attention, *args, v_head_dim=SMALL_V, return_lse=True, impl=IMPL)
-  for fields, order in ((dict(num_splits=2), "longest_first"), (dict(num_splits=4, split_plan="balanced"), "long_short")):
+  for fields, order in ((dict(num_splits=2), "longest_first"),
+                        (dict(num_splits=4, split_plan="balanced"), "long_short")):
     given = op(config=pkv.DecodeConfig(block_kv=64, num_stages=2, **fields))
     _check(args, given)
     ordered = op(config=pkv.DecodeConfig(block_kv=64, num_stages=2, sequence_order=order, **fields))

@@ -463,7 +463,7 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
             kv_ref,             # [P, page_size, 1, Dqk]  GMEM
             lengths_ref,        # [B] int32
             block_tables_ref,   # [B, max_pages] int32
-            *refs,              # [the balanced plan's tiles per split, int32 [1]], [sequence order, int32 [B]], out, lse
+            *refs,              # [balanced plan: tiles per split, int32 [1]], [sequence order, int32 [B]], out, lse
             st: Static, q_block, union, p_smem, row_smem, produced, consumed, q_barrier, p_ready,
             p_free, max_ready, consumers_done):
   refs = list(refs)

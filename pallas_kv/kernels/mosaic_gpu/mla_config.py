@@ -313,10 +313,11 @@ def resolve_config(problem, config: DecodeConfig | None, *, dtype: Any = "bfloat
 
   The heuristic's programs take the sequences longest first where they make more than one wave
   (one program per SM: the SMEM takes it all). A ragged batch's long sequences then start in the
-  first wave instead of running alone after the last: at B128, lengths uniform in [1, 8192], 377.2
-  against 264.4 us, ahead of the balanced plan (313.9); on full-length rows the order's argsort
-  launch costs 0-2% (B128 T8192 527.9 against 537.1), so a single wave keeps batch order (B64
-  T4096: 131.7 against 136.1). H200, benchmarks/RESULTS.md, sixteenth set.
+  first wave instead of running alone after the last: at B128, lengths uniform in [1, 8192], 264.4
+  against 377.2 us in batch order, ahead of the balanced plan (313.9). On full-length batches the
+  order's argsort launch is within the run's spread (B128 T8192: 537.1 against 527.9 in one run,
+  541.2 against 549.2 in another), and a single wave keeps batch order, where there is nothing to
+  reorder (B64 T4096: 136.1 against 131.7). H200, benchmarks/RESULTS.md, sixteenth set.
   """
   heuristic = config is None
   if heuristic:

@@ -37,13 +37,15 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: De
                               programs_per_sm=triton_config.PROGRAMS_PER_SM)
 
   def partials(rows, lengths, block_tables, k_scale, v_scale):
+    order = split_k.sequence_order(lengths, config)
     return triton_decode.decode_partials(rows, k, v, lengths, block_tables, k_scale=k_scale, v_scale=v_scale,
-                                         tiles_per_split=plan(lengths), sequence_order=split_k.sequence_order(lengths, config), **kw)
+                                         tiles_per_split=plan(lengths), sequence_order=order, **kw)
 
   def merged(rows, lengths, block_tables, k_scale, v_scale, row_sinks):
+    order = split_k.sequence_order(lengths, config)
     return triton_decode.decode_merged(rows, k, v, lengths, block_tables, sinks=row_sinks, k_scale=k_scale,
                                        v_scale=v_scale, out_dtype=q.dtype, return_lse=return_lse,
-                                       tiles_per_split=plan(lengths), sequence_order=split_k.sequence_order(lengths, config), **kw)
+                                       tiles_per_split=plan(lengths), sequence_order=order, **kw)
 
   # With one split the merged kernel writes the output itself (no partials, no counters): measured
   # 134.3 -> 125.6 us at B64 T2048 on an H200 (benchmarks/RESULTS.md, "the Triton split merge").
