@@ -1,6 +1,7 @@
 """DecodeAttention: steps against prefill, in-place caches, scan/vmap/grad, the tiny end-to-end decoder."""
 
 import dataclasses
+import functools
 import os
 import sys
 
@@ -61,11 +62,12 @@ def test_decode_step_matches_prefill_of_the_longer_prompt(kind, options):
     def prep(c, n):
       c, state["pool"] = _reserve(c, state.get("pool", pool), n)
       return c
-  _, cache = layer.prefill(params, x[:, :6], prep(empty, 6))
+  prefill = jax.jit(layer.prefill)   # one compile per prompt length, not op by op
+  _, cache = prefill(params, x[:, :6], prep(empty, 6))
   y_step, cache = jax.jit(layer)(params, x[:, 6], prep(cache, 1))
   if kind == "paged":
     state.clear()
-  y_full, _ = layer.prefill(params, x, prep(empty, 7))
+  y_full, _ = prefill(params, x, prep(empty, 7))
   assert int(cache.lengths[0]) == 7
   assert relative_error(y_step, y_full[:, 6]) < 1e-5
 
@@ -83,12 +85,13 @@ def test_mla_step_matches_prefill():
     pool, tables, ok = pkv.reserve_pages(pool, c.block_tables, c.lengths, n, c.page_size)
     assert bool(ok)
     return dataclasses.replace(c, block_tables=tables), pool
+  prefill, step = jax.jit(layer.prefill), jax.jit(layer.__call__)   # one compile each, not op by op
   c, p = reserve(empty, pool, 4)
-  _, c = layer.prefill(params, x[:, :4], c)
+  _, c = prefill(params, x[:, :4], c)
   c, p = reserve(c, p, 1)
-  y_step, c = layer(params, x[:, 4], c)
+  y_step, c = step(params, x[:, 4], c)
   c2, _ = reserve(empty, pool, 5)
-  y_full, _ = layer.prefill(params, x, c2)
+  y_full, _ = prefill(params, x, c2)
   assert relative_error(y_step, y_full[:, 4]) < 1e-5
 
 
@@ -131,11 +134,11 @@ def test_scan_over_layers_vmap_and_grad():
     np.testing.assert_allclose(new_caches.k[i], c.k, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(out, loop_x, rtol=1e-5, atol=1e-5)
   # vmap over layers (independent inputs) equals the loop.
-  ys, _ = jax.vmap(layer, in_axes=(0, None, 0))(params, x, caches)
+  ys, _ = jax.jit(jax.vmap(layer, in_axes=(0, None, 0)))(params, x, caches)
   for i in range(num_layers):
     y, _ = one_layer(jax.tree.map(lambda a: a[i], params), x, jax.tree.map(lambda a: a[i], caches))
     np.testing.assert_allclose(ys[i], y, rtol=1e-5, atol=1e-5)
-  grads = jax.grad(lambda p: jnp.sum(stack(x, caches, p)[0] ** 2))(params)
+  grads = jax.jit(jax.grad(lambda p: jnp.sum(stack(x, caches, p)[0] ** 2)))(params)
   for g in jax.tree.leaves(grads):
     assert np.isfinite(np.asarray(g)).all() and np.abs(np.asarray(g)).sum() > 0
 
@@ -151,8 +154,8 @@ def _generate(impl, mla: bool = False):
   params = model.init(jax.random.key(0))
   prompt = jax.random.randint(jax.random.key(1), (2, 5), 0, model.vocab_size)
   caches = model.empty_cache(batch=2, max_pages_per_seq=8, page_size=16, num_pages=16)
-  tokens, logits, _, _, ok = tiny_decoder.generate(model, params, prompt, caches, pkv.PagePool.create(16),
-                                                   num_steps=4)
+  generate = jax.jit(functools.partial(tiny_decoder.generate, model, num_steps=4))   # one compile, not op by op
+  tokens, logits, _, _, ok = generate(params, prompt, caches, pkv.PagePool.create(16))
   assert bool(ok)
   return tokens, logits
 
@@ -186,7 +189,8 @@ def test_pool_exhaustion_during_generation_reports():
   params = model.init(jax.random.key(0))
   prompt = jax.random.randint(jax.random.key(1), (2, 7), 0, model.vocab_size)
   caches = model.empty_cache(batch=2, max_pages_per_seq=8, page_size=4, num_pages=5)
-  *_, ok = tiny_decoder.generate(model, params, prompt, caches, pkv.PagePool.create(5), num_steps=4)
+  *_, ok = jax.jit(functools.partial(tiny_decoder.generate, model, num_steps=4))(params, prompt, caches,
+                                                                                pkv.PagePool.create(5))
   assert not bool(ok)
 
 
