@@ -366,7 +366,8 @@ def _shape_id(shape):
 
 @pytest.mark.parametrize("shape", LOWERING_SHAPES, ids=_shape_id)
 def test_mla_shipped_configs_lower_for_cuda(shape):
-  _lower(shape, None)
+  module, config = _lower(shape, None)
+  assert ("_ordered" in module) == (config.sequence_order != "given")   # B128 T8192: longest first
 
 
 # The opt-in schedules lower at B1 (64 splits) and with pages of 16 (four copies per tile) at
@@ -421,12 +422,11 @@ def test_mla_balanced_plan_lowers_for_cuda(shape):
   _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, split_plan="balanced"))
 
 
-# The ragged row's shape (B128 T8192, one split) and B16 (4 splits) under the balanced plan.
-@pytest.mark.parametrize("shape,plan", [(LOWERING_SHAPES[3], "per_sequence"), (LOWERING_SHAPES[1], "balanced")],
-                         ids=lambda v: _shape_id(v) if isinstance(v, dict) else v)
-def test_mla_longest_first_lowers_for_cuda(shape, plan):
-  _lower(shape, pkv.DecodeConfig(block_kv=64, num_stages=2, p_in_registers=True, sequence_order="longest_first",
-                                 split_plan=plan))
+# Longest first with the balanced plan at B16 (4 splits); the shipped configs above lower it alone
+# at B128 T8192, where the heuristic takes it.
+def test_mla_longest_first_with_the_balanced_plan_lowers_for_cuda():
+  _lower(LOWERING_SHAPES[1], pkv.DecodeConfig(block_kv=64, num_stages=2, p_in_registers=True,
+                                              sequence_order="longest_first", split_plan="balanced"))
 
 
 def _lower(shape, config):
@@ -436,6 +436,7 @@ def _lower(shape, config):
                                               return_lse=True, impl=IMPL, config=config), *args)
   module = exported.mlir_module()
   assert "custom_call @mosaic_gpu" in module and "pallas_kv_mla" in module
+  return module, config
 
 
 # ---------------------------------------------------------------- on the GPU
@@ -611,3 +612,11 @@ def test_mla_kernel_launch_and_probes_lower_for_cuda(impl):
     assert "_r40_232" in module
   for option in ("_heldq", "_spt"):   # and Q's descriptors held, the ring's slots opaque
     assert (option in impl) == (option in module), option
+
+
+def test_mla_late_waits_probe_refuses_other_schedules():
+  from benchmarks import mla as mla_bench
+  row = mla_bench.ALL_ROWS["h128_b64_t4096"]
+  args, _ = _problem(batch=row.batch, seq_len=row.seq_len, num_heads=row.num_heads)
+  with pytest.raises(ValueError, match="wait_for_loads=False is a probe of the plain scorer schedule only"):
+    lower_for_cuda(mla_bench.build_fn("kernel_rh_late_waits", row), *args)

@@ -678,6 +678,9 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
                ordered=split_k.check_sequence_order(sequence_order, config, batch=B), rows_as_n=smem.rows_as_n,
                alternate_scores=config.alternate_scores, ring_halves=config.ring_halves,
                p_in_registers=config.p_in_registers, tile_math=tile_math, codegen=codegen)
+  if not tile_math.wait_for_loads and (st.pipeline_qk or st.split_scores or st.alternate_scores or st.ring_halves
+                                       or st.rows_as_n):
+    raise ValueError("tile_math.wait_for_loads=False is a probe of the plain scorer schedule only")
   if rows_padded != R:
     q = jnp.pad(q, ((0, 0), (0, rows_padded - R), (0, 0)))
   kv = kv_pages.reshape(*kv_pages.shape[:2], 1, D)   # KVTiling's [P, page_size, Hkv, D]

@@ -109,7 +109,7 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", num_sms: int | None = 
   flight fit in shared memory (split count left to `resolve_config`); two stages where three
   would make a grid of one to 2.5 waves (`two_stages_by_waves`)."""
   itemsize = jnp.dtype(dtype).itemsize   # one-byte caches: twice the tokens in flight per byte
-  block_rows, _ = row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
+  block_rows, row_blocks = row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
   block_kv = DEFAULT_BLOCK_KV
   if itemsize == 1 and problem.v_tokens_last:
     # Paged too: a tile that spans pages of 16 or 32 loads page by page; 128-token tiles measured
@@ -128,7 +128,7 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", num_sms: int | None = 
       config = dataclasses.replace(config, block_kv=config.block_kv // 2)
     else:
       break
-  if config.num_stages == DEFAULT_STAGES and two_stages_by_waves(problem, itemsize=itemsize, block_rows=block_rows,
+  if config.num_stages == DEFAULT_STAGES and two_stages_by_waves(problem, itemsize=itemsize, row_blocks=row_blocks,
                                                                  num_sms=num_sms or runtime.num_sms()):
     config = dataclasses.replace(config, num_stages=2)
   return config
@@ -142,13 +142,12 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", num_sms: int | None = 
 TWO_STAGE_WAVES = 2.5
 
 
-def two_stages_by_waves(problem, *, itemsize: int, block_rows: int, num_sms: int) -> bool:
+def two_stages_by_waves(problem, *, itemsize: int, row_blocks: int, num_sms: int) -> bool:
   """Whether the heuristic's three stages give way to two: a dense 16-bit cache at head_dim 128
   (the measured case; smaller heads fit more programs per SM) whose grid (one split: the batch
   fills the GPU) makes (1, TWO_STAGE_WAVES] waves of PROGRAMS_PER_SM programs per SM."""
   if itemsize != 2 or problem.head_dim != 128 or problem.page_size is not None:
     return False
-  _, row_blocks = row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
   waves = problem.batch * problem.num_kv_heads * row_blocks / (num_sms * PROGRAMS_PER_SM)
   return 1 < waves <= TWO_STAGE_WAVES
 
