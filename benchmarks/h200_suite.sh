@@ -2,7 +2,7 @@
 # The measurement suite on an H200, in parts that each fit one ~10-minute command.
 #   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged quantized qprobe vmap step tune
 #   fuzz memcheck mla merge balanced smollm2 (SMOLLM2_GGUF=path: the GPU machine has no network)
-#   tune_triton ncu ncu_stages ncu_stalls ncu_mla mla_order mla_waits mla_probes mla_schedules mla_merge ptxas loadpath kernels chain timer ragged_order ragged_one qpaged16 qpaged64 converter vlast models stages
+#   tune_triton ncu ncu_stages ncu_stalls ncu_mla mla_order mla_waits mla_clocks mla_probes mla_schedules mla_merge ptxas loadpath kernels chain timer ragged_order ragged_one qpaged16 qpaged64 converter vlast models stages
 #   tune-SWEEP-BACKEND (e.g. TUNE_CASES=32x8192,128x8192 ... tune-gpt_oss_120b-mosaic_gpu)
 #   (and scaling8k scaling32k on a machine with several GPUs)
 # Results (JSON, logs) go to $OUT if set, else bench_out/. Run from the repository root with the
@@ -83,6 +83,17 @@ for part in "$@"; do
               python3 -m benchmarks.mla --rows=h128_b64_t4096,h128_b128_t8192 --iters=10 --repeats=10 \
                 --impl=kernel,kernel_no_loads,kernel_late_waits --json="$out/mla_waits.json" 2>&1 | quiet \
                 | tee "$out/mla_waits.log" ;;
+    mla_clocks) # the SM clock and power under the MLA launch with and without its loads (nvidia-smi
+              # sampled every 50 ms through each timing run; samples above 300 W summarised; ~1 min per impl;
+              # CLOCKS_IMPLS picks other benchmarks.mla impls)
+              for impl in ${CLOCKS_IMPLS:-kernel kernel_no_loads kernel_late_waits}; do
+                nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 50 \
+                  > "$out/clocks_$impl.csv" & smi=$!
+                python3 -m benchmarks.mla --rows=h128_b128_t8192 --iters=100 --repeats=30 --impl=$impl 2>&1 \
+                  | quiet | grep ' us,' | tee -a "$out/mla_clocks.log"
+                kill $smi; wait $smi 2>/dev/null
+                python3 -m benchmarks.clocks "$out/clocks_$impl.csv" --label=$impl | tee -a "$out/mla_clocks.log"
+              done ;;
     mla_probes) # where an MLA tile's time goes: the kernel's launch alone beside probes that leave Q K^T,
               # the softmax or P V out (results wrong by design, unchecked), and the alternate-scorer
               # schedule, two rows (~4 min)

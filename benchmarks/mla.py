@@ -24,7 +24,9 @@ merge) and its probes `kernel_no_qk`, `kernel_no_softmax`, `kernel_no_pv`, `kern
 `kernel_no_loads` (the same launch with those stages left out: the TMA ring and the P hand-over
 still run, and without loads the producer marks each slot full as it frees), `kernel_late_waits`
 (the loads run, but the consumers compute on each slot before its copy lands and wait for it only
-before releasing it: the loads' SMEM traffic without their waits; plain schedule only; results
+before releasing it: the loads' SMEM traffic without their waits; plain schedule only),
+`kernel_one_loader` (only row block 0 loads its tiles: half the L2-to-SM traffic at 128 heads, a
+bound on what multicasting each tile to both row blocks could save; results
 wrong by design, so they are not checked; they tell where a tile's time goes),
 `kernel_sp<N>_mosaic_merge` / `kernel_sp<N>_triton_merge` (the launch with N splits, then the
 Mosaic GPU merge overlapped with the kernel's last wave, or the Triton merge the op runs, a plain
@@ -113,7 +115,7 @@ KERNEL_CODEGEN = {"": {}, "_r232": dict(registers=(40, 232)), "_heldq": dict(q_p
                   "_r232_heldq": dict(registers=(40, 232), q_per_tile=False), "_spt": dict(slots_per_tile=True)}
 PROBE_STAGES = {"_no_qk": frozenset({"qk"}), "_no_softmax": frozenset({"softmax"}), "_no_pv": frozenset({"pv"}),
                 "_loads_only": frozenset({"qk", "softmax", "pv"}), "_no_loads": frozenset({"loads"}),
-                "_late_waits": frozenset({"waits"})}
+                "_late_waits": frozenset({"waits"}), "_one_loader": frozenset({"second_loads"})}
 KERNEL_IMPLS = {f"{KERNEL}{schedule}{option}{probe}": (fields, skip, codegen)
                 for schedule, fields in KERNEL_SCHEDULES.items() for option, codegen in KERNEL_CODEGEN.items()
                 for probe, skip in {"": frozenset(), **PROBE_STAGES}.items()}
@@ -227,7 +229,8 @@ def probe_math(impl: str):
   _, skip, _ = KERNEL_IMPLS[impl]
   if not skip:
     return mgpu_mla.TileMath()
-  return ProbeMath(name=impl, skip=skip, load_tiles="loads" not in skip, wait_for_loads="waits" not in skip)
+  return ProbeMath(name=impl, skip=skip, load_tiles="loads" not in skip, wait_for_loads="waits" not in skip,
+                   first_row_block_loads_only="second_loads" in skip)
 
 
 def build_kernel_launch(impl: str, row: "Row", scale: float):

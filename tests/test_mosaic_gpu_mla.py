@@ -599,7 +599,7 @@ def test_mla_kernel_launch_matches_the_baseline_and_its_probes_run_in_interpret_
 # Every probe stage, schedule and Codegen option at least once (each lowering takes 5-9 s on 2 cores).
 @pytest.mark.parametrize("impl", ["kernel", "kernel_rh_no_qk", "kernel_smemp_no_pv", "kernel_heldq_no_softmax",
                                   "kernel_r232_loads_only", "kernel_alt_no_loads", "kernel_altrh_spt",
-                                  "kernel_late_waits"])
+                                  "kernel_late_waits", "kernel_one_loader"])
 def test_mla_kernel_launch_and_probes_lower_for_cuda(impl):
   from benchmarks import mla as mla_bench
   row = mla_bench.ALL_ROWS["h128_b64_t4096"]

@@ -501,10 +501,15 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
       where = st.tiling.tile_locations(t0 + step, batch=b, block_tables_ref=block_tables_ref)
       for part in ring.spec.part_ids:   # with ring halves the scorer's value half first
         ring.acquire(step, part)
-        if st.tile_math.load_tiles:
-          ring.commit(step, st.tiling.tile_sources(kv_ref, where, head=0), part)
-        else:   # a probe: the consumers compute on whatever the slot holds
-          ring.commit_stores(step, part)
+        load = functools.partial(ring.commit, step, st.tiling.tile_sources(kv_ref, where, head=0), part)
+        unloaded = functools.partial(ring.commit_stores, step, part)   # probes: the slot as it is
+        if not st.tile_math.load_tiles:
+          unloaded()
+        elif st.tile_math.first_row_block_loads_only:
+          pl.when(row_block == 0)(load)
+          pl.when(row_block != 0)(unloaded)
+        else:
+          load()
 
     ring.drain(t1 - t0)
 

@@ -30,6 +30,10 @@ class TileMath:
   # False (a probe; the plain schedule only): the consumers read a slot before its copy lands and
   # wait for it only before releasing it, so the loads' SMEM traffic stays and their waits go.
   wait_for_loads: bool = True
+  # True (a probe): only row block 0's producer loads; the others mark their slots full unloaded,
+  # so the L2-to-SM traffic of a 128-head sequence halves, as multicasting each tile to a cluster
+  # of both row blocks would (with all of its SMEM writes gone too: an upper bound on that gain).
+  first_row_block_loads_only: bool = False
 
   def qk(self, s_ref, q_tile, k_tile):
     """Starts S = q_tile k_tile into the accumulator s_ref (SMEM operands, either orientation)."""

@@ -9,7 +9,6 @@ this kernel adds, and `decode_partials` runs it once per call.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax.numpy as jnp
@@ -25,8 +24,11 @@ MIN_BLOCK_KV = 16
 # Packed query rows one program keeps in registers (accumulator [rows, D] float32); more rows
 # are split over programs, each of which re-reads its KV head.
 MAX_ROWS_PER_PROGRAM = {64: 128, 128: 128, 256: 64}
-# Shared memory the pipelined K and V tiles may take: fits an A100 (164 KiB per block) as well
-# as Hopper (227 KiB).
+# Shared memory the pipelined K and V tiles may take per program: Hopper's 227 KiB per block
+# (also assumed without a GPU, as for lowering), else what fits an A100 (164 KiB). With the
+# larger budget D 256 tiles keep three stages, measured 2-15% faster than two at B >= 16 on the
+# H200 (Gemma-2-9B, benchmarks/RESULTS.md, seventeenth set).
+HOPPER_SMEM_BUDGET_BYTES = 227 * 1024
 SMEM_BUDGET_BYTES = 160 * 1024
 # Several programs share an SM (Triton pipelines each program's loads).
 PROGRAMS_PER_SM = 2
@@ -35,6 +37,10 @@ DEFAULT_BLOCK_KV = 64
 # head dim: 64-byte rows (half a cache line, D of them per tile) measured up to 26% slower on the
 # H200 than 128-byte rows (benchmarks/RESULTS.md, seventh set).
 TOKENS_LAST_ONE_BYTE_BLOCK_KV = 128
+# Three stages everywhere the SMEM allows. Two stages (five programs per SM against three, at
+# head_dim 128) read 1.5-14% faster on full-length batches whose grid makes one to 2.5 waves of
+# three-stage programs, and 6-30% slower on ragged batches of the same shapes (sixteenth and
+# seventeenth sets): the kernel cannot see at trace time which it gets, and serving is ragged.
 DEFAULT_STAGES = 3
 # DecodeConfig fields this backend does not implement, with the value it needs.
 UNSUPPORTED_FIELDS = {"kv_groups": 1, "pipeline_qk": False, "persistent": False, "split_scores": False,
@@ -61,9 +67,14 @@ def smem_bytes(*, head_dim: int, itemsize: int, block_kv: int, num_stages: int, 
   return max(num_stages, 1) * 2 * tile + block_rows * head_dim * itemsize
 
 
-def fits_smem(**kwargs) -> bool:
-  """Whether `smem_bytes(**kwargs)` is within SMEM_BUDGET_BYTES."""
-  return smem_bytes(**kwargs) <= SMEM_BUDGET_BYTES
+def smem_budget() -> int:
+  """The SMEM budget of the local GPU (`HOPPER_SMEM_BUDGET_BYTES` on Hopper or without a GPU)."""
+  return HOPPER_SMEM_BUDGET_BYTES if runtime.gpu_device() is None or runtime.is_hopper_or_newer() else SMEM_BUDGET_BYTES
+
+
+def fits_smem(*, budget: int | None = None, **kwargs) -> bool:
+  """Whether `smem_bytes(**kwargs)` is within `budget` (default: the local GPU's, `smem_budget`)."""
+  return smem_bytes(**kwargs) <= (smem_budget() if budget is None else budget)
 
 
 def block_kv_for_page(page_size: int, block_kv: int = DEFAULT_BLOCK_KV) -> int | None:
@@ -104,12 +115,11 @@ def check_config(config: DecodeConfig, *, head_dim: int, page_size: int | None) 
     raise ValueError(f"block_kv={config.block_kv} must divide page_size={page_size} or be a multiple of it")
 
 
-def heuristic_config(problem, *, dtype: Any = "bfloat16", num_sms: int | None = None) -> DecodeConfig:
+def heuristic_config(problem, *, dtype: Any = "bfloat16", smem_budget: int | None = None) -> DecodeConfig:
   """The default tile, stages and warps: fewer stages, then smaller tiles, until the tiles in
-  flight fit in shared memory (split count left to `resolve_config`); two stages where three
-  would make a grid of one to 2.5 waves (`two_stages_by_waves`)."""
+  flight fit in `smem_budget` (default: the local GPU's; split count left to `resolve_config`)."""
   itemsize = jnp.dtype(dtype).itemsize   # one-byte caches: twice the tokens in flight per byte
-  block_rows, row_blocks = row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
+  block_rows, _ = row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
   block_kv = DEFAULT_BLOCK_KV
   if itemsize == 1 and problem.v_tokens_last:
     # Paged too: a tile that spans pages of 16 or 32 loads page by page; 128-token tiles measured
@@ -120,7 +130,7 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", num_sms: int | None = 
   config = DecodeConfig(block_kv=block_kv, num_stages=DEFAULT_STAGES,
                         num_warps=8 if block_rows * problem.head_dim >= 128 * 128 else 4)
   fits = lambda c: fits_smem(head_dim=problem.head_dim, itemsize=itemsize, block_kv=c.block_kv,
-                             num_stages=c.num_stages, block_rows=block_rows)
+                             num_stages=c.num_stages, block_rows=block_rows, budget=smem_budget)
   while not fits(config):
     if config.num_stages > 2:
       config = dataclasses.replace(config, num_stages=config.num_stages - 1)
@@ -128,35 +138,13 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", num_sms: int | None = 
       config = dataclasses.replace(config, block_kv=config.block_kv // 2)
     else:
       break
-  if config.num_stages == DEFAULT_STAGES and two_stages_by_waves(problem, itemsize=itemsize, row_blocks=row_blocks,
-                                                                 num_sms=num_sms or runtime.num_sms()):
-    config = dataclasses.replace(config, num_stages=2)
   return config
-
-
-# Three-stage programs of 64-token tiles at head_dim 128 fit two per SM. When a grid of them
-# makes more than one wave and at most this many, two stages (three programs per SM) measured
-# faster on the H200: 1.45 to 2.42 waves, by 1.5-14% on eight shapes of groups 4, 7 and 8 (five
-# of them held out); under one wave three stages won by 4-11%, and at 3.9 waves and more the two
-# were within 3% (benchmarks/RESULTS.md, sixteenth set). Measured on dense 16-bit caches only.
-TWO_STAGE_WAVES = 2.5
-
-
-def two_stages_by_waves(problem, *, itemsize: int, row_blocks: int, num_sms: int) -> bool:
-  """Whether the heuristic's three stages give way to two: a dense 16-bit cache at head_dim 128
-  (the measured case; smaller heads fit more programs per SM) whose grid (one split: the batch
-  fills the GPU) makes (1, TWO_STAGE_WAVES] waves of PROGRAMS_PER_SM programs per SM."""
-  if itemsize != 2 or problem.head_dim != 128 or problem.page_size is not None:
-    return False
-  waves = problem.batch * problem.num_kv_heads * row_blocks / (num_sms * PROGRAMS_PER_SM)
-  return 1 < waves <= TWO_STAGE_WAVES
 
 
 def resolve_config(problem, config: DecodeConfig | None, *, dtype: Any = "bfloat16", num_sms: int | None = None,
                    device_kind: str | None = None) -> DecodeConfig:
   """Explicit config, else tuned, else the heuristic one, with the split count filled in."""
   _, row_blocks = row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
-  heuristic = functools.partial(heuristic_config, num_sms=num_sms)
-  return split_k.resolve_config(problem, config, backend=NAME, heuristic=heuristic, row_blocks=row_blocks,
+  return split_k.resolve_config(problem, config, backend=NAME, heuristic=heuristic_config, row_blocks=row_blocks,
                                 programs_per_sm=PROGRAMS_PER_SM, dtype=dtype, num_sms=num_sms,
                                 device_kind=device_kind)
