@@ -346,6 +346,14 @@ def test_profile_kernel_chain_summary():
   assert profile_kernel.chain_summary([], calls=2) == "no kernels recorded"
 
 
+def test_clocks_summary_keeps_only_samples_under_load():
+  from benchmarks import clocks
+  lines = ["1980, 85.0", "1530, 693.5", "1515, 700.1", "[N/A], 650", "1665, 693.0\n"]
+  assert clocks.summarise(lines, 300.0) == ("3 samples above 300 W: SM clock median 1530 MHz (range 1515-1665), "
+                                            "power median 694 W (range 693-700)")
+  assert clocks.summarise(lines[:1], 300.0) == "no samples above 300 W (of 1)"
+
+
 def test_ncu_summary_reads_a_details_csv():
   from benchmarks import ncu_summary
   header = '"ID","Process ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"'
