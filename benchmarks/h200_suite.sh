@@ -185,11 +185,12 @@ for part in "$@"; do
                   --kv_dtype=$kv --$cvt --warmup=2 --repeats=5 --json="$out/converter_${kv}_$cvt.json" 2>&1 | quiet \
                   | tee "$out/converter_${kv}_$cvt.log"
               done; done ;;
-    ragged_order) # ragged batches with the sequences in batch order, longest first and long-short (triton), cuDNN beside
-              for order in given longest_first long_short; do
-                python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags --ragged \
+    ragged_order) # ragged batches with the sequences in batch order, longest first and long-short (triton), cuDNN
+              # beside; then the same shapes at full length in batch order and longest first (the order's own cost)
+              for order in given longest_first long_short full_given full_longest_first; do
+                python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags $([[ $order = full_* ]] || echo --ragged) \
                   --cases=16x32768,64x8192,128x4096 --impl=triton$([ $order = given ] && echo ,cudnn) \
-                  --sequence_order=$order --warmup=2 --repeats=5 --json="$out/ragged_$order.json" 2>&1 | quiet \
+                  --sequence_order=${order#full_} --warmup=2 --repeats=5 --json="$out/ragged_$order.json" 2>&1 | quiet \
                   | tee "$out/ragged_$order.log"
               done ;;
     ragged_one) # one triton setting for every ragged row: the balanced plan with the merge in the kernel's
