@@ -30,7 +30,9 @@ MAX_ROWS_PER_PROGRAM = {64: 128, 128: 128, 256: 64}
 # H200 (Gemma-2-9B, benchmarks/RESULTS.md, seventeenth set).
 HOPPER_SMEM_BUDGET_BYTES = 227 * 1024
 SMEM_BUDGET_BYTES = 160 * 1024
-# Several programs share an SM (Triton pipelines each program's loads).
+# Several programs share an SM (Triton pipelines each program's loads). The split count assumes
+# two; Nsight Compute counted three three-stage programs per SM at D 128 (71.7 KiB, 128 registers
+# each; seventeenth set), and the split counts were tuned and measured with two.
 PROGRAMS_PER_SM = 2
 DEFAULT_BLOCK_KV = 64
 # A one-byte V stored tokens last is read as [D, block_kv] rows of block_kv bytes, one row per
