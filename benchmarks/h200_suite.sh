@@ -186,10 +186,11 @@ for part in "$@"; do
                   | tee "$out/converter_${kv}_$cvt.log"
               done; done ;;
     ragged_order) # ragged batches with the sequences in batch order, longest first and long-short (triton), cuDNN
-              # beside; then the same shapes at full length in batch order and longest first (the order's own cost)
+              # beside; then the same shapes at full length in batch order and longest first (the order's own
+              # cost). ORDER_CASES picks other shapes (e.g. held-out ones).
               for order in given longest_first long_short full_given full_longest_first; do
                 python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags $([[ $order = full_* ]] || echo --ragged) \
-                  --cases=16x32768,64x8192,128x4096 --impl=triton$([ $order = given ] && echo ,cudnn) \
+                  --cases=${ORDER_CASES:-16x32768,64x8192,128x4096} --impl=triton$([ $order = given ] && echo ,cudnn) \
                   --sequence_order=${order#full_} --warmup=2 --repeats=5 --json="$out/ragged_$order.json" 2>&1 | quiet \
                   | tee "$out/ragged_$order.log"
               done ;;
