@@ -92,8 +92,8 @@ def test_heuristic_stages(heads, case, tmp_path, monkeypatch):
   q = jax.ShapeDtypeStruct((b, 16, 256), jnp.bfloat16)   # Gemma-2-9B's heads: 16 / 8, D 256
   kv = jax.ShapeDtypeStruct((b, t, 8, 256), jnp.bfloat16)
   gemma = validation.validate_dense(q, kv, kv, jax.ShapeDtypeStruct((b,), jnp.int32))
-  hopper = triton_config.heuristic_config(gemma, smem_budget=triton_config.HOPPER_SMEM_BUDGET_BYTES)
-  a100 = triton_config.heuristic_config(gemma, smem_budget=triton_config.SMEM_BUDGET_BYTES)
+  hopper = triton_config.heuristic_config(gemma, budget=triton_config.HOPPER_SMEM_BUDGET_BYTES)
+  a100 = triton_config.heuristic_config(gemma, budget=triton_config.SMEM_BUDGET_BYTES)
   assert (hopper.num_stages, hopper.block_kv, a100.num_stages, a100.block_kv) == (3, 64, 2, 64)
   assert triton_config.heuristic_config(gemma) == hopper   # no GPU here: the budget is Hopper's
   tuned.clear_cache()

@@ -117,9 +117,11 @@ def check_config(config: DecodeConfig, *, head_dim: int, page_size: int | None) 
     raise ValueError(f"block_kv={config.block_kv} must divide page_size={page_size} or be a multiple of it")
 
 
-def heuristic_config(problem, *, dtype: Any = "bfloat16", smem_budget: int | None = None) -> DecodeConfig:
+def heuristic_config(problem, *, dtype: Any = "bfloat16", budget: int | None = None) -> DecodeConfig:
   """The default tile, stages and warps: fewer stages, then smaller tiles, until the tiles in
-  flight fit in `smem_budget` (default: the local GPU's; split count left to `resolve_config`)."""
+  flight fit in `budget` bytes of SMEM (default: the local GPU's, `smem_budget`; split count left
+  to `resolve_config`)."""
+  budget = smem_budget() if budget is None else budget
   itemsize = jnp.dtype(dtype).itemsize   # one-byte caches: twice the tokens in flight per byte
   block_rows, _ = row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
   block_kv = DEFAULT_BLOCK_KV
@@ -132,7 +134,7 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", smem_budget: int | Non
   config = DecodeConfig(block_kv=block_kv, num_stages=DEFAULT_STAGES,
                         num_warps=8 if block_rows * problem.head_dim >= 128 * 128 else 4)
   fits = lambda c: fits_smem(head_dim=problem.head_dim, itemsize=itemsize, block_kv=c.block_kv,
-                             num_stages=c.num_stages, block_rows=block_rows, budget=smem_budget)
+                             num_stages=c.num_stages, block_rows=block_rows, budget=budget)
   while not fits(config):
     if config.num_stages > 2:
       config = dataclasses.replace(config, num_stages=config.num_stages - 1)
