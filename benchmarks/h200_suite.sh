@@ -256,8 +256,8 @@ for part in "$@"; do
                 done
                 python3 -m benchmarks.ncu_summary /tmp/ncu_mla/*.csv | tee "$out/ncu_mla.log"
               fi ;;
-    ncu_stages) # Nsight Compute on the Triton kernel at 2 and 3 stages where 3 lose (Llama-3-8B B64 T8192:
-              # 1.94 waves of 3-stage programs; 469.6 against 544.3 us), tuned file set aside: achieved
+    ncu_stages) # Nsight Compute on the Triton kernel at 2 and 3 stages where 3 lose at full length (Llama-3-8B
+              # B64 T8192: 469.6 against 544.3 us; 5 and 3 programs per SM), tuned file set aside: achieved
               # occupancy, DRAM throughput, SMEM per block (~4 min)
               if ! command -v ncu >/dev/null 2>&1; then echo "ncu: not on this machine" | tee "$out/ncu_stages.log"; else
                 mkdir -p /tmp/ncu_stages
