@@ -22,6 +22,12 @@ once with and once without it to compare against the two-launch path:
   python -m benchmarks.decode --flagfile=configs/gqa_h200.flags --ragged --impl=triton,mosaic_gpu \
       --split_plan=balanced
 
+`--split_plan=stream_k` runs the triton impl (and auto where it picks triton) with the stream-K
+plan: one wave of programs (`--stream_k_programs_per_sm` per SM) over the batch's tiles laid end
+to end, block size and stages as resolved:
+
+  python -m benchmarks.decode --flagfile=configs/gqa_h200.flags --ragged --impl=triton --split_plan=stream_k
+
 `--convert_warpgroup` runs the mosaic_gpu impl (and auto where it picks it) on one-byte caches
 with a converter warpgroup (`DecodeConfig.convert_warpgroup`), the config otherwise as resolved
 (with kv_groups=1):
@@ -105,6 +111,7 @@ from benchmarks import peers
 from benchmarks import runners
 from benchmarks import timing
 from pallas_kv import config as config_lib
+from pallas_kv import runtime
 
 
 def run_impl(impl: str, case: cases.Case, sweep: cases.Sweep, input_sets: Sequence[tuple],
@@ -242,6 +249,41 @@ def balanced_split_plan(enabled: bool):
 
 
 @contextlib.contextmanager
+def triton_stream_k(enabled: bool, programs_per_sm: int | None = None):
+  """While open (if enabled), the triton backend resolves its configs as usual, then switches them
+  to the stream-K plan: one program per (kv head, row block) and programs_per_sm per SM (the
+  backend's PROGRAMS_PER_SM if None), block size and stages as resolved."""
+  from pallas_kv.kernels import split_k  # pylint: disable=g-import-not-at-top
+  from pallas_kv.kernels.triton import config as triton_config  # pylint: disable=g-import-not-at-top
+
+  def stream_k(resolve, problem, config, kw):
+    _, row_blocks = triton_config.row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
+    programs = split_k.stream_k_programs(num_kv_heads=problem.num_kv_heads, row_blocks=row_blocks,
+                                         num_sms=kw.get("num_sms") or runtime.num_sms(),
+                                         programs_per_sm=programs_per_sm or triton_config.PROGRAMS_PER_SM)
+    return resolve(problem, dataclasses.replace(config, split_plan="stream_k", num_splits=programs,
+                                                merge_in_kernel=False), **kw)
+
+  with _resolved_configs_rewritten([triton_config] if enabled else [], stream_k):
+    yield
+
+
+@contextlib.contextmanager
+def triton_per_sequence(enabled: bool):
+  """While open (if enabled), a triton config that resolved to the stream-K plan (the default
+  where `triton_config.stream_k_pays`) takes per-sequence splits instead, counted as usual."""
+  from pallas_kv.kernels.triton import config as triton_config  # pylint: disable=g-import-not-at-top
+
+  def per_sequence(resolve, problem, config, kw):
+    if config.split_plan != "stream_k":
+      return config
+    return resolve(problem, dataclasses.replace(config, split_plan="per_sequence", num_splits=None), **kw)
+
+  with _resolved_configs_rewritten([triton_config] if enabled else [], per_sequence):
+    yield
+
+
+@contextlib.contextmanager
 def triton_fields(**fields):
   """While open, the triton backend resolves its configs as usual, then takes the given
   `DecodeConfig` fields (those not None; e.g. block_kv, num_stages) and checks the config again."""
@@ -314,9 +356,13 @@ def define_flags() -> None:
   cli.define_output_flags(("json", "csv", "plot"))
   flags.DEFINE_boolean("merge_in_kernel", False, "triton impl: merge the splits in the kernel's own launch "
                        "(DecodeConfig.merge_in_kernel), the config otherwise as resolved.")
-  flags.DEFINE_enum("split_plan", "per_sequence", ["per_sequence", "balanced"],
+  flags.DEFINE_enum("split_plan", "per_sequence", list(config_lib.SPLIT_PLANS),
                     "kernel impls: how sequences are cut into splits (DecodeConfig.split_plan); balanced "
-                    "takes each resolved config with the plan's split bound.")
+                    "takes each resolved config with the plan's split bound (both backends); stream_k the "
+                    "triton impl's, with --stream_k_programs_per_sm programs per SM. Given explicitly, "
+                    "per_sequence also replaces the triton default's stream-K plan where it takes one.")
+  flags.DEFINE_integer("stream_k_programs_per_sm", None, "--split_plan=stream_k: programs per SM (default: the "
+                       "triton backend's PROGRAMS_PER_SM).", lower_bound=1)
   flags.DEFINE_boolean("convert_warpgroup", False, "mosaic_gpu impl, one-byte caches: a converter warpgroup "
                        "(DecodeConfig.convert_warpgroup), the config otherwise as resolved.")
   flags.DEFINE_enum("sequence_order", "given", list(config_lib.SEQUENCE_ORDERS),
@@ -340,6 +386,8 @@ def main(argv: Sequence[str]) -> int:
     raise app.UsageError(str(e)) from None
   paths = cli.output_paths()
   with (triton_merge_in_kernel(flags.FLAGS.merge_in_kernel), balanced_split_plan(flags.FLAGS.split_plan == "balanced"),
+        triton_stream_k(flags.FLAGS.split_plan == "stream_k", flags.FLAGS.stream_k_programs_per_sm),
+        triton_per_sequence(flags.FLAGS["split_plan"].present and flags.FLAGS.split_plan == "per_sequence"),
         triton_sequence_order(flags.FLAGS.sequence_order), mosaic_convert_warpgroup(flags.FLAGS.convert_warpgroup),
         values_tokens_last(flags.FLAGS.v_tokens_last),
         triton_fields(block_kv=flags.FLAGS.triton_block_kv, num_stages=flags.FLAGS.triton_num_stages)):

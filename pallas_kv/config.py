@@ -24,7 +24,7 @@ class AttentionOptions:
 
 BLOCK_KV_CHOICES = (16, 32, 64, 128, 256)  # the mosaic_gpu backend needs >= 64 (wgmma K)
 MAX_STAGES = 8
-SPLIT_PLANS = ("per_sequence", "balanced")
+SPLIT_PLANS = ("per_sequence", "balanced", "stream_k")
 BOOL_FIELDS = ("pipeline_qk", "persistent", "merge_in_kernel", "split_scores", "convert_warpgroup", "rows_as_n",
                "alternate_scores", "ring_halves", "p_in_registers")   # DecodeConfig's on/off options
 SEQUENCE_ORDERS = ("given", "longest_first", "long_short")
@@ -69,6 +69,12 @@ class DecodeConfig:
     ragged batches (MLA B128: 349.8 against 423.7 us) and loses on full-length ones that do not
     fill the GPU (GQA B1 T32768 on triton: 76.6 against 40.6 us; MLA B16 T4096: 76.7 against
     38.4; benchmarks/RESULTS.md, eleventh set), so `auto` keeps "per_sequence".
+    "stream_k" (triton only): num_splits programs per (kv head, row block), one wave of the GPU
+    (`split_k.stream_k_programs`), each streaming an equal share of the whole batch's tiles laid
+    end to end, crossing sequence boundaries (`split_k.StreamKLayout`, planned inside the kernel
+    from `lengths`); a sequence cut across programs is merged in the launch by its last piece to
+    arrive, so the merge is always in the kernel. Needs sequence_order "given". As with
+    "balanced", a sequence's last bits depend on the other lengths in the batch.
   convert_warpgroup: one-byte caches on mosaic_gpu only: a converter warpgroup between the TMA
     producer and the consumers widens each one-byte K / V tile (and applies its per-token scales)
     into a ring of q-dtype tiles that the consumers' wgmma reads as it reads a bf16 cache, as

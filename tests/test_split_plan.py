@@ -199,6 +199,128 @@ def test_gpu_balanced_plan_on_a_ragged_batch(impl, page_size):
   check_against_reference(case, _call(case, impl, config, page_size is not None))
 
 
+# ---------------------------------------------------------------- the stream-K plan
+
+@pytest.mark.parametrize("seed,block_kv,num_queries,window,programs", [
+    (0, 64, 1, None, 33), (1, 16, 3, None, 7), (2, 64, 2, 700, 49), (3, 32, 1, None, 200),
+])
+def test_stream_k_programs_cover_every_tile_once(seed, block_kv, num_queries, window, programs):
+  # Walks the programs' segments as the kernel does: each visible tile once, every program at
+  # most `chunk` tiles, and the partial slots the programs write are the ones each merge reads.
+  rng = np.random.default_rng(seed)
+  capacity = 4096
+  lengths = np.concatenate([rng.integers(0, capacity + 1, size=29), [0, 1, capacity, 0]]).astype(np.int32)
+  padded = np.concatenate([lengths, np.zeros(64 - lengths.size, np.int32)])   # the kernel's power-of-two vector
+  plan = split_k.StreamKLayout.of(jnp.asarray(padded), block_kv=block_kv, num_queries=num_queries, window=window,
+                                  num_programs=programs)
+  covered = {b: [] for b in range(lengths.size)}
+  written = {}   # (program, slot) -> sequence
+  for w in range(programs):
+    lo, hi = (int(x) for x in plan.program_range(w))
+    assert 0 <= hi - lo <= int(plan.chunk)
+    g = lo
+    while g < hi:
+      b, t0, t1 = (int(x) for x in plan.segment(g, hi))
+      assert b < lengths.size and t1 > t0
+      covered[b] += range(t0, t1)
+      if int(plan.pieces(b)[1]) > 1:
+        slot = 0 if g == lo else 1
+        assert (w, slot) not in written   # two slots per program are enough
+        written[w, slot] = b
+      g += t1 - t0
+  for b, length in enumerate(lengths):
+    first_key = 0 if window is None else max(length - num_queries + 1 - window, 0)
+    assert sorted(covered[b]) == list(range(first_key // block_kv, -(-length // block_kv)))
+    first_program, pieces, mid_chunk = (int(x) for x in plan.pieces(b))
+    if pieces > 1:
+      read = [(first_program + j, int(split_k.StreamKLayout.piece_slot(bool(mid_chunk), j == 0)))
+              for j in range(pieces)]
+      assert sorted(read) == sorted(key for key, seq in written.items() if seq == b)
+    assert (pieces == 0) == (not covered[b])
+
+
+def test_stream_k_programs_fill_one_wave():
+  assert split_k.stream_k_programs(num_kv_heads=8, row_blocks=1, num_sms=132, programs_per_sm=2) == 33
+  assert split_k.stream_k_programs(num_kv_heads=8, row_blocks=1, num_sms=132, programs_per_sm=3) == 49
+  assert split_k.stream_k_programs(num_kv_heads=512, row_blocks=1, num_sms=132, programs_per_sm=2) == 1
+  problem = sweeps.problem_args((32, 8), (64, 8192), None)[1]
+  config = triton_config.resolve_config(problem, pkv.DecodeConfig(split_plan="stream_k"), num_sms=132)
+  assert config.num_splits == 132 * triton_config.PROGRAMS_PER_SM // 8
+
+
+@pytest.mark.parametrize("lengths,programs,paged,num_queries,options", [
+    ([256, 50, 16, 0, 200], 3, False, None, {}),                    # short sequences share a program
+    ([256, 0, 256, 17, 100], 4, True, 2, dict(window=90, softcap=20.0)),
+    ([256, 256, 256, 256], 5, False, None, {}),                     # every sequence cut across programs
+    ([0, 0, 0], 2, False, None, {}),                                # no tiles at all
+    ([256, 9, 130], 64, False, None, {}),                           # more programs than tiles
+], ids=["dense-ragged", "paged-S2-window-softcap", "dense-full", "all-empty", "programs-over-tiles"])
+def test_stream_k_matches_reference(interpret_mode, lengths, programs, paged, num_queries, options):
+  case = make_case(70 + programs, batch=len(lengths), seq_len=256, num_heads=8, num_kv_heads=2, head_dim=64,
+                   dtype=jnp.bfloat16, num_queries=num_queries, lengths=lengths, page_size=64 if paged else None)
+  config = pkv.DecodeConfig(block_kv=16, num_stages=2, num_splits=programs, split_plan="stream_k")
+  check_against_reference(case, _call(case, "triton", config, paged, **options), **options)
+
+
+def test_stream_k_with_sinks_scales_and_no_lse(interpret_mode):
+  # int8 with per-token scales (the scale refs hold the whole batch) and sinks, output only.
+  lengths = [100, 128, 0, 33]
+  case = make_case(80, batch=4, seq_len=128, num_heads=8, num_kv_heads=2, head_dim=64, dtype=jnp.float16,
+                   lengths=lengths, kv_dtype=jnp.int8)
+  rng = np.random.default_rng(80)
+  options = {name: jnp.asarray(rng.uniform(0.005, 0.02, (4, 128, 2)), jnp.float32) for name in ("k_scale", "v_scale")}
+  options["sinks"] = jnp.asarray(rng.standard_normal(8), jnp.float32)
+  config = pkv.DecodeConfig(block_kv=16, num_stages=2, num_splits=3, split_plan="stream_k")
+  out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, impl="triton", config=config, **options)
+  ref = pkv.decode_attention(case.q, case.k, case.v, case.lengths, impl="xla", **options)
+  assert out.shape == ref.shape
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-2, rtol=2e-2)
+
+
+def test_stream_k_is_validated():
+  from pallas_kv.config import AttentionOptions
+  from pallas_kv.kernels.triton import decode as triton_decode
+  config = pkv.DecodeConfig(num_splits=4, split_plan="stream_k")
+  with pytest.raises(ValueError, match="stream_k' is a triton option"):
+    mgpu_config.check_config(config, rows=4, head_dim=128, dtype=jnp.bfloat16, page_size=None)
+  ordered = pkv.DecodeConfig(num_splits=4, split_plan="stream_k", sequence_order="longest_first")
+  with pytest.raises(ValueError, match="sequence_order must be 'given'"):
+    triton_config.check_config(ordered, head_dim=128, page_size=None)
+  case = make_case(81, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
+  rows = split_k.pack_queries(case.q[:, None], 2)
+  with pytest.raises(ValueError, match="call decode_merged"):
+    triton_decode.decode_partials(rows, case.k, case.v, case.lengths, num_queries=1,
+                                  options=AttentionOptions(scale=0.125), config=config, interpret=True)
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_stream_k_lowers_for_cuda(page_size):
+  args, problem = sweeps.problem_args((32, 8), (64, 8192), page_size)
+  config = triton_config.resolve_config(problem, pkv.DecodeConfig(split_plan="stream_k"), num_sms=132)
+  op = pkv.decode_attention if page_size is None else pkv.paged_decode_attention
+  module = lower_for_cuda(functools.partial(op, impl="triton", config=config), *args).mlir_module()
+  assert module.count(TRITON_CUSTOM_CALL) == 1   # the merge is in the launch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("batch,seq_len,ragged", [(16, 16384, True), (64, 4096, True), (32, 2048, False)])
+def test_gpu_stream_k(page_size, batch, seq_len, ragged):
+  # Many programs cut and merge the same sequences concurrently: the counters' ordering on a GPU.
+  rng = np.random.default_rng(batch)
+  lengths = rng.integers(1, seq_len + 1, size=batch) if ragged else np.full(batch, seq_len)
+  if ragged:
+    lengths[1] = 0
+  case = make_case(90 + batch, batch=batch, seq_len=seq_len, num_heads=32, num_kv_heads=8, head_dim=128,
+                   dtype=jnp.bfloat16, lengths=lengths, page_size=page_size)
+  problem = sweeps.problem_args((32, 8), (batch, seq_len), page_size)[1]
+  for programs_per_sm in (2, 3):
+    programs = split_k.stream_k_programs(num_kv_heads=8, row_blocks=1, num_sms=pkv.runtime.num_sms(),
+                                         programs_per_sm=programs_per_sm)
+    config = triton_config.resolve_config(problem, pkv.DecodeConfig(split_plan="stream_k", num_splits=programs))
+    check_against_reference(case, _call(case, "triton", config, page_size is not None))
+
+
 # ---------------------------------------------------------------- the longest-first sequence order
 
 def test_longest_first_is_a_stable_descending_order():

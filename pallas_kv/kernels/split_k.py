@@ -101,7 +101,8 @@ def resolve_config(problem, config: DecodeConfig | None, *, backend: str, heuris
   if config is None:
     config = heuristic(problem, dtype=dtype)
   if config.num_splits is None:
-    choose = choose_balanced_splits if config.split_plan == "balanced" else choose_num_splits
+    choose = {"balanced": choose_balanced_splits, "stream_k": choose_stream_k_programs}.get(config.split_plan,
+                                                                                          choose_num_splits)
     splits = choose(batch=problem.batch, num_kv_heads=problem.num_kv_heads, row_blocks=row_blocks,
                     capacity=problem.capacity, block_kv=config.block_kv, num_sms=num_sms or runtime.num_sms(),
                     programs_per_sm=programs_per_sm)
@@ -187,13 +188,19 @@ def split_tile_range(length, split, *, block_kv: int, num_queries: int, num_spli
                                                  tiles_per_split=tiles_per_split)
   t0 = jnp.minimum(first_tile + split * per_split, end_tile)
   t1 = jnp.minimum(t0 + per_split, end_tile)
-  # Whole tiles: keys <= L - S (the first token's position) and, with a window, keys
-  # >= L - window (the last token's window start).
+  a, c = unmasked_tiles(length, t0, t1, block_kv=block_kv, num_queries=num_queries, window=window)
+  return t0, t1, a, c
+
+
+def unmasked_tiles(length, t0, t1, *, block_kv: int, num_queries: int, window: int | None):
+  """The sub-range [a, c) of tiles [t0, t1) that every new token sees whole (no masking needed):
+  keys <= L - S (the first token's position) and, with a window, keys >= L - window (the last
+  token's window start)."""
   full_hi = jnp.maximum(length - num_queries + 1, 0) // block_kv
   full_lo = 0 if window is None else (jnp.maximum(length - window, 0) + block_kv - 1) // block_kv
   a = jnp.clip(full_lo, t0, t1)
   c = jnp.clip(full_hi, a, t1)
-  return t0, t1, a, c
+  return a, c
 
 
 def active_splits(length, *, block_kv: int, num_queries: int, num_splits: int, window: int | None,
@@ -268,6 +275,86 @@ def split_plan(lengths, *, problem, config: DecodeConfig, window: int | None, ro
   lengths = jnp.clip(lengths, 0, problem.capacity)   # the kernels clamp them too, each on its own
   return balanced_tiles_per_split(lengths, block_kv=config.block_kv, num_queries=problem.num_queries,
                                   num_splits=config.num_splits, window=window, chunks=chunks)
+
+
+# ---------------------------------------------------------------- the stream-K plan
+
+def stream_k_programs(*, num_kv_heads: int, row_blocks: int, num_sms: int, programs_per_sm: int) -> int:
+  """Programs per (kv head, row block) under the stream-K plan: one wave of the GPU's program
+  slots, so that every program starts at once and, streaming the same number of tiles, they all
+  end together."""
+  return max(1, (num_sms * programs_per_sm) // (num_kv_heads * row_blocks))
+
+
+def choose_stream_k_programs(*, num_kv_heads: int, row_blocks: int, num_sms: int, programs_per_sm: int = 1,
+                             **_) -> int:
+  """`stream_k_programs` with `choose_num_splits`' signature (the batch and length do not matter)."""
+  return stream_k_programs(num_kv_heads=num_kv_heads, row_blocks=row_blocks, num_sms=num_sms,
+                           programs_per_sm=programs_per_sm)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamKLayout:
+  """One call's stream-K plan over the batch's visible tiles, laid end to end in batch order
+  (sequence b's tiles occupy [ends[b] - tiles[b], ends[b])); program w of a (kv head, row block)
+  streams [w * chunk, (w + 1) * chunk) of them, crossing sequence boundaries. Vectors are [B'],
+  B' >= B (padding sequences have no tiles); every field is a traced int32 value, so the same
+  code plans in the kernel and in tests."""
+  first: object    # [B'] first visible tile of each sequence
+  tiles: object    # [B'] visible tiles of each sequence
+  ends: object     # [B'] inclusive running sum of tiles
+  chunk: object    # scalar: tiles per program (>= 1)
+  total: object    # scalar: the batch's visible tiles
+
+  @classmethod
+  def of(cls, lengths, *, block_kv: int, num_queries: int, window: int | None, num_programs: int):
+    """The plan of lengths [B'] (already clamped into [0, capacity]) for num_programs programs."""
+    first, end = _visible_tiles(lengths, block_kv=block_kv, num_queries=num_queries, window=window)
+    tiles = jnp.maximum(end - first, 0).astype(jnp.int32)
+    total = jnp.sum(tiles)
+    first = jnp.broadcast_to(first, tiles.shape).astype(jnp.int32)   # 0 (an int) without a window
+    return cls(first=first, tiles=tiles, ends=jnp.cumsum(tiles).astype(jnp.int32),
+               chunk=jnp.maximum(cdiv(total, num_programs), 1), total=total)
+
+  def program_range(self, w):
+    """Program w's tiles [lo, hi) in the batch's tile order."""
+    lo = jnp.minimum(w * self.chunk, self.total)
+    return lo, jnp.minimum(lo + self.chunk, self.total)
+
+  def segment(self, g, hi):
+    """The segment that starts at batch tile g < hi (the end of its program's range): the
+    sequence b holding tile g and the tiles [t0, t1) of b it covers, up to b's end or hi."""
+    b = jnp.sum((self.ends <= g).astype(jnp.int32))   # sequences wholly before g (empty ones too)
+    seq_end = pick(self.ends, b)
+    seq_start = seq_end - pick(self.tiles, b)
+    t0 = pick(self.first, b) + (g - seq_start)
+    return b, t0, t0 + (jnp.minimum(seq_end, hi) - g)
+
+  def pieces(self, b):
+    """(the first program holding sequence b's tiles, how many programs do, whether the first
+    program's piece starts mid-chunk). A sequence without tiles has 0 pieces."""
+    seq_end = pick(self.ends, b)
+    tiles = pick(self.tiles, b)
+    seq_start = seq_end - tiles
+    first_program = seq_start // self.chunk
+    last_program = (seq_end - 1) // self.chunk
+    count = jnp.where(tiles > 0, last_program - first_program + 1, 0)
+    return first_program, count, seq_start != first_program * self.chunk
+
+  @staticmethod
+  def piece_slot(starts_mid_chunk, is_first_piece):
+    """Where a piece's partial goes among its program's two slots: 0 for a piece that starts at
+    its program's chunk start (a program's first segment), 1 for one that starts inside it (its
+    last segment, continued by the next program). Only the first piece of a sequence can start
+    inside a chunk, so a program never needs a third slot."""
+    return jnp.where(is_first_piece & starts_mid_chunk, 1, 0)
+
+
+def pick(vector, index):
+  """vector[index] for a traced index, as a masked sum (a Pallas Triton kernel cannot index a
+  value it holds in registers)."""
+  hit = jnp.arange(vector.shape[0], dtype=jnp.int32) == index
+  return jnp.sum(jnp.where(hit, vector, jnp.zeros_like(vector)))
 
 
 # ---------------------------------------------------------------- rows and merging

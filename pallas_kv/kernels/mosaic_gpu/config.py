@@ -384,6 +384,9 @@ def check_config(config: DecodeConfig, *, rows: int, head_dim: int, dtype: Any, 
   if config.merge_in_kernel:
     raise ValueError("config.merge_in_kernel=True is a triton option: the mosaic_gpu kernel merges its splits "
                      "in a second launch")
+  if config.split_plan == "stream_k":
+    raise ValueError("config.split_plan='stream_k' is a triton option: it merges in the launch, which the "
+                     "mosaic_gpu kernels cannot (DecodeConfig.merge_in_kernel says why)")
   if config.convert_warpgroup:
     if jnp.dtype(dtype).itemsize != 1:
       raise ValueError(f"config.convert_warpgroup=True converts one-byte caches; the cache is {jnp.dtype(dtype).name}")

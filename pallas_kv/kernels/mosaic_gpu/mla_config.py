@@ -283,6 +283,9 @@ def check_config(config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, p
   if config.kv_groups != 1 or config.persistent or config.merge_in_kernel or config.convert_warpgroup:
     raise ValueError(f"MLA on mosaic_gpu takes none of kv_groups, persistent, merge_in_kernel, convert_warpgroup; "
                      f"got {config}")
+  if config.split_plan == "stream_k":
+    raise ValueError("config.split_plan='stream_k' is a triton option; MLA on mosaic_gpu takes 'per_sequence' "
+                     "or 'balanced'")
   reason = mgpu_config.page_size_reason(page_size)
   if reason:
     raise NotImplementedError(f"mosaic_gpu: {reason}")

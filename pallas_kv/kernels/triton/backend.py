@@ -52,7 +52,7 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: De
   # Otherwise the splits' partials go to the merge kernel, a second launch (merge_in_kernel: the
   # kernel's own last split merges). Either way the kernel reads q unpadded and clamps lengths and
   # page ids itself, so nothing else is launched around it.
-  in_kernel = config.merge_in_kernel or config.num_splits == 1
+  in_kernel = config.merge_in_kernel or config.num_splits == 1 or config.split_plan == "stream_k"
   return split_k.run(merged if in_kernel else partials, q, k, lengths, block_tables, problem=problem, sinks=sinks,
                      return_lse=return_lse, k_scale=k_scale, v_scale=v_scale, merged=in_kernel,
                      merge=functools.partial(triton_merge.merge_partials, interpret=interpret))

@@ -44,12 +44,23 @@ TOKENS_LAST_ONE_BYTE_BLOCK_KV = 128
 # three-stage programs, and 6-30% slower on ragged batches of the same shapes (sixteenth and
 # seventeenth sets): the kernel cannot see at trace time which it gets, and serving is ragged.
 DEFAULT_STAGES = 3
+# The stream-K plan (DecodeConfig.split_plan) by default where it was measured to pay (H200,
+# benchmarks/RESULTS.md, eighteenth set): ragged batches 6-29% faster (B16 T32768, B32 / B48 / B64
+# T8192, paged page 16 B64 T8192, 28 / 4 heads B32 T8192), full length within 1% (B16 T32768, B64
+# T8192). Each program meets about 1 + B / W sequences (W programs per kv head) and each boundary
+# costs it ~5 us, so it loses where sequences are short (full length +4% at B32 T4096, +8% at B64
+# T2048) or many per program (ragged B96 / B128 T4096: +3-6%); and with B much under W a sequence
+# is cut into many pieces that one program merges in turn (B8 T8192: +43%). Only 16-bit caches at
+# head_dim 128 were measured.
+STREAM_K_MIN_CAPACITY = 8192
+STREAM_K_SEQUENCES_PER_PROGRAM = (0.45, 2.0)   # B / W
+STREAM_K_HEAD_DIMS = (128,)
 # DecodeConfig fields this backend does not implement, with the value it needs.
 UNSUPPORTED_FIELDS = {"kv_groups": 1, "pipeline_qk": False, "persistent": False, "split_scores": False,
                       "convert_warpgroup": False, "rows_as_n": False, "alternate_scores": False}
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
 
@@ -58,7 +69,7 @@ def row_blocking(rows: int, head_dim: int) -> tuple[int, int]:
 
   Rows per program is a power of two >= 16 (tl.dot and Triton tensor shapes).
   """
-  block = max(MIN_DOT_DIM, _next_pow2(rows))
+  block = max(MIN_DOT_DIM, next_pow2(rows))
   block = min(block, MAX_ROWS_PER_PROGRAM[head_dim])
   return block, split_k.cdiv(rows, block)
 
@@ -111,6 +122,9 @@ def check_config(config: DecodeConfig, *, head_dim: int, page_size: int | None) 
     value = getattr(config, name)
     if value != needed:
       raise ValueError(f"config.{name}={value!r} is a mosaic_gpu option; the triton backend needs {needed!r}")
+  if config.split_plan == "stream_k" and config.sequence_order != "given":
+    raise ValueError(f"config.split_plan='stream_k' lays the sequences end to end in batch order; "
+                     f"config.sequence_order must be 'given', got {config.sequence_order!r}")
   if head_dim not in HEAD_DIMS:
     raise ValueError(f"head_dim={head_dim} must be one of {HEAD_DIMS}")
   if page_size is not None and page_size % config.block_kv and config.block_kv % page_size:
@@ -147,8 +161,24 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", budget: int | None = N
 
 def resolve_config(problem, config: DecodeConfig | None, *, dtype: Any = "bfloat16", num_sms: int | None = None,
                    device_kind: str | None = None) -> DecodeConfig:
-  """Explicit config, else tuned, else the heuristic one, with the split count filled in."""
+  """Explicit config, else tuned, else the heuristic one, with the split count filled in; the
+  default one takes the stream-K plan where `stream_k_pays`."""
   _, row_blocks = row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
-  return split_k.resolve_config(problem, config, backend=NAME, heuristic=heuristic_config, row_blocks=row_blocks,
-                                programs_per_sm=PROGRAMS_PER_SM, dtype=dtype, num_sms=num_sms,
-                                device_kind=device_kind)
+  resolved = split_k.resolve_config(problem, config, backend=NAME, heuristic=heuristic_config, row_blocks=row_blocks,
+                                    programs_per_sm=PROGRAMS_PER_SM, dtype=dtype, num_sms=num_sms,
+                                    device_kind=device_kind)
+  if config is None:
+    programs = split_k.stream_k_programs(num_kv_heads=problem.num_kv_heads, row_blocks=row_blocks,
+                                         num_sms=num_sms or runtime.num_sms(), programs_per_sm=PROGRAMS_PER_SM)
+    if stream_k_pays(problem, dtype=dtype, programs=programs):
+      resolved = dataclasses.replace(resolved, split_plan="stream_k", num_splits=programs, merge_in_kernel=False,
+                                     sequence_order="given")
+  return resolved
+
+
+def stream_k_pays(problem, *, dtype: Any, programs: int) -> bool:
+  """Whether the default config takes the stream-K plan (STREAM_K_* above): long enough
+  sequences, about 0.5-2 of them per program, and what was measured (16-bit, head_dim 128)."""
+  low, high = STREAM_K_SEQUENCES_PER_PROGRAM
+  return (problem.capacity >= STREAM_K_MIN_CAPACITY and low * programs <= problem.batch <= high * programs
+          and problem.head_dim in STREAM_K_HEAD_DIMS and jnp.dtype(dtype).itemsize == 2)

@@ -168,11 +168,17 @@ class _Static:
   barriers: bool = False      # merge: CTA barriers around the counter atomic (GPU; see the module doc)
   balanced: bool = False      # the balanced split plan: tiles per split from an int32 [1] input
   ordered: bool = False       # programs take sequence order[b] (int32 [B] input), not b
+  stream_k: bool = False      # the stream-K plan (merge mode): num_splits programs per head block share its tiles
   v_tokens_last: bool = False  # v's tiles are [D, block_kv]: v [B, Hkv, D, T] | [P, Hkv, D, page_size]
 
   @property
   def paged(self) -> bool:
     return self.page_size is not None
+
+  @property
+  def picks_sequences(self) -> bool:
+    """Programs choose their sequences at run time, so the per-sequence refs hold the whole batch."""
+    return self.ordered or self.stream_k
 
 
 def _tile_range(length, split, st: _Static, tiles_per_split):
@@ -187,7 +193,7 @@ def _load_tile(ref, block_tables_ref, tile, length, st: _Static, *, masked: bool
   """Tile `tile` of one KV head: [block_kv, D] of a cache ref ([T, D] or [P, page_size, D]), or
   [block_kv] of a per-token scale ref ([T] or [P, page_size]); with `masked`, tokens >= length
   read as 0. `seq` is (b,) where the per-sequence refs (a dense ref, the block tables) hold the
-  whole batch (st.ordered): a Pallas Triton access takes one indexer, so b joins it.
+  whole batch (st.picks_sequences): a Pallas Triton access takes one indexer, so b joins it.
   tokens_last: a value ref stored [D, T] or [P, D, page_size] (`v_tokens_last`), read as a
   [D, block_kv] tile whose rows are contiguous tokens, so that P V's operand of a one-byte cache
   loads in words instead of single bytes."""
@@ -277,48 +283,46 @@ def _dot(a, b, *, trans_b: bool = False):
   return lax.dot_general(a, b, contract, preferred_element_type=jnp.float32)
 
 
-def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), unpadded
-            k_ref,            # [T, D] | [P, page_size, D]   this kv head, cache dtype
-            v_ref,            # same as k_ref
-            lengths_ref,      # [B] int32
-            *refs, st: _Static):
-  refs = list(refs)
-  # [B] int32, the sequence each batch slot of the grid takes (DecodeConfig.sequence_order)
-  order_ref = refs.pop(0) if st.ordered else None
-  # [1] int32, the balanced plan's tiles per split (`split_k.balanced_tiles_per_split`)
-  tiles_per_split = refs.pop(0)[0] if st.balanced else None
-  # [max_pages] int32, this sequence's row ([B, max_pages] when st.ordered); ids clamped into [0, P) here
-  block_tables_ref = refs.pop(0) if st.paged else None
-  # Scales: "head" [Hkv] f32 (all heads); "token" [T] | [P, page_size] f32 of this kv head.
-  k_scale_ref = refs.pop(0) if st.k_scale else None
-  v_scale_ref = refs.pop(0) if st.v_scale else None
-  head_block, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  seq = ()
-  if st.ordered:
-    # The sequence is chosen at run time, so its refs hold the whole batch (`_build`): every
-    # access to them puts b first in its one indexer.
-    b = jnp.clip(order_ref[b], 0, lengths_ref.shape[0] - 1)
-    seq = (b,)
-  head = head_block // st.num_row_blocks
-  row0 = 0 if st.num_row_blocks == 1 else (head_block % st.num_row_blocks) * st.block_rows
-  length = jnp.clip(lengths_ref[b], 0, st.capacity)
-  t0, t1, a, c = _tile_range(length, split, st, tiles_per_split)
-  bkv, G = st.block_kv, st.group
+class _Refs:
+  """A program's inputs, popped in `_build`'s order, and what it reads once for all its tiles."""
 
+  def __init__(self, q_ref, k_ref, v_ref, lengths_ref, refs, st: _Static):
+    refs = list(refs)
+    self.q, self.k, self.v, self.lengths = q_ref, k_ref, v_ref, lengths_ref
+    # [B] int32, the sequence each batch slot of the grid takes (DecodeConfig.sequence_order)
+    self.order = refs.pop(0) if st.ordered else None
+    # [1] int32, the balanced plan's tiles per split (`split_k.balanced_tiles_per_split`)
+    self.tiles_per_split = refs.pop(0)[0] if st.balanced else None
+    # [max_pages] int32, this sequence's row ([B, max_pages] when the kernel picks sequences);
+    # ids clamped into [0, P) here
+    self.block_tables = refs.pop(0) if st.paged else None
+    # Scales: "head" [Hkv] f32 (all heads); "token" [T] | [P, page_size] f32 of this kv head.
+    self.k_scale = refs.pop(0) if st.k_scale else None
+    self.v_scale = refs.pop(0) if st.v_scale else None
+    self.rest = refs   # the outputs (and merge-mode inputs)
+
+
+def _attend(r: _Refs, *, head, row0, length, tiles, seq: tuple, st: _Static):
+  """One sequence's attention over its tiles (t0, a, c, t1) for this program's rows: the
+  softmax-normalised partial (out [block_rows, D] f32, natural-log lse [block_rows]) of tiles
+  [t0, t1), masked in [t0, a) and [c, t1) (`split_k.unmasked_tiles`). `seq` is (b,) where the
+  per-sequence refs hold the whole batch."""
+  t0, a, c, t1 = tiles
+  bkv, G = st.block_kv, st.group
   rows = jnp.arange(st.block_rows, dtype=jnp.int32)[:, None] + row0   # [block_rows, 1]
   cols = jnp.arange(bkv, dtype=jnp.int32)[None, :]                    # [1, bkv]
   # q is not padded (a pad would be a launch of its own): rows past R load as 0.
-  q = pltr.load(q_ref.at[(*seq, pl.ds(row0, st.block_rows), slice(None))],
+  q = pltr.load(r.q.at[(*seq, pl.ds(row0, st.block_rows), slice(None))],
                 mask=jnp.broadcast_to(rows < st.rows, (st.block_rows, st.head_dim)), other=0.0)
 
   # A kv head's scale is the same for every tile: read it once, outside the loop.
-  k_head_scale = k_scale_ref[head] if st.k_scale == "head" else None
-  v_head_scale = v_scale_ref[head] if st.v_scale == "head" else None
+  k_head_scale = r.k_scale[head] if st.k_scale == "head" else None
+  v_head_scale = r.v_scale[head] if st.v_scale == "head" else None
 
   def scaled(x, scale_ref, kind, head_scale, tile, masked):
     """x [block_rows, bkv] f32 times the tile's per-token or this head's scale (a one-byte cache)."""
     if kind == "token":
-      scales = _load_tile(scale_ref, block_tables_ref, tile, length, st, masked=masked, seq=seq)
+      scales = _load_tile(scale_ref, r.block_tables, tile, length, st, masked=masked, seq=seq)
       return x * _per_column(scales, x.shape)
     if kind == "head":
       return x * head_scale
@@ -327,18 +331,18 @@ def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), 
   def step(tile, carry, *, masked: bool):
     acc, m_i, l_i = carry
     # One-byte caches load as such and widen in registers (their values are exact in float16).
-    k = _widen(_load_tile(k_ref, block_tables_ref, tile, length, st, masked=masked, seq=seq), st)   # [bkv, D]
+    k = _widen(_load_tile(r.k, r.block_tables, tile, length, st, masked=masked, seq=seq), st)   # [bkv, D]
     s = _dot(q, k, trans_b=True)   # [block_rows, bkv] f32
-    s = scaled(s, k_scale_ref, st.k_scale, k_head_scale, tile, masked)
+    s = scaled(s, r.k_scale, st.k_scale, k_head_scale, tile, masked)
     s = online_softmax.log2_logits(s, scale=st.options.scale, softcap=st.options.softcap)
     if masked:
       ok = online_softmax.visible(rows, cols, tile_start=tile * bkv, length=length, num_queries=st.num_queries,
                                   group=G, window=st.options.window)
       s = jnp.where(ok, s, -jnp.inf)
     acc, m_new, l_new, p = online_softmax.softmax_step(s, acc, m_i, l_i)
-    p = scaled(p, v_scale_ref, st.v_scale, v_head_scale, tile, masked)   # the sum keeps the unscaled p (l_new)
+    p = scaled(p, r.v_scale, st.v_scale, v_head_scale, tile, masked)   # the sum keeps the unscaled p (l_new)
     # [bkv, D], or [D, bkv] with v tokens last
-    v = _widen(_load_tile(v_ref, block_tables_ref, tile, length, st, masked=masked, seq=seq,
+    v = _widen(_load_tile(r.v, r.block_tables, tile, length, st, masked=masked, seq=seq,
                           tokens_last=st.v_tokens_last), st)
     pv = _dot(p.astype(q.dtype), v, trans_b=st.v_tokens_last)
     return acc + pv, m_new, l_new
@@ -349,16 +353,50 @@ def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), 
   carry = lax.fori_loop(t0, a, functools.partial(step, masked=True), carry)
   carry = lax.fori_loop(a, c, functools.partial(step, masked=False), carry)
   carry = lax.fori_loop(c, t1, functools.partial(step, masked=True), carry)
+  return online_softmax.finalize(*carry)
+
+
+def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), unpadded
+            k_ref,            # [T, D] | [P, page_size, D]   this kv head, cache dtype
+            v_ref,            # same as k_ref
+            lengths_ref,      # [B] int32
+            *refs, st: _Static):
+  r = _Refs(q_ref, k_ref, v_ref, lengths_ref, refs, st)
+  if st.stream_k:
+    return _stream_k_kernel(r, st)
+  head_block, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  seq = ()
+  if st.ordered:
+    # The sequence is chosen at run time, so its refs hold the whole batch (`_build`): every
+    # access to them puts b first in its one indexer.
+    b = jnp.clip(r.order[b], 0, lengths_ref.shape[0] - 1)
+    seq = (b,)
+  head = head_block // st.num_row_blocks
+  row0 = _row0(head_block, st)
+  length = jnp.clip(lengths_ref[b], 0, st.capacity)
+  tiles = _tile_range(length, split, st, r.tiles_per_split)
+  partial = _attend(r, head=head, row0=row0, length=length, tiles=(tiles[0], tiles[2], tiles[3], tiles[1]),
+                    seq=seq, st=st)
   if not st.merge:
-    out_ref, lse_ref = refs   # [R, D] f32, [R] f32 of this split: the real rows only
-    out, lse = online_softmax.finalize(*carry)
-    row_ok = rows[:, 0] < st.rows
+    out_ref, lse_ref = r.rest   # [R, D] f32, [R] f32 of this split: the real rows only
+    out, lse = partial
+    row_ok = _row_ok(row0, st)
     pltr.store(out_ref.at[(*seq, pl.ds(row0, st.block_rows), slice(None))], out,
                mask=jnp.broadcast_to(row_ok[:, None], (st.block_rows, st.head_dim)))
     pltr.store(lse_ref.at[(*seq, pl.ds(row0, st.block_rows))], lse, mask=row_ok)
   else:
-    _merge_epilogue(online_softmax.finalize(*carry), refs, b=b, head=head, head_block=head_block, split=split,
-                    row0=row0, length=length, tiles_per_split=tiles_per_split, st=st)
+    _merge_epilogue(partial, r.rest, b=b, head=head, head_block=head_block, split=split, row0=row0,
+                    length=length, tiles_per_split=r.tiles_per_split, st=st)
+
+
+def _row0(head_block, st: _Static):
+  """The first packed row of this program's row block."""
+  return 0 if st.num_row_blocks == 1 else (head_block % st.num_row_blocks) * st.block_rows
+
+
+def _row_ok(row0, st: _Static):
+  """[block_rows] bool: which of this program's rows are real (< R)."""
+  return row0 + jnp.arange(st.block_rows, dtype=jnp.int32) < st.rows
 
 
 def _merge_finish(acc, norm, shift, sink):
@@ -371,72 +409,151 @@ def _merge_finish(acc, norm, shift, sink):
   return acc / online_softmax.per_row(jnp.where(has_keys, denom, 1.0), acc.shape), lse
 
 
+class _MergedOutputs:
+  """Merge mode's outputs (module doc): the final rows of a (sequence, kv head), written directly
+  from one partial or merged from several partials in a fixed order."""
+
+  def __init__(self, refs, *, row0, st: _Static):
+    refs = list(refs)
+    sinks_ref = refs.pop(0) if st.has_sinks else None   # [R] f32, this kv head's rows
+    if st.num_splits > 1:
+      refs.pop(0)   # the zeroed counters given as an input, aliased to the counters output
+    self.out = refs.pop(0)                               # [B, Hkv, R, D] output dtype
+    self.lse = refs.pop(0) if st.write_lse else None     # [B, Hkv, R] f32
+    # [B, Hkv, splits, R, D] and [B, Hkv, splits, R] f32 partials (stream-K: [Hkv, programs, 2, ...]),
+    # [B, Hkv * num_row_blocks] int32 counters, zero at the start of the call
+    self.partials = tuple(refs) if st.num_splits > 1 else None
+    br, D = st.block_rows, st.head_dim
+    self.row_ok = _row_ok(row0, st)
+    self.tile_ok = jnp.broadcast_to(self.row_ok[:, None], (br, D))
+    self.rows = pl.ds(row0, br)
+    self.sink = None if sinks_ref is None else pltr.load(sinks_ref.at[self.rows], mask=self.row_ok, other=0.0)
+    self.st = st
+
+  def write(self, b, head, out, lse):
+    pltr.store(self.out.at[b, head, self.rows, :], out.astype(self.out.dtype), mask=self.tile_ok)
+    if self.lse is not None:
+      pltr.store(self.lse.at[b, head, self.rows], lse, mask=self.row_ok)
+
+  def write_one(self, b, head, out, lse):
+    """The merge of a single partial, from registers."""
+    shift = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    weight = jnp.exp(lse - shift)   # 1, or 0 where the partial saw no key
+    self.write(b, head, *_merge_finish(out * online_softmax.per_row(weight, out.shape), weight, shift, self.sink))
+
+  def store_partial(self, index, partial):
+    """Stores a partial at `index` of the partials (the leading indices before the rows)."""
+    part_out, part_lse = self.partials[:2]
+    pltr.store(part_out.at[(*index, self.rows, slice(None))], partial[0], mask=self.tile_ok)
+    pltr.store(part_lse.at[(*index, self.rows)], partial[1], mask=self.row_ok)
+
+  def arrive(self, b, head_block):
+    """Bumps the (sequence, head block) counter; returns how many partials had arrived before."""
+    counts = self.partials[2]
+    if self.st.barriers:
+      pltr.debug_barrier()   # every thread's partial stores come before the release
+    arrived = pltr.atomic_add(counts, (b, head_block), jnp.int32(1))   # acq_rel, gpu scope
+    if self.st.barriers:
+      pltr.debug_barrier()   # the acquire comes before every thread's loads
+    return arrived
+
+  def merge(self, b, head, count, index_of):
+    """Merges `count` partials, partial j at index_of(j), in order j = 0, 1, ...: the result is
+    the same bits whatever order they arrived in."""
+    part_out, part_lse = self.partials[:2]
+    br, D = self.st.block_rows, self.st.head_dim
+    lse_of = lambda j: pltr.load(part_lse.at[(*index_of(j), self.rows)], mask=self.row_ok, other=-jnp.inf)
+    shift = lax.fori_loop(0, count, lambda j, m: jnp.maximum(m, lse_of(j)), jnp.full((br,), -jnp.inf, jnp.float32))
+    shift = jnp.where(jnp.isfinite(shift), shift, 0.0)
+
+    def add(j, carry):
+      acc, norm = carry
+      weight = jnp.exp(lse_of(j) - shift)
+      out = pltr.load(part_out.at[(*index_of(j), self.rows, slice(None))], mask=self.tile_ok, other=0.0)
+      return acc + out * online_softmax.per_row(weight, out.shape), norm + weight
+
+    acc, norm = lax.fori_loop(0, count, add, (jnp.zeros((br, D), jnp.float32), jnp.zeros((br,), jnp.float32)))
+    self.write(b, head, *_merge_finish(acc, norm, shift, self.sink))
+
+
 def _merge_epilogue(partial, refs, *, b, head, head_block, split, row0, length, tiles_per_split, st: _Static):
   """Merge mode: write this split's partial and let the last split to arrive merge them all
   (module doc); a sequence with at most one split with tiles has its split 0 write directly."""
-  refs = list(refs)
-  sinks_ref = refs.pop(0) if st.has_sinks else None   # [R] f32, this kv head's rows
-  if st.num_splits > 1:
-    refs.pop(0)   # the zeroed counters given as an input, aliased to counts_ref
-  out_ref = refs.pop(0)                               # [B, Hkv, R, D] output dtype
-  lse_ref = refs.pop(0) if st.write_lse else None     # [B, Hkv, R] f32
-  br, D = st.block_rows, st.head_dim
-  row_ok = row0 + jnp.arange(br, dtype=jnp.int32) < st.rows   # [block_rows]
-  tile_ok = jnp.broadcast_to(row_ok[:, None], (br, D))
-  rows = pl.ds(row0, br)
-  sink = None if sinks_ref is None else pltr.load(sinks_ref.at[rows], mask=row_ok, other=0.0)
-
-  def write(out, lse):
-    pltr.store(out_ref.at[b, head, rows, :], out.astype(out_ref.dtype), mask=tile_ok)
-    if lse_ref is not None:
-      pltr.store(lse_ref.at[b, head, rows], lse, mask=row_ok)
-
-  def write_one(out, lse):   # the merge of a single split, from registers
-    shift = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    weight = jnp.exp(lse - shift)   # 1, or 0 where the split saw no key
-    write(*_merge_finish(out * online_softmax.per_row(weight, out.shape), weight, shift, sink))
-
+  outs = _MergedOutputs(refs, row0=row0, st=st)
   if st.num_splits == 1:
-    write_one(*partial)
+    outs.write_one(b, head, *partial)
     return
-  (part_out_ref,    # [B, Hkv, splits, R, D] f32
-   part_lse_ref,    # [B, Hkv, splits, R] f32
-   counts_ref,      # [B, Hkv * num_row_blocks] int32, zero at the start of the call
-   ) = refs
   active = split_k.active_splits(length, block_kv=st.block_kv, num_queries=st.num_queries,
                                  num_splits=st.num_splits, window=st.options.window,
                                  tiles_per_split=tiles_per_split)
 
   @pl.when((active <= 1) & (split == 0))
   def _():
-    write_one(*partial)
+    outs.write_one(b, head, *partial)
 
   @pl.when((active > 1) & (split < active))
   def _():
-    pltr.store(part_out_ref.at[b, head, split, rows, :], partial[0], mask=tile_ok)
-    pltr.store(part_lse_ref.at[b, head, split, rows], partial[1], mask=row_ok)
-    if st.barriers:
-      pltr.debug_barrier()   # every thread's partial stores come before the release
-    arrived = pltr.atomic_add(counts_ref, (b, head_block), jnp.int32(1))   # acq_rel, gpu scope
-    if st.barriers:
-      pltr.debug_barrier()   # the acquire comes before every thread's loads
+    outs.store_partial((b, head, split), partial)
 
-    @pl.when(arrived == active - 1)
+    @pl.when(outs.arrive(b, head_block) == active - 1)
     def _():
-      # In split order, whatever the order of arrival: the result is the same bits every time.
-      lse_of = lambda j: pltr.load(part_lse_ref.at[b, head, j, rows], mask=row_ok, other=-jnp.inf)
-      shift = lax.fori_loop(0, active, lambda j, m: jnp.maximum(m, lse_of(j)),
-                            jnp.full((br,), -jnp.inf, jnp.float32))
-      shift = jnp.where(jnp.isfinite(shift), shift, 0.0)
+      outs.merge(b, head, active, lambda j: (b, head, j))
 
-      def add(j, carry):
-        acc, norm = carry
-        weight = jnp.exp(lse_of(j) - shift)
-        out = pltr.load(part_out_ref.at[b, head, j, rows, :], mask=tile_ok, other=0.0)
-        return acc + out * online_softmax.per_row(weight, out.shape), norm + weight
 
-      acc, norm = lax.fori_loop(0, active, add, (jnp.zeros((br, D), jnp.float32), jnp.zeros((br,), jnp.float32)))
-      write(*_merge_finish(acc, norm, shift, sink))
+def _stream_k_kernel(r: _Refs, st: _Static):
+  """The stream-K plan (`split_k.StreamKLayout`): program (head block, w) streams its equal share
+  of the batch's tiles of that kv head, one segment per sequence it meets. A sequence whose tiles
+  lie in one program is written directly; one cut across programs leaves a partial per piece, and
+  the piece that arrives last merges them (module doc). Sequences without tiles are written by
+  program b % programs."""
+  head_block, w = pl.program_id(0), pl.program_id(1)
+  head = head_block // st.num_row_blocks
+  row0 = _row0(head_block, st)
+  batch = r.lengths.shape[0]
+  padded = triton_config.next_pow2(batch)
+  index = jnp.arange(padded, dtype=jnp.int32)
+  # The whole batch's lengths as one vector (indices clamped: the padding reads length 0).
+  lengths = jnp.where(index < batch, jnp.clip(r.lengths[jnp.minimum(index, batch - 1)], 0, st.capacity), 0)
+  plan = split_k.StreamKLayout.of(lengths, block_kv=st.block_kv, num_queries=st.num_queries,
+                                  window=st.options.window, num_programs=st.num_splits)
+  lo, hi = plan.program_range(w)
+  outs = _MergedOutputs(r.rest, row0=row0, st=st)
+
+  def segment(g):
+    b, t0, t1 = plan.segment(g, hi)
+    length = split_k.pick(lengths, b)
+    a, c = split_k.unmasked_tiles(length, t0, t1, block_kv=st.block_kv, num_queries=st.num_queries,
+                                  window=st.options.window)
+    partial = _attend(r, head=head, row0=row0, length=length, tiles=(t0, a, c, t1), seq=(b,), st=st)
+    first_program, pieces, starts_mid_chunk = plan.pieces(b)
+
+    @pl.when(pieces == 1)
+    def _():
+      outs.write_one(b, head, *partial)
+
+    @pl.when(pieces > 1)
+    def _():
+      outs.store_partial((head, w, jnp.where(g == lo, 0, 1)), partial)
+
+      @pl.when(outs.arrive(b, head_block) == pieces - 1)
+      def _():
+        slot = lambda j: split_k.StreamKLayout.piece_slot(starts_mid_chunk, j == 0)
+        outs.merge(b, head, pieces, lambda j: (head, first_program + j, slot(j)))
+
+    return g + (t1 - t0)
+
+  lax.while_loop(lambda g: g < hi, segment, lo)
+
+  def write_empty(j, carry):
+    b = w + j * st.num_splits
+
+    @pl.when((b < batch) & (split_k.pick(plan.tiles, b) == 0))
+    def _():
+      outs.write_one(b, head, jnp.zeros((st.block_rows, st.head_dim), jnp.float32),
+                     jnp.full((st.block_rows,), -jnp.inf, jnp.float32))
+    return carry
+
+  lax.fori_loop(0, split_k.cdiv(batch, st.num_splits), write_empty, 0)
 
 
 def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width: int | None,
@@ -453,10 +570,10 @@ def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width:
   whole = lambda shape: pl.BlockSpec(shape, lambda hb, s, b: (0,) * len(shape))
 
   def per_sequence(block, index):
-    """One sequence's block (`block` after the batch dim, at `index(hb, s)`); with st.ordered the
-    whole batch, since the kernel picks the sequence at run time (Pallas Triton has no scalar
-    prefetch to feed an index map)."""
-    if st.ordered:
+    """One sequence's block (`block` after the batch dim, at `index(hb, s)`); with
+    st.picks_sequences the whole batch, since the kernel picks the sequence at run time (Pallas
+    Triton has no scalar prefetch to feed an index map)."""
+    if st.picks_sequences:
       return pl.BlockSpec((batch, *block), lambda hb, s, b: (0, *index(hb, s)))
     return pl.BlockSpec((None, *block), lambda hb, s, b: (b, *index(hb, s)))
 
@@ -501,8 +618,10 @@ def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width:
       counts = (batch, num_kv_heads * nrb)
       in_specs.append(whole(counts))
       aliases = {len(in_specs) - 1: len(out_shape) + 2}
-      out_shape += [jax.ShapeDtypeStruct((batch, num_kv_heads, st.num_splits, st.rows, D), jnp.float32),
-                    jax.ShapeDtypeStruct((batch, num_kv_heads, st.num_splits, st.rows), jnp.float32),
+      # Stream-K: two partial slots per program (`split_k.StreamKLayout.piece_slot`).
+      slots = (num_kv_heads, st.num_splits, 2) if st.stream_k else (batch, num_kv_heads, st.num_splits)
+      out_shape += [jax.ShapeDtypeStruct((*slots, st.rows, D), jnp.float32),
+                    jax.ShapeDtypeStruct((*slots, st.rows), jnp.float32),
                     jax.ShapeDtypeStruct(counts, jnp.int32)]
     out_specs = [whole(o.shape) for o in out_shape]
   kind = f"paged{st.page_size}" if st.paged else "dense"
@@ -516,12 +635,15 @@ def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width:
     name += "_balanced"
   if st.ordered:
     name += "_ordered"
+  if st.stream_k:
+    name += "_streamk"
   if st.v_tokens_last:
     name += "_vt"
   return pl.pallas_call(
       functools.partial(_kernel, st=st),
       # grid[0] varies fastest: the KV heads of one token range sit side by side in HBM.
-      grid=(num_kv_heads * nrb, st.num_splits, batch),
+      # Stream-K: num_splits programs per head block, each over a share of the whole batch.
+      grid=(num_kv_heads * nrb, st.num_splits, 1 if st.stream_k else batch),
       in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
@@ -546,6 +668,9 @@ def _static(q, k, v, lengths, block_tables, *, num_queries: int, options: Attent
     num_pages, page_size, max_pages = k.shape[0], k.shape[1], block_tables.shape[1]
     capacity = page_size * max_pages
   triton_config.check_config(config, head_dim=D, page_size=page_size)
+  if config.split_plan == "stream_k" and not merge.get("merge"):
+    raise ValueError("config.split_plan='stream_k' merges its pieces in the launch: call decode_merged, "
+                     "not decode_partials")
   block_rows, num_row_blocks = triton_config.row_blocking(R, D)
   return _Static(num_queries=num_queries, group=R // num_queries, block_rows=block_rows,
                  num_row_blocks=num_row_blocks, num_splits=config.num_splits, capacity=capacity,
@@ -555,7 +680,7 @@ def _static(q, k, v, lengths, block_tables, *, num_queries: int, options: Attent
                  fast_widen=FAST_WIDEN and not interpret and jnp.dtype(k.dtype) in split_k.QUANTIZED_DTYPES,
                  rows=R, balanced=split_k.check_tiles_per_split(tiles_per_split, config),
                  ordered=split_k.check_sequence_order(sequence_order, config, batch=q.shape[0]),
-                 v_tokens_last=v_tokens_last, **merge)
+                 stream_k=config.split_plan == "stream_k", v_tokens_last=v_tokens_last, **merge)
 
 
 def _call(st: _Static, args, *, q, k, config: DecodeConfig, interpret: bool, out_dtype=None):
