@@ -2,6 +2,7 @@
 whole batch, from `lengths`, so that a ragged batch spreads evenly over the SMs; and the
 longest-first sequence order (DecodeConfig.sequence_order), which changes the schedule only."""
 
+import dataclasses
 import functools
 
 import jax
@@ -246,6 +247,28 @@ def test_stream_k_programs_fill_one_wave():
   problem = sweeps.problem_args((32, 8), (64, 8192), None)[1]
   config = triton_config.resolve_config(problem, pkv.DecodeConfig(split_plan="stream_k"), num_sms=132)
   assert config.num_splits == 132 * triton_config.PROGRAMS_PER_SM // 8
+
+
+@pytest.mark.parametrize("heads,case,page_size,stream_k", [
+    ((32, 8), (16, 32768), None, True), ((32, 8), (64, 8192), 16, True), ((28, 4), (32, 8192), None, True),
+    ((32, 8), (8, 8192), None, False),     # 4 sequences per program's share: many pieces to merge
+    ((32, 8), (128, 4096), None, False),   # short sequences, and too many per program
+    ((32, 8), (128, 8192), None, False),   # B > 2 W
+    ((16, 8), (32, 8192), None, False),    # head_dim 256 (Gemma): not measured
+])
+def test_default_takes_stream_k_where_measured(heads, case, page_size, stream_k):
+  args, problem = sweeps.problem_args(heads, case, page_size)
+  if heads == (16, 8):
+    problem = dataclasses.replace(problem, head_dim=256)
+  config = triton_config.resolve_config(problem, None, num_sms=132)
+  assert (config.split_plan == "stream_k") == stream_k
+  if stream_k:
+    assert config.num_splits == 132 * triton_config.PROGRAMS_PER_SM // heads[1]
+    assert not config.merge_in_kernel
+  # An explicit config is never rewritten; one-byte caches keep per-sequence splits.
+  explicit = triton_config.resolve_config(problem, pkv.DecodeConfig(block_kv=64, num_stages=3), num_sms=132)
+  assert explicit.split_plan == "per_sequence"
+  assert triton_config.resolve_config(problem, None, dtype=jnp.int8, num_sms=132).split_plan == "per_sequence"
 
 
 @pytest.mark.parametrize("lengths,programs,paged,num_queries,options", [
