@@ -26,6 +26,13 @@ split arrived (old count = active splits - 1) reads all partials back in split o
 them as `split_k.merge_splits` does (sinks included) and writes the output rows in the output
 dtype. A sequence whose tiles fit one split has its split 0 write the output directly.
 
+With `DecodeConfig.split_plan="stream_k"` (`_stream_k_kernel`, merge mode only) the grid is
+num_splits programs per (kv head, row block) instead, each streaming an equal share of the whole
+batch's tiles laid end to end (`split_k.StreamKLayout`, planned in each program from the lengths
+vector); it meets one segment per sequence, writes a sequence that lies wholly in it directly,
+and otherwise stores its piece in one of its two partial slots and bumps the sequence's counter
+as above (the last piece merges the pieces in program order).
+
 Memory ordering on the GPU (programs run concurrently; interpret mode runs them one by one, so
 there the order is trivially right and the barriers are left out): a program's partial is stored
 by all of its threads, the atomic is issued by one. A CTA barrier (bar.sync) before the atomic
