@@ -297,9 +297,15 @@ def triton_fields(**fields):
 @contextlib.contextmanager
 def triton_sequence_order(order: str):
   """While open (unless order is "given"), the triton backend resolves its configs as usual, then
-  sets sequence_order=order."""
+  sets sequence_order=order; a stream-K config (which lays the sequences out in batch order)
+  takes per-sequence splits for it."""
   from pallas_kv.kernels.triton import config as triton_config  # pylint: disable=g-import-not-at-top
-  ordered = lambda resolve, problem, config, kw: dataclasses.replace(config, sequence_order=order)
+
+  def ordered(resolve, problem, config, kw):
+    if config.split_plan == "stream_k":
+      config = resolve(problem, dataclasses.replace(config, split_plan="per_sequence", num_splits=None), **kw)
+    return dataclasses.replace(config, sequence_order=order)
+
   with _resolved_configs_rewritten([triton_config] if order != "given" else [], ordered):
     yield
 

@@ -548,7 +548,16 @@ def test_decode_benchmark_config_switches_apply_and_restore():
   with decode_bench.triton_merge_in_kernel(True):
     assert triton_config.resolve_config(problem, None, num_sms=132).merge_in_kernel
   with decode_bench.triton_sequence_order("longest_first"):
-    assert triton_config.resolve_config(problem, None, num_sms=132).sequence_order == "longest_first"
+    ordered = triton_config.resolve_config(problem, None, num_sms=132)
+    assert ordered.sequence_order == "longest_first" and ordered.split_plan == "per_sequence"
+  # This shape takes stream-K by default; the switches force either plan.
+  assert plain[triton_config].split_plan == "stream_k"
+  with decode_bench.triton_per_sequence(True):
+    per_sequence = triton_config.resolve_config(problem, None, num_sms=132)
+    assert per_sequence.split_plan == "per_sequence" and per_sequence.block_kv == plain[triton_config].block_kv
+  with decode_bench.triton_stream_k(True, programs_per_sm=3):
+    streamed = triton_config.resolve_config(problem, None, num_sms=132)
+    assert streamed.split_plan == "stream_k" and streamed.num_splits == 132 * 3 // 8
   with decode_bench.triton_fields(block_kv=32):
     retiled = triton_config.resolve_config(problem, None, num_sms=132)
     assert retiled.block_kv == 32 and retiled.num_splits == plain[triton_config].num_splits
@@ -564,7 +573,8 @@ def test_decode_benchmark_config_switches_apply_and_restore():
     assert mgpu_config.resolve_config(problem, None, num_sms=132) == plain[mgpu_config]   # bf16: untouched
   for module, config in plain.items():
     assert module.resolve_config(problem, None, num_sms=132) == config
-    assert config.split_plan == "per_sequence" and not config.merge_in_kernel
+    assert config.split_plan == ("stream_k" if module is triton_config else "per_sequence")
+    assert not config.merge_in_kernel
   assert isinstance(plain[triton_config], pkv.DecodeConfig)
 
 

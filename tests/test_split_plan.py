@@ -274,15 +274,24 @@ def test_default_takes_stream_k_where_measured(heads, case, page_size, stream_k)
 @pytest.mark.parametrize("lengths,programs,paged,num_queries,options", [
     ([256, 50, 16, 0, 200], 3, False, None, {}),                    # short sequences share a program
     ([256, 0, 256, 17, 100], 4, True, 2, dict(window=90, softcap=20.0)),
-    ([256, 256, 256, 256], 5, False, None, {}),                     # every sequence cut across programs
     ([0, 0, 0], 2, False, None, {}),                                # no tiles at all
-    ([256, 9, 130], 64, False, None, {}),                           # more programs than tiles
-], ids=["dense-ragged", "paged-S2-window-softcap", "dense-full", "all-empty", "programs-over-tiles"])
+    ([256, 9, 130], 64, False, None, {}),   # more programs than tiles: one-tile pieces, up to 16 merged
+], ids=["dense-ragged", "paged-S2-window-softcap", "all-empty", "programs-over-tiles"])
 def test_stream_k_matches_reference(interpret_mode, lengths, programs, paged, num_queries, options):
   case = make_case(70 + programs, batch=len(lengths), seq_len=256, num_heads=8, num_kv_heads=2, head_dim=64,
                    dtype=jnp.bfloat16, num_queries=num_queries, lengths=lengths, page_size=64 if paged else None)
   config = pkv.DecodeConfig(block_kv=16, num_stages=2, num_splits=programs, split_plan="stream_k")
   check_against_reference(case, _call(case, "triton", config, paged, **options), **options)
+
+
+def test_stream_k_with_two_row_blocks(interpret_mode):
+  # 9 new tokens x 16 q heads per kv head = 144 packed rows at D 64: two row blocks, each with its
+  # own programs, partial rows and counters.
+  case = make_case(85, batch=3, seq_len=64, num_heads=16, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
+                   num_queries=9, lengths=[64, 20, 47])
+  assert triton_config.row_blocking(144, 64)[1] == 2
+  config = pkv.DecodeConfig(block_kv=16, num_stages=2, num_splits=3, split_plan="stream_k")
+  check_against_reference(case, _call(case, "triton", config, False))
 
 
 def test_stream_k_with_sinks_scales_and_no_lse(interpret_mode):
