@@ -276,7 +276,8 @@ def test_default_takes_stream_k_where_measured(heads, case, page_size, stream_k)
     ([256, 0, 256, 17, 100], 4, True, 2, dict(window=90, softcap=20.0)),
     ([0, 0, 0], 2, False, None, {}),                                # no tiles at all
     ([256, 9, 130], 64, False, None, {}),   # more programs than tiles: one-tile pieces, up to 16 merged
-], ids=["dense-ragged", "paged-S2-window-softcap", "all-empty", "programs-over-tiles"])
+    ([256, 0, 40], 1, False, None, {}),     # one program per head: no partials, no counters
+], ids=["dense-ragged", "paged-S2-window-softcap", "all-empty", "programs-over-tiles", "one-program"])
 def test_stream_k_matches_reference(interpret_mode, lengths, programs, paged, num_queries, options):
   case = make_case(70 + programs, batch=len(lengths), seq_len=256, num_heads=8, num_kv_heads=2, head_dim=64,
                    dtype=jnp.bfloat16, num_queries=num_queries, lengths=lengths, page_size=64 if paged else None)
