@@ -291,7 +291,8 @@ def _dot(a, b, *, trans_b: bool = False):
 
 
 class _Refs:
-  """A program's inputs, popped in `_build`'s order, and what it reads once for all its tiles."""
+  """A kernel's input refs by name, in `_build`'s order (the balanced plan's tile count read out);
+  `rest` holds what follows them: the outputs, and merge mode's extra inputs."""
 
   def __init__(self, q_ref, k_ref, v_ref, lengths_ref, refs, st: _Static):
     refs = list(refs)
@@ -381,9 +382,8 @@ def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), 
   head = head_block // st.num_row_blocks
   row0 = _row0(head_block, st)
   length = jnp.clip(lengths_ref[b], 0, st.capacity)
-  tiles = _tile_range(length, split, st, r.tiles_per_split)
-  partial = _attend(r, head=head, row0=row0, length=length, tiles=(tiles[0], tiles[2], tiles[3], tiles[1]),
-                    seq=seq, st=st)
+  t0, t1, a, c = _tile_range(length, split, st, r.tiles_per_split)
+  partial = _attend(r, head=head, row0=row0, length=length, tiles=(t0, a, c, t1), seq=seq, st=st)
   if not st.merge:
     out_ref, lse_ref = r.rest   # [R, D] f32, [R] f32 of this split: the real rows only
     out, lse = partial
