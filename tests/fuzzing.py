@@ -127,6 +127,8 @@ def draw_structure(seed: int, *, small: bool = False) -> Structure:
   # Drawn last, so that the draws above stay what they were for every seed.
   if config is not None and gqa and rng.random() < 0.3:
     st = dataclasses.replace(st, config=config + (("split_plan", "balanced"),))
+  elif config is not None and gqa and rng.random() < 0.3:   # triton only; mosaic_gpu refuses it
+    st = dataclasses.replace(st, config=config + (("split_plan", "stream_k"),))
   return st
 
 
@@ -344,7 +346,8 @@ def run_case(st: Structure, value_seed: int, impl: str, *, hostile: bool | None 
   if rerun:
     again = _call(st, impl, a)
     assert _bitwise_equal(out, again[0] if st.return_lse else again), "a rerun differs"
-  # The balanced plan cuts each sequence by the whole batch's lengths: not batch-invariant by design.
+  # The balanced and stream-K plans cut each sequence by the whole batch's lengths: not
+  # batch-invariant by design.
   fixed_splits = (st.config is not None and impl != "xla" and dict(st.config).get("num_splits")
                   and dict(st.config).get("split_plan", "per_sequence") == "per_sequence")
   if invariance and fixed_splits and st.batch > 1:

@@ -144,7 +144,7 @@ def balanced_tiles_per_split(lengths, *, block_kv: int, num_queries: int, num_sp
   (NEAR_EQUAL_LENGTHS). `split_tile_range(..., tiles_per_split=)` then cuts each sequence with
   it; a sequence needing fewer splits leaves the rest empty.
   """
-  first_tile, end_tile = _visible_tiles(lengths, block_kv=block_kv, num_queries=num_queries, window=window)
+  first_tile, end_tile = visible_tiles(lengths, block_kv=block_kv, num_queries=num_queries, window=window)
   tiles = jnp.maximum(end_tile - first_tile, 0)
   longest, total = jnp.max(tiles), jnp.sum(tiles)
   per_split = jnp.maximum(cdiv(total, chunks), cdiv(longest, num_splits))
@@ -155,7 +155,7 @@ def balanced_tiles_per_split(lengths, *, block_kv: int, num_queries: int, num_sp
   return jnp.maximum(per_split, MIN_TILES_PER_SPLIT).astype(jnp.int32).reshape(1)
 
 
-def _visible_tiles(length, *, block_kv: int, num_queries: int, window: int | None):
+def visible_tiles(length, *, block_kv: int, num_queries: int, window: int | None):
   """(first tile, end tile) of a sequence: the tiles that hold visible keys."""
   first_key = 0 if window is None else jnp.maximum(length - num_queries + 1 - window, 0)
   return first_key // block_kv, (length + block_kv - 1) // block_kv
@@ -165,7 +165,7 @@ def _split_tiles(length, *, block_kv: int, num_queries: int, num_splits: int, wi
                  tiles_per_split=None):
   """(first tile, end tile, tiles per split) of a sequence: its own equal shares, or the
   balanced plan's `tiles_per_split`."""
-  first_tile, end_tile = _visible_tiles(length, block_kv=block_kv, num_queries=num_queries, window=window)
+  first_tile, end_tile = visible_tiles(length, block_kv=block_kv, num_queries=num_queries, window=window)
   if tiles_per_split is None:
     tiles_per_split = (jnp.maximum(end_tile - first_tile, 0) + num_splits - 1) // num_splits
   return first_tile, end_tile, tiles_per_split
@@ -309,7 +309,7 @@ class StreamKLayout:
   @classmethod
   def of(cls, lengths, *, block_kv: int, num_queries: int, window: int | None, num_programs: int):
     """The plan of lengths [B'] (already clamped into [0, capacity]) for num_programs programs."""
-    first, end = _visible_tiles(lengths, block_kv=block_kv, num_queries=num_queries, window=window)
+    first, end = visible_tiles(lengths, block_kv=block_kv, num_queries=num_queries, window=window)
     tiles = jnp.maximum(end - first, 0).astype(jnp.int32)
     total = jnp.sum(tiles)
     first = jnp.broadcast_to(first, tiles.shape).astype(jnp.int32)   # 0 (an int) without a window
@@ -320,6 +320,13 @@ class StreamKLayout:
     """Program w's tiles [lo, hi) in the batch's tile order."""
     lo = jnp.minimum(w * self.chunk, self.total)
     return lo, jnp.minimum(lo + self.chunk, self.total)
+
+  def locate(self, g):
+    """(b, start) of batch tile g < total: the sequence that holds it and the position of that
+    sequence's first tile in the batch's tile order. Two reductions over [B'] and no pick, so
+    that a loop can find each tile's sequence from the tile alone (the one-loop stream-K kernel)."""
+    before = self.ends <= g   # sequences wholly before g (empty ones too)
+    return jnp.sum(before.astype(jnp.int32)), jnp.sum(jnp.where(before, self.tiles, 0))
 
   def segment(self, g, hi):
     """The segment that starts at batch tile g < hi (the end of its program's range): the

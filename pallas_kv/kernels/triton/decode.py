@@ -97,6 +97,9 @@ WIDEN_PTX = {
       cvt.rn.f16x2.e4m3x2 $1, hi;
     }""",
 }
+# The stream-K plan as one tile loop across sequence boundaries (`_stream_k_one_loop_kernel`), or
+# as a loop per segment (`_stream_k_kernel`).
+STREAM_K_ONE_LOOP = True
 # Measured on the H200 and left out (benchmarks/RESULTS.md, eighth set): int8 widened to
 # value + 1152 with the offset taken off after the products, and q . k on the integer tensor cores
 # from two int8 terms of q. They cut the SASS per 128-token tile from 875 to 833 and 702
@@ -176,6 +179,7 @@ class _Static:
   balanced: bool = False      # the balanced split plan: tiles per split from an int32 [1] input
   ordered: bool = False       # programs take sequence order[b] (int32 [B] input), not b
   stream_k: bool = False      # the stream-K plan (merge mode): num_splits programs per head block share its tiles
+  one_loop: bool = False      # stream-K as one tile loop across sequence boundaries (STREAM_K_ONE_LOOP)
   v_tokens_last: bool = False  # v's tiles are [D, block_kv]: v [B, Hkv, D, T] | [P, Hkv, D, page_size]
 
   @property
@@ -310,24 +314,35 @@ class _Refs:
     self.rest = refs   # the outputs (and merge-mode inputs)
 
 
-def _attend(r: _Refs, *, head, row0, length, tiles, seq: tuple, st: _Static):
-  """One sequence's attention over its tiles (t0, a, c, t1) for this program's rows: the
-  softmax-normalised partial (out [block_rows, D] f32, natural-log lse [block_rows]) of tiles
-  [t0, t1), masked in [t0, a) and [c, t1) (`split_k.unmasked_tiles`). `seq` is (b,) where the
-  per-sequence refs hold the whole batch."""
-  t0, a, c, t1 = tiles
+def _load_q(r: _Refs, row0, seq: tuple, st: _Static):
+  """This program's packed q rows [block_rows, D]; q is not padded (a pad would be a launch of its
+  own): rows past R load as 0."""
+  rows = jnp.arange(st.block_rows, dtype=jnp.int32)[:, None] + row0
+  return pltr.load(r.q.at[(*seq, pl.ds(row0, st.block_rows), slice(None))],
+                   mask=jnp.broadcast_to(rows < st.rows, (st.block_rows, st.head_dim)), other=0.0)
+
+
+def _initial_carry(st: _Static):
+  """The online softmax's (acc, running max, running sum) before any tile."""
+  return (jnp.zeros((st.block_rows, st.head_dim), jnp.float32),
+          jnp.full((st.block_rows,), -jnp.inf, jnp.float32),
+          jnp.zeros((st.block_rows,), jnp.float32))
+
+
+def _head_scales(r: _Refs, head, st: _Static):
+  """(k, v) scales of this kv head where they are per head, else None: the same for every tile,
+  so read once, outside the tile loop."""
+  return (r.k_scale[head] if st.k_scale == "head" else None, r.v_scale[head] if st.v_scale == "head" else None)
+
+
+def _tile_step(r: _Refs, q, tile, carry, *, head_scales, row0, length, seq: tuple, masked: bool, st: _Static):
+  """One KV tile of one sequence folded into the online softmax's carry (acc, m, l); with
+  `masked`, keys a row may not see (past the length, outside the window, after its own
+  position) are masked and values past the length read as 0. head_scales: `_head_scales`."""
   bkv, G = st.block_kv, st.group
-  rows = jnp.arange(st.block_rows, dtype=jnp.int32)[:, None] + row0   # [block_rows, 1]
-  cols = jnp.arange(bkv, dtype=jnp.int32)[None, :]                    # [1, bkv]
-  # q is not padded (a pad would be a launch of its own): rows past R load as 0.
-  q = pltr.load(r.q.at[(*seq, pl.ds(row0, st.block_rows), slice(None))],
-                mask=jnp.broadcast_to(rows < st.rows, (st.block_rows, st.head_dim)), other=0.0)
+  acc, m_i, l_i = carry
 
-  # A kv head's scale is the same for every tile: read it once, outside the loop.
-  k_head_scale = r.k_scale[head] if st.k_scale == "head" else None
-  v_head_scale = r.v_scale[head] if st.v_scale == "head" else None
-
-  def scaled(x, scale_ref, kind, head_scale, tile, masked):
+  def scaled(x, scale_ref, kind, head_scale):
     """x [block_rows, bkv] f32 times the tile's per-token or this head's scale (a one-byte cache)."""
     if kind == "token":
       scales = _load_tile(scale_ref, r.block_tables, tile, length, st, masked=masked, seq=seq)
@@ -336,31 +351,39 @@ def _attend(r: _Refs, *, head, row0, length, tiles, seq: tuple, st: _Static):
       return x * head_scale
     return x
 
-  def step(tile, carry, *, masked: bool):
-    acc, m_i, l_i = carry
-    # One-byte caches load as such and widen in registers (their values are exact in float16).
-    k = _widen(_load_tile(r.k, r.block_tables, tile, length, st, masked=masked, seq=seq), st)   # [bkv, D]
-    s = _dot(q, k, trans_b=True)   # [block_rows, bkv] f32
-    s = scaled(s, r.k_scale, st.k_scale, k_head_scale, tile, masked)
-    s = online_softmax.log2_logits(s, scale=st.options.scale, softcap=st.options.softcap)
-    if masked:
-      ok = online_softmax.visible(rows, cols, tile_start=tile * bkv, length=length, num_queries=st.num_queries,
-                                  group=G, window=st.options.window)
-      s = jnp.where(ok, s, -jnp.inf)
-    acc, m_new, l_new, p = online_softmax.softmax_step(s, acc, m_i, l_i)
-    p = scaled(p, r.v_scale, st.v_scale, v_head_scale, tile, masked)   # the sum keeps the unscaled p (l_new)
-    # [bkv, D], or [D, bkv] with v tokens last
-    v = _widen(_load_tile(r.v, r.block_tables, tile, length, st, masked=masked, seq=seq,
-                          tokens_last=st.v_tokens_last), st)
-    pv = _dot(p.astype(q.dtype), v, trans_b=st.v_tokens_last)
-    return acc + pv, m_new, l_new
+  # One-byte caches load as such and widen in registers (their values are exact in float16).
+  k = _widen(_load_tile(r.k, r.block_tables, tile, length, st, masked=masked, seq=seq), st)   # [bkv, D]
+  s = _dot(q, k, trans_b=True)   # [block_rows, bkv] f32
+  s = scaled(s, r.k_scale, st.k_scale, head_scales[0])
+  s = online_softmax.log2_logits(s, scale=st.options.scale, softcap=st.options.softcap)
+  if masked:
+    rows = jnp.arange(st.block_rows, dtype=jnp.int32)[:, None] + row0   # [block_rows, 1]
+    cols = jnp.arange(bkv, dtype=jnp.int32)[None, :]                    # [1, bkv]
+    ok = online_softmax.visible(rows, cols, tile_start=tile * bkv, length=length, num_queries=st.num_queries,
+                                group=G, window=st.options.window)
+    s = jnp.where(ok, s, -jnp.inf)
+  acc, m_new, l_new, p = online_softmax.softmax_step(s, acc, m_i, l_i)
+  p = scaled(p, r.v_scale, st.v_scale, head_scales[1])   # the sum keeps the unscaled p (l_new)
+  # [bkv, D], or [D, bkv] with v tokens last
+  v = _widen(_load_tile(r.v, r.block_tables, tile, length, st, masked=masked, seq=seq,
+                        tokens_last=st.v_tokens_last), st)
+  pv = _dot(p.astype(q.dtype), v, trans_b=st.v_tokens_last)
+  return acc + pv, m_new, l_new
 
-  carry = (jnp.zeros((st.block_rows, st.head_dim), jnp.float32),
-           jnp.full((st.block_rows,), -jnp.inf, jnp.float32),
-           jnp.zeros((st.block_rows,), jnp.float32))
-  carry = lax.fori_loop(t0, a, functools.partial(step, masked=True), carry)
-  carry = lax.fori_loop(a, c, functools.partial(step, masked=False), carry)
-  carry = lax.fori_loop(c, t1, functools.partial(step, masked=True), carry)
+
+def _attend(r: _Refs, *, head, row0, length, tiles, seq: tuple, st: _Static):
+  """One sequence's attention over its tiles (t0, a, c, t1) for this program's rows: the
+  softmax-normalised partial (out [block_rows, D] f32, natural-log lse [block_rows]) of tiles
+  [t0, t1), masked in [t0, a) and [c, t1) (`split_k.unmasked_tiles`). `seq` is (b,) where the
+  per-sequence refs hold the whole batch."""
+  t0, a, c, t1 = tiles
+  q = _load_q(r, row0, seq, st)
+  head_scales = _head_scales(r, head, st)
+  step = lambda masked: lambda tile, carry: _tile_step(r, q, tile, carry, head_scales=head_scales, row0=row0,
+                                                       length=length, seq=seq, masked=masked, st=st)
+  carry = lax.fori_loop(t0, a, step(True), _initial_carry(st))
+  carry = lax.fori_loop(a, c, step(False), carry)
+  carry = lax.fori_loop(c, t1, step(True), carry)
   return online_softmax.finalize(*carry)
 
 
@@ -371,7 +394,7 @@ def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), 
             *refs, st: _Static):
   r = _Refs(q_ref, k_ref, v_ref, lengths_ref, refs, st)
   if st.stream_k:
-    return _stream_k_kernel(r, st)
+    return (_stream_k_one_loop_kernel if st.one_loop else _stream_k_kernel)(r, st)
   head_block, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   seq = ()
   if st.ordered:
@@ -554,6 +577,79 @@ def _stream_k_kernel(r: _Refs, st: _Static):
     return g + (t1 - t0)
 
   lax.while_loop(lambda g: g < hi, segment, lo)
+  _write_empty_sequences(outs, plan, head=head, w=w, batch=batch, st=st)
+
+
+def _stream_k_one_loop_kernel(r: _Refs, st: _Static):
+  """The stream-K plan as one tile loop over the program's whole share [lo, hi) of the batch's
+  tiles: each step finds its tile's sequence from the tile index (`StreamKLayout.locate`), so
+  Triton's pipeline keeps loading across sequence boundaries instead of draining and refilling
+  at every segment (what `_stream_k_kernel`'s loop per segment costs). At a segment's last tile
+  the step flushes it: a sequence wholly in this program is written directly; a piece of a cut
+  sequence is stored and counted, and the merges that fall to this program (at most two: its
+  first and its last segment) run after the loop, so that the tile loop stays innermost."""
+  head_block, w = pl.program_id(0), pl.program_id(1)
+  head = head_block // st.num_row_blocks
+  row0 = _row0(head_block, st)
+  batch = r.lengths.shape[0]
+  padded = triton_config.next_pow2(batch)
+  index = jnp.arange(padded, dtype=jnp.int32)
+  lengths = jnp.where(index < batch, jnp.clip(r.lengths[jnp.minimum(index, batch - 1)], 0, st.capacity), 0)
+  plan = split_k.StreamKLayout.of(lengths, block_kv=st.block_kv, num_queries=st.num_queries,
+                                  window=st.options.window, num_programs=st.num_splits)
+  lo, hi = plan.program_range(w)
+  outs = _MergedOutputs(r.rest, row0=row0, st=st)
+  head_scales = _head_scales(r, head, st)
+  no_merge = jnp.int32(-1)
+
+  def step(g, carry):
+    softmax_carry, merge_first, merge_last = carry
+    b, seq_start = plan.locate(g)
+    b = jnp.minimum(b, batch - 1)
+    length = jnp.clip(r.lengths[b], 0, st.capacity)
+    first, end = split_k.visible_tiles(length, block_kv=st.block_kv, num_queries=st.num_queries,
+                                       window=st.options.window)
+    seq_end = seq_start + jnp.maximum(end - first, 0)
+    segment_start = jnp.maximum(seq_start, lo)
+    # A segment's first tile starts a fresh online softmax.
+    softmax_carry = jax.tree.map(lambda fresh, x: jnp.where(g == segment_start, fresh, x), _initial_carry(st),
+                                 softmax_carry)
+    q = _load_q(r, row0, (b,), st)
+    softmax_carry = _tile_step(r, q, first + (g - seq_start), softmax_carry, head_scales=head_scales, row0=row0,
+                               length=length, seq=(b,), masked=True, st=st)
+    segment_ends = (g + 1 == seq_end) | (g + 1 == hi)
+    if st.num_splits == 1:   # one program per head block: every sequence lies in it whole
+      pl.when(segment_ends)(lambda: outs.write_one(b, head, *online_softmax.finalize(*softmax_carry)))
+      return softmax_carry, merge_first, merge_last
+    pieces = (seq_end - 1) // plan.chunk - seq_start // plan.chunk + 1
+    pl.when(segment_ends & (pieces == 1))(
+        lambda: outs.write_one(b, head, *online_softmax.finalize(*softmax_carry)))
+
+    def store_and_arrive():
+      slot = jnp.where(segment_start == lo, 0, 1)   # `StreamKLayout.piece_slot`
+      outs.store_partial((head, w, slot), online_softmax.finalize(*softmax_carry))
+      return outs.arrive(b, head_block)
+
+    cut = segment_ends & (pieces > 1)
+    arrived = lax.cond(cut, store_and_arrive, lambda: no_merge)
+    merges = cut & (arrived == pieces - 1)   # the last piece to arrive: this program merges b
+    merge_first = jnp.where(merges & (segment_start == lo), b, merge_first)
+    merge_last = jnp.where(merges & (segment_start != lo), b, merge_last)
+    return softmax_carry, merge_first, merge_last
+
+  _, merge_first, merge_last = lax.fori_loop(lo, hi, step, (_initial_carry(st), no_merge, no_merge))
+  if st.num_splits > 1:
+    for b in (merge_first, merge_last):
+      @pl.when(b >= 0)
+      def _():
+        first_program, pieces, starts_mid_chunk = plan.pieces(b)
+        slot = lambda j: split_k.StreamKLayout.piece_slot(starts_mid_chunk, j == 0)
+        outs.merge(b, head, pieces, lambda j: (head, first_program + j, slot(j)))
+  _write_empty_sequences(outs, plan, head=head, w=w, batch=batch, st=st)
+
+
+def _write_empty_sequences(outs, plan, *, head, w, batch: int, st: _Static):
+  """Zeros and lse -inf for the sequences without tiles, sequence b by program b % programs."""
 
   def write_empty(j, carry):
     b = w + j * st.num_splits
@@ -647,7 +743,7 @@ def _build(st: _Static, *, batch: int, num_kv_heads: int, kv_shape, table_width:
   if st.ordered:
     name += "_ordered"
   if st.stream_k:
-    name += "_streamk"
+    name += "_streamk1" if st.one_loop else "_streamk"
   if st.v_tokens_last:
     name += "_vt"
   return pl.pallas_call(
@@ -691,7 +787,8 @@ def _static(q, k, v, lengths, block_tables, *, num_queries: int, options: Attent
                  fast_widen=FAST_WIDEN and not interpret and jnp.dtype(k.dtype) in split_k.QUANTIZED_DTYPES,
                  rows=R, balanced=split_k.check_tiles_per_split(tiles_per_split, config),
                  ordered=split_k.check_sequence_order(sequence_order, config, batch=q.shape[0]),
-                 stream_k=config.split_plan == "stream_k", v_tokens_last=v_tokens_last, **merge)
+                 stream_k=config.split_plan == "stream_k", one_loop=config.split_plan == "stream_k" and STREAM_K_ONE_LOOP,
+                 v_tokens_last=v_tokens_last, **merge)
 
 
 def _call(st: _Static, args, *, q, k, config: DecodeConfig, interpret: bool, out_dtype=None):
