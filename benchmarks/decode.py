@@ -378,8 +378,6 @@ def define_flags() -> None:
                        "as resolved.")
   flags.DEFINE_integer("triton_num_stages", None, "triton impl: tiles pipelined (DecodeConfig.num_stages), the "
                        "config otherwise as resolved.")
-  flags.DEFINE_enum("triton_stream_k_loop", "one", ["one", "segments"], "triton impl, stream-K plan: one tile "
-                    "loop across sequence boundaries, or a loop per segment (the kernel's STREAM_K_ONE_LOOP).")
   flags.DEFINE_boolean("v_tokens_last", False, "pallas_kv impls of the dense and paged ops: v stored "
                        "[B, Hkv, D, T] / [P, Hkv, D, page_size] (decode_attention's v_tokens_last).")
   flags.adopt_module_key_flags(cli)
@@ -393,8 +391,6 @@ def main(argv: Sequence[str]) -> int:
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   paths = cli.output_paths()
-  from pallas_kv.kernels.triton import decode as triton_decode  # pylint: disable=g-import-not-at-top
-  triton_decode.STREAM_K_ONE_LOOP = flags.FLAGS.triton_stream_k_loop == "one"
   with (triton_merge_in_kernel(flags.FLAGS.merge_in_kernel), balanced_split_plan(flags.FLAGS.split_plan == "balanced"),
         triton_stream_k(flags.FLAGS.split_plan == "stream_k", flags.FLAGS.stream_k_programs_per_sm),
         triton_per_sequence(flags.FLAGS["split_plan"].present and flags.FLAGS.split_plan == "per_sequence"),

@@ -2,7 +2,7 @@
 # The measurement suite on an H200, in parts that each fit one ~10-minute command.
 #   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged quantized qprobe vmap step tune
 #   fuzz memcheck mla merge balanced smollm2 (SMOLLM2_GGUF=path: the GPU machine has no network)
-#   tune_triton ncu ncu_stages ncu_stalls ncu_mla mla_order mla_waits mla_clocks mla_probes mla_schedules mla_merge ptxas loadpath kernels chain timer ragged_order ragged_one stream_k stream_k_loop stream_k_tiles qpaged16 qpaged64 converter vlast models stages
+#   tune_triton ncu ncu_stages ncu_stalls ncu_mla mla_order mla_waits mla_clocks mla_probes mla_schedules mla_merge ptxas loadpath kernels chain timer ragged_order ragged_one stream_k stream_k_tiles qpaged16 qpaged64 converter vlast models stages
 #   tune-SWEEP-BACKEND (e.g. TUNE_CASES=32x8192,128x8192 ... tune-gpt_oss_120b-mosaic_gpu)
 #   (and scaling8k scaling32k on a machine with several GPUs)
 # Results (JSON, logs) go to $OUT if set, else bench_out/. Run from the repository root with the
@@ -205,18 +205,6 @@ for part in "$@"; do
                   --impl=triton$([ $plan = per_sequence ] && echo ,cudnn) --split_plan=$plan \
                   ${per_sm:+--stream_k_programs_per_sm=$per_sm} --warmup=2 --repeats=5 \
                   --json="$out/stream_k_$name.json" 2>&1 | quiet | tee "$out/stream_k_$name.log"
-              done ;;
-    stream_k_loop) # the stream-K plan as one tile loop across sequence boundaries against its loop per
-              # segment and per-sequence splits, cuDNN beside (STREAMK_LENGTHS=ragged|full, STREAMK_CASES,
-              # STREAMK_EXTRA: more flags; ~5 min)
-              lengths=${STREAMK_LENGTHS:-ragged}
-              for setting in per_sequence: stream_k:one stream_k:segments; do
-                IFS=: read -r plan loop <<< "$setting"
-                python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags $([ $lengths = ragged ] && echo --ragged) \
-                  --cases=${STREAMK_CASES:-16x32768,32x8192,64x8192,96x4096,128x4096} ${STREAMK_EXTRA:-} \
-                  --impl=triton$([ $plan = per_sequence ] && echo ,cudnn) --split_plan=$plan \
-                  ${loop:+--triton_stream_k_loop=$loop} --warmup=2 --repeats=5 \
-                  --json="$out/sk_loop_${lengths}_$plan$loop.json" 2>&1 | quiet | tee "$out/sk_loop_${lengths}_$plan$loop.log"
               done ;;
     stream_k_tiles) # stream-K with 64-token tiles at three stages (two programs resident per SM) against
               # the tuned 128-token tiles (one per SM), ragged and full length (~3 min)

@@ -169,13 +169,13 @@ def minimal_loop_ttir(kv_dtype, *, v_tokens_contiguous: bool, keep_offset: bool,
   from jax import lax  # pylint: disable=g-import-not-at-top
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import triton as pltr  # pylint: disable=g-import-not-at-top
-  from pallas_kv.kernels.triton import decode as triton_decode  # pylint: disable=g-import-not-at-top
+  from pallas_kv.kernels.triton import tiles as triton_tiles  # pylint: disable=g-import-not-at-top
   kv_dtype = jnp.dtype(kv_dtype)
 
   def widen(x):
     if x.dtype == jnp.float16:
       return x
-    ptx = INT8_WITH_OFFSET_PTX if keep_offset else triton_decode.WIDEN_PTX[kv_dtype]
+    ptx = INT8_WITH_OFFSET_PTX if keep_offset else triton_tiles.WIDEN_PTX[kv_dtype]
     [out] = pltr.elementwise_inline_asm(ptx, args=[x], constraints="=r,=r,r", pack=4,
                                         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float16)])
     return out

@@ -18,9 +18,12 @@ LAYERS = [
     {"xla", "batching", "kernels.split_k", "kernels.online_softmax"},
     {"kernels.mosaic_gpu.pipeline", "kernels.mosaic_gpu.tiling"},
     {"kernels.mosaic_gpu.config", "kernels.triton.config"},
-    {"kernels.mosaic_gpu.mla_config"},   # sizes the MLA kernel from the backend config's SMEM capacity
-    # the MLA kernel's output stores (its SMEM staging's rows) and per-tile pieces
-    {"kernels.mosaic_gpu.mla_output", "kernels.mosaic_gpu.mla_tiles"},
+    # sizes the MLA kernel from the backend config's SMEM capacity; the Triton kernel body's pieces
+    {"kernels.mosaic_gpu.mla_config", "kernels.triton.tiles"},
+    # the MLA kernel's output stores (its SMEM staging's rows) and per-tile pieces; the Triton
+    # kernel's merged outputs
+    {"kernels.mosaic_gpu.mla_output", "kernels.mosaic_gpu.mla_tiles", "kernels.triton.outputs"},
+    {"kernels.triton.stream_k"},   # the Triton stream-K kernel body, which the decode kernel dispatches to
     {"kernels.mosaic_gpu.decode", "kernels.mosaic_gpu.mla", "kernels.triton.decode"},
     # the merge launches: the Triton one takes the Triton decode module's compiler params
     {"kernels.triton.merge", "kernels.mosaic_gpu.merge"},

@@ -206,29 +206,30 @@ def test_gpu_balanced_plan_on_a_ragged_batch(impl, page_size):
     (0, 64, 1, None, 33), (1, 16, 3, None, 7), (2, 64, 2, 700, 49), (3, 32, 1, None, 200),
 ])
 def test_stream_k_programs_cover_every_tile_once(seed, block_kv, num_queries, window, programs):
-  # Walks the programs' segments as the kernel does: each visible tile once, every program at
-  # most `chunk` tiles, and the partial slots the programs write are the ones each merge reads.
+  # Walks the programs' tiles as the kernel does (each finds its sequence with `locate`): each
+  # visible tile once, every program at most `chunk` tiles, and the partial slots the programs
+  # write are the ones each merge reads.
   rng = np.random.default_rng(seed)
   capacity = 4096
   lengths = np.concatenate([rng.integers(0, capacity + 1, size=29), [0, 1, capacity, 0]]).astype(np.int32)
   padded = np.concatenate([lengths, np.zeros(64 - lengths.size, np.int32)])   # the kernel's power-of-two vector
   plan = split_k.StreamKLayout.of(jnp.asarray(padded), block_kv=block_kv, num_queries=num_queries, window=window,
                                   num_programs=programs)
+  first = np.broadcast_to(np.asarray(plan.first), padded.shape)
   covered = {b: [] for b in range(lengths.size)}
   written = {}   # (program, slot) -> sequence
+  locate = jax.jit(plan.locate)
   for w in range(programs):
     lo, hi = (int(x) for x in plan.program_range(w))
     assert 0 <= hi - lo <= int(plan.chunk)
-    g = lo
-    while g < hi:
-      b, t0, t1 = (int(x) for x in plan.segment(g, hi))
-      assert b < lengths.size and t1 > t0
-      covered[b] += range(t0, t1)
-      if int(plan.pieces(b)[1]) > 1:
-        slot = 0 if g == lo else 1
+    for g in range(lo, hi):
+      b, seq_start = (int(x) for x in locate(g))
+      assert b < lengths.size
+      covered[b].append(int(first[b]) + g - seq_start)
+      if g == max(seq_start, lo) and int(plan.pieces(b)[1]) > 1:   # a segment's first tile
+        slot = int(split_k.StreamKLayout.piece_slot(g != lo, seq_start == g))
         assert (w, slot) not in written   # two slots per program are enough
         written[w, slot] = b
-      g += t1 - t0
   for b, length in enumerate(lengths):
     first_key = 0 if window is None else max(length - num_queries + 1 - window, 0)
     assert sorted(covered[b]) == list(range(first_key // block_kv, -(-length // block_kv)))
@@ -252,8 +253,10 @@ def test_stream_k_programs_fill_one_wave():
 @pytest.mark.parametrize("heads,case,page_size,stream_k", [
     ((32, 8), (16, 32768), None, True), ((32, 8), (64, 8192), 16, True), ((28, 4), (32, 8192), None, True),
     ((32, 8), (8, 8192), None, False),     # 4 sequences per program's share: many pieces to merge
-    ((32, 8), (128, 4096), None, False),   # short sequences, and too many per program
-    ((32, 8), (128, 8192), None, False),   # B > 2 W
+    ((32, 8), (128, 4096), None, True),    # short sequences, but a long share a program (~16K tokens)
+    ((32, 8), (32, 4096), None, False),    # short sequences and short shares: the cuts show
+    ((32, 8), (64, 2048), None, False),
+    ((32, 8), (160, 8192), None, False),   # B > 4 W
     ((16, 8), (32, 8192), None, False),    # head_dim 256 (Gemma): not measured
 ])
 def test_default_takes_stream_k_where_measured(heads, case, page_size, stream_k):

@@ -324,18 +324,9 @@ class StreamKLayout:
   def locate(self, g):
     """(b, start) of batch tile g < total: the sequence that holds it and the position of that
     sequence's first tile in the batch's tile order. Two reductions over [B'] and no pick, so
-    that a loop can find each tile's sequence from the tile alone (the one-loop stream-K kernel)."""
+    that the stream-K kernel's tile loop finds each tile's sequence from the tile alone."""
     before = self.ends <= g   # sequences wholly before g (empty ones too)
     return jnp.sum(before.astype(jnp.int32)), jnp.sum(jnp.where(before, self.tiles, 0))
-
-  def segment(self, g, hi):
-    """The segment that starts at batch tile g < hi (the end of its program's range): the
-    sequence b holding tile g and the tiles [t0, t1) of b it covers, up to b's end or hi."""
-    b = jnp.sum((self.ends <= g).astype(jnp.int32))   # sequences wholly before g (empty ones too)
-    seq_end = pick(self.ends, b)
-    seq_start = seq_end - pick(self.tiles, b)
-    t0 = pick(self.first, b) + (g - seq_start)
-    return b, t0, t0 + (jnp.minimum(seq_end, hi) - g)
 
   def pieces(self, b):
     """(the first program holding sequence b's tiles, how many programs do, whether the first

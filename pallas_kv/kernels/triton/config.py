@@ -45,15 +45,18 @@ TOKENS_LAST_ONE_BYTE_BLOCK_KV = 128
 # seventeenth sets): the kernel cannot see at trace time which it gets, and serving is ragged.
 DEFAULT_STAGES = 3
 # The stream-K plan (DecodeConfig.split_plan) by default where it was measured to pay (H200,
-# benchmarks/RESULTS.md, eighteenth set): ragged batches 6-29% faster (B16 T32768, B32 / B48 / B64
-# T8192, paged page 16 B64 T8192, 28 / 4 heads B32 T8192), full length within 1% (B16 T32768, B64
-# T8192). Each program meets about 1 + B / W sequences (W programs per kv head) and each boundary
-# costs it ~5 us, so it loses where sequences are short (full length +4% at B32 T4096, +8% at B64
-# T2048) or many per program (ragged B96 / B128 T4096: +3-6%); and with B much under W a sequence
-# is cut into many pieces that one program merges in turn (B8 T8192: +43%). Only 16-bit caches at
-# head_dim 128 were measured.
+# benchmarks/RESULTS.md, eighteenth and nineteenth sets). On ragged batches it ran 3-42% faster
+# than per-sequence splits (B16 T32768, B32 / B48 / B64 T8192, B128 T4096, paged page 16 B64
+# T8192, 28 / 4 heads B32 T8192), at full length within 1.4% (B16 T32768, B64 T8192, B128 T4096).
+# Each program meets about 1 + B / W sequences (W programs per kv head) and stores and merges at
+# most two cut pieces, which cost about what a few tiles do: where a program's share is short the
+# cuts show (full length B32 T4096 +8%, B64 T2048 +19%), and with B much under W a sequence is cut
+# into many pieces that one program merges in turn (B8 T8192: +43%). So: B from 0.45 W to 4 W,
+# and T >= 8192 or a share of at least ~16K tokens a program (B128 T4096 at W = 33). Only 16-bit
+# caches at head_dim 128 were measured.
 STREAM_K_MIN_CAPACITY = 8192
-STREAM_K_SEQUENCES_PER_PROGRAM = (0.45, 2.0)   # B / W
+STREAM_K_MIN_TOKENS_PER_PROGRAM = 15_000
+STREAM_K_SEQUENCES_PER_PROGRAM = (0.45, 4.0)   # B / W
 STREAM_K_HEAD_DIMS = (128,)
 # DecodeConfig fields this backend does not implement, with the value it needs.
 UNSUPPORTED_FIELDS = {"kv_groups": 1, "pipeline_qk": False, "persistent": False, "split_scores": False,
@@ -177,8 +180,10 @@ def resolve_config(problem, config: DecodeConfig | None, *, dtype: Any = "bfloat
 
 
 def stream_k_pays(problem, *, dtype: Any, programs: int) -> bool:
-  """Whether the default config takes the stream-K plan (STREAM_K_* above): long enough
-  sequences, about 0.5-2 of them per program, and what was measured (16-bit, head_dim 128)."""
+  """Whether the default config takes the stream-K plan (STREAM_K_* above): about 0.5-4 sequences
+  per program, long enough sequences or shares, and what was measured (16-bit, head_dim 128)."""
   low, high = STREAM_K_SEQUENCES_PER_PROGRAM
-  return (problem.capacity >= STREAM_K_MIN_CAPACITY and low * programs <= problem.batch <= high * programs
+  long_enough = (problem.capacity >= STREAM_K_MIN_CAPACITY
+                 or problem.batch * problem.capacity >= STREAM_K_MIN_TOKENS_PER_PROGRAM * programs)
+  return (long_enough and low * programs <= problem.batch <= high * programs
           and problem.head_dim in STREAM_K_HEAD_DIMS and jnp.dtype(dtype).itemsize == 2)

@@ -1,0 +1,115 @@
+"""The stream-K split plan of the Pallas Triton decode kernel (`DecodeConfig.split_plan="stream_k"`).
+
+The grid is num_splits programs per (kv head, row block), each streaming an equal share of the
+whole batch's tiles of its kv head laid end to end in batch order (`split_k.StreamKLayout`,
+planned in each program from the lengths vector, so nothing launches before the kernel but the
+counters' memset). A program's share crosses sequence boundaries: it is one tile loop in which
+each step finds its tile's sequence from the tile index (`StreamKLayout.locate`), so Triton's
+software pipeline keeps loading across the boundaries. A loop per segment measured 1-9% slower
+(each boundary drained and refilled the pipeline: ~5 us per boundary per program; H200,
+benchmarks/RESULTS.md, nineteenth set).
+
+At a segment's last tile the step flushes it: a sequence wholly in this program is written
+directly; a piece of a cut sequence is stored in one of the program's two partial slots and the
+sequence's counter is bumped (`outputs.MergedOutputs.arrive`). The piece that arrives last
+merges all of the sequence's pieces in program order, after the tile loop (a program merges at
+most two sequences: those of its first and last segments), so that the loop stays innermost and
+pipelined. Sequences without tiles are written by program b % programs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kv.kernels import online_softmax
+from pallas_kv.kernels import split_k
+from pallas_kv.kernels.triton import config as triton_config
+from pallas_kv.kernels.triton.outputs import MergedOutputs
+from pallas_kv.kernels.triton.tiles import Refs
+from pallas_kv.kernels.triton.tiles import Static
+from pallas_kv.kernels.triton.tiles import first_row
+from pallas_kv.kernels.triton.tiles import head_scales_of
+from pallas_kv.kernels.triton.tiles import initial_carry
+from pallas_kv.kernels.triton.tiles import load_q
+from pallas_kv.kernels.triton.tiles import tile_step
+
+
+def stream_k_kernel(r: Refs, st: Static):
+  """Program (head block, w): one tile loop over its share [lo, hi) of the batch's tiles of its kv
+  head (module doc), then the merges that fell to it, then the sequences without tiles."""
+  head_block, w = pl.program_id(0), pl.program_id(1)
+  head = head_block // st.num_row_blocks
+  row0 = first_row(head_block, st)
+  batch = r.lengths.shape[0]
+  padded = triton_config.next_pow2(batch)
+  index = jnp.arange(padded, dtype=jnp.int32)
+  lengths = jnp.where(index < batch, jnp.clip(r.lengths[jnp.minimum(index, batch - 1)], 0, st.capacity), 0)
+  plan = split_k.StreamKLayout.of(lengths, block_kv=st.block_kv, num_queries=st.num_queries,
+                                  window=st.options.window, num_programs=st.num_splits)
+  lo, hi = plan.program_range(w)
+  outs = MergedOutputs(r.rest, row0=row0, st=st)
+  head_scales = head_scales_of(r, head, st)
+  no_merge = jnp.int32(-1)
+
+  def step(g, carry):
+    softmax_carry, merge_first, merge_last = carry
+    b, seq_start = plan.locate(g)
+    b = jnp.minimum(b, batch - 1)
+    length = jnp.clip(r.lengths[b], 0, st.capacity)
+    first, end = split_k.visible_tiles(length, block_kv=st.block_kv, num_queries=st.num_queries,
+                                       window=st.options.window)
+    seq_end = seq_start + jnp.maximum(end - first, 0)
+    segment_start = jnp.maximum(seq_start, lo)
+    # A segment's first tile starts a fresh online softmax.
+    softmax_carry = jax.tree.map(lambda fresh, x: jnp.where(g == segment_start, fresh, x), initial_carry(st),
+                                 softmax_carry)
+    q = load_q(r, row0, (b,), st)
+    softmax_carry = tile_step(r, q, first + (g - seq_start), softmax_carry, head_scales=head_scales, row0=row0,
+                               length=length, seq=(b,), masked=True, st=st)
+    segment_ends = (g + 1 == seq_end) | (g + 1 == hi)
+    if st.num_splits == 1:   # one program per head block: every sequence lies in it whole
+      pl.when(segment_ends)(lambda: outs.write_one(b, head, *online_softmax.finalize(*softmax_carry)))
+      return softmax_carry, merge_first, merge_last
+    pieces = (seq_end - 1) // plan.chunk - seq_start // plan.chunk + 1
+    pl.when(segment_ends & (pieces == 1))(
+        lambda: outs.write_one(b, head, *online_softmax.finalize(*softmax_carry)))
+
+    def store_and_arrive():
+      slot = split_k.StreamKLayout.piece_slot(segment_start != lo, segment_start == seq_start)
+      outs.store_partial((head, w, slot), online_softmax.finalize(*softmax_carry))
+      return outs.arrive(b, head_block)
+
+    cut = segment_ends & (pieces > 1)
+    arrived = lax.cond(cut, store_and_arrive, lambda: no_merge)
+    merges = cut & (arrived == pieces - 1)   # the last piece to arrive: this program merges b
+    merge_first = jnp.where(merges & (segment_start == lo), b, merge_first)
+    merge_last = jnp.where(merges & (segment_start != lo), b, merge_last)
+    return softmax_carry, merge_first, merge_last
+
+  _, merge_first, merge_last = lax.fori_loop(lo, hi, step, (initial_carry(st), no_merge, no_merge))
+  if st.num_splits > 1:
+    for b in (merge_first, merge_last):
+      @pl.when(b >= 0)
+      def _():
+        first_program, pieces, starts_mid_chunk = plan.pieces(b)
+        slot = lambda j: split_k.StreamKLayout.piece_slot(starts_mid_chunk, j == 0)
+        outs.merge(b, head, pieces, lambda j: (head, first_program + j, slot(j)))
+  _write_empty_sequences(outs, plan, head=head, w=w, batch=batch, st=st)
+
+
+def _write_empty_sequences(outs, plan, *, head, w, batch: int, st: Static):
+  """Zeros and lse -inf for the sequences without tiles, sequence b by program b % programs."""
+
+  def write_empty(j, carry):
+    b = w + j * st.num_splits
+
+    @pl.when((b < batch) & (split_k.pick(plan.tiles, b) == 0))
+    def _():
+      outs.write_one(b, head, jnp.zeros((st.block_rows, st.head_dim), jnp.float32),
+                     jnp.full((st.block_rows,), -jnp.inf, jnp.float32))
+    return carry
+
+  lax.fori_loop(0, split_k.cdiv(batch, st.num_splits), write_empty, 0)
