@@ -332,11 +332,13 @@ class StreamKLayout:
     """(the first program holding sequence b's tiles, how many programs do, whether the first
     program's piece starts mid-chunk). A sequence without tiles has 0 pieces."""
     seq_end = pick(self.ends, b)
-    tiles = pick(self.tiles, b)
-    seq_start = seq_end - tiles
+    return self.pieces_of_span(seq_end - pick(self.tiles, b), seq_end)
+
+  def pieces_of_span(self, seq_start, seq_end):
+    """`pieces` of the sequence whose tiles are [seq_start, seq_end) in the batch's tile order."""
     first_program = seq_start // self.chunk
     last_program = (seq_end - 1) // self.chunk
-    count = jnp.where(tiles > 0, last_program - first_program + 1, 0)
+    count = jnp.where(seq_end > seq_start, last_program - first_program + 1, 0)
     return first_program, count, seq_start != first_program * self.chunk
 
   @staticmethod

@@ -66,6 +66,8 @@ def stream_k_kernel(r: Refs, st: Static):
     # A segment's first tile starts a fresh online softmax.
     softmax_carry = jax.tree.map(lambda fresh, x: jnp.where(g == segment_start, fresh, x), initial_carry(st),
                                  softmax_carry)
+    # q per tile (4 KiB from L2 against a 32-64 KiB KV tile): loaded in the pipeline with the
+    # tile, where a reload at each segment start would wait on it.
     q = load_q(r, row0, (b,), st)
     softmax_carry = tile_step(r, q, first + (g - seq_start), softmax_carry, head_scales=head_scales, row0=row0,
                                length=length, seq=(b,), masked=True, st=st)
@@ -73,7 +75,7 @@ def stream_k_kernel(r: Refs, st: Static):
     if st.num_splits == 1:   # one program per head block: every sequence lies in it whole
       pl.when(segment_ends)(lambda: outs.write_one(b, head, *online_softmax.finalize(*softmax_carry)))
       return softmax_carry, merge_first, merge_last
-    pieces = (seq_end - 1) // plan.chunk - seq_start // plan.chunk + 1
+    _, pieces, _ = plan.pieces_of_span(seq_start, seq_end)
     pl.when(segment_ends & (pieces == 1))(
         lambda: outs.write_one(b, head, *online_softmax.finalize(*softmax_carry)))
 
