@@ -2,7 +2,7 @@
 # The measurement suite on an H200, in parts that each fit one ~10-minute command.
 #   bash benchmarks/h200_suite.sh PART [PART ...]   with PART in: tests variants gqa paged quantized qprobe vmap step tune
 #   fuzz memcheck mla merge balanced smollm2 (SMOLLM2_GGUF=path: the GPU machine has no network)
-#   tune_triton ncu ncu_stages ncu_stalls ncu_mla mla_order mla_waits mla_clocks mla_probes mla_schedules mla_merge ptxas loadpath kernels chain timer ragged_order ragged_one stream_k stream_k_tiles qpaged16 qpaged64 converter vlast models stages
+#   tune_triton ncu ncu_stages ncu_stalls ncu_mla mla_order mla_waits mla_clocks mla_probes mla_schedules mla_merge ptxas loadpath kernels chain timer ragged_order ragged_one stream_k stream_k_tiles rows qpaged16 qpaged64 converter vlast models stages
 #   tune-SWEEP-BACKEND (e.g. TUNE_CASES=32x8192,128x8192 ... tune-gpt_oss_120b-mosaic_gpu)
 #   (and scaling8k scaling32k on a machine with several GPUs)
 # Results (JSON, logs) go to $OUT if set, else bench_out/. Run from the repository root with the
@@ -206,6 +206,16 @@ for part in "$@"; do
                   ${per_sm:+--stream_k_programs_per_sm=$per_sm} --warmup=2 --repeats=5 \
                   --json="$out/stream_k_$name.json" 2>&1 | quiet | tee "$out/stream_k_$name.log"
               done ;;
+    rows)     # the issue rows: ragged batches and the same shapes at full length, dense (cuDNN beside) and
+              # paged page 16, auto beside each kernel backend (~5 min)
+              for l in ragged full; do
+                python3 -m benchmarks.decode --flagfile=configs/gqa_h200.flags $([ $l = ragged ] && echo --ragged) \
+                  --cases=16x32768,64x8192,128x4096 --impl=auto,triton,mosaic_gpu,cudnn --warmup=2 --repeats=5 \
+                  --json="$out/rows_$l.json" 2>&1 | quiet | tee "$out/rows_$l.log"
+                python3 -m benchmarks.decode --flagfile=configs/paged16_h200.flags $([ $l = ragged ] && echo --ragged) \
+                  --cases=16x32768,64x8192,128x4096 --impl=auto,triton,mosaic_gpu --warmup=2 --repeats=5 \
+                  --json="$out/rows_paged16_$l.json" 2>&1 | quiet | tee "$out/rows_paged16_$l.log"
+              done ;;
     stream_k_tiles) # stream-K with 64-token tiles at three stages (two programs resident per SM) against
               # the tuned 128-token tiles (one per SM), ragged and full length (~3 min)
               for lengths in ragged full; do for tiles in tuned 64; do
@@ -311,7 +321,7 @@ for part in "$@"; do
               ctx=$([ "$part" = scaling8k ] && echo 8192 || echo 32768)
               python3 -m benchmarks.scaling --flagfile=configs/scaling_h200.flags --seq_len=$ctx \
                 --json="$out/$part.json" 2>&1 | quiet | tee "$out/$part.log" ;;
-    *) echo "unknown part: $part (tests variants loadpath gqa paged quantized qprobe vmap fuzz memcheck mla merge balanced smollm2 step tune tune_triton tune-SWEEP-BACKEND ncu ncu_stalls ncu_mla mla_probes mla_schedules kernels chain timer ragged_order stream_k stream_k_tiles converter models scaling8k scaling32k)"; status=2 ;;
+    *) echo "unknown part: $part (tests variants loadpath gqa paged quantized qprobe vmap fuzz memcheck mla merge balanced smollm2 step tune tune_triton tune-SWEEP-BACKEND ncu ncu_stalls ncu_mla mla_probes mla_schedules kernels chain timer ragged_order stream_k stream_k_tiles rows converter models scaling8k scaling32k)"; status=2 ;;
   esac
 done
 exit $status
