@@ -251,12 +251,14 @@ def test_stream_k_programs_fill_one_wave():
 
 
 @pytest.mark.parametrize("heads,case,page_size,stream_k", [
-    ((32, 8), (16, 32768), None, True), ((32, 8), (64, 8192), 16, True), ((28, 4), (32, 8192), None, True),
+    ((32, 8), (16, 32768), None, True), ((32, 8), (64, 8192), None, True), ((28, 4), (32, 8192), None, True),
     ((32, 8), (8, 8192), None, False),     # 4 sequences per program's share: many pieces to merge
     ((32, 8), (128, 4096), None, True),    # short sequences, but a long share a program (~16K tokens)
     ((32, 8), (32, 4096), None, False),    # short sequences and short shares: the cuts show
     ((32, 8), (64, 2048), None, False),
     ((32, 8), (160, 8192), None, False),   # B > 4 W
+    ((32, 8), (64, 8192), 16, False),      # paged: slower at full length
+    ((32, 8), (16, 32768), 64, False),
     ((16, 8), (32, 8192), None, False),    # head_dim 256 (Gemma): not measured
 ])
 def test_default_takes_stream_k_where_measured(heads, case, page_size, stream_k):

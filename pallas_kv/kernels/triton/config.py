@@ -53,7 +53,9 @@ DEFAULT_STAGES = 3
 # cuts show (full length B32 T4096 +8%, B64 T2048 +19%), and with B much under W a sequence is cut
 # into many pieces that one program merges in turn (B8 T8192: +43%). So: B from 0.45 W to 4 W,
 # and T >= 8192 or a share of at least ~16K tokens a program (B128 T4096 at W = 33). Only 16-bit
-# caches at head_dim 128 were measured.
+# caches at head_dim 128 were measured, and contiguous ones: on paged caches (pages 16 and 64)
+# stream-K ran 10-19% slower than per-sequence splits at full length (B16 T32768, B128 T4096) while
+# 10-14% faster on ragged B16 / B64 (twentieth set), so paged calls keep per-sequence splits.
 STREAM_K_MIN_CAPACITY = 8192
 STREAM_K_MIN_TOKENS_PER_PROGRAM = 15_000
 STREAM_K_SEQUENCES_PER_PROGRAM = (0.45, 4.0)   # B / W
@@ -181,9 +183,10 @@ def resolve_config(problem, config: DecodeConfig | None, *, dtype: Any = "bfloat
 
 def stream_k_pays(problem, *, dtype: Any, programs: int) -> bool:
   """Whether the default config takes the stream-K plan (STREAM_K_* above): about 0.5-4 sequences
-  per program, long enough sequences or shares, and what was measured (16-bit, head_dim 128)."""
+  per program, long enough sequences or shares, and what was measured (16-bit, head_dim 128,
+  contiguous caches)."""
   low, high = STREAM_K_SEQUENCES_PER_PROGRAM
   long_enough = (problem.capacity >= STREAM_K_MIN_CAPACITY
                  or problem.batch * problem.capacity >= STREAM_K_MIN_TOKENS_PER_PROGRAM * programs)
-  return (long_enough and low * programs <= problem.batch <= high * programs
+  return (long_enough and low * programs <= problem.batch <= high * programs and problem.page_size is None
           and problem.head_dim in STREAM_K_HEAD_DIMS and jnp.dtype(dtype).itemsize == 2)
