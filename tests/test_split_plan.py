@@ -257,8 +257,8 @@ def test_stream_k_programs_fill_one_wave():
     ((32, 8), (32, 4096), None, False),    # short sequences and short shares: the cuts show
     ((32, 8), (64, 2048), None, False),
     ((32, 8), (160, 8192), None, False),   # B > 4 W
-    ((32, 8), (64, 8192), 16, False),      # paged: slower at full length
-    ((32, 8), (16, 32768), 64, False),
+    ((32, 8), (64, 8192), 16, True), ((32, 8), (16, 32768), 64, True),
+    ((32, 8), (128, 4096), 16, False),     # paged, B > 2 W
     ((16, 8), (32, 8192), None, False),    # head_dim 256 (Gemma): not measured
 ])
 def test_default_takes_stream_k_where_measured(heads, case, page_size, stream_k):

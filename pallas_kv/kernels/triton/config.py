@@ -53,12 +53,14 @@ DEFAULT_STAGES = 3
 # cuts show (full length B32 T4096 +8%, B64 T2048 +19%), and with B much under W a sequence is cut
 # into many pieces that one program merges in turn (B8 T8192: +43%). So: B from 0.45 W to 4 W,
 # and T >= 8192 or a share of at least ~16K tokens a program (B128 T4096 at W = 33). Only 16-bit
-# caches at head_dim 128 were measured, and contiguous ones: on paged caches (pages 16 and 64)
-# stream-K ran 10-19% slower than per-sequence splits at full length (B16 T32768, B128 T4096) while
-# 10-14% faster on ragged B16 / B64 (twentieth set), so paged calls keep per-sequence splits.
+# caches at head_dim 128 were measured. Paged (pages 16 and 64; twentieth set) stream-K streams
+# full-length batches at 3.6-3.8 TB/s against per-sequence splits' 4.1-4.5 (not understood yet),
+# yet with up to 2 W sequences it is 9-14% faster on ragged batches (B16 T32768, B64 T8192), which
+# is what serving sends; at B128 T4096 it lost both ways. So paged: B up to 2 W only.
 STREAM_K_MIN_CAPACITY = 8192
 STREAM_K_MIN_TOKENS_PER_PROGRAM = 15_000
 STREAM_K_SEQUENCES_PER_PROGRAM = (0.45, 4.0)   # B / W
+STREAM_K_PAGED_MAX_SEQUENCES_PER_PROGRAM = 2.0
 STREAM_K_HEAD_DIMS = (128,)
 # DecodeConfig fields this backend does not implement, with the value it needs.
 UNSUPPORTED_FIELDS = {"kv_groups": 1, "pipeline_qk": False, "persistent": False, "split_scores": False,
@@ -183,10 +185,12 @@ def resolve_config(problem, config: DecodeConfig | None, *, dtype: Any = "bfloat
 
 def stream_k_pays(problem, *, dtype: Any, programs: int) -> bool:
   """Whether the default config takes the stream-K plan (STREAM_K_* above): about 0.5-4 sequences
-  per program, long enough sequences or shares, and what was measured (16-bit, head_dim 128,
-  contiguous caches)."""
+  per program (2 paged), long enough sequences or shares, and what was measured (16-bit, head_dim
+  128)."""
   low, high = STREAM_K_SEQUENCES_PER_PROGRAM
+  if problem.page_size is not None:
+    high = STREAM_K_PAGED_MAX_SEQUENCES_PER_PROGRAM
   long_enough = (problem.capacity >= STREAM_K_MIN_CAPACITY
                  or problem.batch * problem.capacity >= STREAM_K_MIN_TOKENS_PER_PROGRAM * programs)
-  return (long_enough and low * programs <= problem.batch <= high * programs and problem.page_size is None
+  return (long_enough and low * programs <= problem.batch <= high * programs
           and problem.head_dim in STREAM_K_HEAD_DIMS and jnp.dtype(dtype).itemsize == 2)
