@@ -252,7 +252,7 @@ def balanced_split_plan(enabled: bool):
 def triton_stream_k(enabled: bool, programs_per_sm: int | None = None):
   """While open (if enabled), the triton backend resolves its configs as usual, then switches them
   to the stream-K plan: one program per (kv head, row block) and programs_per_sm per SM (the
-  backend's PROGRAMS_PER_SM if None), block size and stages as resolved."""
+  backend's `stream_k_programs_per_sm` if None), block size and stages as resolved."""
   from pallas_kv.kernels import split_k  # pylint: disable=g-import-not-at-top
   from pallas_kv.kernels.triton import config as triton_config  # pylint: disable=g-import-not-at-top
 
@@ -260,7 +260,7 @@ def triton_stream_k(enabled: bool, programs_per_sm: int | None = None):
     _, row_blocks = triton_config.row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
     programs = split_k.stream_k_programs(num_kv_heads=problem.num_kv_heads, row_blocks=row_blocks,
                                          num_sms=kw.get("num_sms") or runtime.num_sms(),
-                                         programs_per_sm=programs_per_sm or triton_config.PROGRAMS_PER_SM)
+                                         programs_per_sm=programs_per_sm or triton_config.stream_k_programs_per_sm(problem))
     return resolve(problem, dataclasses.replace(config, split_plan="stream_k", num_splits=programs,
                                                 merge_in_kernel=False), **kw)
 
@@ -368,7 +368,7 @@ def define_flags() -> None:
                     "triton impl's, with --stream_k_programs_per_sm programs per SM. Given explicitly, "
                     "per_sequence also replaces the triton default's stream-K plan where it takes one.")
   flags.DEFINE_integer("stream_k_programs_per_sm", None, "--split_plan=stream_k: programs per SM (default: the "
-                       "triton backend's PROGRAMS_PER_SM).", lower_bound=1)
+                       "triton backend's, 2 or 3 paged).", lower_bound=1)
   flags.DEFINE_boolean("convert_warpgroup", False, "mosaic_gpu impl, one-byte caches: a converter warpgroup "
                        "(DecodeConfig.convert_warpgroup), the config otherwise as resolved.")
   flags.DEFINE_enum("sequence_order", "given", list(config_lib.SEQUENCE_ORDERS),

@@ -76,7 +76,8 @@ class DecodeConfig:
     arrive, so the merge is always in the kernel. Needs sequence_order "given". As with
     "balanced", a sequence's last bits depend on the other lengths in the batch. The default
     triton config takes it where measured to pay (`triton_config.stream_k_pays`; ragged batches
-    6-29% faster on an H200, full length within 2.4%; benchmarks/RESULTS.md, eighteenth set).
+    6-29% faster on an H200, full length within 2.4%; benchmarks/RESULTS.md, eighteenth set), on
+    paged caches with three programs per SM (twentieth set).
   convert_warpgroup: one-byte caches on mosaic_gpu only: a converter warpgroup between the TMA
     producer and the consumers widens each one-byte K / V tile (and applies its per-token scales)
     into a ring of q-dtype tiles that the consumers' wgmma reads as it reads a bf16 cache, as

@@ -247,7 +247,10 @@ def test_stream_k_programs_fill_one_wave():
   assert split_k.stream_k_programs(num_kv_heads=512, row_blocks=1, num_sms=132, programs_per_sm=2) == 1
   problem = sweeps.problem_args((32, 8), (64, 8192), None)[1]
   config = triton_config.resolve_config(problem, pkv.DecodeConfig(split_plan="stream_k"), num_sms=132)
-  assert config.num_splits == 132 * triton_config.PROGRAMS_PER_SM // 8
+  assert config.num_splits == 132 * 2 // 8
+  paged = sweeps.problem_args((32, 8), (64, 8192), 16)[1]   # paged: three programs per SM
+  assert triton_config.resolve_config(paged, pkv.DecodeConfig(split_plan="stream_k"), num_sms=132).num_splits == 49
+  assert triton_config.resolve_config(paged, pkv.DecodeConfig(), num_sms=132).num_splits != 49   # per-sequence
 
 
 @pytest.mark.parametrize("heads,case,page_size,stream_k", [
@@ -257,8 +260,10 @@ def test_stream_k_programs_fill_one_wave():
     ((32, 8), (32, 4096), None, False),    # short sequences and short shares: the cuts show
     ((32, 8), (64, 2048), None, False),
     ((32, 8), (160, 8192), None, False),   # B > 4 W
-    ((32, 8), (64, 8192), 16, True), ((32, 8), (16, 32768), 64, True),
-    ((32, 8), (128, 4096), 16, False),     # paged, B > 2 W
+    ((32, 8), (16, 32768), 64, True),      # paged: W = 49 (three programs per SM), B = 0.33 W
+    ((32, 8), (128, 8192), 16, True),      # paged, B = 2.6 W
+    ((32, 8), (160, 8192), 64, False),     # paged, B > 2.7 W
+    ((32, 8), (32, 131072), None, False),  # T > 32768: behind per-sequence splits
     ((16, 8), (32, 8192), None, False),    # head_dim 256 (Gemma): not measured
 ])
 def test_default_takes_stream_k_where_measured(heads, case, page_size, stream_k):
@@ -268,7 +273,7 @@ def test_default_takes_stream_k_where_measured(heads, case, page_size, stream_k)
   config = triton_config.resolve_config(problem, None, num_sms=132)
   assert (config.split_plan == "stream_k") == stream_k
   if stream_k:
-    assert config.num_splits == 132 * triton_config.PROGRAMS_PER_SM // heads[1]
+    assert config.num_splits == 132 * (2 if page_size is None else 3) // heads[1]
     assert not config.merge_in_kernel
   # An explicit config is never rewritten; one-byte caches keep per-sequence splits.
   explicit = triton_config.resolve_config(problem, pkv.DecodeConfig(block_kv=64, num_stages=3), num_sms=132)

@@ -53,14 +53,20 @@ DEFAULT_STAGES = 3
 # cuts show (full length B32 T4096 +8%, B64 T2048 +19%), and with B much under W a sequence is cut
 # into many pieces that one program merges in turn (B8 T8192: +43%). So: B from 0.45 W to 4 W,
 # and T >= 8192 or a share of at least ~16K tokens a program (B128 T4096 at W = 33). Only 16-bit
-# caches at head_dim 128 were measured. Paged (pages 16 and 64; twentieth set) stream-K streams
-# full-length batches at 3.6-3.8 TB/s against per-sequence splits' 4.1-4.5 (not understood yet),
-# yet with up to 2 W sequences it is 9-14% faster on ragged batches (B16 T32768, B64 T8192), which
-# is what serving sends; at B128 T4096 it lost both ways. So paged: B up to 2 W only.
+# caches at head_dim 128 were measured, up to T 32768: at Llama-3-8B B32 T131072 it ran 6% behind
+# the per-sequence splits of the fifteenth set (twentieth set). Paged caches run three programs
+# per SM (W = 49 at 8 kv heads): with two, stream-K read full-length batches at 3.6-3.8 TB/s, 7-19%
+# behind per-sequence splits on five of six rows (likely: each tile's page ids, loaded ahead of
+# it, want more warps in flight than a contiguous tile); with three, 4.0-4.2 full length and 4-26% faster than per-sequence splits on every ragged row
+# measured (pages 16 and 64, B16 T32768, B64 T8192, B128 T4096: B from 0.33 W to 2.6 W). The share
+# rule leaves paged B128 T4096 (~10.7K tokens a program) to per-sequence splits: there stream-K
+# was 4-10% faster ragged but 8% slower at full length with pages of 64.
 STREAM_K_MIN_CAPACITY = 8192
+STREAM_K_MAX_CAPACITY = 32768
 STREAM_K_MIN_TOKENS_PER_PROGRAM = 15_000
 STREAM_K_SEQUENCES_PER_PROGRAM = (0.45, 4.0)   # B / W
-STREAM_K_PAGED_MAX_SEQUENCES_PER_PROGRAM = 2.0
+STREAM_K_PAGED_SEQUENCES_PER_PROGRAM = (0.3, 2.7)
+STREAM_K_PAGED_PROGRAMS_PER_SM = 3
 STREAM_K_HEAD_DIMS = (128,)
 # DecodeConfig fields this backend does not implement, with the value it needs.
 UNSUPPORTED_FIELDS = {"kv_groups": 1, "pipeline_qk": False, "persistent": False, "split_scores": False,
@@ -171,26 +177,31 @@ def resolve_config(problem, config: DecodeConfig | None, *, dtype: Any = "bfloat
   """Explicit config, else tuned, else the heuristic one, with the split count filled in; the
   default one takes the stream-K plan where `stream_k_pays`."""
   _, row_blocks = row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
+  stream_k = config is not None and config.split_plan == "stream_k"
   resolved = split_k.resolve_config(problem, config, backend=NAME, heuristic=heuristic_config, row_blocks=row_blocks,
-                                    programs_per_sm=PROGRAMS_PER_SM, dtype=dtype, num_sms=num_sms,
-                                    device_kind=device_kind)
+                                    programs_per_sm=stream_k_programs_per_sm(problem) if stream_k else PROGRAMS_PER_SM,
+                                    dtype=dtype, num_sms=num_sms, device_kind=device_kind)
   if config is None:
     programs = split_k.stream_k_programs(num_kv_heads=problem.num_kv_heads, row_blocks=row_blocks,
-                                         num_sms=num_sms or runtime.num_sms(), programs_per_sm=PROGRAMS_PER_SM)
+                                         num_sms=num_sms or runtime.num_sms(),
+                                         programs_per_sm=stream_k_programs_per_sm(problem))
     if stream_k_pays(problem, dtype=dtype, programs=programs):
       resolved = dataclasses.replace(resolved, split_plan="stream_k", num_splits=programs, merge_in_kernel=False,
                                      sequence_order="given")
   return resolved
 
 
+def stream_k_programs_per_sm(problem) -> int:
+  """Programs per SM of the stream-K plan (STREAM_K_* above): three on a paged cache, else two."""
+  return PROGRAMS_PER_SM if problem.page_size is None else STREAM_K_PAGED_PROGRAMS_PER_SM
+
+
 def stream_k_pays(problem, *, dtype: Any, programs: int) -> bool:
   """Whether the default config takes the stream-K plan (STREAM_K_* above): about 0.5-4 sequences
-  per program (2 paged), long enough sequences or shares, and what was measured (16-bit, head_dim
-  128)."""
-  low, high = STREAM_K_SEQUENCES_PER_PROGRAM
-  if problem.page_size is not None:
-    high = STREAM_K_PAGED_MAX_SEQUENCES_PER_PROGRAM
+  per program (0.3-2.7 paged), long enough sequences or shares but T <= 32768, and what was measured
+  (16-bit, head_dim 128)."""
+  low, high = STREAM_K_SEQUENCES_PER_PROGRAM if problem.page_size is None else STREAM_K_PAGED_SEQUENCES_PER_PROGRAM
   long_enough = (problem.capacity >= STREAM_K_MIN_CAPACITY
                  or problem.batch * problem.capacity >= STREAM_K_MIN_TOKENS_PER_PROGRAM * programs)
-  return (long_enough and low * programs <= problem.batch <= high * programs
+  return (long_enough and problem.capacity <= STREAM_K_MAX_CAPACITY and low * programs <= problem.batch <= high * programs
           and problem.head_dim in STREAM_K_HEAD_DIMS and jnp.dtype(dtype).itemsize == 2)
