@@ -57,10 +57,11 @@ DEFAULT_STAGES = 3
 # the per-sequence splits of the fifteenth set (twentieth set). Paged caches run three programs
 # per SM (W = 49 at 8 kv heads): with two, stream-K read full-length batches at 3.6-3.8 TB/s, 7-19%
 # behind per-sequence splits on five of six rows (likely: each tile's page ids, loaded ahead of
-# it, want more warps in flight than a contiguous tile); with three, 4.0-4.2 full length and 4-26% faster than per-sequence splits on every ragged row
-# measured (pages 16 and 64, B16 T32768, B64 T8192, B128 T4096: B from 0.33 W to 2.6 W). The share
-# rule leaves paged B128 T4096 (~10.7K tokens a program) to per-sequence splits: there stream-K
-# was 4-10% faster ragged but 8% slower at full length with pages of 64.
+# it, want more warps in flight than a contiguous tile); with three, 4.0-4.2 TB/s at full length
+# and 4-26% faster than per-sequence splits on every ragged row measured (pages 16 and 64, B16
+# T32768, B64 T8192, B128 T4096: B from 0.33 W to 2.6 W). The share rule leaves paged B128 T4096
+# (~10.7K tokens a program) to per-sequence splits: there stream-K was 4-10% faster ragged but 8%
+# slower at full length with pages of 64.
 STREAM_K_MIN_CAPACITY = 8192
 STREAM_K_MAX_CAPACITY = 32768
 STREAM_K_MIN_TOKENS_PER_PROGRAM = 15_000
@@ -203,5 +204,6 @@ def stream_k_pays(problem, *, dtype: Any, programs: int) -> bool:
   low, high = STREAM_K_SEQUENCES_PER_PROGRAM if problem.page_size is None else STREAM_K_PAGED_SEQUENCES_PER_PROGRAM
   long_enough = (problem.capacity >= STREAM_K_MIN_CAPACITY
                  or problem.batch * problem.capacity >= STREAM_K_MIN_TOKENS_PER_PROGRAM * programs)
-  return (long_enough and problem.capacity <= STREAM_K_MAX_CAPACITY and low * programs <= problem.batch <= high * programs
+  return (long_enough and problem.capacity <= STREAM_K_MAX_CAPACITY
+          and low * programs <= problem.batch <= high * programs
           and problem.head_dim in STREAM_K_HEAD_DIMS and jnp.dtype(dtype).itemsize == 2)
