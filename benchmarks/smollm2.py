@@ -1,16 +1,29 @@
-r"""SmolLM2-135M-Instruct in the continuous-batching loop: tokens/s, step latency, attention's share.
+r"""SmolLM2-135M-Instruct in the continuous-batching engine at long context: tokens/s, step time,
+the GPU's idle time between steps, and attention's share.
 
   python -m benchmarks.smollm2                                  # CPU: a tiny case, weights fetched once
   python -m benchmarks.smollm2 --gguf=/path/SmolLM2-135M-Instruct.Q4_1.gguf --json=smollm2.json   # GPU
 
-For each batch (= slots, every request arriving at step 0 and generating --new_tokens tokens past
-EOS) and impl, the loop of `examples.smollm2.serving` runs once to compile, then once timed:
-  loop_tok_s    generated tokens / wall time of the whole run (prefills included)
-  step_ms       median host-timed decode step (one token per slot, tokens back on the host)
-  stub_step_ms  the same with decode attention replaced by a trivial op (no cache read)
-  attn_share    1 - stub_step_ms / step_ms: the part of a step that attention costs
-  attn_us       one layer's paged decode attention alone at the run's mid context (chain-difference
-                timer), and attn_alone_share = layers * attn_us / step_ms
+For each batch (= slots, every request arriving at step 0), context C (prompts of C - new_tokens
+tokens, so that the last token sits at position C - 1) and attention, the engine of
+`examples.smollm2.serving` runs once to compile and once timed. Attentions (--impl):
+  auto, xla, mosaic_gpu, triton   pallas_kv's `impl`
+  cudnn                           jax.nn.dot_product_attention(implementation="cudnn") over the
+                                  pages gathered into a dense cache (what a JAX user without
+                                  pallas_kv would write); `dot_product` is the same on XLA's own
+                                  implementation (any device)
+Fields:
+  loop_tok_s       generated tokens / wall time of the whole timed run (prefills included)
+  decode_tok_s     batch / step_ms: the decode loop's pace once every request is in
+  step_ms          median host time per decode step between two reads of the tokens (the engine
+                   reads a dispatch's tokens while the next dispatch runs)
+  device_step_ms   a decode step's device time: dispatches queued back to back on a state of
+                   `batch` sequences at the context, the host never waiting in between
+  gpu_idle         1 - device_step_ms / step_ms: the part of the loop's wall time the GPU waits
+  attn_us          one layer's decode attention alone at the context (chain-difference timer);
+                   attn_share = layers * attn_us / device_step_ms
+  stub_step_ms     (--stub) the engine's step with attention replaced by a trivial op
+  first_tokens     the greedy tokens of the first request (to compare with another engine's)
 The GPU has no network: pass the GGUF file with --gguf (`python -m examples.smollm2.weights`
 prints where the cache keeps it).
 """
@@ -40,9 +53,11 @@ from examples.smollm2.model import Llama
 from examples.smollm2.model import default_compute_dtype
 
 FLAGS = flags.FLAGS
-CPU_DEFAULTS = dict(batch=[1, 2], impl=["xla"], prompt_len=16, new_tokens=4, layers=2)
-GPU_DEFAULTS = dict(batch=[1, 8, 64], impl=["auto", "xla"], prompt_len=512, new_tokens=128, layers=None)
+CPU_DEFAULTS = dict(batch=[1, 2], context=[24], impl=["xla"], new_tokens=4, layers=2, steps_per_dispatch=2)
+GPU_DEFAULTS = dict(batch=[1, 16, 64], context=[1024, 4096, 8192], impl=["auto", "xla", "cudnn"], new_tokens=64,
+                    layers=None, steps_per_dispatch=4)
 PAGE_SIZE = 16
+PEER_ATTENTIONS = ("cudnn", "dot_product")
 
 
 def define_flags():
@@ -51,11 +66,15 @@ def define_flags():
   cli.define_output_flags(("json",))
   flags.adopt_module_key_flags(cli)
   flags.DEFINE_string("gguf", None, "SmolLM2 GGUF file (default: fetched into the weights cache; needs network)")
-  flags.DEFINE_list("batch", None, "slots = concurrent requests (CPU 1,2; GPU 1,8,64)")
-  flags.DEFINE_list("impl", None, "decode attention backends (CPU xla; GPU auto,xla)")
-  flags.DEFINE_integer("prompt_len", None, "longest prompt; prompts spread over [prompt_len/2, prompt_len] (CPU 16, GPU 512)")
-  flags.DEFINE_integer("new_tokens", None, "tokens generated per request (CPU 4, GPU 128)")
+  flags.DEFINE_list("batch", None, "slots = concurrent requests (CPU 1,2; GPU 1,16,64)")
+  flags.DEFINE_list("context", None, "tokens in the cache at the last step: prompts of context - new_tokens "
+                    "(CPU 24; GPU 1024,4096,8192)")
+  flags.DEFINE_list("impl", None, f"attentions: pallas_kv impls or {', '.join(PEER_ATTENTIONS)} (CPU xla; GPU "
+                    "auto,xla,cudnn)")
+  flags.DEFINE_integer("new_tokens", None, "tokens generated per request (CPU 4, GPU 64)")
+  flags.DEFINE_integer("steps_per_dispatch", None, "decode steps per engine dispatch (CPU 2, GPU 4)")
   flags.DEFINE_integer("layers", None, "run only the first N layers (CPU 2; GPU all)")
+  flags.DEFINE_boolean("stub", False, "also time the engine with attention replaced by a trivial op")
   flags.DEFINE_integer("seed", 0, "seed of the random prompts")
   flags.DEFINE_enum("compute_dtype", None, ["float32", "bfloat16"], "matmul inputs (CPU float32, GPU bfloat16)")
 
@@ -68,27 +87,119 @@ def truncate(config, params, layers: int | None):
           dict(params, layers=jax.tree.map(lambda a: a[:layers], params["layers"])))
 
 
+def prompt_ids(batch: int, prompt_len: int, vocab: int, seed: int) -> np.ndarray:
+  """Random prompts [batch, prompt_len] of ids in [3, vocab) (numpy only: peers reuse them)."""
+  return np.random.default_rng(seed).integers(3, vocab, size=(batch, prompt_len))
+
+
 def make_requests(batch: int, prompt_len: int, new_tokens: int, vocab: int, seed: int):
-  rng = np.random.default_rng(seed)
-  lengths = rng.integers(max(1, prompt_len // 2), prompt_len + 1, size=batch)
-  return [serving.Request(rng.integers(3, vocab, size=int(n)).tolist(), new_tokens, ignore_eos=True) for n in lengths]
+  return [serving.Request(p.tolist(), new_tokens, ignore_eos=True) for p in prompt_ids(batch, prompt_len, vocab, seed)]
 
 
-def run_loop(model: Llama, params, requests, *, page_size: int = PAGE_SIZE, progress: bool = False):
-  """(stats of the timed run, the engine) after a compile run of the same shapes."""
-  longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
-  pages_per_seq = -(-longest // page_size)
-  engine = serving.Engine(model, params, num_slots=len(requests), page_size=page_size,
-                          num_pages=len(requests) * pages_per_seq, max_pages_per_seq=pages_per_seq)
-  engine.run([dataclasses.replace(r, max_new_tokens=2, output_ids=[]) for r in requests])
+# ---------------------------------------------------------------------------- other attentions
+
+
+def _dot_product_layer(implementation: str | None, layer: pkv.DecodeAttention, params, x, cache):
+  """The decode step of `layer` with jax.nn.dot_product_attention over the gathered pages."""
+  positions = cache.lengths[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None, :]
+  project = lambda w: jnp.einsum("bsh,hnd->bsnd", x, params[w])
+  q = pkv.module.rope(project("wq"), positions, layer.rope_theta)
+  k = pkv.module.rope(project("wk"), positions, layer.rope_theta)
+  cache = cache.append(k.astype(cache.k_pages.dtype), project("wv").astype(cache.v_pages.dtype))
+  keys = pkv.cache.gather_pages(cache.k_pages, cache.block_tables)
+  values = pkv.cache.gather_pages(cache.v_pages, cache.block_tables)
+  out = jax.nn.dot_product_attention(q.astype(keys.dtype), keys, values, scale=layer.scale,
+                                     key_value_seq_lengths=cache.lengths, implementation=implementation)
+  return jnp.einsum("bsnd,ndh->bsh", out.astype(x.dtype), params["wo"]), cache
+
+
+def cudnn_layer(layer, params, x, cache):
+  return _dot_product_layer("cudnn", layer, params, x, cache)
+
+
+def dot_product_layer(layer, params, x, cache):
+  return _dot_product_layer(None, layer, params, x, cache)
+
+
+def stub_layer(layer, params, x, cache):
+  """What a step costs without attention: the projections and the cache append stay; attention
+  over the cache becomes the new token's own value (no read of the cache)."""
+  k = jnp.einsum("bsh,hnd->bsnd", x, params["wk"])
+  v = jnp.einsum("bsh,hnd->bsnd", x, params["wv"])
+  cache = cache.append(k.astype(cache.k_pages.dtype), v.astype(cache.v_pages.dtype))
+  q = jnp.einsum("bsh,hnd->bsnd", x, params["wq"])
+  v_rep = jnp.repeat(v.astype(x.dtype), layer.num_heads // layer.num_kv_heads, axis=2)
+  return jnp.einsum("bsnd,ndh->bsh", v_rep + 0 * q, params["wo"]), cache
+
+
+DECODE_LAYERS = {"cudnn": cudnn_layer, "dot_product": dot_product_layer}
+
+
+def make_model(config, attention: str, compute_dtype: str, stub: bool = False) -> Llama:
+  """The model with decode attention from a pallas_kv impl or a peer (PEER_ATTENTIONS)."""
+  if stub:
+    return Llama(config, impl="xla", compute_dtype=compute_dtype, decode_layer=stub_layer)
+  if attention in DECODE_LAYERS:
+    return Llama(config, impl="xla", compute_dtype=compute_dtype, decode_layer=DECODE_LAYERS[attention])
+  return Llama(config, impl=attention, compute_dtype=compute_dtype)
+
+
+# ---------------------------------------------------------------------------- timing
+
+
+def engine_for(model: Llama, params, batch: int, context: int, steps_per_dispatch: int,
+               page_size: int = PAGE_SIZE) -> serving.Engine:
+  pages_per_seq = -(-context // page_size)
+  return serving.Engine(model, params, num_slots=batch, page_size=page_size, num_pages=batch * pages_per_seq,
+                        max_pages_per_seq=pages_per_seq, steps_per_dispatch=steps_per_dispatch)
+
+
+def run_loop(model: Llama, params, requests, context: int, steps_per_dispatch: int, *, progress: bool = False):
+  """(stats of the timed run, the engine) after a compile run of one request of the same shapes."""
+  engine = engine_for(model, params, len(requests), context, steps_per_dispatch)
+  engine.run([dataclasses.replace(requests[0], max_new_tokens=2 * steps_per_dispatch + 1, output_ids=[])])
   engine.stats = serving.Stats()
-  stats = engine.run([dataclasses.replace(r, output_ids=[]) for r in requests], progress=progress)
-  return stats, engine
+  runs = [dataclasses.replace(r, output_ids=[]) for r in requests]
+  stats = engine.run(runs, progress=progress)
+  return stats, runs
 
 
-def time_attention(config, batch: int, context: int, impl: str, counts: dict, page_size: int = PAGE_SIZE) -> float:
+def full_state(engine: serving.Engine, length: int) -> serving.SlotState:
+  """Every slot generating at `length` tokens, holding its pages (the rest in the pool), as the
+  engine holds them mid-run (the cache's values are zeros: they do not change the time)."""
+  batch, pages_per_seq = engine.num_slots, engine.capacity // engine.page_size
+  held = -(-length // engine.page_size)
+  ids = np.arange(batch * pages_per_seq, dtype=np.int32).reshape(batch, pages_per_seq)
+  tables = np.where(np.arange(pages_per_seq) < held, ids, pkv.UNALLOCATED)
+  free = ids[:, held:].reshape(-1)
+  pool = pkv.PagePool(jnp.asarray(np.concatenate([free, ids[:, :held].reshape(-1)])), jnp.int32(free.size))
+  state = engine.state
+  slots = engine.num_slots
+  return dataclasses.replace(state, tables=jnp.asarray(tables), lengths=jnp.full((slots,), length, jnp.int32),
+                             pool=pool, tokens=jnp.full((slots,), 5, jnp.int32), active=jnp.ones((slots,), bool),
+                             remaining=jnp.full((slots,), 2**30, jnp.int32))
+
+
+def device_step_seconds(engine: serving.Engine, length: int, steps: int) -> tuple[float, float]:
+  """(device seconds, host enqueue seconds) per decode step: `steps` steps dispatched back to
+  back from a state of every slot at `length` tokens, read once at the end."""
+  dispatches = max(1, steps // engine.steps_per_dispatch)
+  state = full_state(engine, length)
+  state, *out = serving.decode_steps(engine.model, engine.params, state, engine.steps_per_dispatch)  # warm-up
+  jax.block_until_ready(out)
+  start = time.perf_counter()
+  for _ in range(dispatches):
+    state, *out = serving.decode_steps(engine.model, engine.params, state, engine.steps_per_dispatch)
+  enqueued = time.perf_counter()
+  jax.block_until_ready((state, out))
+  done = time.perf_counter()
+  n = dispatches * engine.steps_per_dispatch
+  return (done - start) / n, (enqueued - start) / n
+
+
+def time_attention(config, batch: int, context: int, attention: str, counts: dict, page_size: int = PAGE_SIZE) -> float:
   """Seconds of one layer's paged decode attention at this batch and context (shuffled pages)."""
-  pages_per_seq = -(-(context + 1) // page_size)
+  pages_per_seq = -(-context // page_size)
   num_pages = batch * pages_per_seq
   keys = jax.random.split(jax.random.key(context + batch), 4)
   shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
@@ -97,7 +208,13 @@ def time_attention(config, batch: int, context: int, impl: str, counts: dict, pa
   q = jax.random.normal(keys[2], (batch, config.num_heads, config.head_dim), jnp.bfloat16)
   tables = jax.random.permutation(keys[3], num_pages).reshape(batch, pages_per_seq).astype(jnp.int32)
   lengths = jnp.full((batch,), context, jnp.int32)
-  attend = lambda q, k, v, t, n: pkv.paged_decode_attention(q, k, v, t, n, impl=impl)
+  if attention in DECODE_LAYERS:
+    implementation = "cudnn" if attention == "cudnn" else None
+    attend = lambda q, k, v, t, n: jax.nn.dot_product_attention(
+        q[:, None], pkv.cache.gather_pages(k, t), pkv.cache.gather_pages(v, t), key_value_seq_lengths=n,
+        implementation=implementation)
+  else:
+    attend = lambda q, k, v, t, n: pkv.paged_decode_attention(q, k, v, t, n, impl=attention)
   # A fixed chain: at this model's size a call takes a few µs, and growing the chain to
   # timing.MIN_CHAIN_S would compile hundreds of kernel launches (minutes on the GPU).
   return timing.time_jax(attend, [(q, k, v, tables, lengths)], min_chain_s=0.0, **counts).median_s
@@ -115,43 +232,64 @@ class Phases:
     self.start = now
 
 
-def run(config, params, *, batches: Sequence[int], impls: Sequence[str], prompt_len: int, new_tokens: int,
-        counts: dict, compute_dtype: str = "float32", seed: int = 0, out: Callable[[str], None] = print,
-        json_path: str | None = None, progress: bool = False) -> list[dict]:
-  """One row per (batch, impl); rewrites json_path after each row so a run cut short keeps them."""
+def run_row(config, params, *, batch: int, context: int, attention: str, new_tokens: int, steps_per_dispatch: int,
+            counts: dict, compute_dtype: str, seed: int, stub: bool, progress: bool) -> dict:
+  """Times one (batch, context, attention); the fields of the module docstring."""
+  prompt_len = context - new_tokens
+  requests = make_requests(batch, prompt_len, new_tokens, config.vocab_size, seed)
+  phases = Phases(f"B={batch} C={context} {attention}")
+  model = make_model(config, attention, compute_dtype)
+  stats, runs = run_loop(model, params, requests, context, steps_per_dispatch, progress=progress)
+  ran = attention if attention in DECODE_LAYERS else pkv.last_impl()
+  phases.done("engine (compile run + timed run)")
+  step_s = statistics.median(stats.step_seconds)
+  engine = engine_for(model, params, batch, context, steps_per_dispatch)
+  device_s, enqueue_s = device_step_seconds(engine, context - new_tokens // 2, new_tokens // 2)
+  del engine
+  attn_s = time_attention(config, batch, context - new_tokens // 2, attention, counts)
+  phases.done("device step and attention alone")
+  row = dict(ran=ran, loop_tok_s=stats.tokens_per_s, decode_tok_s=batch / step_s, step_ms=1e3 * step_s,
+             p90_step_ms=1e3 * float(np.percentile(stats.step_seconds, 90)), device_step_ms=1e3 * device_s,
+             enqueue_step_ms=1e3 * enqueue_s, gpu_idle=max(0.0, 1 - device_s / step_s), attn_us=1e6 * attn_s,
+             attn_share=config.num_layers * attn_s / device_s, first_tokens=runs[0].output_ids)
+  if stub:
+    stub_stats, _ = run_loop(make_model(config, attention, compute_dtype, stub=True), params, requests, context,
+                             steps_per_dispatch)
+    row["stub_step_ms"] = 1e3 * statistics.median(stub_stats.step_seconds)
+    phases.done("engine without attention")
+  return row
+
+
+def run(config, params, *, batches: Sequence[int], contexts: Sequence[int], impls: Sequence[str], new_tokens: int,
+        counts: dict, steps_per_dispatch: int = 4, compute_dtype: str = "float32", seed: int = 0, stub: bool = False,
+        out: Callable[[str], None] = print, json_path: str | None = None, progress: bool = False) -> list[dict]:
+  """One row per (context, batch, attention); rewrites json_path after each row so a run cut
+  short keeps them."""
   rows = []
-  model = lambda impl, stub=False: Llama(config, impl=impl, compute_dtype=compute_dtype, attention_stub=stub)
-  params = model("xla").prepare(params)
-  for batch in batches:
-    requests = make_requests(batch, prompt_len, new_tokens, config.vocab_size, seed)
-    for impl in impls:
-      row = dict(model="SmolLM2-135M-Instruct", layers=config.num_layers, batch=batch, impl=impl,
-                 prompt_len=prompt_len, new_tokens=new_tokens, compute_dtype=compute_dtype)
-      try:
-        phases = Phases(f"B={batch} {impl}")
-        stats, _ = run_loop(model(impl), params, requests, progress=progress)
-        ran = pkv.last_impl()
-        phases.done("loop (compile run + timed run)")
-        stub, _ = run_loop(model(impl, stub=True), params, requests, progress=progress)
-        phases.done("loop without attention")
-        step_s, stub_s = statistics.median(stats.step_seconds), statistics.median(stub.step_seconds)
-        context = int(np.mean([len(r.prompt_ids) for r in requests])) + new_tokens // 2
-        attn_s = time_attention(config, batch, context, impl, counts)
-        phases.done("attention alone")
-        row |= dict(ran=ran, loop_tok_s=stats.tokens_per_s, decode_tok_s=batch / step_s, step_ms=1e3 * step_s,
-                    p90_step_ms=1e3 * float(np.percentile(stats.step_seconds, 90)), stub_step_ms=1e3 * stub_s,
-                    attn_share=1 - stub_s / step_s, attn_us=1e6 * attn_s,
-                    attn_alone_share=config.num_layers * attn_s / step_s)
-        out(f"B={batch:3d} {impl:10s} ({ran:10s}) loop {row['loop_tok_s']:9.1f} tok/s  step {row['step_ms']:7.2f} ms "
-            f"(p90 {row['p90_step_ms']:7.2f})  no-attention step {row['stub_step_ms']:7.2f} ms  attention "
-            f"{100 * row['attn_share']:5.1f}% of a step; alone {row['attn_us']:8.1f} us/layer "
-            f"({100 * row['attn_alone_share']:5.1f}%)")
-      except NotImplementedError as e:
-        row |= dict(error=f"n/a ({e})")
-        out(f"B={batch:3d} {impl:10s} {row['error']}")
-      rows.append(row)
-      if json_path:
-        output.write_json(rows, json_path)
+  params = Llama(config, compute_dtype=compute_dtype).prepare(params)
+  for context in contexts:
+    if context <= new_tokens:
+      raise ValueError(f"context={context} must exceed new_tokens={new_tokens} (prompts of context - new_tokens)")
+    for batch in batches:
+      for attention in impls:
+        row = dict(model="SmolLM2-135M-Instruct", layers=config.num_layers, batch=batch, context=context,
+                   prompt_len=context - new_tokens, new_tokens=new_tokens, impl=attention,
+                   steps_per_dispatch=steps_per_dispatch, compute_dtype=compute_dtype)
+        try:
+          row |= run_row(config, params, batch=batch, context=context, attention=attention, new_tokens=new_tokens,
+                         steps_per_dispatch=steps_per_dispatch, counts=counts, compute_dtype=compute_dtype,
+                         seed=seed, stub=stub, progress=progress)
+          stub_text = f"  no-attention step {row['stub_step_ms']:7.2f} ms" if stub else ""
+          out(f"C={context:5d} B={batch:3d} {attention:10s} ({row['ran']:10s}) loop {row['loop_tok_s']:9.1f} tok/s  "
+              f"decode {row['decode_tok_s']:9.1f} tok/s  step {row['step_ms']:7.2f} ms (device "
+              f"{row['device_step_ms']:7.2f}, GPU idle {100 * row['gpu_idle']:5.1f}%)  attention "
+              f"{row['attn_us']:8.1f} us/layer ({100 * row['attn_share']:5.1f}% of a step){stub_text}")
+        except Exception as e:  # pylint: disable=broad-except
+          row |= dict(error=output.error_reason(e))
+          out(f"C={context:5d} B={batch:3d} {attention:10s} error: {row['error']}")
+        rows.append(row)
+        if json_path:
+          output.write_json(rows, json_path)
   return rows
 
 
@@ -159,18 +297,20 @@ def main(argv):
   del argv
   defaults = CPU_DEFAULTS if jax.default_backend() == "cpu" else GPU_DEFAULTS
   batches = cli.parse_ints(FLAGS.batch, "batch") if FLAGS.batch else defaults["batch"]
+  contexts = cli.parse_ints(FLAGS.context, "context") if FLAGS.context else defaults["context"]
   impls = FLAGS.impl or defaults["impl"]
   layers = FLAGS.layers if FLAGS.layers is not None else defaults["layers"]
   cpu = jax.default_backend() == "cpu"
   counts = {"warmup": 1, "iters": 2 if cpu else 20, "repeats": 2 if cpu else 5, **cli.timing_flags().given()}
   path = FLAGS.gguf or weights.fetch_gguf()
   config, params, _ = gguf_loader.load(path)
-  config, params = truncate(config, jax.tree.map(jnp.asarray, params), layers)
-  print(f"# SmolLM2 loop  device={jax.devices()[0].device_kind}  jax={jax.__version__}  layers={config.num_layers}",
+  config, params = truncate(config, params, layers)
+  print(f"# SmolLM2 engine  device={jax.devices()[0].device_kind}  jax={jax.__version__}  layers={config.num_layers}",
         flush=True)
-  run(config, params, batches=batches, impls=impls, prompt_len=FLAGS.prompt_len or defaults["prompt_len"],
+  run(config, params, batches=batches, contexts=contexts, impls=impls,
       new_tokens=FLAGS.new_tokens or defaults["new_tokens"], counts=counts,
-      compute_dtype=FLAGS.compute_dtype or default_compute_dtype(), seed=FLAGS.seed,
+      steps_per_dispatch=FLAGS.steps_per_dispatch or defaults["steps_per_dispatch"],
+      compute_dtype=FLAGS.compute_dtype or default_compute_dtype(), seed=FLAGS.seed, stub=FLAGS.stub,
       json_path=cli.output_paths().json, progress=True)
 
 

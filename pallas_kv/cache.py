@@ -10,8 +10,8 @@ head_dim: the accurate choice for int8), or one fixed scale given at creation (a
 whole cache or [Hkv] per kv head), or none (scale 1; fp8 only). The ops take them as their
 k_scale / v_scale arguments.
 Tokens appended past a sequence's capacity are dropped (never written out of bounds) and
-`lengths` still grows, so `lengths > capacity` marks the overflow; the ops report it under
-`jax.experimental.checkify.checkify`.
+`lengths` still grows, so `lengths > capacity` marks the overflow; the ops report it in checked
+mode (`pallas_kv.checked()`).
 """
 
 from __future__ import annotations

@@ -52,14 +52,25 @@ def rope(x, positions, theta: float):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+# Queries per block of prefill attention: a block's scores are [chunk, L], never [L, L] (an 8K
+# prompt's full scores would take 2.4 GB per head group and layer).
+PREFILL_CHUNK = 512
+
+
 def causal_attention(q, k, v, *, scale: float, softcap=None, window=None, sinks=None):
-  """Plain XLA causal attention among L prompt tokens (prefill). q [B, L, Hq, D], k/v [B, L, Hkv, *]."""
-  b, l, hq, _ = q.shape
-  lengths = jnp.full((b,), l, jnp.int32)
-  # A prompt's token i attends to tokens j <= i: decode attention with S = L new tokens gives that.
-  out, _ = xla.attend(q, k, v, lengths, scale=scale,
-                      softcap=softcap, window=window, sinks=sinks)
-  return out
+  """Plain XLA causal attention among L prompt tokens (prefill). q [B, L, Hq, D], k/v [B, L, Hkv, *].
+
+  The queries go in blocks of PREFILL_CHUNK, each over the keys up to its last query."""
+  b, l = q.shape[:2]
+  blocks = []
+  for start in range(0, l, PREFILL_CHUNK):
+    stop = min(start + PREFILL_CHUNK, l)
+    # Prompt token i attends to tokens j <= i: decode attention whose S new tokens are the last
+    # of `stop` keys gives that.
+    out, _ = xla.attend(q[:, start:stop], k[:, :stop], v[:, :stop], jnp.full((b,), stop, jnp.int32), scale=scale,
+                        softcap=softcap, window=window, sinks=sinks)
+    blocks.append(out)
+  return blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=1)
 
 
 def _kv_dtype(cache):

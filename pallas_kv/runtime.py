@@ -1,4 +1,4 @@
-"""Run-time switches (interpret mode) and facts about the target device.
+"""Run-time switches (interpret mode, checked mode) and facts about the target device.
 
 A kernel impl never inspects the local devices to refuse: without interpret mode it always
 emits its GPU kernel, so `jax.export(..., platforms=["cuda"])` lowers it on a CPU-only machine.
@@ -11,6 +11,7 @@ import contextvars
 import os
 
 import jax
+from jax._src import config as jax_config  # config states are how jit keys on a switch
 
 INTERPRET_ENV_VAR = "PALLAS_KV_INTERPRET"
 # Heuristics assume an H100/H200 when no GPU is present (e.g. lowering on a CPU machine).
@@ -34,16 +35,30 @@ def interpret_enabled() -> bool:
   return _interpret.get() or os.environ.get(INTERPRET_ENV_VAR, "0").strip().lower() in ("1", "true", "yes")
 
 
-@contextlib.contextmanager
+# A jax config state rather than a context variable: jit keys its cache on it, so a function traced
+# outside `checked()` is traced again inside it (and the other way round). Its environment
+# variable, PALLAS_KV_CHECKED=1, turns it on for a whole process.
+_checked = jax_config.bool_state(
+    name="pallas_kv_checked", default=False, include_in_jit_key=True, include_in_trace_context=True,
+    help="pallas_kv ops trace checkify checks of their runtime values (lengths, page ids).")
+
+
 def checked(enabled: bool = True):
-  """Kept for compatibility: the ops always trace their checks of runtime values (lengths, page
-  ids) as `checkify.debug_check`, which report under `jax.experimental.checkify.checkify` and cost
-  nothing outside it:
-      err, out = checkify.checkify(jax.jit(f))(...)
+  """Within this context the ops trace `checkify` checks of runtime values: lengths outside
+  [0, T] and page ids outside [0, P) that would be read. Outside it they trace none, so a plain
+  call's jaxpr carries no effect and jit dispatches it on its fast path.
+
+  An eager call raises on a bad value; under jit, functionalize the checks with checkify:
+      with pallas_kv.checked():
+        err, out = checkify.checkify(jax.jit(f))(...)
       err.throw()
   """
-  del enabled
-  yield
+  return _checked(bool(enabled))
+
+
+def checked_enabled() -> bool:
+  """True inside `checked()` or when the environment variable PALLAS_KV_CHECKED=1."""
+  return bool(_checked.value)
 
 
 def gpu_device():

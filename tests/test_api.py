@@ -163,25 +163,30 @@ def test_interpret_switches(monkeypatch):
   assert isinstance(mosaic_gpu_backend.interpret_params(), plgpu.InterpretGPUParams)
 
 
-def test_checkify_reports_bad_lengths_and_pages_and_one_jit_serves_plain_calls():
+def test_checked_mode_reports_bad_lengths_and_pages_under_jit():
   case = make_case(9, batch=2, seq_len=16, page_size=4, lengths=[16, 5])
   f = jax.jit(lambda bt, n: pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, bt, n, impl="xla"))
-  plain = f(case.block_tables, case.lengths)   # traced once outside checkify
-  checked = checkify.checkify(f)
-  err, _ = checked(case.block_tables, case.lengths)
+  plain = f(case.block_tables, case.lengths)   # traced outside checked(): no checks in it
+  err, _ = checkify.checkify(f)(case.block_tables, jnp.asarray([17, 5], jnp.int32))
   assert err.get() is None
-  err, _ = checked(case.block_tables, jnp.asarray([17, 5], jnp.int32))
-  assert "lengths must lie in" in err.get()
   bad_tables = case.block_tables.at[1, 0].set(999)
-  err, _ = checked(bad_tables, case.lengths)
-  assert "page ids" in err.get()
-  # A bad id in a page past the sequence's length is never read: no error.
-  unused_bad = case.block_tables.at[1, 3].set(999)
-  err, _ = checked(unused_bad, case.lengths)
-  assert err.get() is None
-  # Plain calls after checked ones still run (and report nothing).
+  with pkv.checked():   # part of jit's cache key: f is traced again, with its checks
+    err, _ = checkify.checkify(f)(case.block_tables, case.lengths)
+    assert err.get() is None
+    err, _ = checkify.checkify(f)(case.block_tables, jnp.asarray([17, 5], jnp.int32))
+    assert "lengths must lie in [0, 16]" in err.get()
+    err, _ = checkify.checkify(f)(bad_tables, case.lengths)
+    assert "block_tables holds page ids outside [0, " in err.get()
+    # A bad id in a page past the sequence's length is never read: no error.
+    err, _ = checkify.checkify(f)(case.block_tables.at[1, 3].set(999), case.lengths)
+    assert err.get() is None
+    # Eager calls raise at once.
+    with pytest.raises(Exception, match="lengths must lie in"):
+      pkv.decode_attention(case.q, case.k, case.v, jnp.asarray([17, 5], jnp.int32), impl="xla")
+  # Plain calls after checked ones still run (and trace no check again).
   np.testing.assert_array_equal(np.asarray(f(case.block_tables, case.lengths)), np.asarray(plain))
   f(bad_tables, case.lengths)
+  assert not jax.make_jaxpr(f)(bad_tables, case.lengths).effects
 
 
 @pytest.mark.parametrize("impl", ["xla", "triton", "mosaic_gpu"])

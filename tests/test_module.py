@@ -204,3 +204,20 @@ def test_readme_layer_snippet_runs():
   np.testing.assert_array_equal(cache.lengths, [0, 3])
   assert int(pool.num_free) == 31 and (np.asarray(cache.block_tables[0]) == -1).all()
   assert np.isfinite(np.asarray(scope["y"], np.float32)).all()
+
+
+def test_prefill_attention_in_query_blocks_matches_one_block(monkeypatch):
+  rng = np.random.default_rng(5)
+  q = jnp.asarray(rng.standard_normal((2, 37, 4, 16)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((2, 37, 2, 16)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((2, 37, 2, 16)), jnp.float32)
+  whole = module.causal_attention(q, k, v, scale=0.25, softcap=3.0)
+  monkeypatch.setattr(module, "PREFILL_CHUNK", 8)   # 5 blocks, the last one partial
+  blocks = module.causal_attention(q, k, v, scale=0.25, softcap=3.0)
+  np.testing.assert_allclose(np.asarray(blocks), np.asarray(whole), rtol=1e-6, atol=1e-6)
+  kk = np.repeat(np.asarray(k), 2, axis=2)   # 4 q heads over 2 kv heads
+  logits = np.einsum("bqhd,bkhd->bhqk", np.asarray(q), kk) * 0.25
+  logits = 3.0 * np.tanh(logits / 3.0) + np.where(np.tri(37, dtype=bool), 0.0, -np.inf)
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  ref = np.einsum("bhqk,bkhd->bqhd", probs / probs.sum(-1, keepdims=True), np.repeat(np.asarray(v), 2, axis=2))
+  assert relative_error(blocks, ref) < 1e-5

@@ -241,13 +241,14 @@ def _check_pages(engine):
   assert int(engine.state.pool.num_free) + len(held) == engine.num_pages
 
 
-def test_continuous_batching_matches_transformers_and_recycles_pages(smollm2, reference):
+@pytest.mark.parametrize("steps_per_dispatch", [1, 3])
+def test_continuous_batching_matches_transformers_and_recycles_pages(smollm2, reference, steps_per_dispatch):
   config, params, _ = smollm2
   records = reference["prompts"]
   # 3 slots and 12 pages of 16 tokens: three chat requests (5 pages each at worst) cannot run at
   # once, so requests also wait for pages while a slot is free.
   engine = serving.Engine(Llama(config, impl="xla", cache_dtype="float32"), params, num_slots=3, page_size=16,
-                          num_pages=12, max_pages_per_seq=8)
+                          num_pages=12, max_pages_per_seq=8, steps_per_dispatch=steps_per_dispatch)
   assert engine.buckets == (16, 32, 64, 128)
   requests = [serving.Request(r["prompt_ids"], reference["new_tokens"], ignore_eos=True, arrival=a)
               for r, a in zip(records, [0, 0, 1, 3, 6, 9])]
@@ -262,7 +263,9 @@ def test_continuous_batching_matches_transformers_and_recycles_pages(smollm2, re
     waited_for_pages |= bool(engine.queue) and None in engine.slots
     _check_pages(engine)
   traces = {k: serving.TRACE_COUNTS[k] - before.get(k, 0) for k in ("prefill", "decode", "release")}
-  assert traces == {"prefill": 2, "decode": 1, "release": 1}  # buckets 16 and 64; no recompile
+  # Buckets 16 and 64; no recompile (the first parametrization compiles what the second reuses
+  # but decode_steps, whose step count is static).
+  assert traces["prefill"] <= 2 and traces["decode"] <= 1 and traces["release"] <= 1
   assert waited_for_pages
   for request, record in zip(requests, records):
     assert request.output_ids == record["greedy_tokens"] and request.finish_reason == "length"
@@ -324,8 +327,11 @@ def test_benchmark_runs_on_cpu(smollm2):
   config, params, _ = smollm2
   config, params = smollm2_bench.truncate(config, params, 2)
   lines = []
-  rows = smollm2_bench.run(config, params, batches=(2,), impls=("xla",), prompt_len=16, new_tokens=3,
-                           counts=dict(warmup=1, iters=2, repeats=2), out=lines.append)
-  (row,) = rows
-  assert row["ran"] == "xla" and row["loop_tok_s"] > 0 and row["step_ms"] > 0 and row["attn_us"] > 0
-  assert np.isfinite(row["attn_share"]) and len(lines) == 1
+  rows = smollm2_bench.run(config, params, batches=(2,), contexts=(24,), impls=("xla", "dot_product"), new_tokens=5,
+                           steps_per_dispatch=2, counts=dict(warmup=1, iters=2, repeats=2), out=lines.append)
+  assert [row["impl"] for row in rows] == ["xla", "dot_product"] and all("error" not in row for row in rows)
+  for row in rows:
+    assert row["loop_tok_s"] > 0 and row["step_ms"] > 0 and row["device_step_ms"] > 0 and row["attn_us"] > 0
+    assert 0 <= row["gpu_idle"] < 1 and len(row["first_tokens"]) == 5
+  # The same model with jax.nn.dot_product_attention over gathered pages picks the same tokens.
+  assert rows[0]["first_tokens"] == rows[1]["first_tokens"]

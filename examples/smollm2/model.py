@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -66,14 +67,15 @@ class Llama:
   cache_dtype: of the KV cache; bfloat16 (what the kernels read), float32 (xla impl only: the
   exact comparison with a float32 reference), or int8 / float8_e4m3fn / float8_e5m2 (quantized
   on append with one scale per token and kv head, `pallas_kv.cache.quantize`).
-  attention_stub: replace decode attention by a trivial op of the same shape (benchmarks only:
-  the step time without attention).
+  decode_layer: a replacement of the attention layer's decode step, called as
+  `decode_layer(attention, params, x, cache) -> (y, cache)` with this model's `DecodeAttention`
+  (benchmarks time the same model with other attention this way); None runs the layer itself.
   """
   config: LlamaConfig
   impl: str = "auto"
   compute_dtype: str = "float32"
   cache_dtype: str = "bfloat16"
-  attention_stub: bool = False
+  decode_layer: Callable | None = None
 
   @property
   def attention(self) -> pkv.DecodeAttention:
@@ -104,18 +106,8 @@ class Llama:
   def _attend(self, params, x, cache, *, prefill: bool):
     if prefill:
       return self.attention.prefill(params, x, cache)
-    if self.attention_stub:
-      # What a step costs without attention: the projections and the cache append stay, the
-      # attention over the cache becomes the new token's own value (no read of the cache).
-      layer = self.attention
-      k = jnp.einsum("bsh,hnd->bsnd", x, params["wk"])
-      v = jnp.einsum("bsh,hnd->bsnd", x, params["wv"])
-      if not pkv.cache.is_quantized(cache.k_pages.dtype):   # a quantized cache takes floats
-        k, v = k.astype(cache.k_pages.dtype), v.astype(cache.v_pages.dtype)
-      cache = cache.append(k, v)
-      q = jnp.einsum("bsh,hnd->bsnd", x, params["wq"])
-      v_rep = jnp.repeat(v.astype(x.dtype), layer.num_heads // layer.num_kv_heads, axis=2)
-      return jnp.einsum("bsnd,ndh->bsh", v_rep + 0 * q, params["wo"]), cache
+    if self.decode_layer is not None:
+      return self.decode_layer(self.attention, params, x, cache)
     return self.attention(params, x, cache)
 
   def _block(self, tables, lengths, num_pages, prefill, carry, layer):

@@ -1,13 +1,18 @@
 """Continuous batching: a fixed number of slots that requests enter and leave at any step.
 
 Each engine step (host side):
-  1. finished requests give their pages back (`pallas_kv.release_sequences`) and free their slot;
-  2. waiting requests are admitted, first come first served, while a slot is free and the page
+  1. waiting requests are admitted, first come first served, while a slot is free and the page
      budget allows: each is prefilled alone, right-padded to a prompt-length bucket, into its slot
-     (its prompt's pages reserved first), which samples its first token;
-  3. one decode step runs every slot (idle ones masked): a page is reserved where a sequence's next
-     token starts one (`pallas_kv.reserve_pages`), the model appends and attends, and each active
-     slot samples its next token.
+     (its prompt's pages reserved first), which samples its first token on the device;
+  2. one dispatch runs `steps_per_dispatch` decode steps over every slot (`decode_steps`, idle
+     ones masked): a page is reserved where a sequence's next token starts one
+     (`pallas_kv.reserve_pages`), the model appends and attends, each active slot samples its next
+     token and stops itself at EOS or at its token budget, all on the device;
+  3. only then are the previous dispatch's tokens read on the host, while this one runs: the GPU
+     never waits for the host between steps. Finished requests give their pages back
+     (`pallas_kv.release_sequences`) and free their slot for the next step's admissions.
+A sequence's tokens depend only on its own prompt, seed and positions, so they are the same
+whatever the batch around it and however many steps a dispatch runs.
 The jitted functions take fixed shapes (slots, pages, bucket lengths), so requests coming and
 going never recompile: `TRACE_COUNTS` counts their traces.
 
@@ -57,12 +62,36 @@ class Request:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class SlotSampling:
+  """How each slot picks its tokens: arrays [slots] (a batch mixes greedy and sampled requests)."""
+  temperature: jax.Array  # float32; 0: greedy
+  top_p: jax.Array  # float32
+  seed: jax.Array  # int32
+  ban_eos: jax.Array  # bool: EOS is never chosen (the request ignores EOS)
+
+  @classmethod
+  def create(cls, slots: int) -> SlotSampling:
+    return cls(jnp.zeros((slots,), jnp.float32), jnp.ones((slots,), jnp.float32), jnp.zeros((slots,), jnp.int32),
+               jnp.zeros((slots,), bool))
+
+  def with_slot(self, slot, other: SlotSampling) -> SlotSampling:
+    """This with the slot's entries replaced by `other`'s (scalars)."""
+    return jax.tree.map(lambda mine, new: mine.at[slot].set(new), self, other)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class SlotState:
-  """What lives on the device: the pages of every layer, one block table and length per slot, the pool."""
+  """What lives on the device: the pages of every layer, each slot's block table, length, last
+  token and stop state, and the pool."""
   pages: KVPages
   tables: jax.Array  # int32 [slots, max_pages_per_seq]
   lengths: jax.Array  # int32 [slots]
   pool: pkv.PagePool
+  tokens: jax.Array  # int32 [slots]: the last token sampled, the next step's input
+  active: jax.Array  # bool [slots]: generating (admitted and not finished)
+  remaining: jax.Array  # int32 [slots]: tokens still to generate
+  sampling: SlotSampling
 
 
 def reserve_prompt(pool, table, length, page_size: int):
@@ -82,33 +111,72 @@ def reserve_prompt(pool, table, length, page_size: int):
   return pool, table, ok
 
 
+def _stops(model: Llama, token, ban_eos):
+  """True where a sampled token ends its request (EOS, where EOS is allowed)."""
+  eos = model.config.eos_token_id
+  return jnp.zeros(token.shape, bool) if eos is None else (token == eos) & ~ban_eos
+
+
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("state",))
-def prefill_slot(model: Llama, params, state: SlotState, tokens, length, slot, sampling_args):
-  """Prefills tokens [1, bucket] (length real ones) into an empty slot; returns (state, first token, ok)."""
+def prefill_slot(model: Llama, params, state: SlotState, tokens, length, slot, request: SlotSampling,
+                 max_new_tokens):
+  """Prefills tokens [1, bucket] (length real ones) into an empty slot and samples its first token;
+  the slot then generates until EOS or max_new_tokens. request: the slot's sampling (scalars).
+  Returns (state, first token, ok); if the pool could not hold the prompt (ok False) the slot stays
+  empty."""
   TRACE_COUNTS["prefill"] += 1
   pool, table, ok = reserve_prompt(state.pool, state.tables[slot][None], length, state.pages.page_size)
   logits, pages = model.prefill(params, tokens, state.pages, table, (length - 1)[None])
-  logits = sampling.mask_token(logits, model.config.eos_token_id, sampling_args["ban_eos"])
-  token = sampling.sample(logits, sampling_args["seed"], length[None], sampling_args["temperature"],
-                          sampling_args["top_p"])[0]
-  lengths = state.lengths.at[slot].set(jnp.where(ok, length, state.lengths[slot]))
-  return SlotState(pages, state.tables.at[slot].set(table[0]), lengths, pool), token, ok
+  logits = sampling.mask_token(logits, model.config.eos_token_id, request.ban_eos[None])
+  token = sampling.sample(logits, request.seed[None], length[None], request.temperature[None],
+                          request.top_p[None])[0]
+  generating = ok & ~_stops(model, token, request.ban_eos) & (max_new_tokens > 1)
+  return SlotState(pages, state.tables.at[slot].set(table[0]), state.lengths.at[slot].set(jnp.where(ok, length, 0)),
+                   pool, state.tokens.at[slot].set(token), state.active.at[slot].set(generating),
+                   state.remaining.at[slot].set(max_new_tokens - 1), state.sampling.with_slot(slot, request)), token, ok
 
 
-@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("state",))
-def decode_step(model: Llama, params, state: SlotState, tokens, active, sampling_args):
-  """One token for every active slot: tokens [S] are the last ones sampled. Returns (state, next [S], ok);
-  if the pool could not serve the step (ok False) the state's lengths and pool are left as they were."""
-  TRACE_COUNTS["decode"] += 1
+def decode_step(model: Llama, params, state: SlotState):
+  """One token for every active slot. Returns (state, tokens [S], emitted [S], ok): a slot emitted
+  a token where it was active; it stops itself at EOS or when its budget is spent. If the pool
+  could not serve the step (ok False) nothing is emitted and lengths and pool are left as they were."""
+  s = state.sampling
   # An idle slot asks for no page: give reserve_pages a length whose page has room (1 < page_size).
-  probe = jnp.where(active, state.lengths, 1)
+  probe = jnp.where(state.active, state.lengths, 1)
   pool, tables, ok = pkv.reserve_pages(state.pool, state.tables, probe, num_new=1, page_size=state.pages.page_size)
-  logits, pages = model.decode(params, tokens, state.pages, tables, state.lengths)
-  logits = sampling.mask_token(logits, model.config.eos_token_id, sampling_args["ban_eos"])
-  next_tokens = sampling.sample(logits, sampling_args["seed"], state.lengths + 1, sampling_args["temperature"],
-                                sampling_args["top_p"])
-  lengths = jnp.where(active & ok, state.lengths + 1, state.lengths)
-  return SlotState(pages, tables, lengths, pool), next_tokens, ok
+  logits, pages = model.decode(params, state.tokens, state.pages, tables, state.lengths)
+  logits = sampling.mask_token(logits, model.config.eos_token_id, s.ban_eos)
+  next_tokens = sampling.sample(logits, s.seed, state.lengths + 1, s.temperature, s.top_p)
+  emitted = state.active & ok
+  remaining = jnp.where(emitted, state.remaining - 1, state.remaining)
+  finished = emitted & (_stops(model, next_tokens, s.ban_eos) | (remaining <= 0))
+  state = SlotState(pages, tables, jnp.where(emitted, state.lengths + 1, state.lengths), pool,
+                    jnp.where(emitted, next_tokens, state.tokens), state.active & ~finished, remaining, s)
+  return state, next_tokens, emitted, ok
+
+
+@functools.partial(jax.jit, static_argnames=("model", "num_steps"), donate_argnames=("state",))
+def decode_steps(model: Llama, params, state: SlotState, num_steps: int):
+  """Up to num_steps decode steps in one dispatch; it ends early once no slot is active.
+
+  Returns (state, tokens [num_steps, S], emitted [num_steps, S], ok): token [i, s] is slot s's
+  output of step i where emitted; ok is False if the pool refused a step."""
+  TRACE_COUNTS["decode"] += 1
+  slots = state.tokens.shape[0]
+
+  def more(carry):
+    i, state, *_ = carry
+    return (i < num_steps) & jnp.any(state.active)
+
+  def step(carry):
+    i, state, tokens, emitted, ok = carry
+    state, new_tokens, new_emitted, step_ok = decode_step(model, params, state)
+    return (i + 1, state, tokens.at[i].set(new_tokens), emitted.at[i].set(new_emitted), ok & step_ok)
+
+  start = (jnp.int32(0), state, jnp.zeros((num_steps, slots), jnp.int32), jnp.zeros((num_steps, slots), bool),
+           jnp.bool_(True))
+  _, state, tokens, emitted, ok = jax.lax.while_loop(more, step, start)
+  return state, tokens, emitted, ok
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -117,7 +185,15 @@ def release_slots(state: SlotState, done):
   TRACE_COUNTS["release"] += 1
   pool, tables, lengths = pkv.release_sequences(state.pool, state.tables, state.lengths, done,
                                                 state.pages.page_size)
-  return SlotState(state.pages, tables, lengths, pool)
+  return dataclasses.replace(state, tables=tables, lengths=lengths, pool=pool, active=state.active & ~done)
+
+
+def empty_state(model: Llama, num_slots: int, num_pages: int, page_size: int, max_pages_per_seq: int) -> SlotState:
+  """No request in any slot: every page in the pool."""
+  return SlotState(model.empty_pages(num_pages, page_size), pkv.empty_block_tables(num_slots, max_pages_per_seq),
+                   jnp.zeros((num_slots,), jnp.int32), pkv.PagePool.create(num_pages),
+                   jnp.zeros((num_slots,), jnp.int32), jnp.zeros((num_slots,), bool),
+                   jnp.zeros((num_slots,), jnp.int32), SlotSampling.create(num_slots))
 
 
 def default_buckets(capacity: int) -> tuple[int, ...]:
@@ -130,12 +206,14 @@ def default_buckets(capacity: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass
 class Stats:
-  """What a run measured: generated tokens, wall time, and per decode step latency."""
+  """What a run measured: generated tokens, wall time, and the decode steps' pace."""
   tokens: int = 0
   seconds: float = 0.0
-  steps: int = 0
+  steps: int = 0  # decode steps dispatched (steps_per_dispatch per dispatch)
+  # Host time from one dispatch's tokens reaching the host to the next's, per decode step in it:
+  # the pace of the decode loop as a user sees it (dispatch, device and host work overlapped).
   step_seconds: list[float] = dataclasses.field(default_factory=list)
-  prefill_seconds: float = 0.0
+  prefills: int = 0
 
   @property
   def tokens_per_s(self) -> float:
@@ -145,31 +223,46 @@ class Stats:
     steps = self.step_seconds or [float("nan")]
     return (f"{self.tokens} tokens in {self.seconds:.2f} s: {self.tokens_per_s:.1f} tokens/s; "
             f"{self.steps} steps, decode step median {1e3 * statistics.median(steps):.2f} ms "
-            f"(p90 {1e3 * float(np.percentile(steps, 90)):.2f} ms); prefill {self.prefill_seconds:.2f} s")
+            f"(p90 {1e3 * float(np.percentile(steps, 90)):.2f} ms); {self.prefills} prefills")
+
+
+@dataclasses.dataclass
+class _Dispatch:
+  """Work dispatched in one engine step whose results the host has not read yet."""
+  first_tokens: list[tuple[int, jax.Array, jax.Array]]  # (slot, token, ok) of the prefills before it
+  decoded: tuple[jax.Array, jax.Array, jax.Array] | None  # decode_steps' (tokens, emitted, ok)
 
 
 class Engine:
-  """Serves requests in `num_slots` slots over a pool of `num_pages` pages per layer."""
+  """Serves requests in `num_slots` slots over a pool of `num_pages` pages per layer.
+
+  steps_per_dispatch: decode steps per dispatch (`decode_steps`); more amortize the host's work
+  per dispatch, and a request then waits up to that many steps to enter a slot freed mid-way.
+  """
 
   def __init__(self, model: Llama, params, *, num_slots: int = 8, page_size: int = 16, num_pages: int = 256,
-               max_pages_per_seq: int = 64, buckets: tuple[int, ...] | None = None):
+               max_pages_per_seq: int = 64, buckets: tuple[int, ...] | None = None, steps_per_dispatch: int = 1):
     if page_size < 2:
       raise ValueError(f"page_size={page_size} must be at least 2")
     if num_slots < 1 or num_pages < 1 or max_pages_per_seq < 1:
       raise ValueError(f"num_slots={num_slots}, num_pages={num_pages} and max_pages_per_seq={max_pages_per_seq} "
                        "must be positive")
+    if steps_per_dispatch < 1:
+      raise ValueError(f"steps_per_dispatch={steps_per_dispatch} must be at least 1")
     self.model, self.params = model, params
     self.num_slots, self.page_size, self.num_pages = num_slots, page_size, num_pages
+    self.steps_per_dispatch = steps_per_dispatch
     self.capacity = max_pages_per_seq * page_size
     self.buckets = tuple(sorted(buckets)) if buckets else default_buckets(self.capacity)
-    self.state = SlotState(model.empty_pages(num_pages, page_size), pkv.empty_block_tables(num_slots, max_pages_per_seq),
-                           jnp.zeros((num_slots,), jnp.int32), pkv.PagePool.create(num_pages))
+    self.state = empty_state(model, num_slots, num_pages, page_size, max_pages_per_seq)
     self.slots: list[Request | None] = [None] * num_slots
     self.queue: collections.deque[Request] = collections.deque()
+    self.in_flight: _Dispatch | None = None
     self.committed_pages = 0  # worst-case pages of the running requests
     self.step_index = 0
     self.num_finished = 0
     self.stats = Stats()
+    self._last_read: float | None = None  # when the last dispatch's tokens reached the host
 
   # ------------------------------------------------------------------------ requests
 
@@ -197,18 +290,16 @@ class Engine:
 
   @property
   def busy(self) -> bool:
-    return bool(self.queue) or any(r is not None for r in self.slots)
-
-  def _sampling_args(self, requests) -> dict:
-    get = lambda name, default: np.asarray([getattr(r, name) if r else default for r in requests])
-    return dict(temperature=get("temperature", 0.0).astype(np.float32), top_p=get("top_p", 1.0).astype(np.float32),
-                seed=get("seed", 0).astype(np.int32), ban_eos=np.asarray([bool(r and r.ignore_eos) for r in requests]))
+    return bool(self.queue) or any(r is not None for r in self.slots) or self.in_flight is not None
 
   # ------------------------------------------------------------------------ a step
 
   def _emit(self, slot: int, token: int) -> bool:
-    """Adds a token to the slot's request; True when that finishes it."""
+    """Adds a token to the slot's request; True when that finishes it (the rule `decode_step`
+    applies on the device)."""
     request = self.slots[slot]
+    if request.finish_reason is not None:
+      raise RuntimeError(f"slot {slot} emitted a token after its request finished")
     request.output_ids.append(token)
     self.stats.tokens += 1
     eos = self.model.config.eos_token_id
@@ -221,29 +312,31 @@ class Engine:
     request.finished_step = self.step_index
     return True
 
-  def _admit(self, done: np.ndarray) -> None:
+  def _admit(self) -> list[tuple[int, jax.Array, jax.Array]]:
+    """Prefills waiting requests into free slots while the page budget allows (dispatched, not
+    waited for); returns each one's (slot, first token, ok)."""
+    admitted = []
     while self.queue and None in self.slots:
       request = self.queue[0]
       need = self.pages_needed(request)
       if self.committed_pages + need > self.num_pages:
-        return  # the pool is short: wait for running requests to finish
+        break  # the pool is short: wait for running requests to finish
       slot = self.slots.index(None)
       n = len(request.prompt_ids)
       bucket = next(b for b in self.buckets if b >= n)
       tokens = np.zeros((1, bucket), np.int32)
       tokens[0, :n] = request.prompt_ids
-      start = time.perf_counter()
+      sampling_args = SlotSampling(np.float32(request.temperature), np.float32(request.top_p), np.int32(request.seed),
+                                   np.bool_(request.ignore_eos))
       self.state, token, ok = prefill_slot(self.model, self.params, self.state, tokens, np.int32(n), np.int32(slot),
-                                           self._sampling_args([request]))
-      token, ok = int(token), bool(ok)
-      self.stats.prefill_seconds += time.perf_counter() - start
-      if not ok:  # cannot happen within the budget (the state is left as it was)
-        raise RuntimeError(f"page pool refused a prompt of {n} tokens within the budget")
+                                           sampling_args, np.int32(request.max_new_tokens))
       self.queue.popleft()
       self.slots[slot] = request
       self.committed_pages += need
       request.admitted_step = self.step_index
-      done[slot] = self._emit(slot, token)
+      self.stats.prefills += 1
+      admitted.append((slot, token, ok))
+    return admitted
 
   def _release(self, done: np.ndarray) -> None:
     if not done.any():
@@ -254,25 +347,42 @@ class Engine:
       self.slots[slot] = None
       self.num_finished += 1
 
-  def step(self) -> None:
-    """Admits what fits, runs one decode step over the active slots, releases finished requests."""
+  def _read(self, dispatch: _Dispatch) -> None:
+    """Takes in a dispatch's tokens (waiting for it) and releases the requests they finish."""
     done = np.zeros(self.num_slots, bool)
-    self._admit(done)
-    active = np.asarray([r is not None and not d for r, d in zip(self.slots, done)])
-    if active.any():
-      last = np.asarray([r.output_ids[-1] if a else 0 for r, a in zip(self.slots, active)], np.int32)
-      start = time.perf_counter()
-      self.state, next_tokens, ok = decode_step(self.model, self.params, self.state, last, active,
-                                                self._sampling_args([r if a else None for r, a in zip(self.slots, active)]))
-      next_tokens, ok = np.asarray(next_tokens), bool(ok)
-      self.stats.step_seconds.append(time.perf_counter() - start)
+    for slot, token, ok in dispatch.first_tokens:
+      if not bool(ok):  # cannot happen within the budget (the slot was left empty)
+        raise RuntimeError(f"page pool refused a prompt of {len(self.slots[slot].prompt_ids)} tokens within the budget")
+      done[slot] = self._emit(slot, int(token))
+    if dispatch.decoded is not None:
+      tokens, emitted, ok = (np.asarray(a) for a in dispatch.decoded)
       if not ok:
         raise RuntimeError("page pool refused a decode step within the budget")
-      for slot in np.flatnonzero(active):
-        done[slot] = self._emit(slot, int(next_tokens[slot]))
+      for i in range(tokens.shape[0]):
+        for slot in np.flatnonzero(emitted[i]):
+          done[slot] = self._emit(slot, int(tokens[i, slot]))
+      now = time.perf_counter()
+      if self._last_read is not None:
+        self.stats.step_seconds.append((now - self._last_read) / self.steps_per_dispatch)
+      self._last_read = now
+    else:
+      self._last_read = None
     self._release(done)
-    self.step_index += 1
-    self.stats.steps += 1
+
+  def step(self) -> None:
+    """Admits what fits, dispatches the next decode steps, then reads the previous dispatch's
+    tokens while they run and releases the requests that finished."""
+    first_tokens = self._admit()
+    running = any(r is not None and r.finish_reason is None for r in self.slots)
+    decoded = None
+    if running:
+      self.state, *decoded = decode_steps(self.model, self.params, self.state, self.steps_per_dispatch)
+      self.stats.steps += self.steps_per_dispatch
+    previous = self.in_flight
+    self.in_flight = _Dispatch(first_tokens, decoded) if (first_tokens or running) else None
+    if previous is not None:
+      self._read(previous)
+    self.step_index += self.steps_per_dispatch
 
   def run(self, requests, *, progress: bool = False) -> Stats:
     """Submits each request at its `arrival` step and steps until all are finished."""
@@ -282,6 +392,7 @@ class Engine:
     first_step, start = self.step_index, time.perf_counter()
     display = ProgressLine(self, len(pending)) if progress else None
     k = 0
+    self._last_read = None
     while k < len(pending) or self.busy:
       while k < len(pending) and pending[k].arrival <= self.step_index - first_step:
         self.submit(pending[k])
