@@ -44,13 +44,14 @@ with a converter warpgroup (`DecodeConfig.convert_warpgroup`), the config otherw
 triton) with programs taking the sequences in that order (`DecodeConfig.sequence_order`), the
 config otherwise as resolved; compare with the default on ragged batches.
 
-Each case (op x batch x seq_len) prints one table row per impl: median time per
-call, TB/s of the bytes that must move (the KV of the valid tokens, plus q and the
-output), TFLOP/s, % of the roofline max(bytes / peak_tbps, flops / peak_tflops) /
-time, and the relative error ||out - ref|| / ||ref|| against the pallas_kv float32
-reference on float32-upcast inputs. An impl that cannot run (not built yet, no
-torch, no GPU, op unsupported) prints "n/a (reason)"; an unexpected exception
-prints "error (reason)".
+Each case (op x batch x seq_len) prints one table row per impl: median device time
+per call, median time per call in a Python loop of calls (host us), TB/s of the
+bytes that must move (the KV of the valid tokens, plus q and the output), TFLOP/s,
+% of the roofline max(bytes / peak_tbps, flops / peak_tflops) / time (the last
+three of the device time), and the relative error ||out - ref|| / ||ref|| against
+the pallas_kv float32 reference on float32-upcast inputs. An impl that cannot run
+(not built yet, no torch, no GPU, op unsupported) prints "n/a (reason)"; an
+unexpected exception prints "error (reason)".
 
 Impls: pallas_kv's own `auto`, `mosaic_gpu`, `triton`, `xla` (the `impl=` argument),
 and the peers of benchmarks/peers.py: `xla_einsum`, `cudnn`, `torch`,
@@ -80,7 +81,10 @@ dependent calls and one of 2x that; the per-call time is their difference over
 `--iters` (host dispatch cancels), median over `--repeats`. Calls rotate among
 enough input sets that the KV cache doesn't fit in L2. torch uses CUDA events.
 The note column says "chain" when the difference was too noisy (tiny CPU cases)
-and the plain chain time, an upper bound, is shown instead. Exit status 1 if a pallas_kv impl raised something other than
+and the plain chain time, an upper bound, is shown instead. The chain hides host
+dispatch, which a user's Python loop of jitted calls pays on every call: the host us
+column (`host_us`) times such a loop (`timing.HOST_LOOP_TIMERS`), wall clock per call;
+`--nohost_loop` skips it. Exit status 1 if a pallas_kv impl raised something other than
 NotImplementedError or failed the numerics check (peers never fail the run).
 
 From Python (tests): `run(op="decode", cases=((2, 256),), impls=("xla",))` returns
@@ -115,8 +119,9 @@ from pallas_kv import runtime
 
 
 def run_impl(impl: str, case: cases.Case, sweep: cases.Sweep, input_sets: Sequence[tuple],
-             ref: np.ndarray | None, costs: dict[str, float]) -> dict[str, Any]:
-  """Checks and times one impl on one case; never raises unless sweep.strict."""
+             ref: np.ndarray | None, costs: dict[str, float], host_loop: bool = True) -> dict[str, Any]:
+  """Checks and times one impl on one case (also in a host loop if `host_loop`); never raises
+  unless sweep.strict."""
   row: dict[str, Any] = {"impl": impl, "ours": impl in runners.OUR_IMPLS}
   try:
     runner = runners.build_runner(impl, cases.op_spec(case))
@@ -128,6 +133,9 @@ def run_impl(impl: str, case: cases.Case, sweep: cases.Sweep, input_sets: Sequen
       row["rel_err"] = cases.relative_error(runner.to_numpy(first), ref)
     t = timing.TIMERS[runner.timer](runner.fn, prepared, warmup=sweep.warmup,
                                     iters=sweep.iters, repeats=sweep.repeats)
+    if host_loop:
+      row.update(output.host_loop_fields(timing.HOST_LOOP_TIMERS[runner.timer](
+          runner.fn, prepared, warmup=sweep.warmup, iters=sweep.iters, repeats=sweep.repeats)))
   except Exception as e:  # pylint: disable=broad-except
     if sweep.strict:
       raise
@@ -150,7 +158,8 @@ def run_impl(impl: str, case: cases.Case, sweep: cases.Sweep, input_sets: Sequen
   return row
 
 
-def run_case(case: cases.Case, sweep: cases.Sweep, key: jax.Array) -> tuple[list[dict], dict]:
+def run_case(case: cases.Case, sweep: cases.Sweep, key: jax.Array,
+             host_loop: bool = True) -> tuple[list[dict], dict]:
   """All impls on one case: (rows, case info)."""
   key_len, key_in = jax.random.split(key)
   lengths = cases.make_lengths(case, key_len)
@@ -168,15 +177,17 @@ def run_case(case: cases.Case, sweep: cases.Sweep, key: jax.Array) -> tuple[list
           "reference": ref_source}
   rows = []
   for impl in sweep.impls:
-    row = run_impl(impl, case, sweep, input_sets, ref, costs)
+    row = run_impl(impl, case, sweep, input_sets, ref, costs, host_loop)
     rows.append({**info, **row})
   return rows, info
 
 
 def run(sweep: cases.Sweep | None = None, *, json_path: str | None = None,
         csv_path: str | None = None, plot_path: str | None = None,
-        out: TextIO | None = None, **overrides: Any) -> list[dict]:
+        out: TextIO | None = None, host_loop: bool = True, **overrides: Any) -> list[dict]:
   """Runs a sweep, prints one table per case to `out`, returns all rows.
+
+  Every impl is timed by the chain timer and, if `host_loop`, also in a host loop (`host_us`).
 
   Also writes the rows as JSON to `json_path`, CSV to `csv_path` and a PNG plot to
   `plot_path` (if matplotlib is installed; else one line says so).
@@ -198,7 +209,7 @@ def run(sweep: cases.Sweep | None = None, *, json_path: str | None = None,
   for batch, seq_len in sweep.cases:
     key, case_key = jax.random.split(key)
     case = cases.Case.from_sweep(sweep, batch, seq_len)
-    rows, info = run_case(case, sweep, case_key)
+    rows, info = run_case(case, sweep, case_key, host_loop)
     print(output.format_table(info, rows), file=out, flush=True)
     print(file=out, flush=True)
     all_rows.extend({**r, **stamp} for r in rows)
@@ -378,6 +389,8 @@ def define_flags() -> None:
                        "as resolved.")
   flags.DEFINE_integer("triton_num_stages", None, "triton impl: tiles pipelined (DecodeConfig.num_stages), the "
                        "config otherwise as resolved.")
+  flags.DEFINE_boolean("host_loop", True, "Also time each impl as a Python loop of separate calls (what a "
+                       "user's loop sees, host dispatch included): the host us column, host_us in the rows.")
   flags.DEFINE_boolean("v_tokens_last", False, "pallas_kv impls of the dense and paged ops: v stored "
                        "[B, Hkv, D, T] / [P, Hkv, D, page_size] (decode_attention's v_tokens_last).")
   flags.adopt_module_key_flags(cli)
@@ -397,7 +410,8 @@ def main(argv: Sequence[str]) -> int:
         triton_sequence_order(flags.FLAGS.sequence_order), mosaic_convert_warpgroup(flags.FLAGS.convert_warpgroup),
         values_tokens_last(flags.FLAGS.v_tokens_last),
         triton_fields(block_kv=flags.FLAGS.triton_block_kv, num_stages=flags.FLAGS.triton_num_stages)):
-    rows = run(sweep, json_path=paths.json, csv_path=paths.csv, plot_path=paths.plot)
+    rows = run(sweep, json_path=paths.json, csv_path=paths.csv, plot_path=paths.plot,
+               host_loop=flags.FLAGS.host_loop)
   return output.report_failures(
       output.failed_rows(rows), lambda r: f"{r['impl']} on {r['op']} B={r['batch']} T={r['seq_len']}",
       tracebacks=True)

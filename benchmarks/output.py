@@ -1,7 +1,8 @@
 """What the benchmark programs write: rows and their checks, tables, JSON, CSV and a plot.
 
 A row is a dict: the case's fields, the impl, `status` ("ok", "n/a", "error", ...), timing fields
-in microseconds and, where checked, `rel_err` and `check_ok`.
+in microseconds (the device time, and where measured the host-loop time) and, where checked,
+`rel_err` and `check_ok`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from benchmarks import timing
 
 # Row fields of a `timing.Timing`, in the order rows (and CSV columns) list them.
 TIMING_FIELDS = ("time_us", "min_us", "samples_us", "overhead_us", "host_bound", "timer", "calls")
+# Row fields of a host-loop `timing.Timing` (`timing.HOST_LOOP_TIMERS`).
+HOST_LOOP_FIELDS = ("host_us", "host_min_us", "host_samples_us", "host_calls")
 
 
 def device_description() -> str:
@@ -48,6 +51,12 @@ def timing_fields(t: timing.Timing, names: Sequence[str] = TIMING_FIELDS) -> dic
                samples_us=[s * 1e6 for s in t.samples_s], overhead_us=t.overhead_s * 1e6,
                host_bound=t.host_bound, timer=t.method, calls=t.calls)
   return {name: every[name] for name in names}
+
+
+def host_loop_fields(t: timing.Timing) -> dict[str, Any]:
+  """HOST_LOOP_FIELDS of a host-loop measurement, times in microseconds."""
+  return dict(host_us=t.median_s * 1e6, host_min_us=t.min_s * 1e6,
+              host_samples_us=[s * 1e6 for s in t.samples_s], host_calls=t.calls)
 
 
 # ------------------------------------------------------------------ failures
@@ -178,7 +187,8 @@ def save(rows: Sequence[dict], *, json_path: str | None = None, csv_path: str | 
 
 # ------------------------------------------------------------------ benchmarks.decode's table
 
-CASE_HEADER = (f"{'impl':<17}{'time us':>10}{'TB/s':>8}{'TFLOP/s':>9}{'roofline':>10}"
+# time us: device time per call (chain timer); host us: per call in a Python loop of calls.
+CASE_HEADER = (f"{'impl':<17}{'time us':>10}{'host us':>10}{'TB/s':>8}{'TFLOP/s':>9}{'roofline':>10}"
                f"{'rel err':>10}  note")
 
 
@@ -211,8 +221,9 @@ def format_table(info: dict, rows: Sequence[dict]) -> str:
       notes.append(row["timer"])
     # The roofline is the H200's (--peak_tbps, --peak_tflops): meaningless on a CPU.
     roofline = f"{'-':>10}" if on_cpu else f"{row['roofline_pct']:>9.1f}%"
+    host = f"{'-':>10}" if row.get("host_us") is None else f"{row['host_us']:>10.2f}"
     lines.append(
-        f"{row['impl']:<17}{row['time_us']:>10.2f}{row['tbps']:>8.3f}"
+        f"{row['impl']:<17}{row['time_us']:>10.2f}{host}{row['tbps']:>8.3f}"
         f"{row['tflops']:>9.2f}{roofline}{err:>10}  "
         + "; ".join(notes))
   return "\n".join(lines)

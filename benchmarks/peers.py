@@ -97,7 +97,7 @@ class Runner:
   fn: Callable[..., Any]  # fn(*prepared_args) -> output; traceable if timer == "jax"
   prepare: Callable[[tuple], tuple] = _identity  # untimed: op inputs -> fn's args
   to_numpy: Callable[[Any], np.ndarray] = _jax_to_numpy  # output in op layout, f32
-  timer: str = "jax"  # key of benchmarks.timing.TIMERS
+  timer: str = "jax"  # key of benchmarks.timing.TIMERS and HOST_LOOP_TIMERS
 
 
 def require_gpu(name: str) -> None:

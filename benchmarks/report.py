@@ -6,14 +6,15 @@ r"""Markdown for RESULTS.md from the JSON rows that `python -m benchmarks.decode
   python -m benchmarks.report llama3_8b.json [more.json ...] \
       --command="python -m benchmarks.decode --flagfile=configs/llama3_8b.flags --json=llama3_8b.json"
       A whole RESULTS.md section: a header with the date, GPU and jax version (from the rows;
-      --date overrides), the command, then per shape family (op, heads, dtype, options) three
-      tables, median time (µs), TB/s of KV read and % of the roofline, a column per impl, and
-      the reasons of n/a or error cells and the largest relative error of the pallas_kv rows.
+      --date overrides), the command, then per shape family (op, heads, dtype, options) the
+      tables: median time (µs), median time in a host loop (µs; rows that have it), TB/s of KV
+      read and % of the roofline, a column per impl, and the reasons of n/a or error cells and
+      the largest relative error of the pallas_kv rows.
 
   python -m benchmarks.report FILE.json --auto
       Per case, `auto` against the fastest kernel backend and the fastest peer of the same run:
       what auto ran, its time, the fastest backend's, and the ratios (does auto pick the faster
-      kernel; is the library ahead of the peers).
+      kernel; is the library ahead of the peers), and auto's and that peer's host-loop times.
 
   --plot=FILE.png also saves the TB/s plot of the rows (needs the `plot` extra).
 """
@@ -63,6 +64,9 @@ METRICS = (  # (title, row field, format)
     ("TB/s of KV read", "tbps", "{:.2f}"),
     ("% of roofline max(bytes / peak TB/s, flops / peak TFLOP/s)", "roofline_pct", "{:.0f}%"),
 )
+# Shown after the time table where the rows have it (rows written before it existed do not).
+HOST_LOOP_METRIC = ("Median time per call in a Python loop of calls, host dispatch included (µs)",
+                    "host_us", "{:.1f}")
 
 
 def gpu_name(device: str) -> str:
@@ -101,6 +105,8 @@ def _cell(row: dict | None, field: str, fmt: str) -> str:
     return "–"
   if row.get("status", "ok") != "ok":
     return row["status"]
+  if row.get(field) is None:
+    return "–"
   text = fmt.format(row[field])
   if row.get("ours") and row.get("check_ok") is False:
     text += " ✗"
@@ -133,7 +139,10 @@ def section(rows: Sequence[dict], *, command: str | None = None, date: str | Non
     for r in group:
       cases.setdefault((r["batch"], r["seq_len"]), {})[r["impl"]] = r
     lines += [f"### {name[0].upper()}{name[1:]}", ""]
-    for title, field, fmt in METRICS:
+    metrics = list(METRICS)
+    if any(r.get("host_us") is not None for r in group):
+      metrics.insert(1, HOST_LOOP_METRIC)
+    for title, field, fmt in metrics:
       lines += [f"{title}:", "", "| B × T | " + " | ".join(impls) + " |",
                 "|---" * (len(impls) + 1) + "|"]
       for (b, t), by_impl in cases.items():
@@ -162,15 +171,16 @@ def auto_table(rows: Sequence[dict]) -> str:
   say how far to trust a ratio: that backend's own row against auto's (the same kernel timed
   twice: the run's spread) and whether a row's chains were dispatch-bound (timer
   "chain-diff+dispatch": the host could not queue calls as fast as the GPU ran them, so those
-  figures hold host time).
+  figures hold host time). The last two: auto's and that peer's time in a host loop (what a
+  user's Python loop of calls sees), where the rows have it.
   """
   cases: dict[tuple, dict[str, dict]] = {}
   for row in rows:
     if row.get("time_us") is not None:
       cases.setdefault((family(row), case_label(row)), {})[row["impl"]] = row
   lines = ["| case | auto ran | auto µs | fastest backend µs | auto / fastest | same kernel, other row | "
-           "dispatch-bound | fastest peer µs | auto / peer |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "dispatch-bound | fastest peer µs | auto / peer | auto host-loop µs | peer host-loop µs |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
   for (fam, label), by_impl in cases.items():
     auto = by_impl.get("auto")
     if auto is None:
@@ -181,12 +191,14 @@ def auto_table(rows: Sequence[dict]) -> str:
     peer = min(peers, key=lambda r: r["time_us"], default=None)
     ran = by_impl.get(auto.get("auto_choice") or "")
     ratio = lambda other: f"{auto['time_us'] / other['time_us']:.3f}" if other else "–"
+    host = lambda r: f"{r['host_us']:.1f}" if r and r.get("host_us") is not None else "–"
     bound = [r["impl"] for r in (auto, best) if r and str(r.get("timer", "")).endswith("+dispatch")]
     lines.append(f"| {fam} {label} | {auto.get('auto_choice') or '?'} | {auto['time_us']:.1f} | "
                  + (f"{best['time_us']:.1f} ({best['impl']})" if best else "–") + f" | {ratio(best)} | "
                  + (f"{ran['time_us']:.1f} ({ratio(ran)})" if ran else "–") + " | "
                  + (", ".join(dict.fromkeys(bound)) or "no") + " | "
-                 + (f"{peer['time_us']:.1f} ({peer['impl']})" if peer else "–") + f" | {ratio(peer)} |")
+                 + (f"{peer['time_us']:.1f} ({peer['impl']})" if peer else "–") + f" | {ratio(peer)} | "
+                 + f"{host(auto)} | {host(peer)} |")
   return "\n".join(lines)
 
 

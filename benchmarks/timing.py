@@ -1,4 +1,4 @@
-"""Device-side timing for the decode benchmarks, without a profiler.
+"""Timing for the decode benchmarks, without a profiler: device time, and a user's host loop.
 
 JAX impls ("chain-diff"): host dispatch of one jitted call costs tens of µs (66-96 µs
 measured on the H200 machine here for a 4-argument jit), as much as a whole decode
@@ -28,6 +28,13 @@ torch ("cuda-events"): CUDA events around a loop of `iters` calls, per repeat;
 the median. Such a loop is host-bound if enqueueing a call takes about as long
 as running it; the row says so.
 
+Host loop ("host-loop", JAX and torch): what a user's Python loop of separate calls sees, host
+dispatch included: `iters` calls in a loop, one wait for the device at the end, wall clock per
+call, median over `repeats` loops (lengthened on accelerators to `MIN_LOOP_S`, as the chain is).
+The chain hides dispatch, so it cannot see an op whose host cost per call exceeds its device
+time (a pallas_kv call once cost ~250 µs in such a loop against ~80 µs for cuDNN through
+jax.jit, unseen by the chain); the decode benchmark reports both.
+
 Rotating among input sets keeps a small KV cache from being served from L2
 (~60 MB on an H200): `num_rotating_sets` picks how many sets to make.
 """
@@ -55,22 +62,27 @@ MIN_CHAIN_S = 5e-3
 MAX_CHAIN_CALLS = 128
 # A torch loop whose enqueue time is above this fraction of the sample is host-bound.
 HOST_BOUND_FRACTION = 0.8
+# Shortest host-loop sample on accelerators (so the one wait at its end is a small part of it),
+# and the most calls one loop may hold.
+MIN_LOOP_S = 5e-3
+MAX_LOOP_CALLS = 1024
+HOST_LOOP = "host-loop"
 
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-  """Per-call device time in seconds, and how it was measured."""
+  """Per-call time in seconds (device time, or wall time in a host loop), and how it was measured."""
 
   median_s: float
   min_s: float
   samples_s: tuple[float, ...]
   # "chain-diff" (JAX), "chain-diff+dispatch" (JAX, some dispatch not hidden), "chain" (JAX,
-  # fallback) or "cuda-events"
+  # fallback), "cuda-events" or "host-loop"
   method: str
-  # chain-diff: fixed cost of one dispatch + sync; cuda-events: enqueue time per call.
+  # chain-diff: fixed cost of one dispatch + sync; cuda-events: enqueue time per call; host-loop: 0.
   overhead_s: float
   host_bound: bool = False
-  calls: int = 0  # calls per short chain (chain-diff) or per timed loop (cuda-events)
+  calls: int = 0  # calls per short chain (chain-diff) or per timed loop (cuda-events, host-loop)
 
 
 def num_rotating_sets(bytes_per_set: float, rotate_bytes: float,
@@ -230,6 +242,66 @@ def time_torch(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int
 
 
 TIMERS: dict[str, Callable[..., Timing]] = {"jax": time_jax, "torch": time_torch}
+
+
+def _time_host_loop(fn: Callable[..., Any], arg_sets: Sequence[tuple], wait: Callable[[Any], Any], *,
+                    warmup: int, iters: int, repeats: int, min_loop_s: float) -> Timing:
+  """Wall time per call of loops of `fn` calls, each loop ended by one `wait(last output)`."""
+  _check_counts(arg_sets, iters, repeats)
+  num_sets = len(arg_sets)
+  calls_made = 0
+
+  def per_call_s(num_calls: int) -> float:
+    nonlocal calls_made
+    t0 = time.perf_counter()
+    for _ in range(num_calls):
+      out = fn(*arg_sets[calls_made % num_sets])
+      calls_made += 1
+    wait(out)
+    return (time.perf_counter() - t0) / num_calls
+
+  per_call_s(max(1, warmup))  # compiles on a first call
+  if min_loop_s > 0:
+    iters = chain_length(per_call_s(iters), iters, min_chain_s=min_loop_s,
+                         max_calls=max(iters, MAX_LOOP_CALLS))
+  samples = [per_call_s(iters) for _ in range(repeats)]
+  return _summarize(samples, HOST_LOOP, 0.0, iters)
+
+
+def user_jitted(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """fn as a user calls it in a loop: jitted, else wrapped in `jax.jit` as a user would.
+
+  pallas_kv's runners, xla_einsum and cudnn are jitted; the jax_pallas_* peers wrap their jitted
+  function in a warning filter (a Python wrapper), so they are jitted here (compiled once more).
+  """
+  return fn if isinstance(fn, jax.stages.Wrapped) else jax.jit(fn)
+
+
+def time_host_loop_jax(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int, iters: int,
+                       repeats: int, min_loop_s: float | None = None) -> Timing:
+  """Wall time per call of a Python loop of jitted `fn` calls, host dispatch included.
+
+  The loop blocks once, on its last output: calls on one device run in the order dispatched.
+  `min_loop_s` defaults to `MIN_LOOP_S` on accelerators, 0 (loops of `iters` calls) on CPU.
+  """
+  if min_loop_s is None:
+    min_loop_s = 0.0 if jax.default_backend() == "cpu" else MIN_LOOP_S
+  with warnings.catch_warnings():  # deprecated peers warn while lowering
+    warnings.simplefilter("ignore", DeprecationWarning)
+    return _time_host_loop(user_jitted(fn), list(arg_sets), jax.block_until_ready, warmup=warmup,
+                           iters=iters, repeats=repeats, min_loop_s=min_loop_s)
+
+
+def time_host_loop_torch(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int, iters: int,
+                         repeats: int, min_loop_s: float = MIN_LOOP_S) -> Timing:
+  """Wall time per call of a Python loop of torch CUDA `fn` calls, one synchronize at its end."""
+  import torch  # pylint: disable=g-import-not-at-top
+
+  return _time_host_loop(fn, list(arg_sets), lambda out: torch.cuda.synchronize(), warmup=warmup,
+                         iters=iters, repeats=repeats, min_loop_s=min_loop_s)
+
+
+HOST_LOOP_TIMERS: dict[str, Callable[..., Timing]] = {"jax": time_host_loop_jax, "torch": time_host_loop_torch}
 
 
 def _summarize(samples: Sequence[float], method: str, overhead_s: float, calls: int) -> Timing:

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 
 from absl import flags
 import jax
@@ -46,8 +47,26 @@ def test_decode_benchmark_rows_are_timed_and_checked(op):
   for row in rows:
     assert row["time_us"] > 0 and np.isfinite(row["tbps"])
     assert row["rel_err"] < 1e-2
+    # The host loop too: positive, finite, one sample per repeat of `iters` calls (on a CPU not lengthened).
+    assert row["host_us"] > 0 and np.isfinite(row["host_us"])
+    assert len(row["host_samples_us"]) == 2 and row["host_calls"] >= 2
+    assert row["host_calls"] == 2 or jax.default_backend() != "cpu"
   assert not output.failed_rows(rows)
-  assert "xla_einsum" in out.getvalue()
+  table = out.getvalue()
+  assert "xla_einsum" in table and "host us" in table.splitlines()[2]
+  for row in rows:  # each impl's line shows its host-loop time
+    line = next(l for l in table.splitlines() if l.startswith(row["impl"] + " "))
+    assert f"{row['host_us']:.2f}" in line
+
+
+def test_host_loop_can_be_turned_off():
+  out = io.StringIO()
+  rows = decode_bench.run(op="decode", cases=((1, 32),), impls=("xla",), num_heads=2, num_kv_heads=1, head_dim=64,
+                          warmup=0, iters=1, repeats=1, check=False, host_loop=False, out=out)
+  assert rows[0]["status"] == "ok" and rows[0]["time_us"] > 0
+  assert not set(output.HOST_LOOP_FIELDS) & set(rows[0])
+  line = next(l for l in out.getvalue().splitlines() if l.startswith("xla "))
+  assert line.split()[2] == "-"  # impl, time us, host us
 
 
 def test_unbuilt_or_unavailable_impls_are_reported_not_raised():
@@ -107,9 +126,11 @@ def test_decode_benchmark_cpu_default_runs_end_to_end(tmp_path):
   with open(json_path) as f:
     json_rows = json.load(f)
   assert [r["impl"] for r in csv_rows] == [r["impl"] for r in json_rows] == ["xla", "xla_einsum"]
-  assert "samples_us" not in csv_rows[0]  # lists stay in the JSON
+  assert "samples_us" not in csv_rows[0] and "host_samples_us" not in csv_rows[0]  # lists stay in the JSON
   for c, j in zip(csv_rows, json_rows):
     assert float(c["time_us"]) == pytest.approx(j["time_us"]) and c["device"] == j["device"]
+    assert float(c["host_us"]) == pytest.approx(j["host_us"]) and j["host_us"] > 0
+  assert "host us" in result.stdout
 
 
 @pytest.mark.parametrize("option", list(OPTIONS))
@@ -238,6 +259,28 @@ def test_report_renders_a_section_from_json_rows(tmp_path, capsys):
   assert "| 8 × 8192 | 21.8 | 65.5 | n/a |" in text  # µs
   assert "| 8 × 8192 | 67% | 22% | n/a |" in text  # roofline
   assert "cudnn peer cannot express softcap=50" in text
+  assert "in a Python loop" not in text  # rows without host-loop times: no such table
+
+
+def test_report_adds_the_host_loop_table_where_rows_have_it(tmp_path, capsys):
+  rows = _fake_rows()
+  for row in rows:
+    if row["status"] == "ok" and row["batch"] != 1:  # B1 rows as written before the host loop
+      row["host_us"] = 250.0 if row["impl"] == "auto" else 80.0
+  path = tmp_path / "rows.json"
+  path.write_text(json.dumps(rows))
+  report.main(["--section", str(path)])
+  text = capsys.readouterr().out
+  times, host = text.index("Median time per call (µs)"), text.index("Median time per call in a Python loop")
+  assert times < host < text.index("TB/s of KV read:")
+  host_table = text[host:text.index("TB/s of KV read:")]
+  assert "| 8 × 8192 | 250.0 | 80.0 | n/a |" in host_table
+  assert "| 1 × 1024 | – | – | n/a |" in host_table
+  report.main(["--auto", str(path)])
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0].endswith("| auto host-loop µs | peer host-loop µs |")
+  assert next(l for l in lines if "B8 T8192" in l).endswith("| 250.0 | 80.0 |")
+  assert next(l for l in lines if "B1 T1024" in l).endswith("| – | – |")
 
 
 def test_step_benchmark_runs():
@@ -260,15 +303,97 @@ def test_chain_length_grows_short_chains_up_to_the_cap(per_call_s, iters, expect
   assert n * max(per_call_s, 0) >= 5e-3 or n in (iters, 128)
 
 
-def test_time_jax_lengthens_the_chain_when_asked():
-  # A call long enough (~1 ms on two cores) that the pilot's chain difference stands above the
-  # noise of a loaded machine: a negative pilot keeps the given length (above).
-  big = jax.random.normal(jax.random.key(0), (256, 256), jnp.float32)
-  t = timing.time_jax(lambda a: jnp.tanh(a @ a), [(big,)], warmup=1, iters=2, repeats=2, min_chain_s=1.0)
-  assert t.calls > 2 and t.calls <= timing.MAX_CHAIN_CALLS
+class _CountedChain:
+  """A compiled chain that says how many calls it holds."""
+
+  def __init__(self, compiled, num_calls):
+    self.compiled, self.num_calls = compiled, num_calls
+
+  def __call__(self, arg_sets):
+    return self.compiled(arg_sets)
+
+
+@pytest.mark.parametrize("min_chain_s,lengths", [
+    (4.5 * 2**-10, [2, 5]),  # the pilot's 2 calls of 2**-10 s run short of it: recompiled at 5
+    (0.0, [2]),              # no least duration: the given length
+    (None, None),            # the default: none on a CPU, MIN_CHAIN_S (5.12 calls) on accelerators
+])
+def test_time_jax_lengthens_the_chain_when_asked(monkeypatch, min_chain_s, lengths):
+  # A fake clock (a chain of n calls "takes" c + n * t, exact in binary) replaces the wall-clock
+  # readings, so the length rule is tested, not the machine's timing.
+  per_call_s, fixed_s = 2**-10, 2**-8
+  if lengths is None:
+    lengths = [2] if jax.default_backend() == "cpu" else [2, 6]
+  compiled_lengths = []
+  real_compile = timing._compile_chains
+
+  def compile_chains(fn, arg_sets, iters):
+    compiled_lengths.append(iters)
+    short, long = real_compile(fn, arg_sets, iters)
+    return _CountedChain(short, iters), _CountedChain(long, 2 * iters)
+
+  def fake_wall(chain, arg_sets):
+    jax.block_until_ready(chain(arg_sets))
+    return fixed_s + chain.num_calls * per_call_s
+
+  monkeypatch.setattr(timing, "_compile_chains", compile_chains)
+  monkeypatch.setattr(timing, "_wall", fake_wall)
   x = jnp.ones((8,), jnp.float32)
-  fixed = timing.time_jax(lambda a: a * 2.0, [(x,)], warmup=1, iters=2, repeats=2)
-  assert fixed.calls == 2  # CPU default: no lengthening
+  t = timing.time_jax(lambda a: a * 2.0, [(x,)], warmup=1, iters=2, repeats=2, min_chain_s=min_chain_s,
+                      queued=False)
+  assert compiled_lengths == lengths and t.calls == lengths[-1]
+  assert (t.method, t.median_s, t.overhead_s) == ("chain-diff", per_call_s, fixed_s)
+
+
+def test_host_loop_jax_makes_the_calls_it_counts_rotating_over_the_input_sets():
+  # The callback runs on every execution of the jitted program, so it counts the device's calls.
+  seen = []
+  fn = jax.jit(lambda a: (jax.debug.callback(lambda v: seen.append(int(v)), a[0]), a * 2.0)[1])
+  arg_sets = [(jnp.full((8,), i, jnp.float32),) for i in range(3)]
+  t = timing.time_host_loop_jax(fn, arg_sets, warmup=2, iters=3, repeats=4, min_loop_s=0.0)
+  jax.effects_barrier()
+  assert seen == [i % 3 for i in range(2 + 4 * 3)]  # 2 warm-up calls, then 4 loops of 3
+  assert t.method == timing.HOST_LOOP and t.calls == 3 and len(t.samples_s) == 4
+  assert 0 < t.min_s <= t.median_s and np.isfinite(t.median_s)
+
+
+def test_host_loop_jax_jits_a_plain_function_as_a_user_would():
+  traces = []
+
+  def plain(a):  # Python runs it only while jax traces it
+    traces.append(a.shape)
+    return jnp.sin(a)
+
+  assert not isinstance(plain, jax.stages.Wrapped)
+  t = timing.time_host_loop_jax(plain, [(jnp.ones((8,), jnp.float32),)], warmup=1, iters=3, repeats=2,
+                                min_loop_s=0.0)
+  assert traces == [(8,)]  # traced once, then 7 calls of the compiled program
+  assert t.median_s > 0 and t.calls == 3
+  jitted = jax.jit(plain)
+  assert timing.user_jitted(jitted) is jitted
+
+
+def test_host_loop_torch_times_calls_per_loop_by_wall_clock(monkeypatch):
+  # A fake torch (its CUDA synchronize counted) and a fake clock that each call advances by
+  # 2**-12 s: the loop is lengthened to min_loop_s and each sample reads exactly one call's time.
+  clock = {"now": 0.0, "calls": 0, "syncs": 0}
+
+  def fn(x):
+    clock["now"] += 2**-12
+    clock["calls"] += 1
+    return x
+
+  def synchronize():
+    clock["syncs"] += 1
+
+  fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=synchronize))
+  monkeypatch.setitem(sys.modules, "torch", fake_torch)
+  monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+  t = timing.time_host_loop_torch(fn, [(0,), (1,)], warmup=1, iters=2, repeats=3, min_loop_s=5 * 2**-12)
+  # 1 warm-up call, a pilot loop of 2, then 3 loops lengthened to 5 calls; a synchronize after each loop.
+  assert (clock["calls"], clock["syncs"]) == (1 + 2 + 3 * 5, 1 + 1 + 3)
+  assert (t.method, t.calls, t.samples_s) == (timing.HOST_LOOP, 5, (2**-12,) * 3)
+  assert timing.HOST_LOOP_TIMERS == {"jax": timing.time_host_loop_jax, "torch": timing.time_host_loop_torch}
 
 
 def test_chain_uses_every_barrier_output_so_xla_cannot_merge_the_calls():
