@@ -147,17 +147,19 @@ def make_model(config, attention: str, compute_dtype: str, stub: bool = False) -
 # ---------------------------------------------------------------------------- timing
 
 
-def engine_for(model: Llama, params, batch: int, context: int, steps_per_dispatch: int,
+def engine_for(model: Llama, params, batch: int, context: int, steps_per_dispatch: int, pool_sequences: int,
                page_size: int = PAGE_SIZE) -> serving.Engine:
+  """An engine of `batch` slots over a pool of pool_sequences full sequences (a pool of one size
+  for every batch of a context: the prefill compiles once for them all)."""
   pages_per_seq = -(-context // page_size)
-  return serving.Engine(model, params, num_slots=batch, page_size=page_size, num_pages=batch * pages_per_seq,
-                        max_pages_per_seq=pages_per_seq, steps_per_dispatch=steps_per_dispatch)
+  return serving.Engine(model, params, num_slots=batch, page_size=page_size,
+                        num_pages=max(batch, pool_sequences) * pages_per_seq, max_pages_per_seq=pages_per_seq,
+                        steps_per_dispatch=steps_per_dispatch)
 
 
-def run_loop(model: Llama, params, requests, context: int, steps_per_dispatch: int, *, progress: bool = False):
-  """(stats of the timed run, the engine) after a compile run of one request of the same shapes."""
-  engine = engine_for(model, params, len(requests), context, steps_per_dispatch)
-  engine.run([dataclasses.replace(requests[0], max_new_tokens=2 * steps_per_dispatch + 1, output_ids=[])])
+def run_loop(engine: serving.Engine, requests, *, progress: bool = False):
+  """(stats of the timed run, its requests) after a compile run of one request of the same shapes."""
+  engine.run([dataclasses.replace(requests[0], max_new_tokens=2 * engine.steps_per_dispatch + 1, output_ids=[])])
   engine.stats = serving.Stats()
   runs = [dataclasses.replace(r, output_ids=[]) for r in requests]
   stats = engine.run(runs, progress=progress)
@@ -171,7 +173,7 @@ def full_state(engine: serving.Engine, length: int) -> serving.SlotState:
   held = -(-length // engine.page_size)
   ids = np.arange(batch * pages_per_seq, dtype=np.int32).reshape(batch, pages_per_seq)
   tables = np.where(np.arange(pages_per_seq) < held, ids, pkv.UNALLOCATED)
-  free = ids[:, held:].reshape(-1)
+  free = np.concatenate([ids[:, held:].reshape(-1), np.arange(ids.size, engine.num_pages, dtype=np.int32)])
   pool = pkv.PagePool(jnp.asarray(np.concatenate([free, ids[:, :held].reshape(-1)])), jnp.int32(free.size))
   state = engine.state
   slots = engine.num_slots
@@ -233,17 +235,17 @@ class Phases:
 
 
 def run_row(config, params, *, batch: int, context: int, attention: str, new_tokens: int, steps_per_dispatch: int,
-            counts: dict, compute_dtype: str, seed: int, stub: bool, progress: bool) -> dict:
+            pool_sequences: int, counts: dict, compute_dtype: str, seed: int, stub: bool, progress: bool) -> dict:
   """Times one (batch, context, attention); the fields of the module docstring."""
   prompt_len = context - new_tokens
   requests = make_requests(batch, prompt_len, new_tokens, config.vocab_size, seed)
   phases = Phases(f"B={batch} C={context} {attention}")
-  model = make_model(config, attention, compute_dtype)
-  stats, runs = run_loop(model, params, requests, context, steps_per_dispatch, progress=progress)
+  engine = engine_for(make_model(config, attention, compute_dtype), params, batch, context, steps_per_dispatch,
+                      pool_sequences)
+  stats, runs = run_loop(engine, requests, progress=progress)
   ran = attention if attention in DECODE_LAYERS else pkv.last_impl()
   phases.done("engine (compile run + timed run)")
   step_s = statistics.median(stats.step_seconds)
-  engine = engine_for(model, params, batch, context, steps_per_dispatch)
   device_s, enqueue_s = device_step_seconds(engine, context - new_tokens // 2, new_tokens // 2)
   del engine
   attn_s = time_attention(config, batch, context - new_tokens // 2, attention, counts)
@@ -253,8 +255,9 @@ def run_row(config, params, *, batch: int, context: int, attention: str, new_tok
              enqueue_step_ms=1e3 * enqueue_s, gpu_idle=max(0.0, 1 - device_s / step_s), attn_us=1e6 * attn_s,
              attn_share=config.num_layers * attn_s / device_s, first_tokens=runs[0].output_ids)
   if stub:
-    stub_stats, _ = run_loop(make_model(config, attention, compute_dtype, stub=True), params, requests, context,
-                             steps_per_dispatch)
+    stub_engine = engine_for(make_model(config, attention, compute_dtype, stub=True), params, batch, context,
+                             steps_per_dispatch, pool_sequences)
+    stub_stats, _ = run_loop(stub_engine, requests)
     row["stub_step_ms"] = 1e3 * statistics.median(stub_stats.step_seconds)
     phases.done("engine without attention")
   return row
@@ -277,7 +280,7 @@ def run(config, params, *, batches: Sequence[int], contexts: Sequence[int], impl
                    steps_per_dispatch=steps_per_dispatch, compute_dtype=compute_dtype)
         try:
           row |= run_row(config, params, batch=batch, context=context, attention=attention, new_tokens=new_tokens,
-                         steps_per_dispatch=steps_per_dispatch, counts=counts, compute_dtype=compute_dtype,
+                         steps_per_dispatch=steps_per_dispatch, pool_sequences=max(batches), counts=counts, compute_dtype=compute_dtype,
                          seed=seed, stub=stub, progress=progress)
           stub_text = f"  no-attention step {row['stub_step_ms']:7.2f} ms" if stub else ""
           out(f"C={context:5d} B={batch:3d} {attention:10s} ({row['ran']:10s}) loop {row['loop_tok_s']:9.1f} tok/s  "
