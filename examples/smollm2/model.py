@@ -129,7 +129,10 @@ class Llama:
     num_pages = pages.k.shape[0] // self.config.num_layers
     block = functools.partial(self._block, tables, lengths, num_pages, prefill)
     layers = (params["layers"], jnp.arange(self.config.num_layers, dtype=jnp.int32))
-    (x, pages), _ = jax.lax.scan(block, (x, pages), layers)
+    # A decode step's layers unrolled: their small kernels then go out in one stream, and the
+    # call returns before the device is done (a rolled loop of 30 layers measured 7% slower per
+    # step on the H200 and kept the host waiting). A prefill's long body stays rolled (compile time).
+    (x, pages), _ = jax.lax.scan(block, (x, pages), layers, unroll=not prefill)
     return rms_norm(x, params["final_norm"], self.config.rms_norm_eps), pages
 
   def logits(self, params, hidden):
