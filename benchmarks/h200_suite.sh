@@ -235,9 +235,13 @@ for part in "$@"; do
                   --split_plan=$plan --sequence_order=$order $([ $plan = balanced ] && echo --merge_in_kernel) \
                   --warmup=2 --repeats=5 --json="$out/ragged_one_$name.json" 2>&1 | quiet | tee "$out/ragged_one_$name.log"
               done ;;
-    smollm2)  python3 -m benchmarks.smollm2 --gguf="${SMOLLM2_GGUF:?set SMOLLM2_GGUF to the GGUF file}" \
-                --batch=1,8,64 --impl=auto,xla --prompt_len=256 --new_tokens=64 --json="$out/smollm2.json" 2>&1 \
-                | quiet | grep -v '^step' | tee "$out/smollm2.log" ;;
+    smollm2)  # the engine at 1K / 4K / 8K context with auto, xla and cuDNN attention (~9 minutes), then
+              # transformers on the same GGUF (needs the gguf wheel on the machine)
+              python3 -m benchmarks.smollm2 --gguf="${SMOLLM2_GGUF:?set SMOLLM2_GGUF to the GGUF file}" \
+                --context=8192,4096,1024 --batch=16,64,1 --impl=auto,xla,cudnn --json="$out/smollm2.json" 2>&1 \
+                | quiet | grep -v '^step' | tee "$out/smollm2.log"
+              python3 -m benchmarks.smollm2_transformers --gguf="$SMOLLM2_GGUF" --context=8192,4096,1024 \
+                --batch=16,64,1 --json="$out/smollm2_transformers.json" 2>&1 | grep '^B=' | tee "$out/smollm2_transformers.log" ;;
     vmap)     python3 -m benchmarks.vmap --json="$out/vmap.json" 2>&1 | quiet | tee "$out/vmap.log" ;;
     qprobe)   python3 -m benchmarks.quantized_probe --json="$out/qprobe.json" 2>&1 | quiet | tee "$out/qprobe.log" ;;
     paged)    for ps in 16 64; do
