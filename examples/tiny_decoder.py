@@ -90,8 +90,9 @@ MLA = pkv.MLAConfig(kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=64, 
 
 def _reserve(caches, pool, num_new: int):
   """Reserves pages for num_new tokens per sequence (shared by all layers)."""
-  pool, tables, ok = kv_cache.reserve_pages(pool, caches.block_tables[0], caches.lengths[0], num_new,
-                                            caches.page_size)
+  # The caches are stacked on a leading layer axis: a page is axis 2 of the pages ([L, P, page, ...]).
+  page_size = (caches.kv_pages if isinstance(caches, pkv.PagedLatentCache) else caches.k_pages).shape[2]
+  pool, tables, ok = kv_cache.reserve_pages(pool, caches.block_tables[0], caches.lengths[0], num_new, page_size)
   tables = jnp.broadcast_to(tables, caches.block_tables.shape)
   return dataclasses.replace(caches, block_tables=tables), pool, ok
 

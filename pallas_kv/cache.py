@@ -9,9 +9,11 @@ contiguous, [P, page_size, Hkv] paged; computed on append from each new token's 
 head_dim: the accurate choice for int8), or one fixed scale given at creation (a number for the
 whole cache or [Hkv] per kv head), or none (scale 1; fp8 only). The ops take them as their
 k_scale / v_scale arguments.
-Tokens appended past a sequence's capacity are dropped (never written out of bounds) and
-`lengths` still grows, so `lengths > capacity` marks the overflow; the ops report it in checked
-mode (`pallas_kv.checked()`).
+Appends are all or nothing per sequence: a sequence whose new tokens do not all fit (past its
+capacity, or a position whose page the block table does not hold) stores none of them and keeps
+its length. `try_append` returns which sequences took their tokens (`ok` [B]); `append` reports a
+refused one in checked mode (`pallas_kv.checked()`), and raises at trace time where the shapes
+alone make it certain (more new tokens than the capacity).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import checkify
 
+from pallas_kv import runtime
 from pallas_kv import validation
 
 
@@ -123,15 +127,43 @@ def _new_positions(lengths, num_new: int):
   return lengths[:, None] + jnp.arange(num_new, dtype=lengths.dtype)[None, :]
 
 
-def _paged_slots(block_tables, lengths, page_size: int, num_pages: int, num_new: int):
-  """(page id, slot) [B, S] of each new token; page id num_pages (dropped by the scatter) where
-  the position is past the table or the table holds no page (a negative id: unallocated)."""
-  positions = _new_positions(lengths, num_new)
+def _counts(num_new, batch: int, num_tokens: int, capacity: int):
+  """The new tokens each sequence appends, int32 [B] (all S where num_new is None); and a
+  ValueError where the shapes alone make an append impossible."""
+  if num_tokens > capacity:
+    raise ValueError(f"{num_tokens} new tokens per sequence cannot fit a cache of capacity {capacity}")
+  if num_new is None:
+    return jnp.full((batch,), num_tokens, jnp.int32)
+  num_new = jnp.asarray(num_new)
+  if num_new.shape != (batch,) or not jnp.issubdtype(num_new.dtype, jnp.integer):
+    raise ValueError(f"num_new must be an integer array [B={batch}]; got {num_new.dtype} {tuple(num_new.shape)}")
+  return jnp.clip(num_new.astype(jnp.int32), 0, num_tokens)
+
+
+def _taken(fits, counts, num_tokens: int):
+  """[B, S] bool: the new tokens that are stored (the first counts[b], where the sequence fits)."""
+  return fits[:, None] & (jnp.arange(num_tokens, dtype=jnp.int32)[None, :] < counts[:, None])
+
+
+def _report_refused(ok, where: str) -> None:
+  """In checked mode, a checkify error if some sequence's append was refused."""
+  if runtime.checked_enabled():
+    checkify.check(jnp.all(ok), f"{where}: a sequence's new tokens do not fit (past its capacity, or on a "
+                   "page its block table does not hold: reserve pages first); none of them was stored")
+
+
+def _paged_fit(block_tables, lengths, counts, page_size: int, num_pages: int, num_tokens: int):
+  """(page id, slot) [B, S] of each new token, and fits [B]: every one of the sequence's counts[b]
+  new tokens has a page in its table. Page id num_pages (dropped by the scatter) where a token is
+  not stored."""
+  positions = _new_positions(lengths, num_tokens)
   table_index = positions // page_size
   max_pages = block_tables.shape[1]
   pages = jnp.take_along_axis(block_tables, jnp.clip(table_index, 0, max_pages - 1), axis=1)
-  valid = (positions >= 0) & (table_index < max_pages) & (pages >= 0) & (pages < num_pages)
-  return jnp.where(valid, pages, num_pages), positions % page_size
+  has_page = (positions >= 0) & (table_index < max_pages) & (pages >= 0) & (pages < num_pages)
+  wanted = _taken(jnp.ones(lengths.shape, bool), counts, num_tokens)
+  fits = jnp.all(has_page | ~wanted, axis=1)
+  return jnp.where(_taken(fits, counts, num_tokens), pages, num_pages), positions % page_size, fits
 
 
 @jax.tree_util.register_dataclass
@@ -164,20 +196,34 @@ class KVCache:
   def capacity(self) -> int:
     return self.k.shape[1]
 
-  def append(self, k_new, v_new) -> KVCache:
-    """Writes S new tokens per sequence ([B, S, Hkv, D] or [B, Hkv, D]) at positions lengths[b] + s."""
+  def append(self, k_new, v_new, num_new=None) -> KVCache:
+    """`try_append` that reports a refused sequence in checked mode instead of returning ok."""
+    cache, ok = self.try_append(k_new, v_new, num_new)
+    _report_refused(ok, "KVCache.append")
+    return cache
+
+  def try_append(self, k_new, v_new, num_new=None) -> tuple[KVCache, jax.Array]:
+    """Writes S new tokens per sequence ([B, S, Hkv, D] or [B, Hkv, D]) at positions lengths[b] + s.
+
+    num_new: int [B], how many of the S tokens each sequence takes (right-padded prompts); all S
+    by default. All or nothing per sequence: one whose tokens would pass the capacity stores none
+    and keeps its length. Returns (cache, ok [B] bool: the sequence took its tokens).
+    """
     k_new, v_new = _as_rank4(k_new, "k_new"), _as_rank4(v_new, "v_new")
-    b = self.k.shape[0]
+    b, s = self.k.shape[0], k_new.shape[1]
     _check_new("k_new", k_new, b, self.k.shape[2:], self.k.dtype)
     _check_new("v_new", v_new, b, self.k.shape[2:], self.v.dtype)
-    positions = _new_positions(self.lengths, k_new.shape[1])
+    counts = _counts(num_new, b, s, self.capacity)
+    fits = self.lengths + counts <= self.capacity
+    positions = jnp.where(_taken(fits, counts, s), _new_positions(self.lengths, s), self.capacity)  # else dropped
     rows = jnp.arange(b)[:, None]
     write = lambda array, values: array.at[rows, positions].set(values, mode="drop")
     # [B, Hkv, D, T] indexed at (rows, :, :, positions) takes values [B, S, Hkv, D] as they come.
     write_tokens_last = lambda array, values: array.at[rows, :, :, positions].set(values, mode="drop")
     k, k_scale = _write(write, self.k, self.k_scale, k_new)
     v, v_scale = _write(write, self.v, self.v_scale, v_new, write_tokens_last if self.v_tokens_last else None)
-    return KVCache(k, v, self.lengths + k_new.shape[1], k_scale, v_scale, self.v_tokens_last)
+    lengths = jnp.where(fits, self.lengths + counts, self.lengths)
+    return KVCache(k, v, lengths, k_scale, v_scale, self.v_tokens_last), fits
 
 
 @jax.tree_util.register_dataclass
@@ -218,21 +264,32 @@ class PagedKVCache:
   def capacity(self) -> int:
     return self.block_tables.shape[1] * self.page_size
 
-  def append(self, k_new, v_new) -> PagedKVCache:
-    """Writes S new tokens per sequence through the block table at positions lengths[b] + s."""
+  def append(self, k_new, v_new, num_new=None) -> PagedKVCache:
+    """`try_append` that reports a refused sequence in checked mode instead of returning ok."""
+    cache, ok = self.try_append(k_new, v_new, num_new)
+    _report_refused(ok, "PagedKVCache.append")
+    return cache
+
+  def try_append(self, k_new, v_new, num_new=None) -> tuple[PagedKVCache, jax.Array]:
+    """Writes S new tokens per sequence through the block table at positions lengths[b] + s.
+
+    As `KVCache.try_append`; a sequence also takes none of its tokens where one of them falls on
+    a page its block table does not hold (reserve pages first: `reserve_pages`).
+    """
     k_new, v_new = _as_rank4(k_new, "k_new"), _as_rank4(v_new, "v_new")
-    b = self.block_tables.shape[0]
+    b, s = self.block_tables.shape[0], k_new.shape[1]
     _check_new("k_new", k_new, b, self.k_pages.shape[2:], self.k_pages.dtype)
     _check_new("v_new", v_new, b, self.k_pages.shape[2:], self.v_pages.dtype)
-    pages, slots = _paged_slots(self.block_tables, self.lengths, self.page_size, self.k_pages.shape[0],
-                                k_new.shape[1])
+    counts = _counts(num_new, b, s, self.capacity)
+    pages, slots, fits = _paged_fit(self.block_tables, self.lengths, counts, self.page_size,
+                                    self.k_pages.shape[0], s)
     write = lambda array, values: array.at[pages, slots].set(values, mode="drop")
     write_tokens_last = lambda array, values: array.at[pages, :, :, slots].set(values, mode="drop")
     k_pages, k_scale = _write(write, self.k_pages, self.k_scale, k_new)
     v_pages, v_scale = _write(write, self.v_pages, self.v_scale, v_new,
                               write_tokens_last if self.v_tokens_last else None)
-    return PagedKVCache(k_pages, v_pages, self.block_tables, self.lengths + k_new.shape[1], k_scale, v_scale,
-                        self.v_tokens_last)
+    lengths = jnp.where(fits, self.lengths + counts, self.lengths)
+    return PagedKVCache(k_pages, v_pages, self.block_tables, lengths, k_scale, v_scale, self.v_tokens_last), fits
 
   def dense_view(self) -> KVCache:
     """A contiguous copy [B, max_pages * page_size, Hkv, D] of what the block tables point at
@@ -264,18 +321,26 @@ class PagedLatentCache:
   def capacity(self) -> int:
     return self.block_tables.shape[1] * self.page_size
 
-  def append(self, kv_new) -> PagedLatentCache:
-    """Writes S new latent rows per sequence ([B, S, Dqk] or [B, Dqk]) through the block table."""
+  def append(self, kv_new, num_new=None) -> PagedLatentCache:
+    """`try_append` that reports a refused sequence in checked mode instead of returning ok."""
+    cache, ok = self.try_append(kv_new, num_new)
+    _report_refused(ok, "PagedLatentCache.append")
+    return cache
+
+  def try_append(self, kv_new, num_new=None) -> tuple[PagedLatentCache, jax.Array]:
+    """Writes S new latent rows per sequence ([B, S, Dqk] or [B, Dqk]) through the block table;
+    all or nothing per sequence, as `PagedKVCache.try_append`. Returns (cache, ok [B])."""
     if kv_new.ndim == 2:
       kv_new = kv_new[:, None]
     if kv_new.ndim != 3:
       raise ValueError(f"kv_new must have rank 2 [B, Dqk] or 3 [B, S, Dqk]; got shape {tuple(kv_new.shape)}")
-    _check_new("kv_new", kv_new[..., None, :], self.block_tables.shape[0], (1, self.kv_pages.shape[2]),
-               self.kv_pages.dtype)
-    pages, slots = _paged_slots(self.block_tables, self.lengths, self.page_size, self.kv_pages.shape[0],
-                                kv_new.shape[1])
+    b, s = self.block_tables.shape[0], kv_new.shape[1]
+    _check_new("kv_new", kv_new[..., None, :], b, (1, self.kv_pages.shape[2]), self.kv_pages.dtype)
+    counts = _counts(num_new, b, s, self.capacity)
+    pages, slots, fits = _paged_fit(self.block_tables, self.lengths, counts, self.page_size,
+                                    self.kv_pages.shape[0], s)
     kv_pages = self.kv_pages.at[pages, slots].set(kv_new, mode="drop")
-    return PagedLatentCache(kv_pages, self.block_tables, self.lengths + kv_new.shape[1])
+    return PagedLatentCache(kv_pages, self.block_tables, jnp.where(fits, self.lengths + counts, self.lengths)), fits
 
 
 # ---------------------------------------------------------------------------- page pool

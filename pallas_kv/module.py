@@ -22,6 +22,7 @@ from pallas_kv import xla
 from pallas_kv.cache import KVCache
 from pallas_kv.cache import PagedKVCache
 from pallas_kv.cache import PagedLatentCache
+from pallas_kv.cache import gather_pages
 from pallas_kv.cache import is_quantized
 
 
@@ -52,25 +53,32 @@ def rope(x, positions, theta: float):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-# Queries per block of prefill attention: a block's scores are [chunk, L], never [L, L] (an 8K
+# Queries per block of prefill attention: a block's scores are [chunk, T], never [L, T] (an 8K
 # prompt's full scores would take 2.4 GB per head group and layer).
 PREFILL_CHUNK = 512
 
 
-def causal_attention(q, k, v, *, scale: float, softcap=None, window=None, sinks=None):
-  """Plain XLA causal attention among L prompt tokens (prefill). q [B, L, Hq, D], k/v [B, L, Hkv, *].
+def prefix_attention(q, k, v, positions, lengths, *, scale: float, softcap=None, window=None, sinks=None,
+                     k_scale=None, v_scale=None):
+  """Plain XLA attention of L new tokens over a cache that already holds them (prefill).
 
-  The queries go in blocks of PREFILL_CHUNK, each over the keys up to its last query."""
-  b, l = q.shape[:2]
+  q [B, L, Hq, D] at positions [B, L]; k, v [B, T, Hkv, *] the cache's tokens, lengths [B] of them
+  valid: a token at position p sees the keys at positions <= p (the cached ones and, causally, the
+  new ones). The queries go in blocks of PREFILL_CHUNK. Returns [B, L, Hq, Dv] float32."""
   blocks = []
-  for start in range(0, l, PREFILL_CHUNK):
-    stop = min(start + PREFILL_CHUNK, l)
-    # Prompt token i attends to tokens j <= i: decode attention whose S new tokens are the last
-    # of `stop` keys gives that.
-    out, _ = xla.attend(q[:, start:stop], k[:, :stop], v[:, :stop], jnp.full((b,), stop, jnp.int32), scale=scale,
-                        softcap=softcap, window=window, sinks=sinks)
+  for start in range(0, q.shape[1], PREFILL_CHUNK):
+    stop = min(start + PREFILL_CHUNK, q.shape[1])
+    out, _ = xla.attend(q[:, start:stop], k, v, lengths, scale=scale, softcap=softcap, window=window, sinks=sinks,
+                        k_scale=k_scale, v_scale=v_scale, positions=positions[:, start:stop])
     blocks.append(out)
   return blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=1)
+
+
+def _cache_contents(cache):
+  """(k, v [B, T, Hkv, D], k_scale, v_scale) of a KVCache or PagedKVCache, in token order."""
+  dense = cache.dense_view() if isinstance(cache, PagedKVCache) else cache
+  v = jnp.transpose(dense.v, (0, 3, 1, 2)) if dense.v_tokens_last else dense.v
+  return dense.k, v, dense.k_scale, dense.v_scale
 
 
 def _kv_dtype(cache):
@@ -115,8 +123,8 @@ class DecodeAttention:
     if self.mla is None:
       if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
         raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
-      if self.head_dim % 2:
-        raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+      if self.head_dim < 1 or self.head_dim % 2:
+        raise ValueError(f"head_dim={self.head_dim} must be positive and even (RoPE rotates pairs)")
     elif self.window is not None or self.softcap is not None or self.use_sinks:
       raise NotImplementedError("window, softcap and sinks are not supported with MLA")
     if self.impl not in api.IMPLS:
@@ -161,9 +169,33 @@ class DecodeAttention:
     cached ones). For a paged cache the pages for the new tokens must be reserved first
     (`pallas_kv.cache.reserve_pages`). config: an explicit kernel config.
     """
+    h = self.hidden_size
+    if x.ndim not in (2, 3) or x.shape[-1] != h:
+      raise ValueError(f"x must be [B, S, hidden_size={h}] or [B, hidden_size={h}]; got shape {tuple(x.shape)}")
     single = x.ndim == 2
     if single:
       x = x[:, None]
+    if self.mla is None:  # the cache against the layer, before the new tokens are appended to it
+      if isinstance(cache, KVCache):
+        (k_name, k), (v_name, v) = ("cache.k", cache.k), ("cache.v", cache.v)
+        batch_name, cache_batch = "cache.k", cache.k.shape[0]
+      elif isinstance(cache, PagedKVCache):
+        (k_name, k), (v_name, v) = ("cache.k_pages", cache.k_pages), ("cache.v_pages", cache.v_pages)
+        batch_name, cache_batch = "cache.block_tables", cache.block_tables.shape[0]
+      else:
+        raise ValueError(f"cache must be a KVCache or PagedKVCache for standard attention; got {type(cache).__name__}")
+      # [.., Hkv, D] at dims 2, 3; a v stored tokens last ([B, Hkv, D, T] / [P, Hkv, D, page]) at 1, 2.
+      for name, array, axis in ((k_name, k, 2), (v_name, v, 1 if cache.v_tokens_last else 2)):
+        if array.ndim != 4:
+          raise ValueError(f"{name} must have rank 4; got shape {tuple(array.shape)}")
+        if array.shape[axis] != self.num_kv_heads:
+          raise ValueError(f"{name} has {array.shape[axis]} kv heads; this layer has num_kv_heads={self.num_kv_heads}")
+        if array.shape[axis + 1] != self.head_dim:
+          raise ValueError(f"{name} has head_dim {array.shape[axis + 1]}; this layer has head_dim={self.head_dim}")
+      if cache_batch != x.shape[0]:
+        raise ValueError(f"cache batch {cache_batch} ({batch_name}.shape[0]) does not match x's batch {x.shape[0]}")
+      if tuple(cache.lengths.shape) != (x.shape[0],):
+        raise ValueError(f"cache.lengths has shape {tuple(cache.lengths.shape)}; expected x's batch ({x.shape[0]},)")
     if positions is None:
       positions = cache.lengths[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None, :]
     if self.mla is None:
@@ -209,6 +241,17 @@ class DecodeAttention:
   def _mla_step(self, params, x, cache, positions, config):
     if not isinstance(cache, PagedLatentCache):
       raise ValueError(f"cache must be a PagedLatentCache for MLA; got {type(cache).__name__}")
+    row = self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+    if cache.kv_pages.ndim != 3:
+      raise ValueError(f"cache.kv_pages must have rank 3 [P, page_size, Dqk]; got shape {tuple(cache.kv_pages.shape)}")
+    if cache.kv_pages.shape[2] != row:
+      raise ValueError(f"cache.kv_pages has rows of {cache.kv_pages.shape[2]}; this layer has "
+                       f"kv_lora_rank + qk_rope_head_dim = {row}")
+    if cache.block_tables.shape[0] != x.shape[0]:
+      raise ValueError(f"cache batch {cache.block_tables.shape[0]} (cache.block_tables.shape[0]) does not match "
+                       f"x's batch {x.shape[0]}")
+    if tuple(cache.lengths.shape) != (x.shape[0],):
+      raise ValueError(f"cache.lengths has shape {tuple(cache.lengths.shape)}; expected x's batch ({x.shape[0]},)")
     q, rows = self._mla_latents(params, x, positions)
     cache = cache.append(rows.astype(cache.kv_pages.dtype))
     out_latent = api.mla_decode_attention(q.astype(cache.kv_pages.dtype), cache.kv_pages, cache.block_tables,
@@ -219,23 +262,32 @@ class DecodeAttention:
 
   # ------------------------------------------------------------------------ prefill
 
-  def prefill(self, params: dict, x, cache):
-    """Runs a whole prompt x [B, L, hidden] through the layer with plain XLA causal attention,
-    appending its K/V to an empty cache (lengths 0; pages reserved for a paged cache)."""
-    positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+  def prefill(self, params: dict, x, cache, num_new=None):
+    """Runs prompts x [B, L, hidden] through the layer, continuing the cache: each sequence's new
+    tokens go after its cached ones (positions and RoPE offset by `cache.lengths`) and attend to
+    the cached tokens and, causally, to each other, in plain XLA (`prefix_attention`).
+
+    num_new: int [B], each prompt's real tokens (prompts right-padded to L; all L by default):
+    only those are appended. A paged cache needs their pages reserved first. A sequence whose
+    tokens do not fit stores none (`cache.try_append`; reported in checked mode), and its outputs
+    are not meaningful. Returns (y [B, L, hidden], cache).
+    """
+    positions = cache.lengths[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None, :]
     if self.mla is not None:
+      if not isinstance(cache, PagedLatentCache):
+        raise ValueError(f"cache must be a PagedLatentCache for MLA; got {type(cache).__name__}")
       q, rows = self._mla_latents(params, x, positions)
-      cache = cache.append(rows.astype(cache.kv_pages.dtype))
-      kv = rows.astype(cache.kv_pages.dtype)[:, :, None, :]
-      out = causal_attention(q, kv, kv[..., :self.mla.kv_lora_rank], scale=self.scale)
+      cache = cache.append(rows.astype(cache.kv_pages.dtype), num_new)
+      kv = gather_pages(cache.kv_pages, cache.block_tables)[:, :, None, :]
+      out = prefix_attention(q.astype(kv.dtype), kv, kv[..., :self.mla.kv_lora_rank], positions, cache.lengths,
+                             scale=self.scale)
       v = jnp.einsum("bsnc,ncv->bsnv", out.astype(x.dtype), params["w_uv"])
       return jnp.einsum("bsnv,nvh->bsh", v, params["wo"]), cache
     q, k, v = self._project_qkv(params, x, positions)
     kv_dtype = _kv_dtype(cache)
-    k, v = (_as_cache_input(t, kv_dtype) for t in (k, v))
-    cache = cache.append(k, v)
-    # A quantized cache's prompt attends over its unquantized keys and values.
-    dtype = _query_dtype(kv_dtype)
-    out = causal_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), scale=self.scale,
-                           softcap=self.softcap, window=self.window, sinks=params.get("sinks"))
+    cache = cache.append(*(_as_cache_input(t, kv_dtype) for t in (k, v)), num_new)
+    keys, values, k_scale, v_scale = _cache_contents(cache)
+    out = prefix_attention(q.astype(_query_dtype(kv_dtype)), keys, values, positions, cache.lengths,
+                           scale=self.scale, softcap=self.softcap, window=self.window, sinks=params.get("sinks"),
+                           k_scale=k_scale, v_scale=v_scale)
     return jnp.einsum("bsnd,ndh->bsh", out.astype(x.dtype), params["wo"]), cache

@@ -33,9 +33,12 @@ def query_positions(lengths, num_queries: int, capacity: int):
   return lengths[:, None] - num_queries + jnp.arange(num_queries, dtype=jnp.int32)[None, :], lengths
 
 
-def key_mask(lengths, num_queries: int, capacity: int, window: int | None):
-  """[B, S, T] bool: key t is visible to new token s (causal, inside the length, inside the window)."""
-  positions, _ = query_positions(lengths, num_queries, capacity)
+def key_mask(lengths, num_queries: int, capacity: int, window: int | None, positions=None):
+  """[B, S, T] bool: key t is visible to new token s (causal, inside the length, inside the window).
+
+  positions [B, S]: the new tokens' positions, if not the last S of the lengths[b] tokens."""
+  if positions is None:
+    positions, _ = query_positions(lengths, num_queries, capacity)
   t = jnp.arange(capacity, dtype=jnp.int32)[None, None, :]
   p = positions[:, :, None]
   mask = (t <= p) & (t >= 0)
@@ -93,10 +96,12 @@ def _log_sum(row_sum, shift):
   return jnp.where(row_sum > 0, jnp.log(safe_sum) + shift, -jnp.inf)
 
 
-def attend(q4, k, v, lengths, *, scale, softcap=None, window=None, sinks=None, k_scale=None, v_scale=None):
+def attend(q4, k, v, lengths, *, scale, softcap=None, window=None, sinks=None, k_scale=None, v_scale=None,
+           positions=None):
   """q4 [B, S, Hq, D]; k [B, T, Hkv, D], v [B, T, Hkv, Dv] in the cache's dtype; k_scale, v_scale:
-  None, a scalar, [Hkv] or per token [B, T, Hkv]. Returns (out [B, S, Hq, Dv], lse [B, S, Hq])
-  in float32. No limit on S (prefill uses it too)."""
+  None, a scalar, [Hkv] or per token [B, T, Hkv]. positions [B, S]: the new tokens' positions
+  (default: the last S of the lengths[b] tokens). Returns (out [B, S, Hq, Dv], lse [B, S, Hq]) in
+  float32. No limit on S (prefill uses it too)."""
   b, s, hq, d = q4.shape
   t, hkv = k.shape[1], k.shape[2]
   g = hq // hkv
@@ -114,7 +119,7 @@ def attend(q4, k, v, lengths, *, scale, softcap=None, window=None, sinks=None, k
     logits = logits * k_token[:, :, None, None, :]
   if softcap is not None:
     logits = softcap * jnp.tanh(logits / softcap)
-  mask = key_mask(lengths, s, t, window)[:, None, None]  # [B, 1, 1, S, T]
+  mask = key_mask(lengths, s, t, window, positions)[:, None, None]  # [B, 1, 1, S, T]
   # Masked keys get probability 0, but 0 x NaN is NaN: values past a sequence's length (stale
   # cache memory, or pages it does not own) must not reach the product either.
   v = values_in_length(v.astype(dtype), lengths)

@@ -1,8 +1,11 @@
 """KV cache pytrees (appending through the block table, dense views, attention over shuffled pages)
 and the page pool (reserve, release, exhaustion)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import checkify
 import numpy as np
 import pytest
 
@@ -34,12 +37,39 @@ def test_dense_append_writes_at_lengths(num_new):
     np.testing.assert_array_equal(new.v[b], want_v)
 
 
-def test_dense_append_past_capacity_drops_tokens():
+def test_dense_append_past_capacity_stores_nothing_for_that_sequence_and_says_so():
   rng = np.random.default_rng(1)
-  cache = pkv.KVCache(_random(rng, (1, 4, 1, 2)), _random(rng, (1, 4, 1, 2)), jnp.asarray([3], jnp.int32))
-  new = cache.append(_random(rng, (1, 3, 1, 2)), _random(rng, (1, 3, 1, 2)))
-  np.testing.assert_array_equal(new.k[:, :3], cache.k[:, :3])
-  assert int(new.lengths[0]) == 6  # > capacity marks the overflow
+  cache = pkv.KVCache(_random(rng, (2, 4, 1, 2)), _random(rng, (2, 4, 1, 2)), jnp.asarray([3, 1], jnp.int32))
+  k_new, v_new = _random(rng, (2, 3, 1, 2)), _random(rng, (2, 3, 1, 2))
+  new, ok = jax.jit(lambda c, k, v: c.try_append(k, v))(cache, k_new, v_new)
+  assert np.asarray(ok).tolist() == [False, True]
+  assert np.asarray(new.lengths).tolist() == [3, 4]   # the refused sequence keeps its length
+  np.testing.assert_array_equal(new.k[0], cache.k[0])   # and none of its tokens is stored
+  np.testing.assert_array_equal(new.k[1, 1:4], k_new[1])
+  # append reports the refusal in checked mode; a plain append traces no check.
+  with pkv.checked():
+    err, _ = checkify.checkify(jax.jit(lambda c, k, v: c.append(k, v)))(cache, k_new, v_new)
+  assert "do not fit" in err.get()
+  assert not jax.make_jaxpr(lambda c, k, v: c.append(k, v))(cache, k_new, v_new).effects
+
+
+def test_append_of_more_tokens_than_the_capacity_raises_at_trace_time():
+  cache = pkv.KVCache.create(batch=1, capacity=2, num_kv_heads=2, head_dim=16, dtype=jnp.float32)
+  x = jnp.ones((1, 3, 2, 16))
+  with pytest.raises(ValueError, match="3 new tokens per sequence cannot fit a cache of capacity 2"):
+    cache.append(x, x)
+
+
+def test_append_takes_num_new_tokens_per_sequence():
+  rng = np.random.default_rng(4)
+  cache = pkv.KVCache.create(batch=2, capacity=8, num_kv_heads=1, head_dim=2, dtype=jnp.float32)
+  k_new = _random(rng, (2, 4, 1, 2))
+  new, ok = cache.try_append(k_new, k_new, jnp.asarray([2, 4], jnp.int32))
+  assert bool(np.all(ok)) and np.asarray(new.lengths).tolist() == [2, 4]
+  np.testing.assert_array_equal(new.k[0, :2], k_new[0, :2])
+  np.testing.assert_array_equal(new.k[0, 2:], 0.0)   # the padding is not stored
+  with pytest.raises(ValueError, match="num_new must be an integer array"):
+    cache.append(k_new, k_new, jnp.asarray([2.0, 4.0]))
 
 
 @pytest.mark.parametrize("page_size", [2, 4])
@@ -65,13 +95,14 @@ def test_paged_append_matches_dense_append(page_size):
   np.testing.assert_array_equal(paged.k_pages[spare], k_pages[spare])
 
 
-def test_paged_append_past_table_is_dropped():
+def test_paged_append_past_table_stores_nothing():
   rng = np.random.default_rng(3)
   k = _random(rng, (1, 4, 1, 2))
   k_pages, tables, _ = paginate(k, 2, rng, spare_pages=2)
   cache = pkv.PagedKVCache(k_pages, k_pages, tables, jnp.asarray([4], jnp.int32))
-  new = cache.append(_random(rng, (1, 1, 2)), _random(rng, (1, 1, 2)))
+  new, ok = cache.try_append(_random(rng, (1, 1, 2)), _random(rng, (1, 1, 2)))
   np.testing.assert_array_equal(new.k_pages, k_pages)
+  assert not bool(ok[0]) and int(new.lengths[0]) == 4
 
 
 @pytest.mark.parametrize("page_size", [4, 8, 16])
@@ -134,10 +165,32 @@ def test_exhausted_pool_changes_nothing_and_reports():
   assert not bool(ok)
 
 
-def test_append_to_unreserved_pages_is_dropped():
-  cache = _paged_cache(1, 2, 4, 3)
-  new = cache.append(jnp.ones((1, 2, 64)), jnp.ones((1, 2, 64)))
-  np.testing.assert_array_equal(new.k_pages, cache.k_pages)  # no page: nothing written, no wraparound
+def test_append_to_unreserved_pages_stores_nothing_and_keeps_lengths():
+  # Before reserve_pages: no page, so nothing is written, lengths stay, and attention sees no token.
+  c = pkv.PagedKVCache.create(batch=1, num_pages=4, page_size=4, max_pages_per_seq=4, num_kv_heads=2, head_dim=16,
+                              dtype=jnp.float32)
+  x = jnp.ones((1, 3, 2, 16))
+  new, ok = c.try_append(x, x)
+  assert not bool(ok[0]) and int(new.lengths[0]) == 0
+  np.testing.assert_array_equal(new.k_pages, c.k_pages)   # no wraparound into another page
+  # One page reserved for 3 tokens of page 4: a 2-token append after 3 needs a second page, so
+  # none of the two is stored; with the page, both are.
+  pool, tables, _ = pkv.reserve_pages(pkv.PagePool.create(4), c.block_tables, c.lengths, 3, 4)
+  c = dataclasses.replace(c, block_tables=tables).append(x, x)
+  two = jnp.full((1, 2, 2, 16), 2.0)
+  refused, ok = c.try_append(two, two)
+  assert not bool(ok[0]) and int(refused.lengths[0]) == 3 and float(refused.k_pages[0, 3, 0, 0]) == 0.0
+  pool, tables, _ = pkv.reserve_pages(pool, c.block_tables, c.lengths, 2, 4)
+  taken, ok = dataclasses.replace(c, block_tables=tables).try_append(two, two)
+  assert bool(ok[0]) and int(taken.lengths[0]) == 5
+
+
+def test_latent_append_is_all_or_nothing():
+  cache = pkv.PagedLatentCache(jnp.zeros((2, 4, 8)), jnp.asarray([[0, -1]], jnp.int32), jnp.asarray([2], jnp.int32))
+  new, ok = cache.try_append(jnp.ones((1, 3, 8)))   # positions 2..4: position 4 has no page
+  assert not bool(ok[0]) and int(new.lengths[0]) == 2 and float(jnp.abs(new.kv_pages).sum()) == 0.0
+  new, ok = cache.try_append(jnp.ones((1, 2, 8)))
+  assert bool(ok[0]) and int(new.lengths[0]) == 4 and float(new.kv_pages[0, 3, 0]) == 1.0
 
 
 def test_pool_errors_at_trace_time():

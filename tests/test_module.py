@@ -209,15 +209,74 @@ def test_readme_layer_snippet_runs():
 def test_prefill_attention_in_query_blocks_matches_one_block(monkeypatch):
   rng = np.random.default_rng(5)
   q = jnp.asarray(rng.standard_normal((2, 37, 4, 16)), jnp.float32)
-  k = jnp.asarray(rng.standard_normal((2, 37, 2, 16)), jnp.float32)
-  v = jnp.asarray(rng.standard_normal((2, 37, 2, 16)), jnp.float32)
-  whole = module.causal_attention(q, k, v, scale=0.25, softcap=3.0)
+  k = jnp.asarray(rng.standard_normal((2, 40, 2, 16)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((2, 40, 2, 16)), jnp.float32)
+  positions = jnp.broadcast_to(jnp.arange(37, dtype=jnp.int32), (2, 37))
+  lengths = jnp.full((2,), 37, jnp.int32)
+  whole = module.prefix_attention(q, k, v, positions, lengths, scale=0.25, softcap=3.0)
   monkeypatch.setattr(module, "PREFILL_CHUNK", 8)   # 5 blocks, the last one partial
-  blocks = module.causal_attention(q, k, v, scale=0.25, softcap=3.0)
+  blocks = module.prefix_attention(q, k, v, positions, lengths, scale=0.25, softcap=3.0)
   np.testing.assert_allclose(np.asarray(blocks), np.asarray(whole), rtol=1e-6, atol=1e-6)
-  kk = np.repeat(np.asarray(k), 2, axis=2)   # 4 q heads over 2 kv heads
+  kk = np.repeat(np.asarray(k)[:, :37], 2, axis=2)   # 4 q heads over 2 kv heads; keys past 37 unseen
   logits = np.einsum("bqhd,bkhd->bhqk", np.asarray(q), kk) * 0.25
   logits = 3.0 * np.tanh(logits / 3.0) + np.where(np.tri(37, dtype=bool), 0.0, -np.inf)
   probs = np.exp(logits - logits.max(-1, keepdims=True))
-  ref = np.einsum("bhqk,bkhd->bqhd", probs / probs.sum(-1, keepdims=True), np.repeat(np.asarray(v), 2, axis=2))
+  ref = np.einsum("bhqk,bkhd->bqhd", probs / probs.sum(-1, keepdims=True), np.repeat(np.asarray(v)[:, :37], 2, axis=2))
   assert relative_error(blocks, ref) < 1e-5
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_prefill_continues_a_cache_in_chunks(paged):
+  layer = _layer(num_heads=4, num_kv_heads=2, head_dim=16, softcap=20.0)
+  params = layer.init(jax.random.key(3))
+  x = jax.random.normal(jax.random.key(4), (2, 12, 64), jnp.float32)
+  if paged:
+    cache = pkv.PagedKVCache.create(batch=2, num_pages=8, page_size=4, max_pages_per_seq=4, num_kv_heads=2,
+                                    head_dim=16, dtype=jnp.float32)
+    cache, _ = _reserve(cache, pkv.PagePool.create(8), 12)
+  else:
+    cache = pkv.KVCache.create(batch=2, capacity=16, num_kv_heads=2, head_dim=16, dtype=jnp.float32)
+  whole, whole_cache = jax.jit(layer.prefill)(params, x, cache)
+  first, part = jax.jit(layer.prefill)(params, x[:, :8], cache)
+  second, part = jax.jit(layer.prefill)(params, x[:, 8:], part)   # positions 8..11, over the cached 8
+  np.testing.assert_allclose(np.concatenate([first, second], axis=1), whole, rtol=2e-5, atol=2e-5)
+  assert np.asarray(part.lengths).tolist() == [12, 12]
+  for a, b in zip(jax.tree.leaves(part), jax.tree.leaves(whole_cache)):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+  # A decode step after the chunks equals one after the whole prompt.
+  step_x = jax.random.normal(jax.random.key(5), (2, 64), jnp.float32)
+  if paged:
+    part, _ = _reserve(part, pkv.PagePool.create(8), 1)
+    whole_cache, _ = _reserve(whole_cache, pkv.PagePool.create(8), 1)
+  np.testing.assert_allclose(layer(params, step_x, part)[0], layer(params, step_x, whole_cache)[0],
+                             rtol=2e-5, atol=2e-5)
+
+
+def test_ragged_prompts_in_one_prefill_equal_separate_prefills():
+  layer = _layer(num_heads=4, num_kv_heads=2, head_dim=16)
+  params = layer.init(jax.random.key(6))
+  x = jax.random.normal(jax.random.key(7), (2, 9, 64), jnp.float32)
+  lengths = [5, 9]
+  cache = pkv.KVCache.create(batch=2, capacity=12, num_kv_heads=2, head_dim=16, dtype=jnp.float32)
+  y, together = layer.prefill(params, x, cache, jnp.asarray(lengths, jnp.int32))
+  assert np.asarray(together.lengths).tolist() == lengths
+  for b, n in enumerate(lengths):
+    alone = pkv.KVCache.create(batch=1, capacity=12, num_kv_heads=2, head_dim=16, dtype=jnp.float32)
+    y_alone, alone = layer.prefill(params, x[b:b + 1, :n], alone)
+    np.testing.assert_allclose(y[b, :n], y_alone[0], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(together.k[b], alone.k[0], rtol=2e-5, atol=2e-5)   # padding not stored
+
+
+def test_mla_prefill_continues_a_cache():
+  from examples import tiny_decoder
+  layer = _layer(hidden_size=64, num_heads=4, mla=tiny_decoder.MLA)
+  params = layer.init(jax.random.key(8))
+  x = jax.random.normal(jax.random.key(9), (1, 10, 64), jnp.float32)
+  rows = tiny_decoder.MLA.kv_lora_rank + tiny_decoder.MLA.qk_rope_head_dim
+  cache = pkv.PagedLatentCache(jnp.zeros((4, 4, rows)), jnp.asarray([[2, 0, 3, -1]], jnp.int32),
+                               jnp.zeros((1,), jnp.int32))
+  whole, whole_cache = layer.prefill(params, x, cache)
+  first, part = layer.prefill(params, x[:, :6], cache)
+  second, part = layer.prefill(params, x[:, 6:], part)
+  np.testing.assert_allclose(np.concatenate([first, second], axis=1), whole, rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(part.kv_pages, whole_cache.kv_pages, rtol=2e-5, atol=2e-5)

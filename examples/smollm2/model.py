@@ -103,31 +103,32 @@ class Llama:
 
   # ------------------------------------------------------------------------ layers
 
-  def _attend(self, params, x, cache, *, prefill: bool):
+  def _attend(self, params, x, cache, *, prefill: bool, num_new=None):
     if prefill:
-      return self.attention.prefill(params, x, cache)
+      return self.attention.prefill(params, x, cache, num_new)
     if self.decode_layer is not None:
       return self.decode_layer(self.attention, params, x, cache)
     return self.attention(params, x, cache)
 
-  def _block(self, tables, lengths, num_pages, prefill, carry, layer):
+  def _block(self, tables, lengths, num_pages, prefill, num_new, carry, layer):
     x, pages = carry
     params, index = layer
     c = self.config
     cache = pkv.PagedKVCache(pages.k, pages.v, layer_tables(tables, index, num_pages), lengths, pages.k_scale,
                              pages.v_scale)
     normed = rms_norm(x, params["attn_norm"], c.rms_norm_eps).astype(self.compute_dtype)
-    h, cache = self._attend(params["attn"], normed, cache, prefill=prefill)
+    h, cache = self._attend(params["attn"], normed, cache, prefill=prefill, num_new=num_new)
     x = x + h.astype(jnp.float32)
     y = rms_norm(x, params["mlp_norm"], c.rms_norm_eps)
     y = jax.nn.silu(self._matmul(y, params["w_gate"])) * self._matmul(y, params["w_up"])
     x = x + self._matmul(y, params["w_down"])
     return (x, KVPages(cache.k_pages, cache.v_pages, cache.k_scale, cache.v_scale)), None
 
-  def _forward(self, params, x, pages: KVPages, tables, lengths, *, prefill: bool):
-    """x [B, S, H] float32 through every layer -> (final hidden states [B, S, H], pages)."""
+  def _forward(self, params, x, pages: KVPages, tables, lengths, *, prefill: bool, num_new=None):
+    """x [B, S, H] float32 through every layer -> (final hidden states [B, S, H], pages); a
+    prefill appends num_new [B] of its S tokens (all by default)."""
     num_pages = pages.k.shape[0] // self.config.num_layers
-    block = functools.partial(self._block, tables, lengths, num_pages, prefill)
+    block = functools.partial(self._block, tables, lengths, num_pages, prefill, num_new)
     layers = (params["layers"], jnp.arange(self.config.num_layers, dtype=jnp.int32))
     # A decode step's layers unrolled: their small kernels then go out in one stream, and the
     # call returns before the device is done (a rolled loop of 30 layers measured 7% slower per
@@ -148,12 +149,12 @@ class Llama:
   def prefill(self, params, tokens, pages: KVPages, tables, last):
     """Runs prompts tokens [B, L] (pages for them reserved in tables [B, M]; lengths start at 0).
 
-    last [B]: index of each prompt's last real token (prompts are right-padded; the padding's
-    keys and values land past the prompt's length, or are dropped where no page was reserved).
-    Returns (logits at `last` [B, V], pages).
+    last [B]: index of each prompt's last real token (prompts are right-padded; the padding is
+    not appended). Returns (logits at `last` [B, V], pages).
     """
     lengths = jnp.zeros((tokens.shape[0],), jnp.int32)
-    hidden, pages = self._forward(params, self.embed(params, tokens), pages, tables, lengths, prefill=True)
+    hidden, pages = self._forward(params, self.embed(params, tokens), pages, tables, lengths, prefill=True,
+                                  num_new=last + 1)
     hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
     return self.logits(params, hidden), pages
 
