@@ -291,6 +291,15 @@ class PagedKVCache:
     lengths = jnp.where(fits, self.lengths + counts, self.lengths)
     return PagedKVCache(k_pages, v_pages, self.block_tables, lengths, k_scale, v_scale, self.v_tokens_last), fits
 
+  def append_reserving(self, pool: PagePool, k_new, v_new) -> tuple[PagedKVCache, PagePool, jax.Array]:
+    """Reserves from `pool` the pages S new tokens per sequence need (`reserve_pages`), then appends
+    them: the common path, which cannot forget the reservation. All or nothing for the batch, as
+    `reserve_pages`: where the pool is short, nothing changes. Returns (cache, pool, ok)."""
+    num_tokens = _as_rank4(k_new, "k_new").shape[1]
+    pool, tables, reserved = reserve_pages(pool, self.block_tables, self.lengths, num_tokens, self.page_size)
+    cache, ok = dataclasses.replace(self, block_tables=tables).try_append(k_new, v_new)
+    return cache, pool, reserved & jnp.all(ok)
+
   def dense_view(self) -> KVCache:
     """A contiguous copy [B, max_pages * page_size, Hkv, D] of what the block tables point at
     (v [B, Hkv, D, max_pages * page_size] with v tokens last)."""

@@ -198,3 +198,17 @@ def test_pool_errors_at_trace_time():
     pkv.PagePool.create(0)
   with pytest.raises(ValueError, match="num_new"):
     pkv.reserve_pages(pkv.PagePool.create(2), kv_cache.empty_block_tables(1, 2), jnp.zeros((1,), jnp.int32), -1, 4)
+
+
+def test_append_reserving_takes_its_pages_from_the_pool():
+  cache = pkv.PagedKVCache.create(batch=2, num_pages=3, page_size=4, max_pages_per_seq=4, num_kv_heads=1, head_dim=2,
+                                  dtype=jnp.float32)
+  pool = pkv.PagePool.create(3)
+  x = jnp.ones((2, 3, 1, 2))
+  cache, pool, ok = jax.jit(lambda c, p, k, v: c.append_reserving(p, k, v))(cache, pool, x, x)
+  assert bool(ok) and np.asarray(cache.lengths).tolist() == [3, 3] and int(pool.num_free) == 1
+  np.testing.assert_array_equal(cache.dense_view().k[:, :3], x)
+  # Two more tokens each need a second page each: one is free, so nothing changes.
+  again, same_pool, ok = cache.append_reserving(pool, x[:, :2], x[:, :2])
+  assert not bool(ok) and np.asarray(again.lengths).tolist() == [3, 3] and int(same_pool.num_free) == 1
+  np.testing.assert_array_equal(again.block_tables, cache.block_tables)
