@@ -85,7 +85,8 @@ and the plain chain time, an upper bound, is shown instead. The chain hides host
 dispatch, which a user's Python loop of jitted calls pays on every call: the host us
 column (`host_us`) times such a loop (`timing.HOST_LOOP_TIMERS`), wall clock per call;
 `--nohost_loop` skips it. Exit status 1 if a pallas_kv impl raised something other than
-NotImplementedError or failed the numerics check (peers never fail the run).
+NotImplementedError or failed the numerics check (peers never fail the run); a kernel impl
+on a CPU outside interpret mode (PALLAS_KV_INTERPRET=1) reads n/a.
 
 From Python (tests): `run(op="decode", cases=((2, 256),), impls=("xla",))` returns
 the rows as dicts; `run(sweep)` takes a `cases.Sweep`; `cases.default_sweep(op, cpu)`

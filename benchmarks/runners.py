@@ -12,6 +12,7 @@ import jax
 from benchmarks import peers
 
 OUR_IMPLS = ("auto", "mosaic_gpu", "triton", "xla")
+KERNEL_IMPLS = ("mosaic_gpu", "triton")   # run a GPU kernel: on a CPU only in interpret mode
 ALL_IMPLS = OUR_IMPLS + tuple(peers.PEERS)
 
 
@@ -45,8 +46,11 @@ def with_options(fn, spec: peers.OpSpec):
 
 
 def build_pallas_kv(impl: str, spec: peers.OpSpec, **op_kwargs) -> peers.Runner:
-  """A runner for pallas_kv's own op with `impl=impl`, the spec's options and op_kwargs."""
+  """A runner for pallas_kv's own op with `impl=impl`, the spec's options and op_kwargs;
+  PeerUnavailable for a kernel impl on a CPU outside interpret mode (the machine cannot run it)."""
   pkv = import_pallas_kv()
+  if impl in KERNEL_IMPLS and jax.default_backend() == "cpu" and not pkv.runtime.interpret_enabled():
+    raise peers.PeerUnavailable(pkv.runtime.cpu_without_interpret_message(impl))
   fn = {
       "decode": pkv.decode_attention,
       "paged": pkv.paged_decode_attention,

@@ -96,7 +96,7 @@ def choose_impl(impl: str, op: str, problem, options, dtypes, config) -> tuple[s
 def _options(problem, scale, softcap, window, sinks, k_scale, v_scale) -> AttentionOptions:
   validation.check_options(scale=scale, softcap=softcap, window=window, sinks=sinks, k_scale=k_scale,
                            v_scale=v_scale, num_heads=problem.num_heads, num_kv_heads=problem.num_kv_heads,
-                           token_shape=problem.scale_token_shape)
+                           token_shape=problem.scale_token_shape, cache_dtype=problem.cache_dtype)
   if window is not None and window >= problem.capacity + problem.num_queries:
     window = None   # every key is inside it (and the kernels' int32 math stays in range)
   return AttentionOptions(
@@ -180,21 +180,16 @@ def _run(op: str, impl: str, config, problem, options, q, k, v, lengths, block_t
     return xla_call(q, k, v, lengths, block_tables, sinks, k_scale, v_scale)
 
   def kernel_call(q, k, v, lengths, block_tables=None, sinks=None, k_scale=None, v_scale=None):
+    if not runtime.interpret_enabled():   # a CPU lowering (eager or under jit) then names the interpret switch
+      q = runtime.gpu_only(q, impl=name)
     result = backend.run(op, q, k, v, lengths, block_tables, problem=problem, options=options, config=config,
                          sinks=sinks, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
     return _cast_output(result, dtype, return_lse)
 
   fold_op = batching.fold_dense if block_tables is None else batching.fold_paged
   fold = lambda n, arrays, batched: fold_op(n, arrays, batched, refold)
-  try:
-    return _with_xla_gradient(kernel_call, xla_call, fold, q=q, k=k, v=v, lengths=lengths,
-                              block_tables=block_tables, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
-  except ValueError as e:   # an eager call on a CPU (under jit the error comes at compile time)
-    if "Only interpret mode is supported" not in str(e):
-      raise
-    raise ValueError(f"impl={name!r} runs a GPU kernel and this call runs on the CPU: set "
-                     f"{runtime.INTERPRET_ENV_VAR}=1 or use `with pallas_kv.interpret():` to interpret it "
-                     f"there, or impl='xla'") from e
+  return _with_xla_gradient(kernel_call, xla_call, fold, q=q, k=k, v=v, lengths=lengths,
+                            block_tables=block_tables, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 
 
 def _v_like_k(v, v_tokens_last: bool):

@@ -6,36 +6,96 @@ emits its GPU kernel, so `jax.export(..., platforms=["cuda"])` lowers it on a CP
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import os
+import functools
 
 import jax
 from jax._src import config as jax_config  # config states are how jit keys on a switch
+from jax._src import dispatch
+from jax._src import xla_bridge  # whether the CPU client has started
+from jax.extend import core as jax_core
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.interpreters import mlir
 
 INTERPRET_ENV_VAR = "PALLAS_KV_INTERPRET"
 # Heuristics assume an H100/H200 when no GPU is present (e.g. lowering on a CPU machine).
 DEFAULT_NUM_SMS = 132
 
-_interpret = contextvars.ContextVar("pallas_kv_interpret", default=False)
+
+def synchronous_cpu_dispatch() -> bool:
+  """Turns JAX's asynchronous CPU dispatch off if that can still take effect; True if it is off.
+
+  Interpreted kernels run JAX computations inside host callbacks: with asynchronous dispatch a call
+  dispatched while one still runs can take the CPU client's threads and deadlock. The CPU client
+  reads the flag once, when it starts (the first JAX computation), so a later change is void.
+  """
+  if not jax.config.read("jax_cpu_enable_async_dispatch"):
+    return True
+  if xla_bridge.backends_are_initialized():
+    return False
+  jax.config.update("jax_cpu_enable_async_dispatch", False)
+  return True
 
 
-@contextlib.contextmanager
+def _on_interpret_set(enabled) -> None:
+  if enabled:
+    synchronous_cpu_dispatch()
+
+
+# A jax config state, like `checked` below: jit keys its cache on it, so a function traced outside
+# `interpret()` is traced again inside it (and the other way round). Its environment variable,
+# PALLAS_KV_INTERPRET=1 (or true), turns it on for the whole process when pallas_kv is imported.
+_interpret = jax_config.bool_state(
+    name="pallas_kv_interpret", default=False, include_in_jit_key=True, include_in_trace_context=True,
+    update_global_hook=_on_interpret_set, update_thread_local_hook=_on_interpret_set,
+    help="pallas_kv kernel impls run their kernels in Pallas interpret mode (on the CPU).")
+
+
 def interpret(enabled: bool = True):
-  """Within this context, kernel impls run their kernels in Pallas interpret mode on the CPU."""
-  token = _interpret.set(enabled)
-  try:
-    yield
-  finally:
-    _interpret.reset(token)
+  """Within this context, kernel impls run their kernels in Pallas interpret mode on the CPU.
+
+  Entering it turns JAX's asynchronous CPU dispatch off where that can still take effect: before
+  the process's first JAX computation (`synchronous_cpu_dispatch`). After that, a jitted loop of
+  interpreted calls should `jax.block_until_ready` each step.
+  """
+  return _interpret(bool(enabled))
 
 
 def interpret_enabled() -> bool:
   """True inside `interpret()` or when the environment variable PALLAS_KV_INTERPRET=1."""
-  return _interpret.get() or os.environ.get(INTERPRET_ENV_VAR, "0").strip().lower() in ("1", "true", "yes")
+  return bool(_interpret.value)
 
 
-# A jax config state rather than a context variable: jit keys its cache on it, so a function traced
+def cpu_without_interpret_message(impl: str) -> str:
+  return (f"impl={impl!r} runs a GPU kernel and this call runs on the CPU: set {INTERPRET_ENV_VAR}=1 or use "
+          f"`with pallas_kv.interpret():` to interpret it there, or impl='xla'")
+
+
+# The identity on one array, whose CPU lowering raises the message above. A kernel impl passes its
+# input through it outside interpret mode: the CPU refusal then comes at lowering (eager or under
+# jit) instead of Pallas's bare "Only interpret mode ...", and the CUDA lowering is unchanged.
+_gpu_only_p = jax_core.Primitive("pallas_kv_gpu_only")
+_gpu_only_p.def_impl(functools.partial(dispatch.apply_primitive, _gpu_only_p))
+_gpu_only_p.def_abstract_eval(lambda x, *, impl: x)
+batching.primitive_batchers[_gpu_only_p] = lambda args, dims, *, impl: (_gpu_only_p.bind(*args, impl=impl), dims[0])
+ad.primitive_jvps[_gpu_only_p] = lambda primals, tangents, *, impl: (_gpu_only_p.bind(*primals, impl=impl),
+                                                                     tangents[0])
+mlir.register_lowering(_gpu_only_p, lambda ctx, x, *, impl: [x])
+
+
+def _refuse_cpu_lowering(ctx, x, *, impl):
+  raise ValueError(cpu_without_interpret_message(impl))
+
+
+mlir.register_lowering(_gpu_only_p, _refuse_cpu_lowering, platform="cpu")
+
+
+def gpu_only(x, *, impl: str):
+  """x, in a computation that lowers for a GPU but refuses the CPU naming the interpret switch."""
+  return _gpu_only_p.bind(x, impl=impl)
+
+
+# A jax config state, like `interpret` above: jit keys its cache on it, so a function traced
 # outside `checked()` is traced again inside it (and the other way round). Its environment
 # variable, PALLAS_KV_CHECKED=1, turns it on for a whole process.
 _checked = jax_config.bool_state(

@@ -16,7 +16,8 @@ import numpy as np
 MAX_NEW_TOKENS = 16
 QUERY_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 # Cache dtypes; int8 and fp8 caches are dequantised with k_scale / v_scale.
-CACHE_DTYPES = QUERY_DTYPES + (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
+QUANTIZED_CACHE_DTYPES = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
+CACHE_DTYPES = QUERY_DTYPES + QUANTIZED_CACHE_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Problem:
   page_size: int | None  # None for a contiguous cache
   num_pages: int | None
   v_tokens_last: bool = False  # v is [B, Hkv, D, T] ([P, Hkv, D, page_size] paged), not like k
+  cache_dtype: jnp.dtype | None = None  # the dtype of the cache (k, k_pages or kv_pages)
 
   @property
   def group_size(self) -> int:
@@ -47,6 +49,15 @@ class Problem:
 
 def _dtype_name(dtype) -> str:
   return jnp.dtype(dtype).name
+
+
+def is_quantized_dtype(dtype) -> bool:
+  """Whether a cache of this dtype is int8 / fp8 (dequantised with k_scale / v_scale)."""
+  return jnp.dtype(dtype) in [jnp.dtype(d) for d in QUANTIZED_CACHE_DTYPES]
+
+
+def _describe(x) -> str:
+  return repr(x) if isinstance(x, numbers.Number) else f"an array of shape {tuple(getattr(x, 'shape', ()))}"
 
 
 def _check_dtype(name: str, x, allowed) -> None:
@@ -80,6 +91,8 @@ def lengths_as_int32(lengths, capacity: int):
 def query_shape(q) -> tuple[int, int, int, int]:
   """(B, S, Hq, D) of q [B, Hq, D] (S = 1) or [B, S, Hq, D]; works on arrays and ShapeDtypeStructs."""
   shape = tuple(q.shape)
+  if len(shape) in (3, 4) and shape[-1] < 1:
+    raise ValueError(f"q must have a head dim D >= 1 (its last dim); got q.shape={shape}")
   if len(shape) == 3:
     return shape[0], 1, shape[1], shape[2]
   if len(shape) == 4:
@@ -111,9 +124,10 @@ def scale_kind(scale, token_shape: tuple[int, ...]) -> str | None:
 
 
 def check_options(*, scale, softcap, window, sinks, k_scale, v_scale, num_heads: int,
-                  num_kv_heads: int, token_shape: tuple[int, ...]) -> None:
+                  num_kv_heads: int, token_shape: tuple[int, ...], cache_dtype=None) -> None:
   """token_shape: the cache's leading dims and Hkv ([B, T, Hkv] or [P, page_size, Hkv]), the
-  shape of a per-token scale."""
+  shape of a per-token scale. cache_dtype: the cache's dtype (`Problem.cache_dtype`); given,
+  k_scale / v_scale are refused on a bfloat16 / float16 / float32 cache."""
   if scale is not None:
     if not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
       raise ValueError(f"scale must be a finite positive Python number or None; got {scale!r}")
@@ -129,6 +143,11 @@ def check_options(*, scale, softcap, window, sinks, k_scale, v_scale, num_heads:
                        f"{getattr(sinks, 'shape', type(sinks).__name__)}")
     if not jnp.issubdtype(sinks.dtype, jnp.floating):
       raise ValueError(f"sinks must be floating point; got dtype {_dtype_name(sinks.dtype)}")
+  if cache_dtype is not None and not is_quantized_dtype(cache_dtype):
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+      if s is not None:
+        raise ValueError(f"{name}={_describe(s)} must be None for a {_dtype_name(cache_dtype)} cache: "
+                         "scales only apply to int8 / fp8 caches")
   shapes = [(), (num_kv_heads,), tuple(token_shape)]
   for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
     if s is None or isinstance(s, numbers.Real) and not isinstance(s, bool):
@@ -185,7 +204,8 @@ def validate_dense(q, k, v, lengths, v_tokens_last: bool = False) -> Problem:
   _check_heads(hq, k.shape[2], "k")
   _check_integer("lengths", lengths, (b,))
   return Problem(batch=b, num_queries=s, num_heads=hq, num_kv_heads=k.shape[2], head_dim=d,
-                 v_head_dim=d, capacity=k.shape[1], page_size=None, num_pages=None, v_tokens_last=v_tokens_last)
+                 v_head_dim=d, capacity=k.shape[1], page_size=None, num_pages=None, v_tokens_last=v_tokens_last,
+                 cache_dtype=jnp.dtype(k.dtype))
 
 
 def _check_block_tables(block_tables, batch: int) -> None:
@@ -215,7 +235,7 @@ def validate_paged(q, k_pages, v_pages, block_tables, lengths, v_tokens_last: bo
   num_pages, page_size = k_pages.shape[:2]
   return Problem(batch=b, num_queries=s, num_heads=hq, num_kv_heads=k_pages.shape[2], head_dim=d,
                  v_head_dim=d, capacity=block_tables.shape[1] * page_size, page_size=page_size,
-                 num_pages=num_pages, v_tokens_last=v_tokens_last)
+                 num_pages=num_pages, v_tokens_last=v_tokens_last, cache_dtype=jnp.dtype(k_pages.dtype))
 
 
 def validate_mla(q, kv_pages, block_tables, lengths, v_head_dim) -> Problem:
@@ -233,8 +253,10 @@ def validate_mla(q, kv_pages, block_tables, lengths, v_head_dim) -> Problem:
   num_pages, page_size = kv_pages.shape[:2]
   return Problem(batch=b, num_queries=s, num_heads=hq, num_kv_heads=1, head_dim=d,
                  v_head_dim=int(v_head_dim), capacity=block_tables.shape[1] * page_size,
-                 page_size=page_size, num_pages=num_pages)
+                 page_size=page_size, num_pages=num_pages, cache_dtype=jnp.dtype(kv_pages.dtype))
 
 
 def default_scale(head_dim: int) -> float:
+  if head_dim < 1:
+    raise ValueError(f"head_dim={head_dim} must be >= 1 for the default scale 1/sqrt(head_dim)")
   return 1.0 / float(np.sqrt(head_dim))

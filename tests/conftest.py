@@ -1,16 +1,17 @@
 import os
 import sys
 
-import jax
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 import harness  # noqa: E402
+from pallas_kv import runtime  # noqa: E402
 
 # Interpret-mode kernels run JAX computations inside host callbacks; with asynchronous CPU dispatch
-# a following call can hold the CPU client's threads and deadlock (README, "Interpret mode").
-jax.config.update("jax_cpu_enable_async_dispatch", False)
+# a following call can hold the CPU client's threads and deadlock (README, "Interpret mode"). Tests
+# enter interpret mode after the CPU client started, too late for the switch to turn it off itself.
+assert runtime.synchronous_cpu_dispatch(), "a JAX computation ran before the conftest"
 
 
 def pytest_collection_modifyitems(config, items):

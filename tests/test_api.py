@@ -1,6 +1,11 @@
 """The public ops on impl="xla": options, jit/vmap/grad, errors, interpret and checked modes."""
 
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +17,8 @@ import pallas_kv as pkv
 from pallas_kv import runtime
 import harness
 from harness import assert_lse_matches, assert_matches_reference, make_case
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
@@ -149,18 +156,82 @@ def test_kernel_backend_that_cannot_serve_raises_with_reason(impl):
                              impl=impl)
 
 
-def test_interpret_switches(monkeypatch):
+def test_interpret_switches():
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from pallas_kv.kernels.mosaic_gpu import backend as mosaic_gpu_backend
-  monkeypatch.delenv(runtime.INTERPRET_ENV_VAR, raising=False)
-  assert runtime.interpret_enabled() is False and mosaic_gpu_backend.interpret_params() is False
+  with pkv.interpret(False):   # off even where PALLAS_KV_INTERPRET=1 turned it on for the process
+    assert runtime.interpret_enabled() is False and mosaic_gpu_backend.interpret_params() is False
+    with pkv.interpret():
+      assert runtime.interpret_enabled() is True
+      assert isinstance(mosaic_gpu_backend.interpret_params(), plgpu.InterpretGPUParams)
+    assert runtime.interpret_enabled() is False
+
+
+# Reports, as JSON, the switches a fresh process sees: at import, then as `steps` (comma-separated)
+# say: "start" runs a JAX computation (the CPU client starts), "enter" enters `pkv.interpret()`.
+_SWITCHES_PROBE = """
+import json, sys
+import jax, jax.numpy as jnp
+import pallas_kv as pkv
+from pallas_kv import runtime
+async_dispatch = lambda: jax.config.read("jax_cpu_enable_async_dispatch")
+facts = {"interpret": runtime.interpret_enabled(), "async": async_dispatch()}
+with pkv.interpret(False):
+  facts["interpret_off"] = runtime.interpret_enabled()
+for step in filter(None, sys.argv[1].split(",")):
+  if step == "start":
+    jnp.ones(4).block_until_ready()
+  elif step == "enter":
+    with pkv.interpret():
+      facts["entered"] = runtime.interpret_enabled()
+    facts["async_after_enter"] = async_dispatch()
+    facts["synchronous"] = runtime.synchronous_cpu_dispatch()
+print(json.dumps(facts))
+"""
+
+
+def _probe_switches(steps: str, env_value: str | None = None) -> dict:
+  env = {k: v for k, v in os.environ.items() if k not in (runtime.INTERPRET_ENV_VAR, "JAX_CPU_ENABLE_ASYNC_DISPATCH")}
+  if env_value is not None:
+    env[runtime.INTERPRET_ENV_VAR] = env_value
+  result = subprocess.run([sys.executable, "-c", _SWITCHES_PROBE, steps], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("value", ["1", "true", "TRUE"])
+def test_interpret_env_var_turns_interpret_mode_and_synchronous_dispatch_on(value):
+  facts = _probe_switches("", value)
+  assert facts == {"interpret": True, "async": False, "interpret_off": False}
+
+
+def test_interpret_context_turns_synchronous_dispatch_on_while_it_still_can():
+  assert _probe_switches("", "0") == {"interpret": False, "async": True, "interpret_off": False}
+  facts = _probe_switches("enter")   # before the CPU client starts: asynchronous dispatch goes off
+  assert facts["entered"] is True and facts["async"] is True and facts["async_after_enter"] is False
+  assert facts["synchronous"] is True
+  # After the CPU client started the flag can no longer take effect: it stays, and says so.
+  facts = _probe_switches("start,enter")
+  assert facts["entered"] is True and facts["async_after_enter"] is True and facts["synchronous"] is False
+
+
+def test_jit_retraces_when_interpret_mode_changes():
+  if harness.gpu_available():
+    pytest.skip("a GPU is present: the kernel runs there outside interpret mode")
+  case = make_case(13, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
+  ref = pkv.decode_attention_reference(case.q, case.k, case.v, case.lengths)
+  args = (case.q, case.k, case.v, case.lengths)
+  traced_outside = jax.jit(lambda q, k, v, n: pkv.decode_attention(q, k, v, n, impl="triton"))
+  with pkv.interpret(False), pytest.raises(ValueError, match="PALLAS_KV_INTERPRET=1"):
+    traced_outside(*args)
   with pkv.interpret():
-    assert runtime.interpret_enabled() is True
-    assert isinstance(mosaic_gpu_backend.interpret_params(), plgpu.InterpretGPUParams)
-  assert runtime.interpret_enabled() is False
-  monkeypatch.setenv(runtime.INTERPRET_ENV_VAR, "1")
-  assert runtime.interpret_enabled() is True
-  assert isinstance(mosaic_gpu_backend.interpret_params(), plgpu.InterpretGPUParams)
+    assert_matches_reference(traced_outside(*args), ref, jnp.bfloat16)
+  traced_inside = jax.jit(lambda q, k, v, n: pkv.decode_attention(q, k, v, n, impl="triton") * 2)
+  with pkv.interpret():
+    assert_matches_reference(traced_inside(*args), 2 * ref, jnp.bfloat16)
+  with pkv.interpret(False), pytest.raises(ValueError, match="PALLAS_KV_INTERPRET=1"):
+    traced_inside(*args)
 
 
 def test_checked_mode_reports_bad_lengths_and_pages_under_jit():
@@ -219,8 +290,26 @@ def test_a_kernel_impl_on_a_cpu_without_interpret_mode_names_the_switch():
     pytest.skip("a GPU is present: the kernel runs there")
   case = make_case(3, batch=1, seq_len=128, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
   for impl in ("triton", "mosaic_gpu"):
-    with pytest.raises(ValueError, match="PALLAS_KV_INTERPRET=1"):
+    with pkv.interpret(False), pytest.raises(ValueError, match="PALLAS_KV_INTERPRET=1"):
       pkv.decode_attention(case.q, case.k, case.v, case.lengths, impl=impl)
+
+
+@pytest.mark.parametrize("impl", ["triton", "mosaic_gpu"])
+def test_a_jitted_kernel_impl_on_a_cpu_names_the_switch_and_still_lowers_for_cuda(impl, monkeypatch):
+  if harness.gpu_available():
+    pytest.skip("a GPU is present: the kernel runs there")
+  case = make_case(3, batch=1, seq_len=128, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
+  f = lambda q, k, v, n: pkv.decode_attention(q, k, v, n, impl=impl)
+  with pkv.interpret(False):
+    with pytest.raises(ValueError) as raised:
+      jax.jit(f)(case.q, case.k, case.v, case.lengths)
+    assert str(raised.value) == runtime.cpu_without_interpret_message(impl)
+    assert "PALLAS_KV_INTERPRET=1" in str(raised.value) and f"impl='{impl}'" in str(raised.value)
+    # The CUDA lowering is the kernel's, exactly as without the CPU refusal.
+    module = harness.lower_for_cuda(f, case.q, case.k, case.v, case.lengths).mlir_module()
+    assert {"mosaic_gpu": "custom_call @mosaic_gpu", "triton": harness.TRITON_CUSTOM_CALL}[impl] in module
+    monkeypatch.setattr(runtime, "gpu_only", lambda x, *, impl: x)
+    assert harness.lower_for_cuda(f, case.q, case.k, case.v, case.lengths).mlir_module() == module
 
 
 @pytest.mark.parametrize("dtype", [np.int64, np.uint32])

@@ -80,6 +80,27 @@ def test_unbuilt_or_unavailable_impls_are_reported_not_raised():
   assert rows[0]["time_us"] > 0
 
 
+def test_kernel_impls_on_a_cpu_outside_interpret_mode_read_n_a_and_the_run_passes():
+  if jax.default_backend() != "cpu":
+    pytest.skip("a GPU is present: the kernel impls run there")
+  import pallas_kv
+  with pallas_kv.interpret(False):
+    rows = decode_bench.run(op="decode", cases=((1, 32),), impls=("xla", "triton", "mosaic_gpu"), num_heads=2,
+                            num_kv_heads=1, head_dim=64, warmup=0, iters=1, repeats=1, out=io.StringIO())
+  assert rows[0]["status"] == "ok"
+  for row in rows[1:]:
+    assert row["status"] == "n/a", row.get("traceback")
+    assert f"impl='{row['impl']}' runs a GPU kernel" in row["reason"] and "PALLAS_KV_INTERPRET=1" in row["reason"]
+  assert not output.failed_rows(rows)
+  env = {k: v for k, v in os.environ.items() if k != "PALLAS_KV_INTERPRET"}
+  result = subprocess.run([sys.executable, "-m", "benchmarks.decode", "--impl=triton", "--cases=1x32",
+                           "--num_heads=2", "--num_kv_heads=1", "--head_dim=64", "--warmup=0", "--iters=1",
+                           "--repeats=1", "--nohost_loop"], capture_output=True, text=True, cwd=REPO, env=env,
+                          timeout=600)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "n/a (PeerUnavailable: impl='triton' runs a GPU kernel" in result.stdout
+
+
 @pytest.mark.parametrize("flagfile", sorted(glob.glob(os.path.join(REPO, "configs", "*.flags"))),
                          ids=os.path.basename)
 def test_flagfiles_parse_into_valid_sweeps(flagfile):
