@@ -335,3 +335,14 @@ def test_benchmark_runs_on_cpu(smollm2):
     assert 0 <= row["gpu_idle"] < 1 and len(row["first_tokens"]) == 5
   # The same model with jax.nn.dot_product_attention over gathered pages picks the same tokens.
   assert rows[0]["first_tokens"] == rows[1]["first_tokens"]
+
+
+def test_demo_with_a_kernel_impl_on_a_cpu_names_the_interpret_switch():
+  import subprocess
+  if jax.default_backend() != "cpu":
+    pytest.skip("a GPU is present: the demo runs the kernel there")
+  env = {k: v for k, v in os.environ.items() if k != "PALLAS_KV_INTERPRET"}
+  result = subprocess.run([sys.executable, "-m", "examples.smollm2", "--impl=triton"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode != 0
+  assert "PALLAS_KV_INTERPRET=1" in result.stderr and len(result.stderr.splitlines()) < 20

@@ -32,6 +32,7 @@ def main(argv):
   import jax
 
   import pallas_kv as pkv
+  from pallas_kv import runtime
   from examples.smollm2 import gguf_loader
   from examples.smollm2 import serving
   from examples.smollm2 import weights
@@ -39,6 +40,8 @@ def main(argv):
   from examples.smollm2.model import default_compute_dtype
   from examples.smollm2.tokenizer import Tokenizer
 
+  if FLAGS.impl in ("mosaic_gpu", "triton") and jax.default_backend() == "cpu" and not runtime.interpret_enabled():
+    raise SystemExit(f"error: {runtime.cpu_without_interpret_message(FLAGS.impl)}")
   path = FLAGS.gguf or weights.fetch_gguf()
   start = time.perf_counter()
   config, params, tokenizer_data = gguf_loader.load(path)
