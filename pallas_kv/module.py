@@ -175,7 +175,28 @@ class DecodeAttention:
     single = x.ndim == 2
     if single:
       x = x[:, None]
-    if self.mla is None:  # the cache against the layer, before the new tokens are appended to it
+    self._check_cache(cache, x.shape[0])
+    if positions is None:
+      positions = cache.lengths[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None, :]
+    if self.mla is None:
+      y, cache = self._standard_step(params, x, cache, positions, config)
+    else:
+      y, cache = self._mla_step(params, x, cache, positions, config)
+    return (y[:, 0] if single else y), cache
+
+  def _check_cache(self, cache, batch: int) -> None:
+    """ValueError naming the cache's attribute where the cache does not match this layer or x's batch."""
+    if self.mla is not None:
+      if not isinstance(cache, PagedLatentCache):
+        raise ValueError(f"cache must be a PagedLatentCache for MLA; got {type(cache).__name__}")
+      row = self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+      if cache.kv_pages.ndim != 3:
+        raise ValueError(f"cache.kv_pages must have rank 3 [P, page_size, Dqk]; got shape {tuple(cache.kv_pages.shape)}")
+      if cache.kv_pages.shape[2] != row:
+        raise ValueError(f"cache.kv_pages has rows of {cache.kv_pages.shape[2]}; this layer has "
+                         f"kv_lora_rank + qk_rope_head_dim = {row}")
+      batch_name, cache_batch = "cache.block_tables", cache.block_tables.shape[0]
+    else:
       if isinstance(cache, KVCache):
         (k_name, k), (v_name, v) = ("cache.k", cache.k), ("cache.v", cache.v)
         batch_name, cache_batch = "cache.k", cache.k.shape[0]
@@ -192,17 +213,10 @@ class DecodeAttention:
           raise ValueError(f"{name} has {array.shape[axis]} kv heads; this layer has num_kv_heads={self.num_kv_heads}")
         if array.shape[axis + 1] != self.head_dim:
           raise ValueError(f"{name} has head_dim {array.shape[axis + 1]}; this layer has head_dim={self.head_dim}")
-      if cache_batch != x.shape[0]:
-        raise ValueError(f"cache batch {cache_batch} ({batch_name}.shape[0]) does not match x's batch {x.shape[0]}")
-      if tuple(cache.lengths.shape) != (x.shape[0],):
-        raise ValueError(f"cache.lengths has shape {tuple(cache.lengths.shape)}; expected x's batch ({x.shape[0]},)")
-    if positions is None:
-      positions = cache.lengths[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None, :]
-    if self.mla is None:
-      y, cache = self._standard_step(params, x, cache, positions, config)
-    else:
-      y, cache = self._mla_step(params, x, cache, positions, config)
-    return (y[:, 0] if single else y), cache
+    if cache_batch != batch:
+      raise ValueError(f"cache batch {cache_batch} ({batch_name}.shape[0]) does not match x's batch {batch}")
+    if tuple(cache.lengths.shape) != (batch,):
+      raise ValueError(f"cache.lengths has shape {tuple(cache.lengths.shape)}; expected x's batch ({batch},)")
 
   def _project_qkv(self, params, x, positions):
     q = jnp.einsum("bsh,hnd->bsnd", x, params["wq"])
@@ -239,19 +253,6 @@ class DecodeAttention:
     return jnp.concatenate([q_latent, q_rope], -1), jnp.concatenate([latent, k_rope], -1)
 
   def _mla_step(self, params, x, cache, positions, config):
-    if not isinstance(cache, PagedLatentCache):
-      raise ValueError(f"cache must be a PagedLatentCache for MLA; got {type(cache).__name__}")
-    row = self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
-    if cache.kv_pages.ndim != 3:
-      raise ValueError(f"cache.kv_pages must have rank 3 [P, page_size, Dqk]; got shape {tuple(cache.kv_pages.shape)}")
-    if cache.kv_pages.shape[2] != row:
-      raise ValueError(f"cache.kv_pages has rows of {cache.kv_pages.shape[2]}; this layer has "
-                       f"kv_lora_rank + qk_rope_head_dim = {row}")
-    if cache.block_tables.shape[0] != x.shape[0]:
-      raise ValueError(f"cache batch {cache.block_tables.shape[0]} (cache.block_tables.shape[0]) does not match "
-                       f"x's batch {x.shape[0]}")
-    if tuple(cache.lengths.shape) != (x.shape[0],):
-      raise ValueError(f"cache.lengths has shape {tuple(cache.lengths.shape)}; expected x's batch ({x.shape[0]},)")
     q, rows = self._mla_latents(params, x, positions)
     cache = cache.append(rows.astype(cache.kv_pages.dtype))
     out_latent = api.mla_decode_attention(q.astype(cache.kv_pages.dtype), cache.kv_pages, cache.block_tables,
@@ -273,9 +274,8 @@ class DecodeAttention:
     are not meaningful. Returns (y [B, L, hidden], cache).
     """
     positions = cache.lengths[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None, :]
+    self._check_cache(cache, x.shape[0])
     if self.mla is not None:
-      if not isinstance(cache, PagedLatentCache):
-        raise ValueError(f"cache must be a PagedLatentCache for MLA; got {type(cache).__name__}")
       q, rows = self._mla_latents(params, x, positions)
       cache = cache.append(rows.astype(cache.kv_pages.dtype), num_new)
       kv = gather_pages(cache.kv_pages, cache.block_tables)[:, :, None, :]
