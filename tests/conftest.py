@@ -9,7 +9,7 @@ import harness  # noqa: E402
 from pallas_kv import runtime  # noqa: E402
 
 # Interpret-mode kernels run JAX computations inside host callbacks; with asynchronous CPU dispatch
-# a following call can hold the CPU client's threads and deadlock (README, "Interpret mode"). Tests
+# a following call can hold the CPU client's threads and deadlock (docs/reliability.md, "Interpret mode"). Tests
 # enter interpret mode after the CPU client started, too late for the switch to turn it off itself.
 assert runtime.synchronous_cpu_dispatch(), "a JAX computation ran before the conftest"
 

@@ -402,7 +402,7 @@ def fuzz(impl: str, structure_seeds, value_seeds, *, small: bool = False, hostil
 
 def main(argv=None) -> int:
   # Interpret-mode kernels run JAX computations inside callbacks: with asynchronous dispatch the
-  # next call can take the CPU client's threads first and deadlock (README, "Interpret mode").
+  # next call can take the CPU client's threads first and deadlock (docs/reliability.md, "Interpret mode").
   jax.config.update("jax_cpu_enable_async_dispatch", False)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--impl", default="xla", help="mosaic_gpu, triton, xla or auto (comma-separated)")
