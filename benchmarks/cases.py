@@ -1,6 +1,6 @@
 """What a benchmark runs: a `Sweep` of `Case`s, their inputs, bytes and flops, and the reference.
 
-A `Sweep` is the resolved flags of one run of benchmarks.decode (also tune and profile_kernel);
+A `Sweep` is the resolved flags of one run of benchmarks.decode (also tune and tools.profile_kernel);
 a `Case` is one op x batch x seq_len of it. Every output is checked against pallas_kv's float32
 reference on float32-upcast inputs: `reference_output`, `relative_error`, `TOLERANCE`.
 """
@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import runners
 from benchmarks import peers
 from benchmarks import timing
 
@@ -80,9 +79,9 @@ class Sweep:
   def __post_init__(self):
     if self.op not in OPS:
       raise ValueError(f"{self.op=} must be one of {OPS}")
-    unknown = [i for i in self.impls if i not in runners.ALL_IMPLS]
+    unknown = [i for i in self.impls if i not in peers.ALL_IMPLS]
     if unknown or not self.impls:
-      raise ValueError(f"{self.impls=}: unknown {unknown}; choose from {runners.ALL_IMPLS}")
+      raise ValueError(f"{self.impls=}: unknown {unknown}; choose from {peers.ALL_IMPLS}")
     if self.dtype not in DTYPES:
       raise ValueError(f"{self.dtype=} must be one of {DTYPES}")
     if self.kv_dtype is not None and self.kv_dtype not in DTYPES + KV_QUANTIZED_DTYPES:
@@ -281,7 +280,7 @@ def make_inputs(case: Case, key: jax.Array, lengths: jax.Array) -> tuple:
   args = _make_op_inputs(case, key, lengths)
   if not case.quantized:
     return args
-  quantize = runners.import_pallas_kv().cache.quantize
+  quantize = peers.import_pallas_kv().cache.quantize
   (k, k_scale), (v, v_scale) = (quantize(x, case.kv_dtype) for x in args[1:3])
   return (args[0], k, v) + args[3:] + (k_scale, v_scale)
 
@@ -362,8 +361,8 @@ def reference_output(case: Case, args: tuple) -> tuple[np.ndarray, str]:
   Runs over batch chunks (`reference_chunk`) so its float32 copies stay small.
   """
   try:
-    pkv = runners.import_pallas_kv()
-    ref = runners.with_options({
+    pkv = peers.import_pallas_kv()
+    ref = peers.with_options({
         "decode": pkv.decode_attention_reference,
         "paged": pkv.paged_decode_attention_reference,
         "mla": functools.partial(pkv.mla_decode_attention_reference,

@@ -15,7 +15,7 @@ from typing import Any
 from absl import flags
 
 from benchmarks import cases
-from benchmarks import runners
+from benchmarks import peers
 
 FLAGS = flags.FLAGS
 
@@ -121,11 +121,11 @@ SWEEP_PLATFORM_FLAGS = ("num_heads", "num_kv_heads", "head_dim", "page_size", "r
 
 
 def define_sweep_flags(flag_values: flags.FlagValues = FLAGS) -> None:
-  """The flags of a `cases.Sweep` (benchmarks.decode; tune and profile_kernel take them too)."""
+  """The flags of a `cases.Sweep` (benchmarks.decode; tune and tools.profile_kernel take them too)."""
   into = {"flag_values": flag_values}
   flags.DEFINE_enum("op", "decode", cases.OPS, "Which op: dense, paged or MLA.", **into)
   flags.DEFINE_list(
-      "impl", None, f"Impls to run, from {','.join(runners.ALL_IMPLS)}. Default: CPU "
+      "impl", None, f"Impls to run, from {','.join(peers.ALL_IMPLS)}. Default: CPU "
       f"{','.join(cases.CPU_IMPLS)}; GPU per op, e.g. {','.join(cases.GPU_IMPLS['decode'])}.", **into)
   flags.DEFINE_list(
       "cases", None, "Cases as BATCHxSEQ_LEN, e.g. 1x32768,8x8192; overrides "

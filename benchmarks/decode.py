@@ -2,47 +2,50 @@ r"""Decode-attention benchmark: pallas_kv impls and peers side by side.
 
 Usage (from the repository root):
 
-  python -m benchmarks.decode                       # CPU: one tiny case; GPU: the GQA sweep
-  python -m benchmarks.decode --flagfile=configs/gqa_h200.flags --json=/tmp/gqa.json
-  python -m benchmarks.decode --op=paged --page_size=64 --cases=8x8192 \
+  python -m benchmarks decode                       # CPU: one tiny case; GPU: the GQA sweep
+  python -m benchmarks decode --flagfile=configs/gqa_h200.flags --json=/tmp/gqa.json
+  python -m benchmarks decode --op=paged --page_size=64 --cases=8x8192 \
       --impl=auto,xla_einsum,jax_pallas_paged
-  python -m benchmarks.decode --op=mla --num_heads=128 --batch=64,128 --seq_len=4096,8192
-  python -m benchmarks.decode --flagfile=configs/gemma2_9b.flags --csv=/tmp/g.csv --plot=/tmp/g.png
+  python -m benchmarks decode --op=mla --num_heads=128 --batch=64,128 --seq_len=4096,8192
+  python -m benchmarks decode --flagfile=configs/gemma2_9b.flags --csv=/tmp/g.csv --plot=/tmp/g.png
 
-`--merge_in_kernel` runs the triton impl (and auto where it picks triton) with the split merge
-in the kernel's launch (`DecodeConfig.merge_in_kernel`), its config otherwise as resolved; run
-once with and once without it to compare against the two-launch path:
+Kernel config flags. Each builds a PARTIAL kernel config that holds only the fields the flags fix,
+one per kernel (`pallas_kv.TritonConfig`, `MosaicGPUConfig`, `MosaicMLAConfig` for op=mla), and
+passes it as `config=` to that backend's rows: `--impl=triton` takes the Triton config,
+`--impl=mosaic_gpu` the Mosaic GPU one, and `auto` the config of the backend it picks (a config
+narrows auto to its backend; `xla` and the peers take none). The backend fills the other fields
+from its heuristic: a config, even a partial one, is not looked up in the tuned file, so compare
+a flagged run with one that fixes the other value of the same flag (e.g. `--split_plan=balanced`
+against `--split_plan=per_sequence`), not with an unflagged run. A row that ran with a config
+lists its fields in `config`.
 
-  python -m benchmarks.decode --impl=triton --cases=1x32768,8x8192 --merge_in_kernel
+  --merge_in_kernel        TritonConfig(merge_in_kernel=True): the split merge in the kernel's
+                           own launch instead of a second one (one split and stream-K always do)
+  --split_plan=PLAN        split_plan=PLAN on every kernel that has that plan: per_sequence and
+                           balanced on all three (the split count left to the backend: for
+                           balanced, the plan's bound), stream_k on triton only (one wave of
+                           programs; `--stream_k_programs_per_sm=N` fixes num_splits to the
+                           programs of N per SM). Per-sequence is also what replaces the Triton
+                           default's stream-K plan where it would take one.
+  --sequence_order=ORDER   sequence_order=ORDER on triton and on MLA (Mosaic GPU GQA has none);
+                           on triton it rules out the default's stream-K plan
+  --convert_warpgroup      one-byte caches on mosaic_gpu: `pallas_kv.experimental.
+                           MosaicGPUVariantConfig(convert_warpgroup=True)` (the backend then takes
+                           one KV group and the stages that fit); 16-bit caches take no config
+  --triton_block_kv=N, --triton_num_stages=N    TritonConfig(block_kv=N) / (num_stages=N)
 
-`--split_plan=balanced` runs both kernel backends (and auto) with the balanced split plan
-(`DecodeConfig.split_plan`): each config as resolved, its split count then the plan's bound
-(`split_k.choose_balanced_splits`). Compare on ragged batches (`--ragged`):
-
-  python -m benchmarks.decode --flagfile=configs/gqa_h200.flags --ragged --impl=triton,mosaic_gpu \
-      --split_plan=balanced
-
-`--split_plan=stream_k` runs the triton impl (and auto where it picks triton) with the stream-K
-plan: one wave of programs (`--stream_k_programs_per_sm` per SM) over the batch's tiles laid end
-to end, block size and stages as resolved:
-
-  python -m benchmarks.decode --flagfile=configs/gqa_h200.flags --ragged --impl=triton --split_plan=stream_k
-
-`--convert_warpgroup` runs the mosaic_gpu impl (and auto where it picks it) on one-byte caches
-with a converter warpgroup (`DecodeConfig.convert_warpgroup`), the config otherwise as resolved
-(with kv_groups=1):
-
-  python -m benchmarks.decode --flagfile=configs/gqa_h200.flags --impl=mosaic_gpu --kv_dtype=int8 \
+  python -m benchmarks decode --impl=triton --cases=1x32768,8x8192 --merge_in_kernel
+  python -m benchmarks decode --flagfile=configs/gqa_h200.flags --ragged --impl=triton,mosaic_gpu \
+      --split_plan=balanced           # and once with --split_plan=per_sequence
+  python -m benchmarks decode --flagfile=configs/gqa_h200.flags --ragged --impl=triton --split_plan=stream_k
+  python -m benchmarks decode --flagfile=configs/gqa_h200.flags --impl=mosaic_gpu --kv_dtype=int8 \
       --convert_warpgroup
 
 `--v_tokens_last` gives pallas_kv's own impls of the dense and paged ops v stored tokens last
 (`decode_attention(..., v_tokens_last=True)`; transposed before the timing; mosaic_gpu refuses it):
 
-  python -m benchmarks.decode --flagfile=configs/gqa_h200.flags --impl=triton --kv_dtype=int8 --v_tokens_last
+  python -m benchmarks decode --flagfile=configs/gqa_h200.flags --impl=triton --kv_dtype=int8 --v_tokens_last
 
-`--sequence_order=longest_first` (or `long_short`) runs the triton impl (and auto where it picks
-triton) with programs taking the sequences in that order (`DecodeConfig.sequence_order`), the
-config otherwise as resolved; compare with the default on ragged batches.
 
 Each case (op x batch x seq_len) prints one table row per impl: median device time
 per call, median time per call in a Python loop of calls (host us), TB/s of the
@@ -90,14 +93,13 @@ on a CPU outside interpret mode (PALLAS_KV_INTERPRET=1) reads n/a.
 
 From Python (tests): `run(op="decode", cases=((2, 256),), impls=("xla",))` returns
 the rows as dicts; `run(sweep)` takes a `cases.Sweep`; `cases.default_sweep(op, cpu)`
-gives the defaults.
+gives the defaults; `run(..., kernel=KernelFlags(split_plan="balanced"))` runs ours with the
+configs of the kernel flags.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import sys
 import traceback
 from collections.abc import Sequence
@@ -113,23 +115,129 @@ from benchmarks import cases
 from benchmarks import cli
 from benchmarks import output
 from benchmarks import peers
-from benchmarks import runners
 from benchmarks import timing
-from pallas_kv import config as config_lib
+import pallas_kv as pkv
+from pallas_kv import experimental
 from pallas_kv import runtime
+from pallas_kv.config import KernelConfig
+from pallas_kv.kernels import plan
+from pallas_kv.kernels.triton import config as triton_config
+
+FLAGS = flags.FLAGS
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelFlags:
+  """What the kernel config flags and --v_tokens_last ask of pallas_kv's own impls (the module doc
+  says what each does); None / False where not given. ValueError for flags no config takes."""
+  merge_in_kernel: bool = False
+  split_plan: str | None = None
+  stream_k_programs_per_sm: int | None = None
+  sequence_order: str | None = None
+  convert_warpgroup: bool = False
+  triton_block_kv: int | None = None
+  triton_num_stages: int | None = None
+  v_tokens_last: bool = False
+
+  def __post_init__(self):
+    if self.stream_k_programs_per_sm is not None and self.split_plan != "stream_k":
+      raise ValueError(f"--stream_k_programs_per_sm={self.stream_k_programs_per_sm} needs --split_plan=stream_k")
+    for op in ("decode", "mla"):   # every config these flags build, so that a bad one fails before a run
+      for backend, config_type in config_types(op, one_byte=True).items():
+        self._config(config_type, self._fields(backend, op, one_byte=True))
+
+  def _fields(self, backend: str, op: str, *, one_byte: bool, num_splits: int | None = None) -> dict[str, Any]:
+    """The fields these flags fix on `backend`'s config for `op`, not yet filtered by its type."""
+    fields = dict(split_plan=self.split_plan, sequence_order=self.sequence_order)
+    if backend == "triton":
+      fields.update(merge_in_kernel=self.merge_in_kernel or None, block_kv=self.triton_block_kv,
+                    num_stages=self.triton_num_stages, num_splits=num_splits)
+    elif op != "mla":
+      fields.update(convert_warpgroup=(self.convert_warpgroup and one_byte) or None)
+    return fields
+
+  @staticmethod
+  def _config(config_type, fields: dict[str, Any]) -> KernelConfig | None:
+    """config_type holding those of fields it has (a split plan only where it has that plan), or
+    None where it has none of them."""
+    names = {f.name for f in dataclasses.fields(config_type)}
+    given = {name: value for name, value in fields.items() if value is not None and name in names}
+    if given.get("split_plan") not in (None, *config_type.SPLIT_PLANS):
+      del given["split_plan"]
+    return config_type(**given) if given else None
+
+  def configs(self, case: cases.Case) -> dict[str, KernelConfig]:
+    """Backend name -> the partial config its rows of `case` take (a backend absent takes none)."""
+    num_splits = self.stream_k_splits(case)
+    configs = {}
+    for backend, config_type in config_types(case.op, one_byte=self.convert_warpgroup and case.quantized).items():
+      fields = self._fields(backend, case.op, one_byte=case.quantized, num_splits=num_splits)
+      config = self._config(config_type, fields)
+      if config is not None:
+        configs[backend] = config
+    return configs
+
+  def stream_k_splits(self, case: cases.Case) -> int | None:
+    """--stream_k_programs_per_sm: the Triton stream-K plan's programs per (kv head, row block)
+    on this GPU (`plan.stream_k_programs`); None where not given or not a Triton shape."""
+    if self.stream_k_programs_per_sm is None or case.op == "mla" or case.head_dim not in triton_config.HEAD_DIMS:
+      return None
+    _, row_blocks = triton_config.row_blocking(case.num_queries * (case.num_heads // case.num_kv_heads),
+                                               case.head_dim)
+    return plan.stream_k_programs(num_kv_heads=case.num_kv_heads, row_blocks=row_blocks, num_sms=runtime.num_sms(),
+                                  programs_per_sm=self.stream_k_programs_per_sm)
+
+  def runner(self, impl: str, case: cases.Case, args: tuple) -> tuple[peers.Runner, KernelConfig | None]:
+    """(the Runner of `impl` on `case`, the config it was given or None); args: one input set
+    (auto's choice is traced on it, to give auto the config of the backend it picks)."""
+    spec = cases.op_spec(case)
+    if impl not in peers.OUR_IMPLS:
+      return peers.build_runner(impl, spec), None
+    tokens_last = self.v_tokens_last and case.op != "mla"
+    kw = dict(v_tokens_last=True) if tokens_last else {}
+    configs = self.configs(case)
+    backend = impl
+    if impl == "auto" and configs:
+      plain = self._runner(impl, spec, tokens_last, kw)
+      jax.eval_shape(lambda *a: plain.fn(*plain.prepare(a)), *args)
+      backend = peers.auto_choice()
+    config = configs.get(backend)
+    return self._runner(impl, spec, tokens_last, kw if config is None else dict(kw, config=config)), config
+
+  @staticmethod
+  def _runner(impl: str, spec: peers.OpSpec, tokens_last: bool, kw: dict) -> peers.Runner:
+    runner = peers.build_pallas_kv(impl, spec, **kw)
+    if not tokens_last:
+      return runner
+    tokens_last_v = lambda args: (*args[:2], jnp.transpose(args[2], (0, 2, 3, 1)), *args[3:])   # v is argument 2
+    return dataclasses.replace(runner, prepare=tokens_last_v)
+
+
+def config_types(op: str, *, one_byte: bool = False) -> dict[str, type[KernelConfig]]:
+  """Backend name -> the config type of its kernel for `op` (a one-byte cache on Mosaic GPU: the
+  experimental variant, which --convert_warpgroup needs)."""
+  if op == "mla":
+    return {"mosaic_gpu": pkv.MosaicMLAConfig}
+  return {"triton": pkv.TritonConfig,
+          "mosaic_gpu": experimental.MosaicGPUVariantConfig if one_byte else pkv.MosaicGPUConfig}
+
+
 
 
 def run_impl(impl: str, case: cases.Case, sweep: cases.Sweep, input_sets: Sequence[tuple],
-             ref: np.ndarray | None, costs: dict[str, float], host_loop: bool = True) -> dict[str, Any]:
-  """Checks and times one impl on one case (also in a host loop if `host_loop`); never raises
-  unless sweep.strict."""
-  row: dict[str, Any] = {"impl": impl, "ours": impl in runners.OUR_IMPLS}
+             ref: np.ndarray | None, costs: dict[str, float], host_loop: bool = True,
+             kernel: KernelFlags = KernelFlags()) -> dict[str, Any]:
+  """Checks and times one impl on one case (also in a host loop if `host_loop`; ours with
+  `kernel`'s configs); never raises unless sweep.strict."""
+  row: dict[str, Any] = {"impl": impl, "ours": impl in peers.OUR_IMPLS}
   try:
-    runner = runners.build_runner(impl, cases.op_spec(case))
+    runner, config = kernel.runner(impl, case, input_sets[0])
+    if config is not None:
+      row["config"] = config.given()
     prepared = [runner.prepare(args) for args in input_sets]
     first = runner.fn(*prepared[0])  # compiles; "auto" records its choice
     if impl == "auto":
-      row["auto_choice"] = runners.auto_choice()
+      row["auto_choice"] = peers.auto_choice()
     if ref is not None:
       row["rel_err"] = cases.relative_error(runner.to_numpy(first), ref)
     t = timing.TIMERS[runner.timer](runner.fn, prepared, warmup=sweep.warmup,
@@ -159,8 +267,8 @@ def run_impl(impl: str, case: cases.Case, sweep: cases.Sweep, input_sets: Sequen
   return row
 
 
-def run_case(case: cases.Case, sweep: cases.Sweep, key: jax.Array,
-             host_loop: bool = True) -> tuple[list[dict], dict]:
+def run_case(case: cases.Case, sweep: cases.Sweep, key: jax.Array, host_loop: bool = True,
+             kernel: KernelFlags = KernelFlags()) -> tuple[list[dict], dict]:
   """All impls on one case: (rows, case info)."""
   key_len, key_in = jax.random.split(key)
   lengths = cases.make_lengths(case, key_len)
@@ -178,17 +286,19 @@ def run_case(case: cases.Case, sweep: cases.Sweep, key: jax.Array,
           "reference": ref_source}
   rows = []
   for impl in sweep.impls:
-    row = run_impl(impl, case, sweep, input_sets, ref, costs, host_loop)
+    row = run_impl(impl, case, sweep, input_sets, ref, costs, host_loop, kernel)
     rows.append({**info, **row})
   return rows, info
 
 
 def run(sweep: cases.Sweep | None = None, *, json_path: str | None = None,
         csv_path: str | None = None, plot_path: str | None = None,
-        out: TextIO | None = None, host_loop: bool = True, **overrides: Any) -> list[dict]:
+        out: TextIO | None = None, host_loop: bool = True, kernel: KernelFlags = KernelFlags(),
+        **overrides: Any) -> list[dict]:
   """Runs a sweep, prints one table per case to `out`, returns all rows.
 
   Every impl is timed by the chain timer and, if `host_loop`, also in a host loop (`host_us`).
+  pallas_kv's own impls take `kernel`'s configs and layout (`KernelFlags`; none by default).
 
   Also writes the rows as JSON to `json_path`, CSV to `csv_path` and a PNG plot to
   `plot_path` (if matplotlib is installed; else one line says so).
@@ -210,7 +320,7 @@ def run(sweep: cases.Sweep | None = None, *, json_path: str | None = None,
   for batch, seq_len in sweep.cases:
     key, case_key = jax.random.split(key)
     case = cases.Case.from_sweep(sweep, batch, seq_len)
-    rows, info = run_case(case, sweep, case_key, host_loop)
+    rows, info = run_case(case, sweep, case_key, host_loop, kernel)
     print(output.format_table(info, rows), file=out, flush=True)
     print(file=out, flush=True)
     all_rows.extend({**r, **stamp} for r in rows)
@@ -220,199 +330,53 @@ def run(sweep: cases.Sweep | None = None, *, json_path: str | None = None,
   return all_rows
 
 
-@contextlib.contextmanager
-def _resolved_configs_rewritten(modules, rewrite):
-  """While open, each backend config module in `modules` resolves a config as usual, then returns
-  rewrite(resolve, problem, resolved, kw) instead (resolve: its own resolve_config)."""
-  originals = {module: module.resolve_config for module in modules}
-  for module, resolve in originals.items():
-    module.resolve_config = functools.partial(_rewritten_resolve, resolve, rewrite)
-  try:
-    yield
-  finally:
-    for module, resolve in originals.items():
-      module.resolve_config = resolve
 
-
-def _rewritten_resolve(resolve, rewrite, problem, config=None, **kw):
-  return rewrite(resolve, problem, resolve(problem, config, **kw), kw)
-
-
-@contextlib.contextmanager
-def triton_merge_in_kernel(enabled: bool):
-  """While open (if enabled), the triton backend resolves its configs as usual, then sets
-  merge_in_kernel=True."""
-  from pallas_kv.kernels.triton import config as triton_config  # pylint: disable=g-import-not-at-top
-  merged = lambda resolve, problem, config, kw: dataclasses.replace(config, merge_in_kernel=True)
-  with _resolved_configs_rewritten([triton_config] if enabled else [], merged):
-    yield
-
-
-@contextlib.contextmanager
-def balanced_split_plan(enabled: bool):
-  """While open (if enabled), both kernel backends resolve their configs as usual, then switch
-  them to the balanced split plan with the plan's own split bound."""
-  from pallas_kv.kernels.mosaic_gpu import config as mgpu_config  # pylint: disable=g-import-not-at-top
-  from pallas_kv.kernels.triton import config as triton_config  # pylint: disable=g-import-not-at-top
-  balanced = lambda resolve, problem, config, kw: resolve(
-      problem, dataclasses.replace(config, split_plan="balanced", num_splits=None), **kw)
-  with _resolved_configs_rewritten([mgpu_config, triton_config] if enabled else [], balanced):
-    yield
-
-
-@contextlib.contextmanager
-def triton_stream_k(enabled: bool, programs_per_sm: int | None = None):
-  """While open (if enabled), the triton backend resolves its configs as usual, then switches them
-  to the stream-K plan: one program per (kv head, row block) and programs_per_sm per SM (the
-  backend's `stream_k_programs_per_sm` if None), block size and stages as resolved."""
-  from pallas_kv.kernels import split_k  # pylint: disable=g-import-not-at-top
-  from pallas_kv.kernels.triton import config as triton_config  # pylint: disable=g-import-not-at-top
-
-  def stream_k(resolve, problem, config, kw):
-    _, row_blocks = triton_config.row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
-    programs = split_k.stream_k_programs(num_kv_heads=problem.num_kv_heads, row_blocks=row_blocks,
-                                         num_sms=kw.get("num_sms") or runtime.num_sms(),
-                                         programs_per_sm=programs_per_sm or triton_config.stream_k_programs_per_sm(problem))
-    return resolve(problem, dataclasses.replace(config, split_plan="stream_k", num_splits=programs,
-                                                merge_in_kernel=False), **kw)
-
-  with _resolved_configs_rewritten([triton_config] if enabled else [], stream_k):
-    yield
-
-
-@contextlib.contextmanager
-def triton_per_sequence(enabled: bool):
-  """While open (if enabled), a triton config that resolved to the stream-K plan (the default
-  where `triton_config.stream_k_pays`) takes per-sequence splits instead, counted as usual."""
-  from pallas_kv.kernels.triton import config as triton_config  # pylint: disable=g-import-not-at-top
-
-  def per_sequence(resolve, problem, config, kw):
-    if config.split_plan != "stream_k":
-      return config
-    return resolve(problem, dataclasses.replace(config, split_plan="per_sequence", num_splits=None), **kw)
-
-  with _resolved_configs_rewritten([triton_config] if enabled else [], per_sequence):
-    yield
-
-
-@contextlib.contextmanager
-def triton_fields(**fields):
-  """While open, the triton backend resolves its configs as usual, then takes the given
-  `DecodeConfig` fields (those not None; e.g. block_kv, num_stages) and checks the config again."""
-  from pallas_kv.kernels.triton import config as triton_config  # pylint: disable=g-import-not-at-top
-  fields = {name: value for name, value in fields.items() if value is not None}
-  rewritten = lambda resolve, problem, config, kw: resolve(problem, dataclasses.replace(config, **fields), **kw)
-  with _resolved_configs_rewritten([triton_config] if fields else [], rewritten):
-    yield
-
-
-@contextlib.contextmanager
-def triton_sequence_order(order: str):
-  """While open (unless order is "given"), the triton backend resolves its configs as usual, then
-  sets sequence_order=order; a stream-K config (which lays the sequences out in batch order)
-  takes per-sequence splits for it."""
-  from pallas_kv.kernels.triton import config as triton_config  # pylint: disable=g-import-not-at-top
-
-  def ordered(resolve, problem, config, kw):
-    if config.split_plan == "stream_k":
-      config = resolve(problem, dataclasses.replace(config, split_plan="per_sequence", num_splits=None), **kw)
-    return dataclasses.replace(config, sequence_order=order)
-
-  with _resolved_configs_rewritten([triton_config] if order != "given" else [], ordered):
-    yield
-
-
-@contextlib.contextmanager
-def mosaic_convert_warpgroup(enabled: bool):
-  """While open (if enabled), the mosaic_gpu backend resolves its configs as usual, then gives
-  one-byte caches a converter warpgroup (kv_groups=1, as the converter needs)."""
-  from pallas_kv.kernels.mosaic_gpu import config as mgpu_config  # pylint: disable=g-import-not-at-top
-
-  def converted(resolve, problem, config, kw):
-    dtype = jnp.dtype(kw.get("dtype", "bfloat16"))
-    if dtype.itemsize != 1:
-      return config
-    config = dataclasses.replace(config, convert_warpgroup=True, kv_groups=1, persistent=False)
-    # The converted rings take SMEM: fewer one-byte stages until it fits (per-token scales counted).
-    fits = lambda c: mgpu_config.fits_smem(c, rows=problem.num_queries * problem.group_size,
-                                           head_dim=problem.head_dim, dtype=dtype, page_size=problem.page_size,
-                                           k_scale_kind="token", v_scale_kind="token")
-    while config.num_stages > 2 and not fits(config):
-      config = dataclasses.replace(config, num_stages=config.num_stages - 1)
-    return resolve(problem, config, **kw)
-
-  with _resolved_configs_rewritten([mgpu_config] if enabled else [], converted):
-    yield
-
-
-@contextlib.contextmanager
-def values_tokens_last(enabled: bool):
-  """While open (if enabled), pallas_kv's own impls of the dense and paged ops take v stored tokens
-  last ([B, Hkv, D, T] / [P, Hkv, D, page_size], `v_tokens_last=True`), transposed before the
-  timing; the peers take v as it is."""
-  if not enabled:
-    yield
-    return
-  original = runners.build_pallas_kv
-
-  def build(impl: str, spec: peers.OpSpec) -> peers.Runner:
-    if spec.op not in ("decode", "paged"):
-      return original(impl, spec)
-    tokens_last = lambda args: (*args[:2], jnp.transpose(args[2], (0, 2, 3, 1)), *args[3:])   # v is argument 2
-    return dataclasses.replace(original(impl, spec, v_tokens_last=True), prepare=tokens_last)
-
-  runners.build_pallas_kv = build
-  try:
-    yield
-  finally:
-    runners.build_pallas_kv = original
-
-
-def define_flags() -> None:
-  """The flags of a `cases.Sweep` and the files to write the rows to."""
-  cli.define_sweep_flags()
-  cli.define_output_flags(("json", "csv", "plot"))
-  flags.DEFINE_boolean("merge_in_kernel", False, "triton impl: merge the splits in the kernel's own launch "
-                       "(DecodeConfig.merge_in_kernel), the config otherwise as resolved.")
-  flags.DEFINE_enum("split_plan", "per_sequence", list(config_lib.SPLIT_PLANS),
-                    "kernel impls: how sequences are cut into splits (DecodeConfig.split_plan); balanced "
-                    "takes each resolved config with the plan's split bound (both backends); stream_k the "
-                    "triton impl's, with --stream_k_programs_per_sm programs per SM. Given explicitly, "
-                    "per_sequence also replaces the triton default's stream-K plan where it takes one.")
-  flags.DEFINE_integer("stream_k_programs_per_sm", None, "--split_plan=stream_k: programs per SM (default: the "
-                       "triton backend's, 2 or 3 paged).", lower_bound=1)
-  flags.DEFINE_boolean("convert_warpgroup", False, "mosaic_gpu impl, one-byte caches: a converter warpgroup "
-                       "(DecodeConfig.convert_warpgroup), the config otherwise as resolved.")
-  flags.DEFINE_enum("sequence_order", "given", list(config_lib.SEQUENCE_ORDERS),
-                    "triton impl: the order in which programs take the sequences (DecodeConfig.sequence_order), "
-                    "the config otherwise as resolved.")
-  flags.DEFINE_integer("triton_block_kv", None, "triton impl: tiles of this many tokens, the config otherwise "
-                       "as resolved.")
-  flags.DEFINE_integer("triton_num_stages", None, "triton impl: tiles pipelined (DecodeConfig.num_stages), the "
-                       "config otherwise as resolved.")
+def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+  """The flags of a `cases.Sweep`, the files to write the rows to and the `KernelFlags`."""
+  into = {"flag_values": flag_values}
+  cli.define_sweep_flags(flag_values)
+  cli.define_output_flags(("json", "csv", "plot"), flag_values)
+  flags.DEFINE_boolean("merge_in_kernel", False, "triton: TritonConfig(merge_in_kernel=True), the split merge in "
+                       "the kernel's own launch; the backend fills the other fields.", **into)
+  flags.DEFINE_enum("split_plan", None, list(pkv.TritonConfig.SPLIT_PLANS),
+                    "Every kernel config that has this plan (per_sequence, balanced: all; stream_k: triton) "
+                    "takes split_plan=PLAN, the backend filling the other fields (the split count: the plan's "
+                    "own).", **into)
+  flags.DEFINE_integer("stream_k_programs_per_sm", None, "--split_plan=stream_k: num_splits = the programs of this "
+                       "many per SM (default: the backend's count, 2 or 3 paged).", lower_bound=1, **into)
+  flags.DEFINE_boolean("convert_warpgroup", False, "mosaic_gpu, one-byte caches: pallas_kv.experimental."
+                       "MosaicGPUVariantConfig(convert_warpgroup=True); the backend fills the other fields.", **into)
+  flags.DEFINE_enum("sequence_order", None, list(pkv.TritonConfig.CHOICES["sequence_order"]),
+                    "triton and MLA: the order in which programs take the sequences (sequence_order=ORDER); the "
+                    "backend fills the other fields.", **into)
+  flags.DEFINE_integer("triton_block_kv", None, "triton: TritonConfig(block_kv=N); the backend fills the other "
+                       "fields.", **into)
+  flags.DEFINE_integer("triton_num_stages", None, "triton: TritonConfig(num_stages=N); the backend fills the "
+                       "other fields.", **into)
   flags.DEFINE_boolean("host_loop", True, "Also time each impl as a Python loop of separate calls (what a "
-                       "user's loop sees, host dispatch included): the host us column, host_us in the rows.")
+                       "user's loop sees, host dispatch included): the host us column, host_us in the rows.", **into)
   flags.DEFINE_boolean("v_tokens_last", False, "pallas_kv impls of the dense and paged ops: v stored "
-                       "[B, Hkv, D, T] / [P, Hkv, D, page_size] (decode_attention's v_tokens_last).")
-  flags.adopt_module_key_flags(cli)
+                       "[B, Hkv, D, T] / [P, Hkv, D, page_size] (decode_attention's v_tokens_last).", **into)
+  flags.adopt_module_key_flags(cli, flag_values)
+
+
+def kernel_flags(flag_values: flags.FlagValues = FLAGS) -> KernelFlags:
+  """The parsed flags' `KernelFlags` (those of them a program defines); ValueError for flags no
+  config takes."""
+  names = [f.name for f in dataclasses.fields(KernelFlags) if f.name in flag_values]
+  return KernelFlags(**{name: flag_values[name].value for name in names})
 
 
 def main(argv: Sequence[str]) -> int:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   try:
-    sweep = cli.sweep_from_flags()
+    sweep, kernel = cli.sweep_from_flags(), kernel_flags()
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   paths = cli.output_paths()
-  with (triton_merge_in_kernel(flags.FLAGS.merge_in_kernel), balanced_split_plan(flags.FLAGS.split_plan == "balanced"),
-        triton_stream_k(flags.FLAGS.split_plan == "stream_k", flags.FLAGS.stream_k_programs_per_sm),
-        triton_per_sequence(flags.FLAGS["split_plan"].present and flags.FLAGS.split_plan == "per_sequence"),
-        triton_sequence_order(flags.FLAGS.sequence_order), mosaic_convert_warpgroup(flags.FLAGS.convert_warpgroup),
-        values_tokens_last(flags.FLAGS.v_tokens_last),
-        triton_fields(block_kv=flags.FLAGS.triton_block_kv, num_stages=flags.FLAGS.triton_num_stages)):
-    rows = run(sweep, json_path=paths.json, csv_path=paths.csv, plot_path=paths.plot,
-               host_loop=flags.FLAGS.host_loop)
+  rows = run(sweep, json_path=paths.json, csv_path=paths.csv, plot_path=paths.plot, host_loop=FLAGS.host_loop,
+             kernel=kernel)
   return output.report_failures(
       output.failed_rows(rows), lambda r: f"{r['impl']} on {r['op']} B={r['batch']} T={r['seq_len']}",
       tracebacks=True)

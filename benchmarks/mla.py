@@ -2,24 +2,28 @@ r"""MLA decode benchmark (DeepSeek-V3 absorbed form: latent 512 + rope 64, paged
 
 Usage (from the repository root):
 
-  python -m benchmarks.mla                        # GPU: every row below; CPU: one tiny row
-  python -m benchmarks.mla --rows=h128_b64_t4096,h16_b64_t8192 --json=/tmp/mla.json
-  python -m benchmarks.mla --impl=mosaic_gpu,bf16_einsum --iters=50
+  python -m benchmarks mla                        # GPU: every row below; CPU: one tiny row
+  python -m benchmarks mla --rows=h128_b64_t4096,h16_b64_t8192 --json=/tmp/mla.json
+  python -m benchmarks mla --impl=mosaic_gpu,bf16_einsum --iters=50
 
 Rows (page 64, shuffled pages): 128 heads at (B, T) = (1, 32768), (16, 4096), (64, 4096),
 (128, 8192), and ragged lengths (uniform in [1, 8192], mean ~4096) at B=128; 16 heads at
 (64, 8192); two new tokens (S=2) at (64, 4096).
 
-Impls: `mosaic_gpu` (our kernel), `mosaic_gpu_pqk` (the same with `DecodeConfig(pipeline_qk=True)`
-on 32-token tiles in four stages: the next tile's Q K^T overlaps this tile's softmax),
-`mosaic_gpu_bkv32` (the plain schedule on those tiles), `mosaic_gpu_halves` (`DecodeConfig(split_scores=True)`:
-both consumers score half of each tile), `mosaic_gpu_alt` (`DecodeConfig(alternate_scores=True)`: they
-score alternate tiles), `mosaic_gpu_lf` / `mosaic_gpu_balanced_lf` (`DecodeConfig(sequence_order=
-"longest_first")`, per-sequence or balanced splits: programs take the longest sequences first;
-`mosaic_gpu` itself does where its programs make more than one wave), `mosaic_gpu_rh` (`DecodeConfig(ring_halves=True)`: ring slots loaded and
-freed in two column parts), `mosaic_gpu_smemp` (`DecodeConfig(p_in_registers=False)`: the scorer's
-P V from SMEM, the default before the twelfth set), `mosaic_gpu_sp<N>` (N splits per sequence instead of the
-heuristic's count, e.g. `mosaic_gpu_sp33`), `kernel` (the kernel's launch alone, one split, no
+Impls: `mosaic_gpu` (our kernel), `mosaic_gpu_pqk` (the same with the experimental
+`MLAVariantConfig(pipeline_qk=True)` on 32-token tiles in four stages: the next tile's Q K^T
+overlaps this tile's softmax), `mosaic_gpu_bkv32` (the plain schedule on those tiles),
+`mosaic_gpu_halves` (`MLAVariantConfig(split_scores=True)`: both consumers score half of each tile),
+`mosaic_gpu_alt` (`MLAVariantConfig(alternate_scores=True)`: they score alternate tiles),
+`mosaic_gpu_lf` / `mosaic_gpu_balanced_lf` (`MosaicMLAConfig(sequence_order="longest_first")`,
+per-sequence or balanced splits: programs take the longest sequences first; `mosaic_gpu` itself
+does where its programs make more than one wave), `mosaic_gpu_rh` (`MLAVariantConfig(ring_halves=True)`:
+ring slots loaded and freed in two column parts), `mosaic_gpu_smemp` (`MLAVariantConfig(p_in_registers=
+False)`: the scorer's P V from SMEM, the default before the twelfth set), `mosaic_gpu_sp<N>` (N splits
+per sequence instead of the heuristic's count, e.g. `mosaic_gpu_sp33`). Each is a partial config
+(`pallas_kv.MosaicMLAConfig`, or `pallas_kv.experimental.MLAVariantConfig` where it names another
+schedule) fixing 64-token tiles in two stages (the heuristic's at Dqk 576) and its own fields; the
+backend fills the rest. `kernel` (the kernel's launch alone, one split, no
 merge) and its probes `kernel_no_qk`, `kernel_no_softmax`, `kernel_no_pv`, `kernel_loads_only`,
 `kernel_no_loads` (the same launch with those stages left out: the TMA ring and the P hand-over
 still run, and without loads the producer marks each slot full as it frees), `kernel_late_waits`
@@ -43,6 +47,7 @@ NotImplementedError) or failed the check.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import sys
 import traceback
@@ -58,37 +63,40 @@ import numpy as np
 from benchmarks import cases
 from benchmarks import cli
 from benchmarks import output
-from benchmarks import runners
+from benchmarks import peers
 from benchmarks import timing
 
 PAGE_SIZE = 64
 BASELINE = "bf16_einsum"
 # Our kernel with its opt-in schedule: the scorer issues the next tile's Q K^T before this tile's
-# softmax (kernels/mosaic_gpu/mla.py, DecodeConfig.pipeline_qk), on 32-token tiles in four stages
+# softmax (kernels/mosaic_gpu/mla.py, MLAVariantConfig.pipeline_qk), on 32-token tiles in four stages
 # (it holds two tiles, and a third must be loading) ...
 PIPELINED = "mosaic_gpu_pqk"
 # ... and the plain schedule on those tiles, to tell the tiles' cost from the schedule's gain.
 TILES_32 = "mosaic_gpu_bkv32"
-# ... or both consumers score half of each tile and trade row maxima and P (DecodeConfig.split_scores).
+# ... or both consumers score half of each tile and trade row maxima and P (MLAVariantConfig.split_scores).
 HALVES = "mosaic_gpu_halves"
-# ... or splits balanced by tokens across a ragged batch (DecodeConfig.split_plan="balanced").
+# ... or splits balanced by tokens across a ragged batch (MosaicMLAConfig.split_plan="balanced").
 BALANCED = "mosaic_gpu_balanced"
-# ... or the programs take the sequences longest first (DecodeConfig.sequence_order), per-sequence
+# ... or the programs take the sequences longest first (MosaicMLAConfig.sequence_order), per-sequence
 # or balanced splits.
 LONGEST_FIRST = "mosaic_gpu_lf"
 BALANCED_LONGEST_FIRST = "mosaic_gpu_balanced_lf"
-# ... or the q rows as wgmma's N, for few heads (DecodeConfig.rows_as_n; at most 64 rows).
+# ... or the q rows as wgmma's N, for few heads (MLAVariantConfig.rows_as_n; at most 64 rows).
 ROWS_AS_N = "mosaic_gpu_rows_as_n"
-# ... or the two consumers score alternate tiles (DecodeConfig.alternate_scores), also with ring halves.
+# ... or the two consumers score alternate tiles (MLAVariantConfig.alternate_scores), also with ring halves.
 ALTERNATE = "mosaic_gpu_alt"
 ALTERNATE_HALVES = "mosaic_gpu_alt_rh"
-# ... or ring slots loaded and freed in two column parts (DecodeConfig.ring_halves).
+# ... or ring slots loaded and freed in two column parts (MLAVariantConfig.ring_halves).
 RING_HALVES = "mosaic_gpu_rh"
-# ... or the scorer's P V with P from SMEM (DecodeConfig.p_in_registers=False; the default before).
+# ... or the scorer's P V with P from SMEM (MLAVariantConfig.p_in_registers=False; the default before).
 P_IN_SMEM = "mosaic_gpu_smemp"
 # Every variant is the heuristic's config (mla_config.heuristic_config at Dqk 576) with its fields
-# changed; the consumer schedules other than the plain scorer take P from SMEM.
-DEFAULT_FIELDS = dict(block_kv=64, num_stages=2, p_in_registers=True)
+# changed; the consumer schedules other than the plain scorer take P from SMEM (MLAVariantConfig's
+# p_in_registers None: on for the plain scorer, off for the others).
+DEFAULT_FIELDS = dict(block_kv=64, num_stages=2)
+# ... and what the kernel-level impls below add to make it complete: one plan of their own.
+PLAN_FIELDS = dict(split_plan="per_sequence", sequence_order="given")
 SMEM_P = dict(p_in_registers=False)
 VARIANTS = {PIPELINED: SMEM_P | dict(pipeline_qk=True, block_kv=32, num_stages=4),
             TILES_32: SMEM_P | dict(block_kv=32, num_stages=4), HALVES: SMEM_P | dict(split_scores=True),
@@ -121,12 +129,12 @@ KERNEL_IMPLS = {f"{KERNEL}{schedule}{option}{probe}": (fields, skip, codegen)
                 for probe, skip in {"": frozenset(), **PROBE_STAGES}.items()}
 PROBES = tuple(name for name, (_, skip, _) in KERNEL_IMPLS.items() if skip)
 # The default kernel with N splits and then a split merge: the Mosaic GPU launch that overlaps
-# the kernel's last wave (kernels/mosaic_gpu/merge.py) or the op's, the Triton merge kernel as a
+# the kernel's last wave (pallas_kv/experimental/mosaic_merge.py) or the op's, the Triton merge kernel as a
 # plain second launch, e.g. kernel_sp64_mosaic_merge beside kernel_sp64_triton_merge.
 MERGED_SPLITS = re.compile(r"kernel_sp([1-9][0-9]*)_(mosaic|triton)_merge")
 GPU_IMPLS = ("mosaic_gpu", RING_HALVES, BASELINE, "xla")
 CPU_IMPLS = ("auto", "xla", BASELINE)
-OUR_IMPLS = runners.OUR_IMPLS + tuple(VARIANTS) + tuple(name for name in KERNEL_IMPLS if name not in PROBES)
+OUR_IMPLS = peers.OUR_IMPLS + tuple(VARIANTS) + tuple(name for name in KERNEL_IMPLS if name not in PROBES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,12 +241,27 @@ def probe_math(impl: str):
                    first_row_block_loads_only="second_loads" in skip)
 
 
+def config_of(fields: dict[str, Any]):
+  """The MLA config of these fields: `pallas_kv.MosaicMLAConfig`, or the experimental
+  `MLAVariantConfig` where they name another consumer schedule."""
+  pkv = peers.import_pallas_kv()
+  from pallas_kv import experimental   # pylint: disable=g-import-not-at-top
+  shipped = {f.name for f in dataclasses.fields(pkv.MosaicMLAConfig)}
+  return (pkv.MosaicMLAConfig if set(fields) <= shipped else experimental.MLAVariantConfig)(**fields)
+
+
+def kernel_config(fields: dict[str, Any], num_splits: int):
+  """The complete config of a kernel-level impl and its plan: per-sequence splits in batch order."""
+  pkv = peers.import_pallas_kv()
+  config = config_of(DEFAULT_FIELDS | PLAN_FIELDS | dict(num_splits=num_splits) | fields)
+  return config, pkv.SplitPlan(kind="per_sequence", num_splits=num_splits, block_kv=config.block_kv)
+
+
 def build_kernel_launch(impl: str, row: "Row", scale: float):
   """The MLA kernel's launch alone (one split, so no merge) under impl's schedule and tile math."""
-  pkv = runners.import_pallas_kv()
   from pallas_kv.kernels.mosaic_gpu import backend, mla as mgpu_mla, mla_config   # pylint: disable=g-import-not-at-top
   fields, _, codegen_fields = KERNEL_IMPLS[impl]
-  config = pkv.DecodeConfig(**(DEFAULT_FIELDS | dict(num_splits=1) | fields))
+  config, plan = kernel_config(fields, 1)
   codegen = mla_config.Codegen(**{name: mla_config.RegisterSplit(*value) if name == "registers" else value
                                   for name, value in codegen_fields.items()})
   math = probe_math(impl)
@@ -246,7 +269,7 @@ def build_kernel_launch(impl: str, row: "Row", scale: float):
   def launch(q, kv_pages, block_tables, lengths):
     rows = q.reshape(q.shape[0], -1, q.shape[-1])   # [B, S * Hq, Dqk]: row s * Hq + h
     out, _ = mgpu_mla.mla_partials(rows, kv_pages, lengths, block_tables, num_queries=row.num_queries,
-                                   v_head_dim=row.v_dim, scale=scale, config=config, tile_math=math,
+                                   v_head_dim=row.v_dim, scale=scale, config=config, plan=plan, tile_math=math,
                                    codegen=codegen, interpret=backend.interpret_params())
     return out[:, 0].reshape(*q.shape[:-1], row.v_dim)
 
@@ -254,17 +277,24 @@ def build_kernel_launch(impl: str, row: "Row", scale: float):
 
 
 def build_merged_splits(impl: str, row: "Row", scale: float):
-  """The default kernel's launch with a fixed split count, then one of the two split merges."""
-  pkv = runners.import_pallas_kv()
+  """The default kernel's launch with a fixed split count, then one of the two split merges: the
+  Mosaic GPU merge overlapped with the kernel (`pallas_kv.experimental.mosaic_merge`, which refuses
+  with NotImplementedError what its 64-row blocks cannot cover) or the op's Triton merge."""
+  from pallas_kv.experimental import mosaic_merge   # pylint: disable=g-import-not-at-top
   from pallas_kv.kernels.mosaic_gpu import backend, mla as mgpu_mla   # pylint: disable=g-import-not-at-top
   splits, which = MERGED_SPLITS.fullmatch(impl).groups()
-  config = pkv.DecodeConfig(**(DEFAULT_FIELDS | dict(num_splits=int(splits))))
-  merge = backend.mla_merge() if which == "mosaic" else backend.fused_merge()   # fused: the Triton merge
+  config, plan = kernel_config({}, int(splits))
+  if which == "mosaic":
+    merge = functools.partial(mosaic_merge.merge_partials, interpret=backend.interpret_params())
+  else:
+    merge = backend.fused_merge()
+    if merge is None:
+      raise NotImplementedError("the Triton merge is not available (pallas_kv.kernels.triton is gone)")
 
   def launch(q, kv_pages, block_tables, lengths):
     rows = q.reshape(q.shape[0], -1, q.shape[-1])   # [B, S * Hq, Dqk]: row s * Hq + h
     out, lse = mgpu_mla.mla_partials(rows, kv_pages, lengths, block_tables, num_queries=row.num_queries,
-                                     v_head_dim=row.v_dim, scale=scale, config=config,
+                                     v_head_dim=row.v_dim, scale=scale, config=config, plan=plan,
                                      interpret=backend.interpret_params())
     merged, _ = merge(out[:, None], lse[:, None], None, rows=rows.shape[1], out_dtype=q.dtype, return_lse=False)
     return merged[:, 0].reshape(*q.shape[:-1], row.v_dim)
@@ -273,7 +303,7 @@ def build_merged_splits(impl: str, row: "Row", scale: float):
 
 
 def variant_fields(impl: str) -> dict | None:
-  """The DecodeConfig fields of a Mosaic GPU variant impl, or None for a plain impl."""
+  """The config fields of a Mosaic GPU variant impl, or None for a plain impl."""
   fixed = FIXED_SPLITS.fullmatch(impl)
   return dict(num_splits=int(fixed.group(1))) if fixed else VARIANTS.get(impl)
 
@@ -290,11 +320,11 @@ def build_fn(impl: str, row: Row):
   if not is_ours(impl):
     raise ValueError(f"unknown impl {impl!r}; choose from {OUR_IMPLS + PROBES + (BASELINE,)} or "
                      "mosaic_gpu_sp<N>")
-  pkv = runners.import_pallas_kv()
+  pkv = peers.import_pallas_kv()
   config = None
   fields = variant_fields(impl)
   if fields is not None:
-    impl, config = "mosaic_gpu", pkv.DecodeConfig(**(DEFAULT_FIELDS | fields))
+    impl, config = "mosaic_gpu", config_of(DEFAULT_FIELDS | fields)
   return jax.jit(lambda *a: pkv.mla_decode_attention(*a, v_head_dim=row.v_dim, scale=scale, impl=impl,
                                                      config=config))
 
@@ -319,7 +349,7 @@ def run_row(row: Row, impls: Sequence[str], *, warmup: int, iters: int, repeats:
       fn = build_fn(impl, row)
       result["rel_err"] = cases.relative_error(np.asarray(fn(*input_sets[0]), np.float32), baseline)
       if impl == "auto":
-        result["auto_choice"] = runners.auto_choice()
+        result["auto_choice"] = peers.auto_choice()
       t = timing.time_jax(fn, input_sets, warmup=warmup, iters=iters, repeats=repeats)
     except Exception as e:  # pylint: disable=broad-except
       result.update(status="n/a" if isinstance(e, NotImplementedError) else "error",

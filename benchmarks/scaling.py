@@ -2,9 +2,9 @@ r"""Multi-GPU scaling of paged decode attention under shard_map (`pallas_kv.shar
 
 Usage (from the repository root, one host with N GPUs):
 
-  python -m benchmarks.scaling --flagfile=configs/scaling_h200.flags --json=scaling.json
-  python -m benchmarks.scaling --devices=1,8 --meshes=batch,2x4 --batch=128 --seq_len=32768
-  python -m benchmarks.scaling --smoke --json=/tmp/smoke.json     # CPU: 8 host devices, tiny shapes
+  python -m benchmarks scaling --flagfile=configs/scaling_h200.flags --json=scaling.json
+  python -m benchmarks scaling --devices=1,8 --meshes=batch,2x4 --batch=128 --seq_len=32768
+  python -m benchmarks scaling --smoke --json=/tmp/smoke.json     # CPU: 8 host devices, tiny shapes
 
 Llama-3-70B-shaped attention by default: 64 q heads, 8 kv heads, head_dim 128, bf16, a paged
 cache with page 64 and shuffled block tables, every sequence at full length. For each case
@@ -92,9 +92,9 @@ import numpy as np
 from benchmarks import cases
 from benchmarks import cli
 from benchmarks import output
-from benchmarks import runners
-from benchmarks import shards
+from benchmarks import peers
 from benchmarks import timing
+from benchmarks.tools import shards
 import pallas_kv as pkv
 from pallas_kv import sharding
 
@@ -315,7 +315,7 @@ def define_flags():
   flags.DEFINE_integer("page_size", None, "Tokens per page (64).")
   flags.DEFINE_boolean("shuffle_pages", True, "Block tables are random permutations of each shard's pages.")
   flags.DEFINE_enum("dtype", "bfloat16", list(cases.DTYPES), "Query and cache dtype.")
-  flags.DEFINE_enum("impl", None, list(runners.OUR_IMPLS),
+  flags.DEFINE_enum("impl", None, list(peers.OUR_IMPLS),
                     "Backend of each shard's call (default auto; xla with --smoke).")
   cli.define_timing_flags({name: f"{value}; --smoke {SMOKE[name]}" for name, value in GPU_TIMING.items()})
   flags.DEFINE_float("rotate_bytes", None, "Least KV bytes per GPU of rotating input sets (L2 defeat; default 1.8e8).")

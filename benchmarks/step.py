@@ -1,7 +1,7 @@
 r"""Decode-step benchmark of the DecodeAttention layer: time per step and tokens per second.
 
-  python -m benchmarks.step                                   # CPU: one tiny case on xla
-  python -m benchmarks.step --impl=auto,xla --batch=1,8,32,128 --context=1024,8192,32768 --json=step.json
+  python -m benchmarks step                                   # CPU: one tiny case on xla
+  python -m benchmarks step --impl=auto,xla --batch=1,8,32,128 --context=1024,8192,32768 --json=step.json
 
 A Llama-3-8B-shaped layer by default on a GPU (hidden 4096, heads 32/8, head_dim 128, bf16 paged
 cache, page 64): each step projects one new token per sequence, applies RoPE, appends K/V to the

@@ -1,12 +1,14 @@
 r"""Autotuner: times kernel configs per shape on this GPU and writes the winners to the tuned file.
 
-  python -m benchmarks.tune --flagfile=configs/gqa_h200.flags --backend=mosaic_gpu
-  python -m benchmarks.tune --flagfile=configs/paged16_h200.flags --backend=mosaic_gpu --space=full
+  python -m benchmarks tune --flagfile=configs/gqa_h200.flags --backend=mosaic_gpu
+  python -m benchmarks tune --flagfile=configs/paged16_h200.flags --backend=mosaic_gpu --space=full
 
 Shapes come from the same flags as benchmarks.decode (--op, --cases, heads, dtype, ...).
 Every candidate is checked against the float32 reference before it is timed (on input sets that
 rotate past L2, like benchmarks.decode's); a candidate that
-fails, does not fit or raises is skipped. Winners are merged into
+fails, does not fit or raises is skipped. Candidates are fields of the backend's config type
+(`pallas_kv.TritonConfig`, `MosaicGPUConfig`), the backend filling the rest; an entry holds the
+complete config that won. Winners are merged into
 `pallas_kv/tuned/<device kind>.json` (or --out), keyed so that nearby shapes find them
 (`pallas_kv.tuned`). `--smoke` tunes a tiny case in interpret mode on a CPU (tests).
 """
@@ -27,12 +29,13 @@ import numpy as np
 
 from benchmarks import cases
 from benchmarks import cli
-from benchmarks import runners
+from benchmarks import peers
 from benchmarks import timing
 import pallas_kv as pkv
 from pallas_kv import runtime
 from pallas_kv import tuned
 from pallas_kv import validation
+from pallas_kv.config import KernelConfig
 from pallas_kv.kernels.mosaic_gpu import config as mosaic_gpu_config
 from pallas_kv.kernels.triton import config as triton_config
 
@@ -43,14 +46,15 @@ def define_flags() -> None:
   """The shape flags of benchmarks.decode (`cli.define_sweep_flags`) and the tuner's own."""
   cli.define_sweep_flags()
   flags.adopt_module_key_flags(cli)
-  flags.DEFINE_enum("backend", "mosaic_gpu", ["mosaic_gpu", "triton"], "backend to tune")
+  flags.DEFINE_enum("backend", "mosaic_gpu", list(BACKENDS), "backend to tune")
   flags.DEFINE_enum("space", "fast", ["smoke", "fast", "full"], "candidate space")
   flags.DEFINE_string("out", None, "tuned file to merge into (default: the device kind's file)")
   flags.DEFINE_bool("smoke", False, "tiny case in interpret mode (CPU)")
 
 
 def candidate_space(backend: str, space: str) -> list[dict]:
-  """Config fields to try; num_splits None means 'the heuristic's', a number scales it."""
+  """Config fields to try (of the backend's config type, `BACKENDS`); split_scale scales the
+  heuristic's split count."""
   if space == "smoke":
     return [dict(block_kv=64, num_stages=2), dict(block_kv=64, num_stages=3)]
   if backend == "triton" and space == "fast":  # 12 candidates: ~1.5 minutes per shape on an H200
@@ -70,20 +74,28 @@ def candidate_space(backend: str, space: str) -> list[dict]:
   return [dict(zip(names, values)) for values in itertools.product(*grid.values())]
 
 
-def _known_fields() -> set[str]:
-  return {f.name for f in dataclasses.fields(pkv.DecodeConfig)}
+BACKENDS = {"mosaic_gpu": (pkv.MosaicGPUConfig, mosaic_gpu_config), "triton": (pkv.TritonConfig, triton_config)}
 
 
-def make_config(backend: str, problem, fields: dict, dtype) -> pkv.DecodeConfig | None:
-  """A concrete DecodeConfig from candidate fields, or None if it is invalid for this problem."""
+def make_config(backend: str, problem, fields: dict, dtype) -> KernelConfig | None:
+  """The complete config (the backend's type) that a candidate's fields resolve to, with its split
+  count scaled by split_scale, or None if it is invalid for this problem.
+
+  The backend fills what the candidate leaves out (`resolve_config`: its heuristic, around the
+  given fields). Triton candidates take per-sequence splits unless they name a plan: the tuner
+  times tiles, stages, warps and split counts, and the stream-K plan is the heuristic's own
+  choice where it pays (`triton_config.stream_k_pays`, which a lookup still applies).
+  """
+  config_type, module = BACKENDS[backend]
   fields = dict(fields)
   scale = fields.pop("split_scale", 1)
-  fields = {k: v for k, v in fields.items() if k in _known_fields()}  # options this version lacks
+  if backend == "triton":
+    fields.setdefault("split_plan", "per_sequence")
+  names = {f.name for f in dataclasses.fields(config_type)}
+  fields = {k: v for k, v in fields.items() if k in names}  # fields this backend's kernel does not take
   try:
-    base = pkv.DecodeConfig(**fields)
-    fill = mosaic_gpu_config.resolve_config if backend == "mosaic_gpu" else triton_config.resolve_config
-    splits = fill(problem, dataclasses.replace(base, num_splits=None), dtype=dtype).num_splits
-    config = dataclasses.replace(base, num_splits=max(1, int(round(splits * scale))))
+    resolved = module.resolve_config(problem, config_type(**fields), dtype=dtype)
+    config = dataclasses.replace(resolved, num_splits=max(1, int(round(resolved.num_splits * scale))))
     if backend == "mosaic_gpu":
       mosaic_gpu_config.check_config(config, rows=problem.num_queries * problem.group_size,
                                      head_dim=problem.head_dim, dtype=dtype, page_size=problem.page_size)
@@ -102,7 +114,8 @@ def _problem(case: cases.Case, args: tuple):
 
 
 def tune_case(case: cases.Case, sweep: cases.Sweep, backend: str, candidates: Iterable[dict], key) -> dict | None:
-  """Times every valid candidate on one case; returns the winning entry (or None)."""
+  """Times every valid candidate on one case; returns the winning entry (or None): its config the
+  complete config that was timed (`tuned.write` writes its fields)."""
   lengths = cases.make_lengths(case, key)
   attended_keys = case.attended_keys(lengths)
   kv_bytes = case.costs(attended_keys)["kv_bytes"]
@@ -121,18 +134,18 @@ def tune_case(case: cases.Case, sweep: cases.Sweep, backend: str, candidates: It
     if config is None or config in seen:
       continue
     seen.add(config)
-    fn = jax.jit(runners.with_options(functools.partial(op, impl=backend, config=config), cases.op_spec(case)))
+    fn = jax.jit(peers.with_options(functools.partial(op, impl=backend, config=config), cases.op_spec(case)))
     try:
       err = cases.relative_error(np.asarray(fn(*args), np.float32), ref)
       if not err <= cases.TOLERANCE[case.dtype]:
-        print(f"  {config}: rel err {err:.2e} fails the check; skipped", flush=True)
+        print(f"  {config.given()}: rel err {err:.2e} fails the check; skipped", flush=True)
         continue
       t = timing.time_jax(fn, input_sets, warmup=sweep.warmup, iters=sweep.iters, repeats=sweep.repeats)
     except (ValueError, NotImplementedError) as e:
-      print(f"  {config}: {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
+      print(f"  {config.given()}: {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
       continue
     results.append((t.median_s, config, err))
-    print(f"  {t.median_s * 1e6:9.1f} us  err {err:.1e}  {config}", flush=True)
+    print(f"  {t.median_s * 1e6:9.1f} us  err {err:.1e}  {config.given()}", flush=True)
   if not results:
     return None
   seconds, best, err = min(results, key=lambda r: r[0])
@@ -163,7 +176,7 @@ def run(sweep: cases.Sweep, backend: str, space: str, out: pathlib.Path | None =
     entry = tune_case(case, sweep, backend, candidate_space(backend, space), case_key)
     if entry is not None:
       entries.append(entry)
-      print(f"  best: {entry['config']}  {entry['time_us']:.1f} us  {entry['tbps']:.2f} TB/s", flush=True)
+      print(f"  best: {entry['config'].given()}  {entry['time_us']:.1f} us  {entry['tbps']:.2f} TB/s", flush=True)
       merge(out, device_kind, [entry])  # after every shape: a run cut short keeps what it finished
   print(f"# wrote {len(entries)} entries to {out}", flush=True)
   return entries

@@ -1,7 +1,7 @@
 r"""vmap of the ops against the same work as one batch: does the mapped axis cost anything?
 
-  python -m benchmarks.vmap                                               # CPU: xla, tiny shapes
-  python -m benchmarks.vmap --impl=mosaic_gpu,triton --json=vmap.json    # GPU: the shapes below
+  python -m benchmarks vmap                                               # CPU: xla, tiny shapes
+  python -m benchmarks vmap --impl=mosaic_gpu,triton --json=vmap.json    # GPU: the shapes below
 
 Each case N x (B, T): N independent problems of B sequences of T tokens (heads 32/8, head_dim 128,
 bf16, full lengths; paged: page 64, a pool per element). Two rows per impl: `vmapped`, jax.vmap of
@@ -37,6 +37,15 @@ def parse_case(spec: str) -> tuple[int, int, int, bool]:
   paged = spec.endswith("p")
   n, b, t = (int(x) for x in spec.rstrip("p").split("x"))
   return n, b, t, paged
+
+
+def define_flags():
+  """Flags of this program (defined on demand so that importing it never clashes with others')."""
+  cli.define_timing_flags({name: f"CPU {CPU_TIMING[name]}, GPU {GPU_TIMING[name]}" for name in GPU_TIMING})
+  cli.define_output_flags(("json",))
+  flags.DEFINE_list("cases", None, f"N x B x T cases, 'p' for paged (default GPU {','.join(GPU_CASES)})")
+  flags.DEFINE_list("impl", None, "impls (default: mosaic_gpu,triton on a GPU; xla on a CPU)")
+  flags.adopt_module_key_flags(cli)
 
 
 def make_inputs(n: int, b: int, t: int, paged: bool, key):
@@ -99,8 +108,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.define_timing_flags({name: f"CPU {CPU_TIMING[name]}, GPU {GPU_TIMING[name]}" for name in GPU_TIMING})
-  cli.define_output_flags(("json",))
-  flags.DEFINE_list("cases", None, f"N x B x T cases, 'p' for paged (default GPU {','.join(GPU_CASES)})")
-  flags.DEFINE_list("impl", None, "impls (default: mosaic_gpu,triton on a GPU; xla on a CPU)")
+  define_flags()
   app.run(main)

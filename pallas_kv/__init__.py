@@ -4,8 +4,12 @@ from pallas_kv.api import decode_attention as decode_attention
 from pallas_kv.api import last_impl as last_impl
 from pallas_kv.api import mla_decode_attention as mla_decode_attention
 from pallas_kv.api import paged_decode_attention as paged_decode_attention
+from pallas_kv.api import plan_splits as plan_splits
 from pallas_kv.cache import KVCache as KVCache
-from pallas_kv.config import DecodeConfig as DecodeConfig
+from pallas_kv.config import MosaicGPUConfig as MosaicGPUConfig
+from pallas_kv.config import MosaicMLAConfig as MosaicMLAConfig
+from pallas_kv.config import TritonConfig as TritonConfig
+from pallas_kv.kernels.plan import SplitPlan as SplitPlan
 from pallas_kv.module import DecodeAttention as DecodeAttention
 from pallas_kv.module import MLAConfig as MLAConfig
 from pallas_kv.cache import PagedKVCache as PagedKVCache

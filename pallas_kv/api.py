@@ -20,7 +20,9 @@ from pallas_kv import runtime
 from pallas_kv import tuned
 from pallas_kv import validation
 from pallas_kv import xla
+from pallas_kv import config as kernel_configs
 from pallas_kv.config import AttentionOptions
+from pallas_kv.kernels.plan import SplitPlan
 
 IMPLS = ("auto", "mosaic_gpu", "triton", "xla")
 # The order "auto" tries them where the tuned file has not timed both on the shape. Triton first:
@@ -55,14 +57,32 @@ def device_can_run(name: str) -> bool:
   return runtime.gpu_device() is not None
 
 
+def _check_config(impl: str, op: str, config) -> str:
+  """The impl a call with this config runs: a kernel config names its backend, which narrows
+  "auto" to it; it must be the config type of that backend's kernel for `op`."""
+  if config is None:
+    return impl
+  if not isinstance(config, kernel_configs.KernelConfig):
+    raise TypeError(f"config must be a kernel config (pallas_kv.TritonConfig, MosaicGPUConfig or MosaicMLAConfig), "
+                    f"got {type(config).__name__}")
+  if impl == "xla":
+    raise ValueError(f"config={config!r} was given but impl='xla' takes no kernel config")
+  if impl not in ("auto", config.backend):
+    raise ValueError(f"config is a {type(config).__name__}, a config of the {config.backend} backend; "
+                     f"impl={impl!r} runs another")
+  expected = kernel_configs.config_type(config.backend, op)
+  if not isinstance(config, expected):
+    raise TypeError(f"a {op} call on {config.backend} takes a {expected.__name__}, got {type(config).__name__}")
+  return config.backend
+
+
 def choose_impl(impl: str, op: str, problem, options, dtypes, config) -> tuple[str, object | None]:
   """Returns (backend name, backend module or None for xla)."""
   global _last_impl
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
+  impl = _check_config(impl, op, config)
   if impl == "xla":
-    if config is not None:
-      raise ValueError(f"config={config!r} was given but impl='xla' takes no kernel config")
     _last_impl = "xla"
     return "xla", None
   if impl != "auto":
@@ -163,14 +183,28 @@ def _empty(problem, q, return_lse: bool):
   return (out, jnp.full(rows, -jnp.inf, jnp.float32)) if return_lse else out
 
 
+def _empty_call(problem) -> bool:
+  return problem.batch == 0 or problem.capacity == 0 or problem.num_pages == 0
+
+
+def _plan(op: str, impl: str, config, problem, options, q, k, lengths):
+  """(backend name, backend or None, complete config or None, SplitPlan or None) of a call."""
+  name, backend = choose_impl(impl, op, problem, options, (q.dtype, k.dtype), config)
+  if backend is None or _empty_call(problem):
+    return name, backend, None, None
+  config = backend.resolve_config(op, problem, config, dtype=k.dtype)
+  return name, backend, config, backend.plan_splits(op, problem, options, config, lengths)
+
+
 def _run(op: str, impl: str, config, problem, options, q, k, v, lengths, block_tables, *, sinks, k_scale, v_scale,
-         return_lse, xla_fn, refold):
+         return_lse, xla_fn, refold, plan):
   """Runs the chosen backend; xla_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale) is the
   "xla" impl (float32 results), which also gives the kernels their gradients; refold(**arrays)
-  runs the public op again on arrays whose batch holds a vmapped axis."""
+  runs the public op again on arrays whose batch holds a vmapped axis. plan: a SplitPlan made
+  for this call's shapes (`plan_splits`), else planned here from `lengths`."""
   name, backend = choose_impl(impl, op, problem, options, (q.dtype, k.dtype), config)
   dtype = q.dtype
-  if problem.batch == 0 or problem.capacity == 0 or problem.num_pages == 0:
+  if _empty_call(problem):
     return _empty(problem, q, return_lse)
 
   def xla_call(q, k, v, lengths, block_tables=None, sinks=None, k_scale=None, v_scale=None):
@@ -179,11 +213,16 @@ def _run(op: str, impl: str, config, problem, options, q, k, v, lengths, block_t
   if backend is None:
     return xla_call(q, k, v, lengths, block_tables, sinks, k_scale, v_scale)
 
+  config = backend.resolve_config(op, problem, config, dtype=k.dtype)
+  if plan is not None:
+    _check_plan(plan, config)
+
   def kernel_call(q, k, v, lengths, block_tables=None, sinks=None, k_scale=None, v_scale=None):
     if not runtime.interpret_enabled():   # a CPU lowering (eager or under jit) then names the interpret switch
       q = runtime.gpu_only(q, impl=name)
+    split_plan = plan if plan is not None else backend.plan_splits(op, problem, options, config, lengths)
     result = backend.run(op, q, k, v, lengths, block_tables, problem=problem, options=options, config=config,
-                         sinks=sinks, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
+                         split_plan=split_plan, sinks=sinks, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
     return _cast_output(result, dtype, return_lse)
 
   fold_op = batching.fold_dense if block_tables is None else batching.fold_paged
@@ -192,13 +231,38 @@ def _run(op: str, impl: str, config, problem, options, q, k, v, lengths, block_t
                             block_tables=block_tables, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 
 
+def _check_plan(plan, config) -> None:
+  if not isinstance(plan, SplitPlan):
+    raise TypeError(f"plan must be a SplitPlan (pallas_kv.plan_splits), got {type(plan).__name__}")
+  made_for = (config.split_plan, config.num_splits, config.block_kv)
+  if (plan.kind, plan.num_splits, plan.block_kv) != made_for:
+    raise ValueError(f"plan (kind, num_splits, block_kv) = {(plan.kind, plan.num_splits, plan.block_kv)} was made "
+                     f"for another call; this one runs {made_for}: plan with the call's own arguments")
+
+
+_PLANNERS = {}   # public op -> the function that builds its call's plan
+
+
+def plan_splits(op, *args, **kwargs):
+  """The `SplitPlan` that `op(*args, **kwargs)` would compute (op: `decode_attention`,
+  `paged_decode_attention` or `mla_decode_attention`), or None where that call runs no kernel
+  (impl "xla", or nothing to attend).
+
+  A model whose layers share shapes plans once per step and passes `plan=` to every layer's
+  call, so that the balanced plan and the sequence order are computed once, not per layer.
+  """
+  if op not in _PLANNERS:
+    raise ValueError(f"op must be one of {[f.__name__ for f in _PLANNERS]}, got {op!r}")
+  return _PLANNERS[op](*args, **kwargs)
+
+
 def _v_like_k(v, v_tokens_last: bool):
   """v in k's layout: [B, Hkv, D, T] ([P, Hkv, D, page_size]) back to [B, T, Hkv, D]."""
   return jnp.transpose(v, (0, 3, 1, 2)) if v_tokens_last else v
 
 
 def decode_attention(q, k, v, lengths, *, scale=None, softcap=None, window=None, sinks=None, k_scale=None,
-                     v_scale=None, return_lse=False, impl="auto", config=None, v_tokens_last=False):
+                     v_scale=None, return_lse=False, impl="auto", config=None, v_tokens_last=False, plan=None):
   """Attention of a few new tokens per sequence over a contiguous KV cache.
 
   Args:
@@ -215,11 +279,14 @@ def decode_attention(q, k, v, lengths, *, scale=None, softcap=None, window=None,
       used are cache * scale.
     return_lse: also return the natural-log LSE [B, (S,) Hq] float32 over the real keys (-inf if none).
     impl: "auto" | "mosaic_gpu" | "triton" | "xla".
-    config: an explicit kernel config (`pallas_kv.DecodeConfig`) for the chosen backend, else heuristic.
+    config: a kernel config (`pallas_kv.TritonConfig` or `MosaicGPUConfig`): it names its backend
+      (narrowing "auto" to it) and fixes the fields it sets; the backend fills the rest.
     v_tokens_last: v is stored [B, Hkv, D, T] instead of like k: each kv head's values with their
       tokens contiguous, which P V reads without byte-wise loads for a one-byte cache (Triton and
       xla; Mosaic GPU refuses it), with 128-token tiles by default. Paged, a tile spanning pages
       loads page by page.
+    plan: the call's `SplitPlan`, made once for several calls of the same shapes and lengths
+      (`plan_splits`); else planned here.
 
   Returns:
     out [B, (S,) Hq, D] in q's dtype, and lse when return_lse. Sequences of length 0 give zeros.
@@ -241,12 +308,21 @@ def decode_attention(q, k, v, lengths, *, scale=None, softcap=None, window=None,
                             v_tokens_last=v_tokens_last)
 
   return _run("decode", impl, config, problem, options, q, k, v, lengths, None, sinks=sinks, k_scale=k_scale,
-              v_scale=v_scale, return_lse=return_lse, xla_fn=xla_fn, refold=refold)
+              v_scale=v_scale, return_lse=return_lse, xla_fn=xla_fn, refold=refold, plan=plan)
+
+
+def _plan_decode(q, k, v, lengths, *, scale=None, softcap=None, window=None, sinks=None, k_scale=None, v_scale=None,
+                 return_lse=False, impl="auto", config=None, v_tokens_last=False, plan=None):
+  del return_lse, plan
+  problem = validation.validate_dense(q, k, v, lengths, v_tokens_last)
+  options = _options(problem, scale, softcap, window, sinks, k_scale, v_scale)
+  lengths = validation.lengths_as_int32(lengths, problem.capacity)
+  return _plan("decode", impl, config, problem, options, q, k, lengths)[3]
 
 
 def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, softcap=None, window=None,
                            sinks=None, k_scale=None, v_scale=None, return_lse=False, impl="auto", config=None,
-                           v_tokens_last=False):
+                           v_tokens_last=False, plan=None):
   """Attention of a few new tokens per sequence over a paged KV cache.
 
   k_pages, v_pages: [P, page_size, Hkv, D] (v_pages [P, Hkv, D, page_size] with v_tokens_last);
@@ -272,17 +348,27 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=
                                   return_lse=return_lse, impl=impl, config=config, v_tokens_last=v_tokens_last)
 
   return _run("paged", impl, config, problem, options, q, k_pages, v_pages, lengths, block_tables, sinks=sinks,
-              k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, xla_fn=xla_fn, refold=refold)
+              k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, xla_fn=xla_fn, refold=refold, plan=plan)
+
+
+def _plan_paged(q, k_pages, v_pages, block_tables, lengths, *, scale=None, softcap=None, window=None, sinks=None,
+                k_scale=None, v_scale=None, return_lse=False, impl="auto", config=None, v_tokens_last=False, plan=None):
+  del return_lse, plan
+  problem = validation.validate_paged(q, k_pages, v_pages, block_tables, lengths, v_tokens_last)
+  options = _options(problem, scale, softcap, window, sinks, k_scale, v_scale)
+  lengths = validation.lengths_as_int32(lengths, problem.capacity)
+  return _plan("paged", impl, config, problem, options, q, k_pages, lengths)[3]
 
 
 def mla_decode_attention(q, kv_pages, block_tables, lengths, *, v_head_dim=512, scale=None, return_lse=False,
-                         impl="auto", config=None):
+                         impl="auto", config=None, plan=None):
   """Multi-head latent attention (DeepSeek MLA, absorbed form) over a paged latent cache.
 
   q: [B, (S,) Hq, Dqk]; kv_pages: [P, page_size, Dqk], one latent head shared by all q heads (keys
   are the whole Dqk = latent + rope; values are kv[..., :v_head_dim]); block_tables, lengths as in
   `paged_decode_attention`. scale defaults to 1/sqrt(Dqk): models that fold a different softmax
   scale into the absorbed query (DeepSeek-V3 uses 1/sqrt(192)) pass it explicitly.
+  config: a `pallas_kv.MosaicMLAConfig`; plan: as in `decode_attention`.
   Returns out [B, (S,) Hq, v_head_dim] in q's dtype, and lse when return_lse.
   """
   problem = validation.validate_mla(q, kv_pages, block_tables, lengths, v_head_dim)
@@ -302,4 +388,17 @@ def mla_decode_attention(q, kv_pages, block_tables, lengths, *, v_head_dim=512, 
                                 return_lse=return_lse, impl=impl, config=config)
 
   return _run("mla", impl, config, problem, options, q, kv_pages, kv_pages, lengths, block_tables, sinks=None,
-              k_scale=None, v_scale=None, return_lse=return_lse, xla_fn=xla_fn, refold=refold)
+              k_scale=None, v_scale=None, return_lse=return_lse, xla_fn=xla_fn, refold=refold, plan=plan)
+
+
+def _plan_mla(q, kv_pages, block_tables, lengths, *, v_head_dim=512, scale=None, return_lse=False, impl="auto",
+              config=None, plan=None):
+  del return_lse, plan
+  problem = validation.validate_mla(q, kv_pages, block_tables, lengths, v_head_dim)
+  options = _options(problem, scale, None, None, None, None, None)
+  lengths = validation.lengths_as_int32(lengths, problem.capacity)
+  return _plan("mla", impl, config, problem, options, q, kv_pages, lengths)[3]
+
+
+_PLANNERS.update({decode_attention: _plan_decode, paged_decode_attention: _plan_paged,
+                  mla_decode_attention: _plan_mla})

@@ -162,12 +162,13 @@ class DecodeAttention:
 
   # ------------------------------------------------------------------------ the step
 
-  def __call__(self, params: dict, x, cache, positions=None, *, config=None):
+  def __call__(self, params: dict, x, cache, positions=None, *, config=None, plan=None):
     """One decode step. x [B, S, hidden] (S <= 16 new tokens) or [B, hidden] -> (y like x, cache).
 
     positions [B, S] default to the cache's lengths + arange(S) (the new tokens follow the
     cached ones). For a paged cache the pages for the new tokens must be reserved first
-    (`pallas_kv.cache.reserve_pages`). config: an explicit kernel config.
+    (`pallas_kv.cache.reserve_pages`). config: a kernel config (`pallas_kv.TritonConfig`, ...).
+    plan: this step's `SplitPlan` from `plan_step`, shared by the layers of a model.
     """
     h = self.hidden_size
     if x.ndim not in (2, 3) or x.shape[-1] != h:
@@ -179,10 +180,39 @@ class DecodeAttention:
     if positions is None:
       positions = cache.lengths[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None, :]
     if self.mla is None:
-      y, cache = self._standard_step(params, x, cache, positions, config)
+      y, cache = self._standard_step(params, x, cache, positions, config, plan)
     else:
-      y, cache = self._mla_step(params, x, cache, positions, config)
+      y, cache = self._mla_step(params, x, cache, positions, config, plan)
     return (y[:, 0] if single else y), cache
+
+  def plan_step(self, cache, num_new: int = 1, *, config=None):
+    """The `SplitPlan` of a step of num_new tokens per sequence over `cache` (as it is before the
+    step appends them), or None where the step runs no kernel. Plan once per step and pass
+    `plan=` to every layer whose cache has the same shapes: the plan is computed once, not per
+    layer."""
+    self._check_cache(cache, cache.lengths.shape[0])
+    lengths = jnp.minimum(cache.lengths + num_new, self._capacity(cache))
+    batch = cache.lengths.shape[0]
+    if self.mla is not None:
+      q = jax.ShapeDtypeStruct((batch, num_new, self.num_heads, cache.kv_pages.shape[2]), cache.kv_pages.dtype)
+      return api.plan_splits(api.mla_decode_attention, q, cache.kv_pages, cache.block_tables, lengths,
+                             v_head_dim=self.mla.kv_lora_rank, scale=self.scale, impl=self.impl, config=config)
+    kv_dtype = _kv_dtype(cache)
+    q = jax.ShapeDtypeStruct((batch, num_new, self.num_heads, self.head_dim), _query_dtype(kv_dtype))
+    options = dict(scale=self.scale, softcap=self.softcap, window=self.window, k_scale=cache.k_scale,
+                   v_scale=cache.v_scale, impl=self.impl, config=config,
+                   v_tokens_last=getattr(cache, "v_tokens_last", False))
+    if isinstance(cache, KVCache):
+      return api.plan_splits(api.decode_attention, q, cache.k, cache.v, lengths, **options)
+    return api.plan_splits(api.paged_decode_attention, q, cache.k_pages, cache.v_pages, cache.block_tables, lengths,
+                           **options)
+
+  @staticmethod
+  def _capacity(cache) -> int:
+    if isinstance(cache, KVCache):
+      return cache.k.shape[1]
+    pages = cache.kv_pages if isinstance(cache, PagedLatentCache) else cache.k_pages
+    return cache.block_tables.shape[1] * pages.shape[1]
 
   def _check_cache(self, cache, batch: int) -> None:
     """ValueError naming the cache's attribute where the cache does not match this layer or x's batch."""
@@ -224,13 +254,13 @@ class DecodeAttention:
     v = jnp.einsum("bsh,hnd->bsnd", x, params["wv"])
     return rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta), v
 
-  def _standard_step(self, params, x, cache, positions, config):
+  def _standard_step(self, params, x, cache, positions, config, plan):
     q, k, v = self._project_qkv(params, x, positions)
     kv_dtype = _kv_dtype(cache)
     cache = cache.append(*(_as_cache_input(t, kv_dtype) for t in (k, v)))
     options = dict(scale=self.scale, softcap=self.softcap, window=self.window, sinks=params.get("sinks"),
                    k_scale=cache.k_scale, v_scale=cache.v_scale, impl=self.impl, config=config,
-                   v_tokens_last=getattr(cache, "v_tokens_last", False))
+                   v_tokens_last=getattr(cache, "v_tokens_last", False), plan=plan)
     q = q.astype(_query_dtype(kv_dtype))
     if isinstance(cache, KVCache):
       out = api.decode_attention(q, cache.k, cache.v, cache.lengths, **options)
@@ -252,12 +282,12 @@ class DecodeAttention:
     k_rope = rope((x @ params["w_kr"])[:, :, None, :], positions, self.rope_theta)[:, :, 0]
     return jnp.concatenate([q_latent, q_rope], -1), jnp.concatenate([latent, k_rope], -1)
 
-  def _mla_step(self, params, x, cache, positions, config):
+  def _mla_step(self, params, x, cache, positions, config, plan):
     q, rows = self._mla_latents(params, x, positions)
     cache = cache.append(rows.astype(cache.kv_pages.dtype))
     out_latent = api.mla_decode_attention(q.astype(cache.kv_pages.dtype), cache.kv_pages, cache.block_tables,
                                           cache.lengths, v_head_dim=self.mla.kv_lora_rank, scale=self.scale,
-                                          impl=self.impl, config=config)
+                                          impl=self.impl, config=config, plan=plan)
     v = jnp.einsum("bsnc,ncv->bsnv", out_latent.astype(x.dtype), params["w_uv"])
     return jnp.einsum("bsnv,nvh->bsh", v, params["wo"]), cache
 

@@ -21,10 +21,10 @@ import pathlib
 import re
 
 from pallas_kv import runtime
-from pallas_kv.config import DecodeConfig
+from pallas_kv import config as kernel_configs
 
 TUNED_DIR_ENV_VAR = "PALLAS_KV_TUNED_DIR"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: each entry's config holds only its kernel's fields
 MAX_LOG2_DISTANCE = 2.0
 EXACT_FIELDS = ("op", "head_dim", "group_size", "num_queries", "page_size", "dtype")
 
@@ -80,19 +80,19 @@ def nearest_entry(backend: str, key: dict, device_kind: str) -> tuple[dict, floa
   return None if best is None else (best, best_distance)
 
 
-def lookup(backend: str, key: dict, device_kind: str) -> DecodeConfig | None:
-  """The tuned config of the nearest matching entry, or None."""
+def lookup(backend: str, key: dict, device_kind: str):
+  """The tuned config (the backend's config type for key's op) of the nearest matching entry, or None."""
   found = nearest_entry(backend, key, device_kind)
   if found is None:
     return None
   entry, distance = found
-  config = DecodeConfig(**entry["config"])
+  config = kernel_configs.config_type(backend, key["op"])(**entry["config"])
   if distance > 0:  # the split count was tuned for another size: let the heuristic refit it
     config = dataclasses.replace(config, num_splits=None)
   return config
 
 
-def tuned_config(backend: str, problem, dtype, device_kind: str | None = None) -> DecodeConfig | None:
+def tuned_config(backend: str, problem, dtype, device_kind: str | None = None):
   """The tuned config of `backend` for this call on the local (or named) device kind, if any."""
   op = "decode" if problem.page_size is None else "paged"
   return lookup(backend, shape_key(op, problem, dtype), device_kind or runtime.device_kind())
@@ -109,11 +109,11 @@ def fastest_backend(backends, key: dict, device_kind: str) -> str | None:
 
 
 def write(path, device_kind: str, entries: list[dict], **metadata) -> None:
-  """Writes a tuned file: entries are {"backend", "key", "config": DecodeConfig or dict, ...}."""
+  """Writes a tuned file: entries are {"backend", "key", "config": a kernel config or its dict, ...}."""
   rows = []
   for entry in entries:
     config = entry["config"]
-    rows.append(entry | {"config": dataclasses.asdict(config) if isinstance(config, DecodeConfig) else config})
+    rows.append(entry | {"config": config.given() if isinstance(config, kernel_configs.KernelConfig) else config})
   data = dict(format_version=FORMAT_VERSION, device_kind=device_kind, **metadata, entries=rows)
   pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
   pathlib.Path(path).write_text(json.dumps(data, indent=1) + "\n")

@@ -57,23 +57,22 @@ class Structure:
   window: int | None
   sinks: bool
   return_lse: bool
-  config: tuple | None        # DecodeConfig fields, or None for the backend's choice
+  config: tuple | None        # kernel config fields (of any kernel), or None for the backend's choice
 
   @property
   def quantized(self) -> bool:
     return jnp.dtype(self.kv_dtype).itemsize == 1
 
   def decode_config(self, impl: str):
-    """The drawn config as `impl` takes it (each backend's opt-in fields dropped for the others)."""
-    if self.config is None or impl == "xla":
+    """The drawn config as `impl`'s kernel for this op takes it: its config type, with the fields
+    of other kernels dropped. None for "xla" and "auto" (a kernel config names its backend, which
+    would narrow "auto" to it). A drawn value the kernel's config refuses raises ValueError."""
+    if self.config is None or impl not in ("triton", "mosaic_gpu"):
       return None
-    fields = dict(self.config)
-    if impl != "mosaic_gpu":
-      fields.pop("pipeline_qk", None)
-      fields.pop("persistent", None)
-    if impl != "triton":
-      fields.pop("merge_in_kernel", None)
-    return pkv.DecodeConfig(**fields)
+    op = {"dense": "decode", "paged": "paged", "mla": "mla"}[self.op]
+    config_type = pkv.config.config_type(impl, op)
+    names = {f.name for f in dataclasses.fields(config_type)}
+    return config_type(**{name: value for name, value in self.config if name in names})
 
 
 def draw_structure(seed: int, *, small: bool = False) -> Structure:
@@ -339,7 +338,7 @@ def run_case(st: Structure, value_seed: int, impl: str, *, hostile: bool | None 
   except NotImplementedError as e:
     return f"refused: {e}"
   except ValueError as e:
-    if st.config is None:
+    if st.config is None or impl not in ("triton", "mosaic_gpu"):
       raise
     return f"refused: the drawn config: {e}"   # an explicit config this backend's rules reject
   out, lse = result if st.return_lse else (result, None)
@@ -348,7 +347,7 @@ def run_case(st: Structure, value_seed: int, impl: str, *, hostile: bool | None 
     assert _bitwise_equal(out, again[0] if st.return_lse else again), "a rerun differs"
   # The balanced and stream-K plans cut each sequence by the whole batch's lengths: not
   # batch-invariant by design.
-  fixed_splits = (st.config is not None and impl != "xla" and dict(st.config).get("num_splits")
+  fixed_splits = (st.config is not None and impl in ("triton", "mosaic_gpu") and dict(st.config).get("num_splits")
                   and dict(st.config).get("split_plan", "per_sequence") == "per_sequence")
   if invariance and fixed_splits and st.batch > 1:
     alone = _call(dataclasses.replace(st, batch=1), impl, _first_sequence(st, a))

@@ -112,7 +112,8 @@ def _bad_inputs():
   q, k, v, n = c.q, c.k, c.v, c.lengths
   d = pkv.decode_attention
   p = lambda **kw: pkv.paged_decode_attention(kw.get("q", q), kw.get("kp", c.k_pages), kw.get("vp", c.v_pages),
-                                              kw.get("bt", c.block_tables), kw.get("n", n), impl="xla")
+                                              kw.get("bt", c.block_tables), kw.get("n", n),
+                                              impl=kw.get("impl", "xla"), config=kw.get("config"))
   return [
       ("q rank 2", lambda: d(q[0], k, v, n), ValueError, "q must have rank 3"),
       ("k rank 3", lambda: d(q, k[0], v[0], n), ValueError, "k must have rank 4"),
@@ -132,7 +133,21 @@ def _bad_inputs():
       ("k_scale shape", lambda: d(q, k, v, n, k_scale=jnp.ones(5)), ValueError, "k_scale"),
       ("too many tokens", lambda: d(jnp.zeros((2, 17, 4, 8)), k, v, n), NotImplementedError, "at most 16"),
       ("unknown impl", lambda: d(q, k, v, n, impl="cuda"), ValueError, "impl must be one of"),
-      ("config on xla", lambda: d(q, k, v, n, impl="xla", config=object()), ValueError, "config"),
+      ("config on xla", lambda: d(q, k, v, n, impl="xla", config=pkv.TritonConfig()), ValueError,
+       "impl='xla' takes no kernel config"),
+      ("config not a kernel config", lambda: d(q, k, v, n, config=object()), TypeError,
+       "config must be a kernel config"),
+      ("config dict", lambda: d(q, k, v, n, impl="triton", config=dict(block_kv=16)), TypeError,
+       "config must be a kernel config"),
+      ("config of another backend", lambda: d(q, k, v, n, impl="mosaic_gpu", config=pkv.TritonConfig()), ValueError,
+       "TritonConfig, a config of the triton backend; impl='mosaic_gpu'"),
+      ("MLA config on a GQA op", lambda: d(q, k, v, n, config=pkv.MosaicMLAConfig()), TypeError,
+       "decode call on mosaic_gpu takes a MosaicGPUConfig, got MosaicMLAConfig"),
+      ("MLA config on a paged op", lambda: p(impl="mosaic_gpu", config=pkv.MosaicMLAConfig(block_kv=32)), TypeError,
+       "paged call on mosaic_gpu takes a MosaicGPUConfig"),
+      ("GQA config on MLA", lambda: pkv.mla_decode_attention(q, c.k_pages[:, :, 0], c.block_tables, n, v_head_dim=4,
+                                                              config=pkv.MosaicGPUConfig()), TypeError,
+       "mla call on mosaic_gpu takes a MosaicMLAConfig, got MosaicGPUConfig"),
       ("float block tables", lambda: p(bt=c.block_tables.astype(jnp.float32)), ValueError, "block_tables"),
       ("block tables rank", lambda: p(bt=c.block_tables[0]), ValueError, "block_tables must have rank 2"),
       ("pages rank", lambda: p(kp=c.k_pages[0], vp=c.v_pages[0]), ValueError, "k_pages must have rank 4"),
@@ -320,3 +335,103 @@ def test_lengths_wider_than_int32_clamp_instead_of_wrapping(dtype):
   want = pkv.decode_attention_reference(case.q, case.k, case.v, jnp.asarray([64, 7], jnp.int32))
   assert_matches_reference(out, want, jnp.float32)
   assert_matches_reference(pkv.decode_attention_reference(case.q, case.k, case.v, huge), want, jnp.float32)
+
+
+# ---------------------------------------------------------------- kernel configs and split plans
+
+@pytest.mark.parametrize("config,impl", [
+    (pkv.TritonConfig(block_kv=16, num_stages=2, num_splits=2), "triton"),
+    (pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2), "mosaic_gpu"),
+], ids=["triton", "mosaic_gpu"])
+def test_a_kernel_config_narrows_auto_to_its_backend(interpret_mode, config, impl):
+  # On this CPU "auto" alone runs xla; a config names the backend that runs.
+  case = make_case(30, batch=2, seq_len=128, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
+                   lengths=[128, 45])
+  out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl="auto", config=config)
+  assert pkv.last_impl() == impl
+  harness.check_against_reference(case, out)
+
+
+def test_a_partial_config_keeps_its_fields_and_the_backend_fills_the_rest():
+  import sweeps
+  from pallas_kv.kernels import plan
+  from pallas_kv.kernels.mosaic_gpu import config as mosaic_gpu_config
+  from pallas_kv.kernels.triton import config as triton_config
+  _, problem = sweeps.problem_args((32, 8), (4, 4096), None)
+  partial = pkv.TritonConfig(block_kv=32)
+  assert partial.given() == {"block_kv": 32} and not partial.complete
+  resolved = triton_config.resolve_config(problem, partial, num_sms=132)
+  heuristic = triton_config.heuristic_config(problem)
+  assert resolved.complete and resolved.block_kv == 32 and heuristic.block_kv != 32
+  for name in ("num_stages", "split_plan", "num_warps", "sequence_order", "merge_in_kernel"):
+    assert getattr(resolved, name) == getattr(heuristic, name), name
+  assert resolved.num_splits == plan.choose_num_splits(batch=4, num_kv_heads=8, row_blocks=1, capacity=4096,
+                                                       block_kv=32, num_sms=132,
+                                                       programs_per_sm=triton_config.PROGRAMS_PER_SM)
+  mosaic = mosaic_gpu_config.resolve_config(problem, pkv.MosaicGPUConfig(num_stages=2, num_splits=3), num_sms=132)
+  assert mosaic.complete and (mosaic.num_stages, mosaic.num_splits) == (2, 3)
+  assert mosaic.block_kv == mosaic_gpu_config.heuristic_config(problem).block_kv
+  with pytest.raises(TypeError, match="takes a TritonConfig"):
+    triton_config.resolve_config(problem, pkv.MosaicGPUConfig(), num_sms=132)
+
+
+def test_plan_splits_gives_the_plan_the_call_runs(interpret_mode, monkeypatch):
+  from pallas_kv.kernels.triton import backend
+  case = make_case(31, batch=3, seq_len=128, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
+                   lengths=[40, 128, 77])
+  args = (case.q, case.k, case.v, case.lengths)
+  config = pkv.TritonConfig(block_kv=16, num_stages=2, num_splits=4, split_plan="balanced",
+                            sequence_order="longest_first")
+  made = pkv.plan_splits(pkv.decode_attention, *args, impl="triton", config=config)
+  assert isinstance(made, pkv.SplitPlan)
+  assert (made.kind, made.num_splits, made.block_kv) == ("balanced", 4, 16)
+  assert made.order.tolist() == [1, 2, 0] and made.tiles_per_split.shape == (1,)
+  auto = pkv.plan_splits(pkv.decode_attention, *args, config=config)   # "auto" narrowed to triton
+  assert (auto.kind, auto.num_splits, auto.block_kv) == (made.kind, made.num_splits, made.block_kv)
+  assert pkv.plan_splits(pkv.decode_attention, *args, impl="xla") is None
+
+  seen, vectors = [], []   # the plan every kernel call runs (traced), and the values of its vectors
+  run = backend.run
+
+  def spy(*a, split_plan, **kw):
+    seen.append(split_plan)
+    jax.debug.callback(lambda *xs: vectors.append([np.asarray(x) for x in xs]), *split_plan.kernel_inputs())
+    return run(*a, split_plan=split_plan, **kw)
+
+  monkeypatch.setattr(backend, "run", spy)
+  want = pkv.decode_attention(*args, return_lse=True, impl="triton", config=config)
+  (used,), (used_vectors,) = seen, vectors
+  assert (used.kind, used.num_splits, used.block_kv) == (made.kind, made.num_splits, made.block_kv)
+  for got, expected in zip(used_vectors, made.kernel_inputs(), strict=True):   # the order, the tile count
+    np.testing.assert_array_equal(got, expected)
+  # The plan goes through jit as an argument (a pytree of its arrays) and gives the same bits.
+  with_plan = jax.jit(lambda q, k, v, n, plan: pkv.decode_attention(q, k, v, n, return_lse=True, impl="triton",
+                                                                     config=config, plan=plan))
+  got = with_plan(*args, made)
+  assert seen[-1].num_splits == made.num_splits and len(seen) == 2
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  harness.check_against_reference(case, got)
+  # A plan made for another config (split count, tile) is refused, as is something not a plan.
+  for other in (dict(num_splits=2), dict(block_kv=32), dict(split_plan="per_sequence")):
+    wrong = pkv.plan_splits(pkv.decode_attention, *args, impl="triton",
+                            config=pkv.TritonConfig(**{**config.given(), **other}))
+    with pytest.raises(ValueError, match="made for another call"):
+      pkv.decode_attention(*args, impl="triton", config=config, plan=wrong)
+  with pytest.raises(TypeError, match="plan must be a SplitPlan"):
+    pkv.decode_attention(*args, impl="triton", config=config, plan=dict(made.__dict__))
+
+
+def test_plan_splits_of_the_paged_op_matches_its_call(interpret_mode):
+  case = make_case(32, batch=2, seq_len=128, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
+                   page_size=32, lengths=[128, 33])
+  args = (case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths)
+  config = pkv.TritonConfig(block_kv=16, num_stages=2, num_splits=2, sequence_order="long_short")
+  made = pkv.plan_splits(pkv.paged_decode_attention, *args, impl="triton", config=config)
+  assert (made.kind, made.num_splits, made.block_kv, made.tiles_per_split) == ("per_sequence", 2, 16, None)
+  want = pkv.paged_decode_attention(*args, return_lse=True, impl="triton", config=config)
+  got = pkv.paged_decode_attention(*args, return_lse=True, impl="triton", config=config, plan=made)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  with pytest.raises(ValueError, match="op must be one of"):
+    pkv.plan_splits(pkv.decode_attention_reference, *args)

@@ -24,13 +24,12 @@ sys.path.insert(0, REPO)
 from benchmarks import cases  # noqa: E402
 from benchmarks import cli  # noqa: E402
 from benchmarks import decode as decode_bench  # noqa: E402
-from benchmarks import operand_precision  # noqa: E402
 from benchmarks import output  # noqa: E402
 from benchmarks import peers  # noqa: E402
 from benchmarks import report  # noqa: E402
-from benchmarks import runners  # noqa: E402
 from benchmarks import step as step_bench  # noqa: E402
 from benchmarks import timing  # noqa: E402
+from benchmarks.tools import operand_precision  # noqa: E402
 
 # Each GPU case's rotating input sets must fit well inside an H200 (~139 GiB) beside the
 # peers' copies and the float32 reference (which runs in batch chunks).
@@ -120,6 +119,162 @@ def test_flagfiles_parse_into_valid_sweeps(flagfile):
     assert kv_bytes <= MAX_CASE_KV_BYTES, (batch, seq_len, kv_bytes / 2**30)
 
 
+# ------------------------------------------------------------------ the driver and the H200 suite
+
+SUITE_SCRIPT = os.path.join(REPO, "benchmarks", "h200_suite.sh")
+
+
+def _driver():
+  from benchmarks import __main__ as driver  # pylint: disable=g-import-not-at-top
+  return driver
+
+
+def _suite_parts() -> dict[str, list[tuple[str, str]]]:
+  """The script's table: part -> [(routine, run name)]."""
+  import re  # pylint: disable=g-import-not-at-top
+  with open(SUITE_SCRIPT) as f:
+    table = re.findall(r'^\s*\[(\w+)\]="([^"]+)"', f.read(), re.MULTILINE)
+  return {part: [tuple(entry.split(":")) for entry in runs.split()] for part, runs in table}
+
+
+def _suite_runs_by_routine() -> dict[str, list[str]]:
+  by_routine: dict[str, list[str]] = {}
+  for runs in _suite_parts().values():
+    for routine, name in runs:
+      by_routine.setdefault(routine, []).append(name)
+  return by_routine
+
+
+def test_benchmarks_top_level_is_the_core_and_the_routines():
+  driver = _driver()
+  top = sorted(os.path.basename(p) for p in glob.glob(os.path.join(REPO, "benchmarks", "*.py")))
+  assert len(top) <= 15, top   # diagnostics belong in benchmarks/tools/
+  for routine in driver.ROUTINES:
+    assert f"{routine}.py" in top, routine
+  tools = driver.tools()
+  assert "profile_kernel" in tools and "smollm2_transformers" in tools
+  assert "shards" not in tools and "__init__" not in tools   # helpers, not programs
+  assert driver.module_of("decode") == "benchmarks.decode"
+  assert driver.module_of("tools.ncu_summary") == "benchmarks.tools.ncu_summary"
+  for name in ("report", "tools.nosuch", "cases"):
+    with pytest.raises(ValueError, match="unknown routine"):
+      driver.module_of(name)
+  with open(SUITE_SCRIPT) as f:
+    assert len(f.read().splitlines()) <= 60   # a table, not a program
+
+
+def test_moved_modules_import_under_their_former_names():
+  import benchmarks  # pylint: disable=g-import-not-at-top
+  from benchmarks import serving, shards, smollm2  # pylint: disable=g-import-not-at-top
+  from benchmarks.tools import shards as tools_shards  # pylint: disable=g-import-not-at-top
+  assert smollm2 is serving and shards is tools_shards
+  with pytest.raises(AttributeError):
+    benchmarks.nosuch  # pylint: disable=pointless-statement
+
+
+def test_driver_lists_its_routines_and_refuses_others():
+  for argv, code in ((["--help"], 0), ([], 2), (["nosuch"], 2)):
+    result = subprocess.run([sys.executable, "-m", "benchmarks", *argv], capture_output=True, text=True, cwd=REPO,
+                            timeout=120)
+    assert result.returncode == code, result.stderr[-2000:]
+    text = result.stdout + result.stderr
+    assert "serving" in text and "tools.NAME" in text and "smollm2_transformers" in text, text
+    assert ("unknown routine 'nosuch'" in text) == (argv == ["nosuch"])
+
+
+def test_driver_hands_a_routine_its_flags_and_returns_its_exit_status():
+  # A whole run through the driver: test_decode_benchmark_cpu_default_runs_end_to_end.
+  driven, direct = (subprocess.run([sys.executable, "-m", *module, "--helpshort"], capture_output=True, text=True,
+                                   cwd=REPO, timeout=120) for module in (["benchmarks", "vmap"], ["benchmarks.vmap"]))
+  assert "benchmarks/vmap.py:" in driven.stdout and "--cases: N x B x T cases" in driven.stdout, driven.stderr[-2000:]
+  assert "--repeats" in driven.stdout   # the shared timing flags too
+  assert (driven.returncode, driven.stdout) == (direct.returncode, direct.stdout)   # absl's help exits 1
+  bad = subprocess.run([sys.executable, "-m", "benchmarks", "vmap", "--nosuch_flag"], capture_output=True, text=True,
+                       cwd=REPO, timeout=120)
+  assert bad.returncode == 1 and "Unknown command line flag 'nosuch_flag'" in bad.stderr
+
+
+def test_suite_table_names_every_suite_flagfile_once():
+  driver = _driver()
+  names = [name for runs in _suite_parts().values() for _, name in runs]
+  assert len(names) == len(set(names)), names
+  on_disk = {os.path.basename(p)[:-len(".flags")] for p in glob.glob(os.path.join(REPO, "configs", "suite", "*.flags"))}
+  assert set(names) == on_disk
+  for routine in _suite_runs_by_routine():
+    driver.module_of(routine)   # a routine or a tool
+  for part in ("gqa", "host_loop", "rows", "models", "mla", "smollm2"):   # what RESULTS.md's latest sets ran
+    assert part in _suite_parts()
+  for name in on_disk:
+    with open(os.path.join(REPO, "configs", "suite", f"{name}.flags")) as f:
+      assert f.readline().startswith("# "), f"configs/suite/{name}.flags must start with a comment saying what it measures"
+
+
+def test_suite_runs_each_part_through_the_driver(tmp_path):
+  # A python3 that prints its arguments stands in for the machine's: the script's commands, not the runs.
+  fake = tmp_path / "bin" / "python3"
+  fake.parent.mkdir()
+  fake.write_text('#!/bin/sh\necho "python3 $*"\n')
+  fake.chmod(0o755)
+  env = dict(os.environ, PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+             SMOLLM2_GGUF="/models/smollm2.gguf", SUITE_FLAGS="--cases=8x8192")
+  result = subprocess.run(["bash", SUITE_SCRIPT, "gqa", "smollm2", "mla_rows_b128", "tune", "nosuch"], env=env,
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+  assert result.returncode == 2, result.stdout + result.stderr   # the unknown part; the rest ran
+  lines = result.stdout.splitlines()
+  out = tmp_path / "out"
+  assert lines[:5] == [
+      f"python3 -m benchmarks decode --flagfile=configs/suite/gqa.flags --json={out}/gqa.json --cases=8x8192",
+      f"python3 -m benchmarks serving --flagfile=configs/suite/smollm2_engine.flags --json={out}/smollm2_engine.json "
+      "--gguf=/models/smollm2.gguf --cases=8x8192",
+      "python3 -m benchmarks tools.smollm2_transformers --flagfile=configs/suite/smollm2_transformers.flags "
+      f"--json={out}/smollm2_transformers.json --gguf=/models/smollm2.gguf --cases=8x8192",
+      f"python3 -m benchmarks mla --flagfile=configs/suite/mla_rows_b128.flags --json={out}/mla_rows_b128.json "
+      "--cases=8x8192",
+      "python3 -m benchmarks tune --flagfile=configs/suite/tune.flags --cases=8x8192",   # tune writes the tuned file
+  ]
+  assert lines[5].startswith("unknown part or run: nosuch; parts: gqa host_loop mla models")
+  assert (out / "gqa.log").read_text() == lines[0] + "\n"
+  assert {p.name for p in out.glob("*.json")} == {os.path.basename(p) for p in glob.glob(
+      os.path.join(REPO, "pallas_kv", "tuned", "*.json"))}   # tune's output: the tuned file, copied
+
+
+# Parses a routine's suite flagfiles with its own flags (a flagfile with a flag the routine lacks,
+# or a bad value, fails here, not on the GPU machine); decode's and tune's also as sweeps.
+_PARSE_SUITE_FLAGFILES = r"""
+import importlib, json, sys
+from absl import flags
+routine, paths = sys.argv[1], sys.argv[2:]
+module = importlib.import_module("benchmarks." + routine)
+module.define_flags()
+extra = ["--gguf=model.gguf"] if routine in ("serving", "tools.smollm2_transformers") else []
+kv_bytes = {}
+for path in paths:
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS([routine, f"--flagfile={path}", *extra])
+  kv_bytes[path] = []
+  if routine == "mla":
+    assert set(flags.FLAGS.rows) <= set(module.ALL_ROWS), flags.FLAGS.rows
+  if routine in ("decode", "tune"):
+    from benchmarks import cases, cli, timing
+    sweep = cli.sweep_from_flags()
+    rotate = max(sweep.rotate_bytes, timing.DEFAULT_ROTATE_BYTES)
+    kv_bytes[path] = [cases.Case.from_sweep(sweep, b, t).footprint(rotate)[1] for b, t in sweep.cases]
+print(json.dumps(kv_bytes))
+"""
+
+
+@pytest.mark.parametrize("routine", sorted(_suite_runs_by_routine()))
+def test_suite_flagfiles_parse_under_their_routine(routine):
+  paths = [f"configs/suite/{name}.flags" for name in _suite_runs_by_routine()[routine]]
+  result = subprocess.run([sys.executable, "-c", _PARSE_SUITE_FLAGFILES, routine, *paths], capture_output=True,
+                          text=True, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  kv_bytes = json.loads(result.stdout.splitlines()[-1])
+  assert sorted(kv_bytes) == sorted(paths)
+  for path, sizes in kv_bytes.items():
+    assert all(size <= MAX_CASE_KV_BYTES for size in sizes), (path, [s / 2**30 for s in sizes])
+
+
 def test_shared_flags_read_back_as_given():
   flag_values = flags.FlagValues()
   cli.define_timing_flags({"iters": "3", "repeats": "5"}, flag_values)
@@ -137,7 +292,7 @@ def test_shared_flags_read_back_as_given():
 
 def test_decode_benchmark_cpu_default_runs_end_to_end(tmp_path):
   csv_path, json_path = tmp_path / "rows.csv", tmp_path / "rows.json"
-  result = subprocess.run([sys.executable, "-m", "benchmarks.decode", "--flagfile=configs/cpu_smoke.flags",
+  result = subprocess.run([sys.executable, "-m", "benchmarks", "decode", "--flagfile=configs/cpu_smoke.flags",
                            f"--csv={csv_path}", f"--json={json_path}"],
                           capture_output=True, text=True, cwd=REPO, timeout=600)
   assert result.returncode == 0, result.stderr[-2000:]
@@ -165,7 +320,7 @@ def test_option_reaches_impls_and_reference(option):
   ref_plain, _ = cases.reference_output(plain, args[:4])
   assert cases.relative_error(ref_plain, ref) > 1e-3  # the option changed the reference
   for impl in ("xla", "xla_einsum"):  # each with the option matches the reference with it
-    out = runners.build_runner(impl, cases.op_spec(case)).fn(*args)
+    out = peers.build_runner(impl, cases.op_spec(case)).fn(*args)
     assert cases.relative_error(np.asarray(out, np.float32), ref) < 1e-2, impl
 
 
@@ -430,7 +585,7 @@ def test_chain_uses_every_barrier_output_so_xla_cannot_merge_the_calls():
 
 
 def test_profile_kernel_lists_what_a_compiled_call_launches():
-  from benchmarks import profile_kernel
+  from benchmarks.tools import profile_kernel
   text = """HloModule m
 
 %fused (p: f32[4]) -> f32[4] {
@@ -456,7 +611,7 @@ ENTRY %main (a: f32[4], b: s32[2]) -> (f32[4], f32[4]) {
 
 
 def test_profile_kernel_runs_each_impl_once_per_call_on_cpu(capsys):
-  from benchmarks import profile_kernel
+  from benchmarks.tools import profile_kernel
   sweep = cases.Sweep(op="decode", impls=("xla", "cudnn"), cases=((2, 64),), num_heads=4, num_kv_heads=2,
                       head_dim=32, iters=1, repeats=1, warmup=1)
   lines = profile_kernel.run(sweep, calls=2)
@@ -466,7 +621,7 @@ def test_profile_kernel_runs_each_impl_once_per_call_on_cpu(capsys):
 
 def test_profile_kernel_times_say_why_they_cannot_run_here():
   # This machine has no torch with CUDA: every impl's line says so instead of a table.
-  from benchmarks import profile_kernel
+  from benchmarks.tools import profile_kernel
   sweep = cases.Sweep(op="decode", impls=("xla",), cases=((2, 64),), num_heads=4, num_kv_heads=2, head_dim=32,
                       iters=1, repeats=1, warmup=1)
   try:
@@ -484,7 +639,7 @@ def test_profile_kernel_times_say_why_they_cannot_run_here():
 
 
 def test_profile_kernel_chain_summary():
-  from benchmarks import profile_kernel
+  from benchmarks.tools import profile_kernel
   kernels = [(0.0, 10.0, "decode"), (10.5, 12.0, "merge"), (12.0, 22.0, "decode"), (25.0, 26.0, "merge")]
   line = profile_kernel.chain_summary(kernels, calls=2)
   assert line.startswith("busy 11.2 us, elapsed 13.0 us per call over 4 kernels"), line
@@ -493,7 +648,7 @@ def test_profile_kernel_chain_summary():
 
 
 def test_clocks_summary_keeps_only_samples_under_load():
-  from benchmarks import clocks
+  from benchmarks.tools import clocks
   lines = ["1980, 85.0", "1530, 693.5", "1515, 700.1", "[N/A], 650", "1665, 693.0\n"]
   assert clocks.summarise(lines, 300.0) == ("3 samples above 300 W: SM clock median 1530 MHz (range 1515-1665), "
                                             "power median 694 W (range 693-700)")
@@ -501,7 +656,7 @@ def test_clocks_summary_keeps_only_samples_under_load():
 
 
 def test_ncu_summary_reads_a_details_csv():
-  from benchmarks import ncu_summary
+  from benchmarks.tools import ncu_summary
   header = '"ID","Process ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"'
   rows = [
       '"0","7","pallas_kv_decode_dense_r4","GPU Speed Of Light Throughput","DRAM Throughput","%","91.52"',
@@ -518,7 +673,7 @@ def test_ncu_summary_reads_a_details_csv():
 
 
 def test_ncu_summary_reads_raw_metrics_and_ranks_stalls():
-  from benchmarks import ncu_summary
+  from benchmarks.tools import ncu_summary
   header = '"ID","Process ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"'
   stall = lambda reason, value: (f'"0","7","k","Command line profiler metrics","{ncu_summary.STALL_PREFIX}{reason}'
                                  f'{ncu_summary.STALL_SUFFIX}","inst","{value}"')
@@ -535,7 +690,7 @@ def test_ncu_summary_reads_raw_metrics_and_ranks_stalls():
 
 
 def test_ncu_summary_ranks_busy_pipes():
-  from benchmarks import ncu_summary
+  from benchmarks.tools import ncu_summary
   header = '"ID","Process ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"'
   pipe = lambda name, value: (f'"0","7","mla","Command line profiler metrics","{ncu_summary.PIPE_PREFIX}{name}'
                               f'{ncu_summary.PIPE_SUFFIX}","%","{value}"')
@@ -565,7 +720,7 @@ ptxas info    : Used 128 registers, used 16 barriers, 1 bytes smem
 
 
 def test_ptxas_summary_reads_registers_spills_and_warnings(tmp_path):
-  from benchmarks import ptxas_summary
+  from benchmarks.tools import ptxas_summary
   alt, plain = ptxas_summary.parse(PTXAS_REPORT)
   assert (alt.name, alt.registers, alt.stack_bytes, alt.spill_store_bytes, alt.spill_load_bytes) == \
       ("mla_alt_kernel", 168, 760, 1932, 2232)
@@ -586,7 +741,7 @@ def test_ptxas_summary_reads_registers_spills_and_warnings(tmp_path):
 
 def test_ptxas_summary_keeps_one_ptx_per_kernel_and_rewrites_register_counts(tmp_path):
   import gzip
-  from benchmarks import ptxas_summary
+  from benchmarks.tools import ptxas_summary
   ptx = """.visible .entry mla_kernel(
 \t.param .u64 .ptr .align 256 mla_kernel_param_0
 )
@@ -619,7 +774,7 @@ def test_ptxas_summary_keeps_one_ptx_per_kernel_and_rewrites_register_counts(tmp
 @pytest.mark.skipif(not (shutil.which("ptxas") and shutil.which("nvdisasm")),
                     reason="needs the CUDA toolkit's ptxas and nvdisasm on the PATH")
 def test_ptxas_summary_compiles_a_ptx_here(tmp_path):
-  from benchmarks import ptxas_summary
+  from benchmarks.tools import ptxas_summary
   path = tmp_path / "tiny.ptx"
   path.write_text(".version 8.0\n.target sm_90a\n.address_size 64\n\n.visible .entry tiny_kernel()\n"
                   ".maxntid 256, 1, 1\n{\n\tsetmaxnreg.inc.sync.aligned.u32 240;\n\tret;\n}\n")
@@ -631,7 +786,7 @@ def test_ptxas_summary_compiles_a_ptx_here(tmp_path):
 
 def test_kernel_variants_load_path_rows_run_in_interpret_mode(monkeypatch):
   import pallas_kv
-  from benchmarks import kernel_variants as kv
+  from benchmarks.tools import kernel_variants as kv
   monkeypatch.setattr(kv, "VARIANTS", {})
   monkeypatch.setattr(kv, "LOAD_PATH", dict(list(kv.LOAD_PATH.items())[:2]))
   s = kv.Settings(smoke=True, num_heads=4, num_kv_heads=1, head_dim=64, warmup=0, iters=1, repeats=1,
@@ -766,7 +921,7 @@ _SASS = """
 
 
 def test_triton_sass_counts_each_loop_by_opcode():
-  from benchmarks import triton_sass
+  from benchmarks.tools import triton_sass
   [(size, opcodes)] = triton_sass.loop_counts(_SASS)   # the trap loop at the end is not a loop body
   assert size == 5
   assert opcodes == {"LDS.U8": 1, "IMAD": 1, "LDS.64": 1, "HMMA": 1, "BRA": 1}
@@ -774,7 +929,7 @@ def test_triton_sass_counts_each_loop_by_opcode():
 
 def test_triton_sass_lowers_the_decode_kernel_here():
   import pallas_kv as pkv
-  from benchmarks import triton_sass
+  from benchmarks.tools import triton_sass
   ttir = triton_sass.kernel_ttir("int8", scales="token", batch=2, seq_len=256,
                                  config=pkv.DecodeConfig(block_kv=64, num_stages=3, num_splits=1))
   assert "tt.func public @pallas_kv_triton_decode_dense" in ttir and "kstoken_vstoken" in ttir
@@ -787,7 +942,7 @@ def test_triton_sass_lowers_the_decode_kernel_here():
 
 @pytest.mark.parametrize("v_tokens_contiguous, keep_offset", [(False, False), (True, True)])
 def test_triton_sass_lowers_the_minimal_loop_here(v_tokens_contiguous, keep_offset):
-  from benchmarks import triton_sass
+  from benchmarks.tools import triton_sass
   ttir = triton_sass.minimal_loop_ttir("int8", v_tokens_contiguous=v_tokens_contiguous, keep_offset=keep_offset,
                                        block_kv=64, num_stages=3, num_warps=4, seq_len=256)
   assert "tt.dot" in ttir
@@ -799,7 +954,7 @@ def test_triton_sass_lowers_the_minimal_loop_here(v_tokens_contiguous, keep_offs
 
 def test_triton_sass_lowers_the_paged_kernel_with_v_tokens_last_here():
   import pallas_kv as pkv
-  from benchmarks import triton_sass
+  from benchmarks.tools import triton_sass
   ttir = triton_sass.kernel_ttir("int8", scales="token", batch=2, seq_len=256, page_size=64, v_tokens_last=True,
                                  config=pkv.DecodeConfig(block_kv=64, num_stages=3, num_splits=1))
   assert "tt.func public @pallas_kv_triton_decode_paged64" in ttir and "_vt" in ttir

@@ -28,11 +28,12 @@ SMALL_CONTEXT = {"mosaic_gpu": 320, "triton": 200}
 # How each backend fills in a config (explicit > tuned > heuristic), and what marks its kernel in
 # a module lowered for CUDA (not a fallback to XLA).
 RESOLVE_CONFIG = {"mosaic_gpu": mosaic_gpu_config.resolve_config, "triton": triton_config.resolve_config}
+CONFIG_TYPE = {"mosaic_gpu": pkv.MosaicGPUConfig, "triton": pkv.TritonConfig}
 KERNEL_IN_MODULE = {"mosaic_gpu": "custom_call @mosaic_gpu", "triton": TRITON_CUSTOM_CALL}
 
 
 def _small_config(impl, num_splits, num_stages=2):
-  return pkv.DecodeConfig(block_kv=SMALL_TILE[impl], num_stages=num_stages, num_splits=num_splits)
+  return CONFIG_TYPE[impl](block_kv=SMALL_TILE[impl], num_stages=num_stages, num_splits=num_splits)
 
 
 # ---------------------------------------------------------------- interpret mode (CPU)
@@ -309,7 +310,7 @@ def test_gpu_matches_reference(impl, batch, seq_len, group, page_size):
 def test_gpu_hostile_lengths_and_page_ids_are_clamped(impl):
   # One split (the kernel writes the output) and four (the merge kernel), at a realistic size.
   _check_hostile_lengths_and_page_ids(impl, seq_len=4096, num_heads=32, num_kv_heads=8, head_dim=128,
-                                      configs=[pkv.DecodeConfig(num_splits=1), pkv.DecodeConfig(num_splits=4)])
+                                      configs=[CONFIG_TYPE[impl](num_splits=1), CONFIG_TYPE[impl](num_splits=4)])
 
 
 @pytest.mark.gpu
@@ -329,7 +330,7 @@ def test_gpu_options_and_bit_identical_reruns(impl):
 @pytest.mark.parametrize("impl", KERNEL_IMPLS)
 def test_gpu_fixed_splits_batch_1_equals_batch_64(impl):
   case = make_case(4, batch=64, seq_len=2048, num_heads=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16)
-  f = jax.jit(functools.partial(pkv.decode_attention, impl=impl, config=pkv.DecodeConfig(num_splits=4)))
+  f = jax.jit(functools.partial(pkv.decode_attention, impl=impl, config=CONFIG_TYPE[impl](num_splits=4)))
   whole = f(case.q, case.k, case.v, case.lengths)
   alone = f(case.q[5:6], case.k[5:6], case.v[5:6], case.lengths[5:6])
   np.testing.assert_array_equal(np.asarray(whole[5:6], np.float32), np.asarray(alone, np.float32))

@@ -15,8 +15,8 @@ BENCHMARKS = REPO / "benchmarks"
 LAYERS = [
     {"validation", "config", "runtime"},
     {"tuned", "cache"},
-    {"xla", "batching", "kernels.split_k", "kernels.online_softmax"},
-    {"kernels.mosaic_gpu.pipeline", "kernels.mosaic_gpu.tiling"},
+    {"xla", "batching", "kernels.plan", "kernels.frame", "kernels.online_softmax"},
+    {"kernels.mosaic_gpu.pipeline", "kernels.mosaic_gpu.tiling", "kernels.triton.stream_k_plan"},
     {"kernels.mosaic_gpu.config", "kernels.triton.config"},
     # sizes the MLA kernel from the backend config's SMEM capacity; the Triton kernel body's pieces
     {"kernels.mosaic_gpu.mla_config", "kernels.triton.tiles"},
@@ -26,10 +26,10 @@ LAYERS = [
     {"kernels.triton.stream_k"},   # the Triton stream-K kernel body, which the decode kernel dispatches to
     {"kernels.mosaic_gpu.decode", "kernels.mosaic_gpu.mla", "kernels.triton.decode"},
     # the merge launches: the Triton one takes the Triton decode module's compiler params
-    {"kernels.triton.merge", "kernels.mosaic_gpu.merge"},
+    {"kernels.triton.merge"},
     {"kernels.mosaic_gpu.backend", "kernels.triton.backend"},
     {"api"},
-    {"module", "sharding", "reference"},
+    {"module", "sharding", "reference", "experimental", "experimental.mosaic_merge"},
     {""},   # __init__: re-exports only
 ]
 MAX_LIBRARY_LINES = 800

@@ -280,3 +280,26 @@ def test_mla_prefill_continues_a_cache():
   second, part = layer.prefill(params, x[:, 6:], part)
   np.testing.assert_allclose(np.concatenate([first, second], axis=1), whole, rtol=2e-5, atol=2e-5)
   np.testing.assert_allclose(part.kv_pages, whole_cache.kv_pages, rtol=2e-5, atol=2e-5)
+
+
+def test_plan_step_shared_by_the_layers_gives_each_layer_s_own_result(interpret_mode):
+  # One plan for the step (balanced and ordered: both runtime vectors), passed to the call: the
+  # same bits as the call planning for itself, eager and under jit.
+  layer = _layer(impl="triton")
+  config = pkv.TritonConfig(block_kv=16, num_stages=2, num_splits=3, split_plan="balanced",
+                            sequence_order="longest_first")
+  params = layer.init(jax.random.key(11))
+  x = jax.random.normal(jax.random.key(12), (3, 7, 64), jnp.float32)
+  cache = pkv.KVCache.create(batch=3, capacity=64, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
+  _, cache = jax.jit(layer.prefill)(params, x[:, :6], cache, jnp.asarray([6, 2, 5], jnp.int32))
+  step_x = x[:, 6]
+  plan = layer.plan_step(cache, config=config)
+  assert isinstance(plan, pkv.SplitPlan) and (plan.kind, plan.num_splits, plan.block_kv) == ("balanced", 3, 16)
+  assert plan.order.tolist() == [0, 2, 1]   # lengths after the step: 7, 3, 6
+  want, want_cache = layer(params, step_x, cache, config=config)
+  got, got_cache = layer(params, step_x, cache, config=config, plan=plan)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(got_cache.k), np.asarray(want_cache.k))
+  jitted, _ = jax.jit(lambda p, x, c, plan: layer(p, x, c, config=config, plan=plan))(params, step_x, cache, plan)
+  np.testing.assert_array_equal(np.asarray(jitted), np.asarray(want))
+  assert _layer().plan_step(cache) is None   # the xla impl runs no kernel: no plan

@@ -1,37 +1,51 @@
-"""What only the Mosaic GPU kernel has: race detection in GPU interpret mode, its opt-in pipeline
-variants and their checks, measurement probes, more shapes lowered for CUDA, `auto` on Hopper.
-The checks every backend passes are in test_kernels.py."""
+"""What only the Mosaic GPU kernel has: race detection in GPU interpret mode, its shipped pipeline
+options (pipeline_qk, persistent, kv_groups=2) and their checks, measurement probes, more shapes
+lowered for CUDA, `auto` on Hopper. The checks every backend passes are in test_kernels.py; the
+experimental variants' tests are in test_experimental_mosaic_gpu.py."""
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import pallas_kv as pkv
 import sweeps
 from harness import check_against_reference, lower_for_cuda, make_case
 from pallas_kv.config import AttentionOptions
-from pallas_kv.kernels import split_k
+from pallas_kv.kernels import frame
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
 
 IMPL = "mosaic_gpu"
+# A complete config (what decode_partials takes): 64-token tiles through a 2-slot ring, one split.
+BASE = pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=1, split_plan="per_sequence", kv_groups=1,
+                           pipeline_qk=False, persistent=False)
+
+
+def _config(**fields) -> pkv.MosaicGPUConfig:
+  return dataclasses.replace(BASE, **fields)
+
+
+def _plan(config) -> pkv.SplitPlan:
+  """The per-sequence plan of a complete config (its own split count)."""
+  return pkv.SplitPlan(kind="per_sequence", num_splits=config.num_splits, block_kv=config.block_kv)
 
 
 # ---------------------------------------------------------------- interpret mode (CPU)
 
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_race_detection_finds_none(page_size):
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  # 7 tiles through a 2-slot ring: every slot is refilled several times.
-  case = make_case(9, batch=1, seq_len=448, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
-                   lengths=[440], page_size=page_size)
+  # 5 tiles through a 2-slot ring: every slot is refilled (pages of 16: 4 copies a tile).
+  case = make_case(9, batch=1, seq_len=320, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
+                   lengths=[300], page_size=page_size)
   q = case.q.reshape(1, 1, 4, 64)
   args = (case.k, case.v, case.lengths) if page_size is None else (
       case.k_pages, case.v_pages, case.lengths, case.block_tables)
   out, lse = mgpu_decode.decode_partials(q, *args, num_queries=1, options=AttentionOptions(scale=0.125),
-                                         config=pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=1),
+                                         config=BASE, plan=_plan(BASE),
                                          interpret=plgpu.InterpretGPUParams(detect_races=True))
   jax.block_until_ready(out)
   # No public accessor exists for the interpreter's race state in jax 0.11.
@@ -41,8 +55,11 @@ def test_race_detection_finds_none(page_size):
 
 # ---------------------------------------------------------------- CUDA lowering (CPU)
 
-@pytest.mark.parametrize("num_queries,head_dim,group", [(4, 128, 8), (1, 64, 16), (1, 256, 4), (16, 128, 4)])
+@pytest.mark.parametrize("num_queries,head_dim,group", [(1, 64, 16), (1, 256, 4), (16, 128, 4), (5, 128, 16)])
 def test_other_shapes_lower_for_cuda(num_queries, head_dim, group):
+  # The heuristic's config at head dims and row counts the sweeps (test_kernels.py) do not hold,
+  # with softcap, window and sinks: D 64, D 256, 64 rows of 16 new tokens, 80 rows (two row
+  # warpgroups).
   q = jax.ShapeDtypeStruct((2, num_queries, 2 * group, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 4096, 2, head_dim), jnp.bfloat16)
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
@@ -66,123 +83,157 @@ def test_gpu_auto_runs_mla_here_and_untuned_gqa_on_triton():
   assert pkv.last_impl() == IMPL
 
 
-# ---------------------------------------------------------------- opt-in pipeline variants
+# ---------------------------------------------------------------- pipeline options (interpret)
 
 def _partials_case(case, config, num_programs=None):
   """decode_partials + the split merge for a [B, Hq, D] case (dense, or paged when case.page_size)."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  rows = split_k.pack_queries(case.q[:, None], case.k.shape[2])
+  rows = frame.pack_queries(case.q[:, None], case.k.shape[2])
   args = ((rows, case.k_pages, case.v_pages, case.lengths, case.block_tables) if case.page_size
           else (rows, case.k, case.v, case.lengths))
   out, lse = mgpu_decode.decode_partials(*args, num_queries=1, options=AttentionOptions(scale=case.q.shape[-1] ** -0.5),
-                                         config=config, num_programs=num_programs,
+                                         config=config, plan=_plan(config), num_programs=num_programs,
                                          interpret=plgpu.InterpretGPUParams())
-  out, lse = split_k.merge_splits(out, lse)
-  return split_k.unpack_rows(out, 1)[:, 0].astype(case.q.dtype), split_k.unpack_rows(lse, 1)[:, 0]
+  out, lse = frame.merge_splits(out, lse)
+  return frame.unpack_rows(out, 1)[:, 0].astype(case.q.dtype), frame.unpack_rows(lse, 1)[:, 0]
 
 
-@pytest.mark.parametrize("page_size,fields,num_programs", [
-    (None, dict(pipeline_qk=True, num_splits=3), None),
-    (None, dict(pipeline_qk=True, persistent=True, num_splits=2), 4),
-    (16, dict(persistent=True, num_splits=2), 3),
-    (64, dict(pipeline_qk=True, persistent=True, num_splits=1), 5),
-], ids=["pqk-splits3", "pqk-persistent4", "persistent3-page16", "pqk-persistent5-page64"])
-def test_pipeline_variants_interpret(page_size, fields, num_programs):
-  # Persistent programs fewer than the work items (B x Hkv x splits) so that each loops over several.
-  case = make_case(40, batch=3, seq_len=256, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
-                   page_size=page_size, lengths=[201, 0, 256])
-  config = pkv.DecodeConfig(block_kv=64, num_stages=2, **fields)
-  check_against_reference(case, _partials_case(case, config, num_programs))
+# Few programs and tiles (the CPU simulates each program's warpgroups): a split with no tile, a
+# masked last tile, persistent programs fewer than the work items (B x Hkv x splits) so that each
+# loops over several, with an odd ring step count before the next item.
+@pytest.mark.parametrize("lengths,page_size,fields,num_programs", [
+    ([201], None, dict(pipeline_qk=True, num_splits=3), None),
+    ([150, 201], 16, dict(persistent=True, num_splits=2), 3),
+    ([70, 0, 201], 64, dict(pipeline_qk=True, persistent=True, num_splits=1), 1),
+], ids=["pqk-splits3", "persistent3-page16", "pqk-persistent1-page64"])
+def test_pipeline_options_interpret(lengths, page_size, fields, num_programs):
+  case = make_case(40, batch=len(lengths), seq_len=256, num_heads=4, num_kv_heads=1, head_dim=64,
+                   dtype=jnp.bfloat16, page_size=page_size, lengths=lengths)
+  check_against_reference(case, _partials_case(case, _config(**fields), num_programs))
 
 
-def test_variant_configs_through_the_api_interpret(interpret_mode):
-  case = make_case(41, batch=2, seq_len=192, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
-                   lengths=[150, 192])
-  for config in (pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=2, pipeline_qk=True, persistent=True),
-                 pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=2, kv_groups=2)):
+def test_pipeline_options_through_the_api_interpret(interpret_mode):
+  # Partial configs: the backend fills the rest (heuristic), the op plans the splits; two KV
+  # groups stream a split each.
+  case = make_case(41, batch=1, seq_len=192, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
+                   lengths=[150])
+  for config in (pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, pipeline_qk=True, persistent=True),
+                 pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, kv_groups=2)):
     out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL, config=config)
     check_against_reference(case, out)
 
 
-def test_variant_options_are_validated():
+def test_configs_and_plans_are_validated():
   with pytest.raises(ValueError, match="kv_groups"):
-    pkv.DecodeConfig(kv_groups=3)
+    pkv.MosaicGPUConfig(kv_groups=3)
   with pytest.raises(ValueError, match="persistent"):
-    pkv.DecodeConfig(persistent=True, kv_groups=2)
+    pkv.MosaicGPUConfig(persistent=True, kv_groups=2)
   with pytest.raises(ValueError, match="pipeline_qk"):
-    pkv.DecodeConfig(pipeline_qk=1)
+    pkv.MosaicGPUConfig(pipeline_qk=1)
+  with pytest.raises(ValueError, match=r"block_kv=32 must be one of \(64, 128, 256\)"):
+    pkv.MosaicGPUConfig(block_kv=32)
+  for foreign in (dict(sequence_order="longest_first"), dict(num_warps=4), dict(convert_warpgroup=True)):
+    with pytest.raises(TypeError):   # another kernel's field, or an experimental variant's
+      pkv.MosaicGPUConfig(**foreign)
   check = functools.partial(mgpu_config.check_config, head_dim=64, dtype=jnp.bfloat16, page_size=None)
+  with pytest.raises(ValueError, match="complete MosaicGPUConfig"):
+    check(pkv.MosaicGPUConfig(block_kv=64, num_stages=2), rows=4)
+  with pytest.raises(ValueError, match="complete MosaicGPUConfig"):
+    check(pkv.MosaicMLAConfig(block_kv=64, num_stages=2, num_splits=1, split_plan="per_sequence",
+                              sequence_order="given"), rows=4)
   with pytest.raises(ValueError, match="num_stages"):
-    check(pkv.DecodeConfig(num_stages=1, num_splits=1, pipeline_qk=True), rows=4)
+    check(_config(num_stages=1, pipeline_qk=True), rows=4)
   with pytest.raises(NotImplementedError, match="kv_groups=2 needs <= 64 packed rows"):
-    check(pkv.DecodeConfig(num_stages=2, num_splits=2, kv_groups=2), rows=65)
+    check(_config(num_splits=2, kv_groups=2), rows=65)
   with pytest.raises(ValueError, match="even num_splits"):
-    check(pkv.DecodeConfig(num_stages=2, num_splits=3, kv_groups=2), rows=4)
-  with pytest.raises(ValueError, match="block_kv=32 must be a multiple of 64"):
-    check(pkv.DecodeConfig(block_kv=32, num_splits=1), rows=4)
+    check(_config(num_splits=3, kv_groups=2), rows=4)
+  with pytest.raises(ValueError, match="even num_splits"):   # the plan's split count is the one checked
+    check(_config(num_splits=2, kv_groups=2), rows=4, num_splits=3)
+  with pytest.raises(ValueError, match="even num_stages"):
+    check(_config(num_stages=3, num_splits=2, kv_groups=2), rows=4)
   with pytest.raises(ValueError, match="SMEM"):
-    check(pkv.DecodeConfig(block_kv=256, num_stages=8, num_splits=1), rows=128)
-  # decode_partials runs the same checks on the config it is given.
+    check(_config(block_kv=256, num_stages=8), rows=128)
+  # decode_partials runs the same checks on the config it is given, and checks its plan.
   q = jnp.zeros((1, 1, 4, 64), jnp.bfloat16)
   kv = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+  lengths = jnp.array([128], jnp.int32)
+  call = functools.partial(mgpu_decode.decode_partials, q, kv, kv, lengths, num_queries=1,
+                           options=AttentionOptions(scale=0.1))
   with pytest.raises(ValueError, match="num_stages"):
-    mgpu_decode.decode_partials(q, kv, kv, jnp.array([128], jnp.int32), num_queries=1,
-                                options=AttentionOptions(scale=0.1),
-                                config=pkv.DecodeConfig(num_stages=1, num_splits=1, pipeline_qk=True))
+    call(config=_config(num_stages=1, pipeline_qk=True), plan=_plan(BASE))
+  with pytest.raises(ValueError, match="complete MosaicGPUConfig"):
+    call(config=pkv.MosaicGPUConfig(block_kv=64), plan=_plan(BASE))
+  with pytest.raises(ValueError, match="made for 128-token tiles; the kernel streams 64"):
+    call(config=BASE, plan=pkv.SplitPlan(kind="per_sequence", num_splits=1, block_kv=128))
+  with pytest.raises(ValueError, match="batch order"):   # the GQA kernel takes no sequence order
+    call(config=BASE, plan=pkv.SplitPlan(kind="per_sequence", num_splits=1, block_kv=64,
+                                         order=jnp.zeros((1,), jnp.int32)))
+  with pytest.raises(ValueError, match="no stream-K plan"):
+    call(config=BASE, plan=pkv.SplitPlan(kind="stream_k", num_splits=1, block_kv=64))
+  with pytest.raises(ValueError, match=r"tiles_per_split must be int32 \[1\]"):
+    call(config=BASE, plan=pkv.SplitPlan(kind="balanced", num_splits=1, block_kv=64,
+                                         tiles_per_split=jnp.ones((2,), jnp.int32)))
+  with pytest.raises(ValueError, match="tiles_per_split is given exactly for the balanced plan"):
+    pkv.SplitPlan(kind="balanced", num_splits=2, block_kv=64)
+  # Through the op: a config of the other kernel, or of another backend.
+  with pytest.raises(TypeError, match="takes a MosaicGPUConfig"):
+    pkv.decode_attention(q[:, 0, 0:1], kv, kv, lengths, impl=IMPL,
+                         config=pkv.MosaicMLAConfig(block_kv=64, num_stages=2))
+  with pytest.raises(ValueError, match="impl='mosaic_gpu' runs another"):
+    pkv.decode_attention(q[:, 0, 0:1], kv, kv, lengths, impl=IMPL, config=pkv.TritonConfig(block_kv=64))
 
 
-def _variant_lowering_cases():
-  full = [(1, 32768), (8, 8192), (32, 4096), (64, 2048), (128, 4096)]
-  cases = [(dict(pipeline_qk=True, persistent=True), c, None) for c in full]
-  cases += [(dict(pipeline_qk=True, persistent=True), c, 16) for c in [(8, 8192), (128, 4096)]]
-  for fields in (dict(pipeline_qk=True), dict(persistent=True), dict(block_kv=128, num_stages=3),
-                 dict(kv_groups=2, num_splits=2)):
-    cases += [(fields, (128, 4096), None), (fields, (8, 8192), 16)]
+def _option_lowering_cases():
+  # Each option once, dense (B128) or paged (pages of 16, B8: several copies a tile); pipeline_qk
+  # with persistent both ways. The batch changes only static sizes of the same code.
+  cases = [(dict(pipeline_qk=True, persistent=True), (128, 4096), None),
+           (dict(pipeline_qk=True, persistent=True), (8, 8192), 16),
+           (dict(pipeline_qk=True), (128, 4096), None),
+           (dict(persistent=True), (1, 32768), None),
+           (dict(block_kv=128, num_stages=3), (8, 8192), 16),
+           (dict(kv_groups=2, num_splits=2), (8, 8192), 16),
+           (dict(split_plan="balanced"), (8, 8192), 16)]
   return [pytest.param(f, c, p, id="-".join(f"{k}={v}" for k, v in f.items()) + f"-b{c[0]}-t{c[1]}-page{p}")
           for f, c, p in cases]
 
 
-@pytest.mark.parametrize("fields,case,page_size", _variant_lowering_cases())
-def test_variant_configs_lower_for_cuda(fields, case, page_size):
+@pytest.mark.parametrize("fields,case,page_size", _option_lowering_cases())
+def test_pipeline_options_lower_for_cuda(fields, case, page_size):
   args, problem = sweeps.problem_args((32, 8), case, page_size)
-  config = mgpu_config.resolve_config(problem, pkv.DecodeConfig(**fields), num_sms=132)
+  config = mgpu_config.resolve_config(problem, pkv.MosaicGPUConfig(**fields), num_sms=132)
+  assert config.complete and all(getattr(config, k) == v for k, v in fields.items())
   op = pkv.decode_attention if page_size is None else pkv.paged_decode_attention
-  lower_for_cuda(functools.partial(op, impl=IMPL, config=config), *args)
+  module = lower_for_cuda(functools.partial(op, impl=IMPL, config=config), *args).mlir_module()
+  assert "custom_call @mosaic_gpu" in module
+  assert ("_balanced" in module) == (config.split_plan == "balanced")
 
 
-def _probes():
-  from benchmarks import kernel_variants
-  return kernel_variants.PROBES
+class _NoSoftmax(mgpu_decode.TileMath):
+  """A measurement probe: the softmax left out (P = the raw scores); wrong results by design."""
+
+  def softmax(self, s, acc, m_i, l_i, *, tile, length, row0, masked, st, k_scale=None):
+    return acc, m_i, l_i, s.astype(st.q_dtype)
 
 
-@pytest.mark.parametrize("probe", list(_probes()))
-def test_probes_lower_for_cuda(probe):
-  # Measurement-only kernels (benchmarks/kernel_variants.py: TileMath subclasses that leave a stage
-  # out); their results are wrong by design.
+class _NoPV(mgpu_decode.TileMath):
+  """A measurement probe: P V left out."""
+
+  def pv(self, acc, p16, v_tile, p_smem=None):
+    return acc
+
+
+@pytest.mark.parametrize("probe", [_NoSoftmax(name="probe_no_softmax"), _NoPV(name="probe_no_pv")],
+                         ids=lambda p: p.name)
+def test_tile_math_probes_lower_for_cuda(probe):
+  # Measurement-only kernels (TileMath subclasses that leave a stage out, as
+  # benchmarks/tools/kernel_variants.py times them) lower, and say so in the kernel's name.
   q = jax.ShapeDtypeStruct((128, 8, 4, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((128, 4096, 8, 128), jnp.bfloat16)
   lengths = jax.ShapeDtypeStruct((128,), jnp.int32)
+  config = _config(num_stages=4)
   exported = lower_for_cuda(functools.partial(
-      mgpu_decode.decode_partials, num_queries=1, options=AttentionOptions(scale=0.1),
-      config=pkv.DecodeConfig(block_kv=64, num_stages=4, num_splits=1), tile_math=_probes()[probe]),
-      q, kv, kv, lengths)
-  assert probe in exported.mlir_module()   # the probe's name is in the kernel's
-
-
-def _load_path_cases():
-  from benchmarks import kernel_variants
-  return [pytest.param(fields, id=name) for name, fields in kernel_variants.LOAD_PATH.items()]
-
-
-@pytest.mark.parametrize("fields", _load_path_cases())
-@pytest.mark.parametrize("probe", ["loads_only", None])
-def test_load_path_rings_lower_for_cuda(fields, probe):
-  # benchmarks/kernel_variants.py --load_path times these rings with no math (probe) on the H200;
-  # the full kernel (probe None) must lower with each too, so that a faster ring can ship.
-  from benchmarks import kernel_variants
-  args, problem = sweeps.problem_args((32, 8), (128, 4096), None)
-  config = mgpu_config.resolve_config(problem, pkv.DecodeConfig(**fields), num_sms=132)
-  lower_for_cuda(kernel_variants.kernel_fn(config, problem, paged=False, probe=probe), *args)
+      mgpu_decode.decode_partials, num_queries=1, options=AttentionOptions(scale=0.1), config=config,
+      plan=_plan(config), tile_math=probe), q, kv, kv, lengths)
+  assert probe.name in exported.mlir_module()   # the probe's name is in the kernel's
 
 
 @pytest.mark.parametrize("page_size", [4, 12, 48])

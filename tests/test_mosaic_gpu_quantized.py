@@ -1,7 +1,8 @@
-"""One-byte KV caches (int8, float8_e4m3fn, float8_e5m2) on the Mosaic GPU decode kernel: numerics
-of `decode_partials` in GPU interpret mode against the float32 reference on the dequantized cache,
-race detection, the SMEM layout and config choice for one-byte caches, what the kernel refuses, and
-CUDA lowering at realistic shapes."""
+"""One-byte KV caches (int8, float8_e4m3fn, float8_e5m2) on the Mosaic GPU decode kernel, widened by
+its consumers: numerics of `decode_partials` in GPU interpret mode against the float32 reference on
+the dequantized cache, race detection, the SMEM layout and config choice for one-byte caches, what
+the kernel refuses, and CUDA lowering at realistic shapes. The converter warpgroup (an experimental
+variant) is tested in test_experimental_mosaic_gpu.py."""
 
 import dataclasses
 import functools
@@ -16,13 +17,22 @@ import pallas_kv as pkv
 import sweeps
 from harness import assert_lse_matches, assert_matches_reference, lower_for_cuda, paginate
 from pallas_kv.config import AttentionOptions
-from pallas_kv.kernels import split_k
+from pallas_kv.kernels import frame
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
 from pallas_kv.kernels.mosaic_gpu import pipeline
 
 INT8, E4M3, E5M2 = jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 SCALE_KINDS = (None, "head", "token")
+# A complete config (what decode_partials takes): 64-token tiles through a 2-slot ring, one KV
+# group, one split.
+BASE = pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=1, split_plan="per_sequence", kv_groups=1,
+                           pipeline_qk=False, persistent=False)
+
+
+def complete(config_type=pkv.MosaicGPUConfig, **fields):
+  """BASE with `fields`, as a config_type (an experimental variant config adds its own fields)."""
+  return config_type(**(BASE.given() | fields))
 
 
 # ---------------------------------------------------------------- cases
@@ -85,9 +95,10 @@ def make_quant_case(seed, *, kv_dtype, k_kind, v_kind, batch=2, seq_len=256, num
 
 
 def run_partials(case: QuantCase, config, *, interpret=None, num_programs=None, **options):
-  """decode_partials + merge_splits on a case (paged when case.page_size): (out [B, S, Hq, D], lse)."""
+  """decode_partials (the per-sequence plan of a complete config) + merge_splits on a case (paged
+  when case.page_size): (out [B, S, Hq, D], lse)."""
   num_queries, num_kv_heads = case.q.shape[1], case.k.shape[2]
-  rows = split_k.pack_queries(case.q, num_kv_heads)
+  rows = frame.pack_queries(case.q, num_kv_heads)
   if case.page_size is None:
     args, k_scale, v_scale = (rows, case.k, case.v, case.lengths), case.k_scale, case.v_scale
   else:
@@ -95,11 +106,12 @@ def run_partials(case: QuantCase, config, *, interpret=None, num_programs=None, 
     args = (rows, k_pages, v_pages, case.lengths, tables)
   attention = AttentionOptions(scale=options.get("scale", case.q.shape[-1] ** -0.5),
                                softcap=options.get("softcap"), window=options.get("window"))
-  out, lse = mgpu_decode.decode_partials(*args, num_queries=num_queries, options=attention, config=config,
+  plan = pkv.SplitPlan(kind="per_sequence", num_splits=config.num_splits, block_kv=config.block_kv)
+  out, lse = mgpu_decode.decode_partials(*args, num_queries=num_queries, options=attention, config=config, plan=plan,
                                          k_scale=k_scale, v_scale=v_scale, num_programs=num_programs,
                                          interpret=interpret or plgpu.InterpretGPUParams())
-  out, lse = split_k.merge_splits(out, lse)
-  return split_k.unpack_rows(out, num_queries), split_k.unpack_rows(lse, num_queries)
+  out, lse = frame.merge_splits(out, lse)
+  return frame.unpack_rows(out, num_queries), frame.unpack_rows(lse, num_queries)
 
 
 def check_case(case: QuantCase, config, **kwargs):
@@ -113,44 +125,49 @@ def check_case(case: QuantCase, config, **kwargs):
 
 # ---------------------------------------------------------------- interpret mode (CPU)
 
-@pytest.mark.parametrize("seed,kv_dtype,k_kind,v_kind,page_size,num_queries,num_splits,q_dtype", [
-    (10, INT8, "token", "token", None, 1, 2, jnp.bfloat16),
-    (11, INT8, "head", "token", 16, 3, 2, jnp.float16),
-    (12, E4M3, "head", "head", 16, 2, 1, jnp.bfloat16),
-    (13, E4M3, "token", None, 64, 1, 3, jnp.bfloat16),
-    (14, E5M2, None, None, None, 2, 2, jnp.bfloat16),
-    (15, E5M2, "token", "head", 64, 1, 2, jnp.float16),
-], ids=["int8-token-dense-splits2", "int8-head+token-page16-s3-fp16", "e4m3-head-page16-s2",
-        "e4m3-token+none-page64-splits3", "e5m2-unscaled-dense-s2", "e5m2-token+head-page64-fp16"])
+# Every dtype, every scale kind of K and of V, dense and both page layouts (one and several copies
+# a tile), fp16 q, several new tokens and splits (a split with no tile); per-token scales of 4 kv
+# heads (rows of 4 heads' scales) and of one (a flat run). The tests below add the rest (softcap and
+# window, eight kv heads, the pipeline options, two row warpgroups). Few programs (B x Hkv x
+# splits) and tiles: the CPU simulates each program's warpgroups.
+@pytest.mark.parametrize("seed,kv_dtype,k_kind,v_kind,page_size,num_queries,num_splits,num_kv_heads,q_dtype", [
+    (11, INT8, "head", "token", 16, 3, 2, 4, jnp.float16),
+    (13, E4M3, "token", None, 64, 1, 3, 1, jnp.bfloat16),
+    (14, E5M2, None, None, None, 2, 2, 1, jnp.bfloat16),
+    (15, E5M2, "token", "head", 64, 1, 2, 4, jnp.float16),
+], ids=["int8-head+token-page16-s3-fp16", "e4m3-token+none-hkv1-page64-splits3", "e5m2-unscaled-dense-s2",
+        "e5m2-token+head-page64-fp16"])
 def test_quantized_matches_reference_interpret(seed, kv_dtype, k_kind, v_kind, page_size, num_queries,
-                                               num_splits, q_dtype):
-  # Ragged lengths with an empty sequence; 4 tiles of 64 per full sequence over the splits.
-  case = make_quant_case(seed, kv_dtype=kv_dtype, k_kind=k_kind,
-                         v_kind=v_kind, batch=3, num_queries=num_queries, q_dtype=q_dtype, page_size=page_size,
-                         lengths=[201, 0, 256])
-  out, lse = check_case(case, pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=num_splits))
+                                               num_splits, num_kv_heads, q_dtype):
+  # A ragged length (3 tiles of 64, the last masked) and an empty sequence.
+  case = make_quant_case(seed, kv_dtype=kv_dtype, k_kind=k_kind, v_kind=v_kind, batch=2, seq_len=192,
+                         num_heads=2 * num_kv_heads, num_kv_heads=num_kv_heads, num_queries=num_queries,
+                         q_dtype=q_dtype, page_size=page_size, lengths=[150, 0])
+  out, lse = check_case(case, complete(num_splits=num_splits))
   np.testing.assert_array_equal(np.asarray(out[1], np.float32), 0.0)   # length 0: zeros, -inf
   assert np.isneginf(np.asarray(lse[1])).all()
 
 
 def test_quantized_softcap_and_window_interpret():
-  case = make_quant_case(3, kv_dtype=E4M3, k_kind="token", v_kind="token", batch=2, num_queries=2,
-                         lengths=[256, 150])
-  check_case(case, pkv.DecodeConfig(block_kv=64, num_stages=3, num_splits=2), softcap=1.5, window=70, scale=0.2)
+  # The window starts the visible range past the first tile of the long sequence.
+  case = make_quant_case(3, kv_dtype=E4M3, k_kind="token", v_kind="token", batch=2, num_heads=4, num_kv_heads=1,
+                         num_queries=2, lengths=[256, 150])
+  check_case(case, complete(num_stages=3, num_splits=2), softcap=1.5, window=70, scale=0.2)
 
 
 def test_quantized_single_kv_head_per_token_scales_interpret():
   # One kv head: its per-token scales are contiguous and copied as flat runs, not 4-head rows.
   case = make_quant_case(4, kv_dtype=INT8, k_kind="token", v_kind="token", batch=2, num_heads=4, num_kv_heads=1,
                          page_size=16, lengths=[256, 77])
-  check_case(case, pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=2))
+  check_case(case, complete(num_splits=2))
 
 
 def test_quantized_eight_kv_heads_pick_their_scale_group_interpret():
-  # Hkv = 8: two 4-head scale groups; every head must pick its own column of its own group.
+  # Hkv = 8: two 4-head scale groups, through pages of 16; every head must pick its own column of
+  # its own group.
   case = make_quant_case(5, kv_dtype=INT8, k_kind="token", v_kind="token", batch=1, seq_len=128, num_heads=8,
-                         num_kv_heads=8, lengths=[128])
-  check_case(case, pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=1))
+                         num_kv_heads=8, page_size=16, lengths=[128])
+  check_case(case, complete())
 
 
 @pytest.mark.parametrize("page_size,fields,num_programs", [
@@ -158,29 +175,29 @@ def test_quantized_eight_kv_heads_pick_their_scale_group_interpret():
     (16, dict(pipeline_qk=True, persistent=True, num_splits=2), 3),
     (None, dict(kv_groups=2, num_splits=2), None),
 ], ids=["pqk", "pqk-persistent3-page16", "kv_groups2"])
-def test_quantized_pipeline_variants_interpret(page_size, fields, num_programs):
-  case = make_quant_case(6, kv_dtype=E4M3, k_kind="token", v_kind="head", batch=3, num_heads=4, num_kv_heads=1,
-                         page_size=page_size, lengths=[201, 0, 256])
-  check_case(case, pkv.DecodeConfig(block_kv=64, num_stages=2, **fields), num_programs=num_programs)
+def test_quantized_pipeline_options_interpret(page_size, fields, num_programs):
+  case = make_quant_case(6, kv_dtype=E4M3, k_kind="token", v_kind="head", batch=2, num_heads=4, num_kv_heads=1,
+                         page_size=page_size, lengths=[201, 0])
+  check_case(case, complete(**fields), num_programs=num_programs)
 
 
 def test_quantized_two_row_warpgroups_interpret():
   # 5 new tokens x 16 q heads = 80 packed rows: two consumer warpgroups dequantize the same slots.
   case = make_quant_case(7, kv_dtype=INT8, k_kind="token", v_kind="token", batch=1, seq_len=192, num_heads=16,
                          num_kv_heads=1, num_queries=5, page_size=64, lengths=[180])
-  check_case(case, pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=1))
+  check_case(case, complete())
 
 
 @pytest.mark.parametrize("fields", [dict(), dict(pipeline_qk=True, persistent=True)],
                          ids=["plain", "pqk-persistent"])
 def test_quantized_race_detection_finds_none(fields):
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
-  # 7 tiles through a 2-slot ring: K, V and scale slots refilled after register reads, and the
+  # 5 tiles through a 2-slot ring: K, V and scale slots refilled after register reads, and the
   # dequantized tiles rewritten after wgmma read them.
-  case = make_quant_case(8, kv_dtype=INT8, k_kind="token", v_kind="token", batch=1, seq_len=448, num_heads=4,
-                         num_kv_heads=1, page_size=16, lengths=[440])
-  out, _ = run_partials(case, pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=1, **fields),
-                        num_programs=1, interpret=plgpu.InterpretGPUParams(detect_races=True))
+  case = make_quant_case(8, kv_dtype=INT8, k_kind="token", v_kind="token", batch=1, seq_len=320, num_heads=4,
+                         num_kv_heads=1, page_size=16, lengths=[300])
+  out, _ = run_partials(case, complete(**fields), num_programs=1,
+                        interpret=plgpu.InterpretGPUParams(detect_races=True))
   jax.block_until_ready(out)
   assert not gpu_callbacks.get_races().races_found
 
@@ -210,7 +227,7 @@ def test_decode_partials_refuses_what_it_cannot_serve():
   q = jnp.zeros((1, 2, 4, 64), jnp.bfloat16)
   lengths = jnp.array([128], jnp.int32)
   call = functools.partial(mgpu_decode.decode_partials, num_queries=1, options=AttentionOptions(scale=0.1),
-                           config=pkv.DecodeConfig(num_splits=1))
+                           config=BASE, plan=pkv.SplitPlan(kind="per_sequence", num_splits=1, block_kv=64))
   kv8 = jnp.zeros((1, 128, 2, 64), jnp.int8)
   with pytest.raises(NotImplementedError, match="per-token scales need 1 or a multiple of 4 kv heads.*got 2"):
     call(q, kv8, kv8, lengths, k_scale=jnp.ones((1, 128, 2), jnp.float32))
@@ -221,13 +238,13 @@ def test_decode_partials_refuses_what_it_cannot_serve():
     call(q, kv8, kv8, lengths, k_scale=jnp.ones((2,), jnp.bfloat16))
   with pytest.raises(ValueError, match="SMEM"):   # the fit counts the one-byte rings and dequantized tiles
     call(jnp.zeros((1, 2, 128, 256), jnp.bfloat16), jnp.zeros((1, 128, 2, 256), jnp.int8),
-         jnp.zeros((1, 128, 2, 256), jnp.int8), lengths, config=pkv.DecodeConfig(num_stages=8, num_splits=1))
+         jnp.zeros((1, 128, 2, 256), jnp.int8), lengths, config=complete(num_stages=8))
 
 
 # ---------------------------------------------------------------- SMEM layout and config choice
 
 def test_smem_of_a_one_byte_cache_counts_every_buffer():
-  config = pkv.DecodeConfig(block_kv=64, num_stages=8)
+  config = complete(num_stages=8)
   smem = mgpu_config.DecodeSmem.for_call(config, rows=4, head_dim=128, dtype=INT8, page_size=None,
                                          k_scale_kind="token", v_scale_kind="head", num_kv_heads=8)
   align = pipeline.align_up
@@ -266,85 +283,51 @@ def test_heuristic_config_for_one_byte_caches(rows, head_dim, page_size):
     assert rows <= 64 and config.num_stages % 2 == 0 and config.num_stages >= 4
   else:
     assert rows > 64 or not fits(dataclasses.replace(config, kv_groups=2, num_stages=4))
-  if config.num_stages < 2 * pkv.DecodeConfig().num_stages:   # else twice the default: as deep as it goes
+  if config.num_stages < 2 * mgpu_config.DEFAULT.num_stages:   # else twice the default: as deep as it goes
     assert not fits(dataclasses.replace(config, num_stages=config.num_stages + config.kv_groups))
   mgpu_config.check_config(dataclasses.replace(config, num_splits=2), rows=rows, head_dim=head_dim, dtype=INT8,
                            page_size=page_size, k_scale_kind="token", v_scale_kind="token", num_kv_heads=8)
 
 
+def test_partial_configs_are_filled_around_their_fields():
+  # The backend fills a partial config's None fields around what it fixes: one KV group where a
+  # fixed field rules two out (a persistent grid, an odd split or stage count), and a ring that
+  # fits with the fixed fields (a larger tile than the heuristic's).
+  _, problem = sweeps.problem_args((32, 8), (32, 4096), None)
+  resolve = functools.partial(mgpu_config.resolve_config, problem, num_sms=132)
+  assert resolve(None, dtype=INT8).kv_groups == 2
+  assert resolve(pkv.MosaicGPUConfig(pipeline_qk=True), dtype=INT8).kv_groups == 2
+  for fields in (dict(persistent=True), dict(num_splits=3), dict(num_stages=5)):
+    config = resolve(pkv.MosaicGPUConfig(**fields), dtype=INT8)
+    assert config.kv_groups == 1 and config.given() | fields == config.given(), fields
+  assert resolve(pkv.MosaicGPUConfig(kv_groups=2, num_stages=6), dtype=INT8).num_stages == 6
+  for dtype, block_kv, stages in ((INT8, 256, 2), (jnp.bfloat16, 128, 3)):
+    config = resolve(pkv.MosaicGPUConfig(block_kv=block_kv), dtype=dtype)
+    assert config.num_stages == stages
+    mgpu_config.check_config(config, rows=4, head_dim=128, dtype=dtype, page_size=None,
+                             **(dict(k_scale_kind="token", v_scale_kind="token", num_kv_heads=8)
+                                if dtype == INT8 else {}))
+
+
 # ---------------------------------------------------------------- CUDA lowering (CPU)
 
-def _lowering_args(kv_dtype, k_kind, v_kind, page_size, *, batch=32, seq_len=4096, heads=(32, 8), head_dim=128):
-  """ShapeDtypeStructs (q rows, k, v, lengths, tables, k_scale, v_scale) of a realistic shape."""
+def lowering_args(kv_dtype, k_kind, v_kind, page_size, *, batch=32, seq_len=4096, heads=(32, 8), head_dim=128,
+                  num_queries=1):
+  """ShapeDtypeStructs (q rows [B, Hkv, R, D], k, v, lengths, tables, k_scale, v_scale) of a realistic shape."""
   hq, hkv = heads
   lead = (batch, seq_len) if page_size is None else (batch * seq_len // page_size, page_size)
   kv = jax.ShapeDtypeStruct((*lead, hkv, head_dim), kv_dtype)
   scale = lambda kind: None if kind is None else jax.ShapeDtypeStruct((hkv,) if kind == "head" else (*lead, hkv),
                                                                        jnp.float32)
   tables = None if page_size is None else jax.ShapeDtypeStruct((batch, seq_len // page_size), jnp.int32)
-  return (jax.ShapeDtypeStruct((batch, hkv, hq // hkv, head_dim), jnp.bfloat16), kv, kv,
-          jax.ShapeDtypeStruct((batch,), jnp.int32), tables, scale(k_kind), scale(v_kind))
+  rows = jax.ShapeDtypeStruct((batch, hkv, num_queries * hq // hkv, head_dim), jnp.bfloat16)
+  return rows, kv, kv, jax.ShapeDtypeStruct((batch,), jnp.int32), tables, scale(k_kind), scale(v_kind)
 
 
-def _lower(config, args):
-  """Lowers decode_partials for CUDA on `args` (`_lowering_args`)."""
-  q, k, v, lengths, tables, k_scale, v_scale = args
-  given = [x for x in (tables, k_scale, v_scale) if x is not None]
-
-  def partials(q, k, v, lengths, *rest):
-    rest = iter(rest)
-    pick = lambda x: None if x is None else next(rest)
-    return mgpu_decode.decode_partials(q, k, v, lengths, pick(tables), num_queries=1,
-                                       options=AttentionOptions(scale=0.1), config=config,
-                                       k_scale=pick(k_scale), v_scale=pick(v_scale))
-
-  module = lower_for_cuda(partials, q, k, v, lengths, *given).mlir_module()
-  assert "custom_call @mosaic_gpu" in module and jnp.dtype(k.dtype).name in module
-
-
-# Every scale kind in every layout, each dtype once per kind and once per layout (a Latin square:
-# the dtype changes only the tile's conversion).
-HEURISTIC_LOWERINGS = [([INT8, E4M3, E5M2][(k + p) % 3], page_size, kind) for k, kind in enumerate(SCALE_KINDS)
-                       for p, page_size in enumerate((None, 16, 64))]
-
-
-@pytest.mark.parametrize("kv_dtype,page_size,scale_kind", HEURISTIC_LOWERINGS,
-                         ids=[f"{d.name}-page{p}-{k}" for d, p, k in HEURISTIC_LOWERINGS])
-def test_heuristic_configs_lower_for_cuda(kv_dtype, page_size, scale_kind):
-  # B=32 T=4096 heads 32/8 D=128: the heuristic's config for a one-byte cache, each scale kind.
-  _, problem = sweeps.problem_args((32, 8), (32, 4096), page_size)
-  config = mgpu_config.resolve_config(problem, None, dtype=kv_dtype, num_sms=132)
-  assert (config.num_stages, config.kv_groups) == (2 * pkv.DecodeConfig().num_stages, 2)
-  _lower(config, _lowering_args(kv_dtype, scale_kind, scale_kind, page_size))
-
-
-@pytest.mark.parametrize("fields,page_size,heads,head_dim", [
-    (dict(pipeline_qk=True), None, (32, 8), 128),
-    (dict(pipeline_qk=True, persistent=True, num_stages=6), 16, (32, 8), 128),
-    (dict(kv_groups=2, num_splits=2), 64, (32, 8), 128),
-    (dict(block_kv=128, num_stages=4), None, (32, 8), 128),
-    (dict(), 16, (8, 1), 128),
-    (dict(), None, (32, 8), 64),
-    (dict(), 64, (32, 8), 256),
-], ids=["pqk", "pqk-persistent-page16", "kv_groups2-page64", "bkv128", "hkv1-page16", "d64", "d256-page64"])
-def test_variants_lower_for_cuda(fields, page_size, heads, head_dim):
-  _, problem = sweeps.problem_args(heads, (32, 4096), page_size)
-  problem = dataclasses.replace(problem, head_dim=head_dim)
-  config = mgpu_config.resolve_config(problem, pkv.DecodeConfig(**fields), dtype=INT8, num_sms=132)
-  if "num_stages" not in fields and "block_kv" not in fields:
-    config = dataclasses.replace(config, num_stages=mgpu_config.heuristic_config(problem, dtype=INT8).num_stages)
-  _lower(config, _lowering_args(INT8, "token", "head", page_size, heads=heads, head_dim=head_dim))
-
-
-@pytest.mark.parametrize("kv_dtype,k_kind,v_kind,page_size,fields", [
-    (INT8, "token", "token", None, dict(num_stages=8)),
-    (E4M3, "token", "head", 16, dict(num_stages=8, pipeline_qk=True)),
-    (E5M2, None, "token", 64, dict(num_stages=8, kv_groups=2, num_splits=2)),
-    (INT8, "head", None, 16, dict(num_stages=6, persistent=True)),
-], ids=["int8-token-dense", "e4m3-token+head-page16-pqk", "e5m2-none+token-page64-kv_groups2",
-        "int8-head-page16-persistent"])
-def test_smem_count_is_what_the_kernel_allocates(monkeypatch, kv_dtype, k_kind, v_kind, page_size, fields):
-  # The fit checks trust DecodeSmem.nbytes: compare it with the bytes Mosaic GPU lays out.
+def lower(monkeypatch, config, args, *, num_queries=1):
+  """Lowers decode_partials (the per-sequence plan of a complete config) for CUDA on `args`
+  (`lowering_args`), and checks that the SMEM the fit checks count (`DecodeSmem.nbytes`) is what
+  Mosaic GPU lays out. Returns the module."""
   from jax.experimental.mosaic.gpu import core as mgpu_core   # the allocation size has no public accessor
   allocated, tree_size = [], mgpu_core._smem_tree_size
 
@@ -353,123 +336,57 @@ def test_smem_count_is_what_the_kernel_allocates(monkeypatch, kv_dtype, k_kind, 
     return allocated[-1]
 
   monkeypatch.setattr(mgpu_core, "_smem_tree_size", recording_tree_size)
-  config = pkv.DecodeConfig(**{"num_splits": 1, **fields})
-  _lower(config, _lowering_args(kv_dtype, k_kind, v_kind, page_size, batch=4))
-  smem = mgpu_config.DecodeSmem.for_call(config, rows=4, head_dim=128, dtype=kv_dtype, page_size=page_size,
-                                         q_dtype=jnp.bfloat16, k_scale_kind=k_kind, v_scale_kind=v_kind,
-                                         num_kv_heads=8)
-  assert max(allocated) == smem.nbytes
+  q, k, v, lengths, tables, k_scale, v_scale = args
+  given = [x for x in (tables, k_scale, v_scale) if x is not None]
+  plan = pkv.SplitPlan(kind="per_sequence", num_splits=config.num_splits, block_kv=config.block_kv)
+
+  def partials(q, k, v, lengths, *rest):
+    rest = iter(rest)
+    pick = lambda x: None if x is None else next(rest)
+    return mgpu_decode.decode_partials(q, k, v, lengths, pick(tables), num_queries=num_queries,
+                                       options=AttentionOptions(scale=0.1), config=config, plan=plan,
+                                       k_scale=pick(k_scale), v_scale=pick(v_scale))
+
+  module = lower_for_cuda(partials, q, k, v, lengths, *given).mlir_module()
+  assert "custom_call @mosaic_gpu" in module and jnp.dtype(k.dtype).name in module
+  smem = mgpu_config.DecodeSmem.for_call(
+      config, rows=q.shape[2], head_dim=q.shape[3], dtype=k.dtype, page_size=None if tables is None else k.shape[1],
+      q_dtype=q.dtype, k_scale_kind=frame.scale_kind(k_scale, k.shape), v_scale_kind=frame.scale_kind(v_scale, k.shape),
+      num_kv_heads=k.shape[2])
+  assert allocated and max(allocated) == smem.nbytes
+  return module
 
 
-# ---------------------------------------------------------------- the converter warpgroup
-
-@pytest.mark.parametrize("seed,kv_dtype,k_kind,v_kind,page_size,num_queries,fields", [
-    (30, INT8, "token", "token", None, 1, dict(num_splits=2)),
-    (31, E4M3, "head", "token", 16, 3, dict(num_splits=1, pipeline_qk=True)),
-    (32, E5M2, None, "head", 64, 2, dict(num_splits=1)),
-], ids=["int8-token-dense", "e4m3-head+token-page16-s3-pqk", "e5m2-none+head-page64-s2"])
-def test_converter_warpgroup_matches_reference_interpret(seed, kv_dtype, k_kind, v_kind, page_size, num_queries,
-                                                         fields):
-  # Ragged lengths with an empty sequence: the converter zeroes V's rows past the length itself.
-  case = make_quant_case(seed, kv_dtype=kv_dtype, k_kind=k_kind, v_kind=v_kind, batch=3, num_queries=num_queries,
-                         page_size=page_size, lengths=[201, 0, 256])
-  out, lse = check_case(case, pkv.DecodeConfig(block_kv=64, num_stages=2, convert_warpgroup=True, **fields))
-  np.testing.assert_array_equal(np.asarray(out[1], np.float32), 0.0)
-  assert np.isneginf(np.asarray(lse[1])).all()
+# Per-token scales in every layout (dense, one and several copies a tile), per-head and no scales
+# once each (they do not depend on the layout); every dtype (it changes only the tile's conversion).
+HEURISTIC_LOWERINGS = [(INT8, None, "token"), (E4M3, 16, "token"), (E5M2, 64, "token"), (E5M2, None, "head"),
+                       (E4M3, 16, None)]
 
 
-def test_converter_warpgroup_race_detection_finds_none():
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
-  # 7 tiles through 2-slot rings on both sides of the converter: every slot refilled.
-  case = make_quant_case(33, kv_dtype=INT8, k_kind="token", v_kind="token", batch=1, seq_len=448, num_heads=4,
-                         num_kv_heads=1, page_size=16, lengths=[440])
-  out, _ = run_partials(case, pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=1, convert_warpgroup=True),
-                        interpret=plgpu.InterpretGPUParams(detect_races=True))
-  jax.block_until_ready(out)
-  assert not gpu_callbacks.get_races().races_found
+@pytest.mark.parametrize("kv_dtype,page_size,scale_kind", HEURISTIC_LOWERINGS,
+                         ids=[f"{d.name}-page{p}-{k}" for d, p, k in HEURISTIC_LOWERINGS])
+def test_heuristic_configs_lower_for_cuda(monkeypatch, kv_dtype, page_size, scale_kind):
+  # B=32 T=4096 heads 32/8 D=128: the heuristic's config for a one-byte cache (two KV groups), each scale kind.
+  _, problem = sweeps.problem_args((32, 8), (32, 4096), page_size)
+  config = mgpu_config.resolve_config(problem, None, dtype=kv_dtype, num_sms=132)
+  assert (config.num_stages, config.kv_groups) == (2 * mgpu_config.DEFAULT.num_stages, 2)
+  lower(monkeypatch, config, lowering_args(kv_dtype, scale_kind, scale_kind, page_size))
 
 
-def test_converter_warpgroup_is_checked():
-  config = pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=2, convert_warpgroup=True)
-  check = functools.partial(mgpu_config.check_config, rows=4, page_size=None)
-  with pytest.raises(ValueError, match="converts one-byte caches"):
-    check(config, head_dim=128, dtype=jnp.bfloat16)
-  with pytest.raises(ValueError, match="kv_groups=1 and persistent=False"):
-    check(dataclasses.replace(config, kv_groups=2), head_dim=128, dtype=INT8)
-  with pytest.raises(NotImplementedError, match="head_dim=256"):
-    check(config, head_dim=256, dtype=INT8)
-  check(config, head_dim=128, dtype=INT8)
-  with pytest.raises(ValueError, match="convert_warpgroup"):
-    pkv.DecodeConfig(convert_warpgroup=1)
-  # The converted rings count in the SMEM budget: 2 slots of K and of V in q's dtype.
-  plain = mgpu_config.smem_bytes(dataclasses.replace(config, convert_warpgroup=False), rows=4, head_dim=128,
-                                 dtype=INT8, q_dtype=jnp.bfloat16)
-  converted = mgpu_config.smem_bytes(config, rows=4, head_dim=128, dtype=INT8, q_dtype=jnp.bfloat16)
-  assert converted - plain >= 2 * 2 * 64 * 128 * 2 - 64 * 128 * 2   # minus the dequantized tile it replaces
-
-
-@pytest.mark.parametrize("kv_dtype,scale_kind,page_size", [(INT8, "token", None), (E4M3, "token", 16),
-                                                           (INT8, "head", 64)])
-def test_converter_warpgroup_lowers_for_cuda(kv_dtype, scale_kind, page_size):
-  # B32 T4096 heads 32/8 D128: Mosaic GPU lowering and layout inference of the converter's loads
-  # and stores, which interpret mode does not check.
-  num_kv_heads, T = 8, 4096
-  q = jax.ShapeDtypeStruct((32, 32, 128), jnp.bfloat16)
-  lengths = jax.ShapeDtypeStruct((32,), jnp.int32)
-  config = pkv.DecodeConfig(block_kv=64, num_stages=4, num_splits=1, convert_warpgroup=True)
-  kw = dict(impl="mosaic_gpu", config=config)
-  if page_size is None:
-    kv = jax.ShapeDtypeStruct((32, T, num_kv_heads, 128), kv_dtype)
-    scales = jax.ShapeDtypeStruct((32, T, num_kv_heads) if scale_kind == "token" else (num_kv_heads,), jnp.float32)
-    fn = lambda q, k, v, n, ks, vs: pkv.decode_attention(q, k, v, n, k_scale=ks, v_scale=vs, **kw)
-  else:
-    pages = jax.ShapeDtypeStruct((32 * T // page_size, page_size, num_kv_heads, 128), kv_dtype)
-    tables = jax.ShapeDtypeStruct((32, T // page_size), jnp.int32)
-    shape = (32 * T // page_size, page_size, num_kv_heads) if scale_kind == "token" else (num_kv_heads,)
-    scales = jax.ShapeDtypeStruct(shape, jnp.float32)
-    fn = lambda q, k, v, t, n, ks, vs: pkv.paged_decode_attention(q, k, v, t, n, k_scale=ks, v_scale=vs, **kw)
-    exported = lower_for_cuda(fn, q, pages, pages, tables, lengths, scales, scales)
-  if page_size is None:
-    exported = lower_for_cuda(fn, q, kv, kv, lengths, scales, scales)
-  assert "_cvt" in exported.mlir_module()   # the converter's kernel, not the consumers' dequantizing one
-
-
-def test_converter_warpgroup_keeps_garbage_past_the_length_out():
-  # V past the length holds NaN and its per-token scales inf: the converter must zero those rows.
-  clean = make_quant_case(34, kv_dtype=E4M3, k_kind="token", v_kind="token", batch=2, lengths=[201, 130])
-  past = (jnp.arange(clean.v.shape[1]) >= clean.lengths[:, None])[..., None]   # [B, T, 1]
-  poisoned = dataclasses.replace(clean, v=jnp.where(past[..., None], jnp.nan, clean.v.astype(jnp.float32))
-                                 .astype(E4M3), v_scale=jnp.where(past, jnp.inf, clean.v_scale))
-  out, _ = run_partials(poisoned, pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=2, convert_warpgroup=True))
-  assert np.isfinite(np.asarray(out, np.float32)).all()
-  assert_matches_reference(out, clean.reference()[0], clean.q.dtype)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kv_dtype,kind,page_size", [(INT8, "token", None), (E4M3, "token", 16), (INT8, "head", 64)],
-                         ids=["int8-token-dense", "e4m3-token-page16", "int8-head-page64"])
-def test_gpu_converter_warpgroup_matches_reference(kv_dtype, kind, page_size):
-  case = make_quant_case(35, kv_dtype=kv_dtype, k_kind=kind, v_kind=kind, batch=4, seq_len=2048, num_heads=32,
-                         num_kv_heads=8, head_dim=128, page_size=page_size, lengths=[2048, 1000, 0, 77])
-  config = pkv.DecodeConfig(block_kv=64, num_stages=4, num_splits=4, convert_warpgroup=True)
-  q = case.q[:, 0]
-  if page_size is None:
-    out = pkv.decode_attention(q, case.k, case.v, case.lengths, k_scale=case.k_scale, v_scale=case.v_scale,
-                               impl="mosaic_gpu", config=config)
-  else:
-    k_pages, v_pages, tables, k_scale, v_scale = case.paged
-    out = pkv.paged_decode_attention(q, k_pages, v_pages, tables, case.lengths, k_scale=k_scale, v_scale=v_scale,
-                                     impl="mosaic_gpu", config=config)
-  assert_matches_reference(out, case.reference()[0][:, 0], case.q.dtype)
-
-
-def test_converter_warpgroup_with_two_row_warpgroups_lowers_for_cuda():
-  # 5 new tokens x 16 q heads = 80 packed rows: two consumers read each converted slot (4 warpgroups).
-  q = jax.ShapeDtypeStruct((4, 5, 16, 128), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((4, 4096, 1, 128), INT8)
-  scales = jax.ShapeDtypeStruct((4, 4096, 1), jnp.float32)
-  config = pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=2, convert_warpgroup=True)
-  fn = lambda q, k, v, n, ks, vs: pkv.decode_attention(q, k, v, n, k_scale=ks, v_scale=vs, impl="mosaic_gpu",
-                                                       config=config)
-  exported = lower_for_cuda(fn, q, kv, kv, jax.ShapeDtypeStruct((4,), jnp.int32), scales, scales)
-  assert "_cvt" in exported.mlir_module()
+@pytest.mark.parametrize("fields,page_size,heads,head_dim,num_queries", [
+    (dict(pipeline_qk=True), None, (32, 8), 128, None),
+    (dict(pipeline_qk=True, persistent=True, num_stages=6), 16, (32, 8), 128, None),
+    (dict(block_kv=128, num_stages=4), None, (32, 8), 128, None),
+    (dict(), 16, (8, 1), 128, None),
+    (dict(), None, (32, 8), 64, None),
+    (dict(), 64, (32, 8), 256, None),
+    (dict(), 16, (16, 1), 128, 5),
+], ids=["pqk", "pqk-persistent-page16", "bkv128", "hkv1-page16", "d64", "d256-page64-one-group",
+        "two-row-warpgroups-page16"])
+def test_options_and_shapes_lower_for_cuda(monkeypatch, fields, page_size, heads, head_dim, num_queries):
+  # K per token, V per head, int8; partial configs filled by the backend (resolve_config).
+  _, problem = sweeps.problem_args(heads, (32, 4096), page_size)
+  problem = dataclasses.replace(problem, head_dim=head_dim, num_queries=num_queries or 1)
+  config = mgpu_config.resolve_config(problem, pkv.MosaicGPUConfig(**fields), dtype=INT8, num_sms=132)
+  lower(monkeypatch, config, lowering_args(INT8, "token", "head", page_size, heads=heads, head_dim=head_dim,
+                                           num_queries=num_queries or 1), num_queries=num_queries or 1)

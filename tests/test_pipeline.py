@@ -201,7 +201,8 @@ def test_dense_tile_location():
 # ---------------------------------------------------------------- SMEM sizing
 
 def test_smem_of_the_default_config_counts_every_buffer():
-  config = pkv.DecodeConfig(block_kv=64, num_stages=4)
+  config = pkv.MosaicGPUConfig(block_kv=64, num_stages=4, num_splits=1, split_plan="per_sequence", kv_groups=1,
+                               pipeline_qk=False, persistent=False)
   smem = mgpu_config.DecodeSmem.for_call(config, rows=4, head_dim=128, dtype=jnp.bfloat16, page_size=None)
   align = pipeline.align_up
   rings = 2 * align(4 * 64 * 128 * 2)                              # K and V rings
@@ -223,7 +224,7 @@ def test_heuristic_config_fits_and_uses_the_deepest_ring_that_does(rows, head_di
   fits = lambda c: mgpu_config.fits_smem(c, rows=rows, head_dim=head_dim)
   assert fits(config)
   deeper = dataclasses.replace(config, num_stages=config.num_stages + 1)
-  assert config.num_stages == pkv.DecodeConfig().num_stages or not fits(deeper)
+  assert config.num_stages == mgpu_config.DEFAULT.num_stages or not fits(deeper)
 
 
 def _problem(rows, head_dim):

@@ -18,8 +18,8 @@ from pallas_kv import cache as kv_cache
 QUANTIZED = [jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2]
 SCALE_KINDS = ["none", "head", "token"]
 # Kernel backends that serve quantized caches, with a small config each takes in interpret mode.
-KERNELS = {"triton": pkv.DecodeConfig(block_kv=32, num_stages=2, num_splits=2),
-           "mosaic_gpu": pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=2)}
+KERNELS = {"triton": pkv.TritonConfig(block_kv=32, num_stages=2, num_splits=2),
+           "mosaic_gpu": pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2)}
 # On Triton every pair of dtype, scale kind and layout, as a Latin square: the dtype only changes
 # how a tile widens, the scale kind and layout how it is addressed, so each scale kind meets each
 # layout, and each dtype meets each of both. Mosaic GPU runs a few here through the API

@@ -28,7 +28,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import pallas_kv as pkv  # noqa: E402
-from benchmarks import smollm2 as smollm2_bench  # noqa: E402
+from benchmarks import serving as smollm2_bench  # noqa: E402
 from examples.smollm2 import gguf_loader  # noqa: E402
 from examples.smollm2 import quantized_cache  # noqa: E402
 from examples.smollm2 import sampling  # noqa: E402

@@ -1,6 +1,7 @@
-"""The balanced split plan (DecodeConfig.split_plan="balanced"): one tile count per split for the
-whole batch, from `lengths`, so that a ragged batch spreads evenly over the SMs; and the
-longest-first sequence order (DecodeConfig.sequence_order), which changes the schedule only."""
+"""The balanced split plan (`split_plan="balanced"` of TritonConfig / MosaicGPUConfig): one tile
+count per split for the whole batch, from `lengths`, so that a ragged batch spreads evenly over the
+SMs; the stream-K plan (Triton); and the longest-first sequence order
+(TritonConfig.sequence_order), which changes the schedule only."""
 
 import dataclasses
 import functools
@@ -13,9 +14,14 @@ import pytest
 import pallas_kv as pkv
 import sweeps
 from harness import TRITON_CUSTOM_CALL, check_against_reference, lower_for_cuda, make_case
-from pallas_kv.kernels import split_k
+from pallas_kv.kernels import frame
+from pallas_kv.kernels import plan
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
+from pallas_kv.kernels.plan import SplitPlan
 from pallas_kv.kernels.triton import config as triton_config
+from pallas_kv.kernels.triton.stream_k_plan import StreamKLayout
+
+CONFIG_TYPE = {"triton": pkv.TritonConfig, "mosaic_gpu": pkv.MosaicGPUConfig}
 
 
 # ---------------------------------------------------------------- the plan itself
@@ -27,11 +33,11 @@ def test_every_visible_tile_is_in_exactly_one_split(seed, block_kv, num_queries,
   rng = np.random.default_rng(seed)
   capacity = 4096
   lengths = np.concatenate([rng.integers(0, capacity + 1, size=29), [0, 1, capacity]]).astype(np.int32)
-  per_split = split_k.balanced_tiles_per_split(jnp.asarray(lengths), block_kv=block_kv, num_queries=num_queries,
-                                               num_splits=num_splits, window=window, chunks=chunks)
+  per_split = plan.balanced_tiles_per_split(jnp.asarray(lengths), block_kv=block_kv, num_queries=num_queries,
+                                            num_splits=num_splits, window=window, chunks=chunks)
   assert per_split.shape == (1,) and per_split.dtype == jnp.int32
   per_split = int(per_split[0])
-  assert per_split >= split_k.MIN_TILES_PER_SPLIT
+  assert per_split >= plan.MIN_TILES_PER_SPLIT
   kw = dict(block_kv=block_kv, num_queries=num_queries, num_splits=num_splits, window=window,
             tiles_per_split=per_split)
   nonempty = 0
@@ -40,14 +46,14 @@ def test_every_visible_tile_is_in_exactly_one_split(seed, block_kv, num_queries,
     visible = set(range(first_key // block_kv, -(-length // block_kv)))
     covered = []
     for split in range(num_splits):
-      t0, t1, a, c = (int(x) for x in split_k.split_tile_range(length, split, **kw))
+      t0, t1, a, c = (int(x) for x in plan.split_tile_range(length, split, **kw))
       assert t0 <= a <= c <= t1
       assert t1 - t0 <= per_split
       covered += range(t0, t1)
       nonempty += t1 > t0
     assert sorted(covered) == sorted(visible)   # each once, none missing, none past the length
-    active = int(split_k.active_splits(length, **kw))
-    assert active == sum(1 for s in range(num_splits) if int(np.diff(split_k.split_tile_range(length, s, **kw)[:2])[0]))
+    active = int(plan.active_splits(length, **kw))
+    assert active == sum(1 for s in range(num_splits) if int(np.diff(plan.split_tile_range(length, s, **kw)[:2])[0]))
   total = sum(max(-(-int(n) // block_kv) - (0 if window is None else max(int(n) - num_queries + 1 - window, 0) // block_kv), 0)
               for n in lengths)
   # About `chunks` work items: never fewer tiles per split than an even cut would give.
@@ -57,56 +63,59 @@ def test_every_visible_tile_is_in_exactly_one_split(seed, block_kv, num_queries,
 def test_a_long_sequence_among_short_ones_takes_more_splits():
   lengths = jnp.asarray([8192, 64, 64, 64, 100, 0, 64, 64], jnp.int32)
   kw = dict(block_kv=64, num_queries=1, window=None)
-  per_split = split_k.balanced_tiles_per_split(lengths, num_splits=16, chunks=40, **kw)
-  long_splits = int(split_k.active_splits(8192, num_splits=16, tiles_per_split=per_split[0], **kw))
-  short_splits = int(split_k.active_splits(100, num_splits=16, tiles_per_split=per_split[0], **kw))
+  per_split = plan.balanced_tiles_per_split(lengths, num_splits=16, chunks=40, **kw)
+  long_splits = int(plan.active_splits(8192, num_splits=16, tiles_per_split=per_split[0], **kw))
+  short_splits = int(plan.active_splits(100, num_splits=16, tiles_per_split=per_split[0], **kw))
   assert long_splits > 1 and short_splits == 1
   # The per-sequence plan gives every sequence the same count instead.
-  assert int(split_k.active_splits(100, num_splits=16, **kw)) == 2
+  assert int(plan.active_splits(100, num_splits=16, **kw)) == 2
 
 
 @pytest.mark.parametrize("batch,ragged,one_split", [(128, False, True), (128, True, False), (16, False, False)])
 def test_near_equal_lengths_that_fill_a_wave_stay_unsplit(batch, ragged, one_split):
   # 132 SMs, 128 heads (two row blocks, one latent head): the MLA kernel's plan at T8192.
-  chunks = split_k.balanced_chunks(num_kv_heads=1, row_blocks=2, num_sms=132)
+  chunks = plan.balanced_chunks(num_kv_heads=1, row_blocks=2, num_sms=132)
   lengths = np.full(batch, 8192, np.int32)
   if ragged:
     lengths = np.random.default_rng(batch).integers(1, 8193, size=batch).astype(np.int32)
   else:
     lengths[:batch // 4] -= 700   # near-equal: a quarter of them 11 tiles shorter
-  per_split = int(split_k.balanced_tiles_per_split(jnp.asarray(lengths), block_kv=64, num_queries=1, num_splits=5,
-                                                   window=None, chunks=chunks)[0])
+  per_split = int(plan.balanced_tiles_per_split(jnp.asarray(lengths), block_kv=64, num_queries=1, num_splits=5,
+                                                window=None, chunks=chunks)[0])
   assert (per_split >= 128) == one_split   # 128 tiles: the longest sequence in one split
 
 
 def test_choose_balanced_splits():
   kw = dict(num_kv_heads=8, row_blocks=1, capacity=32768, block_kv=64, num_sms=132)
-  chunks = split_k.balanced_chunks(num_kv_heads=8, row_blocks=1, num_sms=132)
+  chunks = plan.balanced_chunks(num_kv_heads=8, row_blocks=1, num_sms=132)
   assert chunks == 66
-  assert split_k.choose_balanced_splits(batch=128, **kw) == 1   # the batch alone makes the waves
-  assert split_k.choose_balanced_splits(batch=16, **kw) == 9    # room for a sequence twice the mean
-  assert split_k.choose_balanced_splits(batch=1, **kw) == split_k.MAX_SPLITS
+  assert plan.choose_balanced_splits(batch=128, **kw) == 1   # the batch alone makes the waves
+  assert plan.choose_balanced_splits(batch=16, **kw) == 9    # room for a sequence twice the mean
+  assert plan.choose_balanced_splits(batch=1, **kw) == plan.MAX_SPLITS
   short = dict(kw, capacity=256)
-  assert split_k.choose_balanced_splits(batch=1, **short) == 1   # 4 tiles: one split
+  assert plan.choose_balanced_splits(batch=1, **short) == 1   # 4 tiles: one split
 
 
 def test_split_plan_is_validated():
-  with pytest.raises(ValueError, match="split_plan"):
-    pkv.DecodeConfig(split_plan="even")
-  config = pkv.DecodeConfig(num_splits=2, split_plan="balanced")
-  with pytest.raises(ValueError, match="tiles_per_split must be given"):
-    split_k.check_tiles_per_split(None, config)
-  with pytest.raises(ValueError, match="int32"):
-    split_k.check_tiles_per_split(jnp.ones((2,), jnp.int32), config)
-  with pytest.raises(ValueError, match="tiles_per_split must be given"):
-    split_k.check_tiles_per_split(jnp.ones((1,), jnp.int32), pkv.DecodeConfig(num_splits=2))
+  for config_type in (pkv.TritonConfig, pkv.MosaicGPUConfig, pkv.MosaicMLAConfig):
+    with pytest.raises(ValueError, match="split_plan"):
+      config_type(split_plan="even")
+  with pytest.raises(ValueError, match="tiles_per_split is given exactly for the balanced plan"):
+    SplitPlan(kind="balanced", num_splits=2, block_kv=64)
+  with pytest.raises(ValueError, match="tiles_per_split is given exactly for the balanced plan"):
+    SplitPlan(kind="per_sequence", num_splits=2, block_kv=64, tiles_per_split=jnp.ones((1,), jnp.int32))
+  with pytest.raises(ValueError, match=r"tiles_per_split must be int32 \[1\]"):
+    SplitPlan(kind="balanced", num_splits=2, block_kv=64,
+              tiles_per_split=jnp.ones((2,), jnp.int32)).check(block_kv=64, batch=3)
+  SplitPlan(kind="balanced", num_splits=2, block_kv=64, tiles_per_split=jnp.ones((1,), jnp.int32)).check(
+      block_kv=64, batch=3)
 
 
 def test_resolve_fills_the_balanced_split_bound():
   problem = sweeps.problem_args((32, 8), (16, 32768), None)[1]
-  config = triton_config.resolve_config(problem, pkv.DecodeConfig(split_plan="balanced"), num_sms=132)
+  config = triton_config.resolve_config(problem, pkv.TritonConfig(split_plan="balanced"), num_sms=132)
   assert config.split_plan == "balanced"
-  assert config.num_splits == split_k.choose_balanced_splits(
+  assert config.num_splits == plan.choose_balanced_splits(
       batch=16, num_kv_heads=8, row_blocks=1, capacity=32768, block_kv=config.block_kv, num_sms=132,
       programs_per_sm=triton_config.PROGRAMS_PER_SM)
 
@@ -133,8 +142,9 @@ def test_balanced_plan_matches_reference(interpret_mode, impl, block_kv, seq_len
   case = make_case(40 + len(options), batch=len(lengths), seq_len=seq_len, num_heads=8, num_kv_heads=2,
                    head_dim=64, dtype=jnp.bfloat16, num_queries=num_queries, lengths=lengths,
                    page_size=64 if paged else None)
-  config = pkv.DecodeConfig(block_kv=block_kv, num_stages=2, num_splits=4 if impl == "triton" else 2,
-                            split_plan="balanced", merge_in_kernel=merge)
+  fields = dict(merge_in_kernel=merge) if impl == "triton" else {}
+  config = CONFIG_TYPE[impl](block_kv=block_kv, num_stages=2, num_splits=4 if impl == "triton" else 2,
+                             split_plan="balanced", **fields)
   balanced = _call(case, impl, config, paged, **options)
   check_against_reference(case, balanced, **options)
 
@@ -148,22 +158,25 @@ def test_kernels_cut_the_splits_the_plan_says(impl):
   block_kv = 16 if impl == "triton" else 64
   case = make_case(50, batch=3, seq_len=8 * block_kv, num_heads=8, num_kv_heads=2, head_dim=64,
                    dtype=jnp.bfloat16, lengths=[8 * block_kv, 4 * block_kv - 3, 0])
-  rows = split_k.pack_queries(case.q[:, None], 2)
+  rows = frame.pack_queries(case.q[:, None], 2)
   kernel = triton_decode if impl == "triton" else mgpu_decode
   interpret = True
+  own = dict(num_warps=4, sequence_order="given", merge_in_kernel=False)
   if impl == "mosaic_gpu":
     from jax.experimental.pallas import mosaic_gpu as plgpu
     interpret = plgpu.InterpretGPUParams()
+    own = dict(kv_groups=1, pipeline_qk=False, persistent=False)
   lse = {}
-  for plan in ("per_sequence", "balanced"):
-    config = pkv.DecodeConfig(block_kv=block_kv, num_stages=2, num_splits=2, split_plan=plan)
-    per_split = (None if plan == "per_sequence" else
-                 split_k.balanced_tiles_per_split(case.lengths, block_kv=block_kv, num_queries=1, num_splits=2,
-                                                  window=None, chunks=1000))
-    _, lse[plan] = kernel.decode_partials(rows, case.k, case.v, case.lengths, num_queries=1,
-                                          options=AttentionOptions(scale=0.125), config=config,
-                                          tiles_per_split=per_split, interpret=interpret)
-  has_keys = {plan: np.isfinite(np.asarray(x))[:, 0, :, 0] for plan, x in lse.items()}   # [B, splits]
+  for kind in ("per_sequence", "balanced"):
+    config = CONFIG_TYPE[impl](block_kv=block_kv, num_stages=2, num_splits=2, split_plan=kind, **own)
+    per_split = (None if kind == "per_sequence" else
+                 plan.balanced_tiles_per_split(case.lengths, block_kv=block_kv, num_queries=1, num_splits=2,
+                                               window=None, chunks=1000))
+    split_plan = SplitPlan(kind=kind, num_splits=2, block_kv=block_kv, tiles_per_split=per_split)
+    _, lse[kind] = kernel.decode_partials(rows, case.k, case.v, case.lengths, num_queries=1,
+                                          options=AttentionOptions(scale=0.125), config=config, plan=split_plan,
+                                          interpret=interpret)
+  has_keys = {kind: np.isfinite(np.asarray(x))[:, 0, :, 0] for kind, x in lse.items()}   # [B, splits]
   np.testing.assert_array_equal(has_keys["per_sequence"], [[1, 1], [1, 1], [0, 0]])
   np.testing.assert_array_equal(has_keys["balanced"], [[1, 1], [1, 0], [0, 0]])
 
@@ -175,7 +188,7 @@ def test_kernels_cut_the_splits_the_plan_says(impl):
 def test_balanced_plan_lowers_for_cuda(impl, page_size):
   args, problem = sweeps.problem_args((32, 8), (16, 32768), page_size)
   resolve = mgpu_config.resolve_config if impl == "mosaic_gpu" else triton_config.resolve_config
-  config = resolve(problem, pkv.DecodeConfig(split_plan="balanced"), num_sms=132)
+  config = resolve(problem, CONFIG_TYPE[impl](split_plan="balanced"), num_sms=132)
   assert config.num_splits > 1
   op = pkv.decode_attention if page_size is None else pkv.paged_decode_attention
   lower_for_cuda(functools.partial(op, impl=impl, config=config), *args)
@@ -195,7 +208,7 @@ def test_gpu_balanced_plan_on_a_ragged_batch(impl, page_size):
                    dtype=jnp.bfloat16, lengths=lengths, page_size=page_size)
   resolve = mgpu_config.resolve_config if impl == "mosaic_gpu" else triton_config.resolve_config
   problem = sweeps.problem_args((32, 8), (16, 16384), page_size)[1]
-  config = resolve(problem, pkv.DecodeConfig(split_plan="balanced"), num_sms=132)
+  config = resolve(problem, CONFIG_TYPE[impl](split_plan="balanced"), num_sms=132)
   assert config.split_plan == "balanced" and config.num_splits > 1
   check_against_reference(case, _call(case, impl, config, page_size is not None))
 
@@ -213,44 +226,48 @@ def test_stream_k_programs_cover_every_tile_once(seed, block_kv, num_queries, wi
   capacity = 4096
   lengths = np.concatenate([rng.integers(0, capacity + 1, size=29), [0, 1, capacity, 0]]).astype(np.int32)
   padded = np.concatenate([lengths, np.zeros(64 - lengths.size, np.int32)])   # the kernel's power-of-two vector
-  plan = split_k.StreamKLayout.of(jnp.asarray(padded), block_kv=block_kv, num_queries=num_queries, window=window,
-                                  num_programs=programs)
-  first = np.broadcast_to(np.asarray(plan.first), padded.shape)
+  layout = StreamKLayout.of(jnp.asarray(padded), block_kv=block_kv, num_queries=num_queries, window=window,
+                            num_programs=programs)
+  first = np.broadcast_to(np.asarray(layout.first), padded.shape)
   covered = {b: [] for b in range(lengths.size)}
   written = {}   # (program, slot) -> sequence
-  locate = jax.jit(plan.locate)
+  locate = jax.jit(layout.locate)
   for w in range(programs):
-    lo, hi = (int(x) for x in plan.program_range(w))
-    assert 0 <= hi - lo <= int(plan.chunk)
+    lo, hi = (int(x) for x in layout.program_range(w))
+    assert 0 <= hi - lo <= int(layout.chunk)
     for g in range(lo, hi):
       b, seq_start = (int(x) for x in locate(g))
       assert b < lengths.size
       covered[b].append(int(first[b]) + g - seq_start)
-      if g == max(seq_start, lo) and int(plan.pieces(b)[1]) > 1:   # a segment's first tile
-        slot = int(split_k.StreamKLayout.piece_slot(g != lo, seq_start == g))
+      if g == max(seq_start, lo) and int(layout.pieces(b)[1]) > 1:   # a segment's first tile
+        slot = int(StreamKLayout.piece_slot(g != lo, seq_start == g))
         assert (w, slot) not in written   # two slots per program are enough
         written[w, slot] = b
   for b, length in enumerate(lengths):
     first_key = 0 if window is None else max(length - num_queries + 1 - window, 0)
     assert sorted(covered[b]) == list(range(first_key // block_kv, -(-length // block_kv)))
-    first_program, pieces, mid_chunk = (int(x) for x in plan.pieces(b))
+    first_program, pieces, mid_chunk = (int(x) for x in layout.pieces(b))
     if pieces > 1:
-      read = [(first_program + j, int(split_k.StreamKLayout.piece_slot(bool(mid_chunk), j == 0)))
+      read = [(first_program + j, int(StreamKLayout.piece_slot(bool(mid_chunk), j == 0)))
               for j in range(pieces)]
       assert sorted(read) == sorted(key for key, seq in written.items() if seq == b)
     assert (pieces == 0) == (not covered[b])
 
 
 def test_stream_k_programs_fill_one_wave():
-  assert split_k.stream_k_programs(num_kv_heads=8, row_blocks=1, num_sms=132, programs_per_sm=2) == 33
-  assert split_k.stream_k_programs(num_kv_heads=8, row_blocks=1, num_sms=132, programs_per_sm=3) == 49
-  assert split_k.stream_k_programs(num_kv_heads=512, row_blocks=1, num_sms=132, programs_per_sm=2) == 1
+  assert plan.stream_k_programs(num_kv_heads=8, row_blocks=1, num_sms=132, programs_per_sm=2) == 33
+  assert plan.stream_k_programs(num_kv_heads=8, row_blocks=1, num_sms=132, programs_per_sm=3) == 49
+  assert plan.stream_k_programs(num_kv_heads=512, row_blocks=1, num_sms=132, programs_per_sm=2) == 1
   problem = sweeps.problem_args((32, 8), (64, 8192), None)[1]
-  config = triton_config.resolve_config(problem, pkv.DecodeConfig(split_plan="stream_k"), num_sms=132)
+  config = triton_config.resolve_config(problem, pkv.TritonConfig(split_plan="stream_k"), num_sms=132)
   assert config.num_splits == 132 * 2 // 8
   paged = sweeps.problem_args((32, 8), (64, 8192), 16)[1]   # paged: three programs per SM
-  assert triton_config.resolve_config(paged, pkv.DecodeConfig(split_plan="stream_k"), num_sms=132).num_splits == 49
-  assert triton_config.resolve_config(paged, pkv.DecodeConfig(), num_sms=132).num_splits != 49   # per-sequence
+  assert triton_config.resolve_config(paged, pkv.TritonConfig(split_plan="stream_k"), num_sms=132).num_splits == 49
+  per_sequence = triton_config.resolve_config(paged, pkv.TritonConfig(split_plan="per_sequence"), num_sms=132)
+  assert per_sequence.split_plan == "per_sequence" and per_sequence.num_splits != 49
+  # A config that fixes none of the plan's fields takes the default's plan (stream-K pays here).
+  free = triton_config.resolve_config(paged, pkv.TritonConfig(block_kv=16), num_sms=132)
+  assert (free.split_plan, free.num_splits, free.block_kv) == ("stream_k", 49, 16)
 
 
 @pytest.mark.parametrize("heads,case,page_size,stream_k", [
@@ -275,9 +292,15 @@ def test_default_takes_stream_k_where_measured(heads, case, page_size, stream_k)
   if stream_k:
     assert config.num_splits == 132 * (2 if page_size is None else 3) // heads[1]
     assert not config.merge_in_kernel
-  # An explicit config is never rewritten; one-byte caches keep per-sequence splits.
-  explicit = triton_config.resolve_config(problem, pkv.DecodeConfig(block_kv=64, num_stages=3), num_sms=132)
-  assert explicit.split_plan == "per_sequence"
+  # A config that fixes none of split_plan, num_splits and sequence_order takes the same plan, its
+  # own fields kept; one that fixes any of them is never rewritten; one-byte caches keep
+  # per-sequence splits.
+  free = triton_config.resolve_config(problem, pkv.TritonConfig(block_kv=32, num_stages=2), num_sms=132)
+  assert (free.block_kv, free.num_stages) == (32, 2)
+  assert (free.split_plan, free.num_splits) == (config.split_plan, config.num_splits)
+  for fixed in (pkv.TritonConfig(num_splits=4), pkv.TritonConfig(split_plan="per_sequence"),
+                pkv.TritonConfig(sequence_order="longest_first")):
+    assert triton_config.resolve_config(problem, fixed, num_sms=132).split_plan == "per_sequence"
   assert triton_config.resolve_config(problem, None, dtype=jnp.int8, num_sms=132).split_plan == "per_sequence"
 
 
@@ -291,7 +314,7 @@ def test_default_takes_stream_k_where_measured(heads, case, page_size, stream_k)
 def test_stream_k_matches_reference(interpret_mode, lengths, programs, paged, num_queries, options):
   case = make_case(70 + programs, batch=len(lengths), seq_len=256, num_heads=8, num_kv_heads=2, head_dim=64,
                    dtype=jnp.bfloat16, num_queries=num_queries, lengths=lengths, page_size=64 if paged else None)
-  config = pkv.DecodeConfig(block_kv=16, num_stages=2, num_splits=programs, split_plan="stream_k")
+  config = pkv.TritonConfig(block_kv=16, num_stages=2, num_splits=programs, split_plan="stream_k")
   check_against_reference(case, _call(case, "triton", config, paged, **options), **options)
 
 
@@ -301,7 +324,7 @@ def test_stream_k_with_two_row_blocks(interpret_mode):
   case = make_case(85, batch=3, seq_len=64, num_heads=16, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
                    num_queries=9, lengths=[64, 20, 47])
   assert triton_config.row_blocking(144, 64)[1] == 2
-  config = pkv.DecodeConfig(block_kv=16, num_stages=2, num_splits=3, split_plan="stream_k")
+  config = pkv.TritonConfig(block_kv=16, num_stages=2, num_splits=3, split_plan="stream_k")
   check_against_reference(case, _call(case, "triton", config, False))
 
 
@@ -313,7 +336,7 @@ def test_stream_k_with_sinks_scales_and_no_lse(interpret_mode):
   rng = np.random.default_rng(80)
   options = {name: jnp.asarray(rng.uniform(0.005, 0.02, (4, 128, 2)), jnp.float32) for name in ("k_scale", "v_scale")}
   options["sinks"] = jnp.asarray(rng.standard_normal(8), jnp.float32)
-  config = pkv.DecodeConfig(block_kv=16, num_stages=2, num_splits=3, split_plan="stream_k")
+  config = pkv.TritonConfig(block_kv=16, num_stages=2, num_splits=3, split_plan="stream_k")
   out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, impl="triton", config=config, **options)
   ref = pkv.decode_attention(case.q, case.k, case.v, case.lengths, impl="xla", **options)
   assert out.shape == ref.shape
@@ -323,23 +346,25 @@ def test_stream_k_with_sinks_scales_and_no_lse(interpret_mode):
 def test_stream_k_is_validated():
   from pallas_kv.config import AttentionOptions
   from pallas_kv.kernels.triton import decode as triton_decode
-  config = pkv.DecodeConfig(num_splits=4, split_plan="stream_k")
-  with pytest.raises(ValueError, match="stream_k' is a triton option"):
-    mgpu_config.check_config(config, rows=4, head_dim=128, dtype=jnp.bfloat16, page_size=None)
-  ordered = pkv.DecodeConfig(num_splits=4, split_plan="stream_k", sequence_order="longest_first")
+  for config_type in (pkv.MosaicGPUConfig, pkv.MosaicMLAConfig):   # a Triton plan only
+    with pytest.raises(ValueError, match="split_plan='stream_k' must be one of"):
+      config_type(num_splits=4, split_plan="stream_k")
   with pytest.raises(ValueError, match="sequence_order must be 'given'"):
-    triton_config.check_config(ordered, head_dim=128, page_size=None)
+    pkv.TritonConfig(num_splits=4, split_plan="stream_k", sequence_order="longest_first")
   case = make_case(81, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
-  rows = split_k.pack_queries(case.q[:, None], 2)
+  rows = frame.pack_queries(case.q[:, None], 2)
+  config = pkv.TritonConfig(block_kv=16, num_stages=2, num_splits=4, split_plan="stream_k", num_warps=4,
+                            sequence_order="given", merge_in_kernel=False)
   with pytest.raises(ValueError, match="call decode_merged"):
     triton_decode.decode_partials(rows, case.k, case.v, case.lengths, num_queries=1,
-                                  options=AttentionOptions(scale=0.125), config=config, interpret=True)
+                                  options=AttentionOptions(scale=0.125), config=config,
+                                  plan=SplitPlan(kind="stream_k", num_splits=4, block_kv=16), interpret=True)
 
 
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_stream_k_lowers_for_cuda(page_size):
   args, problem = sweeps.problem_args((32, 8), (64, 8192), page_size)
-  config = triton_config.resolve_config(problem, pkv.DecodeConfig(split_plan="stream_k"), num_sms=132)
+  config = triton_config.resolve_config(problem, pkv.TritonConfig(split_plan="stream_k"), num_sms=132)
   op = pkv.decode_attention if page_size is None else pkv.paged_decode_attention
   module = lower_for_cuda(functools.partial(op, impl="triton", config=config), *args).mlir_module()
   assert module.count(TRITON_CUSTOM_CALL) == 1   # the merge is in the launch
@@ -358,21 +383,21 @@ def test_gpu_stream_k(page_size, batch, seq_len, ragged):
                    dtype=jnp.bfloat16, lengths=lengths, page_size=page_size)
   problem = sweeps.problem_args((32, 8), (batch, seq_len), page_size)[1]
   for programs_per_sm in (2, 3):
-    programs = split_k.stream_k_programs(num_kv_heads=8, row_blocks=1, num_sms=pkv.runtime.num_sms(),
-                                         programs_per_sm=programs_per_sm)
-    config = triton_config.resolve_config(problem, pkv.DecodeConfig(split_plan="stream_k", num_splits=programs))
+    programs = plan.stream_k_programs(num_kv_heads=8, row_blocks=1, num_sms=pkv.runtime.num_sms(),
+                                      programs_per_sm=programs_per_sm)
+    config = triton_config.resolve_config(problem, pkv.TritonConfig(split_plan="stream_k", num_splits=programs))
     check_against_reference(case, _call(case, "triton", config, page_size is not None))
 
 
 # ---------------------------------------------------------------- the longest-first sequence order
 
 def test_longest_first_is_a_stable_descending_order():
-  order = split_k.longest_first(jnp.asarray([5, 9, 0, 9, 7]))
+  order = plan.longest_first(jnp.asarray([5, 9, 0, 9, 7]))
   assert order.dtype == jnp.int32 and order.tolist() == [1, 3, 4, 0, 2]
   lengths = jnp.asarray([5, 9, 0, 9, 7, 1])
-  order = split_k.long_short(lengths)
+  order = plan.long_short(lengths)
   assert order.dtype == jnp.int32 and order.tolist() == [1, 2, 3, 5, 4, 0]   # 9, 0, 9, 1, 7, 5
-  assert sorted(split_k.long_short(lengths[:5]).tolist()) == list(range(5))   # odd B: a permutation
+  assert sorted(plan.long_short(lengths[:5]).tolist()) == list(range(5))   # odd B: a permutation
 
 
 @pytest.mark.parametrize("paged,merge,num_splits,kv_dtype", [
@@ -392,7 +417,7 @@ def test_longest_first_gives_the_bits_of_batch_order(interpret_mode, paged, merg
                for name in ("k_scale", "v_scale")}
 
   def call(order):
-    config = pkv.DecodeConfig(block_kv=16, num_stages=2, num_splits=num_splits, merge_in_kernel=merge,
+    config = pkv.TritonConfig(block_kv=16, num_stages=2, num_splits=num_splits, merge_in_kernel=merge,
                               sequence_order=order)
     return _call(case, "triton", config, paged, **options)
 
@@ -406,15 +431,27 @@ def test_longest_first_gives_the_bits_of_batch_order(interpret_mode, paged, merg
 
 
 def test_sequence_order_is_validated():
-  with pytest.raises(ValueError, match="sequence_order"):
-    pkv.DecodeConfig(sequence_order="shortest_first")
-  config = pkv.DecodeConfig(num_splits=2, sequence_order="longest_first")
-  with pytest.raises(ValueError, match="sequence_order must be given"):
-    split_k.check_sequence_order(None, config, batch=3)
-  with pytest.raises(ValueError, match=r"int32 \[B\]"):
-    split_k.check_sequence_order(jnp.zeros((2,), jnp.int32), config, batch=3)
-  with pytest.raises(ValueError, match="sequence_order='longest_first' is a triton option"):
-    mgpu_config.check_config(config, rows=4, head_dim=128, dtype=jnp.bfloat16, page_size=None)
+  for config_type in (pkv.TritonConfig, pkv.MosaicMLAConfig):
+    with pytest.raises(ValueError, match="sequence_order"):
+      config_type(sequence_order="shortest_first")
+  with pytest.raises(TypeError, match="sequence_order"):   # the Mosaic GPU GQA kernel has no order
+    pkv.MosaicGPUConfig(num_splits=2, sequence_order="longest_first")
+  ordered = SplitPlan(kind="per_sequence", num_splits=2, block_kv=64, order=jnp.zeros((2,), jnp.int32))
+  with pytest.raises(ValueError, match=r"order must be int32 \[3\]"):
+    ordered.check(block_kv=64, batch=3)
+  with pytest.raises(ValueError, match="made for 64-token tiles"):
+    ordered.check(block_kv=32, batch=2)
+  # make_plan takes the config's order over the lengths, clamped as the kernels clamp them.
+  lengths = jnp.asarray([5, 900, 0, 9, 7], jnp.int32)
+  problem = sweeps.problem_args((32, 8), (5, 512), None)[1]
+  config = pkv.TritonConfig(block_kv=64, num_stages=2, num_splits=2, split_plan="per_sequence", num_warps=4,
+                            sequence_order="longest_first", merge_in_kernel=False)
+  made = plan.make_plan(lengths, problem=problem, config=config, window=None, row_blocks=1)
+  assert (made.kind, made.num_splits, made.block_kv, made.tiles_per_split) == ("per_sequence", 2, 64, None)
+  assert made.order.tolist() == [1, 3, 4, 0, 2]
+  given = plan.make_plan(lengths, problem=problem, config=dataclasses.replace(config, sequence_order="given"),
+                         window=None, row_blocks=1)
+  assert given.order is None
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -422,7 +459,7 @@ def test_longest_first_lowers_for_cuda(paged):
   # The benchmark's ragged B64 T8192 row: the argsort and the kernel; 2 splits add the merge kernel.
   q = jax.ShapeDtypeStruct((64, 32, 128), jnp.bfloat16)
   lengths = jax.ShapeDtypeStruct((64,), jnp.int32)
-  kw = dict(impl="triton", config=pkv.DecodeConfig(block_kv=64, num_stages=3, num_splits=2,
+  kw = dict(impl="triton", config=pkv.TritonConfig(block_kv=64, num_stages=3, num_splits=2,
                                                    sequence_order="longest_first"))
   if paged:
     pages = jax.ShapeDtypeStruct((64 * 128 + 3, 64, 8, 128), jnp.bfloat16)

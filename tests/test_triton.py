@@ -16,8 +16,8 @@ import pallas_kv as pkv
 import sweeps
 from harness import TRITON_CUSTOM_CALL, check_against_reference, lower_for_cuda, make_case
 from pallas_kv.config import AttentionOptions
-from pallas_kv.kernels import split_k
-from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
+from pallas_kv.kernels import frame
+from pallas_kv.kernels.plan import SplitPlan
 from pallas_kv.kernels.triton import config as triton_config
 from pallas_kv.kernels.triton import decode as triton_decode
 from pallas_kv.kernels.triton import merge as triton_merge
@@ -28,6 +28,13 @@ IMPL = "triton"
 def _paged(case, **kw):
   return pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths,
                                     return_lse=True, impl=IMPL, **kw)
+
+
+def _kernel_config(num_splits, merge=False, block_kv=16):
+  """A complete config and its per-sequence plan, as the kernel entry points take them."""
+  config = pkv.TritonConfig(block_kv=block_kv, num_stages=2, num_splits=num_splits, split_plan="per_sequence",
+                            num_warps=4, sequence_order="given", merge_in_kernel=merge)
+  return dict(config=config, plan=SplitPlan(kind="per_sequence", num_splits=num_splits, block_kv=block_kv))
 
 
 # ---------------------------------------------------------------- interpret mode (CPU)
@@ -45,7 +52,7 @@ def test_row_blocks_interpret(interpret_mode):
                    dtype=jnp.bfloat16, lengths=[60])
   assert triton_config.row_blocking(144, 64) == (128, 2)
   out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL,
-                             config=pkv.DecodeConfig(block_kv=16, num_stages=2, num_splits=2))
+                             config=pkv.TritonConfig(block_kv=16, num_stages=2, num_splits=2))
   check_against_reference(case, out)
 
 
@@ -55,8 +62,7 @@ def test_partials_of_empty_splits_interpret():
                    lengths=[0, 40])
   q = case.q.reshape(2, 1, 4, 64)
   out, lse = triton_decode.decode_partials(q, case.k, case.v, case.lengths, num_queries=1,
-                                           options=AttentionOptions(scale=0.125),
-                                           config=pkv.DecodeConfig(block_kv=16, num_stages=2, num_splits=4),
+                                           options=AttentionOptions(scale=0.125), **_kernel_config(4),
                                            interpret=True)
   assert out.shape == (2, 1, 4, 4, 64) and lse.shape == (2, 1, 4, 4)
   lse, out = np.asarray(lse), np.asarray(out)
@@ -99,20 +105,25 @@ def test_heuristic_stages(heads, case, tmp_path, monkeypatch):
   tuned.clear_cache()
 
 
-def test_bad_explicit_configs_raise_value_error():
+def test_bad_explicit_configs_are_refused():
   case = make_case(17, batch=1, seq_len=96, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
                    page_size=48)
   with pytest.raises(ValueError, match="block_kv=32 must divide page_size=48"):
-    _paged(case, config=pkv.DecodeConfig(block_kv=32))
-  with pytest.raises(ValueError, match="kv_groups.*mosaic_gpu"):
+    _paged(case, config=pkv.TritonConfig(block_kv=32))
+  with pytest.raises(ValueError, match="num_warps=3"):
+    pkv.TritonConfig(num_warps=3)
+  # A Mosaic GPU field is not a TritonConfig's; a Mosaic GPU config is not triton's.
+  with pytest.raises(TypeError, match="kv_groups"):
+    pkv.TritonConfig(kv_groups=2, num_splits=2)
+  with pytest.raises(ValueError, match="MosaicGPUConfig.*impl='triton'"):
     pkv.decode_attention(case.q, case.k, case.v, case.lengths, impl=IMPL,
-                         config=pkv.DecodeConfig(kv_groups=2, num_splits=2))
+                         config=pkv.MosaicGPUConfig(kv_groups=2, num_splits=2))
 
 
 # ---------------------------------------------------------------- merge_in_kernel (interpret mode)
 
 def _merged_config(num_splits, merge=True, block_kv=16):
-  return pkv.DecodeConfig(block_kv=block_kv, num_stages=2, num_splits=num_splits, merge_in_kernel=merge)
+  return pkv.TritonConfig(block_kv=block_kv, num_stages=2, num_splits=num_splits, merge_in_kernel=merge)
 
 
 @pytest.mark.parametrize("paged,num_queries,num_heads,num_splits,lengths,options", [
@@ -147,22 +158,22 @@ def test_merge_in_kernel_matches_reference_and_the_two_launch_path(interpret_mod
 
 
 def test_merged_kernel_equals_merge_splits_of_the_partials_in_float32():
-  # The kernel's merge against split_k.merge_splits on the same partials, before any cast.
+  # The kernel's merge against frame.merge_splits on the same partials, before any cast.
   case = make_case(30, batch=3, seq_len=96, num_heads=8, num_kv_heads=2, head_dim=64, dtype=jnp.float16,
                    lengths=[96, 40, 0])
-  q = split_k.pack_queries(case.q[:, None], 2)
-  sinks = split_k.pack_queries(jnp.linspace(0.0, 1.0, 8)[None, None, :, None], 2)[0, ..., 0]
+  q = frame.pack_queries(case.q[:, None], 2)
+  sinks = frame.pack_queries(jnp.linspace(0.0, 1.0, 8)[None, None, :, None], 2)[0, ..., 0]
   kw = dict(num_queries=1, options=AttentionOptions(scale=0.125), interpret=True)
-  out, lse = triton_decode.decode_partials(q, case.k, case.v, case.lengths, config=_merged_config(3, False), **kw)
-  want, want_lse = split_k.merge_splits(out, lse, sinks)
-  got, got_lse = triton_decode.decode_merged(q, case.k, case.v, case.lengths, config=_merged_config(3), sinks=sinks,
+  out, lse = triton_decode.decode_partials(q, case.k, case.v, case.lengths, **_kernel_config(3, False), **kw)
+  want, want_lse = frame.merge_splits(out, lse, sinks)
+  got, got_lse = triton_decode.decode_merged(q, case.k, case.v, case.lengths, **_kernel_config(3, True), sinks=sinks,
                                              out_dtype=jnp.float32, **kw)
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
   np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(want_lse))
   np.testing.assert_allclose(got_lse[:2], want_lse[:2], rtol=1e-6)
   np.testing.assert_array_equal(got[2], 0.0)
   # Without return_lse the kernel writes no LSE; the output is the same.
-  out_only, none = triton_decode.decode_merged(q, case.k, case.v, case.lengths, config=_merged_config(3),
+  out_only, none = triton_decode.decode_merged(q, case.k, case.v, case.lengths, **_kernel_config(3, True),
                                                sinks=sinks, return_lse=False, **kw)
   assert none is None and out_only.dtype == jnp.float16
   np.testing.assert_array_equal(out_only, got.astype(jnp.float16))
@@ -194,7 +205,7 @@ def _check_merge_kernel(splits, rows, dv, interpret):
   lse[empty], out[empty] = -np.inf, np.nan if splits > 1 else 0.0
   sinks = jnp.asarray(rng.standard_normal((3, rows)), jnp.float32)
   for row_sinks in (None, sinks):
-    want, want_lse = split_k.merge_splits(jnp.asarray(out), jnp.asarray(lse), row_sinks)
+    want, want_lse = frame.merge_splits(jnp.asarray(out), jnp.asarray(lse), row_sinks)
     got, got_lse = triton_merge.merge_partials(jnp.asarray(out), jnp.asarray(lse), row_sinks, out_dtype=jnp.float32,
                                                interpret=interpret)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -207,13 +218,13 @@ def _check_merge_kernel(splits, rows, dv, interpret):
   # bf16 partials (as the MLA kernel stores them) are summed in float32.
   got, _ = triton_merge.merge_partials(jnp.asarray(out, jnp.bfloat16), jnp.asarray(lse), out_dtype=jnp.float32,
                                        interpret=interpret)
-  want, _ = split_k.merge_splits(jnp.asarray(out, jnp.bfloat16), jnp.asarray(lse))
+  want, _ = frame.merge_splits(jnp.asarray(out, jnp.bfloat16), jnp.asarray(lse))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   # Partials padded with rows past R (as a kernel may store them): only the first R are merged.
   padded = lambda x, fill: np.concatenate([x, np.full(x[:, :, :, :3].shape, fill, np.float32)], axis=3)
   got, got_lse = triton_merge.merge_partials(jnp.asarray(padded(out, np.nan)), jnp.asarray(padded(lse, np.nan)),
                                              out_dtype=jnp.float32, rows=rows, interpret=interpret)
-  want, want_lse = split_k.merge_splits(jnp.asarray(out), jnp.asarray(lse))
+  want, want_lse = frame.merge_splits(jnp.asarray(out), jnp.asarray(lse))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   assert got_lse.shape == want_lse.shape
 
@@ -240,10 +251,13 @@ def test_merge_kernel_checks_its_arguments():
 
 def test_merge_in_kernel_config_is_checked():
   with pytest.raises(ValueError, match="merge_in_kernel"):
-    pkv.DecodeConfig(merge_in_kernel=1)
-  config = pkv.DecodeConfig(num_splits=4, merge_in_kernel=True)
-  with pytest.raises(ValueError, match="merge_in_kernel=True is a triton option"):
-    mgpu_config.check_config(config, rows=4, head_dim=128, dtype=jnp.bfloat16, page_size=None)
+    pkv.TritonConfig(merge_in_kernel=1)
+  with pytest.raises(TypeError, match="merge_in_kernel"):   # a triton field: no Mosaic GPU config has it
+    pkv.MosaicGPUConfig(num_splits=4, merge_in_kernel=True)
+  # The kernel takes a complete config only (what resolve_config makes).
+  with pytest.raises(ValueError, match="complete TritonConfig"):
+    triton_config.check_config(pkv.TritonConfig(num_splits=4, merge_in_kernel=True), head_dim=128, page_size=None)
+  triton_config.check_config(_kernel_config(4, True)["config"], head_dim=128, page_size=None)
 
 
 # ---------------------------------------------------------------- CUDA lowering (CPU)
@@ -287,7 +301,7 @@ def _lower_batch_1_row(paged: bool, **kw) -> str:
 def test_merge_in_kernel_lowers_as_one_kernel_at_the_batch_1_shape(paged):
   # B1 T32768 heads 32/8 D128 bf16 (the benchmark's batch-1 row), 16 splits: no XLA merge is left.
   module = _lower_batch_1_row(paged, return_lse=True, sinks=jnp.zeros((32,)),
-                              config=pkv.DecodeConfig(block_kv=64, num_stages=3, num_splits=16, merge_in_kernel=True))
+                              config=pkv.TritonConfig(block_kv=64, num_stages=3, num_splits=16, merge_in_kernel=True))
   assert module.count(TRITON_CUSTOM_CALL) == 1
   assert "stablehlo.exponential" not in module and "stablehlo.dot_general" not in module
 
@@ -297,7 +311,7 @@ def test_split_calls_lower_as_the_kernel_and_the_merge_kernel_alone(paged):
   # The batch-1 row with 33 splits: q is not padded,
   # lengths and page ids are clamped in the kernel, and the splits merge in a second Pallas launch,
   # so the program holds the two kernels and no XLA pad, clamp, exponential, einsum or cast.
-  module = _lower_batch_1_row(paged, config=pkv.DecodeConfig(block_kv=64, num_stages=3, num_splits=33))
+  module = _lower_batch_1_row(paged, config=pkv.TritonConfig(block_kv=64, num_stages=3, num_splits=33))
   assert module.count(TRITON_CUSTOM_CALL) == 2
   ops = ["stablehlo.pad", "stablehlo.exponential", "stablehlo.dot_general"]
   if not paged:   # (the paged op's checks of page ids, traced for checkify only, hold a clip)
@@ -327,7 +341,7 @@ def test_deprecation_warning_is_hidden_for_our_kernels_only():
 def test_gpu_head_dims_and_pages(head_dim, page_size, block_kv):
   case = make_case(head_dim + page_size, batch=3, seq_len=1152, num_heads=8, num_kv_heads=2, head_dim=head_dim,
                    dtype=jnp.float16, page_size=page_size, num_queries=3)
-  check_against_reference(case, _paged(case, config=pkv.DecodeConfig(block_kv=block_kv, num_stages=3)))
+  check_against_reference(case, _paged(case, config=pkv.TritonConfig(block_kv=block_kv, num_stages=3)))
 
 
 @pytest.mark.gpu
@@ -337,7 +351,7 @@ def test_gpu_merge_in_kernel(page_size):
   case = make_case(40, batch=4, seq_len=8192, num_heads=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16,
                    page_size=page_size, lengths=[8192, 4001, 0, 77])
   kw = dict(return_lse=True, impl=IMPL, sinks=jnp.linspace(-1.0, 1.0, 32), softcap=30.0)
-  config = pkv.DecodeConfig(block_kv=64, num_stages=3, num_splits=16, merge_in_kernel=True)
+  config = pkv.TritonConfig(block_kv=64, num_stages=3, num_splits=16, merge_in_kernel=True)
   if page_size is None:
     fn = jax.jit(lambda q, k, v, n: pkv.decode_attention(q, k, v, n, config=config, **kw))
     args = (case.q, case.k, case.v, case.lengths)

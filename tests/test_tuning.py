@@ -12,6 +12,7 @@ import pytest
 import pallas_kv as pkv
 from pallas_kv import tuned
 from pallas_kv import validation
+from pallas_kv.config import config_type
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,7 +33,7 @@ def _problem(batch, seq_len, page_size=None, heads=(32, 8)):
 @pytest.fixture
 def tuned_file(tmp_path, monkeypatch):
   monkeypatch.setenv(tuned.TUNED_DIR_ENV_VAR, str(tmp_path))
-  config = pkv.DecodeConfig(block_kv=128, num_stages=3, num_splits=5)
+  config = pkv.MosaicGPUConfig(block_kv=128, num_stages=3, num_splits=5)
   entries = [dict(backend="mosaic_gpu", key=tuned.shape_key("decode", _problem(8, 8192), "bfloat16"), config=config)]
   path = tmp_path / f"{tuned.device_slug(DEVICE)}.json"
   tuned.write(path, DEVICE, entries)
@@ -44,17 +45,30 @@ def test_tuned_file_round_trips(tuned_file):
   path, config = tuned_file
   data = json.loads(path.read_text())
   assert data["device_kind"] == DEVICE and data["format_version"] == tuned.FORMAT_VERSION
-  assert pkv.DecodeConfig(**data["entries"][0]["config"]) == config
+  assert data["entries"][0]["config"] == config.given()   # only the fields the config fixes
+  assert pkv.MosaicGPUConfig(**data["entries"][0]["config"]) == config
+  found = tuned.lookup("mosaic_gpu", tuned.shape_key("decode", _problem(8, 8192), "bfloat16"), DEVICE)
+  assert type(found) is pkv.MosaicGPUConfig and found == config
+
+
+def _keeps(resolved, config) -> bool:
+  """resolved is complete and holds every field config fixes."""
+  return resolved.complete and all(getattr(resolved, name) == value for name, value in config.given().items())
 
 
 def test_explicit_beats_tuned_beats_heuristic(tuned_file):
   _, config = tuned_file
   problem = _problem(8, 8192)
-  assert mgpu_config.resolve_config(problem, None, device_kind=DEVICE) == config
-  explicit = pkv.DecodeConfig(block_kv=64, num_stages=2, num_splits=7)
-  assert mgpu_config.resolve_config(problem, explicit, device_kind=DEVICE) == explicit
+  heuristic = mgpu_config.resolve_config(problem, None, device_kind="Other GPU")
+  assert _keeps(mgpu_config.resolve_config(problem, None, device_kind=DEVICE), config)
+  explicit = pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=7)
+  assert _keeps(mgpu_config.resolve_config(problem, explicit, device_kind=DEVICE), explicit)
+  # A partial explicit config takes the heuristic's other fields, not the tuned entry's.
+  partial = mgpu_config.resolve_config(problem, pkv.MosaicGPUConfig(num_splits=7), device_kind=DEVICE)
+  assert partial.num_splits == 7 and (partial.block_kv, partial.num_stages) == (heuristic.block_kv,
+                                                                                heuristic.num_stages)
   # Another device kind has no file: the heuristic decides.
-  assert mgpu_config.resolve_config(problem, None, device_kind="Other GPU") != config
+  assert not _keeps(heuristic, config)
 
 
 def test_nearby_shapes_find_the_entry_and_refit_splits(tuned_file):
@@ -91,7 +105,7 @@ def test_tuner_smoke_writes_a_file_the_config_choice_uses(tmp_path):
     tuned.clear_cache()
     problem = _problem(1, 128, heads=(4, 2))
     problem = validation.Problem(**{**problem.__dict__, "head_dim": 64})
-    assert mgpu_config.resolve_config(problem, None, device_kind="cpu") == pkv.DecodeConfig(**entry["config"])
+    assert _keeps(mgpu_config.resolve_config(problem, None, device_kind="cpu"), pkv.MosaicGPUConfig(**entry["config"]))
   finally:
     del os.environ[tuned.TUNED_DIR_ENV_VAR]
     tuned.clear_cache()
@@ -110,7 +124,7 @@ def test_auto_picks_the_backend_the_tuned_file_measured_faster(tmp_path, monkeyp
     times = {"mosaic_gpu": 150.0, "triton": 160.0} if faster == "mosaic_gpu" else {"mosaic_gpu": 150.0,
                                                                                    "triton": 140.0}
     tuned.write(tmp_path / f"{tuned.device_slug(DEVICE)}.json", DEVICE,
-                [dict(backend=b, key=key, config=pkv.DecodeConfig(), time_us=t) for b, t in times.items()])
+                [dict(backend=b, key=key, config=config_type(b, "decode")(), time_us=t) for b, t in times.items()])
   tuned.clear_cache()
   try:
     name, _ = api.choose_impl("auto", "decode", problem, AttentionOptions(scale=0.1),

@@ -37,12 +37,12 @@ def _run(case, *, paged: bool, v_tokens_last: bool, **kw):
 
 
 @pytest.mark.parametrize("kv_dtype, scale_kind, page_size, num_queries, config", [
-    (jnp.int8, "token", None, None, pkv.DecodeConfig(block_kv=32, num_stages=2, num_splits=2)),
-    (jnp.int8, "token", 16, 2, pkv.DecodeConfig(block_kv=32, num_stages=2, num_splits=2)),   # tiles span pages
-    (jnp.float8_e4m3fn, "head", 32, None, pkv.DecodeConfig(block_kv=32, num_stages=2, num_splits=1)),
+    (jnp.int8, "token", None, None, pkv.TritonConfig(block_kv=32, num_stages=2, num_splits=2)),
+    (jnp.int8, "token", 16, 2, pkv.TritonConfig(block_kv=32, num_stages=2, num_splits=2)),   # tiles span pages
+    (jnp.float8_e4m3fn, "head", 32, None, pkv.TritonConfig(block_kv=32, num_stages=2, num_splits=1)),
     (jnp.int8, "token", None, None,
-     pkv.DecodeConfig(block_kv=32, num_stages=2, num_splits=2, merge_in_kernel=True, sequence_order="longest_first")),
-    (jnp.float16, None, 16, None, pkv.DecodeConfig(block_kv=16, num_stages=2, num_splits=2)),
+     pkv.TritonConfig(block_kv=32, num_stages=2, num_splits=2, merge_in_kernel=True, sequence_order="longest_first")),
+    (jnp.float16, None, 16, None, pkv.TritonConfig(block_kv=16, num_stages=2, num_splits=2)),
 ], ids=["int8-token-dense", "int8-token-page16-s2", "e4m3-head-page32", "int8-merged-longest-first", "fp16-page16"])
 def test_triton_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, num_queries, config):
   # Garbage (NaN or extremes) in every slot past a length or unread: the tokens-last loads mask too.
@@ -81,7 +81,7 @@ def test_vmap_folds_tokens_last_values_interpret():
   k = jnp.asarray(rng.standard_normal((n, b, t, hkv, d)), jnp.bfloat16)
   v = jnp.asarray(rng.standard_normal((n, b, t, hkv, d)), jnp.bfloat16)
   lengths = jnp.stack([random_lengths(rng, b, t) for _ in range(n)])
-  config = pkv.DecodeConfig(block_kv=32, num_stages=2, num_splits=1)
+  config = pkv.TritonConfig(block_kv=32, num_stages=2, num_splits=1)
   with pkv.interpret():
     out = jax.vmap(lambda q, k, v, n: pkv.decode_attention(q, k, v, n, impl="triton", config=config,
                                                            v_tokens_last=True))(q, k, jax.vmap(tokens_last)(v), lengths)

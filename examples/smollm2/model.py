@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -67,15 +66,11 @@ class Llama:
   cache_dtype: of the KV cache; bfloat16 (what the kernels read), float32 (xla impl only: the
   exact comparison with a float32 reference), or int8 / float8_e4m3fn / float8_e5m2 (quantized
   on append with one scale per token and kv head, `pallas_kv.cache.quantize`).
-  decode_layer: a replacement of the attention layer's decode step, called as
-  `decode_layer(attention, params, x, cache) -> (y, cache)` with this model's `DecodeAttention`
-  (benchmarks time the same model with other attention this way); None runs the layer itself.
   """
   config: LlamaConfig
   impl: str = "auto"
   compute_dtype: str = "float32"
   cache_dtype: str = "bfloat16"
-  decode_layer: Callable | None = None
 
   @property
   def attention(self) -> pkv.DecodeAttention:
@@ -103,21 +98,22 @@ class Llama:
 
   # ------------------------------------------------------------------------ layers
 
-  def _attend(self, params, x, cache, *, prefill: bool, num_new=None):
+  def _attend(self, params, x, cache, *, prefill: bool, num_new=None, plan=None):
     if prefill:
       return self.attention.prefill(params, x, cache, num_new)
-    if self.decode_layer is not None:
-      return self.decode_layer(self.attention, params, x, cache)
-    return self.attention(params, x, cache)
+    return self.attention(params, x, cache, plan=plan)
 
-  def _block(self, tables, lengths, num_pages, prefill, num_new, carry, layer):
+  def _layer_cache(self, pages: KVPages, tables, lengths, layer, num_pages: int) -> pkv.PagedKVCache:
+    return pkv.PagedKVCache(pages.k, pages.v, layer_tables(tables, layer, num_pages), lengths, pages.k_scale,
+                            pages.v_scale)
+
+  def _block(self, tables, lengths, num_pages, prefill, num_new, plan, carry, layer):
     x, pages = carry
     params, index = layer
     c = self.config
-    cache = pkv.PagedKVCache(pages.k, pages.v, layer_tables(tables, index, num_pages), lengths, pages.k_scale,
-                             pages.v_scale)
+    cache = self._layer_cache(pages, tables, lengths, index, num_pages)
     normed = rms_norm(x, params["attn_norm"], c.rms_norm_eps).astype(self.compute_dtype)
-    h, cache = self._attend(params["attn"], normed, cache, prefill=prefill, num_new=num_new)
+    h, cache = self._attend(params["attn"], normed, cache, prefill=prefill, num_new=num_new, plan=plan)
     x = x + h.astype(jnp.float32)
     y = rms_norm(x, params["mlp_norm"], c.rms_norm_eps)
     y = jax.nn.silu(self._matmul(y, params["w_gate"])) * self._matmul(y, params["w_up"])
@@ -128,7 +124,9 @@ class Llama:
     """x [B, S, H] float32 through every layer -> (final hidden states [B, S, H], pages); a
     prefill appends num_new [B] of its S tokens (all by default)."""
     num_pages = pages.k.shape[0] // self.config.num_layers
-    block = functools.partial(self._block, tables, lengths, num_pages, prefill, num_new)
+    # Every layer's cache has the same shapes and lengths: a decode step plans its splits once.
+    plan = None if prefill else self.attention.plan_step(self._layer_cache(pages, tables, lengths, 0, num_pages))
+    block = functools.partial(self._block, tables, lengths, num_pages, prefill, num_new, plan)
     layers = (params["layers"], jnp.arange(self.config.num_layers, dtype=jnp.int32))
     # A decode step's layers unrolled: their small kernels then go out in one stream, and the
     # call returns before the device is done (a rolled loop of 30 layers measured 7% slower per

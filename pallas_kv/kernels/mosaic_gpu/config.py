@@ -1,10 +1,9 @@
 """What the Mosaic GPU decode kernel supports, its SMEM layout and fit, and its config choice.
 
-Order of choice: an explicit `DecodeConfig`, else a tuned one for this device kind
-(`pallas_kv.tuned`), else the heuristic here; a split count left as None is filled in from the
-batch and the SM count. `DecodeConfig` checks its own fields; `check_config` checks only what
-this kernel adds (tile sizes wgmma and TMA can take, page sizes, the variants' needs, the SMEM
-fit), and `decode_partials` runs it once per call. One-byte (quantized) caches: `quantized_reason`
+A `MosaicGPUConfig` is the tuned one for this device kind when none is given (`pallas_kv.tuned`),
+else the given fields over the heuristic's; a split count left as None is chosen from the batch
+and the SM count. `MosaicGPUConfig` checks its own fields; `check_config` checks what this kernel
+adds (page sizes, the options' needs, the SMEM fit), and `decode_partials` runs it once per call. One-byte (quantized) caches: `quantized_reason`
 says which the kernel serves; their rings hold one-byte tiles, and the SMEM layout adds the tiles
 they are dequantized into and the rings of per-token scales.
 """
@@ -12,15 +11,18 @@ they are dequantized into and the rings of per-token scales.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kv import tuned
 from pallas_kv.config import MAX_STAGES
-from pallas_kv.config import DecodeConfig
-from pallas_kv.kernels import split_k
+from pallas_kv.config import MosaicGPUConfig
+from pallas_kv.kernels import frame
+from pallas_kv.kernels import plan
 from pallas_kv.kernels.mosaic_gpu import pipeline
 from pallas_kv.kernels.mosaic_gpu import tiling
 
@@ -33,7 +35,7 @@ MAX_BLOCK_KV = 256
 # A swizzled tile must start on an 8-row boundary: pages hold a power of two >= 8 tokens.
 MIN_PAGE_SIZE = 8
 ROWS_PER_WG = 64            # wgmma M: packed query rows per consumer warpgroup
-CONVERTED_STAGES = 2        # slots of each converted ring (DecodeConfig.convert_warpgroup)
+CONVERTED_STAGES = 2        # slots of each converted ring (the converter variant, pallas_kv.experimental)
 MAX_COMPUTE_WGS = 2         # 2 consumers + 1 producer = 384 threads
 SMEM_CAPACITY_BYTES = 227 * 1024   # per thread block, Hopper (H100 / H200)
 # Scratch Mosaic GPU reserves for cross-warp reductions (CompilerParams default).
@@ -45,8 +47,8 @@ def row_blocking(rows: int) -> tuple[int, int]:
 
   Rows beyond 2 x 64 are split over more programs (each re-reads the KV of its head).
   """
-  num_wgs = min(split_k.cdiv(rows, ROWS_PER_WG), MAX_COMPUTE_WGS)
-  return num_wgs, split_k.cdiv(rows, num_wgs * ROWS_PER_WG)
+  num_wgs = min(plan.cdiv(rows, ROWS_PER_WG), MAX_COMPUTE_WGS)
+  return num_wgs, plan.cdiv(rows, num_wgs * ROWS_PER_WG)
 
 
 def copies_per_tile(block_kv: int, page_size: int | None) -> int:
@@ -65,12 +67,12 @@ def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
   """Why this backend cannot serve the call, or None if it can."""
   if op == "mla":
     return mla_reason(problem.head_dim, problem.v_head_dim, dtypes[1]) or page_size_reason(problem.page_size)
-  reason = split_k.unsupported_reason(op, problem, options, dtypes, backend="Mosaic GPU", head_dims=HEAD_DIMS)
+  reason = frame.unsupported_reason(op, problem, options, dtypes, backend="Mosaic GPU", head_dims=HEAD_DIMS)
   if reason is None and problem.v_tokens_last:
     reason = "v_tokens_last (v stored [B, Hkv, D, T]) is read by the triton kernel, not by Mosaic GPU's"
   if reason is None and problem.page_size is not None:
     reason = page_size_reason(problem.page_size)
-  if reason is None and jnp.dtype(dtypes[1]) in split_k.QUANTIZED_DTYPES:
+  if reason is None and jnp.dtype(dtypes[1]) in frame.QUANTIZED_DTYPES:
     reason = quantized_reason(dtypes[1], options.k_scale, options.v_scale, problem)
   return reason
 
@@ -84,7 +86,7 @@ MLA_V_DIM_MULTIPLE = 128
 def mla_reason(qk_dim: int, v_dim: int, kv_dtype) -> str | None:
   """Why the MLA kernel cannot serve a latent cache of Dqk = qk_dim, Dv = v_dim, or None."""
   kv_dtype = jnp.dtype(kv_dtype)
-  if kv_dtype not in split_k.KV_DTYPES:
+  if kv_dtype not in frame.KV_DTYPES:
     return f"MLA needs a bfloat16 or float16 cache on Mosaic GPU, got {kv_dtype.name}"
   if v_dim % MLA_V_DIM_MULTIPLE or qk_dim % 64 or not v_dim <= qk_dim <= MLA_MAX_QK_DIM:
     return (f"MLA needs v_head_dim a multiple of {MLA_V_DIM_MULTIPLE} and Dqk a multiple of 64 with "
@@ -96,13 +98,13 @@ def quantized_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str | Non
   """Why the kernel cannot serve a quantized call, or None if it can (on top of `unsupported_reason`'s
   checks of the rest of the call).
 
-  kv_dtype: the cache's dtype; k_scale_kind, v_scale_kind: `split_k.scale_kind` of each scale
+  kv_dtype: the cache's dtype; k_scale_kind, v_scale_kind: `frame.scale_kind` of each scale
   (None, "head" or "token").
   """
   kv_dtype = jnp.dtype(kv_dtype)
-  if kv_dtype not in split_k.QUANTIZED_DTYPES:
+  if kv_dtype not in frame.QUANTIZED_DTYPES:
     return (f"the cache dtype {kv_dtype.name} is not a one-byte type the kernel dequantizes "
-            f"({', '.join(d.name for d in split_k.QUANTIZED_DTYPES)})")
+            f"({', '.join(d.name for d in frame.QUANTIZED_DTYPES)})")
   reason = quantized_call_reason(kv_dtype, k_scale_kind, v_scale_kind, num_kv_heads=problem.num_kv_heads)
   if reason:
     return reason
@@ -124,7 +126,7 @@ def quantized_call_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str 
   for name, kind in (("k_scale", k_scale_kind), ("v_scale", v_scale_kind)):
     if kind not in (None, "head", "token"):
       raise ValueError(f"{name} kind {kind!r} must be None, 'head' or 'token'")
-  if kv_dtype not in split_k.QUANTIZED_DTYPES:
+  if kv_dtype not in frame.QUANTIZED_DTYPES:
     if k_scale_kind or v_scale_kind:
       return f"k_scale / v_scale need a one-byte cache, got {kv_dtype.name}"
     return None
@@ -152,7 +154,7 @@ class DecodeSmem:
   barriers: produced + consumed per ring slot, q per row warpgroup, one among consumers.
   `num_stages` counts the KV tile slots of each role (K or V) over all groups.
 
-  With a converter warpgroup (`DecodeConfig.convert_warpgroup`, one-byte caches) the one-byte rings
+  With a converter warpgroup (an experimental variant, `converter`; one-byte caches) the one-byte rings
   are read by the converter alone, which fills the converted rings  g0_ck, g0_cv
   [CONVERTED_STAGES, bkv, D] q_dtype (swizzled, read by the consumers' wgmma); there are no
   per-consumer dequantized tiles.
@@ -185,7 +187,7 @@ class DecodeSmem:
       raise ValueError(f"a converter warpgroup needs a one-byte cache, got dtype {self.dtype.name}")
 
   @classmethod
-  def for_call(cls, config: DecodeConfig, *, rows: int, head_dim: int, dtype: Any, page_size: int | None,
+  def for_call(cls, config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: Any, page_size: int | None,
                stage_p: bool = False, q_dtype: Any = None, k_scale_kind: str | None = None,
                v_scale_kind: str | None = None, num_kv_heads: int = 1) -> "DecodeSmem":
     """The layout a config needs for `rows` packed rows (before padding) of a cache of `dtype`."""
@@ -196,7 +198,7 @@ class DecodeSmem:
                copies_per_tile=copies_per_tile(config.block_kv, page_size), stage_p=stage_p,
                separate_out=config.persistent, q_dtype=q_dtype, token_scales=token_scales,
                scale_width=tiling.token_scale_width(num_kv_heads) or tiling.SCALE_ROW,
-               pipeline_qk=config.pipeline_qk, converter=config.convert_warpgroup)
+               pipeline_qk=config.pipeline_qk, converter=converter(config))
 
   @property
   def num_wgs(self) -> int:
@@ -331,7 +333,7 @@ class DecodeSmem:
     return self.nbytes <= SMEM_CAPACITY_BYTES
 
 
-def smem_bytes(config: DecodeConfig, *, rows: int, head_dim: int, dtype: Any = "bfloat16",
+def smem_bytes(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: Any = "bfloat16",
                page_size: int | None = None, **quantized) -> int:
   """SMEM bytes one decode program needs on the GPU (rows = num_queries * group size) for a cache
   of `dtype`; a one-byte cache takes `DecodeSmem.for_call`'s q_dtype, k_scale_kind, v_scale_kind
@@ -340,29 +342,34 @@ def smem_bytes(config: DecodeConfig, *, rows: int, head_dim: int, dtype: Any = "
                              **quantized).nbytes
 
 
-def fits_smem(config: DecodeConfig, **kwargs) -> bool:
+def fits_smem(config: MosaicGPUConfig, **kwargs) -> bool:
   """Whether a config fits in Hopper's 227 KiB of SMEM per block (same args as smem_bytes)."""
   return smem_bytes(config, **kwargs) <= SMEM_CAPACITY_BYTES
 
 
 # ---------------------------------------------------------------- checks and choice
 
-def check_config(config: DecodeConfig, *, rows: int, head_dim: int, dtype: Any, page_size: int | None,
-                 **quantized) -> None:
-  """What this kernel needs of a resolved config (num_splits set) beyond DecodeConfig's own rules,
-  for a cache of `dtype` (a one-byte cache: `DecodeSmem.for_call`'s keyword arguments too).
+def converter(config) -> bool:
+  """Whether a converter warpgroup widens one-byte tiles: an experimental variant's field
+  (`pallas_kv.experimental.MosaicGPUVariantConfig.convert_warpgroup`), off in MosaicGPUConfig."""
+  return bool(getattr(config, "convert_warpgroup", False))
+
+
+def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: Any, page_size: int | None,
+                 num_splits: int | None = None, **quantized) -> None:
+  """What this kernel needs of a complete config beyond `MosaicGPUConfig`'s own rules, for a cache
+  of `dtype` (a one-byte cache: `DecodeSmem.for_call`'s keyword arguments too) and a plan of
+  num_splits splits (default: the config's).
 
   kv_groups=2 gives each of two consumer warpgroups one split's tiles and its own ring pair; it
   needs the packed rows to fit one warpgroup (rows <= 64), an even split count (a program serves
   two splits) and an even num_stages (the slots are shared out equally). pipeline_qk holds tile
   i's K slot until tile i+1's Q K^T is done, so it needs two stages.
   """
+  if not isinstance(config, MosaicGPUConfig) or not config.complete:
+    raise ValueError(f"the mosaic_gpu GQA kernel takes a complete MosaicGPUConfig (resolve_config), got {config!r}")
   bkv = config.block_kv
-  if config.num_splits is None:
-    raise ValueError("config.num_splits must be resolved (resolve_config) before the kernel runs")
-  if bkv % MIN_BLOCK_KV or not MIN_BLOCK_KV <= bkv <= MAX_BLOCK_KV:
-    raise ValueError(f"config.block_kv={bkv} must be a multiple of {MIN_BLOCK_KV} in "
-                     f"[{MIN_BLOCK_KV}, {MAX_BLOCK_KV}] on mosaic_gpu (wgmma K and TMA box)")
+  num_splits = config.num_splits if num_splits is None else num_splits
   if page_size is not None:
     reason = page_size_reason(page_size)
     if reason:
@@ -372,33 +379,19 @@ def check_config(config: DecodeConfig, *, rows: int, head_dim: int, dtype: Any, 
   if config.kv_groups == 2:
     if rows > ROWS_PER_WG:
       raise NotImplementedError(f"kv_groups=2 needs <= {ROWS_PER_WG} packed rows, got {rows}")
-    if config.num_splits % 2:
-      raise ValueError(f"kv_groups=2 needs an even num_splits, got {config.num_splits=}")
+    if num_splits % 2:
+      raise ValueError(f"kv_groups=2 needs an even num_splits, got {num_splits}")
     if config.num_stages % 2:
       raise ValueError(f"kv_groups=2 needs an even num_stages, got {config.num_stages=}")
-  mla_only = [f for f in ("split_scores", "rows_as_n", "alternate_scores", "ring_halves", "p_in_registers")
-              if getattr(config, f)]
-  if mla_only:
-    field = mla_only[0]
-    raise ValueError(f"config.{field}=True is an option of the MLA kernel, not of GQA decode")
-  if config.merge_in_kernel:
-    raise ValueError("config.merge_in_kernel=True is a triton option: the mosaic_gpu kernel merges its splits "
-                     "in a second launch")
-  if config.split_plan == "stream_k":
-    raise ValueError("config.split_plan='stream_k' is a triton option: it merges in the launch, which the "
-                     "mosaic_gpu kernels cannot (DecodeConfig.merge_in_kernel says why)")
-  if config.convert_warpgroup:
+  if converter(config):
     if jnp.dtype(dtype).itemsize != 1:
-      raise ValueError(f"config.convert_warpgroup=True converts one-byte caches; the cache is {jnp.dtype(dtype).name}")
+      raise ValueError(f"convert_warpgroup=True converts one-byte caches; the cache is {jnp.dtype(dtype).name}")
     if config.kv_groups != 1 or config.persistent:
-      raise ValueError(f"config.convert_warpgroup=True needs kv_groups=1 and persistent=False, got "
+      raise ValueError(f"convert_warpgroup=True needs kv_groups=1 and persistent=False, got "
                        f"{config.kv_groups=} {config.persistent=}")
     if head_dim > 128:
-      raise NotImplementedError(f"config.convert_warpgroup=True: head_dim={head_dim} > 128 (the converter "
+      raise NotImplementedError(f"convert_warpgroup=True: head_dim={head_dim} > 128 (the converter "
                                 "holds a whole float32 tile in its registers)")
-  if config.sequence_order != "given":
-    raise ValueError(f"config.sequence_order={config.sequence_order!r} is a triton option: the mosaic_gpu "
-                     "GQA kernel takes the sequences in batch order ('given'; its MLA kernel takes an order)")
   if config.pipeline_qk and config.num_stages < 2:
     raise ValueError(f"pipeline_qk=True needs num_stages >= 2, got {config.num_stages=}")
   smem = DecodeSmem.for_call(config, rows=rows, head_dim=head_dim, dtype=dtype, page_size=page_size, **quantized)
@@ -409,41 +402,64 @@ def check_config(config: DecodeConfig, *, rows: int, head_dim: int, dtype: Any, 
         f"{smem.dtype.name} cache, over the {SMEM_CAPACITY_BYTES} available; use fewer stages")
 
 
-def heuristic_config(problem, *, dtype: Any = "bfloat16") -> DecodeConfig:
+DEFAULT = MosaicGPUConfig(block_kv=64, num_stages=4, split_plan="per_sequence", kv_groups=1, pipeline_qk=False,
+                          persistent=False)
+
+
+def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig | None = None) -> MosaicGPUConfig:
   """The default tile and ring depth for a cache of `dtype`: fewer stages when two consumer
   warpgroups or a large D need the SMEM (split count left to `resolve_config`).
 
   A one-byte cache starts from twice the stages, so that as many bytes are in flight as with a
   16-bit cache, and, where the packed rows fit one warpgroup and each gets two slots, two
-  consumers (kv_groups=2): the consumers' conversion of each tile, not HBM, bounds it (H200,
-  B=32 T=4096 heads 32/8 D=128, int8, kernel alone: 196 us with one consumer, 141 us with two;
-  bf16 142 us). Its SMEM counts per-token scale rings for K and V (the most a call can need).
+  consumers (kv_groups=2): the consumers' conversion of each tile, not HBM, bounds it
+  (docs/decisions.md#mosaic-one-byte-two-consumers). Its SMEM counts per-token scale rings for K
+  and V (the most a call can need).
+
+  given: the fields a partial config fixes (`resolve_config`); the others are chosen around them:
+  the ring as deep as fits with the given tile, pipeline_qk and persistent staging, and one KV
+  group where a given field needs one (`_needs_one_group`).
   """
+  given = MosaicGPUConfig() if given is None else given
   rows = problem.num_queries * problem.group_size
-  if jnp.dtype(dtype).itemsize > 1:
-    return _deepest_ring(DecodeConfig(), problem, rows=rows, dtype=dtype)
-  quantized = dict(k_scale_kind="token", v_scale_kind="token", num_kv_heads=problem.num_kv_heads)
-  config = DecodeConfig(num_stages=min(2 * DecodeConfig().num_stages, MAX_STAGES))
-  if rows <= ROWS_PER_WG:
-    two = _deepest_ring(dataclasses.replace(config, kv_groups=2), problem, rows=rows, dtype=dtype, **quantized)
+  one_byte = jnp.dtype(dtype).itemsize == 1
+  quantized = dict(k_scale_kind="token", v_scale_kind="token", num_kv_heads=problem.num_kv_heads) if one_byte else {}
+  start = dataclasses.replace(DEFAULT, num_stages=min(2 * DEFAULT.num_stages, MAX_STAGES)) if one_byte else DEFAULT
+  deepest = functools.partial(_deepest_ring, problem=problem, rows=rows, dtype=dtype,
+                              stages_given=given.num_stages is not None, **quantized)
+  if one_byte and given.kv_groups is None and rows <= ROWS_PER_WG and not _needs_one_group(given):
+    two = deepest(given.over(dataclasses.replace(start, kv_groups=2)))
     if two.num_stages >= 4 and fits_smem(two, rows=rows, head_dim=problem.head_dim, dtype=dtype,
                                          page_size=problem.page_size, **quantized):
       return two
-  return _deepest_ring(config, problem, rows=rows, dtype=dtype, **quantized)
+  return deepest(given.over(start))
 
 
-def _deepest_ring(config: DecodeConfig, problem, *, rows: int, dtype: Any, **quantized) -> DecodeConfig:
+def _needs_one_group(config: MosaicGPUConfig) -> bool:
+  """Whether the fields a config fixes rule out kv_groups=2 (`check_config`): a persistent grid, the
+  converter variant, an odd split or stage count."""
+  return bool(config.persistent or converter(config) or (config.num_splits or 2) % 2 or (config.num_stages or 2) % 2)
+
+
+def _deepest_ring(config: MosaicGPUConfig, *, problem, rows: int, dtype: Any, stages_given: bool = False,
+                  **quantized) -> MosaicGPUConfig:
   """config with num_stages lowered (to 2 at least; kv_groups=2 shares them out, so in steps of 2)
-  until it fits SMEM."""
-  while config.num_stages > 2 and not fits_smem(config, rows=rows, head_dim=problem.head_dim, dtype=dtype,
-                                                page_size=problem.page_size, **quantized):
+  until it fits SMEM; as it is when its stage count was given."""
+  while not stages_given and config.num_stages > 2 and not fits_smem(
+      config, rows=rows, head_dim=problem.head_dim, dtype=dtype, page_size=problem.page_size, **quantized):
     config = dataclasses.replace(config, num_stages=config.num_stages - config.kv_groups)
   return config
 
 
-def resolve_config(problem, config: DecodeConfig | None, *, dtype: Any = "bfloat16", num_sms: int | None = None,
-                   device_kind: str | None = None) -> DecodeConfig:
-  """Explicit config, else tuned, else the heuristic one, with the split count filled in."""
+def resolve_config(problem, config: MosaicGPUConfig | None, *, dtype: Any = "bfloat16", num_sms: int | None = None,
+                   device_kind: str | None = None) -> MosaicGPUConfig:
+  """The complete config of a call: the tuned one when none is given, else the given fields over
+  the heuristic's (chosen around them: `heuristic_config(given=)`), with a split count."""
+  if config is not None and not isinstance(config, MosaicGPUConfig):
+    raise TypeError(f"the mosaic_gpu GQA kernel takes a MosaicGPUConfig, got {type(config).__name__}")
+  resolved = (tuned.tuned_config(NAME, problem, dtype, device_kind) if config is None else None) or config
+  resolved = resolved or MosaicGPUConfig()
+  resolved = resolved.over(heuristic_config(problem, dtype=dtype, given=resolved))
   _, row_blocks = row_blocking(problem.num_queries * problem.group_size)
-  return split_k.resolve_config(problem, config, backend=NAME, heuristic=heuristic_config, row_blocks=row_blocks,
-                                dtype=dtype, num_sms=num_sms, device_kind=device_kind)
+  return plan.fill_num_splits(problem, resolved, row_blocks=row_blocks, num_sms=num_sms,
+                              splits_per_program=resolved.kv_groups)

@@ -20,7 +20,7 @@ kv head, a scalar that joins the logit scale (K) or the finished output (V); per
 scales streamed in a ring beside its K or V tile and multiplied into the tile's rows on conversion.
 
 Each split writes its softmax-normalised partial output and its natural-log LSE; the caller
-merges splits (`split_k.merge_splits`).
+merges splits (`frame.merge_splits`).
 """
 
 from __future__ import annotations
@@ -38,9 +38,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kv import runtime
 from pallas_kv.config import AttentionOptions
-from pallas_kv.config import DecodeConfig
+from pallas_kv.config import MosaicGPUConfig
 from pallas_kv.kernels import online_softmax
-from pallas_kv.kernels import split_k
+from pallas_kv.kernels import frame
+from pallas_kv.kernels import plan as split_plan
+from pallas_kv.kernels.plan import SplitPlan
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import pipeline
 from pallas_kv.kernels.mosaic_gpu import tiling
@@ -137,7 +139,7 @@ class _Static:
   num_programs: int | None = None   # persistent grid: programs looping over work items
   tile_math: TileMath = TileMath()
   q_dtype: Any = jnp.bfloat16   # q's, P's and the dequantized tiles' (the cache's unless one-byte)
-  k_scale: str | None = None    # `split_k.scale_kind` of K's scales: None, "head" or "token"
+  k_scale: str | None = None    # `frame.scale_kind` of K's scales: None, "head" or "token"
   v_scale: str | None = None
   balanced: bool = False        # the balanced split plan: tiles per split from an int32 [1] input
 
@@ -259,8 +261,8 @@ def _convert_tile(ring: pipeline.Ring, scale_ring, out_ring: pipeline.Ring, step
 
 
 def _tile_range(length, split, st: _Static, tiles_per_split):
-  """This split's tiles [t0, t1) and the unmasked sub-range [a, c) (`split_k.split_tile_range`)."""
-  return split_k.split_tile_range(length, split, block_kv=st.tiling.block_kv, num_queries=st.num_queries,
+  """This split's tiles [t0, t1) and the unmasked sub-range [a, c) (`plan.split_tile_range`)."""
+  return split_plan.split_tile_range(length, split, block_kv=st.tiling.block_kv, num_queries=st.num_queries,
                                   num_splits=st.num_splits, window=st.options.window,
                                   tiles_per_split=tiles_per_split)
 
@@ -326,7 +328,7 @@ def _kernel(q_ref,            # [B, Hkv, rows_padded, D]   GMEM
             lengths_ref,      # [B] int32   GMEM
             *refs, st: _Static, **scratch):
   refs = list(refs)
-  # [1] int32   GMEM, the balanced plan's tiles per split (`split_k.balanced_tiles_per_split`)
+  # [1] int32   GMEM, the balanced plan's tiles per split (`SplitPlan.tiles_per_split`)
   plan_ref = refs.pop(0) if st.balanced else None
   # [B, max_pages] int32   GMEM
   block_tables_ref = refs.pop(0) if st.tiling.paged else None
@@ -631,8 +633,8 @@ def _build(st: _Static, interpret: Any):
 
 
 def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
-                    config: DecodeConfig, k_scale=None, v_scale=None, num_programs: int | None = None,
-                    tiles_per_split=None, tile_math: TileMath = TileMath(), interpret: Any = False):
+                    config: MosaicGPUConfig, plan: SplitPlan, k_scale=None, v_scale=None,
+                    num_programs: int | None = None, tile_math: TileMath = TileMath(), interpret: Any = False):
   """Split-K partials of decode attention over a contiguous or paged KV cache.
 
   q: [B, Hkv, R, D] bf16 or fp16, R = num_queries * G packed rows, row
@@ -642,20 +644,20 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   dense:  k, v [B, T, Hkv, D]; block_tables None.
   paged:  k, v [P, page_size, Hkv, D]; block_tables int32 [B, max_pages]; token t of sequence
           b is at k[block_tables[b, t // page_size], t % page_size].
-  k and v are in q's dtype, or quantized in a one-byte dtype (`split_k.QUANTIZED_DTYPES`) that the
+  k and v are in q's dtype, or quantized in a one-byte dtype (`frame.QUANTIZED_DTYPES`) that the
   kernel dequantizes after the load, with optional float32 scales:
   k_scale, v_scale: None (1), [Hkv] (per kv head) or per token and kv head with the cache's
     leading dims ([B, T, Hkv] dense, [P, page_size, Hkv] paged: through the block table like K
-    and V; `split_k.scale_kind`). logits use k_scale_t * k_t and the output v_scale_t * v_t.
+    and V; `frame.scale_kind`). logits use k_scale_t * k_t and the output v_scale_t * v_t.
     Per-token scales need Hkv == 1 or Hkv % 4 == 0 (`config.quantized_reason`).
   options: scale, softcap and window of the call.
-  config: a resolved `DecodeConfig` (num_splits set; `config.resolve_config`), checked here by
+  config: a complete `MosaicGPUConfig` (`config.resolve_config`), checked here by
     `config.check_config`. With kv_groups=2 the grid has num_splits / 2 programs per (batch,
     head), so use it only where that still fills the GPU.
+  plan: the call's `SplitPlan` (split count; the balanced plan's tiles per split). The kernel
+    takes the sequences in batch order.
   num_programs: the programs a persistent config launches (default: the SM count); each loops
     over the work items program, program + P, ... with its rings streaming on across items.
-  tiles_per_split: int32 [1], the balanced plan (`split_k.balanced_tiles_per_split`), given
-    exactly when config.split_plan is "balanced".
   tile_math: what the consumers compute per tile (`TileMath`; probes subclass it).
   interpret: False, True or a plgpu.InterpretGPUParams (run on the CPU in interpret mode).
 
@@ -669,16 +671,20 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   a tile spanning several pages reads the sequence's own last page in place of table entries
   past the length.
   """
-  split_k.check_packed_args(q, k, v, lengths, block_tables, num_queries=num_queries, k_scale=k_scale,
+  frame.check_packed_args(q, k, v, lengths, block_tables, num_queries=num_queries, k_scale=k_scale,
                             v_scale=v_scale)
   B, Hkv, R, D = q.shape
   page_size = None if block_tables is None else k.shape[1]
-  k_kind, v_kind = split_k.scale_kind(k_scale, k.shape), split_k.scale_kind(v_scale, k.shape)
+  k_kind, v_kind = frame.scale_kind(k_scale, k.shape), frame.scale_kind(v_scale, k.shape)
   reason = mgpu_config.quantized_call_reason(k.dtype, k_kind, v_kind, num_kv_heads=Hkv)
   if reason:
     raise NotImplementedError(f"mosaic_gpu: {reason}")
   quantized = dict(q_dtype=q.dtype, k_scale_kind=k_kind, v_scale_kind=v_kind, num_kv_heads=Hkv)
-  mgpu_config.check_config(config, rows=R, head_dim=D, dtype=k.dtype, page_size=page_size, **quantized)
+  mgpu_config.check_config(config, rows=R, head_dim=D, dtype=k.dtype, page_size=page_size, num_splits=plan.num_splits,
+                           **quantized)
+  if plan.ordered or plan.stream_k:
+    raise ValueError(f"the mosaic_gpu GQA kernel takes sequences in batch order and no stream-K plan, got {plan}")
+  plan.check(block_kv=config.block_kv, batch=B)
   if block_tables is None:
     kv_tiling = tiling.KVTiling(config.block_kv, D, k.dtype)
   else:
@@ -691,11 +697,11 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
                                          stage_p=bool(interpret), **quantized)
   st = _Static(
       num_queries=num_queries, group=R // num_queries, rows=R, num_row_blocks=num_row_blocks,
-      out_rows=out_rows, lse_rows=split_k.round_up(out_rows, _LSE_ROW_MULTIPLE),
-      num_splits=config.num_splits, capacity=kv_tiling.capacity(k.shape), options=options,
+      out_rows=out_rows, lse_rows=split_plan.round_up(out_rows, _LSE_ROW_MULTIPLE),
+      num_splits=plan.num_splits, capacity=kv_tiling.capacity(k.shape), options=options,
       tiling=kv_tiling, smem=smem, batch=B, num_kv_heads=Hkv, pipeline_qk=config.pipeline_qk,
       tile_math=tile_math, q_dtype=jnp.dtype(q.dtype), k_scale=k_kind, v_scale=v_kind,
-      balanced=split_k.check_tiles_per_split(tiles_per_split, config))
+      balanced=plan.balanced)
   if config.persistent:
     if num_programs is None:
       num_programs = runtime.num_sms()
@@ -709,7 +715,7 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
     interpret = None
   if rows_padded != R:
     q = jnp.pad(q, ((0, 0), (0, 0), (0, rows_padded - R), (0, 0)))
-  args = [q, k, v, lengths] + ([] if tiles_per_split is None else [tiles_per_split])
+  args = [q, k, v, lengths, *plan.kernel_inputs()]
   args += [] if block_tables is None else [block_tables]
   for kind, scale in ((k_kind, k_scale), (v_kind, v_scale)):
     if kind == "token" and Hkv == 1:

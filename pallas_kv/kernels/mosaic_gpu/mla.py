@@ -2,7 +2,7 @@
 
 The cache is kv_pages [P, page_size, Dqk] (Dqk = 512 latent + 64 rope); keys are whole rows and
 values their first Dv (512) columns. Every q head shares the one KV head, so the packed rows
-(S new tokens x Hq heads, `split_k.pack_queries`) are cut into blocks of 64 (wgmma M); the grid
+(S new tokens x Hq heads, `frame.pack_queries`) are cut into blocks of 64 (wgmma M); the grid
 (sequence, split, row block) launches the row blocks of a token range together (Mosaic GPU
 launches the last dimension fastest), so the second reads the KV mostly from L2.
 
@@ -17,18 +17,18 @@ The 64 x 512 float32 output accumulator would take 256 registers per thread in o
 split by value columns it takes 128 in each (FlashMLA's plan). V is the K tile itself, read by
 wgmma as is (no second load); P lives in one SMEM buffer handed over with two barriers
 (`SharedP`). The partner's P V overlaps the scorer's next Q K^T and softmax. The heuristic
-config sets p_in_registers: the scorer's own P V reads P from its registers and the hand-over
-runs while it does (`_score_tiles`). Other schedules,
-each documented (with its measured speed) under its `DecodeConfig` field: pipeline_qk (32-token
+schedule has p_in_registers: the scorer's own P V reads P from its registers and the hand-over
+runs while it does (`_score_tiles`). Other schedules are experimental variants
+(`mla_config.Schedule`, `pallas_kv.experimental.MLAVariantConfig`): pipeline_qk (32-token
 tiles, the next Q K^T issued before the softmax), split_scores (`_score_half_tiles`),
 alternate_scores (`_alternate_consumer`, FlashMLA's seesaw), rows_as_n (`_rows_as_n_consumers`),
 ring_halves (`Scores.start_halves`: slots loaded and freed in two column parts).
 
 SMEM at Dqk 576 (bf16): Q 72 KiB + two 64 x 576 stages 144 KiB + P 8 KiB + row vectors
 = 225 KiB of the 227 (`MlaSmem`); the output staging (64 KiB in bf16) reuses the ring. The split
-count fills about one wave of 132 SMs (`resolve_config`); `DecodeConfig(split_plan="balanced")`
+count fills about one wave of 132 SMs (`resolve_config`); `MosaicMLAConfig(split_plan="balanced")`
 balances splits by tokens across a ragged batch instead (one tile count per split, computed from
-the lengths before the launch: `split_k.split_plan`, an int32 [1] input).
+the lengths before the launch: `SplitPlan.tiles_per_split`, an int32 [1] input).
 
 The consumers' per-tile math goes through `TileMath` (probes in benchmarks/mla.py subclass it);
 it and the other pieces every schedule shares (Q K^T's start, P V, P's hand-over) are in
@@ -54,13 +54,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kv.config import DecodeConfig
+from pallas_kv.config import MosaicMLAConfig
 from pallas_kv.kernels import online_softmax
-from pallas_kv.kernels import split_k
+from pallas_kv.kernels import frame
+from pallas_kv.kernels import plan as split_plan
+from pallas_kv.kernels.plan import SplitPlan
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import pipeline
 from pallas_kv.kernels.mosaic_gpu import tiling
 from pallas_kv.kernels.mosaic_gpu.mla_config import ROWS, VALUE_WGS, Codegen, MlaSmem, check_config, row_blocks
+from pallas_kv.kernels.mosaic_gpu.mla_config import schedule_of
 from pallas_kv.kernels.mosaic_gpu.mla_output import ProgramOutput
 from pallas_kv.kernels.mosaic_gpu.mla_tiles import Scores, SharedP, Static, TileMath, add_pv, start_state, zero_row
 
@@ -397,7 +400,7 @@ def _alternate_consumer(w: int, scores: Scores, ring: pipeline.Ring, p_smem, row
 
 def _score_tiles_as_n(scores: Scores, shared: SharedP, ring: pipeline.Ring, t0, t1, c, *, length,
                       st: Static):
-  """The scorer's loop with rows as N (DecodeConfig.rows_as_n): per tile S^T = K Q^T [bkv, N],
+  """The scorer's loop with rows as N (Schedule.rows_as_n): per tile S^T = K Q^T [bkv, N],
   the masked online softmax down its columns (over keys, across warps), P^T to the partner,
   O^T[:Dv/2] += V^T[:Dv/2] P^T. Returns (acc [Dv/2, N], m [N], l [N])."""
   n, bkv = st.rows_as_n, st.tiling.block_kv
@@ -467,7 +470,7 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
             st: Static, q_block, union, p_smem, row_smem, produced, consumed, q_barrier, p_ready,
             p_free, max_ready, consumers_done):
   refs = list(refs)
-  tiles_per_split = refs.pop(0)[0] if st.balanced else None   # `split_k.balanced_tiles_per_split`
+  tiles_per_split = refs.pop(0)[0] if st.balanced else None   # `SplitPlan.tiles_per_split`
   sequence_order = refs.pop(0) if st.ordered else None        # batch slot -> the sequence it takes
   (out_ref,   # [B, splits, out_rows, Dv]  f32, or q's dtype with one split
    lse_ref,   # [B, splits, lse_rows] f32
@@ -482,7 +485,7 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
   if st.ordered:   # clamped: a runtime value never addresses past the batch
     b = jnp.clip(sequence_order[b], 0, st.batch - 1)
   length = jnp.clip(lengths_ref[b], 0, st.tiling.max_pages * st.tiling.page_size)
-  t0, t1, _, c = split_k.split_tile_range(length, split, block_kv=st.tiling.block_kv,
+  t0, t1, _, c = split_plan.split_tile_range(length, split, block_kv=st.tiling.block_kv,
                                           num_queries=st.num_queries, num_splits=st.num_splits, window=None,
                                           tiles_per_split=tiles_per_split)
   row0 = row_block * ROWS
@@ -628,7 +631,7 @@ def _build(st: Static, interpret: Any):
 
 
 def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head_dim: int, scale: float,
-                 config: DecodeConfig, tiles_per_split=None, sequence_order=None, tile_math: TileMath = TileMath(),
+                 config: MosaicMLAConfig, plan: SplitPlan, tile_math: TileMath = TileMath(),
                  codegen: Codegen = Codegen(), interpret: Any = False):
   """Split-K partials of MLA decode over a paged latent cache.
 
@@ -638,15 +641,12 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
   kv_pages: [P, page_size, Dqk]; keys are whole rows, values the first v_head_dim columns.
   lengths: int32 [B] (clamped to the capacity); block_tables: int32 [B, max_pages] (page ids are
     clamped into the pool in-kernel).
-  config: a resolved DecodeConfig (`resolve_config`), checked by `check_config`.
-  tiles_per_split: int32 [1], the balanced plan (`split_k.split_plan`): every split of every
-    sequence takes that many tiles, so a long sequence gets more splits than a short one (a
-    sequence needing fewer leaves the rest empty: lse -inf). Given exactly when
-    config.split_plan is "balanced".
-  sequence_order: int32 [B], a permutation of the batch (`split_k.ORDER_FUNCTIONS`): batch slot i
-    of the grid takes sequence sequence_order[i] (e.g. longest first, so that the long sequences of
-    a ragged batch start in the first wave; outputs are the same bits). Given exactly when
-    config.sequence_order is not "given".
+  config: a complete MosaicMLAConfig (`resolve_config`), checked by `check_config`; an
+    experimental variant config (`pallas_kv.experimental`) runs another consumer schedule.
+  plan: the call's `SplitPlan`: the split count; with the balanced plan every split of every
+    sequence takes plan.tiles_per_split tiles, so a long sequence gets more splits than a short
+    one (a sequence needing fewer leaves the rest empty: lse -inf); batch slot i of the grid takes
+    sequence plan.order[i] when given (e.g. longest first; outputs are the same bits).
   tile_math: what the consumers compute per tile (`TileMath`; measurement probes subclass it).
   codegen: how the kernel is compiled (`mla_config.Codegen`: register split, Q's descriptors).
   interpret: False, or a plgpu.InterpretGPUParams (run on the CPU in interpret mode).
@@ -659,7 +659,7 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
   """
   if q.ndim != 3 or kv_pages.ndim != 3 or q.shape[2] != kv_pages.shape[2]:
     raise ValueError(f"q [B, R, Dqk] and kv_pages [P, page_size, Dqk] must share Dqk: {q.shape=} {kv_pages.shape=}")
-  if q.dtype != kv_pages.dtype or jnp.dtype(q.dtype) not in split_k.KV_DTYPES:
+  if q.dtype != kv_pages.dtype or jnp.dtype(q.dtype) not in frame.KV_DTYPES:
     raise ValueError(f"q and kv_pages must share a 16-bit dtype, got {q.dtype=} {kv_pages.dtype=}")
   B, R, D = q.shape
   if R % num_queries:
@@ -669,6 +669,10 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
     raise NotImplementedError(f"mosaic_gpu: {reason}")
   page_size = kv_pages.shape[1]
   check_config(config, qk_dim=D, v_dim=v_head_dim, dtype=q.dtype, page_size=page_size, rows=R)
+  if plan.stream_k:
+    raise ValueError("the MLA kernel takes the per-sequence or balanced plan, not stream-K")
+  plan.check(block_kv=config.block_kv, batch=B)
+  schedule = schedule_of(config)
   kv_tiling = tiling.KVTiling(config.block_kv, D, kv_pages.dtype, page_size=page_size,
                               num_pages=kv_pages.shape[0], max_pages=block_tables.shape[1])
   smem = MlaSmem.for_call(config, qk_dim=D, v_dim=v_head_dim, dtype=q.dtype, page_size=page_size, rows=R)
@@ -676,22 +680,21 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
   rows_padded = smem.rows_as_n or num_row_blocks * ROWS
   out_rows = R if num_row_blocks == 1 else rows_padded
   st = Static(num_queries=num_queries, group=R // num_queries, out_rows=out_rows,
-               lse_rows=split_k.round_up(smem.rows_as_n or out_rows, LSE_ROW_MULTIPLE), num_row_blocks=num_row_blocks,
-               num_splits=config.num_splits, batch=B, scale=float(scale), tiling=kv_tiling, smem=smem,
-               interpret=bool(interpret), pipeline_qk=config.pipeline_qk, split_scores=config.split_scores,
-               balanced=split_k.check_tiles_per_split(tiles_per_split, config),
-               ordered=split_k.check_sequence_order(sequence_order, config, batch=B), rows_as_n=smem.rows_as_n,
-               alternate_scores=config.alternate_scores, ring_halves=config.ring_halves,
-               p_in_registers=config.p_in_registers, tile_math=tile_math, codegen=codegen)
+               lse_rows=split_plan.round_up(smem.rows_as_n or out_rows, LSE_ROW_MULTIPLE), num_row_blocks=num_row_blocks,
+               num_splits=plan.num_splits, batch=B, scale=float(scale), tiling=kv_tiling, smem=smem,
+               interpret=bool(interpret), pipeline_qk=schedule.pipeline_qk, split_scores=schedule.split_scores,
+               balanced=plan.balanced, ordered=plan.ordered, rows_as_n=smem.rows_as_n,
+               alternate_scores=schedule.alternate_scores, ring_halves=schedule.ring_halves,
+               p_in_registers=schedule.p_in_registers, tile_math=tile_math, codegen=codegen)
   if not tile_math.wait_for_loads and (st.pipeline_qk or st.split_scores or st.alternate_scores or st.ring_halves
                                        or st.rows_as_n):
     raise ValueError("tile_math.wait_for_loads=False is a probe of the plain scorer schedule only")
   if rows_padded != R:
     q = jnp.pad(q, ((0, 0), (0, rows_padded - R), (0, 0)))
   kv = kv_pages.reshape(*kv_pages.shape[:2], 1, D)   # KVTiling's [P, page_size, Hkv, D]
-  plan = [] if tiles_per_split is None else [tiles_per_split]
-  order = [] if sequence_order is None else [sequence_order]
-  out, lse = _build(st, interpret or None)(q, kv, lengths, block_tables, *plan, *order)
+  tiles = [] if plan.tiles_per_split is None else [plan.tiles_per_split]
+  order = [] if plan.order is None else [plan.order]
+  out, lse = _build(st, interpret or None)(q, kv, lengths, block_tables, *tiles, *order)
   if st.rows_as_n:
     out = jnp.swapaxes(out, 2, 3)   # O^T [B, splits, Dv, N] -> [B, splits, N, Dv]
   return out[:, :, :R], lse[:, :, :R]

@@ -1,7 +1,9 @@
 """The MLA kernel's SMEM layout and its config: what fits, what the kernel accepts, the split count.
 
 `mla.py` is the kernel; this module sizes it (`MlaSmem`: the single source for its scratch and
-for the fit check) and chooses and checks its `DecodeConfig` (`resolve_config`, `check_config`).
+for the fit check) and chooses and checks its `MosaicMLAConfig` (`resolve_config`, `check_config`).
+The consumers' schedule is the shipped one unless an experimental variant config names another
+(`Schedule`, `schedule_of`).
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kv import runtime
-from pallas_kv.config import DecodeConfig
-from pallas_kv.kernels import split_k
+from pallas_kv.config import MosaicMLAConfig
+from pallas_kv.kernels import plan
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import pipeline
 from pallas_kv.kernels.mosaic_gpu import tiling
@@ -28,7 +30,7 @@ BLOCK_KVS = (32, 64)
 # Row reductions of the WGMMA layout stay inside a warp: no cross-warp scratch is needed, and the
 # 64 x 576 tiles leave none to spare.
 REDUCTION_SCRATCH_BYTES = 0
-# DecodeConfig.rows_as_n: the packed rows are wgmma's N, padded to a multiple of 16 (P's rows
+# Schedule.rows_as_n: the packed rows are wgmma's N, padded to a multiple of 16 (P's rows
 # then span 32 bytes, the narrowest swizzle), at most 64 (beyond that, rows as M pad nothing).
 # The softmax reduces the transposed scores over keys, across the scorer's four warps, through
 # SMEM scratch: 1 KiB per register reduced at once (4 warps x 32 lanes x 2 float32), four at once
@@ -102,6 +104,46 @@ class Codegen:
 # ---------------------------------------------------------------- SMEM layout, config
 
 @dataclasses.dataclass(frozen=True)
+class Schedule:
+  """How the two consumer warpgroups share a tile's work. The shipped schedule: one scorer
+  computes Q K^T and the softmax, runs its half of P V with P from registers, and hands P to its
+  partner through SMEM (`p_in_registers`; docs/decisions.md#mla-p-in-registers). The other fields
+  are experimental variants that measured slower or within noise (`pallas_kv.experimental`,
+  docs/decisions.md#mla-schedules)."""
+  pipeline_qk: bool = False
+  split_scores: bool = False
+  rows_as_n: bool = False
+  alternate_scores: bool = False
+  ring_halves: bool = False
+  p_in_registers: bool = True
+
+  def check(self, *, block_kv: int, rows: int) -> None:
+    if block_kv != BLOCK_KV and (self.split_scores or self.rows_as_n):
+      raise ValueError(f"split_scores and rows_as_n take block_kv={BLOCK_KV}, got {block_kv}")
+    if self.pipeline_qk and self.split_scores:
+      raise ValueError("MLA on mosaic_gpu takes pipeline_qk or split_scores, not both")
+    if self.alternate_scores and (self.pipeline_qk or self.split_scores or self.rows_as_n or block_kv != BLOCK_KV):
+      raise ValueError(f"alternate_scores takes block_kv={BLOCK_KV} and none of pipeline_qk, split_scores, "
+                       f"rows_as_n; got {self}")
+    if self.ring_halves and (self.pipeline_qk or self.split_scores or self.rows_as_n):
+      raise ValueError(f"ring_halves takes the plain scorer schedule or alternate_scores: none of pipeline_qk, "
+                       f"split_scores, rows_as_n; got {self}")
+    if self.p_in_registers and (self.pipeline_qk or self.split_scores or self.alternate_scores or self.rows_as_n):
+      raise ValueError(f"p_in_registers takes the plain scorer schedule (alternate_scores always reads its own P "
+                       f"from registers): none of pipeline_qk, split_scores, alternate_scores, rows_as_n; got {self}")
+    if self.rows_as_n and (self.pipeline_qk or self.split_scores):
+      raise ValueError("MLA on mosaic_gpu takes rows_as_n without pipeline_qk or split_scores")
+    if self.rows_as_n and rows > ROWS_AS_N_MAX:
+      raise ValueError(f"rows_as_n needs at most {ROWS_AS_N_MAX} packed q rows (new tokens x heads), got {rows}")
+
+
+def schedule_of(config) -> Schedule:
+  """The schedule a config runs: the shipped one, or the fields of an experimental variant config
+  (`pallas_kv.experimental.MLAVariantConfig`) that names another."""
+  return Schedule(**{f.name: getattr(config, f.name) for f in dataclasses.fields(Schedule) if hasattr(config, f.name)})
+
+
+@dataclasses.dataclass(frozen=True)
 class MlaSmem:
   """The SMEM layout of one program; the single source for scratch and for the fit check.
 
@@ -124,7 +166,7 @@ class MlaSmem:
   num_stages: int = 2
   copies_per_tile: int = 1
   split_scores: bool = False   # P as two [64, bkv/2] halves, one per consumer (`_score_half_tiles`)
-  rows_as_n: int = 0           # q rows as wgmma N (DecodeConfig.rows_as_n): this many, padded; 0: rows as M
+  rows_as_n: int = 0           # q rows as wgmma N (Schedule.rows_as_n): this many, padded; 0: rows as M
   alternate_scores: bool = False   # the consumers score alternate tiles (`_alternate_consumer`)
   ring_halves: bool = False    # ring slots in two column parts: [0, Dv/2) and [Dv/2, Dqk)
 
@@ -232,60 +274,30 @@ class MlaSmem:
     return self.nbytes <= mgpu_config.SMEM_CAPACITY_BYTES
 
   @classmethod
-  def for_call(cls, config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, page_size: int,
+  def for_call(cls, config: MosaicMLAConfig, *, qk_dim: int, v_dim: int, dtype: Any, page_size: int,
                rows: int = ROWS) -> "MlaSmem":
     """Outputs and split partials alike are staged in the cache's dtype (`mla_partials`); rows:
     the packed q rows (they size the rows-as-N layout)."""
     return cls(qk_dim=qk_dim, v_dim=v_dim, dtype=dtype, out_dtype=dtype,
                block_kv=config.block_kv, num_stages=config.num_stages,
                copies_per_tile=mgpu_config.copies_per_tile(config.block_kv, page_size),
-               split_scores=config.split_scores,
-               rows_as_n=split_k.round_up(rows, ROWS_AS_N_MULTIPLE) if config.rows_as_n else 0,
-               alternate_scores=config.alternate_scores, ring_halves=config.ring_halves)
+               split_scores=schedule_of(config).split_scores,
+               rows_as_n=plan.round_up(rows, ROWS_AS_N_MULTIPLE) if schedule_of(config).rows_as_n else 0,
+               alternate_scores=schedule_of(config).alternate_scores, ring_halves=schedule_of(config).ring_halves)
 
 
 def row_blocks(rows: int) -> int:
   """Programs per (sequence, split): one per 64 packed rows."""
-  return split_k.cdiv(rows, ROWS)
+  return plan.cdiv(rows, ROWS)
 
 
-def check_config(config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, page_size: int,
+def check_config(config: MosaicMLAConfig, *, qk_dim: int, v_dim: int, dtype: Any, page_size: int,
                  rows: int = ROWS) -> None:
-  """What the MLA kernel needs of a resolved config beyond `DecodeConfig`'s own rules (rows: the
+  """What the MLA kernel needs of a complete config beyond `MosaicMLAConfig`'s own rules (rows: the
   packed q rows of the call)."""
-  if config.num_splits is None:
-    raise ValueError("config.num_splits must be resolved (resolve_config) before the kernel runs")
-  if config.block_kv not in BLOCK_KVS:
-    raise ValueError(f"config.block_kv={config.block_kv} must be one of {BLOCK_KVS} for MLA on mosaic_gpu "
-                     "(wgmma K of P V; larger tiles of Dqk columns leave no room for two stages)")
-  if config.block_kv != BLOCK_KV and (config.split_scores or config.rows_as_n):
-    raise ValueError(f"split_scores and rows_as_n take block_kv={BLOCK_KV}, got {config.block_kv}")
-  if config.num_stages < 2:
-    raise ValueError(f"config.num_stages={config.num_stages} must be >= 2 for MLA (the next tile loads "
-                     "while this one is used)")
-  if config.pipeline_qk and config.split_scores:
-    raise ValueError("MLA on mosaic_gpu takes pipeline_qk or split_scores, not both")
-  if config.alternate_scores and (config.pipeline_qk or config.split_scores or config.rows_as_n
-                                  or config.block_kv != BLOCK_KV):
-    raise ValueError(f"alternate_scores takes block_kv={BLOCK_KV} and none of pipeline_qk, split_scores, rows_as_n; "
-                     f"got {config}")
-  if config.ring_halves and (config.pipeline_qk or config.split_scores or config.rows_as_n):
-    raise ValueError(f"ring_halves takes the plain scorer schedule or alternate_scores: none of pipeline_qk, "
-                     f"split_scores, rows_as_n; got {config}")
-  if config.p_in_registers and (config.pipeline_qk or config.split_scores or config.alternate_scores
-                                 or config.rows_as_n):
-    raise ValueError(f"p_in_registers takes the plain scorer schedule (alternate_scores always reads its own P "
-                     f"from registers): none of pipeline_qk, split_scores, alternate_scores, rows_as_n; got {config}")
-  if config.rows_as_n and (config.pipeline_qk or config.split_scores):
-    raise ValueError("MLA on mosaic_gpu takes rows_as_n without pipeline_qk or split_scores")
-  if config.rows_as_n and rows > ROWS_AS_N_MAX:
-    raise ValueError(f"rows_as_n needs at most {ROWS_AS_N_MAX} packed q rows (new tokens x heads), got {rows}")
-  if config.kv_groups != 1 or config.persistent or config.merge_in_kernel or config.convert_warpgroup:
-    raise ValueError(f"MLA on mosaic_gpu takes none of kv_groups, persistent, merge_in_kernel, convert_warpgroup; "
-                     f"got {config}")
-  if config.split_plan == "stream_k":
-    raise ValueError("config.split_plan='stream_k' is a triton option; MLA on mosaic_gpu takes 'per_sequence' "
-                     "or 'balanced'")
+  if not isinstance(config, MosaicMLAConfig) or not config.complete:
+    raise ValueError(f"the MLA kernel takes a complete MosaicMLAConfig (resolve_config), got {config!r}")
+  schedule_of(config).check(block_kv=config.block_kv, rows=rows)
   reason = mgpu_config.page_size_reason(page_size)
   if reason:
     raise NotImplementedError(f"mosaic_gpu: {reason}")
@@ -295,11 +307,10 @@ def check_config(config: DecodeConfig, *, qk_dim: int, v_dim: int, dtype: Any, p
                      f"bytes of SMEM, over the {mgpu_config.SMEM_CAPACITY_BYTES} available; use fewer stages")
 
 
-def heuristic_config(problem, *, dtype: Any = "bfloat16") -> DecodeConfig:
-  """64-token tiles, the deepest ring that fits (2 stages at Dqk 576, as FlashMLA), and the
-  scorer's P V from registers (faster in 7 of 8 same-run H200 comparisons, by 1-7%: RESULTS.md,
-  twelfth set)."""
-  config = DecodeConfig(block_kv=BLOCK_KV, num_stages=2, p_in_registers=True)
+def heuristic_config(problem, *, dtype: Any = "bfloat16") -> MosaicMLAConfig:
+  """64-token tiles and the deepest ring that fits (2 stages at Dqk 576, as FlashMLA), with
+  per-sequence splits in batch order (`resolve_config` may reorder)."""
+  config = MosaicMLAConfig(block_kv=BLOCK_KV, num_stages=2, split_plan="per_sequence", sequence_order="given")
   while True:
     deeper = dataclasses.replace(config, num_stages=config.num_stages + 1)
     smem = MlaSmem.for_call(deeper, qk_dim=problem.head_dim, v_dim=problem.v_head_dim, dtype=dtype,
@@ -309,29 +320,35 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16") -> DecodeConfig:
     config = deeper
 
 
-def resolve_config(problem, config: DecodeConfig | None, *, dtype: Any = "bfloat16",
-                   num_sms: int | None = None) -> DecodeConfig:
-  """An explicit config, else the heuristic one; a split count left None fills about one wave (the
-  balanced plan: its bound on one sequence's splits, `split_k.choose_balanced_splits`).
+def resolve_config(problem, config: MosaicMLAConfig | None, *, dtype: Any = "bfloat16",
+                   num_sms: int | None = None) -> MosaicMLAConfig:
+  """The given fields over the heuristic's; a split count left None fills about one wave (the
+  balanced plan: its bound on one sequence's splits, `plan.choose_balanced_splits`).
 
-  The heuristic's programs take the sequences longest first where they make more than one wave
-  (one program per SM: the SMEM takes it all). A ragged batch's long sequences then start in the
-  first wave instead of running alone after the last: at B128, lengths uniform in [1, 8192], 264.4
-  against 377.2 us in batch order, ahead of the balanced plan (313.9). On full-length batches the
-  order's argsort launch is within the run's spread (B128 T8192: 537.1 against 527.9 in one run,
-  541.2 against 549.2 in another), and a single wave keeps batch order, where there is nothing to
-  reorder (B64 T4096: 136.1 against 131.7). H200, benchmarks/RESULTS.md, sixteenth set.
+  A config that leaves sequence_order None takes the sequences longest first where the programs
+  make more than one wave (one program per SM: the SMEM takes it all), so that a ragged batch's
+  long sequences start in the first wave (docs/decisions.md#mla-longest-first).
   """
-  heuristic = config is None
-  if heuristic:
-    config = heuristic_config(problem, dtype=dtype)
+  if config is not None and not isinstance(config, MosaicMLAConfig):
+    raise TypeError(f"the MLA kernel takes a MosaicMLAConfig, got {type(config).__name__}")
+  given = config or MosaicMLAConfig()
+  resolved = given.over(heuristic_config(problem, dtype=dtype))
   num_sms = num_sms or runtime.num_sms()
   blocks = row_blocks(problem.num_queries * problem.num_heads)
-  if config.num_splits is None:
-    choose = split_k.choose_balanced_splits if config.split_plan == "balanced" else split_k.choose_num_splits
-    splits = choose(batch=problem.batch, num_kv_heads=1, row_blocks=blocks, capacity=problem.capacity,
-                    block_kv=config.block_kv, num_sms=num_sms)
-    config = dataclasses.replace(config, num_splits=splits)
-  if heuristic and problem.batch * blocks * config.num_splits > num_sms:
-    config = dataclasses.replace(config, sequence_order="longest_first")
-  return config
+  resolved = plan.fill_num_splits(_one_head(problem),
+                                  resolved, row_blocks=blocks, num_sms=num_sms)
+  if given.sequence_order is None and problem.batch * blocks * resolved.num_splits > num_sms:
+    resolved = dataclasses.replace(resolved, sequence_order="longest_first")
+  return resolved
+
+
+@dataclasses.dataclass(frozen=True)
+class _OneHead:
+  """The sizes `plan.fill_num_splits` reads, for one latent head."""
+  batch: int
+  capacity: int
+  num_kv_heads: int = 1
+
+
+def _one_head(problem) -> _OneHead:
+  return _OneHead(batch=problem.batch, capacity=problem.capacity)

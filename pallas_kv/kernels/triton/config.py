@@ -1,9 +1,9 @@
 """What the Pallas Triton decode kernel supports, its SMEM estimate, and its config choice.
 
-Order of choice: an explicit `DecodeConfig`, else a tuned one for this device kind
-(`pallas_kv.tuned`), else the heuristic here; a split count left as None is filled in from the
-batch and the SM count. `DecodeConfig` checks its own fields; `check_config` checks only what
-this kernel adds, and `decode_partials` runs it once per call.
+A `TritonConfig` is filled field by field: what the caller gave, else a tuned config for this
+device kind (`pallas_kv.tuned`), else the heuristic here; a split count left as None is chosen
+from the batch and the SM count. `TritonConfig` checks its own fields; `check_config` checks what
+this kernel adds (page sizes, head dims), and `decode_partials` runs it once per call.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from typing import Any
 import jax.numpy as jnp
 
 from pallas_kv import runtime
-from pallas_kv.config import DecodeConfig
-from pallas_kv.kernels import split_k
+from pallas_kv import tuned
+from pallas_kv.config import TritonConfig
+from pallas_kv.kernels import frame
+from pallas_kv.kernels import plan
 
 NAME = "triton"
 HEAD_DIMS = (64, 128, 256)
@@ -44,7 +46,7 @@ TOKENS_LAST_ONE_BYTE_BLOCK_KV = 128
 # three-stage programs, and 6-30% slower on ragged batches of the same shapes (sixteenth and
 # seventeenth sets): the kernel cannot see at trace time which it gets, and serving is ragged.
 DEFAULT_STAGES = 3
-# The stream-K plan (DecodeConfig.split_plan) by default where it was measured to pay (H200,
+# The stream-K plan (TritonConfig.split_plan) by default where it was measured to pay (H200,
 # benchmarks/RESULTS.md, eighteenth and nineteenth sets). On ragged batches it ran 3-42% faster
 # than per-sequence splits (B16 T32768, B32 / B48 / B64 T8192, B128 T4096, paged page 16 B64
 # T8192, 28 / 4 heads B32 T8192), at full length within 1.4% (B16 T32768, B64 T8192, B128 T4096).
@@ -69,9 +71,6 @@ STREAM_K_SEQUENCES_PER_PROGRAM = (0.45, 4.0)   # B / W
 STREAM_K_PAGED_SEQUENCES_PER_PROGRAM = (0.3, 2.7)
 STREAM_K_PAGED_PROGRAMS_PER_SM = 3
 STREAM_K_HEAD_DIMS = (128,)
-# DecodeConfig fields this backend does not implement, with the value it needs.
-UNSUPPORTED_FIELDS = {"kv_groups": 1, "pipeline_qk": False, "persistent": False, "split_scores": False,
-                      "convert_warpgroup": False, "rows_as_n": False, "alternate_scores": False}
 
 
 def next_pow2(n: int) -> int:
@@ -85,7 +84,7 @@ def row_blocking(rows: int, head_dim: int) -> tuple[int, int]:
   """
   block = max(MIN_DOT_DIM, next_pow2(rows))
   block = min(block, MAX_ROWS_PER_PROGRAM[head_dim])
-  return block, split_k.cdiv(rows, block)
+  return block, plan.cdiv(rows, block)
 
 
 def smem_bytes(*, head_dim: int, itemsize: int, block_kv: int, num_stages: int, block_rows: int) -> int:
@@ -122,45 +121,39 @@ def block_kv_for_page(page_size: int, block_kv: int = DEFAULT_BLOCK_KV) -> int |
 
 def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
   """Why this backend cannot serve the call, or None if it can."""
-  reason = split_k.unsupported_reason(op, problem, options, dtypes, backend=NAME, head_dims=HEAD_DIMS)
+  reason = frame.unsupported_reason(op, problem, options, dtypes, backend=NAME, head_dims=HEAD_DIMS)
   if reason is None and problem.page_size is not None and block_kv_for_page(problem.page_size) is None:
     reason = f"page_size {problem.page_size} is not supported (a power of two, or a multiple of {MIN_BLOCK_KV})"
   return reason
 
 
-def check_config(config: DecodeConfig, *, head_dim: int, page_size: int | None) -> None:
-  """What this kernel needs of a resolved config (num_splits set) beyond DecodeConfig's own rules."""
-  if config.num_splits is None:
-    raise ValueError("config.num_splits must be resolved (resolve_config) before the kernel runs")
-  for name, needed in UNSUPPORTED_FIELDS.items():
-    value = getattr(config, name)
-    if value != needed:
-      raise ValueError(f"config.{name}={value!r} is a mosaic_gpu option; the triton backend needs {needed!r}")
-  if config.split_plan == "stream_k" and config.sequence_order != "given":
-    raise ValueError(f"config.split_plan='stream_k' lays the sequences end to end in batch order; "
-                     f"config.sequence_order must be 'given', got {config.sequence_order!r}")
+def check_config(config: TritonConfig, *, head_dim: int, page_size: int | None) -> None:
+  """What this kernel needs of a complete config beyond `TritonConfig`'s own rules."""
+  if not isinstance(config, TritonConfig) or not config.complete:
+    raise ValueError(f"the triton kernel takes a complete TritonConfig (resolve_config), got {config!r}")
   if head_dim not in HEAD_DIMS:
     raise ValueError(f"head_dim={head_dim} must be one of {HEAD_DIMS}")
   if page_size is not None and page_size % config.block_kv and config.block_kv % page_size:
     raise ValueError(f"block_kv={config.block_kv} must divide page_size={page_size} or be a multiple of it")
 
 
-def heuristic_config(problem, *, dtype: Any = "bfloat16", budget: int | None = None) -> DecodeConfig:
+def heuristic_config(problem, *, dtype: Any = "bfloat16", budget: int | None = None) -> TritonConfig:
   """The default tile, stages and warps: fewer stages, then smaller tiles, until the tiles in
-  flight fit in `budget` bytes of SMEM (default: the local GPU's, `smem_budget`; split count left
-  to `resolve_config`)."""
+  flight fit in `budget` bytes of SMEM (default: the local GPU's, `smem_budget`); per-sequence
+  splits in batch order, their count left to `resolve_config`."""
   budget = smem_budget() if budget is None else budget
   itemsize = jnp.dtype(dtype).itemsize   # one-byte caches: twice the tokens in flight per byte
   block_rows, _ = row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
   block_kv = DEFAULT_BLOCK_KV
   if itemsize == 1 and problem.v_tokens_last:
     # Paged too: a tile that spans pages of 16 or 32 loads page by page; 128-token tiles measured
-    # faster than 64 at pages 16 and 64 (benchmarks/RESULTS.md, ninth set).
+    # faster than 64 at pages 16 and 64 (docs/decisions.md#tokens-last-tiles).
     block_kv = TOKENS_LAST_ONE_BYTE_BLOCK_KV
   if problem.page_size is not None:
     block_kv = block_kv_for_page(problem.page_size, block_kv) or block_kv
-  config = DecodeConfig(block_kv=block_kv, num_stages=DEFAULT_STAGES,
-                        num_warps=8 if block_rows * problem.head_dim >= 128 * 128 else 4)
+  config = TritonConfig(block_kv=block_kv, num_stages=DEFAULT_STAGES, split_plan="per_sequence",
+                        num_warps=8 if block_rows * problem.head_dim >= 128 * 128 else 4,
+                        sequence_order="given", merge_in_kernel=False)
   fits = lambda c: fits_smem(head_dim=problem.head_dim, itemsize=itemsize, block_kv=c.block_kv,
                              num_stages=c.num_stages, block_rows=block_rows, budget=budget)
   while not fits(config):
@@ -173,23 +166,31 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", budget: int | None = N
   return config
 
 
-def resolve_config(problem, config: DecodeConfig | None, *, dtype: Any = "bfloat16", num_sms: int | None = None,
-                   device_kind: str | None = None) -> DecodeConfig:
-  """Explicit config, else tuned, else the heuristic one, with the split count filled in; the
-  default one takes the stream-K plan where `stream_k_pays`."""
+def resolve_config(problem, config: TritonConfig | None, *, dtype: Any = "bfloat16", num_sms: int | None = None,
+                   device_kind: str | None = None) -> TritonConfig:
+  """The complete config of a call: the tuned one when none is given, else the given fields over
+  the heuristic's, with a split count; a config that fixes none of the plan's fields takes the
+  stream-K plan where `stream_k_pays`."""
+  given = TritonConfig() if config is None else config
+  if not isinstance(given, TritonConfig):
+    raise TypeError(f"the triton backend takes a TritonConfig, got {type(given).__name__}")
+  resolved = (tuned.tuned_config(NAME, problem, dtype, device_kind) if config is None else None) or given
+  resolved = resolved.over(heuristic_config(problem, dtype=dtype))
   _, row_blocks = row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
-  stream_k = config is not None and config.split_plan == "stream_k"
-  resolved = split_k.resolve_config(problem, config, backend=NAME, heuristic=heuristic_config, row_blocks=row_blocks,
-                                    programs_per_sm=stream_k_programs_per_sm(problem) if stream_k else PROGRAMS_PER_SM,
-                                    dtype=dtype, num_sms=num_sms, device_kind=device_kind)
-  if config is None:
-    programs = split_k.stream_k_programs(num_kv_heads=problem.num_kv_heads, row_blocks=row_blocks,
-                                         num_sms=num_sms or runtime.num_sms(),
-                                         programs_per_sm=stream_k_programs_per_sm(problem))
+  num_sms = num_sms or runtime.num_sms()
+  plan_free = given.split_plan is None and given.num_splits is None and given.sequence_order in (None, "given")
+  if plan_free:
+    programs = plan.stream_k_programs(num_kv_heads=problem.num_kv_heads, row_blocks=row_blocks, num_sms=num_sms,
+                                      programs_per_sm=stream_k_programs_per_sm(problem))
     if stream_k_pays(problem, dtype=dtype, programs=programs):
-      resolved = dataclasses.replace(resolved, split_plan="stream_k", num_splits=programs, merge_in_kernel=False,
-                                     sequence_order="given")
-  return resolved
+      return dataclasses.replace(resolved, split_plan="stream_k", num_splits=programs, sequence_order="given")
+  return plan.fill_num_splits(problem, resolved, row_blocks=row_blocks, programs_per_sm=programs_per_sm(resolved, problem),
+                              num_sms=num_sms)
+
+
+def programs_per_sm(config: TritonConfig, problem) -> int:
+  """Programs per SM that the split count and the balanced plan assume."""
+  return stream_k_programs_per_sm(problem) if config.split_plan == "stream_k" else PROGRAMS_PER_SM
 
 
 def stream_k_programs_per_sm(problem) -> int:

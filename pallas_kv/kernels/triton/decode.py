@@ -17,16 +17,16 @@ nothing before the kernel.
 
 Each split writes its softmax-normalised partial output and its natural-log LSE (-inf and 0
 for a split without valid keys) for the real rows only; the caller merges splits
-(`merge.merge_partials`, one launch; `split_k.merge_splits` is its reference).
+(`merge.merge_partials`, one launch; `frame.merge_splits` is its reference).
 
-With `DecodeConfig.merge_in_kernel` (`decode_merged`) the merge runs in the same launch: each
+With `TritonConfig.merge_in_kernel` (`decode_merged`) the merge runs in the same launch: each
 split of a sequence that has more than one split with tiles writes its partial, then bumps the
 (sequence, kv head, row block) counter with an acq_rel atomic; the split that sees every other
 split arrived (old count = active splits - 1) reads all partials back in split order, merges
-them as `split_k.merge_splits` does (sinks included) and writes the output rows in the output
+them as `frame.merge_splits` does (sinks included) and writes the output rows in the output
 dtype. A sequence whose tiles fit one split has its split 0 write the output directly.
 
-With `DecodeConfig.split_plan="stream_k"` (merge mode only) the grid is num_splits programs per
+With `TritonConfig(split_plan="stream_k")` (merge mode only) the grid is num_splits programs per
 (kv head, row block) instead, each streaming an equal share of the whole batch's tiles laid end
 to end across sequence boundaries (`stream_k.py`); a sequence cut across programs is merged by
 the counter as above (the last piece merges the pieces in program order).
@@ -59,9 +59,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kv.config import AttentionOptions
-from pallas_kv.config import DecodeConfig
+from pallas_kv.config import TritonConfig
 from pallas_kv.kernels import online_softmax
-from pallas_kv.kernels import split_k
+from pallas_kv.kernels import frame
+from pallas_kv.kernels import plan as split_plan
+from pallas_kv.kernels.plan import SplitPlan
 from pallas_kv.kernels.triton import config as triton_config
 from pallas_kv.kernels.triton import stream_k
 from pallas_kv.kernels.triton.outputs import MergedOutputs
@@ -129,8 +131,8 @@ else:
 # ---------------------------------------------------------------- the kernel
 
 def _tile_range(length, split, st: Static, tiles_per_split):
-  """This split's tiles [t0, t1) and the unmasked sub-range [a, c) (`split_k.split_tile_range`)."""
-  return split_k.split_tile_range(length, split, block_kv=st.block_kv, num_queries=st.num_queries,
+  """This split's tiles [t0, t1) and the unmasked sub-range [a, c) (`plan.split_tile_range`)."""
+  return split_plan.split_tile_range(length, split, block_kv=st.block_kv, num_queries=st.num_queries,
                                   num_splits=st.num_splits, window=st.options.window,
                                   tiles_per_split=tiles_per_split)
 
@@ -138,7 +140,7 @@ def _tile_range(length, split, st: Static, tiles_per_split):
 def _attend(r: Refs, *, head, row0, length, tiles, seq: tuple, st: Static):
   """One sequence's attention over its tiles (t0, a, c, t1) for this program's rows: the
   softmax-normalised partial (out [block_rows, D] f32, natural-log lse [block_rows]) of tiles
-  [t0, t1), masked in [t0, a) and [c, t1) (`split_k.unmasked_tiles`). `seq` is (b,) where the
+  [t0, t1), masked in [t0, a) and [c, t1) (`plan.unmasked_tiles`). `seq` is (b,) where the
   per-sequence refs hold the whole batch."""
   t0, a, c, t1 = tiles
   q = load_q(r, row0, seq, st)
@@ -190,7 +192,7 @@ def _merge_epilogue(partial, refs, *, b, head, head_block, split, row0, length, 
   if st.num_splits == 1:
     outs.write_one(b, head, *partial)
     return
-  active = split_k.active_splits(length, block_kv=st.block_kv, num_queries=st.num_queries,
+  active = split_plan.active_splits(length, block_kv=st.block_kv, num_queries=st.num_queries,
                                  num_splits=st.num_splits, window=st.options.window,
                                  tiles_per_split=tiles_per_split)
 
@@ -269,7 +271,7 @@ def _build(st: Static, *, batch: int, num_kv_heads: int, kv_shape, table_width: 
       counts = (batch, num_kv_heads * nrb)
       in_specs.append(whole(counts))
       aliases = {len(in_specs) - 1: len(out_shape) + 2}
-      # Stream-K: two partial slots per program (`split_k.StreamKLayout.piece_slot`).
+      # Stream-K: two partial slots per program (`StreamKLayout.piece_slot`).
       slots = (num_kv_heads, st.num_splits, 2) if st.stream_k else (batch, num_kv_heads, st.num_splits)
       out_shape += [jax.ShapeDtypeStruct((*slots, st.rows, D), jnp.float32),
                     jax.ShapeDtypeStruct((*slots, st.rows), jnp.float32),
@@ -305,11 +307,10 @@ def _build(st: Static, *, batch: int, num_kv_heads: int, kv_shape, table_width: 
   )
 
 
-def _static(q, k, v, lengths, block_tables, *, num_queries: int, options: AttentionOptions, config: DecodeConfig,
-            k_scale, v_scale, interpret: bool, tiles_per_split=None, sequence_order=None, v_tokens_last=False,
-            **merge) -> Static:
+def _static(q, k, v, lengths, block_tables, *, num_queries: int, options: AttentionOptions, config: TritonConfig,
+            plan: SplitPlan, k_scale, v_scale, interpret: bool, v_tokens_last=False, **merge) -> Static:
   """The checked static description of one call (`decode_partials`' arguments)."""
-  split_k.check_packed_args(q, k, v, lengths, block_tables, num_queries=num_queries, k_scale=k_scale,
+  frame.check_packed_args(q, k, v, lengths, block_tables, num_queries=num_queries, k_scale=k_scale,
                             v_scale=v_scale, v_tokens_last=v_tokens_last)
   _, _, R, D = q.shape
   if block_tables is None:
@@ -319,23 +320,21 @@ def _static(q, k, v, lengths, block_tables, *, num_queries: int, options: Attent
     num_pages, page_size, max_pages = k.shape[0], k.shape[1], block_tables.shape[1]
     capacity = page_size * max_pages
   triton_config.check_config(config, head_dim=D, page_size=page_size)
-  if config.split_plan == "stream_k" and not merge.get("merge"):
-    raise ValueError("config.split_plan='stream_k' merges its pieces in the launch: call decode_merged, "
-                     "not decode_partials")
+  plan.check(block_kv=config.block_kv, batch=q.shape[0])
+  if plan.stream_k and not merge.get("merge"):
+    raise ValueError("the stream-K plan merges its pieces in the launch: call decode_merged, not decode_partials")
   block_rows, num_row_blocks = triton_config.row_blocking(R, D)
   return Static(num_queries=num_queries, group=R // num_queries, block_rows=block_rows,
-                 num_row_blocks=num_row_blocks, num_splits=config.num_splits, capacity=capacity,
+                 num_row_blocks=num_row_blocks, num_splits=plan.num_splits, capacity=capacity,
                  block_kv=config.block_kv, head_dim=D, page_size=page_size, max_pages=max_pages, num_pages=num_pages,
                  options=options,
-                 k_scale=split_k.scale_kind(k_scale, k.shape), v_scale=split_k.scale_kind(v_scale, k.shape),
-                 fast_widen=FAST_WIDEN and not interpret and jnp.dtype(k.dtype) in split_k.QUANTIZED_DTYPES,
-                 rows=R, balanced=split_k.check_tiles_per_split(tiles_per_split, config),
-                 ordered=split_k.check_sequence_order(sequence_order, config, batch=q.shape[0]),
-                 stream_k=config.split_plan == "stream_k",
+                 k_scale=frame.scale_kind(k_scale, k.shape), v_scale=frame.scale_kind(v_scale, k.shape),
+                 fast_widen=FAST_WIDEN and not interpret and jnp.dtype(k.dtype) in frame.QUANTIZED_DTYPES,
+                 rows=R, balanced=plan.balanced, ordered=plan.ordered, stream_k=plan.stream_k,
                  v_tokens_last=v_tokens_last, **merge)
 
 
-def _call(st: Static, args, *, q, k, config: DecodeConfig, interpret: bool, out_dtype=None):
+def _call(st: Static, args, *, q, k, config: TritonConfig, interpret: bool, out_dtype=None):
   B, Hkv = q.shape[:2]
   call = _build(st, batch=B, num_kv_heads=Hkv, kv_shape=k.shape, table_width=st.max_pages,
                 num_warps=config.num_warps, num_stages=config.num_stages, dtype=k.dtype, interpret=bool(interpret),
@@ -351,16 +350,15 @@ def call_quietly(call, args):
     return call(*args)
 
 
-def _args(q, k, v, lengths, block_tables, k_scale, v_scale, tiles_per_split=None, sequence_order=None) -> tuple:
-  args = (q, k, v, lengths) + ((sequence_order,) if sequence_order is not None else ())
-  args += (tiles_per_split,) if tiles_per_split is not None else ()
+def _args(q, k, v, lengths, block_tables, k_scale, v_scale, plan: SplitPlan) -> tuple:
+  args = (q, k, v, lengths) + plan.kernel_inputs()
   args += (block_tables,) if block_tables is not None else ()
   return args + tuple(scale for scale in (k_scale, v_scale) if scale is not None)
 
 
 def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
-                    config: DecodeConfig, k_scale=None, v_scale=None, tiles_per_split=None,
-                    sequence_order=None, interpret: bool = False, v_tokens_last: bool = False):
+                    config: TritonConfig, plan: SplitPlan, k_scale=None, v_scale=None, interpret: bool = False,
+                    v_tokens_last: bool = False):
   """Split-K partials of decode attention over a contiguous or paged KV cache.
 
   q: [B, Hkv, R, D] bf16 or fp16, R = num_queries * G packed rows, row
@@ -377,13 +375,11 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   the cache); logits use k_scale[t] * k[t] and the output v_scale[t] * v[t].
   lengths: int32 [B] (clamped into [0, capacity]).
   options: scale, softcap and window of the call.
-  config: a resolved `DecodeConfig` (num_splits set; `config.resolve_config`), checked here by
-    `config.check_config`. Its merge_in_kernel is not read here: `decode_merged` is that kernel.
-  tiles_per_split: int32 [1], the balanced plan (`split_k.balanced_tiles_per_split`), given
-    exactly when config.split_plan is "balanced".
-  sequence_order: int32 [B], a permutation of the batch (`split_k.ORDER_FUNCTIONS`): batch slot i
-    of the grid computes sequence sequence_order[i]; given exactly when config.sequence_order is
-    not "given". Results are indexed by sequence either way.
+  config: a complete `TritonConfig` (`config.resolve_config`), checked here by `config.check_config`.
+    Its merge_in_kernel is not read here: `decode_merged` is that kernel.
+  plan: the call's `SplitPlan` (`plan.make_plan`): the split count, the balanced plan's tiles per
+    split, and the order in which batch slot i of the grid takes sequence plan.order[i].
+    Results are indexed by sequence either way.
   interpret: run the kernel in Pallas interpret mode (CPU).
   v_tokens_last: v is [B, Hkv, D, T] (paged [P, Hkv, D, page_size]): k's dims 0, 2, 3, 1.
 
@@ -392,36 +388,33 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   0) where the split saw no valid key). logits = scale * q.k, then softcap * tanh(logits /
   softcap) if softcap. Tokens at or past lengths[b] are never read as values (masked loads).
   """
-  st = _static(q, k, v, lengths, block_tables, num_queries=num_queries, options=options, config=config,
-               k_scale=k_scale, v_scale=v_scale, interpret=interpret, tiles_per_split=tiles_per_split,
-               sequence_order=sequence_order, v_tokens_last=v_tokens_last)
-  args = _args(q, k, v, lengths, block_tables, k_scale, v_scale, tiles_per_split, sequence_order)
+  st = _static(q, k, v, lengths, block_tables, num_queries=num_queries, options=options, config=config, plan=plan,
+               k_scale=k_scale, v_scale=v_scale, interpret=interpret, v_tokens_last=v_tokens_last)
+  args = _args(q, k, v, lengths, block_tables, k_scale, v_scale, plan)
   return tuple(_call(st, args, q=q, k=k, config=config, interpret=interpret))
 
 
 def decode_merged(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
-                  config: DecodeConfig, sinks=None, k_scale=None, v_scale=None, out_dtype=None,
-                  return_lse: bool = True, tiles_per_split=None, sequence_order=None, interpret: bool = False,
-                  v_tokens_last: bool = False):
-  """Decode attention with the split merge in the same launch (`DecodeConfig.merge_in_kernel`;
+                  config: TritonConfig, plan: SplitPlan, sinks=None, k_scale=None, v_scale=None, out_dtype=None,
+                  return_lse: bool = True, interpret: bool = False, v_tokens_last: bool = False):
+  """Decode attention with the split merge in the same launch (`TritonConfig.merge_in_kernel`;
   the module doc says how the last split of a sequence merges and why that is safe).
 
   Arguments as `decode_partials`, plus sinks: None or float32 [Hkv, R], the sink logit of each
-  packed row (`split_k.packed_sinks`), which joins the denominator only; out_dtype: the output's
+  packed row (`frame.packed_sinks`), which joins the denominator only; out_dtype: the output's
   dtype (q's by default).
 
   Returns (out [B, Hkv, R, D] out_dtype, lse [B, Hkv, R] float32 over the real keys, -inf where
-  there are none; None unless return_lse): what `split_k.merge_splits` makes of
+  there are none; None unless return_lse): what `frame.merge_splits` makes of
   `decode_partials`' result, up to float32 rounding (the sum over splits runs in another order,
   and exp / log are the kernel's own). For a fixed num_splits the bits depend only on each
   sequence's own inputs, never on the order in which its splits finish.
   """
-  st = _static(q, k, v, lengths, block_tables, num_queries=num_queries, options=options, config=config,
-               k_scale=k_scale, v_scale=v_scale, interpret=interpret, tiles_per_split=tiles_per_split,
-               sequence_order=sequence_order, v_tokens_last=v_tokens_last, merge=True, has_sinks=sinks is not None,
-               write_lse=return_lse, barriers=not interpret)
+  st = _static(q, k, v, lengths, block_tables, num_queries=num_queries, options=options, config=config, plan=plan,
+               k_scale=k_scale, v_scale=v_scale, interpret=interpret, v_tokens_last=v_tokens_last, merge=True,
+               has_sinks=sinks is not None, write_lse=return_lse, barriers=not interpret)
   B, Hkv, R, _ = q.shape
-  args = _args(q, k, v, lengths, block_tables, k_scale, v_scale, tiles_per_split, sequence_order)
+  args = _args(q, k, v, lengths, block_tables, k_scale, v_scale, plan)
   if sinks is not None:
     if sinks.shape != (Hkv, R):
       raise ValueError(f"sinks must be float32 [Hkv, R]=({Hkv}, {R}), got {sinks.shape=}")

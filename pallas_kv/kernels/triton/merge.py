@@ -1,4 +1,4 @@
-"""The split-K merge as one Pallas Triton launch: `split_k.merge_splits` (its reference), fused.
+"""The split-K merge as one Pallas Triton launch: `frame.merge_splits` (its reference), fused.
 
 XLA runs `merge_splits` as three to four kernels (the max over splits, the exponentials, the
 weighted sum and divide, the cast to the output dtype); on the H200 they took ~5 µs of a ~46 µs
@@ -86,7 +86,7 @@ def _kernel(out_ref,     # [splits, >= R, Dv] f32 or 16-bit, this (sequence, kv 
 
 def merge_partials(out, lse, sinks=None, *, out_dtype, return_lse: bool = True, rows: int | None = None,
                    interpret: bool = False):
-  """`split_k.merge_splits(out, lse, sinks)` in one launch, cast to out_dtype.
+  """`frame.merge_splits(out, lse, sinks)` in one launch, cast to out_dtype.
 
   Args:
     out: [B, Hkv, splits, >= R, Dv] partials (where a split saw no key, any values: never read):

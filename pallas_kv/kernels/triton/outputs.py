@@ -1,4 +1,4 @@
-"""Merge mode's outputs (`DecodeConfig.merge_in_kernel` and the stream-K plan): the final rows of a
+"""Merge mode's outputs (`TritonConfig.merge_in_kernel` and the stream-K plan): the final rows of a
 (sequence, kv head) written directly from one partial, or stored as partials that the last to
 arrive merges in a fixed order (`decode.py`'s module doc says why that is safe on the GPU)."""
 
@@ -14,7 +14,7 @@ from pallas_kv.kernels.triton.tiles import Static
 from pallas_kv.kernels.triton.tiles import real_rows
 
 def _merge_finish(acc, norm, shift, sink):
-  """`split_k.merge_splits`' last step on one program's rows: acc = sum_j w_j out_j and
+  """`frame.merge_splits`' last step on one program's rows: acc = sum_j w_j out_j and
   norm = sum_j w_j with w_j = exp(lse_j - shift). Returns (out, lse over the real keys; 0 and
   -inf where there are none)."""
   has_keys = norm > 0

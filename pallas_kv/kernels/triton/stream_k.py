@@ -1,7 +1,7 @@
-"""The stream-K split plan of the Pallas Triton decode kernel (`DecodeConfig.split_plan="stream_k"`).
+"""The stream-K split plan of the Pallas Triton decode kernel (`TritonConfig(split_plan="stream_k")`).
 
 The grid is num_splits programs per (kv head, row block), each streaming an equal share of the
-whole batch's tiles of its kv head laid end to end in batch order (`split_k.StreamKLayout`,
+whole batch's tiles of its kv head laid end to end in batch order (`stream_k_plan.StreamKLayout`,
 planned in each program from the lengths vector, so nothing launches before the kernel but the
 counters' memset). A program's share crosses sequence boundaries: it is one tile loop in which
 each step finds its tile's sequence from the tile index (`StreamKLayout.locate`), so Triton's
@@ -25,7 +25,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kv.kernels import online_softmax
-from pallas_kv.kernels import split_k
+from pallas_kv.kernels import plan as split_plan
+from pallas_kv.kernels.triton.stream_k_plan import StreamKLayout
+from pallas_kv.kernels.triton.stream_k_plan import pick
 from pallas_kv.kernels.triton import config as triton_config
 from pallas_kv.kernels.triton.outputs import MergedOutputs
 from pallas_kv.kernels.triton.tiles import Refs
@@ -47,7 +49,7 @@ def stream_k_kernel(r: Refs, st: Static):
   padded = triton_config.next_pow2(batch)
   index = jnp.arange(padded, dtype=jnp.int32)
   lengths = jnp.where(index < batch, jnp.clip(r.lengths[jnp.minimum(index, batch - 1)], 0, st.capacity), 0)
-  plan = split_k.StreamKLayout.of(lengths, block_kv=st.block_kv, num_queries=st.num_queries,
+  plan = StreamKLayout.of(lengths, block_kv=st.block_kv, num_queries=st.num_queries,
                                   window=st.options.window, num_programs=st.num_splits)
   lo, hi = plan.program_range(w)
   outs = MergedOutputs(r.rest, row0=row0, st=st)
@@ -59,7 +61,7 @@ def stream_k_kernel(r: Refs, st: Static):
     b, seq_start = plan.locate(g)
     b = jnp.minimum(b, batch - 1)
     length = jnp.clip(r.lengths[b], 0, st.capacity)
-    first, end = split_k.visible_tiles(length, block_kv=st.block_kv, num_queries=st.num_queries,
+    first, end = split_plan.visible_tiles(length, block_kv=st.block_kv, num_queries=st.num_queries,
                                        window=st.options.window)
     seq_end = seq_start + jnp.maximum(end - first, 0)
     segment_start = jnp.maximum(seq_start, lo)
@@ -80,7 +82,7 @@ def stream_k_kernel(r: Refs, st: Static):
         lambda: outs.write_one(b, head, *online_softmax.finalize(*softmax_carry)))
 
     def store_and_arrive():
-      slot = split_k.StreamKLayout.piece_slot(segment_start != lo, segment_start == seq_start)
+      slot = StreamKLayout.piece_slot(segment_start != lo, segment_start == seq_start)
       outs.store_partial((head, w, slot), online_softmax.finalize(*softmax_carry))
       return outs.arrive(b, head_block)
 
@@ -97,7 +99,7 @@ def stream_k_kernel(r: Refs, st: Static):
       @pl.when(b >= 0)
       def _():
         first_program, pieces, starts_mid_chunk = plan.pieces(b)
-        slot = lambda j: split_k.StreamKLayout.piece_slot(starts_mid_chunk, j == 0)
+        slot = lambda j: StreamKLayout.piece_slot(starts_mid_chunk, j == 0)
         outs.merge(b, head, pieces, lambda j: (head, first_program + j, slot(j)))
   _write_empty_sequences(outs, plan, head=head, w=w, batch=batch, st=st)
 
@@ -108,10 +110,10 @@ def _write_empty_sequences(outs, plan, *, head, w, batch: int, st: Static):
   def write_empty(j, carry):
     b = w + j * st.num_splits
 
-    @pl.when((b < batch) & (split_k.pick(plan.tiles, b) == 0))
+    @pl.when((b < batch) & (pick(plan.tiles, b) == 0))
     def _():
       outs.write_one(b, head, jnp.zeros((st.block_rows, st.head_dim), jnp.float32),
                      jnp.full((st.block_rows,), -jnp.inf, jnp.float32))
     return carry
 
-  lax.fori_loop(0, split_k.cdiv(batch, st.num_splits), write_empty, 0)
+  lax.fori_loop(0, split_plan.cdiv(batch, st.num_splits), write_empty, 0)

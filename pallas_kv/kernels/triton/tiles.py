@@ -66,7 +66,7 @@ class Static:
   max_pages: int | None
   num_pages: int | None   # P: page ids are clamped into [0, P) here, not by a launch before the kernel
   options: AttentionOptions   # scale, softcap, window
-  k_scale: str | None = None  # None, "head" ([Hkv]) or "token" (per token and kv head): split_k.scale_kind
+  k_scale: str | None = None  # None, "head" ([Hkv]) or "token" (per token and kv head): frame.scale_kind
   v_scale: str | None = None
   fast_widen: bool = False    # widen one-byte tiles with WIDEN_PTX (GPU only)
   merge: bool = False         # merge the splits in this launch (decode_merged)
@@ -191,9 +191,9 @@ class Refs:
   def __init__(self, q_ref, k_ref, v_ref, lengths_ref, refs, st: Static):
     refs = list(refs)
     self.q, self.k, self.v, self.lengths = q_ref, k_ref, v_ref, lengths_ref
-    # [B] int32, the sequence each batch slot of the grid takes (DecodeConfig.sequence_order)
+    # [B] int32, the sequence each batch slot of the grid takes (`SplitPlan.order`)
     self.order = refs.pop(0) if st.ordered else None
-    # [1] int32, the balanced plan's tiles per split (`split_k.balanced_tiles_per_split`)
+    # [1] int32, the balanced plan's tiles per split (`SplitPlan.tiles_per_split`)
     self.tiles_per_split = refs.pop(0)[0] if st.balanced else None
     # [max_pages] int32, this sequence's row ([B, max_pages] when the kernel picks sequences);
     # ids clamped into [0, P) here

@@ -1,5 +1,5 @@
 """The split merge as a Mosaic GPU launch that overlaps the kernel before it (programmatic
-dependent launch): `split_k.merge_splits` (its reference) for 16-bit MLA partials.
+dependent launch): `frame.merge_splits` (its reference) for 16-bit MLA partials.
 
 The split-K kernel lets its dependents launch as soon as it starts
 (`plgpu.griddepcontrol_launch_dependents`); this launch's programs then take SMs as the kernel's
@@ -13,13 +13,13 @@ exp(lse - max) (a split with no key, lse -inf, weighs 0 and its partial, which m
 never added), and writes the merged rows in the output dtype and, from the first column block, the
 merged LSE. Rows past the arrays' ends are neither read (TMA fills zeros) nor written.
 
-Not the op's merge (`backend.mla_merge` names it; `benchmarks.mla` times it): on an H200 at B1
-T32768, 128 heads and 64 splits, the call took 34.4 us with it against 25.8 with the Triton merge,
-and 39.3 against 40.7 at B16 T4096 (4 splits; RESULTS.md, fourteenth set). At B1 each of its 128
-programs copies 64 splits x 64 rows of 16-byte rows (8 columns) in one TMA copy and then adds the
-splits one after another; the Triton merge runs 512 programs of 4 rows x 32 columns. Likely levers:
-wider rows with the splits streamed through a ring, or a register layout finer than the WGMMA one's
-64 rows.
+Not the op's merge (the ops merge in the Triton merge's launch, `backend.fused_merge`;
+`benchmarks.mla` times this one): on an H200 at B1 T32768, 128 heads and 64 splits, the call took
+34.4 us with it against 25.8 with the Triton merge, and 39.3 against 40.7 at B16 T4096 (4 splits;
+RESULTS.md, fourteenth set). At B1 each of its 128 programs copies 64 splits x 64 rows of 16-byte
+rows (8 columns) in one TMA copy and then adds the splits one after another; the Triton merge runs
+512 programs of 4 rows x 32 columns. Likely levers: wider rows with the splits streamed through a
+ring, or a register layout finer than the WGMMA one's 64 rows.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def _kernel(out_ref,      # [BH * splits, stored_rows, Dv] 16-bit GMEM: the part
 
 def merge_partials(out, lse, sinks=None, *, out_dtype, return_lse: bool = True, rows: int | None = None,
                    interpret=False):
-  """`split_k.merge_splits(out, lse)` in one launch overlapped with the kernel before it, cast to
+  """`frame.merge_splits(out, lse)` in one launch overlapped with the kernel before it, cast to
   out_dtype. The same contract as the Triton merge (`kernels/triton/merge.py`) where
   `unsupported_reason` accepts the call.
 

@@ -1,6 +1,6 @@
 r"""How far attention over an int8 / fp8 cache lands from the same values in a bf16 cache.
 
-  python -m benchmarks.quantized_error [--outlier_channels=4]     # CPU, seconds
+  python -m benchmarks.tools.quantized_error [--outlier_channels=4]     # CPU, seconds
 
 Random normal q, K, V (B 4, T 2048, heads 32/8, head_dim 128, full lengths), optionally with a
 few K channels 10x larger (LLM keys have such outlier channels). Each one-byte cache is made with

@@ -1,9 +1,9 @@
 r"""Instructions per KV tile of the Triton decode kernel, read from its SASS on a machine without a GPU.
 
   pip install triton==3.9.0      (its compiler, ptxas and nvdisasm; not a dependency of the project)
-  python -m benchmarks.triton_sass --kv_dtype=bfloat16,int8,float8_e4m3fn --scales=token
-  python -m benchmarks.triton_sass --minimal_loop --kv_dtype=bfloat16,int8
-  python -m benchmarks.triton_sass --kv_dtype=int8 --v_tokens_last [--page_size=64]
+  python -m benchmarks.tools.triton_sass --kv_dtype=bfloat16,int8,float8_e4m3fn --scales=token
+  python -m benchmarks.tools.triton_sass --minimal_loop --kv_dtype=bfloat16,int8
+  python -m benchmarks.tools.triton_sass --kv_dtype=int8 --v_tokens_last [--page_size=64]
 
 For each cache dtype it lowers `pallas_kv.decode_attention(impl="triton")` for CUDA (jax.export,
 as the lowering tests do), keeps the kernel's Triton module, compiles that for sm_90 with the pip

@@ -2,8 +2,8 @@ r"""Mosaic GPU decode kernel variants side by side: one GPU call measures them a
 
 Usage (from the repository root; GPU, <= ~6 minutes on an H200 including compiles):
 
-  PYTHONPATH=. python3 -m benchmarks.kernel_variants --json=$OUT/variants.json
-  PYTHONPATH=. python3 -m benchmarks.kernel_variants --smoke      # CPU, interpret mode, < 1 min
+  PYTHONPATH=. python3 -m benchmarks.tools.kernel_variants --json=$OUT/variants.json
+  PYTHONPATH=. python3 -m benchmarks.tools.kernel_variants --smoke      # CPU, interpret mode, < 1 min
 
 What it times (heads 32/8, head_dim 128, bf16, full lengths; benchmarks/timing.py chain-diff,
 input sets rotated to overflow L2):

@@ -2,21 +2,23 @@ r"""Runs one decode case a few times per impl, for a profiler (Nsight Compute) t
 
   ncu --kernel-name regex:'pallas_kv|flash|fmha|sdpa' --launch-skip 3 --launch-count 2 \
       --section LaunchStats --section Occupancy --section SpeedOfLight --export prof \
-      python3 -m benchmarks.profile_kernel --impl=mosaic_gpu --cases=128x4096
-  python3 -m benchmarks.ncu_summary prof.csv    (after `ncu --import prof.ncu-rep --page details --csv`)
+      python3 -m benchmarks.tools.profile_kernel --impl=mosaic_gpu --cases=128x4096
+  python3 -m benchmarks.tools.ncu_summary prof.csv    (after `ncu --import prof.ncu-rep --page details --csv`)
 
 Shape and impl flags are benchmarks.decode's (`--flagfile` works); each impl runs `--calls`
 calls of its first case after `--warmup` (compilation, autotuning), each call synchronised, so a
 profiler that skips the first launches lands on steady-state calls. Nothing is timed or checked
-here: benchmarks.decode does that. `bash benchmarks/h200_suite.sh ncu` runs it under ncu.
+here: benchmarks.decode does that. RESULTS.md's runs added `--clock-control none` (the GPU's own
+clocks) and `--launch-count 1`; with `--metrics "$(python3 -m benchmarks.tools.ncu_summary
+--metrics_flag)" --csv > raw.csv` instead of the sections, ncu_summary ranks the stall reasons.
 
-  python3 -m benchmarks.profile_kernel --launches --impl=triton,cudnn --cases=1x32768
+  python3 -m benchmarks.tools.profile_kernel --launches --impl=triton,cudnn --cases=1x32768
 
 `--launches` instead prints, per JAX impl, what the compiled call launches: the top-level ops of
 its optimized program (fusions, custom calls, copies; each at least one kernel on a GPU), without
 a profiler. A decode call's fixed cost grows with this count.
 
-  python3 -m benchmarks.profile_kernel --kernel_times --impl=triton,cudnn,torch --cases=1x32768
+  python3 -m benchmarks.tools.profile_kernel --kernel_times --impl=triton,cudnn,torch --cases=1x32768
 
 `--kernel_times` prints, per impl (JAX or torch), every kernel of one call with its GPU time
 (the mean over --calls synchronised calls), recorded by torch.profiler's CUDA activity tracing:
@@ -26,7 +28,7 @@ CUPTI sees every kernel of the process, JAX's included. It needs torch with CUDA
 start to the last one's end per call, and the longest gaps between kernels. Set against the
 timer's figure for the same N, it tells GPU time from whatever else the chain-diff includes.
 
-  python3 -m benchmarks.profile_kernel --timer_check --impl=triton,cudnn --cases=32x4096
+  python3 -m benchmarks.tools.profile_kernel --timer_check --impl=triton,cudnn --cases=32x4096
 
 `--timer_check` prints, per JAX impl, the chain-diff timer plain and queued behind a lead run
 (`timing.time_jax(queued=...)`; the module doc there says why), beside the GPU's busy time per
@@ -47,7 +49,6 @@ from benchmarks import cases
 from benchmarks import cli
 from benchmarks import decode
 from benchmarks import output
-from benchmarks import runners
 from benchmarks import timing
 
 FLAGS = flags.FLAGS
@@ -65,8 +66,8 @@ def define_flags() -> None:
                     "busy time per call in a profiled chain of --chain_calls (default 40) calls")
   flags.DEFINE_bool("v_tokens_last", False, "pallas_kv impls of the dense and paged ops: v stored tokens last "
                     "(benchmarks.decode's flag of that name)")
-  flags.DEFINE_integer("triton_num_stages", None, "triton impl: tiles pipelined (DecodeConfig.num_stages; "
-                       "benchmarks.decode's flag of that name)")
+  flags.DEFINE_integer("triton_num_stages", None, "triton impl: TritonConfig(num_stages=N), the backend filling "
+                       "the other fields (benchmarks.decode's flag of that name)")
   flags.DEFINE_bool("kernel_times", False, "print the GPU time of every kernel a call launches (torch.profiler's "
                     "CUDA activity, which records JAX's kernels too) instead of only running the calls")
 
@@ -99,14 +100,16 @@ def launched_ops(compiled_text: str) -> list[str]:
   return ops
 
 
-def _per_impl(sweep: cases.Sweep, describe: Callable[..., str], failed: str) -> list[str]:
+def _per_impl(sweep: cases.Sweep, describe: Callable[..., str], failed: str,
+              kernel: decode.KernelFlags = decode.KernelFlags()) -> list[str]:
   """One printed line per impl of the sweep: "impl: " + describe(runner, case, args) on its first
-  case, or "impl: <failed> (why)" where that raises."""
+  case (ours with `kernel`'s configs and layout), or "impl: <failed> (why)" where that raises."""
   case, args = _first_case(sweep)
   lines = []
   for impl in sweep.impls:
     try:
-      lines.append(f"{impl}: {describe(runners.build_runner(impl, cases.op_spec(case)), case, args)}")
+      runner, _ = kernel.runner(impl, case, args)
+      lines.append(f"{impl}: {describe(runner, case, args)}")
     except Exception as e:  # pylint: disable=broad-except
       lines.append(f"{impl}: {failed} ({output.error_reason(e)})")
     print(lines[-1], flush=True)
@@ -118,13 +121,13 @@ def _check_jax(runner) -> None:
     raise ValueError(f"not a JAX impl (timer {runner.timer!r})")
 
 
-def launches(sweep: cases.Sweep) -> list[str]:
+def launches(sweep: cases.Sweep, kernel: decode.KernelFlags = decode.KernelFlags()) -> list[str]:
   """Per JAX impl, one line: how many top-level ops its compiled call on the first case launches."""
   def describe(runner, case, args):
     _check_jax(runner)
     ops = launched_ops(jax.jit(runner.fn).lower(*runner.prepare(args)).compile().as_text())
     return f"{len(ops)} ops launched per call of {case.describe()}: {', '.join(ops)}"
-  return _per_impl(sweep, describe, "not compiled")
+  return _per_impl(sweep, describe, "not compiled", kernel)
 
 
 def _calls(runner, args) -> Callable[[], Any]:
@@ -133,14 +136,14 @@ def _calls(runner, args) -> Callable[[], Any]:
   return lambda: runner.to_numpy(runner.fn(*prepared))
 
 
-def run(sweep: cases.Sweep, calls: int) -> list[str]:
+def run(sweep: cases.Sweep, calls: int, kernel: decode.KernelFlags = decode.KernelFlags()) -> list[str]:
   """Runs each impl on the sweep's first case; returns one line per impl."""
   def describe(runner, case, args):
     call = _calls(runner, args)
     for _ in range(max(1, sweep.warmup) + calls):
       call()
     return f"{calls} calls of {case.describe()} after {max(1, sweep.warmup)} warm-up"
-  return _per_impl(sweep, describe, "not run")
+  return _per_impl(sweep, describe, "not run", kernel)
 
 
 def _cuda_profile(fn: Callable[[], Any], calls: int = 1):
@@ -189,7 +192,7 @@ def chain_summary(kernels: Sequence[tuple[float, float, str]], calls: int) -> st
           f"longest gaps: {gap_text}")
 
 
-def chain_lines(sweep: cases.Sweep, calls: int) -> list[str]:
+def chain_lines(sweep: cases.Sweep, calls: int, kernel: decode.KernelFlags = decode.KernelFlags()) -> list[str]:
   """Per JAX impl, one line: `chain_summary` of one run of its chain of `calls` calls."""
   def describe(runner, case, args):
     _check_jax(runner)
@@ -199,10 +202,10 @@ def chain_lines(sweep: cases.Sweep, calls: int) -> list[str]:
     for _ in range(max(1, sweep.warmup)):
       run_once()
     return f"chain of {calls} calls of {case.describe()}: {chain_summary(_profiled_kernels(run_once), calls)}"
-  return _per_impl(sweep, describe, "not profiled")
+  return _per_impl(sweep, describe, "not profiled", kernel)
 
 
-def timer_check_lines(sweep: cases.Sweep, calls: int) -> list[str]:
+def timer_check_lines(sweep: cases.Sweep, calls: int, kernel: decode.KernelFlags = decode.KernelFlags()) -> list[str]:
   """Per JAX impl, one line: the timer plain and queued, and the GPU busy µs per call of a chain."""
   def describe(runner, case, args):
     _check_jax(runner)
@@ -216,10 +219,10 @@ def timer_check_lines(sweep: cases.Sweep, calls: int) -> list[str]:
     busy = sum(end - start for start, end, _ in _profiled_kernels(run_once)) / calls
     return (f"{case.describe()}: timer plain {plain.median_s * 1e6:.1f} us, queued {queued.median_s * 1e6:.1f} us "
             f"({queued.method}), GPU busy {busy:.1f} us per call in a chain of {calls}")
-  return _per_impl(sweep, describe, "not checked")
+  return _per_impl(sweep, describe, "not checked", kernel)
 
 
-def kernel_time_lines(sweep: cases.Sweep, calls: int) -> list[str]:
+def kernel_time_lines(sweep: cases.Sweep, calls: int, kernel: decode.KernelFlags = decode.KernelFlags()) -> list[str]:
   """Per impl, one line: the kernels of one call of the sweep's first case and their GPU µs."""
   def describe(runner, case, args):
     call = _calls(runner, args)
@@ -228,26 +231,25 @@ def kernel_time_lines(sweep: cases.Sweep, calls: int) -> list[str]:
     rows = kernel_times(call, calls)
     kernels = "; ".join(f"{name[:60]} x{count:g} {us:.1f}" for name, count, us in rows)
     return f"{sum(us for _, _, us in rows):.1f} us of kernels per call of {case.describe()}: {kernels}"
-  return _per_impl(sweep, describe, "not profiled")
+  return _per_impl(sweep, describe, "not profiled", kernel)
 
 
 def main(argv: Sequence[str]) -> None:
   del argv
-  with decode.values_tokens_last(FLAGS.v_tokens_last), decode.triton_fields(num_stages=FLAGS.triton_num_stages):
-    _main()
-
-
-def _main() -> None:
+  try:
+    sweep, kernel = cli.sweep_from_flags(), decode.kernel_flags()
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   if FLAGS.timer_check:
-    timer_check_lines(cli.sweep_from_flags(), FLAGS.chain_calls or 40)
+    timer_check_lines(sweep, FLAGS.chain_calls or 40, kernel)
   elif FLAGS.kernel_times and FLAGS.chain_calls:
-    chain_lines(cli.sweep_from_flags(), FLAGS.chain_calls)
+    chain_lines(sweep, FLAGS.chain_calls, kernel)
   elif FLAGS.kernel_times:
-    kernel_time_lines(cli.sweep_from_flags(), FLAGS.calls)
+    kernel_time_lines(sweep, FLAGS.calls, kernel)
   elif FLAGS.launches:
-    launches(cli.sweep_from_flags())
+    launches(sweep, kernel)
   else:
-    run(cli.sweep_from_flags(), FLAGS.calls)
+    run(sweep, FLAGS.calls, kernel)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-r"""Hugging Face transformers decoding SmolLM2-135M-Instruct: the peer of `benchmarks.smollm2`.
+r"""Hugging Face transformers decoding SmolLM2-135M-Instruct: the peer of `benchmarks.serving`.
 
-  python -m benchmarks.smollm2_transformers --gguf=/path/SmolLM2-135M-Instruct.Q4_1.gguf \
+  python -m benchmarks.tools.smollm2_transformers --gguf=/path/SmolLM2-135M-Instruct.Q4_1.gguf \
       --batch=1,16,64 --context=1024,4096,8192 --new_tokens=64 --json=smollm2_transformers.json
-  python -m benchmarks.smollm2_transformers --gguf=PATH --batch=1,2 --context=64 --new_tokens=4   # CPU smoke
+  python -m benchmarks.tools.smollm2_transformers --gguf=PATH --batch=1,2 --context=64 --new_tokens=4   # CPU smoke
 
 Runs on torch alone (no jax): it needs torch, transformers 5.x, accelerate, gguf (transformers'
 GGUF loader reads the file with it), absl-py and numpy. transformers loads the GGUF file,

@@ -2,7 +2,7 @@
 
 Only samples drawing more than `--min_watts` count: those taken while kernels ran, not while the
 benchmark compiled. Prints the median and range of the SM clock and the power over them.
-  python -m benchmarks.clocks clocks.csv --label=kernel
+  python -m benchmarks.tools.clocks clocks.csv --label=kernel
 """
 import statistics
 import sys
@@ -34,7 +34,7 @@ def summarise(lines: list[str], min_watts: float) -> str:
 
 def main(argv):
   if len(argv) != 2:
-    raise app.UsageError("usage: python -m benchmarks.clocks FILE.csv [--label=NAME]")
+    raise app.UsageError("usage: python -m benchmarks.tools.clocks FILE.csv [--label=NAME]")
   with open(argv[1]) as f:
     lines = f.readlines()
   print(f"{_LABEL.value}: {summarise(lines, _MIN_WATTS.value)}")

@@ -1,8 +1,11 @@
 r"""SmolLM2-135M-Instruct in the continuous-batching engine at long context: tokens/s, step time,
 the GPU's idle time between steps, and attention's share.
 
-  python -m benchmarks.smollm2                                  # CPU: a tiny case, weights fetched once
-  python -m benchmarks.smollm2 --gguf=/path/SmolLM2-135M-Instruct.Q4_1.gguf --json=smollm2.json   # GPU
+  python -m benchmarks serving                                  # CPU: a tiny case, weights fetched once
+  python -m benchmarks serving --gguf=/path/SmolLM2-135M-Instruct.Q4_1.gguf --json=smollm2.json   # GPU
+
+(`python -m benchmarks.serving` runs the same.) Hugging Face transformers on the same GGUF and
+shapes, the peer engine: `python -m benchmarks.tools.smollm2_transformers`.
 
 For each batch (= slots, every request arriving at step 0), context C (prompts of C - new_tokens
 tokens, so that the last token sits at position C - 1) and attention, the engine of
@@ -97,11 +100,12 @@ def make_requests(batch: int, prompt_len: int, new_tokens: int, vocab: int, seed
 
 
 # ---------------------------------------------------------------------------- other attentions
+# The model takes no benchmark hook: a model with other attention is a `Llama` whose `attention`
+# is a `DecodeAttention` with another decode step (`PeerAttention`), built here.
 
 
-def _dot_product_layer(implementation: str | None, layer: pkv.DecodeAttention, params, x, cache):
+def _dot_product_step(implementation: str | None, layer: pkv.DecodeAttention, params, x, cache, positions):
   """The decode step of `layer` with jax.nn.dot_product_attention over the gathered pages."""
-  positions = cache.lengths[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None, :]
   project = lambda w: jnp.einsum("bsh,hnd->bsnd", x, params[w])
   q = pkv.module.rope(project("wq"), positions, layer.rope_theta)
   k = pkv.module.rope(project("wk"), positions, layer.rope_theta)
@@ -113,17 +117,18 @@ def _dot_product_layer(implementation: str | None, layer: pkv.DecodeAttention, p
   return jnp.einsum("bsnd,ndh->bsh", out.astype(x.dtype), params["wo"]), cache
 
 
-def cudnn_layer(layer, params, x, cache):
-  return _dot_product_layer("cudnn", layer, params, x, cache)
+def cudnn_step(layer, params, x, cache, positions):
+  return _dot_product_step("cudnn", layer, params, x, cache, positions)
 
 
-def dot_product_layer(layer, params, x, cache):
-  return _dot_product_layer(None, layer, params, x, cache)
+def dot_product_step(layer, params, x, cache, positions):
+  return _dot_product_step(None, layer, params, x, cache, positions)
 
 
-def stub_layer(layer, params, x, cache):
+def stub_step(layer, params, x, cache, positions):
   """What a step costs without attention: the projections and the cache append stay; attention
   over the cache becomes the new token's own value (no read of the cache)."""
+  del positions   # no RoPE: nothing attends
   k = jnp.einsum("bsh,hnd->bsnd", x, params["wk"])
   v = jnp.einsum("bsh,hnd->bsnd", x, params["wv"])
   cache = cache.append(k.astype(cache.k_pages.dtype), v.astype(cache.v_pages.dtype))
@@ -132,15 +137,45 @@ def stub_layer(layer, params, x, cache):
   return jnp.einsum("bsnd,ndh->bsh", v_rep + 0 * q, params["wo"]), cache
 
 
-DECODE_LAYERS = {"cudnn": cudnn_layer, "dot_product": dot_product_layer}
+DECODE_STEPS = {"cudnn": cudnn_step, "dot_product": dot_product_step}
+STUB = "stub"
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerAttention(pkv.DecodeAttention):
+  """The model's attention layer with the decode step of `peer` (a key of DECODE_STEPS, or STUB);
+  prefill and the rest as `DecodeAttention`'s. The step plans no kernel: it takes no config or plan."""
+  peer: str = "dot_product"
+
+  def __call__(self, params, x, cache, positions=None, *, config=None, plan=None):
+    del config, plan
+    single = x.ndim == 2
+    if single:
+      x = x[:, None]
+    if positions is None:
+      positions = cache.lengths[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None, :]
+    step = stub_step if self.peer == STUB else DECODE_STEPS[self.peer]
+    y, cache = step(self, params, x, cache, positions)
+    return (y[:, 0] if single else y), cache
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerLlama(Llama):
+  """`Llama` whose layers decode with `PeerAttention(peer=peer)` (its impl: "xla", for prefill)."""
+  peer: str = "dot_product"
+
+  @property
+  def attention(self) -> PeerAttention:
+    layer = super().attention
+    return PeerAttention(**{f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)}, peer=self.peer)
 
 
 def make_model(config, attention: str, compute_dtype: str, stub: bool = False) -> Llama:
   """The model with decode attention from a pallas_kv impl or a peer (PEER_ATTENTIONS)."""
   if stub:
-    return Llama(config, impl="xla", compute_dtype=compute_dtype, decode_layer=stub_layer)
-  if attention in DECODE_LAYERS:
-    return Llama(config, impl="xla", compute_dtype=compute_dtype, decode_layer=DECODE_LAYERS[attention])
+    return PeerLlama(config, impl="xla", compute_dtype=compute_dtype, peer=STUB)
+  if attention in DECODE_STEPS:
+    return PeerLlama(config, impl="xla", compute_dtype=compute_dtype, peer=attention)
   return Llama(config, impl=attention, compute_dtype=compute_dtype)
 
 
@@ -210,7 +245,7 @@ def time_attention(config, batch: int, context: int, attention: str, counts: dic
   q = jax.random.normal(keys[2], (batch, config.num_heads, config.head_dim), jnp.bfloat16)
   tables = jax.random.permutation(keys[3], num_pages).reshape(batch, pages_per_seq).astype(jnp.int32)
   lengths = jnp.full((batch,), context, jnp.int32)
-  if attention in DECODE_LAYERS:
+  if attention in DECODE_STEPS:
     implementation = "cudnn" if attention == "cudnn" else None
     attend = lambda q, k, v, t, n: jax.nn.dot_product_attention(
         q[:, None], pkv.cache.gather_pages(k, t), pkv.cache.gather_pages(v, t), key_value_seq_lengths=n,
@@ -243,7 +278,7 @@ def run_row(config, params, *, batch: int, context: int, attention: str, new_tok
   engine = engine_for(make_model(config, attention, compute_dtype), params, batch, context, steps_per_dispatch,
                       pool_sequences)
   stats, runs = run_loop(engine, requests, progress=progress)
-  ran = attention if attention in DECODE_LAYERS else pkv.last_impl()
+  ran = attention if attention in DECODE_STEPS else pkv.last_impl()
   phases.done("engine (compile run + timed run)")
   step_s = statistics.median(stats.step_seconds)
   device_s, enqueue_s = device_step_seconds(engine, context - new_tokens // 2, new_tokens // 2)

@@ -1,6 +1,6 @@
 r"""The error of one-byte tensor-core operands for decode over a one-byte cache, on any machine.
 
-  python -m benchmarks.operand_precision [--kv_dtype=float8_e4m3fn,int8] [--json=out.json]
+  python -m benchmarks.tools.operand_precision [--kv_dtype=float8_e4m3fn,int8] [--json=out.json]
 
 Hopper has no bf16 x fp8 (or bf16 x int8) wgmma, so a kernel over a one-byte cache either widens
 each tile to bf16 (what both backends do) or brings q and P down to one byte and runs the

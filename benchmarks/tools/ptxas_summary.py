@@ -1,8 +1,8 @@
 r"""Registers and spills of the Mosaic GPU kernels, from ptxas's own report: one line per kernel.
 
-  python3 -m benchmarks.ptxas_summary --compile=kernel,kernel_alt --dump_dir=/tmp/d --keep_ptx=ptx/
-  python3 -m benchmarks.ptxas_summary /tmp/d                 # a folder of *.ptxas files dumped earlier
-  python3 -m benchmarks.ptxas_summary --ptx=ptx/KERNEL.ptx.gz [--consumer_registers=240 --producer_registers=24]
+  python3 -m benchmarks.tools.ptxas_summary --compile=kernel,kernel_alt --dump_dir=/tmp/d --keep_ptx=ptx/
+  python3 -m benchmarks.tools.ptxas_summary /tmp/d                 # a folder of *.ptxas files dumped earlier
+  python3 -m benchmarks.tools.ptxas_summary --ptx=ptx/KERNEL.ptx.gz [--consumer_registers=240 --producer_registers=24]
 
 `--compile` (GPU only: ptxas runs when Mosaic GPU compiles for the device) compiles each named
 `benchmarks.mla` impl once on one row (`--row`), with Mosaic GPU told to keep ptxas's output and

@@ -1,8 +1,8 @@
 r"""The few Nsight Compute metrics that say what limits a decode kernel, one row per kernel.
 
   ncu --import prof.ncu-rep --page details --csv > prof.csv
-  python3 -m benchmarks.ncu_summary prof.csv [more.csv ...]
-  ncu --metrics "$(python3 -m benchmarks.ncu_summary --metrics_flag [--pipes])" --csv ... > raw.csv
+  python3 -m benchmarks.tools.ncu_summary prof.csv [more.csv ...]
+  ncu --metrics "$(python3 -m benchmarks.tools.ncu_summary --metrics_flag [--pipes])" --csv ... > raw.csv
 
 With `--metrics` output (raw metric names) it prints DRAM and SM %, issue activity, warps per
 scheduler, and the cycles per issued instruction a warp spends stalled, by reason, largest first.

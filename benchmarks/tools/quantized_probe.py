@@ -1,7 +1,7 @@
 r"""Where the Triton kernel's time goes with one-byte caches: widening path x scale kind x config.
 
-  PYTHONPATH=. python3 -m benchmarks.quantized_probe --json=$OUT/qprobe.json     # GPU, ~4 minutes
-  PYTHONPATH=. python3 -m benchmarks.quantized_probe --mode=tiles --shapes=128x4096 --json=...
+  PYTHONPATH=. python3 -m benchmarks.tools.quantized_probe --json=$OUT/qprobe.json     # GPU, ~4 minutes
+  PYTHONPATH=. python3 -m benchmarks.tools.quantized_probe --mode=tiles --shapes=128x4096 --json=...
 
 `--mode=tiles` times instead tile size x stages (x half the splits at B1) for int8 and fp8 e4m3
 caches with v stored like k and tokens last (`v_tokens_last`), per-token scales (~10 s a row).

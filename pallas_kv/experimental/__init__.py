@@ -1,0 +1,57 @@
+"""Kernel variants that were measured and not shipped: kept runnable for further experiments.
+
+Each is a config subclass that names a variant the production kernel still runs behind its
+`Schedule` / `converter` seam; passing one to an op (impl "mosaic_gpu") runs the variant. None is
+taken by `auto`, and the tests of these variants run under the `experimental` marker. What each
+measured is in docs/decisions.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from pallas_kv.config import MosaicGPUConfig
+from pallas_kv.config import MosaicMLAConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MosaicGPUVariantConfig(MosaicGPUConfig):
+  """convert_warpgroup: one-byte caches; a converter warpgroup between the TMA producer and the
+  consumers widens each K / V tile (and applies its per-token scales) into a ring of q-dtype
+  tiles (FA3's fp8 path). Measured slower than the consumers' own widening: the one converter is
+  the bound (docs/decisions.md#mosaic-converter-warpgroup). Needs kv_groups=1, no persistent grid,
+  head_dim <= 128."""
+  convert_warpgroup: bool = False
+
+  BOOL_FIELDS: ClassVar[tuple[str, ...]] = MosaicGPUConfig.BOOL_FIELDS + ("convert_warpgroup",)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MLAVariantConfig(MosaicMLAConfig):
+  """Other consumer schedules of the MLA kernel (`mla_config.Schedule`; docs/decisions.md#mla-schedules):
+
+  pipeline_qk: the next tile's Q K^T issued before the softmax (32-token tiles, 4 stages).
+  split_scores: both consumers score half of each tile's keys and trade row maxima (FlashMLA's
+    balance).
+  alternate_scores: the consumers score alternate tiles (FlashMLA's "seesaw").
+  rows_as_n: few packed rows (<= 64) as wgmma's N instead of padding them to M = 64.
+  ring_halves: ring slots loaded and freed in two column parts.
+  p_in_registers: the shipped schedule's P V from registers; False stages P in SMEM. None: on for
+    the plain scorer schedule, off for the others.
+  """
+  pipeline_qk: bool = False
+  split_scores: bool = False
+  alternate_scores: bool = False
+  rows_as_n: bool = False
+  ring_halves: bool = False
+  p_in_registers: bool | None = None
+
+  BOOL_FIELDS: ClassVar[tuple[str, ...]] = ("pipeline_qk", "split_scores", "alternate_scores", "rows_as_n",
+                                            "ring_halves", "p_in_registers")
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.p_in_registers is None:   # P from registers is the plain scorer's alone
+      plain = not (self.pipeline_qk or self.split_scores or self.alternate_scores or self.rows_as_n)
+      object.__setattr__(self, "p_in_registers", plain)

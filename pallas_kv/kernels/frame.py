@@ -1,0 +1,208 @@
+"""The split-K frame both kernel backends share: everything around a kernel's partials.
+
+  rows     kernels see, per (batch, kv head), R = S * G packed query rows: row r = s * G + g is
+           new token s of q head kv_head * G + g, so every q head sharing a KV head is served by
+           one program (KV is read once per group; `pack_queries`);
+  merge    combining the splits' partials (`merge_splits`), unless the kernel merges them in its
+           own launch (`run(merged=True)`);
+  calls    which calls a split-K GQA kernel serves at all (`unsupported_reason`), and the packed
+           arguments every kernel checks (`check_packed_args`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax.numpy as jnp
+
+from pallas_kv import validation
+
+KV_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+# One-byte caches the kernels dequantize after the load (k_scale / v_scale).
+QUANTIZED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+MAX_GROUP = 16
+
+
+def unsupported_reason(op: str, problem, options, dtypes, *, backend: str, head_dims) -> str | None:
+  """Why a split-K GQA backend cannot serve the call (MLA, other caches), or None."""
+  _, kv_dtype = dtypes
+  kv_dtype = jnp.dtype(kv_dtype)
+  if op == "mla":
+    return f"MLA is not implemented on the {backend} backend"
+  if kv_dtype not in KV_DTYPES + QUANTIZED_DTYPES:
+    return (f"the cache dtype {kv_dtype.name} is not supported "
+            f"({', '.join(d.name for d in KV_DTYPES + QUANTIZED_DTYPES)})")
+  if kv_dtype in KV_DTYPES and options.quantized:
+    return f"k_scale / v_scale on a {kv_dtype.name} cache are not supported (they dequantize int8 / fp8 caches)"
+  if problem.head_dim not in head_dims:
+    return f"head_dim {problem.head_dim} is not one of {tuple(head_dims)}"
+  if problem.group_size > MAX_GROUP:
+    return f"{problem.group_size} q heads per kv head is over the supported {MAX_GROUP}"
+  return None
+
+
+def pack_queries(q4, num_kv_heads: int):
+  """[B, S, Hq, D] -> [B, Hkv, S * G, D]."""
+  b, s, hq, d = q4.shape
+  g = hq // num_kv_heads
+  return q4.reshape(b, s, num_kv_heads, g, d).transpose(0, 2, 1, 3, 4).reshape(b, num_kv_heads, s * g, d)
+
+
+def unpack_rows(x, num_queries: int):
+  """[B, Hkv, S * G, ...] -> [B, S, Hq, ...], the inverse of pack_queries."""
+  b, hkv, r = x.shape[:3]
+  g = r // num_queries
+  rest = x.shape[3:]
+  x = x.reshape(b, hkv, num_queries, g, *rest)
+  x = jnp.moveaxis(x, 2, 1)  # [B, S, Hkv, G, ...]
+  return x.reshape(b, num_queries, hkv * g, *rest)
+
+
+def merge_splits(out, lse, sinks=None):
+  """Merges split-K partials.
+
+  Args:
+    out: [B, Hkv, splits, R, Dv], each split's softmax-normalised output (0 with one split where
+      it saw no key; with several, any values there: ignored, the MLA kernel leaves them
+      unwritten): float32, or 16-bit (summed in float32).
+    lse: [B, Hkv, splits, R] float32, each split's log-sum-exp (-inf where empty).
+    sinks: optional [Hkv, R] float32 sink logit of each packed row; joins the denominator only.
+  Returns:
+    (out [B, Hkv, R, Dv] float32, lse [B, Hkv, R] float32 over the real keys, -inf where none).
+  """
+  if out.shape[2] == 1 and sinks is None:  # one split is already the answer: skip the merge
+    return out[:, :, 0], lse[:, :, 0]
+  out = out.astype(jnp.float32)
+  total = jnp.max(lse, axis=2)  # [B, Hkv, R]
+  shift = jnp.where(jnp.isfinite(total), total, 0.0)
+  weights = jnp.exp(lse - shift[:, :, None])  # empty splits weigh 0
+  norm = jnp.sum(weights, axis=2)
+  has_keys = norm > 0
+  lse_total = jnp.where(has_keys, jnp.log(jnp.where(has_keys, norm, 1.0)) + shift, -jnp.inf)
+  denom = norm
+  if sinks is not None:
+    denom = denom + jnp.exp(sinks[None].astype(jnp.float32) - shift)
+  merged = jnp.einsum("bhsr,bhsrd->bhrd", weights, jnp.where((lse > -jnp.inf)[..., None], out, 0.0))
+  merged = merged / jnp.where(has_keys, denom, 1.0)[..., None]
+  return merged, lse_total
+
+
+def scale_kind(scale, k_shape) -> str | None:
+  """None (no scale), "head" (float32 [Hkv]) or "token" (float32 [*k_shape[:2], Hkv]: per token
+  and kv head, with the cache's leading dims: [B, T, Hkv] contiguous, [P, page_size, Hkv] paged)."""
+  if scale is None:
+    return None
+  hkv = k_shape[2]
+  if tuple(scale.shape) == (hkv,):
+    return "head"
+  if tuple(scale.shape) == (*k_shape[:2], hkv):
+    return "token"
+  raise ValueError(f"a scale must be [Hkv]=({hkv},) or [{k_shape[0]}, {k_shape[1]}, {hkv}]; got {tuple(scale.shape)}")
+
+
+def check_packed_args(q, k, v, lengths, block_tables, *, num_queries: int, k_scale=None, v_scale=None,
+                      v_tokens_last: bool = False) -> None:
+  """The layout every backend's `decode_partials` takes: q packed as [B, Hkv, R, D] in bf16 or
+  fp16; k and v alike (v tokens last: k's dims 0, 2, 3, 1), in q's dtype or a one-byte dtype
+  (QUANTIZED_DTYPES) with optional float32 scales (`scale_kind`); int32 lengths [B]; int32
+  block_tables [B, max_pages] (paged only)."""
+  if q.ndim != 4:
+    raise ValueError(f"q must be packed rows [B, Hkv, R, D], got {q.shape=}")
+  if k.ndim != 4 or v.shape != (validation.tokens_last_shape(k.shape) if v_tokens_last else k.shape):
+    raise ValueError(f"k must be 4-d and v {'its dims 0, 2, 3, 1' if v_tokens_last else 'of its shape'}, "
+                     f"got {k.shape=} {v.shape=}")
+  B, Hkv, R, D = q.shape
+  if k.shape[2:] != (Hkv, D):
+    raise ValueError(f"k's heads and head_dim {k.shape[2:]=} must match q's {(Hkv, D)}")
+  if jnp.dtype(q.dtype) not in KV_DTYPES:
+    raise ValueError(f"q.dtype={jnp.dtype(q.dtype).name} must be bfloat16 or float16")
+  if v.dtype != k.dtype or (k.dtype != q.dtype and jnp.dtype(k.dtype) not in QUANTIZED_DTYPES):
+    raise ValueError(f"k and v must share q's dtype or a one-byte dtype "
+                     f"({', '.join(d.name for d in QUANTIZED_DTYPES)}), got {q.dtype=} {k.dtype=} {v.dtype=}")
+  for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+    if scale is not None:
+      if scale.dtype != jnp.float32:
+        raise ValueError(f"{name} must be float32, got {scale.dtype}")
+      scale_kind(scale, k.shape)
+  if num_queries < 1 or R % num_queries:
+    raise ValueError(f"{num_queries=} must be >= 1 and divide the packed rows {R=}")
+  if lengths.shape != (B,) or lengths.dtype != jnp.int32:
+    raise ValueError(f"lengths must be int32 [{B}], got {lengths.shape=} {lengths.dtype=}")
+  if block_tables is None:
+    if k.shape[0] != B:
+      raise ValueError(f"dense k must be [B={B}, T, Hkv, D], got {k.shape=}")
+  elif block_tables.ndim != 2 or block_tables.shape[0] != B or block_tables.dtype != jnp.int32:
+    raise ValueError(f"block_tables must be int32 [B={B}, max_pages], got {block_tables.shape=} "
+                     f"{block_tables.dtype=}")
+
+
+def compute_dtype(kv_dtype):
+  """The dtype of the kernels' matmul operands: a 16-bit cache's own; float16 for a one-byte
+  cache, which widens to it exactly after the load (int8 and both fp8 kinds are float16 values;
+  float16 keeps 3 more mantissa bits of q and P than bfloat16)."""
+  if jnp.dtype(kv_dtype) in KV_DTYPES:
+    return jnp.dtype(kv_dtype)
+  return jnp.dtype(jnp.float16)
+
+
+def kernel_scale(scale, num_kv_heads: int):
+  """A public k_scale / v_scale as the kernels take it: None, float32 [Hkv] (a number or a scalar
+  broadcast to every head), or the per-token array in float32."""
+  if scale is None:
+    return None
+  scale = jnp.asarray(scale, jnp.float32)
+  return jnp.broadcast_to(scale, (num_kv_heads,)) if scale.ndim == 0 else scale
+
+
+def packed_sinks(sinks, problem):
+  """Per-head sink logits [Hq] as float32 [Hkv, R] per packed row (`pack_queries`)."""
+  per_head = jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :, None],
+                              (1, problem.num_queries, problem.num_heads, 1))
+  return pack_queries(per_head, problem.num_kv_heads)[0, ..., 0]
+
+
+def run(partials: Callable, q, k, lengths, block_tables, *, problem, sinks, return_lse: bool, k_scale=None,
+        v_scale=None, merged: bool = False, merge: Callable | None = None):
+  """Packs q into kernel rows, calls partials(rows, lengths, block_tables, k_scale, v_scale) ->
+  (out, lse) per split ([B, Hkv, splits, >= R, D], [B, Hkv, splits, >= R]), merges the splits and
+  unpacks the rows.
+
+  The splits merge in XLA (`merge_splits`), or, given merge, in its launch:
+  merge(out, lse, row_sinks, rows=R, out_dtype=q.dtype, return_lse=...) -> (out [B, Hkv, R, D]
+  in q's dtype, lse or None), as `pallas_kv.kernels.triton.merge.merge_partials` does.
+
+  merged=True: the kernel merges its splits itself (sinks included):
+  partials(rows, lengths, block_tables, k_scale, v_scale, row_sinks) -> (out [B, Hkv, R, D],
+  lse [B, Hkv, R] float32 or None when not return_lse), row_sinks `packed_sinks` or None.
+
+  Lengths and page ids reach the kernel as int32, unclamped: every kernel clamps them itself
+  (into [0, T] and [0, P)), which spares a launch before it; scales come as `kernel_scale` makes
+  them.
+  """
+  q4, single = validation.query_as_rank4(q)
+  rows = pack_queries(q4, problem.num_kv_heads).astype(compute_dtype(k.dtype))  # [B, Hkv, R = S*G, D]
+  num_rows = rows.shape[2]
+  lengths = lengths.astype(jnp.int32)
+  if block_tables is not None:
+    block_tables = block_tables.astype(jnp.int32)
+  row_sinks = None if sinks is None else packed_sinks(sinks, problem)
+  k_scale = kernel_scale(k_scale, problem.num_kv_heads)
+  v_scale = kernel_scale(v_scale, problem.num_kv_heads)
+  if merged:
+    out, lse = partials(rows, lengths, block_tables, k_scale, v_scale, row_sinks)
+  else:
+    out, lse = partials(rows, lengths, block_tables, k_scale, v_scale)
+    if merge is not None and out.shape[2] > 1:
+      out, lse = merge(out, lse, row_sinks, rows=num_rows, out_dtype=q.dtype, return_lse=return_lse)
+    else:
+      out, lse = out[:, :, :, :num_rows], lse[:, :, :, :num_rows]  # drop rows a kernel padded
+      out, lse = merge_splits(out, lse, row_sinks)
+  out = unpack_rows(out, problem.num_queries)
+  if not return_lse:
+    return out[:, 0] if single else out
+  lse = unpack_rows(lse, problem.num_queries)
+  return (out[:, 0], lse[:, 0]) if single else (out, lse)

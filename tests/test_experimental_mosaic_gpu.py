@@ -1,0 +1,149 @@
+"""The Mosaic GPU GQA kernel's experimental variant (`pallas_kv.experimental.MosaicGPUVariantConfig`):
+the converter warpgroup, which widens one-byte K / V tiles for the consumers (FA3's fp8 path).
+Numerics in GPU interpret mode, race detection, its checks, CUDA lowering and the GPU run."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import pallas_kv as pkv
+from harness import assert_matches_reference, lower_for_cuda
+from pallas_kv.experimental import MosaicGPUVariantConfig
+from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
+from test_mosaic_gpu_quantized import E4M3, E5M2, INT8, check_case, complete, make_quant_case, run_partials
+
+pytestmark = pytest.mark.experimental
+
+
+def converter(**fields) -> MosaicGPUVariantConfig:
+  """A complete config of the converter variant (64-token tiles, 2 stages, one split unless given)."""
+  return complete(MosaicGPUVariantConfig, convert_warpgroup=True, **fields)
+
+
+@pytest.mark.parametrize("seed,kv_dtype,k_kind,v_kind,page_size,num_queries,num_kv_heads,fields", [
+    (30, INT8, "token", "token", None, 1, 4, dict(num_splits=2)),
+    (31, E4M3, "head", "token", 16, 3, 1, dict(pipeline_qk=True)),
+    (32, E5M2, None, "head", 64, 2, 1, dict()),
+], ids=["int8-token-dense", "e4m3-head+token-hkv1-page16-s3-pqk", "e5m2-none+head-page64-s2"])
+def test_converter_warpgroup_matches_reference_interpret(seed, kv_dtype, k_kind, v_kind, page_size, num_queries,
+                                                         num_kv_heads, fields):
+  # A ragged length (the last tile masked) and an empty sequence: the converter zeroes V's rows past
+  # the length itself.
+  case = make_quant_case(seed, kv_dtype=kv_dtype, k_kind=k_kind, v_kind=v_kind, batch=2, seq_len=192,
+                         num_heads=2 * num_kv_heads, num_kv_heads=num_kv_heads, num_queries=num_queries,
+                         page_size=page_size, lengths=[150, 0])
+  out, lse = check_case(case, converter(**fields))
+  np.testing.assert_array_equal(np.asarray(out[1], np.float32), 0.0)
+  assert np.isneginf(np.asarray(lse[1])).all()
+
+
+def test_converter_warpgroup_race_detection_finds_none():
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
+  # 5 tiles through 2-slot rings on both sides of the converter: every slot refilled.
+  case = make_quant_case(33, kv_dtype=INT8, k_kind="token", v_kind="token", batch=1, seq_len=320, num_heads=4,
+                         num_kv_heads=1, page_size=16, lengths=[300])
+  out, _ = run_partials(case, converter(), interpret=plgpu.InterpretGPUParams(detect_races=True))
+  jax.block_until_ready(out)
+  assert not gpu_callbacks.get_races().races_found
+
+
+def test_converter_warpgroup_is_checked():
+  config = converter(num_splits=2)
+  check = functools.partial(mgpu_config.check_config, rows=4, page_size=None)
+  with pytest.raises(ValueError, match="converts one-byte caches"):
+    check(config, head_dim=128, dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="kv_groups=1 and persistent=False"):
+    check(dataclasses.replace(config, kv_groups=2), head_dim=128, dtype=INT8)
+  with pytest.raises(NotImplementedError, match="head_dim=256"):
+    check(config, head_dim=256, dtype=INT8)
+  check(config, head_dim=128, dtype=INT8)
+  with pytest.raises(ValueError, match="convert_warpgroup"):
+    MosaicGPUVariantConfig(convert_warpgroup=1)
+  assert mgpu_config.converter(config) and not mgpu_config.converter(complete())
+  # The converted rings count in the SMEM budget: 2 slots of K and of V in q's dtype.
+  plain = mgpu_config.smem_bytes(dataclasses.replace(config, convert_warpgroup=False), rows=4, head_dim=128,
+                                 dtype=INT8, q_dtype=jnp.bfloat16)
+  converted = mgpu_config.smem_bytes(config, rows=4, head_dim=128, dtype=INT8, q_dtype=jnp.bfloat16)
+  assert converted - plain >= 2 * 2 * 64 * 128 * 2 - 64 * 128 * 2   # minus the dequantized tile it replaces
+  # A partial variant config is filled around it: one KV group (the heuristic takes two for int8).
+  from sweeps import problem_args
+  _, problem = problem_args((32, 8), (32, 4096), None)
+  resolved = mgpu_config.resolve_config(problem, MosaicGPUVariantConfig(convert_warpgroup=True), dtype=INT8,
+                                        num_sms=132)
+  assert isinstance(resolved, MosaicGPUVariantConfig) and resolved.convert_warpgroup and resolved.kv_groups == 1
+  assert mgpu_config.resolve_config(problem, None, dtype=INT8, num_sms=132).kv_groups == 2
+
+
+def _lower_op(q, kv, scales, tables=None, *, config):
+  """The op (impl mosaic_gpu, a variant config) lowered for CUDA on ShapeDtypeStructs; its module."""
+  kw = dict(impl="mosaic_gpu", config=config)
+  lengths = jax.ShapeDtypeStruct((q.shape[0],), jnp.int32)
+  if tables is None:
+    fn = lambda q, k, v, n, ks, vs: pkv.decode_attention(q, k, v, n, k_scale=ks, v_scale=vs, **kw)
+    return lower_for_cuda(fn, q, kv, kv, lengths, scales, scales).mlir_module()
+  fn = lambda q, k, v, t, n, ks, vs: pkv.paged_decode_attention(q, k, v, t, n, k_scale=ks, v_scale=vs, **kw)
+  return lower_for_cuda(fn, q, kv, kv, tables, lengths, scales, scales).mlir_module()
+
+
+@pytest.mark.parametrize("kv_dtype,scale_kind,page_size", [(INT8, "token", None), (E4M3, "token", 16),
+                                                           (INT8, "head", 64)])
+def test_converter_warpgroup_lowers_for_cuda(kv_dtype, scale_kind, page_size):
+  # B32 T4096 heads 32/8 D128: Mosaic GPU lowering and layout inference of the converter's loads
+  # and stores, which interpret mode does not check.
+  num_kv_heads, T = 8, 4096
+  q = jax.ShapeDtypeStruct((32, 32, 128), jnp.bfloat16)
+  config = MosaicGPUVariantConfig(block_kv=64, num_stages=4, num_splits=1, convert_warpgroup=True)
+  if page_size is None:
+    kv = jax.ShapeDtypeStruct((32, T, num_kv_heads, 128), kv_dtype)
+    scales = jax.ShapeDtypeStruct((32, T, num_kv_heads) if scale_kind == "token" else (num_kv_heads,), jnp.float32)
+    module = _lower_op(q, kv, scales, config=config)
+  else:
+    pages = jax.ShapeDtypeStruct((32 * T // page_size, page_size, num_kv_heads, 128), kv_dtype)
+    tables = jax.ShapeDtypeStruct((32, T // page_size), jnp.int32)
+    shape = (32 * T // page_size, page_size, num_kv_heads) if scale_kind == "token" else (num_kv_heads,)
+    module = _lower_op(q, pages, jax.ShapeDtypeStruct(shape, jnp.float32), tables, config=config)
+  assert "_cvt" in module   # the converter's kernel, not the consumers' dequantizing one
+
+
+def test_converter_warpgroup_with_two_row_warpgroups_lowers_for_cuda():
+  # 5 new tokens x 16 q heads = 80 packed rows: two consumers read each converted slot (4 warpgroups).
+  q = jax.ShapeDtypeStruct((4, 5, 16, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((4, 4096, 1, 128), INT8)
+  scales = jax.ShapeDtypeStruct((4, 4096, 1), jnp.float32)
+  module = _lower_op(q, kv, scales, config=converter(num_splits=2))
+  assert "_cvt" in module
+
+
+def test_converter_warpgroup_keeps_garbage_past_the_length_out():
+  # V past the length holds NaN and its per-token scales inf: the converter must zero those rows.
+  clean = make_quant_case(34, kv_dtype=E4M3, k_kind="token", v_kind="token", batch=2, num_heads=4, num_kv_heads=1,
+                          lengths=[201, 130])
+  past = (jnp.arange(clean.v.shape[1]) >= clean.lengths[:, None])[..., None]   # [B, T, 1]
+  poisoned = dataclasses.replace(clean, v=jnp.where(past[..., None], jnp.nan, clean.v.astype(jnp.float32))
+                                 .astype(E4M3), v_scale=jnp.where(past, jnp.inf, clean.v_scale))
+  out, _ = run_partials(poisoned, converter(num_splits=2))
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+  assert_matches_reference(out, clean.reference()[0], clean.q.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype,kind,page_size", [(INT8, "token", None), (E4M3, "token", 16), (INT8, "head", 64)],
+                         ids=["int8-token-dense", "e4m3-token-page16", "int8-head-page64"])
+def test_gpu_converter_warpgroup_matches_reference(kv_dtype, kind, page_size):
+  case = make_quant_case(35, kv_dtype=kv_dtype, k_kind=kind, v_kind=kind, batch=4, seq_len=2048, num_heads=32,
+                         num_kv_heads=8, head_dim=128, page_size=page_size, lengths=[2048, 1000, 0, 77])
+  config = MosaicGPUVariantConfig(block_kv=64, num_stages=4, num_splits=4, convert_warpgroup=True)
+  q = case.q[:, 0]
+  if page_size is None:
+    out = pkv.decode_attention(q, case.k, case.v, case.lengths, k_scale=case.k_scale, v_scale=case.v_scale,
+                               impl="mosaic_gpu", config=config)
+  else:
+    k_pages, v_pages, tables, k_scale, v_scale = case.paged
+    out = pkv.paged_decode_attention(q, k_pages, v_pages, tables, case.lengths, k_scale=k_scale, v_scale=v_scale,
+                                     impl="mosaic_gpu", config=config)
+  assert_matches_reference(out, case.reference()[0][:, 0], case.q.dtype)
