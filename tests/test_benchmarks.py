@@ -2,6 +2,7 @@
 
 import csv
 import dataclasses
+import functools
 import glob
 import io
 import json
@@ -830,53 +831,91 @@ def test_report_auto_mode_compares_auto_with_the_fastest_backend_and_peer(tmp_pa
   assert "| triton | 21.8 | 10.9 (triton) | 2.000 | 10.9 (2.000) | triton | 65.5 (xla_einsum) | 0.333 |" in line
 
 
-def test_decode_benchmark_config_switches_apply_and_restore():
-  # --split_plan=balanced and --merge_in_kernel rewrite the backends' resolved configs while open.
+def test_decode_benchmark_kernel_flags_build_partial_configs():
+  # Each kernel flag fixes its fields in a partial config of every kernel that has them; the
+  # backend fills the rest (here as its heuristic would: no tuned file for a CPU).
   import pallas_kv as pkv
   import sweeps
-  from pallas_kv.kernels import split_k
+  from pallas_kv import experimental
+  from pallas_kv import runtime
+  from pallas_kv.kernels import plan
   from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
   from pallas_kv.kernels.triton import config as triton_config
   _, problem = sweeps.problem_args((32, 8), (16, 32768), None)
-  plain = {m: m.resolve_config(problem, None, num_sms=132) for m in (mgpu_config, triton_config)}
-  with decode_bench.balanced_split_plan(True):
-    for module in (mgpu_config, triton_config):
-      config = module.resolve_config(problem, None, num_sms=132)
-      assert config.split_plan == "balanced"
-      assert config.block_kv == plain[module].block_kv
-      assert config.num_splits >= split_k.choose_balanced_splits(
-          batch=16, num_kv_heads=8, row_blocks=1, capacity=32768, block_kv=config.block_kv, num_sms=132)
-  with decode_bench.triton_merge_in_kernel(True):
-    assert triton_config.resolve_config(problem, None, num_sms=132).merge_in_kernel
-  with decode_bench.triton_sequence_order("longest_first"):
-    ordered = triton_config.resolve_config(problem, None, num_sms=132)
-    assert ordered.sequence_order == "longest_first" and ordered.split_plan == "per_sequence"
-  # This shape takes stream-K by default; the switches force either plan.
-  assert plain[triton_config].split_plan == "stream_k"
-  with decode_bench.triton_per_sequence(True):
-    per_sequence = triton_config.resolve_config(problem, None, num_sms=132)
-    assert per_sequence.split_plan == "per_sequence" and per_sequence.block_kv == plain[triton_config].block_kv
-  with decode_bench.triton_stream_k(True, programs_per_sm=3):
-    streamed = triton_config.resolve_config(problem, None, num_sms=132)
-    assert streamed.split_plan == "stream_k" and streamed.num_splits == 132 * 3 // 8
-  with decode_bench.triton_fields(block_kv=32):
-    retiled = triton_config.resolve_config(problem, None, num_sms=132)
-    assert retiled.block_kv == 32 and retiled.num_splits == plain[triton_config].num_splits
-  with decode_bench.triton_fields(num_stages=5 - plain[triton_config].num_stages):
-    staged = triton_config.resolve_config(problem, None, num_sms=132)
-    assert staged.num_stages == 5 - plain[triton_config].num_stages
-    assert dataclasses.replace(staged, num_stages=plain[triton_config].num_stages) == plain[triton_config]
-  with decode_bench.mosaic_convert_warpgroup(True):
-    converted = mgpu_config.resolve_config(problem, None, dtype="int8", num_sms=132)
-    assert converted.convert_warpgroup and converted.kv_groups == 1 and not converted.persistent
-    assert mgpu_config.fits_smem(converted, rows=4, head_dim=128, dtype="int8", k_scale_kind="token",
-                                 v_scale_kind="token")
-    assert mgpu_config.resolve_config(problem, None, num_sms=132) == plain[mgpu_config]   # bf16: untouched
-  for module, config in plain.items():
-    assert module.resolve_config(problem, None, num_sms=132) == config
-    assert config.split_plan == ("stream_k" if module is triton_config else "per_sequence")
-    assert not config.merge_in_kernel
-  assert isinstance(plain[triton_config], pkv.DecodeConfig)
+  case = cases.Case.from_sweep(cases.Sweep(num_heads=32, num_kv_heads=8, head_dim=128), 16, 32768)
+  modules = {"triton": triton_config, "mosaic_gpu": mgpu_config}
+  plain = {backend: module.resolve_config(problem, None, num_sms=132) for backend, module in modules.items()}
+
+  def resolved(dtype="bfloat16", on=case, **flag_fields):
+    configs = decode_bench.KernelFlags(**flag_fields).configs(on)
+    return {b: modules[b].resolve_config(problem, c, dtype=dtype, num_sms=132) for b, c in configs.items()}
+
+  assert decode_bench.KernelFlags().configs(case) == {}
+  assert decode_bench.KernelFlags(split_plan="balanced").configs(case) == {
+      "triton": pkv.TritonConfig(split_plan="balanced"), "mosaic_gpu": pkv.MosaicGPUConfig(split_plan="balanced")}
+  for backend, config in resolved(split_plan="balanced").items():
+    assert config.split_plan == "balanced" and config.block_kv == plain[backend].block_kv
+    assert config.num_splits >= plan.choose_balanced_splits(
+        batch=16, num_kv_heads=8, row_blocks=1, capacity=32768, block_kv=config.block_kv, num_sms=132)
+  merged = resolved(merge_in_kernel=True)
+  assert set(merged) == {"triton"} and merged["triton"].merge_in_kernel
+  ordered = resolved(sequence_order="longest_first")   # Mosaic GPU's GQA kernel has no order
+  assert set(ordered) == {"triton"}
+  assert ordered["triton"].sequence_order == "longest_first" and ordered["triton"].split_plan == "per_sequence"
+  # This shape takes stream-K by default; the flag forces either plan.
+  assert plain["triton"].split_plan == "stream_k"
+  per_sequence = resolved(split_plan="per_sequence")
+  assert {c.split_plan for c in per_sequence.values()} == {"per_sequence"}
+  assert per_sequence["triton"].block_kv == plain["triton"].block_kv
+  assert decode_bench.KernelFlags(split_plan="stream_k", stream_k_programs_per_sm=3).configs(case) == {
+      "triton": pkv.TritonConfig(split_plan="stream_k", num_splits=runtime.num_sms() * 3 // 8)}
+  assert resolved(split_plan="stream_k") == {"triton": plain["triton"]}   # the backend's own program count
+  retiled = resolved(triton_block_kv=32)["triton"]
+  assert retiled.block_kv == 32 and retiled.num_splits == plain["triton"].num_splits
+  staged = resolved(triton_num_stages=5 - plain["triton"].num_stages)["triton"]
+  assert dataclasses.replace(staged, num_stages=plain["triton"].num_stages) == plain["triton"]
+  # --convert_warpgroup: one-byte caches only, as the experimental variant.
+  assert decode_bench.KernelFlags(convert_warpgroup=True).configs(case) == {}
+  int8 = dataclasses.replace(case, kv_dtype="int8")
+  assert decode_bench.KernelFlags(convert_warpgroup=True).configs(int8) == {
+      "mosaic_gpu": experimental.MosaicGPUVariantConfig(convert_warpgroup=True)}
+  converted = resolved(dtype="int8", on=int8, convert_warpgroup=True)["mosaic_gpu"]
+  assert converted.convert_warpgroup and converted.kv_groups == 1 and not converted.persistent
+  assert mgpu_config.fits_smem(converted, rows=4, head_dim=128, dtype="int8", k_scale_kind="token",
+                               v_scale_kind="token")
+  # MLA takes the plan and order fields; flags no config takes are refused before a run.
+  mla = cases.Case.from_sweep(cases.Sweep(op="mla", num_heads=16, page_size=64), 4, 4096)
+  assert decode_bench.KernelFlags(split_plan="balanced", sequence_order="long_short", merge_in_kernel=True,
+                                  triton_block_kv=32).configs(mla) == {
+      "mosaic_gpu": pkv.MosaicMLAConfig(split_plan="balanced", sequence_order="long_short")}
+  for bad in (dict(split_plan="stream_k", sequence_order="longest_first"), dict(triton_block_kv=48),
+              dict(stream_k_programs_per_sm=2)):
+    with pytest.raises(ValueError):
+      decode_bench.KernelFlags(**bad)
+
+
+def test_decode_benchmark_kernel_flags_parse_and_reach_the_kernel_rows(monkeypatch):
+  import pallas_kv as pkv
+  flag_values = flags.FlagValues()
+  decode_bench.define_flags(flag_values)
+  assert flag_values["split_plan"].parser.enum_values == list(pkv.TritonConfig.SPLIT_PLANS)
+  flag_values(["decode", "--split_plan=balanced", "--merge_in_kernel", "--sequence_order=longest_first"])
+  kernel = decode_bench.kernel_flags(flag_values)
+  assert kernel == decode_bench.KernelFlags(split_plan="balanced", merge_in_kernel=True, sequence_order="longest_first")
+  monkeypatch.setattr(pkv.api, "device_can_run", lambda name: name == "triton")   # auto picks triton here
+  run = functools.partial(decode_bench.run, op="decode", cases=((2, 64),), num_heads=4, num_kv_heads=2, head_dim=64,
+                          ragged=True, warmup=0, iters=1, repeats=1, host_loop=False, out=io.StringIO())
+  with pkv.interpret():
+    rows = {r["impl"]: r for r in run(impls=("auto", "triton", "mosaic_gpu", "xla"), kernel=kernel)}
+    assert all(r["status"] == "ok" and r["check_ok"] for r in rows.values()), rows
+    triton_fields = {"split_plan": "balanced", "sequence_order": "longest_first", "merge_in_kernel": True}
+    assert rows["triton"]["config"] == triton_fields and rows["mosaic_gpu"]["config"] == {"split_plan": "balanced"}
+    assert rows["auto"]["auto_choice"] == "triton" and rows["auto"]["config"] == triton_fields
+    assert "config" not in rows["xla"]
+    tokens_last = decode_bench.KernelFlags(v_tokens_last=True, triton_num_stages=2)
+    rows = {r["impl"]: r for r in run(impls=("triton", "mosaic_gpu"), kernel=tokens_last)}
+  assert rows["triton"]["status"] == "ok" and rows["triton"]["check_ok"] and rows["triton"]["config"] == {"num_stages": 2}
+  assert rows["mosaic_gpu"]["status"] == "n/a" and "v_tokens_last" in rows["mosaic_gpu"]["reason"]
 
 
 _QUEUED_WALL_CHECK = """
@@ -931,7 +970,7 @@ def test_triton_sass_lowers_the_decode_kernel_here():
   import pallas_kv as pkv
   from benchmarks.tools import triton_sass
   ttir = triton_sass.kernel_ttir("int8", scales="token", batch=2, seq_len=256,
-                                 config=pkv.DecodeConfig(block_kv=64, num_stages=3, num_splits=1))
+                                 config=pkv.TritonConfig(block_kv=64, num_stages=3, num_splits=1))
   assert "tt.func public @pallas_kv_triton_decode_dense" in ttir and "kstoken_vstoken" in ttir
   try:
     import triton  # noqa: F401
@@ -956,7 +995,7 @@ def test_triton_sass_lowers_the_paged_kernel_with_v_tokens_last_here():
   import pallas_kv as pkv
   from benchmarks.tools import triton_sass
   ttir = triton_sass.kernel_ttir("int8", scales="token", batch=2, seq_len=256, page_size=64, v_tokens_last=True,
-                                 config=pkv.DecodeConfig(block_kv=64, num_stages=3, num_splits=1))
+                                 config=pkv.TritonConfig(block_kv=64, num_stages=3, num_splits=1))
   assert "tt.func public @pallas_kv_triton_decode_paged64" in ttir and "_vt" in ttir
 
 

@@ -56,25 +56,33 @@ def test_mla_traces_no_effect_outside_checked(impl):
     assert _effects(mla, q, kv, tables, lengths)
 
 
+def _abstract(fn, *args, **kwargs):
+  """fn's result as ShapeDtypeStructs: the traces below need shapes only, and building real random
+  weights and caches eagerly costs an XLA compile per shape (seconds, not milliseconds)."""
+  return jax.eval_shape(lambda: fn(*args, **kwargs))
+
+
 def test_decode_attention_layer_traces_no_effect():
   layer = pkv.DecodeAttention(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, impl="xla")
-  params = layer.init(jax.random.key(0))
-  cache = pkv.KVCache.create(batch=2, capacity=32, num_kv_heads=2, head_dim=16, dtype=jnp.float32)
-  x = jnp.ones((2, 64), jnp.float32)
+  params = _abstract(layer.init, jax.random.key(0))
+  x = jax.ShapeDtypeStruct((2, 64), jnp.float32)
+  cache = _abstract(pkv.KVCache.create, batch=2, capacity=32, num_kv_heads=2, head_dim=16, dtype=jnp.float32)
+  pages = _abstract(pkv.PagedKVCache.create, batch=2, num_pages=8, page_size=8, max_pages_per_seq=4,
+                    num_kv_heads=2, head_dim=16, dtype=jnp.float32)
   assert not _effects(layer, params, x, cache)
-  pages = pkv.PagedKVCache.create(batch=2, num_pages=8, page_size=8, max_pages_per_seq=4, num_kv_heads=2,
-                                  head_dim=16, dtype=jnp.float32)
   assert not _effects(layer, params, x, pages)
+  with pkv.checked():   # the same traces do carry the checks where asked for
+    assert _effects(layer, params, x, cache)
+    assert _effects(layer, params, x, pages)
 
 
 def _tiny_llama():
   config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=8, eos_token_id=2)
-  keys = iter(jax.random.split(jax.random.key(0), 16))
-  w = lambda *shape: jax.random.normal(next(keys), shape, jnp.float32) / np.sqrt(shape[-2] if len(shape) > 1 else 1)
   n, h, kv, d, f, layers = 4, 32, 2, 8, 48, 2
-  params = dict(embed=w(64, h), final_norm=jnp.ones((h,)), layers=dict(
-      attn_norm=jnp.ones((layers, h)), mlp_norm=jnp.ones((layers, h)),
+  w = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  params = dict(embed=w(64, h), final_norm=w(h), layers=dict(
+      attn_norm=w(layers, h), mlp_norm=w(layers, h),
       attn=dict(wq=w(layers, h, n, d), wk=w(layers, h, kv, d), wv=w(layers, h, kv, d), wo=w(layers, n, d, h)),
       w_gate=w(layers, h, f), w_up=w(layers, h, f), w_down=w(layers, f, h)))
   return config, params
@@ -83,9 +91,11 @@ def _tiny_llama():
 def test_smollm2_decode_step_traces_no_effect():
   config, params = _tiny_llama()
   model = Llama(config, impl="xla")
-  state = serving.empty_state(model, num_slots=2, num_pages=8, page_size=4, max_pages_per_seq=4)
+  state = _abstract(serving.empty_state, model, num_slots=2, num_pages=8, page_size=4, max_pages_per_seq=4)
   step = lambda params, state: serving.decode_steps.__wrapped__(model, params, state, 2)
   assert not _effects(step, params, state)
+  with pkv.checked():
+    assert _effects(step, params, state)
 
 
 # jit's C++ dispatch path: after the first call of a jitted function, a call whose compiled

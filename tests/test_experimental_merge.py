@@ -102,13 +102,14 @@ def _overlapped_merge(q, pages, tables, lengths, *, qk_dim, v_dim, config, inter
 
 
 def test_mla_overlapped_merge_matches_reference():
-  """The Mosaic GPU merge after the MLA kernel (interpret mode) at 128 packed rows (64 heads x 2
-  tokens), with empty splits (lengths 0 and 100 of 4 splits over 256) and NaN pages."""
+  """The Mosaic GPU merge after the MLA kernel (interpret mode) at 64 packed rows (64 heads), with
+  unwritten partials of empty splits (lengths 0 and 100 of 4 splits over 256) and NaN pages; two
+  row blocks: test_mosaic_merge_equals_merge_splits."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  args = _case(3, batch=3, seq_len=256, num_heads=64, num_queries=2, page_size=64, lengths=[256, 0, 100])
+  args = _case(3, batch=3, seq_len=256, num_heads=64, num_queries=None, page_size=64, lengths=[256, 0, 100])
   q, pages, tables, lengths = args
   bad_pages, bad_tables = _poisoned(pages, tables, lengths, 64)
-  assert merge.unsupported_reason((3, 1, 4, 128, SMALL_V), q.dtype, rows=128, has_sinks=False) is None
+  assert merge.unsupported_reason((3, 1, 4, 64, SMALL_V), q.dtype, rows=64, has_sinks=False) is None
   out = _overlapped_merge(q, jnp.asarray(bad_pages, q.dtype), bad_tables, lengths, qk_dim=SMALL_QK, v_dim=SMALL_V,
                           config=config(4), interpret=plgpu.InterpretGPUParams())
   _check(args, out)

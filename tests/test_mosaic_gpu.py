@@ -99,12 +99,13 @@ def _partials_case(case, config, num_programs=None):
 
 # Few programs and tiles (the CPU simulates each program's warpgroups): a split with no tile, a
 # masked last tile, persistent programs fewer than the work items (B x Hkv x splits) so that each
-# loops over several, with an odd ring step count before the next item.
+# loops over several, an empty one among them, with an odd ring step count (a 3-tile sequence, or
+# its 1-tile split) before the next item.
 @pytest.mark.parametrize("lengths,page_size,fields,num_programs", [
     ([201], None, dict(pipeline_qk=True, num_splits=3), None),
-    ([150, 201], 16, dict(persistent=True, num_splits=2), 3),
-    ([70, 0, 201], 64, dict(pipeline_qk=True, persistent=True, num_splits=1), 1),
-], ids=["pqk-splits3", "persistent3-page16", "pqk-persistent1-page64"])
+    ([150, 201], 16, dict(persistent=True, num_splits=2), 2),
+    ([150, 0, 201], 64, dict(pipeline_qk=True, persistent=True, num_splits=1), 1),
+], ids=["pqk-splits3", "persistent2-page16", "pqk-persistent1-page64"])
 def test_pipeline_options_interpret(lengths, page_size, fields, num_programs):
   case = make_case(40, batch=len(lengths), seq_len=256, num_heads=4, num_kv_heads=1, head_dim=64,
                    dtype=jnp.bfloat16, page_size=page_size, lengths=lengths)
@@ -207,33 +208,38 @@ def test_pipeline_options_lower_for_cuda(fields, case, page_size):
   assert ("_balanced" in module) == (config.split_plan == "balanced")
 
 
-class _NoSoftmax(mgpu_decode.TileMath):
-  """A measurement probe: the softmax left out (P = the raw scores); wrong results by design."""
-
-  def softmax(self, s, acc, m_i, l_i, *, tile, length, row0, masked, st, k_scale=None):
-    return acc, m_i, l_i, s.astype(st.q_dtype)
+def _kernel_variants():
+  from benchmarks.tools import kernel_variants
+  return kernel_variants
 
 
-class _NoPV(mgpu_decode.TileMath):
-  """A measurement probe: P V left out."""
-
-  def pv(self, acc, p16, v_tile, p_smem=None):
-    return acc
-
-
-@pytest.mark.parametrize("probe", [_NoSoftmax(name="probe_no_softmax"), _NoPV(name="probe_no_pv")],
-                         ids=lambda p: p.name)
-def test_tile_math_probes_lower_for_cuda(probe):
-  # Measurement-only kernels (TileMath subclasses that leave a stage out, as
-  # benchmarks/tools/kernel_variants.py times them) lower, and say so in the kernel's name.
+@pytest.mark.parametrize("probe", ["no_qk", "no_softmax", "no_pv"])
+def test_probes_lower_for_cuda(probe):
+  # Measurement-only kernels (benchmarks/tools/kernel_variants.py: TileMath subclasses that leave a
+  # stage out); their results are wrong by design. loads_only: test_load_path_rings_lower_for_cuda.
   q = jax.ShapeDtypeStruct((128, 8, 4, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((128, 4096, 8, 128), jnp.bfloat16)
   lengths = jax.ShapeDtypeStruct((128,), jnp.int32)
   config = _config(num_stages=4)
+  tile_math = _kernel_variants().PROBES[probe]
   exported = lower_for_cuda(functools.partial(
       mgpu_decode.decode_partials, num_queries=1, options=AttentionOptions(scale=0.1), config=config,
-      plan=_plan(config), tile_math=probe), q, kv, kv, lengths)
-  assert probe.name in exported.mlir_module()   # the probe's name is in the kernel's
+      plan=_plan(config), tile_math=tile_math), q, kv, kv, lengths)
+  assert tile_math.name in exported.mlir_module()   # the probe's name is in the kernel's
+
+
+@pytest.mark.parametrize("ring", ["bkv64_st4", "bkv128_st2", "bkv64_st4_persistent", "bkv64_st4_kvg2"])
+def test_load_path_rings_lower_for_cuda(ring):
+  # benchmarks/tools/kernel_variants.py --load_path times these rings with no math (the loads_only
+  # probe) on the H200: the shipped ring, a larger tile, the persistent grid and two KV groups (the
+  # others differ in depth alone). The full kernel lowers with each in
+  # test_pipeline_options_lower_for_cuda, so that a faster ring can ship.
+  kernel_variants = _kernel_variants()
+  args, problem = sweeps.problem_args((32, 8), (128, 4096), None)
+  config = mgpu_config.resolve_config(problem, pkv.MosaicGPUConfig(**kernel_variants.LOAD_PATH[ring]), num_sms=132)
+  module = lower_for_cuda(kernel_variants.kernel_fn(config, problem, paged=False, probe="loads_only"),
+                          *args).mlir_module()
+  assert kernel_variants.PROBES["loads_only"].name in module
 
 
 @pytest.mark.parametrize("page_size", [4, 12, 48])

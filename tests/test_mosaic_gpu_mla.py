@@ -36,7 +36,7 @@ def config(num_splits=1, config_type=pkv.MosaicMLAConfig, **fields):
   return config_type(**(BASE.given() | dict(num_splits=num_splits) | fields))
 
 
-def plan_of(config, lengths=None, **fields):
+def plan_of(config, **fields):
   """The plan of a complete config for a kernel-level call: per sequence, or given `fields`."""
   return pkv.SplitPlan(**(dict(kind="per_sequence", num_splits=config.num_splits, block_kv=config.block_kv) | fields))
 

@@ -301,6 +301,7 @@ def test_partial_configs_are_filled_around_their_fields():
     config = resolve(pkv.MosaicGPUConfig(**fields), dtype=INT8)
     assert config.kv_groups == 1 and config.given() | fields == config.given(), fields
   assert resolve(pkv.MosaicGPUConfig(kv_groups=2, num_stages=6), dtype=INT8).num_stages == 6
+  assert resolve(pkv.MosaicGPUConfig(num_stages=2), dtype=INT8).kv_groups == 2   # a given even depth: shared out
   for dtype, block_kv, stages in ((INT8, 256, 2), (jnp.bfloat16, 128, 3)):
     config = resolve(pkv.MosaicGPUConfig(block_kv=block_kv), dtype=dtype)
     assert config.num_stages == stages

@@ -45,14 +45,15 @@ from benchmarks import output
 from benchmarks import timing
 from pallas_kv import validation
 from pallas_kv.config import AttentionOptions
-from pallas_kv.kernels import split_k
+from pallas_kv.kernels import frame
 from pallas_kv.kernels.mosaic_gpu import backend as mgpu_backend
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
 
 FLAGS = flags.FLAGS
 
-# name -> (DecodeConfig fields, shapes it runs on: None = all). num_splits None = the heuristic's.
+# name -> (MosaicGPUConfig fields, shapes it runs on: None = all); splits_factor scales the heuristic's
+# split count. The backend fills what a variant leaves out (its heuristic, around the given fields).
 VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...] | None]] = {
     "baseline": ({}, None),
     "pipeline_qk": ({"pipeline_qk": True}, None),
@@ -150,16 +151,16 @@ def _problem(args: tuple, paged: bool):
   return validation.validate_paged(*args) if paged else validation.validate_dense(*args)
 
 
-def _config(fields: dict[str, Any], args: tuple, paged: bool):
-  """The DecodeConfig of a variant; num_splits from the heuristic unless it says otherwise."""
+def _config(fields: dict[str, Any], args: tuple, paged: bool) -> pkv.MosaicGPUConfig:
+  """The complete config of a variant: its fields over the backend's choice (`resolve_config`),
+  the split count the heuristic's times splits_factor (even with two KV groups)."""
   fields = dict(fields)
   factor = fields.pop("splits_factor", 1)
-  base = dataclasses.replace(pkv.DecodeConfig(), **fields)
-  splits = mgpu_config.resolve_config(_problem(args, paged), base).num_splits
-  splits *= factor
-  if base.kv_groups == 2:
+  config = mgpu_config.resolve_config(_problem(args, paged), pkv.MosaicGPUConfig(**fields), dtype=args[1].dtype)
+  splits = config.num_splits * factor
+  if config.kv_groups == 2:
     splits = max(2, splits + splits % 2)
-  return dataclasses.replace(base, num_splits=splits)
+  return dataclasses.replace(config, num_splits=splits)
 
 
 def _op_fn(config, paged: bool):
@@ -168,15 +169,17 @@ def _op_fn(config, paged: bool):
 
 
 def kernel_fn(config, problem, paged: bool, probe: str | None):
-  """The kernel alone on the op's arguments: partials, no merge (a probe of PROBES: results wrong)."""
+  """The kernel alone on the op's arguments, with the op's plan (`backend.plan_splits`): partials, no
+  merge (a probe of PROBES: results wrong)."""
   tile_math = mgpu_decode.TileMath() if probe is None else PROBES[probe]
   options = AttentionOptions(scale=problem.head_dim ** -0.5)
 
   def fn(q, k, v, *rest):
     block_tables, lengths = (rest[0], rest[1]) if paged else (None, rest[0])
-    rows = split_k.pack_queries(q[:, None], problem.num_kv_heads).astype(k.dtype)
+    rows = frame.pack_queries(q[:, None], problem.num_kv_heads).astype(k.dtype)
+    plan = mgpu_backend.plan_splits("paged" if paged else "decode", problem, options, config, lengths)
     return mgpu_decode.decode_partials(rows, k, v, lengths, block_tables, num_queries=1, options=options,
-                                       config=config, tile_math=tile_math,
+                                       config=config, plan=plan, tile_math=tile_math,
                                        interpret=mgpu_backend.interpret_params())
 
   return jax.jit(fn)

@@ -13,7 +13,8 @@ Heads 32/8, head_dim 128, bf16 queries, full lengths, `impl="triton"`; each row 
             conversions
   kind      token (the cache's per-token scales), head (one per kv head), none (no scale: the
             kernel without scale loads or multiplies)
-  config    None (the heuristic's) or an explicit DecodeConfig
+  config    None (the backend's choice) or a partial TritonConfig of these fields (the backend fills
+            the rest)
 Rows with per-token scales are checked against the float32 reference (err column).
 """
 
@@ -98,7 +99,7 @@ def tile_sweep(shapes) -> list[dict]:
                                            v_scale=v_scale)
       problem = validation.validate_dense(q, k, v, lengths, tokens_last)
       for (block_kv, num_stages), split_divisor in itertools.product(TILES, (1, 2) if batch == 1 else (1,)):
-        base = pkv.DecodeConfig(block_kv=block_kv, num_stages=num_stages)
+        base = pkv.TritonConfig(block_kv=block_kv, num_stages=num_stages, split_plan="per_sequence")
         splits = triton_config.resolve_config(problem, base, dtype=k.dtype).num_splits
         if splits < split_divisor:
           continue
@@ -126,7 +127,7 @@ def variant_sweep(shapes) -> list[dict]:
       triton_decode.FAST_WIDEN = fast   # read when the kernel is traced
       sets = input_sets(batch, seq_len, dtype, lengths)
       args = sets[0][:-1]   # (q, k, v, k_scale, v_scale) of the first set
-      fn = attention(kind, None if fields is None else pkv.DecodeConfig(**fields))
+      fn = attention(kind, None if fields is None else pkv.TritonConfig(**fields))
       ref = pkv.decode_attention_reference(args[0].astype(jnp.float32), *args[1:3], lengths, k_scale=args[3],
                                            v_scale=args[4])
       out = fn(*args, lengths).astype(jnp.float32)

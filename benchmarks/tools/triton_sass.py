@@ -58,9 +58,9 @@ def define_flags() -> None:
   flags.DEFINE_enum("scales", "token", ["none", "head", "token"], "one-byte caches: the scale kind")
   flags.DEFINE_integer("batch", 128, "batch")
   flags.DEFINE_integer("seq_len", 4096, "tokens per sequence")
-  flags.DEFINE_integer("block_kv", 64, "DecodeConfig.block_kv")
-  flags.DEFINE_integer("num_stages", 3, "DecodeConfig.num_stages")
-  flags.DEFINE_integer("num_warps", 4, "DecodeConfig.num_warps")
+  flags.DEFINE_integer("block_kv", 64, "TritonConfig.block_kv")
+  flags.DEFINE_integer("num_stages", 3, "TritonConfig.num_stages")
+  flags.DEFINE_integer("num_warps", 4, "TritonConfig.num_warps")
   flags.DEFINE_bool("minimal_loop", False, "count the minimal loop's variants instead of the kernel")
   flags.DEFINE_bool("v_tokens_last", False, "the kernel with v stored [B, Hkv, D, T] (decode_attention's option)")
   flags.DEFINE_integer("page_size", None, "a paged cache of this page size (default: contiguous)")
@@ -114,7 +114,7 @@ def _captured_triton_modules():
     registration.lowering.lower_jaxpr_to_triton_module = original
 
 
-def kernel_ttir(kv_dtype, *, scales: str, batch: int, seq_len: int, config: pkv.DecodeConfig,
+def kernel_ttir(kv_dtype, *, scales: str, batch: int, seq_len: int, config: pkv.TritonConfig,
                 v_tokens_last: bool = False, page_size: int | None = None) -> str:
   """The Triton module (TTIR text) of the decode kernel of one case (paged given page_size),
   lowered for CUDA here."""
@@ -262,7 +262,7 @@ def main(argv: Sequence[str]) -> None:
   if FLAGS.minimal_loop:
     minimal_loop_main()
     return
-  config = pkv.DecodeConfig(block_kv=FLAGS.block_kv, num_stages=FLAGS.num_stages, num_warps=FLAGS.num_warps,
+  config = pkv.TritonConfig(block_kv=FLAGS.block_kv, num_stages=FLAGS.num_stages, num_warps=FLAGS.num_warps,
                             num_splits=1)
   for kv_dtype in FLAGS.kv_dtype:
     ttir = kernel_ttir(kv_dtype, scales=FLAGS.scales, batch=FLAGS.batch, seq_len=FLAGS.seq_len, config=config,

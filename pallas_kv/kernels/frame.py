@@ -1,13 +1,7 @@
 """The split-K frame both kernel backends share: everything around a kernel's partials.
 
-  rows     kernels see, per (batch, kv head), R = S * G packed query rows: row r = s * G + g is
-           new token s of q head kv_head * G + g, so every q head sharing a KV head is served by
-           one program (KV is read once per group; `pack_queries`);
-  merge    combining the splits' partials (`merge_splits`), unless the kernel merges them in its
-           own launch (`run(merged=True)`);
-  calls    which calls a split-K GQA kernel serves at all (`unsupported_reason`), and the packed
-           arguments every kernel checks (`check_packed_args`).
-"""
+Kernels see, per (batch, kv head), R = S * G packed query rows: row r = s * G + g is new token s of q head
+kv_head * G + g, so one program serves a whole group and reads its KV once (`pack_queries`)."""
 
 from __future__ import annotations
 
@@ -18,12 +12,7 @@ import jax.numpy as jnp
 from pallas_kv import validation
 
 KV_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-# One-byte caches the kernels dequantize after the load (k_scale / v_scale).
 QUANTIZED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-
-
 MAX_GROUP = 16
 
 
@@ -58,28 +47,21 @@ def unpack_rows(x, num_queries: int):
   g = r // num_queries
   rest = x.shape[3:]
   x = x.reshape(b, hkv, num_queries, g, *rest)
-  x = jnp.moveaxis(x, 2, 1)  # [B, S, Hkv, G, ...]
+  x = jnp.moveaxis(x, 2, 1)
   return x.reshape(b, num_queries, hkv * g, *rest)
 
 
 def merge_splits(out, lse, sinks=None):
-  """Merges split-K partials.
-
-  Args:
-    out: [B, Hkv, splits, R, Dv], each split's softmax-normalised output (0 with one split where
-      it saw no key; with several, any values there: ignored, the MLA kernel leaves them
-      unwritten): float32, or 16-bit (summed in float32).
-    lse: [B, Hkv, splits, R] float32, each split's log-sum-exp (-inf where empty).
-    sinks: optional [Hkv, R] float32 sink logit of each packed row; joins the denominator only.
-  Returns:
-    (out [B, Hkv, R, Dv] float32, lse [B, Hkv, R] float32 over the real keys, -inf where none).
-  """
-  if out.shape[2] == 1 and sinks is None:  # one split is already the answer: skip the merge
+  """Merges split-K partials: out [B, Hkv, splits, R, Dv] float32 or 16-bit, each split's normalised output
+  (ignored where the split saw no key, but one split without sinks is returned as is); lse [B, Hkv, splits, R]
+  float32, -inf where empty; sinks: optional [Hkv, R] float32. Returns (out [B, Hkv, R, Dv] float32,
+  lse [B, Hkv, R] float32 over the real keys, -inf where none)."""
+  if out.shape[2] == 1 and sinks is None:
     return out[:, :, 0], lse[:, :, 0]
   out = out.astype(jnp.float32)
-  total = jnp.max(lse, axis=2)  # [B, Hkv, R]
+  total = jnp.max(lse, axis=2)
   shift = jnp.where(jnp.isfinite(total), total, 0.0)
-  weights = jnp.exp(lse - shift[:, :, None])  # empty splits weigh 0
+  weights = jnp.exp(lse - shift[:, :, None])
   norm = jnp.sum(weights, axis=2)
   has_keys = norm > 0
   lse_total = jnp.where(has_keys, jnp.log(jnp.where(has_keys, norm, 1.0)) + shift, -jnp.inf)
@@ -92,8 +74,7 @@ def merge_splits(out, lse, sinks=None):
 
 
 def scale_kind(scale, k_shape) -> str | None:
-  """None (no scale), "head" (float32 [Hkv]) or "token" (float32 [*k_shape[:2], Hkv]: per token
-  and kv head, with the cache's leading dims: [B, T, Hkv] contiguous, [P, page_size, Hkv] paged)."""
+  """None (no scale), "head" (float32 [Hkv]) or "token" (float32 [*k_shape[:2], Hkv], addressed like the cache)."""
   if scale is None:
     return None
   hkv = k_shape[2]
@@ -106,10 +87,8 @@ def scale_kind(scale, k_shape) -> str | None:
 
 def check_packed_args(q, k, v, lengths, block_tables, *, num_queries: int, k_scale=None, v_scale=None,
                       v_tokens_last: bool = False) -> None:
-  """The layout every backend's `decode_partials` takes: q packed as [B, Hkv, R, D] in bf16 or
-  fp16; k and v alike (v tokens last: k's dims 0, 2, 3, 1), in q's dtype or a one-byte dtype
-  (QUANTIZED_DTYPES) with optional float32 scales (`scale_kind`); int32 lengths [B]; int32
-  block_tables [B, max_pages] (paged only)."""
+  """Checks the layout every `decode_partials` takes: q [B, Hkv, R, D] bf16 / fp16; k, v in q's dtype or
+  QUANTIZED_DTYPES (float32 scales: `scale_kind`); int32 lengths [B]; int32 block_tables [B, max_pages]."""
   if q.ndim != 4:
     raise ValueError(f"q must be packed rows [B, Hkv, R, D], got {q.shape=}")
   if k.ndim != 4 or v.shape != (validation.tokens_last_shape(k.shape) if v_tokens_last else k.shape):
@@ -141,17 +120,14 @@ def check_packed_args(q, k, v, lengths, block_tables, *, num_queries: int, k_sca
 
 
 def compute_dtype(kv_dtype):
-  """The dtype of the kernels' matmul operands: a 16-bit cache's own; float16 for a one-byte
-  cache, which widens to it exactly after the load (int8 and both fp8 kinds are float16 values;
-  float16 keeps 3 more mantissa bits of q and P than bfloat16)."""
+  """The matmul operand dtype: a 16-bit cache's own, else float16 (exact for one-byte values, finer than bf16)."""
   if jnp.dtype(kv_dtype) in KV_DTYPES:
     return jnp.dtype(kv_dtype)
   return jnp.dtype(jnp.float16)
 
 
 def kernel_scale(scale, num_kv_heads: int):
-  """A public k_scale / v_scale as the kernels take it: None, float32 [Hkv] (a number or a scalar
-  broadcast to every head), or the per-token array in float32."""
+  """A public k_scale / v_scale as kernels take it: None, float32 [Hkv] (scalars broadcast), or per token."""
   if scale is None:
     return None
   scale = jnp.asarray(scale, jnp.float32)
@@ -167,24 +143,12 @@ def packed_sinks(sinks, problem):
 
 def run(partials: Callable, q, k, lengths, block_tables, *, problem, sinks, return_lse: bool, k_scale=None,
         v_scale=None, merged: bool = False, merge: Callable | None = None):
-  """Packs q into kernel rows, calls partials(rows, lengths, block_tables, k_scale, v_scale) ->
-  (out, lse) per split ([B, Hkv, splits, >= R, D], [B, Hkv, splits, >= R]), merges the splits and
-  unpacks the rows.
-
-  The splits merge in XLA (`merge_splits`), or, given merge, in its launch:
-  merge(out, lse, row_sinks, rows=R, out_dtype=q.dtype, return_lse=...) -> (out [B, Hkv, R, D]
-  in q's dtype, lse or None), as `pallas_kv.kernels.triton.merge.merge_partials` does.
-
-  merged=True: the kernel merges its splits itself (sinks included):
-  partials(rows, lengths, block_tables, k_scale, v_scale, row_sinks) -> (out [B, Hkv, R, D],
-  lse [B, Hkv, R] float32 or None when not return_lse), row_sinks `packed_sinks` or None.
-
-  Lengths and page ids reach the kernel as int32, unclamped: every kernel clamps them itself
-  (into [0, T] and [0, P)), which spares a launch before it; scales come as `kernel_scale` makes
-  them.
-  """
+  """Packs q into rows, runs partials(rows, lengths, block_tables, k_scale, v_scale) -> per-split (out
+  [B, Hkv, splits, >= R, D], lse), merges the splits (`merge_splits`, or merge(out, lse, row_sinks, rows=R,
+  out_dtype=, return_lse=) -> (out [B, Hkv, R, D], lse or None)) and unpacks. merged=True: partials(...,
+  row_sinks) merges itself. Lengths and page ids pass unclamped: kernels clamp them, so nothing launches before."""
   q4, single = validation.query_as_rank4(q)
-  rows = pack_queries(q4, problem.num_kv_heads).astype(compute_dtype(k.dtype))  # [B, Hkv, R = S*G, D]
+  rows = pack_queries(q4, problem.num_kv_heads).astype(compute_dtype(k.dtype))
   num_rows = rows.shape[2]
   lengths = lengths.astype(jnp.int32)
   if block_tables is not None:

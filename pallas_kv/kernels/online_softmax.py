@@ -1,17 +1,8 @@
-"""The masked online-softmax math both kernel bodies run per KV tile, in float32.
+"""The masked online-softmax math both kernel bodies run per KV tile, in float32 `jnp`/`lax`.
 
-Plain `jnp`/`lax` on register values, written so that it lowers on both backends: row vectors
-are broadcast with `lax.broadcast_in_dim` (Mosaic GPU keeps WGMMA layouts through it, where
-`x[:, None]` would need a reshape it cannot lay out), and the caller supplies the row and column
-indices in whatever layout its backend needs. Logits are kept in log2 units so that exp2 (one
-MUFU instruction) does the exponentials.
-
-Per tile, with s the raw scores q.k of the tile:
-    s = log2_logits(s, ...)
-    s = jnp.where(visible(rows, cols, ...), s, -inf)      # head / tail tiles only
-    acc, m, l, p = softmax_step(s, acc, m, l)              # then acc += p @ v
-and after the last tile: out, lse = finalize(acc, m, l).
-"""
+Rows broadcast with `lax.broadcast_in_dim`, through which Mosaic GPU keeps WGMMA layouts; logits are in log2
+units so that exp2 (one MUFU op) does the exponentials. Per tile: `log2_logits`, `visible` (edge tiles only),
+`softmax_step`, acc += p @ v; after the last, `finalize`."""
 
 from __future__ import annotations
 
@@ -37,13 +28,8 @@ def log2_logits(s, *, scale: float, softcap: float | None):
 
 
 def visible(rows, cols, *, tile_start, length, num_queries: int, group: int, window: int | None):
-  """Whether packed row `rows` sees key `tile_start + cols` (broadcastable int32 arrays).
-
-  Row r is new token s_r = r // G at position p = L - S + s_r; it sees keys t <= p and, with a
-  window, t > p - window. With x = t - (L - S):  t <= p  <=>  x * G <= r  and
-  t > p - window  <=>  r < (x + window) * G  (integer math, no division in the kernel).
-  Keys at or past L are never visible: x * G > r for every row there.
-  """
+  """Whether packed row `rows` sees key `tile_start + cols` (broadcastable int32 arrays). Row r (at
+  p = L - S + r // G) sees p - window < t <= p, i.e. with x = t - (L - S), x * G <= r < (x + window) * G."""
   x_g = (cols + (tile_start - length + num_queries)) * group
   ok = x_g <= rows
   if window is not None:
@@ -52,17 +38,12 @@ def visible(rows, cols, *, tile_start, length, num_queries: int, group: int, win
 
 
 def rescale_step(s, m_i, l_i, tile_max=None, *, rows_axis: int = 0):
-  """One tile of the online softmax, leaving the accumulator to the caller.
-
-  s: [rows, bkv] float32 logits in log2 units (-inf where masked), or [bkv, rows] with
-  rows_axis=1 (a transposed tile); m_i, l_i: [rows] running max (log2 units) and sum. tile_max:
-  the tile's row max when s is only part of the tile (default s's own); l_new then sums only s's
-  part. Returns (alpha [rows], the factor that rescales an accumulator to the new max, m_new,
-  l_new, p float32 shaped as s).
-  """
+  """One tile of the online softmax, leaving the accumulator to the caller: s [rows, bkv] float32 log2-unit
+  logits (-inf where masked; [bkv, rows] with rows_axis=1); m_i, l_i [rows] running max and sum; tile_max: the
+  tile's row max when s is part of it. Returns (alpha [rows], the accumulator's rescale; m_new; l_new; p)."""
   keys_axis = 1 - rows_axis
   m_new = jnp.maximum(m_i, s.max(axis=keys_axis) if tile_max is None else tile_max)
-  # A row with no valid key yet keeps m = -inf: shift by 0 then, so that exp2 gives 0, not NaN.
+  # A row with no key yet keeps m = -inf: shift by 0 so that exp2 gives 0, not NaN.
   m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m_i - m_use)
   p = jnp.exp2(s - per_row(m_use, s.shape, rows_axis))
@@ -70,15 +51,13 @@ def rescale_step(s, m_i, l_i, tile_max=None, *, rows_axis: int = 0):
 
 
 def softmax_step(s, acc, m_i, l_i):
-  """`rescale_step` with acc [rows, Dv] float32 rescaled: (acc, m_new, l_new, p); the caller adds
-  p @ v to the returned acc."""
+  """`rescale_step` that also rescales acc [rows, Dv] float32: (acc, m_new, l_new, p); the caller adds p @ v."""
   alpha, m_new, l_new, p = rescale_step(s, m_i, l_i)
   return acc * per_row(alpha, acc.shape), m_new, l_new, p
 
 
 def finalize(acc, m_i, l_i, *, rows_axis: int = 0):
-  """(out = acc / l, natural-log lse) of one split; a row that saw no key gives 0 and -inf.
-  acc is [rows, Dv], or [Dv, rows] with rows_axis=1."""
+  """(acc / l, natural-log lse) of acc [rows, Dv] ([Dv, rows] with rows_axis=1); 0 and -inf for keyless rows."""
   has_keys = l_i > 0
   l_safe = jnp.where(has_keys, l_i, 1.0)
   out = acc / per_row(l_safe, acc.shape, rows_axis)

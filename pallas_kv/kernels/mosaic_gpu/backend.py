@@ -1,9 +1,5 @@
-"""The Mosaic GPU backend as `pallas_kv.api` sees it: what it serves, and the ops on its kernels.
-
-Each op resolves its kernel's config (`config.resolve_config` for GQA, `mla_config.resolve_config`
-for MLA), plans the splits once (`plan_splits`), and runs its split-K kernel between the row
-packing and split merging that both backends share (`pallas_kv.kernels.frame`).
-"""
+"""The Mosaic GPU backend as `pallas_kv.api` sees it: each op resolves its kernel's config, plans the
+splits once and runs the split-K kernel inside the shared row packing and merge (`kernels.frame`)."""
 
 from __future__ import annotations
 
@@ -29,9 +25,8 @@ def interpret_params():
 
 
 def fused_merge():
-  """The split merge in one launch (the Pallas Triton merge kernel), or None to merge in XLA
-  where the Triton backend's folder is gone (XLA's merge is 3-4 launches:
-  docs/decisions.md#fused-merge)."""
+  """The Triton merge kernel (one launch), or None to merge in XLA without the Triton folder
+  (docs/decisions.md#fused-merge)."""
   try:
     from pallas_kv.kernels.triton import merge   # pylint: disable=g-import-not-at-top
   except ImportError:
@@ -56,8 +51,7 @@ def plan_splits(op: str, problem, options, config, lengths) -> plan.SplitPlan:
 
 def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config, split_plan: plan.SplitPlan, sinks,
         k_scale, v_scale, return_lse: bool):
-  """Runs a call that `unsupported_reason` accepted with a complete config and its plan. k, v are
-  the caches (pages when paged; for MLA both are the latent pool)."""
+  """Runs an accepted call with a complete config and its plan; k, v: the caches (MLA: both the latent pool)."""
   if op == "mla":
     return _run_mla(q, k, lengths, block_tables, problem=problem, options=options, config=config,
                     split_plan=split_plan, return_lse=return_lse)
@@ -72,11 +66,10 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config, sp
 
 
 def _run_mla(q, kv_pages, lengths, block_tables, *, problem, options, config, split_plan, return_lse: bool):
-  """MLA over the latent pool kv_pages [P, page_size, Dqk]: the packed rows of every q head go to
-  `mla.mla_partials` (one latent head: Hkv = 1)."""
+  """MLA over the latent pool kv_pages [P, page_size, Dqk], as one kv head (Hkv = 1)."""
 
   def partials(rows, lengths, block_tables, k_scale, v_scale):
-    del k_scale, v_scale   # MLA takes no scales
+    del k_scale, v_scale
     out, lse = mgpu_mla.mla_partials(rows[:, 0], kv_pages, lengths, block_tables,
                                      num_queries=problem.num_queries, v_head_dim=problem.v_head_dim,
                                      scale=options.scale, config=config, plan=split_plan,

@@ -1,12 +1,6 @@
-"""What the Mosaic GPU decode kernel supports, its SMEM layout and fit, and its config choice.
-
-A `MosaicGPUConfig` is the tuned one for this device kind when none is given (`pallas_kv.tuned`),
-else the given fields over the heuristic's; a split count left as None is chosen from the batch
-and the SM count. `MosaicGPUConfig` checks its own fields; `check_config` checks what this kernel
-adds (page sizes, the options' needs, the SMEM fit), and `decode_partials` runs it once per call. One-byte (quantized) caches: `quantized_reason`
-says which the kernel serves; their rings hold one-byte tiles, and the SMEM layout adds the tiles
-they are dequantized into and the rings of per-token scales.
-"""
+"""What the Mosaic GPU GQA kernel supports, its SMEM layout (`DecodeSmem`) and its config: the tuned one
+when none is given, else the given fields over `heuristic_config`'s; `check_config` adds this kernel's
+needs (page sizes, kv_groups, the SMEM fit) to `MosaicGPUConfig`'s own rules."""
 
 from __future__ import annotations
 
@@ -28,25 +22,20 @@ from pallas_kv.kernels.mosaic_gpu import tiling
 
 NAME = "mosaic_gpu"
 HEAD_DIMS = (64, 128, 256)
-# P @ V contracts over the tile's tokens: Mosaic's wgmma K is a multiple of 64; TMA boxes are at
-# most 256 rows.
+# wgmma's K (P @ V contracts over the tile's tokens) is a multiple of 64; a TMA box is at most 256 rows.
 MIN_BLOCK_KV = 64
 MAX_BLOCK_KV = 256
-# A swizzled tile must start on an 8-row boundary: pages hold a power of two >= 8 tokens.
-MIN_PAGE_SIZE = 8
+MIN_PAGE_SIZE = 8           # a swizzled tile starts on an 8-row boundary
 ROWS_PER_WG = 64            # wgmma M: packed query rows per consumer warpgroup
-CONVERTED_STAGES = 2        # slots of each converted ring (the converter variant, pallas_kv.experimental)
-MAX_COMPUTE_WGS = 2         # 2 consumers + 1 producer = 384 threads
-SMEM_CAPACITY_BYTES = 227 * 1024   # per thread block, Hopper (H100 / H200)
-# Scratch Mosaic GPU reserves for cross-warp reductions (CompilerParams default).
+CONVERTED_STAGES = 2
+MAX_COMPUTE_WGS = 2
+SMEM_CAPACITY_BYTES = 227 * 1024   # per thread block on Hopper
 _REDUCTION_SCRATCH_BYTES = plgpu.CompilerParams().reduction_scratch_bytes
 
 
 def row_blocking(rows: int) -> tuple[int, int]:
-  """(consumer warpgroups per program, row blocks in the grid) for `rows` packed rows.
-
-  Rows beyond 2 x 64 are split over more programs (each re-reads the KV of its head).
-  """
+  """(consumer warpgroups per program, row blocks in the grid) for `rows` packed rows; past 2 x 64
+  rows, more programs, each re-reading its head's KV."""
   num_wgs = min(plan.cdiv(rows, ROWS_PER_WG), MAX_COMPUTE_WGS)
   return num_wgs, plan.cdiv(rows, num_wgs * ROWS_PER_WG)
 
@@ -77,8 +66,7 @@ def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
   return reason
 
 
-# MLA (mla.py): the value columns are split over two consumer warpgroups in 64-column swizzle
-# tiles, and Q plus two 64-token stages of Dqk columns must fit SMEM (DeepSeek: Dqk 576, Dv 512).
+# MLA: Dv splits over two consumers in 64-column swizzle tiles; Q and two 64-token stages must fit SMEM.
 MLA_MAX_QK_DIM = 576
 MLA_V_DIM_MULTIPLE = 128
 
@@ -95,12 +83,7 @@ def mla_reason(qk_dim: int, v_dim: int, kv_dtype) -> str | None:
 
 
 def quantized_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str | None, problem) -> str | None:
-  """Why the kernel cannot serve a quantized call, or None if it can (on top of `unsupported_reason`'s
-  checks of the rest of the call).
-
-  kv_dtype: the cache's dtype; k_scale_kind, v_scale_kind: `frame.scale_kind` of each scale
-  (None, "head" or "token").
-  """
+  """Why the kernel cannot serve a one-byte cache call with these `frame.scale_kind`s, or None."""
   kv_dtype = jnp.dtype(kv_dtype)
   if kv_dtype not in frame.QUANTIZED_DTYPES:
     return (f"the cache dtype {kv_dtype.name} is not a one-byte type the kernel dequantizes "
@@ -120,8 +103,7 @@ def quantized_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str | Non
 
 def quantized_call_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str | None, *,
                           num_kv_heads: int) -> str | None:
-  """Why `decode.decode_partials` cannot take a cache of kv_dtype with these scale kinds, or None:
-  scales need a one-byte cache, and per-token scales 1 or a multiple of 4 kv heads."""
+  """Why `decode.decode_partials` cannot take a cache of kv_dtype with these scale kinds, or None."""
   kv_dtype = jnp.dtype(kv_dtype)
   for name, kind in (("k_scale", k_scale_kind), ("v_scale", v_scale_kind)):
     if kind not in (None, "head", "token"):
@@ -136,43 +118,36 @@ def quantized_call_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str 
   return None
 
 
-# ---------------------------------------------------------------- SMEM layout and fit
-
 @dataclasses.dataclass(frozen=True)
 class DecodeSmem:
-  """The SMEM layout of one decode program; the single source for scratch and for fit checks.
+  """The SMEM layout of one GQA program; the single source for scratch and for the fit check.
 
-  q      [row_wgs, 64, D] q_dtype            packed queries, swizzled (wgmma A operand)
-  union  streaming: per KV group g, the rings  g{g}_k, g{g}_v  [stages / kv_groups, bkv, D] dtype,
-           and with per-token scales  g{g}_ks / g{g}_vs  [stages / kv_groups, bkv(, 4)] f32;
-           a one-byte cache adds  dequantized  num_wgs * dequant_tiles tiles [bkv, D] q_dtype,
-           swizzled: each consumer's K / V tiles converted for wgmma (separate refs: a tile
-           picked by a static index does not lower inside wgmma's run_state)
-         | ( out [num_wgs, 64, D] f32, lse [num_wgs, 64] f32 )                  after the loop
-         (separate_out: streaming and out/lse side by side, for a persistent program whose rings
-         keep streaming the next work item while one item's partial is stored)
-  barriers: produced + consumed per ring slot, q per row warpgroup, one among consumers.
-  `num_stages` counts the KV tile slots of each role (K or V) over all groups.
-
-  With a converter warpgroup (an experimental variant, `converter`; one-byte caches) the one-byte rings
-  are read by the converter alone, which fills the converted rings  g0_ck, g0_cv
-  [CONVERTED_STAGES, bkv, D] q_dtype (swizzled, read by the consumers' wgmma); there are no
-  per-consumer dequantized tiles.
+  q_smem       [row_wgs, 64, D] q_dtype, swizzled            packed queries (wgmma A)
+  union        streaming | (out [num_wgs, 64, D] f32, lse [num_wgs, 64] f32) after the loop; separate_out
+               (persistent): side by side, as the rings stream on during the stores
+   streaming   g{g}_k, g{g}_v [stages / kv_groups, bkv, D] dtype   rings of KV group g
+               g{g}_ks, g{g}_vs [stages / kv_groups, bkv(, 4)] f32  per-token scales
+               dequantized: num_wgs * dequant_tiles x [bkv, D] q_dtype, swizzled (one-byte cache;
+               separate refs: a statically indexed tile does not lower inside wgmma's run_state)
+               g0_ck, g0_cv [CONVERTED_STAGES, bkv, D] q_dtype   the converter's, in place of dequantized
+  p_smem       [num_wgs, 64, bkv] q_dtype                      stage_p (interpret mode)
+  barriers     produced + consumed per ring slot, q per row warpgroup, consumers_done
+  num_wgs = row_wgs (split the rows) x kv_groups (split the tiles); num_stages: K slots of all groups.
   """
   head_dim: int
-  dtype: Any                # the cache's: what the rings hold
+  dtype: Any
   block_kv: int
   num_stages: int
-  row_wgs: int = 1          # consumer warpgroups that split the packed rows (64 each)
-  kv_groups: int = 1        # consumer warpgroups that split the KV tiles (own rings each)
+  row_wgs: int = 1
+  kv_groups: int = 1
   copies_per_tile: int = 1
-  stage_p: bool = False     # P staged in SMEM for P @ V (interpret mode only)
-  separate_out: bool = False   # out/lse staging beside the rings, not aliasing them (persistent)
-  q_dtype: Any = None       # q's, P's and the dequantized tiles' (None: dtype, or bf16 for a one-byte cache)
-  token_scales: tuple[str, ...] = ()   # roles ("k", "v") whose per-token scales stream in rings
-  scale_width: int = tiling.SCALE_ROW  # `tiling.token_scale_width`
-  pipeline_qk: bool = False   # Q K^T of the next tile in flight during P V: two dequantized tiles
-  converter: bool = False     # a converter warpgroup fills rings of converted tiles (one-byte cache)
+  stage_p: bool = False
+  separate_out: bool = False
+  q_dtype: Any = None       # None: dtype, or bf16 for a one-byte cache
+  token_scales: tuple[str, ...] = ()   # roles ("k", "v") with per-token scales
+  scale_width: int = tiling.SCALE_ROW
+  pipeline_qk: bool = False
+  converter: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -202,30 +177,26 @@ class DecodeSmem:
 
   @property
   def num_wgs(self) -> int:
-    """Consumer warpgroups."""
     return self.row_wgs * self.kv_groups
 
   @property
   def num_threads(self) -> int:
-    """Warpgroups of a program: the consumers, the TMA producer, and the converter if any."""
+    """Consumers, the TMA producer, and the converter if any."""
     return self.num_wgs + 1 + int(self.converter)
 
   @property
   def quantized(self) -> bool:
-    """A one-byte cache: consumers dequantize each tile into SMEM for wgmma."""
     return self.dtype.itemsize == 1
 
   @property
   def dequant_tiles(self) -> int:
-    """Dequantized tiles per consumer: K and V take turns in one, unless Q K^T of the next tile is
-    still reading K while V is converted (pipeline_qk)."""
+    """Per consumer: K and V take turns in one, unless pipeline_qk still reads K while V is converted."""
     if not self.quantized or self.converter:
       return 0
     return 2 if self.pipeline_qk else 1
 
   @property
   def _tma_ring_readers(self) -> int:
-    """Warpgroups that release each slot of the TMA-filled rings: the converter, or the consumers."""
     return 1 if self.converter else self.row_wgs
 
   def ring_spec(self) -> pipeline.RingSpec:
@@ -235,14 +206,11 @@ class DecodeSmem:
         copies_per_slot=self.copies_per_tile, num_consumers=self._tma_ring_readers)
 
   def scale_ring_spec(self) -> pipeline.RingSpec:
-    """Per-token scale tiles, copied alongside their K or V tiles (`tiling.KVTiling.scale_sources`)."""
     block = (self.block_kv,) if self.scale_width == 1 else (self.block_kv, self.scale_width)
     return pipeline.RingSpec(num_stages=self.num_stages // self.kv_groups, block_shape=block, dtype=jnp.float32,
                              copies_per_slot=self.copies_per_tile, num_consumers=self._tma_ring_readers)
 
   def converted_ring_specs(self) -> dict[str, pipeline.RingSpec]:
-    """The converter's rings by role ("k", "v"): q-dtype tiles it stores (one arrival per slot)
-    and the consumers release; empty without a converter."""
     if not self.converter:
       return {}
     spec = pipeline.RingSpec(num_stages=CONVERTED_STAGES, block_shape=(self.block_kv, self.head_dim),
@@ -255,8 +223,7 @@ class DecodeSmem:
     return f"g0_c{role}"
 
   def ring_specs(self) -> dict[str, pipeline.RingSpec]:
-    """Each KV group's rings by role, in the order the producer fills them: "k", then "ks" (K's
-    per-token scales) if any, "v", "vs". Group g's ring of a role is named `ring_name(role, g)`."""
+    """A KV group's rings by role, in the producer's fill order: "k", "ks" (K's scales) if any, "v", "vs"."""
     specs = {}
     for role in ("k", "v"):
       specs[role] = self.ring_spec()
@@ -294,7 +261,6 @@ class DecodeSmem:
     if self.separate_out:
       buffers = dict(streaming=streaming, out_stage=out_stage)
     else:
-      # Output staging reuses the rings' memory once every tile is consumed.
       buffers = dict(union=plgpu.RefUnion(streaming, out_stage))
     scratch = dict(
         q_smem=plgpu.SMEM((self.row_wgs, ROWS_PER_WG, self.head_dim), self.q_dtype,
@@ -335,37 +301,24 @@ class DecodeSmem:
 
 def smem_bytes(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: Any = "bfloat16",
                page_size: int | None = None, **quantized) -> int:
-  """SMEM bytes one decode program needs on the GPU (rows = num_queries * group size) for a cache
-  of `dtype`; a one-byte cache takes `DecodeSmem.for_call`'s q_dtype, k_scale_kind, v_scale_kind
-  and num_kv_heads."""
+  """SMEM bytes of one program (`DecodeSmem.for_call`'s arguments)."""
   return DecodeSmem.for_call(config, rows=rows, head_dim=head_dim, dtype=dtype, page_size=page_size,
                              **quantized).nbytes
 
 
 def fits_smem(config: MosaicGPUConfig, **kwargs) -> bool:
-  """Whether a config fits in Hopper's 227 KiB of SMEM per block (same args as smem_bytes)."""
   return smem_bytes(config, **kwargs) <= SMEM_CAPACITY_BYTES
 
 
-# ---------------------------------------------------------------- checks and choice
-
 def converter(config) -> bool:
-  """Whether a converter warpgroup widens one-byte tiles: an experimental variant's field
-  (`pallas_kv.experimental.MosaicGPUVariantConfig.convert_warpgroup`), off in MosaicGPUConfig."""
+  """Whether a converter warpgroup widens one-byte tiles (`experimental.MosaicGPUVariantConfig`)."""
   return bool(getattr(config, "convert_warpgroup", False))
 
 
 def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: Any, page_size: int | None,
                  num_splits: int | None = None, **quantized) -> None:
-  """What this kernel needs of a complete config beyond `MosaicGPUConfig`'s own rules, for a cache
-  of `dtype` (a one-byte cache: `DecodeSmem.for_call`'s keyword arguments too) and a plan of
-  num_splits splits (default: the config's).
-
-  kv_groups=2 gives each of two consumer warpgroups one split's tiles and its own ring pair; it
-  needs the packed rows to fit one warpgroup (rows <= 64), an even split count (a program serves
-  two splits) and an even num_stages (the slots are shared out equally). pipeline_qk holds tile
-  i's K slot until tile i+1's Q K^T is done, so it needs two stages.
-  """
+  """Raises unless the kernel can run a complete config (`DecodeSmem.for_call`'s arguments) with num_splits
+  splits. kv_groups=2 runs two splits per program, sharing the slots out; pipeline_qk holds two K slots."""
   if not isinstance(config, MosaicGPUConfig) or not config.complete:
     raise ValueError(f"the mosaic_gpu GQA kernel takes a complete MosaicGPUConfig (resolve_config), got {config!r}")
   bkv = config.block_kv
@@ -407,19 +360,9 @@ DEFAULT = MosaicGPUConfig(block_kv=64, num_stages=4, split_plan="per_sequence", 
 
 
 def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig | None = None) -> MosaicGPUConfig:
-  """The default tile and ring depth for a cache of `dtype`: fewer stages when two consumer
-  warpgroups or a large D need the SMEM (split count left to `resolve_config`).
-
-  A one-byte cache starts from twice the stages, so that as many bytes are in flight as with a
-  16-bit cache, and, where the packed rows fit one warpgroup and each gets two slots, two
-  consumers (kv_groups=2): the consumers' conversion of each tile, not HBM, bounds it
-  (docs/decisions.md#mosaic-one-byte-two-consumers). Its SMEM counts per-token scale rings for K
-  and V (the most a call can need).
-
-  given: the fields a partial config fixes (`resolve_config`); the others are chosen around them:
-  the ring as deep as fits with the given tile, pipeline_qk and persistent staging, and one KV
-  group where a given field needs one (`_needs_one_group`).
-  """
+  """The tile and the deepest ring that fits a cache of `dtype`, around the fields `given` fixes. A one-byte
+  cache doubles the stages (as many bytes in flight) and, where the rows fit one warpgroup, takes two
+  consumers: widening the tiles, not HBM, bounds it (docs/decisions.md#mosaic-one-byte-two-consumers)."""
   given = MosaicGPUConfig() if given is None else given
   rows = problem.num_queries * problem.group_size
   one_byte = jnp.dtype(dtype).itemsize == 1
@@ -429,22 +372,20 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig
                               stages_given=given.num_stages is not None, **quantized)
   if one_byte and given.kv_groups is None and rows <= ROWS_PER_WG and not _needs_one_group(given):
     two = deepest(given.over(dataclasses.replace(start, kv_groups=2)))
-    if two.num_stages >= 4 and fits_smem(two, rows=rows, head_dim=problem.head_dim, dtype=dtype,
-                                         page_size=problem.page_size, **quantized):
+    if (two.num_stages >= 4 or given.num_stages is not None) and fits_smem(
+        two, rows=rows, head_dim=problem.head_dim, dtype=dtype, page_size=problem.page_size, **quantized):
       return two
   return deepest(given.over(start))
 
 
 def _needs_one_group(config: MosaicGPUConfig) -> bool:
-  """Whether the fields a config fixes rule out kv_groups=2 (`check_config`): a persistent grid, the
-  converter variant, an odd split or stage count."""
+  """Whether the fields a config fixes rule out kv_groups=2 (`check_config`)."""
   return bool(config.persistent or converter(config) or (config.num_splits or 2) % 2 or (config.num_stages or 2) % 2)
 
 
 def _deepest_ring(config: MosaicGPUConfig, *, problem, rows: int, dtype: Any, stages_given: bool = False,
                   **quantized) -> MosaicGPUConfig:
-  """config with num_stages lowered (to 2 at least; kv_groups=2 shares them out, so in steps of 2)
-  until it fits SMEM; as it is when its stage count was given."""
+  """config with num_stages lowered (in steps of kv_groups, to 2 at least) until it fits, unless given."""
   while not stages_given and config.num_stages > 2 and not fits_smem(
       config, rows=rows, head_dim=problem.head_dim, dtype=dtype, page_size=problem.page_size, **quantized):
     config = dataclasses.replace(config, num_stages=config.num_stages - config.kv_groups)
@@ -453,8 +394,7 @@ def _deepest_ring(config: MosaicGPUConfig, *, problem, rows: int, dtype: Any, st
 
 def resolve_config(problem, config: MosaicGPUConfig | None, *, dtype: Any = "bfloat16", num_sms: int | None = None,
                    device_kind: str | None = None) -> MosaicGPUConfig:
-  """The complete config of a call: the tuned one when none is given, else the given fields over
-  the heuristic's (chosen around them: `heuristic_config(given=)`), with a split count."""
+  """The call's complete config: the tuned one, else the given fields over the heuristic's; a split count."""
   if config is not None and not isinstance(config, MosaicGPUConfig):
     raise TypeError(f"the mosaic_gpu GQA kernel takes a MosaicGPUConfig, got {type(config).__name__}")
   resolved = (tuned.tuned_config(NAME, problem, dtype, device_kind) if config is None else None) or config

@@ -1,26 +1,10 @@
 """Split-K flash-decoding partials on Mosaic GPU (Hopper wgmma + TMA).
 
-One program per (batch, kv head [x row block], split). It owns a contiguous range of KV tiles
-of its sequence, computed at run time from `lengths` so that tiles past the end (or before
-the sliding window) are never loaded. Warp specialization:
-
-  producer warpgroup   walks the range and TMA-copies K and V tiles into two SMEM rings
-                       (`pipeline.Ring`), up to num_stages tiles ahead;
-  consumer warpgroups  each owns 64 packed query rows (all q heads of the KV head x all new
-                       tokens, zero-padded to 64 for wgmma): S = Q K^T and O += P V on the
-                       tensor cores, online softmax in float32 in the WGMMA register layout
-                       (`TileMath`). Two consumers split 65..128 rows; with kv_groups=2 two
-                       consumers instead stream two splits' tiles from their own rings.
-
-Quantized caches (int8, float8_e4m3fn, float8_e5m2): the rings hold the one-byte tiles as stored
-(TMA moves half the bytes of bf16). Hopper has no wgmma of q's 16-bit type by a one-byte type, so
-each consumer loads a tile into registers, converts it to q's dtype and stores it into its own
-swizzled SMEM tile that wgmma reads (`_DequantizedTiles`, `TileMath.dequantize`). Scales: per
-kv head, a scalar that joins the logit scale (K) or the finished output (V); per token, a tile of
-scales streamed in a ring beside its K or V tile and multiplied into the tile's rows on conversion.
-
-Each split writes its softmax-normalised partial output and its natural-log LSE; the caller
-merges splits (`frame.merge_splits`).
+One program per (kv head x row block, split, sequence) streams its split's tiles, computed in the kernel from
+`lengths`. A producer warpgroup TMA-copies K and V tiles into SMEM rings (`pipeline.Ring`); each consumer owns 64
+packed query rows (or, with kv_groups=2, one of two splits) and runs Q K^T, the online softmax and P V (`TileMath`).
+Hopper has no mixed-type wgmma: consumers widen one-byte tiles (times per-token scales) into SMEM tiles of q's
+dtype (`_DequantizedTiles`). Each split writes its normalised partial and natural-log LSE.
 """
 
 from __future__ import annotations
@@ -62,19 +46,14 @@ def _consumer_registers(num_wgs: int, converter: bool = False) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class TileMath:
-  """What a consumer warpgroup computes on each KV tile: Q K^T, the masked online softmax, P V,
-  and, for a one-byte cache, the conversion of each K and V tile that wgmma then reads.
-
-  The production kernel uses this class as is. A measurement probe may subclass it and leave a
-  stage out (its results are then wrong by design) to see where the time goes; `name` goes into
-  the kernel name so that profiles tell them apart.
-  """
+  """A consumer's work on each KV tile: Q K^T, the masked online softmax, P V, one-byte tiles' widening.
+  Measurement probes subclass it to leave a stage out; `name` goes into the kernel name."""
   name: str = ""
 
   def dequantize(self, tile, dtype, token_scales=None):
-    """A one-byte K or V tile [bkv, D] in registers, converted to `dtype` (q's) for wgmma and,
-    given per-token scales [bkv] f32 (WGMMA row layout), with row t times token_scales[t]."""
-    # Every conversion here is exact. Hopper converts fp8 only to f16 (two values per instruction).
+    """A one-byte tile [bkv, D] in registers widened to `dtype`, row t times token_scales[t] if given
+    ([bkv] f32, WGMMA row layout)."""
+    # Exact conversions; Hopper converts fp8 only to f16.
     if jnp.issubdtype(tile.dtype, jnp.floating):
       tile = tile.astype(jnp.float16)
     if token_scales is None:
@@ -82,14 +61,10 @@ class TileMath:
     return (tile.astype(jnp.float32) * lax.broadcast_in_dim(token_scales, tile.shape, [0])).astype(dtype)
 
   def qk(self, s_ref, q_tile, k_tile):
-    """Starts S = Q K^T into the accumulator s_ref [64, bkv] (q_tile [64, D], k_tile [bkv, D] SMEM)."""
     plgpu.wgmma(s_ref, q_tile, k_tile.transpose((1, 0)))
 
   def softmax(self, s, acc, m_i, l_i, *, tile, length, row0, masked: bool, st: "_Static", k_scale=None):
-    """(acc rescaled, m, l, P in q's dtype) after tile `tile`'s raw scores s [64, bkv] f32.
-
-    k_scale: the kv head's K scale (a traced f32 scalar), or None.
-    """
+    """(acc rescaled, m, l, P in q's dtype) after raw scores s [64, bkv] f32; k_scale: the head's or None."""
     scale = st.options.scale if k_scale is None else k_scale * st.options.scale
     s = online_softmax.log2_logits(s, scale=scale, softcap=st.options.softcap)
     if masked:
@@ -102,14 +77,12 @@ class TileMath:
     return acc, m_new, l_new, p.astype(st.q_dtype)
 
   def pv(self, acc, p16, v_tile, p_smem=None):
-    """acc + P @ V on the tensor cores: acc [64, D] f32 (WGMMA layout), p16 [64, bkv], v_tile SMEM."""
     if p_smem is None:
       def mma(acc_ref):
         plgpu.wgmma(acc_ref, p16, v_tile)
       return pl.run_state(mma)(plgpu.ACC.init(acc))
 
-    # GPU interpret mode (jax 0.11.2) runs neither pl.run_state nor wgmma with a register
-    # operand: stage P in SMEM ([64, bkv]) and accumulate into a fresh accumulator instead.
+    # GPU interpret mode runs neither pl.run_state nor wgmma with a register operand: stage P in SMEM.
     p_smem[...] = p16
 
     def mma_staged(acc_ref):
@@ -121,16 +94,15 @@ class TileMath:
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-  """Everything the kernel body needs to know at trace time."""
-  num_queries: int      # S
-  group: int            # G
-  rows: int             # R = S * G
-  num_row_blocks: int   # grid factor when R > 2 * 64
-  out_rows: int         # rows of the out array (R, or padded when row-blocked)
-  lse_rows: int         # rows of the lse array (out_rows rounded up to 4)
+  num_queries: int
+  group: int
+  rows: int
+  num_row_blocks: int
+  out_rows: int
+  lse_rows: int
   num_splits: int       # partials per (batch, head): grid splits x kv_groups
-  capacity: int         # tokens addressable per sequence
-  options: AttentionOptions  # scale, softcap, window
+  capacity: int
+  options: AttentionOptions
   tiling: tiling.KVTiling
   smem: mgpu_config.DecodeSmem
   batch: int = 1
@@ -138,10 +110,10 @@ class _Static:
   pipeline_qk: bool = False
   num_programs: int | None = None   # persistent grid: programs looping over work items
   tile_math: TileMath = TileMath()
-  q_dtype: Any = jnp.bfloat16   # q's, P's and the dequantized tiles' (the cache's unless one-byte)
-  k_scale: str | None = None    # `frame.scale_kind` of K's scales: None, "head" or "token"
+  q_dtype: Any = jnp.bfloat16
+  k_scale: str | None = None
   v_scale: str | None = None
-  balanced: bool = False        # the balanced split plan: tiles per split from an int32 [1] input
+  balanced: bool = False
 
   @property
   def quantized(self) -> bool:
@@ -175,14 +147,8 @@ class _Static:
 
 @dataclasses.dataclass(frozen=True)
 class _RingTiles:
-  """K or V tiles that wgmma reads straight from their ring slots (a cache in q's dtype, or the
-  converter's tiles of a one-byte cache).
-
-  fetch(step, valid_rows) waits for the tile of ring step `step` and returns it ([bkv, D] SMEM),
-  its rows from valid_rows on zeroed in place when valid_rows < bkv (V's last tile) unless the
-  ring's filler zeroed them (zero_rows=False); tile(step) returns it without waiting (the caller
-  has fetched it); done(step) gives its slot back.
-  """
+  """Tiles wgmma reads from their ring slots: fetch(step, valid_rows) waits and zeroes rows past valid_rows
+  (unless the filler did: zero_rows=False); tile(step) returns a fetched tile; done(step) frees its slot."""
   ring: pipeline.Ring
   zero_rows: bool = True
 
@@ -191,8 +157,7 @@ class _RingTiles:
     if valid_rows is not None and self.zero_rows:
       @pl.when(valid_rows < tile.shape[0])
       def _():
-        # Every consumer warpgroup reading this slot writes the same values: the zeros and the
-        # rows as they were.
+        # Every consumer of the slot writes the same values: a harmless race.
         tiling.zero_rows_past(tile, valid_rows)
     return tile
 
@@ -205,38 +170,33 @@ class _RingTiles:
 
 @dataclasses.dataclass(frozen=True)
 class _DequantizedTiles:
-  """K or V tiles of a one-byte cache, as `_RingTiles` offers them: fetch(step) loads the slot (and
-  its per-token scales) into registers, stores the tile converted by `TileMath.dequantize` into
-  this consumer's dequantized tile, the one that wgmma reads until the next fetch, and gives the
-  slots back. The caller waits for wgmma's reads of the dequantized tile before the next fetch."""
+  """One-byte tiles behind `_RingTiles`' interface: fetch widens the slot into this consumer's dequantized
+  tile and frees the slot; the caller waits for wgmma's reads of that tile before the next fetch."""
   ring: pipeline.Ring
-  dequantized: Any                             # [bkv, D] SMEM in q's dtype, swizzled
+  dequantized: Any
   tile_math: TileMath
-  scale_ring: pipeline.Ring | None = None      # per-token scales, or None
-  head: Any = None                             # the program's kv head (picks its scales)
+  scale_ring: pipeline.Ring | None = None
+  head: Any = None
 
   def fetch(self, step, valid_rows=None):
     self.dequantized[...] = _dequantized_values(self.ring, self.scale_ring, step, valid_rows, self.head,
                                                 self.tile_math, self.dequantized.dtype)
-    # One proxy fence serves both: TMA may refill the slots read into registers above, and
-    # wgmma may read the stores.
+    # One proxy fence covers both TMA's refill of the slots read above and wgmma's reads of the stores.
     self.ring.release(step, read_by_registers=True)
     if self.scale_ring is not None:
       self.scale_ring.release(step)   # its reads came before that fence
     return self.dequantized
 
   def tile(self, step):
-    del step   # the last fetched
+    del step
     return self.dequantized
 
   def done(self, step):
-    del step   # the slot went back at fetch
+    del step
 
 
 def _dequantized_values(ring: pipeline.Ring, scale_ring, step, valid_rows, head, tile_math: TileMath, dtype):
-  """The one-byte tile of ring step `step` in registers, widened to `dtype` by
-  `TileMath.dequantize` with its per-token scales (given scale_ring), rows from valid_rows on
-  zeroed (given valid_rows). Waits for the slots; does not release them."""
+  """Step's one-byte tile widened in registers, rows past valid_rows zeroed; the slots stay held."""
   values = plgpu.load(ring.wait(step), layout=plgpu.Layout.WGMMA_8BIT)
   token_scales = None
   if scale_ring is not None:
@@ -248,20 +208,18 @@ def _dequantized_values(ring: pipeline.Ring, scale_ring, step, valid_rows, head,
 
 
 def _convert_tile(ring: pipeline.Ring, scale_ring, out_ring: pipeline.Ring, step, valid_rows, head, st: _Static):
-  """The converter's work on ring step `step`: `_dequantized_values` stored into out_ring's slot of
-  the same step for the consumers' wgmma."""
+  """The converter: step's widened tile into out_ring's slot of the same step."""
   values = _dequantized_values(ring, scale_ring, step, valid_rows, head, st.tile_math, st.q_dtype)
   # The one-byte slots go back first, so that TMA refills them while this tile is stored.
   ring.release(step, read_by_registers=True)
   if scale_ring is not None:
-    scale_ring.release(step)   # its reads came before that fence
+    scale_ring.release(step)
   out_ring.acquire(step)
   out_ring.slot(step)[...] = values
   out_ring.commit_stores(step)
 
 
 def _tile_range(length, split, st: _Static, tiles_per_split):
-  """This split's tiles [t0, t1) and the unmasked sub-range [a, c) (`plan.split_tile_range`)."""
   return split_plan.split_tile_range(length, split, block_kv=st.tiling.block_kv, num_queries=st.num_queries,
                                   num_splits=st.num_splits, window=st.options.window,
                                   tiles_per_split=tiles_per_split)
@@ -274,7 +232,7 @@ class _Item:
   head: Any
   row_block: Any
   length: Any
-  splits: list[Any]                # one per KV group
+  splits: list[Any]
   ranges: list[tuple[Any, ...]]    # (t0, t1, a, c) per KV group
 
   @property
@@ -289,19 +247,14 @@ def _item(b, head_block, program_split, lengths_ref, st: _Static, tiles_per_spli
     head = lax.div(head_block, jnp.int32(st.num_row_blocks))
     row_block = lax.rem(head_block, jnp.int32(st.num_row_blocks))
   length = jnp.clip(lengths_ref[b], 0, st.capacity)
-  # KV group g of this program computes split program_split * kv_groups + g.
   splits = [program_split * st.kv_groups + g for g in range(st.kv_groups)]
   return _Item(b=b, head=head, row_block=row_block, length=length, splits=splits,
                ranges=[_tile_range(length, split, st, tiles_per_split) for split in splits])
 
 
 def _for_each_item(body, lengths_ref, st: _Static, tiles_per_split=None):
-  """Calls body(item, steps_before) for each work item of this program, in order.
-
-  steps_before: ring steps (tiles of KV group 0) of this program's earlier items, so that the
-  ring's step numbering runs on across items. body returns this item's step count. Returns
-  the program's total step count.
-  """
+  """Calls body(item, steps_before) -> its step count for each of this program's work items; the ring
+  steps (KV group 0's tiles) run on across items. Returns the program's total step count."""
   if not st.persistent:
     item = _item(lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("split"),
                  lengths_ref, st, tiles_per_split)
@@ -322,30 +275,25 @@ def _for_each_item(body, lengths_ref, st: _Static, tiles_per_split=None):
   return lax.fori_loop(0, mine, one, jnp.int32(0))
 
 
-def _kernel(q_ref,            # [B, Hkv, rows_padded, D]   GMEM
-            k_ref,            # [B, T, Hkv, D] | [P, page_size, Hkv, D]   GMEM
-            v_ref,            # same as k_ref
-            lengths_ref,      # [B] int32   GMEM
+def _kernel(q_ref,
+            k_ref,
+            v_ref,
+            lengths_ref,
             *refs, st: _Static, **scratch):
   refs = list(refs)
-  # [1] int32   GMEM, the balanced plan's tiles per split (`SplitPlan.tiles_per_split`)
   plan_ref = refs.pop(0) if st.balanced else None
-  # [B, max_pages] int32   GMEM
   block_tables_ref = refs.pop(0) if st.tiling.paged else None
-  # Scales, f32 GMEM: [Hkv] per head; per token [B, T, Hkv] | [P, page_size, Hkv], flattened
-  # when Hkv == 1 (`tiling.KVTiling.scale_sources`).
   k_scale_ref = refs.pop(0) if st.k_scale else None
   v_scale_ref = refs.pop(0) if st.v_scale else None
-  (out_ref,                   # [B, Hkv, num_splits, out_rows, D] f32   GMEM
-   lse_ref,                   # [B, Hkv, num_splits, lse_rows] f32   GMEM
+  (out_ref,
+   lse_ref,
    ) = refs
-  q_smem = scratch["q_smem"]          # [row_wgs, 64, D]
-  # Rings by name, the dequantized tiles (`config.DecodeSmem`) | [num_wgs, 64, D] f32, [num_wgs, 64] f32
+  q_smem = scratch["q_smem"]
   if st.smem.separate_out:
     streaming, (out_smem, lse_smem) = scratch["streaming"], scratch["out_stage"]
   else:
     streaming, (out_smem, lse_smem) = scratch["union"]
-  rings = []   # per KV group: role ("k", "ks", "v", "vs") -> Ring
+  rings = []
   for g in range(st.kv_groups):
     names = {role: st.smem.ring_name(role, g) for role in st.smem.ring_specs()}
     rings.append({role: pipeline.Ring(spec, streaming[names[role]], scratch[f"{names[role]}_produced"],
@@ -381,7 +329,6 @@ def _kernel(q_ref,            # [B, Hkv, rows_padded, D]   GMEM
   @pl.when(wg == st.smem.num_wgs)
   def _producer():
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-    # What each ring's copies read: (tile locations, head) -> GMEM views.
     scale_sources = functools.partial(st.tiling.scale_sources, width=st.smem.scale_width,
                                       tokens_per_index=st.tiling.page_size or st.capacity)
     sources = {"k": functools.partial(st.tiling.tile_sources, k_ref),
@@ -404,7 +351,7 @@ def _kernel(q_ref,            # [B, Hkv, rows_padded, D]   GMEM
               ring.acquire(steps_before + step)
               ring.commit(steps_before + step, sources[role](where, head=item.head))
 
-      if not st.persistent:   # the one item: drain each group's rings by its own count
+      if not st.persistent:
         for g, count in enumerate(counts):
           for ring in rings[g].values():
             ring.drain(count)
@@ -422,16 +369,15 @@ def _kernel(q_ref,            # [B, Hkv, rows_padded, D]   GMEM
     @pl.when(wg == w)
     def _consumer():
       plgpu.set_max_registers(_consumer_registers(st.smem.num_wgs, bool(converted)), action="increase")
-      q_tile = q_smem.at[rw]   # [64, D]
+      q_tile = q_smem.at[rw]
       q_barrier = scratch["q_barrier"].at[rw]
-      p_smem = scratch["p_smem"].at[w] if st.smem.stage_p else None   # [64, bkv]
+      p_smem = scratch["p_smem"].at[w] if st.smem.stage_p else None
 
       def consume(item: _Item, steps_before):
         row0 = item.row_block * st.rows_per_program + rw * ROWS_PER_WG
-        if g == 0:   # one load per row warpgroup; the other KV group waits on the same barrier
+        if g == 0:   # one load per row warpgroup; the other KV group waits on its barrier
           plgpu.copy_gmem_to_smem(q_ref.at[item.b, item.head, pl.ds(row0, ROWS_PER_WG)], q_tile,
                                   q_barrier)
-        # Per-head scales are scalars of the program: K's joins the logit scale, V's the output.
         k_head_scale = k_scale_ref[item.head] if st.k_scale == "head" else None
         v_head_scale = v_scale_ref[item.head] if st.v_scale == "head" else None
         k_tiles, v_tiles = _tile_feeds(rings[g], streaming, w, item.head, st, converted)
@@ -449,15 +395,10 @@ def _kernel(q_ref,            # [B, Hkv, rows_padded, D]   GMEM
 
 
 def _tile_feeds(rings, streaming, w: int, head, st: _Static, converted=None):
-  """(K tiles, V tiles) of consumer warpgroup w from its KV group's rings (`_RingTiles`), the
-  converter's rings (a one-byte cache with a converter: `_RingTiles` whose V rows it zeroed), or,
-  for a one-byte cache without one, `_DequantizedTiles`."""
   if converted:
     return _RingTiles(converted["k"]), _RingTiles(converted["v"], zero_rows=False)
   if not st.quantized:
     return _RingTiles(rings["k"]), _RingTiles(rings["v"])
-  # This consumer's dequantized tiles: K and V take turns in one, unless pipeline_qk keeps K's
-  # in use during P V (then the first is K's and the second V's).
   n = st.smem.dequant_tiles
   mine = streaming["dequantized"][w * n:(w + 1) * n]
   return tuple(_DequantizedTiles(rings[role], dequantized, st.tile_math, scale_ring=rings.get(f"{role}s"),
@@ -466,11 +407,7 @@ def _tile_feeds(rings, streaming, w: int, head, st: _Static, converted=None):
 
 
 def _consume(q_tile, k_tiles, v_tiles, p_smem, length, row0, t0, t1, a, c, step0, st: _Static, k_scale=None):
-  """Online softmax over tiles [t0, t1): masked head [t0, a), plain body [a, c), masked tail.
-
-  Ring step step0 + i holds tile t0 + i; k_tiles and v_tiles feed them (`_RingTiles`).
-  k_scale: the kv head's K scale (traced f32 scalar) or None.
-  """
+  """(acc, m, l) over tiles [t0, t1), [a, c) unmasked; ring step step0 + i holds tile t0 + i."""
   math_ = st.tile_math
   wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
   s_type = plgpu.ACC((ROWS_PER_WG, st.tiling.block_kv), jnp.float32)
@@ -480,9 +417,8 @@ def _consume(q_tile, k_tiles, v_tiles, p_smem, length, row0, t0, t1, a, c, step0
                          k_scale=k_scale)
 
   def pv(acc, p16, i, tile, masked: bool):
-    # A masked tile may hold rows past the length: V's are zeroed (`tiling.rows_below`).
     valid_rows = length - tile * st.tiling.block_kv if masked else None
-    v_tile = v_tiles.fetch(i, valid_rows)    # [bkv, D]
+    v_tile = v_tiles.fetch(i, valid_rows)
     acc = math_.pv(acc, p16, v_tile, p_smem)
     v_tiles.done(i)
     return acc
@@ -495,23 +431,21 @@ def _consume(q_tile, k_tiles, v_tiles, p_smem, length, row0, t0, t1, a, c, step0
     def step(tile, carry, *, masked: bool):
       acc, m_i, l_i = carry
       i = step0 + tile - t0
-      k_tile = k_tiles.fetch(i)    # [bkv, D]
+      k_tile = k_tiles.fetch(i)
 
       def qk(s_ref):
         math_.qk(s_ref, q_tile, k_tile)
         return s_ref[...]
 
-      s = pl.run_scoped(qk, s_type)   # [64, bkv]
+      s = pl.run_scoped(qk, s_type)
       k_tiles.done(i)
       acc, m_new, l_i, p16 = softmax(s, tile, acc, m_i, l_i, masked)
       return pv(acc, p16, i, tile, masked), m_new, l_i
 
     carry = (acc, m_i, l_i)
   else:
-    # FA3-style: step i issues tile i+1's Q K^T on the tensor cores, then runs tile i's softmax
-    # and P V while it is in flight. K tile i is given back only after that QK^T has landed, so
-    # the last step can issue a throw-away QK^T on its own (still held) tile instead of
-    # branching around the wgmma.
+    # FA3-style: tile i+1's Q K^T runs during tile i's softmax and P V. K slot i is held until then,
+    # so the last step re-scores its own tile rather than branch around the wgmma.
     def first(s_ref):
       @pl.when(t1 > t0)
       def _():
@@ -551,16 +485,12 @@ def _consume(q_tile, k_tiles, v_tiles, p_smem, length, row0, t0, t1, a, c, step0
 
 def _write_partials(carry, out_smem, lse_smem, out_ref, lse_ref, consumers_done, *,
                     b, head, split, rw: int, row0, st: _Static, v_scale=None):
-  """Normalises and stores one warpgroup's partial: out_smem [64, D] f32, lse_smem [64] f32.
-
-  v_scale: the kv head's V scale (traced f32 scalar; it scales every value of the head) or None.
-  """
+  """Normalises and stores one warpgroup's partial through out_smem [64, D], lse_smem [64] (f32)."""
   out, lse = online_softmax.finalize(*carry)
   if v_scale is not None:
     out = out * v_scale
   if st.persistent:
-    # The staging buffers are this warpgroup's own; wait until the previous item's stores
-    # have read them (the stores themselves may still be in flight).
+    # The staging is this warpgroup's own: wait only until the previous item's stores have read it.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   elif st.smem.num_wgs > 1:
     # The staging buffers alias the K/V rings: wait until every consumer is done reading them.
@@ -585,7 +515,6 @@ def _write_partials(carry, out_smem, lse_smem, out_ref, lse_ref, consumers_done,
 
 
 def _build(st: _Static, interpret: Any):
-  """Grid, scratch and barriers for one static config; returns the plgpu.kernel callable."""
   D = st.tiling.head_dim
   out_type = (
       jax.ShapeDtypeStruct((st.batch, st.num_kv_heads, st.num_splits, st.out_rows, D),
@@ -613,15 +542,12 @@ def _build(st: _Static, interpret: Any):
   if st.persistent:
     grid, grid_names = (st.num_programs,), ("program",)
   else:
-    # Mosaic GPU launches the last grid dimension fastest, so this order launches the batch
-    # fastest. Launching the heads fastest (the grid reversed, so the KV heads of one token range,
-    # side by side in HBM, are read together) measured no faster: 0-6% slower on the gqa_h200
-    # sweep (benchmarks/RESULTS.md, tenth set).
+    # Batch fastest (the last grid dimension launches first): docs/decisions.md#mosaic-gqa-grid-order.
     grid, grid_names = st.grid_shape, ("head", "split", "batch")
   return plgpu.kernel(
       functools.partial(_kernel, st=st),
       out_type=out_type,
-      scratch_types=scratch,   # passed to the body by keyword
+      scratch_types=scratch,
       grid=grid,
       grid_names=grid_names,
       num_threads=st.smem.num_threads,
@@ -637,39 +563,19 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
                     num_programs: int | None = None, tile_math: TileMath = TileMath(), interpret: Any = False):
   """Split-K partials of decode attention over a contiguous or paged KV cache.
 
-  q: [B, Hkv, R, D] bf16 or fp16, R = num_queries * G packed rows, row
-  r = s * G + g is query token s (of num_queries S new tokens) for q head kv_head * G + g.
-  Query token s of sequence b is at position p = lengths[b] - S + s; it attends to keys t with
-  t < lengths[b], t <= p, and (if options.window) t > p - window.
-  dense:  k, v [B, T, Hkv, D]; block_tables None.
-  paged:  k, v [P, page_size, Hkv, D]; block_tables int32 [B, max_pages]; token t of sequence
-          b is at k[block_tables[b, t // page_size], t % page_size].
-  k and v are in q's dtype, or quantized in a one-byte dtype (`frame.QUANTIZED_DTYPES`) that the
-  kernel dequantizes after the load, with optional float32 scales:
-  k_scale, v_scale: None (1), [Hkv] (per kv head) or per token and kv head with the cache's
-    leading dims ([B, T, Hkv] dense, [P, page_size, Hkv] paged: through the block table like K
-    and V; `frame.scale_kind`). logits use k_scale_t * k_t and the output v_scale_t * v_t.
-    Per-token scales need Hkv == 1 or Hkv % 4 == 0 (`config.quantized_reason`).
-  options: scale, softcap and window of the call.
-  config: a complete `MosaicGPUConfig` (`config.resolve_config`), checked here by
-    `config.check_config`. With kv_groups=2 the grid has num_splits / 2 programs per (batch,
-    head), so use it only where that still fills the GPU.
-  plan: the call's `SplitPlan` (split count; the balanced plan's tiles per split). The kernel
-    takes the sequences in batch order.
-  num_programs: the programs a persistent config launches (default: the SM count); each loops
-    over the work items program, program + P, ... with its rings streaming on across items.
-  tile_math: what the consumers compute per tile (`TileMath`; probes subclass it).
-  interpret: False, True or a plgpu.InterpretGPUParams (run on the CPU in interpret mode).
+  q: [B, Hkv, R, D] bf16 / fp16, R = S * G packed rows (S = num_queries): row r = s * G + g is new token
+    s of q head kv_head * G + g, at p = lengths[b] - S + s; it sees keys t < lengths[b], t <= p and,
+    with options.window, t > p - window.
+  k, v: [B, T, Hkv, D], or paged [P, page_size, Hkv, D] with block_tables int32 [B, max_pages]; in q's
+    dtype or a one-byte type (`frame.QUANTIZED_DTYPES`).
+  k_scale, v_scale: None, [Hkv] f32, or per token with the cache's leading dims ([B, T, Hkv] /
+    [P, page_size, Hkv]; Hkv 1 or a multiple of 4): logits use k_scale_t * k_t, the output v_scale_t * v_t.
+  config: a complete `MosaicGPUConfig`; plan: its `SplitPlan` (batch order, not stream-K); num_programs:
+    a persistent config's (default: the SM count); interpret: False, True or plgpu.InterpretGPUParams.
 
-  Returns (out [B, Hkv, num_splits, R, D] float32, the softmax-normalised output of each split;
-  lse [B, Hkv, num_splits, R] float32, natural-log sum-exp of the split's logits, -inf (and out
-  0) where the split saw no valid key). logits = scale * q.k, then softcap * tanh(logits /
-  softcap) if softcap.
-
-  Keys past lengths[b] inside the last loaded tile are masked with p = 0 and their values zeroed,
-  so whatever the cache holds there (NaN, inf, another sequence's pages) never reaches an output;
-  a tile spanning several pages reads the sequence's own last page in place of table entries
-  past the length.
+  Returns (out [B, Hkv, num_splits, R, D] f32, each split's normalised output; lse [B, Hkv, num_splits,
+  R] f32, natural log, -inf with out 0 where the split saw no key). Values past lengths[b] (their table
+  entries read as the sequence's last page) never reach an output.
   """
   frame.check_packed_args(q, k, v, lengths, block_tables, num_queries=num_queries, k_scale=k_scale,
                             v_scale=v_scale)

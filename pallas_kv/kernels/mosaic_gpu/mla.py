@@ -1,45 +1,15 @@
 """Split-K MLA decode (DeepSeek's absorbed form) on Mosaic GPU: one latent KV head, paged.
 
-The cache is kv_pages [P, page_size, Dqk] (Dqk = 512 latent + 64 rope); keys are whole rows and
-values their first Dv (512) columns. Every q head shares the one KV head, so the packed rows
-(S new tokens x Hq heads, `frame.pack_queries`) are cut into blocks of 64 (wgmma M); the grid
-(sequence, split, row block) launches the row blocks of a token range together (Mosaic GPU
-launches the last dimension fastest), so the second reads the KV mostly from L2.
-
-Three warpgroups per program:
-  producer  TMA-copies each KV tile [bkv, Dqk] once into an SMEM ring (`pipeline.Ring`; one copy
-            per page when a tile spans pages, `tiling.KVTiling`);
-  scorer    (consumer 0) S = Q K^T on the tensor cores, the masked online softmax in float32,
-            P (bf16) and the row rescale alpha into SMEM for both consumers, then
-            O[:, :Dv/2] += P V[:, :Dv/2];
-  partner   (consumer 1) O[:, Dv/2:] = alpha O[:, Dv/2:] + P V[:, Dv/2:].
-The 64 x 512 float32 output accumulator would take 256 registers per thread in one warpgroup;
-split by value columns it takes 128 in each (FlashMLA's plan). V is the K tile itself, read by
-wgmma as is (no second load); P lives in one SMEM buffer handed over with two barriers
-(`SharedP`). The partner's P V overlaps the scorer's next Q K^T and softmax. The heuristic
-schedule has p_in_registers: the scorer's own P V reads P from its registers and the hand-over
-runs while it does (`_score_tiles`). Other schedules are experimental variants
-(`mla_config.Schedule`, `pallas_kv.experimental.MLAVariantConfig`): pipeline_qk (32-token
-tiles, the next Q K^T issued before the softmax), split_scores (`_score_half_tiles`),
-alternate_scores (`_alternate_consumer`, FlashMLA's seesaw), rows_as_n (`_rows_as_n_consumers`),
-ring_halves (`Scores.start_halves`: slots loaded and freed in two column parts).
-
-SMEM at Dqk 576 (bf16): Q 72 KiB + two 64 x 576 stages 144 KiB + P 8 KiB + row vectors
-= 225 KiB of the 227 (`MlaSmem`); the output staging (64 KiB in bf16) reuses the ring. The split
-count fills about one wave of 132 SMs (`resolve_config`); `MosaicMLAConfig(split_plan="balanced")`
-balances splits by tokens across a ragged batch instead (one tile count per split, computed from
-the lengths before the launch: `SplitPlan.tiles_per_split`, an int32 [1] input).
-
-The consumers' per-tile math goes through `TileMath` (probes in benchmarks/mla.py subclass it);
-it and the other pieces every schedule shares (Q K^T's start, P V, P's hand-over) are in
-`mla_tiles.py`.
-
-Values past a sequence's length (stale memory, pages its table does not name, NaN) never reach an
-output: scores there are replaced by -inf, and the scorer zeroes those rows of the tile's first
-Dv columns in SMEM before either product reads them (0 x NaN would be NaN).
-
-Each split writes its normalised partial output and natural-log LSE (a split with no tile, its
-LSE alone: -inf), merged in a second launch; with one split the kernel writes the output itself.
+kv_pages [P, page_size, Dqk]: keys are whole rows, values their first Dv columns. The packed rows (S new tokens x
+Hq heads) are cut into blocks of 64 (wgmma M); a token range's row blocks launch together, so the second reads its
+tiles mostly from L2 (docs/decisions.md#mla-grid-order). Three warpgroups per program:
+  producer  TMA-copies each KV tile [bkv, Dqk] once into an SMEM ring (`pipeline.Ring`);
+  scorer    S = Q K^T, the masked online softmax, P and the rescale alpha to the partner (`SharedP`), and
+            O[:, :Dv/2] += P V with P from its registers (docs/decisions.md#mla-p-in-registers);
+  partner   O[:, Dv/2:] = alpha O[:, Dv/2:] + P V, overlapping the scorer's next tile.
+Split by value columns, the f32 accumulator fits each consumer's registers (FlashMLA's plan); V is the K tile
+itself. Other schedules are experimental variants (docs/decisions.md#mla-schedules). Values past a sequence's
+length are masked and zeroed in SMEM before either P V. Each split writes its normalised partial and LSE.
 """
 
 from __future__ import annotations
@@ -73,16 +43,11 @@ LSE_ROW_MULTIPLE = 4   # TMA stores need 16-byte rows: the lse output is padded 
 
 def _score_tiles(scores: Scores, shared: SharedP, ring: pipeline.Ring, t0, t1, c, *, length, row0,
                  st: Static):
-  """The scorer's loop over tiles [t0, t1) ([c, t1) masked): returns (acc, m, l).
-
-  Plain: per tile, Q K^T, softmax, publish P, P V. pipeline_qk: tile i+1's Q K^T is issued before
-  tile i's softmax, so that the tensor cores work while the softmax runs (its slot is held one
-  tile longer; the last step scores its own tile again rather than branch around the wgmma).
-  """
+  """The scorer's loop over tiles [t0, t1) ([c, t1) masked): returns (acc, m, l). pipeline_qk issues
+  tile i+1's Q K^T before tile i's softmax (the last step re-scores its own tile, still held)."""
   s_type = plgpu.ACC((ROWS, st.tiling.block_kv), jnp.float32)
 
   def finish(s, tile, acc, m_i, l_i, values, masked):
-    """Softmax of tile's scores s, P to the partner, acc + P V[:, :Dv/2] (values: V[:, :Dv/2])."""
     alpha, m_new, l_new, p = st.tile_math.softmax(s, m_i, l_i, tile=tile, length=length, row0=row0, masked=masked,
                                                   st=st)
     p16, acc = p.astype(st.smem.dtype), acc * online_softmax.per_row(alpha, acc.shape)
@@ -109,10 +74,10 @@ def _score_tiles(scores: Scores, shared: SharedP, ring: pipeline.Ring, t0, t1, c
       if st.ring_halves:
         if masked:
           scores.zero_past_parts(ring, i, tile)
-        carry = finish(s, tile, *carry, ring.slot(i, 0), masked)   # part 0: V[:, :Dv/2]
+        carry = finish(s, tile, *carry, ring.slot(i, 0), masked)
       else:
         carry = finish(s, tile, *carry, first_values(ring.slot(i)), masked)
-      if not st.tile_math.wait_for_loads:   # a probe: the slot's phase is observed late, in order
+      if not st.tile_math.wait_for_loads:
         ring.wait(i)
       ring.release(i, part=0 if st.ring_halves else None)
       return carry
@@ -153,13 +118,9 @@ def _score_tiles(scores: Scores, shared: SharedP, ring: pipeline.Ring, t0, t1, c
 
 @dataclasses.dataclass(frozen=True)
 class _HalfSync:
-  """split_scores: what the two consumers trade per tile, and the barriers (two arrivals each).
-
-  rows [2, 64] f32: row w is consumer w's row max of its half of the tile (after the loop, its
-  row sum); p: two [64, bkv/2] buffers, consumer w's half of P in p[w]. max_ready: both maxima are in; p_ready:
-  both halves of P (and the zeroed values of a last tile) are in; p_free: both P V are done
-  with this tile's P. Every barrier is waited on at every phase, in order, by both consumers.
-  """
+  """split_scores: what the consumers trade per tile. rows [2, 64] f32: consumer w's row max of its half
+  (after the loop, its row sum); p[w]: its half of P [64, bkv/2]. Barriers (two arrivals; both consumers
+  wait on every phase): max_ready, p_ready (P halves and a last tile's zeroed values in), p_free."""
   rows: Any
   p: Any
   max_ready: Any
@@ -173,12 +134,8 @@ class _HalfSync:
 
 def _score_half_tiles(w: int, q_smem, sync: _HalfSync, ring: pipeline.Ring, t0, t1, c, *, length, row0,
                       st: Static):
-  """split_scores: consumer w's loop over tiles [t0, t1) ([c, t1) masked). Returns (acc [64, Dv/2]
-  of value columns w, m, l over its own half of the keys). Per tile: S_w = Q K_w^T for its half
-  of the keys; the row max of both halves; P_w into SMEM; acc_w = alpha acc_w + P V[:, columns w]
-  over both halves of P. Consumer 0 zeroes a last tile's value rows past the length once both
-  Q K^T are done (they see those keys only as masked scores) and before either P V.
-  """
+  """split_scores: consumer w scores its half of each tile's keys, shares the row max, and adds both
+  halves of P times its value columns. Returns (acc [64, Dv/2], m, l over its half of the keys)."""
   hk, bkv = st.smem.half_kv, st.tiling.block_kv
   s_type = plgpu.ACC((ROWS, hk), jnp.float32)
   rows_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -187,7 +144,7 @@ def _score_half_tiles(w: int, q_smem, sync: _HalfSync, ring: pipeline.Ring, t0, 
   def step(tile, carry, *, masked: bool):
     acc, m_i, l_i = carry
     i = tile - t0
-    slot = ring.wait(i)   # [bkv, Dqk]
+    slot = ring.wait(i)
 
     def qk(s_ref):
       st.tile_math.qk(s_ref, q_smem, slot.at[pl.ds(w * hk, hk)].transpose((1, 0)))
@@ -199,7 +156,7 @@ def _score_half_tiles(w: int, q_smem, sync: _HalfSync, ring: pipeline.Ring, t0, 
       cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
       ok = online_softmax.visible(rows, cols, tile_start=tile * bkv + w * hk, length=length,
                                   num_queries=st.num_queries, group=st.group, window=None)
-      s = jnp.where(ok, s, -jnp.inf)   # also drops NaN scores of keys past the length
+      s = jnp.where(ok, s, -jnp.inf)
     half_max = s.max(axis=1)
     sync.rows[w] = half_max
     sync.meet(sync.max_ready)
@@ -236,9 +193,7 @@ def _score_half_tiles(w: int, q_smem, sync: _HalfSync, ring: pipeline.Ring, t0, 
 
 
 def _partner_tiles(shared: SharedP, ring: pipeline.Ring, t0, t1, st: Static):
-  """The partner's loop: per tile, wait for the slot and the scorer's P, rescale by alpha and add
-  P V for the second half of the value columns. Returns acc [64, Dv/2] (O^T's [Dv/2, N] with
-  rows as N, from V^T P^T)."""
+  """The partner's loop: alpha acc + P V for the second half of the value columns, per tile."""
   rows_axis = 1 if st.rows_as_n else 0
   shape = (st.half_v, st.rows_as_n) if st.rows_as_n else (ROWS, st.half_v)
 
@@ -253,7 +208,7 @@ def _partner_tiles(shared: SharedP, ring: pipeline.Ring, t0, t1, st: Static):
     parts = [(values.transpose((1, 0)), shared.p)] if st.rows_as_n else [(shared.p, values)]
     acc = add_pv(acc * online_softmax.per_row(alpha, acc.shape, rows_axis), parts, st)
     shared.hand_back()
-    if not st.tile_math.wait_for_loads:   # a probe: the slot's phase is observed late, in order
+    if not st.tile_math.wait_for_loads:
       ring.wait(i, part)
     ring.release(i, part=part)
     return acc
@@ -261,11 +216,8 @@ def _partner_tiles(shared: SharedP, ring: pipeline.Ring, t0, t1, st: Static):
   return lax.fori_loop(t0, t1, step, plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA))
 
 
-# ---------------------------------------------------------------- alternate scorers
-
 def _own_pv(acc, p16, values, st: Static, meanwhile=None):
-  """acc + P V with P from this consumer's registers; meanwhile() runs while the tensor cores do.
-  GPU interpret mode cannot run register operands: there the product is a plain dot."""
+  """acc + P V with P from registers (a plain dot in interpret mode); meanwhile() runs during it."""
   if st.interpret:
     if meanwhile is not None:
       meanwhile()
@@ -275,20 +227,12 @@ def _own_pv(acc, p16, values, st: Static, meanwhile=None):
 
 def _alternate_consumer(w: int, scores: Scores, ring: pipeline.Ring, p_smem, row_smem, p_ready, max_ready, p_free,
                         t0, t1, c, *, length, row0, st: Static):
-  """alternate_scores (FlashMLA's seesaw): consumer w's loop over the pairs of tiles (t0 + 2k,
-  t0 + 2k + 1) of [t0, t1). Consumer 0 scores each pair's first tile a, consumer 1 its second b,
-  and each adds P V of both tiles for its value columns w. Returns (acc [64, Dv/2], m, l),
-  relative to the final max.
-
-  Only the running max passes between the two softmaxes, before either P V: consumer 0 puts a's
-  max and rescale in rows 0, 1 (max_ready[0]); consumer 1 scores b from them, puts b's in rows
-  2, 3 (max_ready[1]). Each consumer's own P V reads P from its registers. The other's P comes
-  through the one SMEM buffer: b's P first (p_ready[1]), then a's rescaled to b's max
-  (p_ready[0]). Each writer has read the buffer's previous P with its own P V before it
-  overwrites it, so no barrier frees the buffer, except before an odd last tile (p_free).
-  With ring_halves consumer w reads only column part w of a tile for its P V (part 0 holds value
-  columns 0, part 1 begins with value columns 1), so it alone releases part w, once done with it,
-  and the producer refills each part as soon as its reader is done.
+  """alternate_scores (FlashMLA's seesaw): per pair of tiles (a, b), consumer 0 scores a and consumer 1 b;
+  each adds P V of both for its value columns w. Consumer 0 puts a's max and rescale in rows 0, 1
+  (max_ready[0]); consumer 1 scores b from them and puts b's in rows 2, 3 (max_ready[1]). Each reads its
+  own P from registers, the other's from the one SMEM buffer: b's first (p_ready[1]), then a's rescaled to
+  b's max (p_ready[0]). Each writer's own P V has read the buffer's previous P, so only an odd last tile
+  needs p_free. With ring_halves consumer w alone reads and releases column part w.
   """
   n = t1 - t0
   pairs, has_tail = n // 2, n % 2
@@ -302,7 +246,6 @@ def _alternate_consumer(w: int, scores: Scores, ring: pipeline.Ring, p_smem, row
     return acc * online_softmax.per_row(factor, acc.shape)
 
   def values(step):
-    """V of step's tile for value columns w."""
     if st.ring_halves:
       return ring.slot(step, w).at[:, pl.ds(0, st.half_v)]
     return ring.slot(step).at[:, columns]
@@ -318,8 +261,6 @@ def _alternate_consumer(w: int, scores: Scores, ring: pipeline.Ring, p_smem, row
     return acc
 
   def score(step, masked, meanwhile=lambda: None):
-    """(S = Q K^T of step's tile, meanwhile()'s result: it runs while Q K^T does); the tile's values
-    past the length are zeroed before either P V."""
     def qk(s_ref):
       scores.start_from(s_ref, ring, step, t0 + step)
       result = meanwhile()
@@ -396,20 +337,16 @@ def _alternate_consumer(w: int, scores: Scores, ring: pipeline.Ring, p_smem, row
   return lax.fori_loop(0, has_tail, lambda k, cr: pair(pairs, cr, masked=True, second=False), carry)
 
 
-# ---------------------------------------------------------------- rows as wgmma N
-
 def _score_tiles_as_n(scores: Scores, shared: SharedP, ring: pipeline.Ring, t0, t1, c, *, length,
                       st: Static):
-  """The scorer's loop with rows as N (Schedule.rows_as_n): per tile S^T = K Q^T [bkv, N],
-  the masked online softmax down its columns (over keys, across warps), P^T to the partner,
-  O^T[:Dv/2] += V^T[:Dv/2] P^T. Returns (acc [Dv/2, N], m [N], l [N])."""
+  """The scorer with rows as N: S^T = K Q^T [bkv, N], softmax over keys, P^T to the partner, O^T += V^T P^T."""
   n, bkv = st.rows_as_n, st.tiling.block_kv
   s_type = plgpu.ACC((bkv, n), jnp.float32)
 
   def step(tile, carry, *, masked: bool):
     acc, m_i, l_i = carry
     i = tile - t0
-    slot = ring.wait(i)   # [bkv, Dqk]
+    slot = ring.wait(i)
 
     def qk(s_ref):
       scores.start(s_ref, tile, slot)
@@ -418,7 +355,7 @@ def _score_tiles_as_n(scores: Scores, shared: SharedP, ring: pipeline.Ring, t0, 
     alpha, m_new, l_new, p = st.tile_math.softmax(pl.run_scoped(qk, s_type), m_i, l_i, tile=tile, length=length,
                                                   row0=0, masked=masked, st=st)
     shared.publish(p.astype(st.smem.dtype), alpha, wait_free=tile > t0)
-    values = slot.at[:, pl.ds(0, st.half_v)].transpose((1, 0))   # V^T [Dv/2, bkv]
+    values = slot.at[:, pl.ds(0, st.half_v)].transpose((1, 0))
     acc = add_pv(acc * online_softmax.per_row(alpha, acc.shape, 1), [(values, shared.p)], st)
     ring.release(i)
     return acc, m_new, l_new
@@ -430,9 +367,7 @@ def _score_tiles_as_n(scores: Scores, shared: SharedP, ring: pipeline.Ring, t0, 
 
 def _rows_as_n_consumers(wg, q_ref, q_block, q_barrier, ring: pipeline.Ring, shared: SharedP, row_smem,
                          output: ProgramOutput, *, b, t0, t1, c, length, st: Static):
-  """The scorer and its partner with rows as N: the same hand-over as `_score_tiles` and the
-  partner's loop, on transposed tiles; each stores its half of O^T [Dv/2, N] and the scorer the
-  lse, into out [B, splits, Dv, N] / lse [B, splits, >= N]."""
+  """The scorer and partner with rows as N: each stores its half of O^T into out [B, splits, Dv, N]."""
 
   @pl.when(wg == SCORER)
   def _scorer():
@@ -460,20 +395,18 @@ def _rows_as_n_consumers(wg, q_ref, q_block, q_barrier, ring: pipeline.Ring, sha
     output.store(1, acc / online_softmax.per_row(jnp.where(l > 0, l, 1.0), acc.shape, 1))
 
 
-# ---------------------------------------------------------------- the kernel
-
-def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
-            kv_ref,             # [P, page_size, 1, Dqk]  GMEM
-            lengths_ref,        # [B] int32
-            block_tables_ref,   # [B, max_pages] int32
+def _kernel(q_ref,
+            kv_ref,
+            lengths_ref,
+            block_tables_ref,
             *refs,              # [balanced plan: tiles per split, int32 [1]], [sequence order, int32 [B]], out, lse
             st: Static, q_block, union, p_smem, row_smem, produced, consumed, q_barrier, p_ready,
             p_free, max_ready, consumers_done):
   refs = list(refs)
-  tiles_per_split = refs.pop(0)[0] if st.balanced else None   # `SplitPlan.tiles_per_split`
+  tiles_per_split = refs.pop(0)[0] if st.balanced else None
   sequence_order = refs.pop(0) if st.ordered else None        # batch slot -> the sequence it takes
-  (out_ref,   # [B, splits, out_rows, Dv]  f32, or q's dtype with one split
-   lse_ref,   # [B, splits, lse_rows] f32
+  (out_ref,
+   lse_ref,
    ) = refs
   q_smem = q_block.at[0]
   ring_slots, (out_smem, lse_smem) = union
@@ -500,12 +433,11 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
 
     @pl.loop(0, t1 - t0)
     def _(step):
-      # Page ids are read before waiting for the slot, so that their latency overlaps the wait.
       where = st.tiling.tile_locations(t0 + step, batch=b, block_tables_ref=block_tables_ref)
       for part in ring.spec.part_ids:   # with ring halves the scorer's value half first
         ring.acquire(step, part)
         load = functools.partial(ring.commit, step, st.tiling.tile_sources(kv_ref, where, head=0), part)
-        unloaded = functools.partial(ring.commit_stores, step, part)   # probes: the slot as it is
+        unloaded = functools.partial(ring.commit_stores, step, part)
         if not st.tile_math.load_tiles:
           unloaded()
         elif st.tile_math.first_row_block_loads_only:
@@ -586,13 +518,8 @@ def _kernel(q_ref,              # [B, rows_padded, Dqk]   GMEM
 
 
 def _store(output: ProgramOutput, out, lse, half: int, *, row_sums=(), lse_of_max=None):
-  """Stores one consumer's half of the output (and the scorer's lse).
-
-  The scorer passes its normalised half and the lse, after putting its row sums in SMEM; the
-  partner passes its raw accumulator and row_sums (SMEM row sums, added up), read once both are
-  here. lse_of_max: the running max (log2 units) to make the lse from the total row sum
-  (split_scores and alternate_scores, consumer 0).
-  """
+  """Stores one consumer's half of the output: normalised with its lse, or raw with row_sums (SMEM rows,
+  added up once both consumers meet); lse_of_max (log2 units) makes the lse from them."""
   output.meet()
   if row_sums:
     l = sum(plgpu.load(part, layout=plgpu.Layout.WGMMA.reduce(1)) for part in row_sums)
@@ -604,7 +531,6 @@ def _store(output: ProgramOutput, out, lse, half: int, *, row_sums=(), lse_of_ma
 
 
 def _build(st: Static, interpret: Any):
-  # Rows as N store O^T: out [B, splits, Dv, N] (`mla_partials` transposes it back).
   out_shape = (st.smem.v_dim, st.rows_as_n) if st.rows_as_n else (st.out_rows, st.smem.v_dim)
   out_type = (jax.ShapeDtypeStruct((st.batch, st.num_splits, *out_shape), st.smem.out_dtype),
               jax.ShapeDtypeStruct((st.batch, st.num_splits, st.lse_rows), jnp.float32))
@@ -635,27 +561,16 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
                  codegen: Codegen = Codegen(), interpret: Any = False):
   """Split-K partials of MLA decode over a paged latent cache.
 
-  q: [B, R, Dqk] packed rows in the cache's dtype (bf16 / fp16), R = num_queries * Hq, row
-    r = s * Hq + h is new token s of head h; token s of sequence b sits at lengths[b] - S + s and
-    sees keys t <= that position.
+  q: [B, R, Dqk] in the cache's dtype (bf16 / fp16), R = S * Hq packed rows (S = num_queries): row
+    r = s * Hq + h is new token s of head h, at lengths[b] - S + s, seeing keys t <= that position.
   kv_pages: [P, page_size, Dqk]; keys are whole rows, values the first v_head_dim columns.
-  lengths: int32 [B] (clamped to the capacity); block_tables: int32 [B, max_pages] (page ids are
-    clamped into the pool in-kernel).
-  config: a complete MosaicMLAConfig (`resolve_config`), checked by `check_config`; an
-    experimental variant config (`pallas_kv.experimental`) runs another consumer schedule.
-  plan: the call's `SplitPlan`: the split count; with the balanced plan every split of every
-    sequence takes plan.tiles_per_split tiles, so a long sequence gets more splits than a short
-    one (a sequence needing fewer leaves the rest empty: lse -inf); batch slot i of the grid takes
-    sequence plan.order[i] when given (e.g. longest first; outputs are the same bits).
-  tile_math: what the consumers compute per tile (`TileMath`; measurement probes subclass it).
-  codegen: how the kernel is compiled (`mla_config.Codegen`: register split, Q's descriptors).
-  interpret: False, or a plgpu.InterpretGPUParams (run on the CPU in interpret mode).
+  lengths: int32 [B]; block_tables: int32 [B, max_pages] (both clamped in the kernel).
+  config: a complete MosaicMLAConfig (a variant config runs its schedule); plan: its `SplitPlan` (not
+    stream-K; grid slot i takes sequence plan.order[i] when given); interpret: False or InterpretGPUParams.
 
-  Returns (out [B, splits, R, v_head_dim] in q's dtype, each split's normalised output, unwritten
-  for a split with no tile of several; lse [B, splits, R] float32, natural log, -inf where a split
-  saw no key). Partials in q's dtype (as
-  FlashInfer stores them) halve what the splits write and the merge reads (at 128 heads and 64
-  splits, 16.8 MB of float32 per sequence); their rounding is that of the bf16 output.
+  Returns (out [B, splits, R, v_head_dim] in q's dtype, each split's normalised output, unwritten for
+  an empty split; lse [B, splits, R] f32, natural log, -inf where a split saw no key). 16-bit partials
+  (as FlashInfer's) halve what the splits write and the merge reads, at the bf16 output's rounding.
   """
   if q.ndim != 3 or kv_pages.ndim != 3 or q.shape[2] != kv_pages.shape[2]:
     raise ValueError(f"q [B, R, Dqk] and kv_pages [P, page_size, Dqk] must share Dqk: {q.shape=} {kv_pages.shape=}")

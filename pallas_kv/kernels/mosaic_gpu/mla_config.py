@@ -1,10 +1,5 @@
-"""The MLA kernel's SMEM layout and its config: what fits, what the kernel accepts, the split count.
-
-`mla.py` is the kernel; this module sizes it (`MlaSmem`: the single source for its scratch and
-for the fit check) and chooses and checks its `MosaicMLAConfig` (`resolve_config`, `check_config`).
-The consumers' schedule is the shipped one unless an experimental variant config names another
-(`Schedule`, `schedule_of`).
-"""
+"""The MLA kernel's SMEM layout (`MlaSmem`), consumer schedule (`Schedule`), compile options (`Codegen`) and
+config choice (`resolve_config`, `check_config`)."""
 
 from __future__ import annotations
 
@@ -21,42 +16,27 @@ from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import pipeline
 from pallas_kv.kernels.mosaic_gpu import tiling
 
-ROWS = mgpu_config.ROWS_PER_WG     # packed query rows per program (wgmma M)
+ROWS = mgpu_config.ROWS_PER_WG
 VALUE_WGS = 2                      # consumers, each owning Dv / 2 value columns
-BLOCK_KV = 64                      # wgmma K of P V; two 64 x 576 tiles + Q fill SMEM
-# 32-token tiles fit four stages in the same SMEM: what pipeline_qk needs, since its scorer holds
-# two tiles at once (Q K^T of the next in flight with P V of this one) and a third must be loading.
+BLOCK_KV = 64
+# 32-token tiles fit the four stages pipeline_qk needs (two tiles held, a third loading).
 BLOCK_KVS = (32, 64)
-# Row reductions of the WGMMA layout stay inside a warp: no cross-warp scratch is needed, and the
-# 64 x 576 tiles leave none to spare.
+# WGMMA row reductions stay inside a warp: no cross-warp scratch, and the ring leaves none to spare.
 REDUCTION_SCRATCH_BYTES = 0
-# Schedule.rows_as_n: the packed rows are wgmma's N, padded to a multiple of 16 (P's rows
-# then span 32 bytes, the narrowest swizzle), at most 64 (beyond that, rows as M pad nothing).
-# The softmax reduces the transposed scores over keys, across the scorer's four warps, through
-# SMEM scratch: 1 KiB per register reduced at once (4 warps x 32 lanes x 2 float32), four at once
-# where it fits; at 64 rows Q takes 72 KiB and one fits.
+# rows_as_n: rows as wgmma N (multiples of 16, up to 64); cross-warp softmax scratch, 1 KiB per register.
 ROWS_AS_N_MULTIPLE = 16
 ROWS_AS_N_MAX = 64
 ROWS_AS_N_SCRATCH_BYTES = {16: 4096, 32: 4096, 48: 1024, 64: 1024}
 
-
-# ---------------------------------------------------------------- registers
-
-# Three warpgroups of 128 threads launch with 168 registers each (64K / 384, rounded down to 8):
-# setmaxnreg then moves registers between them within that pool, in multiples of 8.
+# 64K registers / 384 threads, rounded down to 8: setmaxnreg moves registers within this pool.
 LAUNCH_REGISTERS = 168
 REGISTER_POOL = (VALUE_WGS + 1) * LAUNCH_REGISTERS
 
 
 @dataclasses.dataclass(frozen=True)
 class RegisterSplit:
-  """Registers per thread of the producer warpgroup and of each consumer (`setmaxnreg`).
-
-  The producer only issues copies; the consumers hold a 64 x 256 float32 accumulator (128
-  registers), the scores (32) and wgmma descriptors. ptxas allocates within each warpgroup's count
-  and spills past it (`benchmarks.ptxas_summary`). The default is FA3's 24 / 240: with
-  Codegen.q_per_tile the consumers' code spills nothing (ptxas, thirteenth set; 40 / 232 spilled).
-  """
+  """Registers per thread of the producer and of each consumer (`setmaxnreg`); ptxas spills past them.
+  FA3's 24 / 240 spills nothing (docs/decisions.md#mla-register-split)."""
   producer: int = 24
   consumer: int = 240
 
@@ -70,26 +50,18 @@ class RegisterSplit:
 
   @property
   def name(self) -> str:
-    """The kernel name's suffix: empty for the default split."""
     return "" if self == RegisterSplit() else f"_r{self.producer}_{self.consumer}"
 
 
 @dataclasses.dataclass(frozen=True)
 class Codegen:
-  """How the kernel is compiled, not what it computes: measured choices, named in the kernel name.
+  """How the kernel is compiled, not what it computes; named in the kernel name.
 
-  registers: the warpgroups' register split.
-  q_per_tile: Q's SMEM address is made opaque to the compilers on every tile (its index is a zero
-    loaded from SMEM, which neither LLVM nor ptxas can fold), so that Q K^T's wgmma descriptors
-    (one 64-bit value per 16 columns: 36 at Dqk 576) are rebuilt each tile from one base instead
-    of being hoisted out of the loop, where they hold 72 registers or, past the consumers' count,
-    spill (ptxas, twelfth set). On by default: with 24 / 240 registers the kernel's launch alone
-    ran 131.5 us against 146.3 held and 40 / 232 at B64 T4096 (benchmarks/RESULTS.md, thirteenth
-    set). Every schedule but split_scores (which slices Q itself, and ignores it).
-  slots_per_tile: the alternate scorers' ring steps are made opaque the same way: with two stages
-    consumer w scores only tiles in slot w and reads the other's in slot 1 - w, so the K and V
-    descriptors of both slots are loop-invariant, hoisted, and spill (ptxas, thirteenth set).
-    Only alternate_scores reads it. Not yet timed.
+  q_per_tile: Q's SMEM index is a zero loaded from SMEM each tile, which LLVM and ptxas cannot fold, so
+    Q K^T's wgmma descriptors are rebuilt per tile instead of hoisted out of the loop, where they spill
+    (docs/decisions.md#mla-q-per-tile). split_scores slices Q itself and ignores it.
+  slots_per_tile: alternate_scores' ring steps made opaque the same way, since with two stages each
+    slot's descriptors are loop-invariant (docs/decisions.md#mla-slots-per-tile).
   """
   registers: RegisterSplit = RegisterSplit()
   q_per_tile: bool = True
@@ -97,19 +69,13 @@ class Codegen:
 
   @property
   def name(self) -> str:
-    """The kernel name's suffix: empty for the default; `_heldq` where Q's descriptors are held."""
     return f"{self.registers.name}{'' if self.q_per_tile else '_heldq'}{'_spt' if self.slots_per_tile else ''}"
 
 
-# ---------------------------------------------------------------- SMEM layout, config
-
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-  """How the two consumer warpgroups share a tile's work. The shipped schedule: one scorer
-  computes Q K^T and the softmax, runs its half of P V with P from registers, and hands P to its
-  partner through SMEM (`p_in_registers`; docs/decisions.md#mla-p-in-registers). The other fields
-  are experimental variants that measured slower or within noise (`pallas_kv.experimental`,
-  docs/decisions.md#mla-schedules)."""
+  """How the two consumers share a tile's work: the shipped p_in_registers (docs/decisions.md#mla-p-in-registers)
+  or an experimental variant (docs/decisions.md#mla-schedules)."""
   pipeline_qk: bool = False
   split_scores: bool = False
   rows_as_n: bool = False
@@ -138,25 +104,20 @@ class Schedule:
 
 
 def schedule_of(config) -> Schedule:
-  """The schedule a config runs: the shipped one, or the fields of an experimental variant config
-  (`pallas_kv.experimental.MLAVariantConfig`) that names another."""
   return Schedule(**{f.name: getattr(config, f.name) for f in dataclasses.fields(Schedule) if hasattr(config, f.name)})
 
 
 @dataclasses.dataclass(frozen=True)
 class MlaSmem:
-  """The SMEM layout of one program; the single source for scratch and for the fit check.
+  """The SMEM layout of one MLA program; the single source for scratch and for the fit check.
 
-  q_block  [1, 64, Dqk] dtype, swizzled        packed query rows (wgmma A of Q K^T)
-  union    ring [num_stages, bkv, Dqk] dtype, swizzled   | (out [2, 64, Dv/2] out_dtype,
-                                                            lse [64] f32)   after the loop
-  p        [64, bkv]  dtype, swizzled          P of the current tile (wgmma A of P V)
-  rows     [4, 64]    f32                      alpha of the current tile; the final row sum;
-           ([6, 64] with alternate_scores: the max and rescale of a pair's first tile, of its
-           second, then each consumer's row sum); then a row of zeros per consumer
-           (Codegen's per-tile index)
-  barriers: ring produced / consumed per slot, q, p_ready and max_ready (one per consumer with
-  alternate_scores), p_free, consumers_done.
+  q_block  [1, 64, Dqk] dtype, swizzled                 Q (wgmma A); the leading 1 is Codegen's index
+  union    ring [num_stages, bkv, Dqk] dtype, swizzled  | (out [2, 64, Dv/2] out_dtype, lse [64] f32) after the loop
+  p_smem   [64, bkv] dtype, swizzled                    P of the current tile (wgmma A of P V)
+  row_smem [4, 64] f32    alpha, the final row sum (alternate_scores [6, 64]: a pair's first and second
+                          max and rescale, each consumer's row sum), then one row of zeros per consumer
+  barriers ring produced / consumed per slot, q, p_ready and max_ready (one per consumer with
+           alternate_scores; two arrivals with split_scores), p_free, consumers_done
   """
   qk_dim: int
   v_dim: int
@@ -165,9 +126,9 @@ class MlaSmem:
   block_kv: int = BLOCK_KV
   num_stages: int = 2
   copies_per_tile: int = 1
-  split_scores: bool = False   # P as two [64, bkv/2] halves, one per consumer (`_score_half_tiles`)
-  rows_as_n: int = 0           # q rows as wgmma N (Schedule.rows_as_n): this many, padded; 0: rows as M
-  alternate_scores: bool = False   # the consumers score alternate tiles (`_alternate_consumer`)
+  split_scores: bool = False
+  rows_as_n: int = 0           # padded q rows as wgmma N; 0: rows as M
+  alternate_scores: bool = False
   ring_halves: bool = False    # ring slots in two column parts: [0, Dv/2) and [Dv/2, Dqk)
 
   def __post_init__(self):
@@ -184,7 +145,6 @@ class MlaSmem:
 
   @property
   def q_rows(self) -> int:
-    """Rows of Q, of the row vectors and of the output staging: 64, or the rows as N."""
     return self.rows_as_n or ROWS
 
   @property
@@ -192,9 +152,7 @@ class MlaSmem:
     return ROWS_AS_N_SCRATCH_BYTES[self.rows_as_n] if self.rows_as_n else REDUCTION_SCRATCH_BYTES
 
   def transforms(self, minor_dim: int):
-    """SMEM transforms of an operand. wgmma takes one swizzle for both of its operands, so Q and
-    the ring follow P's rows: 64 bytes with 32-token tiles or split_scores' P halves, and with
-    rows as N P's rows are the q rows (32 bytes at 16)."""
+    """An operand's SMEM transforms: wgmma takes one swizzle for both operands, so all follow P's rows."""
     limit = self.block_kv * self.dtype.itemsize
     if self.split_scores:
       limit = self.half_kv * self.dtype.itemsize
@@ -206,14 +164,12 @@ class MlaSmem:
     if self.split_scores:   # one half per consumer (separate buffers: wgmma takes no indexed ref)
       return tuple(plgpu.SMEM((ROWS, self.half_kv), self.dtype, transforms=self.transforms(self.half_kv))
                    for _ in range(VALUE_WGS))
-    if self.rows_as_n:   # P^T [bkv, N]: the B operand of O^T = V^T P^T
+    if self.rows_as_n:
       return plgpu.SMEM((self.block_kv, self.rows_as_n), self.dtype, transforms=self.transforms(self.rows_as_n))
     return plgpu.SMEM((ROWS, self.block_kv), self.dtype, transforms=self.transforms(self.block_kv))
 
   def ring_spec(self) -> pipeline.RingSpec:
-    """With ring_halves, part 0 (the scorer's value half) is released by the scorer alone and part
-    1 by the partner alone (the scorer's Q K^T is done with it before P reaches the partner); the
-    alternate scorers: part w by consumer w."""
+    """With ring_halves, each part has one reader that releases it: consumer w, part w."""
     parts = (self.half_v, self.qk_dim - self.half_v) if self.ring_halves else ()
     return pipeline.RingSpec(num_stages=self.num_stages, block_shape=(self.block_kv, self.qk_dim),
                              dtype=self.dtype, transforms=self.transforms(self.qk_dim),
@@ -223,23 +179,17 @@ class MlaSmem:
   def scratch_types(self) -> dict[str, Any]:
     ring = self.ring_spec()
     produced, consumed = ring.barrier_types()
-    # Each consumer's half of the output: [64, Dv/2], or O^T's [Dv/2, N] with rows as N.
     half_out = (self.half_v, self.rows_as_n) if self.rows_as_n else (ROWS, self.half_v)
     out_stage = (plgpu.SMEM((VALUE_WGS, *half_out), self.out_dtype),
                  plgpu.SMEM((self.q_rows,), jnp.float32))
     return dict(
-        # [1, rows, Dqk]: a leading index for Codegen.q_per_tile (Q is q_block.at[0]).
         q_block=plgpu.SMEM((1, self.q_rows, self.qk_dim), self.dtype,
                           transforms=self.transforms(self.qk_dim)),
-        # The output staging reuses the ring's memory once every tile is consumed.
         union=plgpu.RefUnion(ring.buffer_type(), out_stage),
         p_smem=self.p_type(),
         row_smem=plgpu.SMEM((self.row_vectors, self.q_rows), jnp.float32),
         produced=produced, consumed=consumed,
         q_barrier=plgpu.Barrier(),
-        # split_scores: both consumers arrive at each (and max_ready carries the row maxima).
-        # alternate_scores: p_ready[w] and max_ready[w] are consumer w's hand-over of its P and of
-        # its tile's max; p_free frees P before an odd last tile.
         p_ready=plgpu.Barrier(num_arrivals=VALUE_WGS if self.split_scores else 1,
                               num_barriers=VALUE_WGS if self.alternate_scores else 1),
         p_free=plgpu.Barrier(num_arrivals=VALUE_WGS if self.split_scores else 1),
@@ -249,7 +199,6 @@ class MlaSmem:
 
   @property
   def zero_rows(self) -> int:
-    """The first of the rows of zeros, one per consumer, that Codegen.q_per_tile reads Q's index from."""
     return 6 if self.alternate_scores else 2
 
   @property
@@ -258,7 +207,6 @@ class MlaSmem:
 
   @property
   def nbytes(self) -> int:
-    """SMEM bytes the kernel asks for (allocations aligned as Mosaic GPU aligns them)."""
     align = pipeline.align_up
     ring = self.ring_spec()
     rows = self.q_rows
@@ -276,8 +224,7 @@ class MlaSmem:
   @classmethod
   def for_call(cls, config: MosaicMLAConfig, *, qk_dim: int, v_dim: int, dtype: Any, page_size: int,
                rows: int = ROWS) -> "MlaSmem":
-    """Outputs and split partials alike are staged in the cache's dtype (`mla_partials`); rows:
-    the packed q rows (they size the rows-as-N layout)."""
+    """Outputs and partials are staged in the cache's dtype; rows: packed q rows (rows as N)."""
     return cls(qk_dim=qk_dim, v_dim=v_dim, dtype=dtype, out_dtype=dtype,
                block_kv=config.block_kv, num_stages=config.num_stages,
                copies_per_tile=mgpu_config.copies_per_tile(config.block_kv, page_size),
@@ -287,14 +234,11 @@ class MlaSmem:
 
 
 def row_blocks(rows: int) -> int:
-  """Programs per (sequence, split): one per 64 packed rows."""
   return plan.cdiv(rows, ROWS)
 
 
 def check_config(config: MosaicMLAConfig, *, qk_dim: int, v_dim: int, dtype: Any, page_size: int,
                  rows: int = ROWS) -> None:
-  """What the MLA kernel needs of a complete config beyond `MosaicMLAConfig`'s own rules (rows: the
-  packed q rows of the call)."""
   if not isinstance(config, MosaicMLAConfig) or not config.complete:
     raise ValueError(f"the MLA kernel takes a complete MosaicMLAConfig (resolve_config), got {config!r}")
   schedule_of(config).check(block_kv=config.block_kv, rows=rows)
@@ -308,8 +252,7 @@ def check_config(config: MosaicMLAConfig, *, qk_dim: int, v_dim: int, dtype: Any
 
 
 def heuristic_config(problem, *, dtype: Any = "bfloat16") -> MosaicMLAConfig:
-  """64-token tiles and the deepest ring that fits (2 stages at Dqk 576, as FlashMLA), with
-  per-sequence splits in batch order (`resolve_config` may reorder)."""
+  """64-token tiles, the deepest ring that fits, per-sequence splits in batch order."""
   config = MosaicMLAConfig(block_kv=BLOCK_KV, num_stages=2, split_plan="per_sequence", sequence_order="given")
   while True:
     deeper = dataclasses.replace(config, num_stages=config.num_stages + 1)
@@ -322,13 +265,9 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16") -> MosaicMLAConfig:
 
 def resolve_config(problem, config: MosaicMLAConfig | None, *, dtype: Any = "bfloat16",
                    num_sms: int | None = None) -> MosaicMLAConfig:
-  """The given fields over the heuristic's; a split count left None fills about one wave (the
-  balanced plan: its bound on one sequence's splits, `plan.choose_balanced_splits`).
-
-  A config that leaves sequence_order None takes the sequences longest first where the programs
-  make more than one wave (one program per SM: the SMEM takes it all), so that a ragged batch's
-  long sequences start in the first wave (docs/decisions.md#mla-longest-first).
-  """
+  """The given fields over the heuristic's; a split count left None fills about one wave
+  (docs/decisions.md#split-count-one-wave). sequence_order None takes the longest sequences first
+  where the programs (one per SM) make more than one wave (docs/decisions.md#mla-longest-first)."""
   if config is not None and not isinstance(config, MosaicMLAConfig):
     raise TypeError(f"the MLA kernel takes a MosaicMLAConfig, got {type(config).__name__}")
   given = config or MosaicMLAConfig()

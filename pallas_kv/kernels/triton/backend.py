@@ -1,10 +1,5 @@
-"""The Pallas Triton backend as `pallas_kv.api` sees it: what it serves, and the ops on its kernels.
-
-Each op resolves a `TritonConfig` (`config.resolve_config`), plans the splits once
-(`plan_splits`), and runs the split-K kernel inside the row packing both backends share
-(`pallas_kv.kernels.frame`). The splits are merged by a second launch (`merge.merge_partials`),
-or by the kernel itself (one split, the stream-K plan, or `merge_in_kernel`).
-"""
+"""The Pallas Triton backend as `pallas_kv.api` sees it: config resolution, split planning, and runs. The
+splits merge in a second launch (`merge.merge_partials`) or in the kernel (one split, stream-K, merge_in_kernel)."""
 
 from __future__ import annotations
 
@@ -29,7 +24,6 @@ def resolve_config(op: str, problem, config, *, dtype) -> TritonConfig:
 
 
 def plan_splits(op: str, problem, options, config: TritonConfig, lengths) -> plan.SplitPlan:
-  """The call's split plan for a complete config."""
   del op
   _, row_blocks = triton_config.row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
   return plan.make_plan(lengths, problem=problem, config=config, window=options.window, row_blocks=row_blocks,
@@ -38,8 +32,7 @@ def plan_splits(op: str, problem, options, config: TritonConfig, lengths) -> pla
 
 def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: TritonConfig,
         split_plan: plan.SplitPlan, sinks, k_scale, v_scale, return_lse: bool):
-  """Runs a call that `unsupported_reason` accepted with a complete config and its plan. k, v are
-  the caches (pages when paged)."""
+  """Runs an accepted call with a complete config and its plan; k, v are the caches (pages when paged)."""
   del op
   interpret = runtime.interpret_enabled()
   kw = dict(num_queries=problem.num_queries, options=options, config=config, plan=split_plan, interpret=interpret,
@@ -52,8 +45,7 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: Tr
     return triton_decode.decode_merged(rows, k, v, lengths, block_tables, sinks=row_sinks, k_scale=k_scale,
                                        v_scale=v_scale, out_dtype=q.dtype, return_lse=return_lse, **kw)
 
-  # One split, the stream-K plan or merge_in_kernel: the kernel writes the output itself (one
-  # split: docs/decisions.md#triton-one-split). Otherwise the partials go to the merge kernel.
+  # No merge launch with one split (docs/decisions.md#triton-one-split); stream-K merges in the launch.
   in_kernel = config.merge_in_kernel or split_plan.num_splits == 1 or split_plan.stream_k
   return frame.run(merged if in_kernel else partials, q, k, lengths, block_tables, problem=problem, sinks=sinks,
                    return_lse=return_lse, k_scale=k_scale, v_scale=v_scale, merged=in_kernel,

@@ -1,50 +1,8 @@
-"""Split-K flash-decoding partials on the Pallas Triton backend (portable GPUs: Ampere, ROCm).
+"""Split-K flash-decoding on the Pallas Triton backend (portable GPUs: Ampere, ROCm).
 
-One program per (kv head [x row block], split, sequence). It loads the packed query rows of its
-KV head (every q head of the group x every new token; q is not padded in memory, the rows up
-to a power of two >= 16 for `pl.dot` load as zeros) and streams the KV tiles of its split: a
-range of `block_kv`-token tiles computed at run time from `lengths`, so tiles past the end of a
-sequence (or before its sliding window) are never loaded. Triton software-pipelines the tile
-loads of the loop (`num_stages`); the online softmax runs in float32 (exp2 on log2-scaled
-logits).
-
-Pallas Triton has no scalar prefetch: the block table row of the sequence is an ordinary input
-and page ids are read inside the loop. A tile is one slice of one page when block_kv divides
-the page size, else a per-token gather over block_kv / page_size pages.
-
-Lengths and page ids are clamped here (into [0, capacity] and [0, P)), so the ops launch
-nothing before the kernel.
-
-Each split writes its softmax-normalised partial output and its natural-log LSE (-inf and 0
-for a split without valid keys) for the real rows only; the caller merges splits
-(`merge.merge_partials`, one launch; `frame.merge_splits` is its reference).
-
-With `TritonConfig.merge_in_kernel` (`decode_merged`) the merge runs in the same launch: each
-split of a sequence that has more than one split with tiles writes its partial, then bumps the
-(sequence, kv head, row block) counter with an acq_rel atomic; the split that sees every other
-split arrived (old count = active splits - 1) reads all partials back in split order, merges
-them as `frame.merge_splits` does (sinks included) and writes the output rows in the output
-dtype. A sequence whose tiles fit one split has its split 0 write the output directly.
-
-With `TritonConfig(split_plan="stream_k")` (merge mode only) the grid is num_splits programs per
-(kv head, row block) instead, each streaming an equal share of the whole batch's tiles laid end
-to end across sequence boundaries (`stream_k.py`); a sequence cut across programs is merged by
-the counter as above (the last piece merges the pieces in program order).
-
-The kernel body's pieces (tile loads, the online-softmax step per tile) are in `tiles.py`, merge
-mode's outputs in `outputs.py`.
-
-Memory ordering on the GPU (programs run concurrently; interpret mode runs them one by one, so
-there the order is trivially right and the barriers are left out): a program's partial is stored
-by all of its threads, the atomic is issued by one. A CTA barrier (bar.sync) before the atomic
-orders every thread's stores before it, and the atomic's release is cumulative over what that
-thread has observed, so the partial is visible at gpu scope to any program that acquires a later
-count. The counter's read-modify-writes form one release sequence: the last program's acquire
-reads the value the n-1 others wrote in turn, so it synchronizes with every one of them. A second
-barrier after the atomic orders the acquire before the loads of all of the last program's
-threads (they sit in a branch on the atomic's result, so they are not hoisted above it; the
-partials are written by the kernel, so they are not loaded through the read-only cache).
-"""
+One program per (kv head x row block, split, sequence) loads its packed q rows and streams its split's tiles,
+a range computed in the kernel from `lengths`, so tiles outside the visible keys are never loaded.
+`decode_partials` writes each split's partial; `decode_merged` merges in the launch (also for stream-K)."""
 
 from __future__ import annotations
 
@@ -77,23 +35,13 @@ from pallas_kv.kernels.triton.tiles import real_rows
 from pallas_kv.kernels.triton.tiles import tile_step
 
 DEPRECATION_MESSAGE = "The Pallas Triton backend is deprecated"
-# Widen one-byte cache tiles to float16 with a few integer instructions per 4 values
-# rather than the generic int/float conversions, whose throughput (16 per clock per SM) is less
-# than HBM delivers one-byte values at (`tiles.WIDEN_PTX`). Interpret mode always takes the
-# generic path.
+# Widen one-byte tiles with `tiles.WIDEN_PTX`: generic conversions are slower than HBM delivers the bytes.
 FAST_WIDEN = True
 
 
-# ---------------------------------------------------------------- jax's deprecation warning
-
 def _quiet_lowering_rule():
-  """The Triton pallas_call lowering, run with jax's Pallas Triton deprecation warning hidden.
-
-  jax warns while lowering (at jit time, not at our call), so the library's kernels carry their
-  own CompilerParams class whose lowering rule hides that one warning; users' own Pallas Triton
-  kernels still warn. This needs jax internals: returns (register, rule), or None when they are
-  not there (then our kernels warn like any other).
-  """
+  """(register, rule) of a lowering that hides jax's deprecation warning (raised at jit time) for our kernels'
+  `CompilerParams` only, or None without the jax internals it needs."""
   try:
     from jax._src.pallas import core as pallas_core
     from jax._src.pallas.triton import pallas_call_registration
@@ -116,7 +64,6 @@ class CompilerParams(pltr.CompilerParams):
 
 
 def compiler_params(**kwargs):
-  """Compiler params of a library kernel on this backend (`CompilerParams` where it can be)."""
   return _compiler_params_class(**kwargs)
 
 
@@ -128,20 +75,14 @@ else:
   _compiler_params_class = pltr.CompilerParams
 
 
-# ---------------------------------------------------------------- the kernel
-
 def _tile_range(length, split, st: Static, tiles_per_split):
-  """This split's tiles [t0, t1) and the unmasked sub-range [a, c) (`plan.split_tile_range`)."""
   return split_plan.split_tile_range(length, split, block_kv=st.block_kv, num_queries=st.num_queries,
                                   num_splits=st.num_splits, window=st.options.window,
                                   tiles_per_split=tiles_per_split)
 
 
 def _attend(r: Refs, *, head, row0, length, tiles, seq: tuple, st: Static):
-  """One sequence's attention over its tiles (t0, a, c, t1) for this program's rows: the
-  softmax-normalised partial (out [block_rows, D] f32, natural-log lse [block_rows]) of tiles
-  [t0, t1), masked in [t0, a) and [c, t1) (`plan.unmasked_tiles`). `seq` is (b,) where the
-  per-sequence refs hold the whole batch."""
+  """One sequence's partial (out [block_rows, D] f32, lse [block_rows]) over tiles [t0, t1), masked outside [a, c)."""
   t0, a, c, t1 = tiles
   q = load_q(r, row0, seq, st)
   head_scales = head_scales_of(r, head, st)
@@ -153,10 +94,10 @@ def _attend(r: Refs, *, head, row0, length, tiles, seq: tuple, st: Static):
   return online_softmax.finalize(*carry)
 
 
-def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), unpadded
-            k_ref,            # [T, D] | [P, page_size, D]   this kv head, cache dtype
-            v_ref,            # same as k_ref
-            lengths_ref,      # [B] int32
+def _kernel(q_ref,
+            k_ref,
+            v_ref,
+            lengths_ref,
             *refs, st: Static):
   r = Refs(q_ref, k_ref, v_ref, lengths_ref, refs, st)
   if st.stream_k:
@@ -164,8 +105,7 @@ def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), 
   head_block, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   seq = ()
   if st.ordered:
-    # The sequence is chosen at run time, so its refs hold the whole batch (`_build`): every
-    # access to them puts b first in its one indexer.
+    # Picked at run time: the per-sequence refs hold the whole batch, indexed by seq = (b,).
     b = jnp.clip(r.order[b], 0, lengths_ref.shape[0] - 1)
     seq = (b,)
   head = head_block // st.num_row_blocks
@@ -174,7 +114,7 @@ def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), 
   t0, t1, a, c = _tile_range(length, split, st, r.tiles_per_split)
   partial = _attend(r, head=head, row0=row0, length=length, tiles=(t0, a, c, t1), seq=seq, st=st)
   if not st.merge:
-    out_ref, lse_ref = r.rest   # [R, D] f32, [R] f32 of this split: the real rows only
+    out_ref, lse_ref = r.rest
     out, lse = partial
     row_ok = real_rows(row0, st)
     pltr.store(out_ref.at[(*seq, pl.ds(row0, st.block_rows), slice(None))], out,
@@ -186,8 +126,7 @@ def _kernel(q_ref,            # [R, D] packed rows of this (sequence, kv head), 
 
 
 def _merge_epilogue(partial, refs, *, b, head, head_block, split, row0, length, tiles_per_split, st: Static):
-  """Merge mode: write this split's partial and let the last split to arrive merge them all
-  (module doc); a sequence with at most one split with tiles has its split 0 write directly."""
+  """Merge mode: store this split's partial; the last split of a sequence to arrive merges them all."""
   outs = MergedOutputs(refs, row0=row0, st=st)
   if st.num_splits == 1:
     outs.write_one(b, head, *partial)
@@ -211,21 +150,15 @@ def _merge_epilogue(partial, refs, *, b, head, head_block, split, row0, length, 
 
 def _build(st: Static, *, batch: int, num_kv_heads: int, kv_shape, table_width: int | None,
            num_warps: int, num_stages: int, dtype, interpret: bool, out_dtype=None):
-  """Grid, BlockSpecs and compiler params for one static config; returns the pallas_call.
-
-  Merge mode (st.merge) takes q unpadded [B, Hkv, R, D], then the sinks [Hkv, R] (has_sinks) and
-  zeroed counters [B, Hkv * nrb] (num_splits > 1, aliased to the last output), and returns
-  (out [B, Hkv, R, D] out_dtype, [lse [B, Hkv, R]], [partials, their LSEs, the counters]); every
-  output is one whole-array block that the programs index themselves.
-  """
+  """The pallas_call of one static config. Merge mode also takes sinks [Hkv, R] (has_sinks) and zeroed
+  counters [B, Hkv * nrb] (num_splits > 1, aliased to the last output) and returns (out [B, Hkv, R, D]
+  out_dtype, [lse [B, Hkv, R]], [partials, their LSEs, counters]), whole-array blocks the programs index."""
   D, nrb, R = st.head_dim, st.num_row_blocks, st.block_rows
   head = lambda hb: hb // nrb
   whole = lambda shape: pl.BlockSpec(shape, lambda hb, s, b: (0,) * len(shape))
 
   def per_sequence(block, index):
-    """One sequence's block (`block` after the batch dim, at `index(hb, s)`); with
-    st.picks_sequences the whole batch, since the kernel picks the sequence at run time (Pallas
-    Triton has no scalar prefetch to feed an index map)."""
+    """One sequence's block, or the whole batch where the kernel picks sequences (no scalar prefetch)."""
     if st.picks_sequences:
       return pl.BlockSpec((batch, *block), lambda hb, s, b: (0, *index(hb, s)))
     return pl.BlockSpec((None, *block), lambda hb, s, b: (b, *index(hb, s)))
@@ -254,7 +187,7 @@ def _build(st: Static, *, batch: int, num_kv_heads: int, kv_shape, table_width: 
       in_specs.append(per_sequence((kv_shape[1], None), lambda hb, s: (0, head(hb))))
   aliases = {}
   if not st.merge:
-    # Every row block of a (sequence, kv head, split) stores its own real rows into one block.
+    # The row blocks of a (sequence, kv head, split) each store their real rows into one block.
     out_shape = [
         jax.ShapeDtypeStruct((batch, num_kv_heads, st.num_splits, st.rows, D), jnp.float32),
         jax.ShapeDtypeStruct((batch, num_kv_heads, st.num_splits, st.rows), jnp.float32),
@@ -271,7 +204,6 @@ def _build(st: Static, *, batch: int, num_kv_heads: int, kv_shape, table_width: 
       counts = (batch, num_kv_heads * nrb)
       in_specs.append(whole(counts))
       aliases = {len(in_specs) - 1: len(out_shape) + 2}
-      # Stream-K: two partial slots per program (`StreamKLayout.piece_slot`).
       slots = (num_kv_heads, st.num_splits, 2) if st.stream_k else (batch, num_kv_heads, st.num_splits)
       out_shape += [jax.ShapeDtypeStruct((*slots, st.rows, D), jnp.float32),
                     jax.ShapeDtypeStruct((*slots, st.rows), jnp.float32),
@@ -295,7 +227,6 @@ def _build(st: Static, *, batch: int, num_kv_heads: int, kv_shape, table_width: 
   return pl.pallas_call(
       functools.partial(_kernel, st=st),
       # grid[0] varies fastest: the KV heads of one token range sit side by side in HBM.
-      # Stream-K: num_splits programs per head block, each over a share of the whole batch.
       grid=(num_kv_heads * nrb, st.num_splits, 1 if st.stream_k else batch),
       in_specs=in_specs,
       out_specs=out_specs,
@@ -309,7 +240,6 @@ def _build(st: Static, *, batch: int, num_kv_heads: int, kv_shape, table_width: 
 
 def _static(q, k, v, lengths, block_tables, *, num_queries: int, options: AttentionOptions, config: TritonConfig,
             plan: SplitPlan, k_scale, v_scale, interpret: bool, v_tokens_last=False, **merge) -> Static:
-  """The checked static description of one call (`decode_partials`' arguments)."""
   frame.check_packed_args(q, k, v, lengths, block_tables, num_queries=num_queries, k_scale=k_scale,
                             v_scale=v_scale, v_tokens_last=v_tokens_last)
   _, _, R, D = q.shape
@@ -343,8 +273,7 @@ def _call(st: Static, args, *, q, k, config: TritonConfig, interpret: bool, out_
 
 
 def call_quietly(call, args):
-  """call(*args) with jax's Pallas Triton deprecation warning hidden: eager calls lower here;
-  jit-time lowering goes through CompilerParams' quiet rule."""
+  """call(*args) with jax's Pallas Triton deprecation warning hidden, for eager calls that lower here."""
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=DEPRECATION_MESSAGE, category=DeprecationWarning)
     return call(*args)
@@ -361,33 +290,14 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
                     v_tokens_last: bool = False):
   """Split-K partials of decode attention over a contiguous or paged KV cache.
 
-  q: [B, Hkv, R, D] bf16 or fp16, R = num_queries * G packed rows, row
-  r = s * G + g is query token s (of S = num_queries new tokens) for q head kv_head * G + g.
-  Query token s of sequence b is at position p = lengths[b] - S + s; it attends to keys t with
-  t <= p and (if options.window) t > p - window.
-  dense:  k, v [B, T, Hkv, D]; block_tables None.
-  paged:  k, v [P, page_size, Hkv, D]; block_tables int32 [B, max_pages] with ids in [0, P);
-          token t of sequence b is k[block_tables[b, t // page_size], t % page_size].
-  k and v hold q's dtype, or a one-byte dtype (int8, float8_e4m3fn, float8_e5m2) widened to
-  float16 (q must then be float16) after the load and scaled by k_scale / v_scale: each None,
-  float32 [Hkv] (per kv head)
-  or float32 per token and kv head ([B, T, Hkv] dense, [P, page_size, Hkv] paged, addressed like
-  the cache); logits use k_scale[t] * k[t] and the output v_scale[t] * v[t].
-  lengths: int32 [B] (clamped into [0, capacity]).
-  options: scale, softcap and window of the call.
-  config: a complete `TritonConfig` (`config.resolve_config`), checked here by `config.check_config`.
-    Its merge_in_kernel is not read here: `decode_merged` is that kernel.
-  plan: the call's `SplitPlan` (`plan.make_plan`): the split count, the balanced plan's tiles per
-    split, and the order in which batch slot i of the grid takes sequence plan.order[i].
-    Results are indexed by sequence either way.
-  interpret: run the kernel in Pallas interpret mode (CPU).
-  v_tokens_last: v is [B, Hkv, D, T] (paged [P, Hkv, D, page_size]): k's dims 0, 2, 3, 1.
-
-  Returns (out [B, Hkv, num_splits, R, D] float32, each split's softmax-normalised output;
-  lse [B, Hkv, num_splits, R] float32, natural-log sum-exp of the split's logits, -inf (and out
-  0) where the split saw no valid key). logits = scale * q.k, then softcap * tanh(logits /
-  softcap) if softcap. Tokens at or past lengths[b] are never read as values (masked loads).
-  """
+  q: [B, Hkv, R, D] bf16 / fp16, R = S * G rows (`frame.pack_queries`), S = num_queries; token s of sequence b
+    sits at p = lengths[b] - S + s and sees keys p - window < t <= p. lengths: int32 [B], clamped into [0, capacity].
+  k, v: dense [B, T, Hkv, D] or paged [P, page_size, Hkv, D] with block_tables int32 [B, max_pages]; with
+    v_tokens_last v has k's dims 0, 2, 3, 1. q's dtype, or one-byte (q float16) times k_scale / v_scale:
+    None, float32 [Hkv], or float32 per token and kv head shaped like the cache's first three dims.
+  config: a complete `TritonConfig`; plan: its `SplitPlan` (results are in batch order whatever plan.order).
+  Returns (out [B, Hkv, num_splits, R, D] float32, each split's normalised output; lse [B, Hkv, num_splits, R]
+  float32 natural log, -inf (out 0) where the split saw no key)."""
   st = _static(q, k, v, lengths, block_tables, num_queries=num_queries, options=options, config=config, plan=plan,
                k_scale=k_scale, v_scale=v_scale, interpret=interpret, v_tokens_last=v_tokens_last)
   args = _args(q, k, v, lengths, block_tables, k_scale, v_scale, plan)
@@ -397,19 +307,9 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
 def decode_merged(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
                   config: TritonConfig, plan: SplitPlan, sinks=None, k_scale=None, v_scale=None, out_dtype=None,
                   return_lse: bool = True, interpret: bool = False, v_tokens_last: bool = False):
-  """Decode attention with the split merge in the same launch (`TritonConfig.merge_in_kernel`;
-  the module doc says how the last split of a sequence merges and why that is safe).
-
-  Arguments as `decode_partials`, plus sinks: None or float32 [Hkv, R], the sink logit of each
-  packed row (`frame.packed_sinks`), which joins the denominator only; out_dtype: the output's
-  dtype (q's by default).
-
-  Returns (out [B, Hkv, R, D] out_dtype, lse [B, Hkv, R] float32 over the real keys, -inf where
-  there are none; None unless return_lse): what `frame.merge_splits` makes of
-  `decode_partials`' result, up to float32 rounding (the sum over splits runs in another order,
-  and exp / log are the kernel's own). For a fixed num_splits the bits depend only on each
-  sequence's own inputs, never on the order in which its splits finish.
-  """
+  """`frame.merge_splits` of `decode_partials`' result in the same launch, up to float32 rounding, the bits
+  independent of the order splits finish in. Extra arguments: sinks None or float32 [Hkv, R] (`frame.packed_sinks`),
+  out_dtype (default q's). Returns (out [B, Hkv, R, D] out_dtype, lse [B, Hkv, R] float32 or None)."""
   st = _static(q, k, v, lengths, block_tables, num_queries=num_queries, options=options, config=config, plan=plan,
                k_scale=k_scale, v_scale=v_scale, interpret=interpret, v_tokens_last=v_tokens_last, merge=True,
                has_sinks=sinks is not None, write_lse=return_lse, barriers=not interpret)
@@ -420,6 +320,6 @@ def decode_merged(q, k, v, lengths, block_tables=None, *, num_queries: int, opti
       raise ValueError(f"sinks must be float32 [Hkv, R]=({Hkv}, {R}), got {sinks.shape=}")
     args += (sinks.astype(jnp.float32),)
   if st.num_splits > 1:
-    args += (jnp.zeros((B, Hkv * st.num_row_blocks), jnp.int32),)   # one counter per program group: a memset
+    args += (jnp.zeros((B, Hkv * st.num_row_blocks), jnp.int32),)
   outs = _call(st, args, q=q, k=k, config=config, interpret=interpret, out_dtype=out_dtype or q.dtype)
   return outs[0], outs[1] if return_lse else None

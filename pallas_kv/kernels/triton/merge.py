@@ -1,12 +1,6 @@
-"""The split-K merge as one Pallas Triton launch: `frame.merge_splits` (its reference), fused.
-
-XLA runs `merge_splits` as three to four kernels (the max over splits, the exponentials, the
-weighted sum and divide, the cast to the output dtype); on the H200 they took ~5 µs of a ~46 µs
-batch-1 GQA call and ~9 µs of a ~49 µs batch-1 MLA call. Here one program per (sequence x kv
-head, row block, column block) loads every split's LSEs of its rows and its block of output
-columns at once (splits and rows padded to powers of two, the padding masked), and writes the
-merged rows in the output dtype and, from the first column block, the merged LSE.
-"""
+"""The split-K merge as one Pallas Triton launch, where XLA takes several (docs/decisions.md#fused-merge). One
+program per (sequence x kv head, row block, column block) loads every split's LSEs and output columns of its
+rows (padded to powers of two, masked) and writes the merged rows and, from column block 0, the merged LSE."""
 
 from __future__ import annotations
 
@@ -19,8 +13,7 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kv.kernels.triton import decode as triton_decode
 
-# Values one program holds of the partials ([splits, rows, columns] padded to powers of two), in
-# float32: 64 per thread of 4 warps.
+# Padded float32 partials one program holds: 64 per thread of NUM_WARPS.
 MAX_BLOCK_ELEMENTS = 8192
 MAX_COLUMNS = 64
 NUM_WARPS = 4
@@ -31,43 +24,42 @@ def _next_pow2(n: int) -> int:
 
 
 def blocking(num_splits: int, rows: int, dv: int) -> tuple[int, int]:
-  """(rows, columns) of the output one program merges: powers of two, columns dividing dv and
-  at most MAX_COLUMNS (each split's rows are read in contiguous runs of that many floats), the
-  padded partials of the block at most MAX_BLOCK_ELEMENTS values."""
+  """(rows, columns) one program merges: powers of two, columns dividing dv (each split's rows read in runs of
+  up to MAX_COLUMNS floats), at most MAX_BLOCK_ELEMENTS padded partials."""
   splits = _next_pow2(num_splits)
-  columns = min(dv & -dv, MAX_COLUMNS)   # the largest power of two dividing dv
+  columns = min(dv & -dv, MAX_COLUMNS)
   while columns > 1 and splits * columns > MAX_BLOCK_ELEMENTS:
     columns //= 2
   row_block = min(_next_pow2(rows), max(1, MAX_BLOCK_ELEMENTS // (splits * columns)))
   return row_block, columns
 
 
-def _kernel(out_ref,     # [splits, >= R, Dv] f32 or 16-bit, this (sequence, kv head)'s partials
-            lse_ref,     # [splits, >= R] f32
+def _kernel(out_ref,
+            lse_ref,
             *refs, rows: int, splits: int, row_block: int, columns: int, has_sinks: bool, write_lse: bool):
   refs = list(refs)
-  sinks_ref = refs.pop(0) if has_sinks else None   # [R] f32
-  merged_ref = refs.pop(0)                         # [R, Dv] output dtype
-  merged_lse_ref = refs.pop(0) if write_lse else None   # [R] f32
+  sinks_ref = refs.pop(0) if has_sinks else None
+  merged_ref = refs.pop(0)
+  merged_lse_ref = refs.pop(0) if write_lse else None
   s_pad = _next_pow2(splits)
   # Indices past the partials are masked, never clamped: a clamped index would repeat a real
   # row, and a masked store to it could land after the real one.
-  row = pl.program_id(1) * row_block + jnp.arange(row_block, dtype=jnp.int32)   # [row_block]
+  row = pl.program_id(1) * row_block + jnp.arange(row_block, dtype=jnp.int32)
   row_ok = row < rows
-  split = jnp.arange(s_pad, dtype=jnp.int32)[:, None]                             # [s_pad, 1]
-  ok = (split < splits) & row_ok[None, :]                                         # [s_pad, row_block]
+  split = jnp.arange(s_pad, dtype=jnp.int32)[:, None]
+  ok = (split < splits) & row_ok[None, :]
   lse = pltr.load(lse_ref.at[split, row[None, :]], mask=ok, other=-jnp.inf)
-  shift = jnp.max(lse, axis=0)                                                    # [row_block]
+  shift = jnp.max(lse, axis=0)
   shift = jnp.where(jnp.isfinite(shift), shift, 0.0)
-  weights = jnp.exp(lse - shift[None, :])                                          # empty splits, padding: 0
+  weights = jnp.exp(lse - shift[None, :])
   norm = jnp.sum(weights, axis=0)
 
-  column = pl.program_id(2) * columns + jnp.arange(columns, dtype=jnp.int32)     # [columns]
+  column = pl.program_id(2) * columns + jnp.arange(columns, dtype=jnp.int32)
   # A split with no key (lse -inf) is never read: its output may be left unwritten (MLA).
   parts = pltr.load(out_ref.at[split[:, :, None], row[None, :, None], column[None, None, :]],
                     mask=jnp.broadcast_to((ok & (lse > -jnp.inf))[:, :, None], (s_pad, row_block, columns)),
                     other=0.0).astype(jnp.float32)
-  acc = jnp.sum(parts * weights[:, :, None], axis=0)                               # [row_block, columns]
+  acc = jnp.sum(parts * weights[:, :, None], axis=0)
 
   has_keys = norm > 0
   denom = norm
@@ -86,20 +78,9 @@ def _kernel(out_ref,     # [splits, >= R, Dv] f32 or 16-bit, this (sequence, kv 
 
 def merge_partials(out, lse, sinks=None, *, out_dtype, return_lse: bool = True, rows: int | None = None,
                    interpret: bool = False):
-  """`frame.merge_splits(out, lse, sinks)` in one launch, cast to out_dtype.
-
-  Args:
-    out: [B, Hkv, splits, >= R, Dv] partials (where a split saw no key, any values: never read):
-      float32, or 16-bit (bf16 / fp16, as the MLA kernel stores them), summed in float32.
-    lse: [B, Hkv, splits, >= R] float32 (-inf where a split saw no key).
-    sinks: optional [Hkv, R] float32 sink logit of each packed row (joins the denominator only).
-    out_dtype: the dtype of the merged output.
-    return_lse: also return the merged LSE.
-    rows: R, the rows to merge, when a kernel padded its partials with more (default: all).
-  Returns:
-    (out [B, Hkv, R, Dv] out_dtype, lse [B, Hkv, R] float32 or None when not return_lse): what
-    merge_splits returns, up to float32 rounding (the sums run in another order), then cast.
-  """
+  """`frame.merge_splits(out, lse, sinks)` up to float32 rounding, cast to out_dtype: out float32 / 16-bit
+  [B, Hkv, splits, >= R, Dv], lse [B, Hkv, splits, >= R] float32, rows: R where a kernel padded its partials
+  (default: all). Returns (out [B, Hkv, R, Dv] out_dtype, lse [B, Hkv, R] float32 or None)."""
   if out.ndim != 5 or out.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
     raise ValueError(f"out must be float32, bfloat16 or float16 [B, Hkv, splits, R, Dv], got {out.shape=} "
                      f"{out.dtype=}")
@@ -112,8 +93,7 @@ def merge_partials(out, lse, sinks=None, *, out_dtype, return_lse: bool = True, 
   if sinks is not None and sinks.shape != (hkv, rows):
     raise ValueError(f"sinks must be [Hkv, R]=({hkv}, {rows}), got {sinks.shape=}")
   row_block, columns = blocking(splits, rows, dv)
-  # (sequence x kv head, row block, column block); every program sees its (sequence, kv head)'s
-  # whole arrays and indexes its block itself.
+  # Every program gets its (sequence, kv head)'s whole arrays and indexes its block itself.
   grid = (B * hkv, -(-rows // row_block), dv // columns)
   seq = lambda i: i // hkv
   head = lambda i: i % hkv

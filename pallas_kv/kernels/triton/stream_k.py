@@ -1,21 +1,7 @@
-"""The stream-K split plan of the Pallas Triton decode kernel (`TritonConfig(split_plan="stream_k")`).
-
-The grid is num_splits programs per (kv head, row block), each streaming an equal share of the
-whole batch's tiles of its kv head laid end to end in batch order (`stream_k_plan.StreamKLayout`,
-planned in each program from the lengths vector, so nothing launches before the kernel but the
-counters' memset). A program's share crosses sequence boundaries: it is one tile loop in which
-each step finds its tile's sequence from the tile index (`StreamKLayout.locate`), so Triton's
-software pipeline keeps loading across the boundaries. A loop per segment measured 1-9% slower
-(each boundary drained and refilled the pipeline: ~5 us per boundary per program; H200,
-benchmarks/RESULTS.md, nineteenth set).
-
-At a segment's last tile the step flushes it: a sequence wholly in this program is written
-directly; a piece of a cut sequence is stored in one of the program's two partial slots and the
-sequence's counter is bumped (`outputs.MergedOutputs.arrive`). The piece that arrives last
-merges all of the sequence's pieces in program order, after the tile loop (a program merges at
-most two sequences: those of its first and last segments), so that the loop stays innermost and
-pipelined. Sequences without tiles are written by program b % programs.
-"""
+"""The stream-K kernel body: num_splits programs per (kv head, row block), each streaming an equal share of
+the batch's tiles laid end to end (`stream_k_plan.StreamKLayout`) in one loop across sequence boundaries, so
+the pipeline never drains (docs/decisions.md#stream-k-one-loop). A segment's last tile writes a whole sequence,
+or stores a cut piece; the last piece's program merges them after the loop, keeping the loop innermost."""
 
 from __future__ import annotations
 
@@ -40,8 +26,7 @@ from pallas_kv.kernels.triton.tiles import tile_step
 
 
 def stream_k_kernel(r: Refs, st: Static):
-  """Program (head block, w): one tile loop over its share [lo, hi) of the batch's tiles of its kv
-  head (module doc), then the merges that fell to it, then the sequences without tiles."""
+  """Program (head block, w): its share's tile loop, then the merges that fell to it, then empty sequences."""
   head_block, w = pl.program_id(0), pl.program_id(1)
   head = head_block // st.num_row_blocks
   row0 = first_row(head_block, st)
@@ -65,11 +50,9 @@ def stream_k_kernel(r: Refs, st: Static):
                                        window=st.options.window)
     seq_end = seq_start + jnp.maximum(end - first, 0)
     segment_start = jnp.maximum(seq_start, lo)
-    # A segment's first tile starts a fresh online softmax.
     softmax_carry = jax.tree.map(lambda fresh, x: jnp.where(g == segment_start, fresh, x), initial_carry(st),
                                  softmax_carry)
-    # q per tile (4 KiB from L2 against a 32-64 KiB KV tile): loaded in the pipeline with the
-    # tile, where a reload at each segment start would wait on it.
+    # q reloads per tile (from L2, small beside a KV tile): pipelined with it, not stalled at segment starts.
     q = load_q(r, row0, (b,), st)
     softmax_carry = tile_step(r, q, first + (g - seq_start), softmax_carry, head_scales=head_scales, row0=row0,
                                length=length, seq=(b,), masked=True, st=st)

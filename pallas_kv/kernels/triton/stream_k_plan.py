@@ -1,6 +1,5 @@
-"""The stream-K plan's layout of a batch's tiles (`TritonConfig(split_plan="stream_k")`): which
-program streams which tiles, and where a sequence cut across programs leaves its pieces. Planned
-inside the kernel from `lengths`, so nothing launches before it."""
+"""The stream-K plan's layout of a batch's tiles: which program streams which tiles, and where a sequence
+cut across programs leaves its pieces. Planned inside the kernel from `lengths`, so nothing launches before it."""
 
 from __future__ import annotations
 
@@ -12,20 +11,16 @@ from pallas_kv.kernels import plan
 
 @dataclasses.dataclass(frozen=True)
 class StreamKLayout:
-  """One call's stream-K plan over the batch's visible tiles, laid end to end in batch order
-  (sequence b's tiles occupy [ends[b] - tiles[b], ends[b])); program w of a (kv head, row block)
-  streams [w * chunk, (w + 1) * chunk) of them, crossing sequence boundaries. Vectors are [B'],
-  B' >= B (padding sequences have no tiles); every field is a traced int32 value, so the same
-  code plans in the kernel and in tests."""
-  first: object    # [B'] first visible tile of each sequence
-  tiles: object    # [B'] visible tiles of each sequence
-  ends: object     # [B'] inclusive running sum of tiles
-  chunk: object    # scalar: tiles per program (>= 1)
-  total: object    # scalar: the batch's visible tiles
+  """The batch's visible tiles end to end (sequence b's at [ends[b] - tiles[b], ends[b])); program w streams
+  [w * chunk, (w + 1) * chunk). Traced int32 fields, [B'] vectors with B' >= B (padding has no tiles)."""
+  first: object
+  tiles: object
+  ends: object     # inclusive running sum of tiles
+  chunk: object    # tiles per program (>= 1)
+  total: object
 
   @classmethod
   def of(cls, lengths, *, block_kv: int, num_queries: int, window: int | None, num_programs: int):
-    """The plan of lengths [B'] (already clamped into [0, capacity]) for num_programs programs."""
     first, end = plan.visible_tiles(lengths, block_kv=block_kv, num_queries=num_queries, window=window)
     tiles = jnp.maximum(end - first, 0).astype(jnp.int32)
     total = jnp.sum(tiles)
@@ -34,20 +29,16 @@ class StreamKLayout:
                chunk=jnp.maximum(plan.cdiv(total, num_programs), 1), total=total)
 
   def program_range(self, w):
-    """Program w's tiles [lo, hi) in the batch's tile order."""
     lo = jnp.minimum(w * self.chunk, self.total)
     return lo, jnp.minimum(lo + self.chunk, self.total)
 
   def locate(self, g):
-    """(b, start) of batch tile g < total: the sequence that holds it and the position of that
-    sequence's first tile in the batch's tile order. Two reductions over [B'] and no pick, so
-    that the stream-K kernel's tile loop finds each tile's sequence from the tile alone."""
-    before = self.ends <= g   # sequences wholly before g (empty ones too)
+    """(b, start) of batch tile g < total: its sequence and that sequence's first tile, in two reductions."""
+    before = self.ends <= g
     return jnp.sum(before.astype(jnp.int32)), jnp.sum(jnp.where(before, self.tiles, 0))
 
   def pieces(self, b):
-    """(the first program holding sequence b's tiles, how many programs do, whether the first
-    program's piece starts mid-chunk). A sequence without tiles has 0 pieces."""
+    """(first program holding sequence b's tiles, how many do (0 without tiles), whether it starts mid-chunk)."""
     seq_end = pick(self.ends, b)
     return self.pieces_of_span(seq_end - pick(self.tiles, b), seq_end)
 
@@ -60,15 +51,11 @@ class StreamKLayout:
 
   @staticmethod
   def piece_slot(starts_mid_chunk, is_first_piece):
-    """Where a piece's partial goes among its program's two slots: 0 for a piece that starts at
-    its program's chunk start (a program's first segment), 1 for one that starts inside it (its
-    last segment, continued by the next program). Only the first piece of a sequence can start
-    inside a chunk, so a program never needs a third slot."""
+    """A piece's slot: 1 for a sequence's first piece starting mid-chunk (no other can), else 0: two suffice."""
     return jnp.where(is_first_piece & starts_mid_chunk, 1, 0)
 
 
 def pick(vector, index):
-  """vector[index] for a traced index, as a masked sum (a Pallas Triton kernel cannot index a
-  value it holds in registers)."""
+  """vector[index] as a masked sum: a Pallas Triton kernel cannot index a value in registers."""
   hit = jnp.arange(vector.shape[0], dtype=jnp.int32) == index
   return jnp.sum(jnp.where(hit, vector, jnp.zeros_like(vector)))
