@@ -36,7 +36,7 @@ test-all: $(STAMP)
 # On a GPU machine: one process (one GPU), jax's persistent compilation cache in $(JAX_CACHE_DIR).
 test-gpu: $(STAMP)
 	JAX_COMPILATION_CACHE_DIR=$(JAX_CACHE_DIR) JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
-	JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 $(PY) -m pytest -q -m gpu $(PYTEST_FLAGS)
+	JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 $(PY) -m pytest -q -m "gpu and not experimental" $(PYTEST_FLAGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.decode $(BENCH_FLAGS)

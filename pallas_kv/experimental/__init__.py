@@ -1,9 +1,8 @@
-"""Kernel variants that were measured and not shipped: kept runnable for further experiments.
+"""Kernel variants that lost to the shipped kernels, kept runnable for experiments (docs/decisions.md).
 
-Each is a config subclass that names a variant the production kernel still runs behind its
-`Schedule` / `converter` seam; passing one to an op (impl "mosaic_gpu") runs the variant. None is
-taken by `auto`, and the tests of these variants run under the `experimental` marker. What each
-measured is in docs/decisions.md.
+Each is a config subclass naming a variant that the production kernel runs behind its `Schedule` /
+`converter` seam; pass one to an op with impl "mosaic_gpu". `auto` never takes one; their tests run
+under the `experimental` marker.
 """
 
 from __future__ import annotations

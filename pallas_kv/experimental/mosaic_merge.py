@@ -1,25 +1,15 @@
-"""The split merge as a Mosaic GPU launch that overlaps the kernel before it (programmatic
-dependent launch): `frame.merge_splits` (its reference) for 16-bit MLA partials.
+"""The split merge as a Mosaic GPU launch that overlaps the kernel before it (programmatic dependent launch):
+`frame.merge_splits` for 16-bit MLA partials.
 
-The split-K kernel lets its dependents launch as soon as it starts
-(`plgpu.griddepcontrol_launch_dependents`); this launch's programs then take SMs as the kernel's
-programs leave them, and each waits (`plgpu.griddepcontrol_wait`) only for the kernel's memory
-before it reads the partials. The launch and the programs' start overlap the kernel's last wave
-instead of following it.
+The split-K kernel lets its dependents launch as it starts (`plgpu.griddepcontrol_launch_dependents`); this
+launch's programs take SMs as the kernel's leave them and wait (`plgpu.griddepcontrol_wait`) only for its memory.
+One program per (sequence x kv head, 64-row block, column block) TMA-copies its block of every split's LSEs and
+partials into SMEM, weights each split by exp(lse - max) (a split with no key weighs 0, its possibly unwritten
+partial never added), and writes the merged rows and, from the first column block, the merged LSE.
 
-One program per (sequence x kv head, 64-row block, column block): it copies every split's LSEs of
-its rows and its [splits, 64, columns] block of partials into SMEM with TMA, weights each split by
-exp(lse - max) (a split with no key, lse -inf, weighs 0 and its partial, which may be unwritten, is
-never added), and writes the merged rows in the output dtype and, from the first column block, the
-merged LSE. Rows past the arrays' ends are neither read (TMA fills zeros) nor written.
-
-Not the op's merge (the ops merge in the Triton merge's launch, `backend.fused_merge`;
-`benchmarks.mla` times this one): on an H200 at B1 T32768, 128 heads and 64 splits, the call took
-34.4 us with it against 25.8 with the Triton merge, and 39.3 against 40.7 at B16 T4096 (4 splits;
-RESULTS.md, fourteenth set). At B1 each of its 128 programs copies 64 splits x 64 rows of 16-byte
-rows (8 columns) in one TMA copy and then adds the splits one after another; the Triton merge runs
-512 programs of 4 rows x 32 columns. Likely levers: wider rows with the splits streamed through a
-ring, or a register layout finer than the WGMMA one's 64 rows.
+Not the ops' merge: the Triton merge launch is faster (docs/decisions.md#mla-merge-not-overlapped), with many more,
+smaller programs than this one, whose programs each add every split one after another. Likely levers: wider rows
+with the splits streamed through a ring, or a register layout finer than WGMMA's 64 rows.
 """
 
 from __future__ import annotations

@@ -394,7 +394,8 @@ def _deepest_ring(config: MosaicGPUConfig, *, problem, rows: int, dtype: Any, st
 
 def resolve_config(problem, config: MosaicGPUConfig | None, *, dtype: Any = "bfloat16", num_sms: int | None = None,
                    device_kind: str | None = None) -> MosaicGPUConfig:
-  """The call's complete config: the tuned one, else the given fields over the heuristic's; a split count."""
+  """The call's complete config, with a split count: the tuned one when none is given, else the given
+  fields over the heuristic's."""
   if config is not None and not isinstance(config, MosaicGPUConfig):
     raise TypeError(f"the mosaic_gpu GQA kernel takes a MosaicGPUConfig, got {type(config).__name__}")
   resolved = (tuned.tuned_config(NAME, problem, dtype, device_kind) if config is None else None) or config

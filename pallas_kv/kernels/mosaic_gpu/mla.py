@@ -9,7 +9,7 @@ tiles mostly from L2 (docs/decisions.md#mla-grid-order). Three warpgroups per pr
   partner   O[:, Dv/2:] = alpha O[:, Dv/2:] + P V, overlapping the scorer's next tile.
 Split by value columns, the f32 accumulator fits each consumer's registers (FlashMLA's plan); V is the K tile
 itself. Other schedules are experimental variants (docs/decisions.md#mla-schedules). Values past a sequence's
-length are masked and zeroed in SMEM before either P V. Each split writes its normalised partial and LSE.
+length are masked, their value rows zeroed in SMEM before either P V. Each split writes its normalised partial and LSE.
 """
 
 from __future__ import annotations
@@ -565,8 +565,9 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
     r = s * Hq + h is new token s of head h, at lengths[b] - S + s, seeing keys t <= that position.
   kv_pages: [P, page_size, Dqk]; keys are whole rows, values the first v_head_dim columns.
   lengths: int32 [B]; block_tables: int32 [B, max_pages] (both clamped in the kernel).
-  config: a complete MosaicMLAConfig (a variant config runs its schedule); plan: its `SplitPlan` (not
-    stream-K; grid slot i takes sequence plan.order[i] when given); interpret: False or InterpretGPUParams.
+  scale: the logit scale; config: a complete MosaicMLAConfig (a variant config runs its schedule); plan:
+    its `SplitPlan` (not stream-K; grid slot i takes sequence plan.order[i] when given); tile_math:
+    `TileMath`; codegen: `Codegen`; interpret: False or a plgpu.InterpretGPUParams.
 
   Returns (out [B, splits, R, v_head_dim] in q's dtype, each split's normalised output, unwritten for
   an empty split; lse [B, splits, R] f32, natural log, -inf where a split saw no key). 16-bit partials
