@@ -166,6 +166,41 @@ def write_plot(rows: Sequence[dict], path: str) -> None:
   plt.close(fig)
 
 
+def write_bars(rows: Sequence[dict], path: str) -> None:
+  """Per case, a group of bars: each impl's TB/s from the chain timer, and hatched beside it from a
+  host loop of jitted calls where the rows have it. Needs matplotlib (the `plot` extra)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  ok = [r for r in rows if r.get("status") == "ok"]
+  labels = list(dict.fromkeys(f"B{r['batch']} T{r['seq_len']}" for r in ok))
+  impls = list(dict.fromkeys(r["impl"] for r in ok))
+  by_key = {(f"B{r['batch']} T{r['seq_len']}", r["impl"]): r for r in ok}
+  width = 0.8 / max(1, len(impls))
+  fig, ax = plt.subplots(figsize=(max(6.5, 1.6 * len(labels)), 4.5))
+  for i, impl in enumerate(impls):
+    xs = [j + (i - (len(impls) - 1) / 2) * width for j in range(len(labels))]
+    found = [by_key.get((label, impl)) for label in labels]
+    device = [r["tbps"] if r else 0.0 for r in found]
+    host = [r["kv_bytes"] / r["host_us"] / 1e6 if r and r.get("host_us") else 0.0 for r in found]
+    bars = ax.bar([x - width / 4 for x in xs], device, width / 2, label=impl)
+    ax.bar([x + width / 4 for x in xs], host, width / 2, color=bars.patches[0].get_facecolor(), alpha=0.45,
+           hatch="//")
+  ax.set_xticks(range(len(labels)), labels)
+  ax.set_ylabel("TB/s of KV read")
+  ax.grid(True, axis="y", alpha=0.3)
+  ax.legend(fontsize="small", ncols=len(impls))
+  if ok:
+    case = cases.Case.from_row(ok[0])
+    heads = case.describe().split(" ", 3)[3]
+    ax.set_title(f"{case.op} {heads}, {ok[0].get('device', '').removeprefix('gpu:')}, {ok[0].get('date', '')}\n"
+                 "solid: device time (chain timer); hatched: a Python loop of jitted calls", fontsize="medium")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
 def save(rows: Sequence[dict], *, json_path: str | None = None, csv_path: str | None = None,
          plot_path: str | None = None, out: TextIO | None = None) -> None:
   """Writes the rows to each file named, saying so on `out` (stdout by default)."""

@@ -16,7 +16,8 @@ r"""Markdown for RESULTS.md from the JSON rows that `python -m benchmarks.decode
       what auto ran, its time, the fastest backend's, and the ratios (does auto pick the faster
       kernel; is the library ahead of the peers), and auto's and that peer's host-loop times.
 
-  --plot=FILE.png also saves the TB/s plot of the rows (needs the `plot` extra).
+  --plot=FILE.png also saves the TB/s plot of the rows; --bars=FILE.png a bar chart per case (README's
+  docs/performance.png); both need the `plot` extra.
 
   python -m benchmarks.report --performance-md docs/performance.md
       The performance page: for each suite of PERFORMANCE_SUITES, the newest set's JSON under
@@ -449,6 +450,7 @@ def main(argv: Sequence[str]) -> None:
   parser.add_argument("--section", action="store_true",
                       help="print a whole section even without --command")
   parser.add_argument("--plot", help="also save the rows' TB/s plot (benchmarks.decode --plot's) as this PNG")
+  parser.add_argument("--bars", help="save a bar chart per case of each impl's TB/s (chain and host loop) as this PNG")
   parser.add_argument("--auto", action="store_true", help="auto against the fastest backend and peer, per case")
   parser.add_argument("--performance-md", help="write the performance page (docs/performance.md) from the newest "
                       "set of each suite under --results-dir")
@@ -466,13 +468,14 @@ def main(argv: Sequence[str]) -> None:
   for path in args.paths:
     with open(path) as f:
       loaded.append((path, json.load(f)))
-  if args.plot:
-    from benchmarks import output  # pylint: disable=g-import-not-at-top  (imports jax)
-    if output.plot_available():
-      output.write_plot([r for _, rs in loaded for r in rs], args.plot)
-      print(f"# wrote {args.plot}")
-    else:
-      print("# --plot needs matplotlib (pip install 'pallas-kv[plot]'); no plot written")
+  for path, write in ((args.plot, "write_plot"), (args.bars, "write_bars")):
+    if path:
+      from benchmarks import output  # pylint: disable=g-import-not-at-top  (imports jax)
+      if output.plot_available():
+        getattr(output, write)([r for _, rs in loaded for r in rs], path)
+        print(f"# wrote {path}")
+      else:
+        print("# --plot and --bars need matplotlib (pip install 'pallas-kv[plot]'); nothing written")
   if args.auto:
     print(auto_table([r for _, rs in loaded for r in rs]))
     return

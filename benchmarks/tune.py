@@ -98,7 +98,8 @@ def make_config(backend: str, problem, fields: dict, dtype) -> KernelConfig | No
     config = dataclasses.replace(resolved, num_splits=max(1, int(round(resolved.num_splits * scale))))
     if backend == "mosaic_gpu":
       mosaic_gpu_config.check_config(config, rows=problem.num_queries * problem.group_size,
-                                     head_dim=problem.head_dim, dtype=dtype, page_size=problem.page_size)
+                                     head_dim=problem.head_dim, dtype=dtype, page_size=problem.page_size,
+                                     num_splits=config.num_splits)
     else:
       triton_config.check_config(config, head_dim=problem.head_dim, page_size=problem.page_size)
     return config

@@ -234,10 +234,7 @@ def _run(op: str, impl: str, config, problem, options, q, k, v, lengths, block_t
 def _check_plan(plan, config) -> None:
   if not isinstance(plan, SplitPlan):
     raise TypeError(f"plan must be a SplitPlan (pallas_kv.plan_splits), got {type(plan).__name__}")
-  made_for = (config.split_plan, config.num_splits, config.block_kv)
-  if (plan.kind, plan.num_splits, plan.block_kv) != made_for:
-    raise ValueError(f"plan (kind, num_splits, block_kv) = {(plan.kind, plan.num_splits, plan.block_kv)} was made "
-                     f"for another call; this one runs {made_for}: plan with the call's own arguments")
+  plan.check_made_for(config)
 
 
 _PLANNERS = {}   # public op -> the function that builds its call's plan

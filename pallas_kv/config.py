@@ -84,6 +84,10 @@ class KernelConfig:
             if f.name in {g.name for g in dataclasses.fields(self)}}
     return dataclasses.replace(self, **{**base, **self.given()})
 
+  def for_another_size(self) -> "KernelConfig":
+    """This config with the fields tuned for one problem size only (the split count) left to the heuristic."""
+    return dataclasses.replace(self, num_splits=None)
+
   @property
   def complete(self) -> bool:
     """Every field is fixed: what a kernel takes."""

@@ -12,7 +12,6 @@ MAX_LOG2_DISTANCE away are ignored, so a far shape falls back to the heuristic.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
@@ -88,7 +87,7 @@ def lookup(backend: str, key: dict, device_kind: str):
   entry, distance = found
   config = kernel_configs.config_type(backend, key["op"])(**entry["config"])
   if distance > 0:  # the split count was tuned for another size: let the heuristic refit it
-    config = dataclasses.replace(config, num_splits=None)
+    config = config.for_another_size()
   return config
 
 

@@ -286,7 +286,8 @@ def test_heuristic_config_for_one_byte_caches(rows, head_dim, page_size):
   if config.num_stages < 2 * mgpu_config.DEFAULT.num_stages:   # else twice the default: as deep as it goes
     assert not fits(dataclasses.replace(config, num_stages=config.num_stages + config.kv_groups))
   mgpu_config.check_config(dataclasses.replace(config, num_splits=2), rows=rows, head_dim=head_dim, dtype=INT8,
-                           page_size=page_size, k_scale_kind="token", v_scale_kind="token", num_kv_heads=8)
+                           page_size=page_size, num_splits=2, k_scale_kind="token", v_scale_kind="token",
+                           num_kv_heads=8)
 
 
 def test_partial_configs_are_filled_around_their_fields():
@@ -305,7 +306,7 @@ def test_partial_configs_are_filled_around_their_fields():
   for dtype, block_kv, stages in ((INT8, 256, 2), (jnp.bfloat16, 128, 3)):
     config = resolve(pkv.MosaicGPUConfig(block_kv=block_kv), dtype=dtype)
     assert config.num_stages == stages
-    mgpu_config.check_config(config, rows=4, head_dim=128, dtype=dtype, page_size=None,
+    mgpu_config.check_config(config, rows=4, head_dim=128, dtype=dtype, page_size=None, num_splits=config.num_splits,
                              **(dict(k_scale_kind="token", v_scale_kind="token", num_kv_heads=8)
                                 if dtype == INT8 else {}))
 

@@ -152,6 +152,33 @@ SPLIT_COUNTS = {"per_sequence": choose_num_splits, "balanced": choose_balanced_s
                 "stream_k": choose_stream_k_programs}
 
 
+# A config's plan fields (split_plan, num_splits, sequence_order) are read in this module alone: the backends
+# fill and test them through the functions below, and the kernels take the SplitPlan.
+
+def fixes_plan(config) -> bool:
+  """Whether a config fixes any part of its plan: the kind, the split count or a sequence order."""
+  return (config.split_plan is not None or config.num_splits is not None
+          or getattr(config, "sequence_order", None) not in (None, "given"))
+
+
+def is_stream_k(config) -> bool:
+  return config.split_plan == "stream_k"
+
+
+def as_stream_k(config, programs: int):
+  """config under stream-K with `programs` programs per (kv head, row block), in batch order."""
+  return dataclasses.replace(config, split_plan="stream_k", num_splits=programs, sequence_order="given")
+
+
+def has_odd_split_count(config) -> bool:
+  return config.num_splits is not None and config.num_splits % 2 == 1
+
+
+def num_programs(problem, config, *, row_blocks: int) -> int:
+  """Programs of a complete config's grid, one per (sequence, split, row block) of each kv head."""
+  return problem.batch * problem.num_kv_heads * row_blocks * config.num_splits
+
+
 def fill_num_splits(problem, config, *, row_blocks: int, programs_per_sm: int = 1, num_sms: int | None = None,
                     splits_per_program: int = 1):
   """config with num_splits filled in where None (times splits_per_program, the splits one program serves)."""
@@ -200,6 +227,13 @@ class SplitPlan:
     for name, value, shape in (("tiles_per_split", self.tiles_per_split, (1,)), ("order", self.order, (batch,))):
       if value is not None and (value.shape != shape or value.dtype != jnp.int32):
         raise ValueError(f"SplitPlan.{name} must be int32 {list(shape)}, got {value.shape} {value.dtype}")
+
+  def check_made_for(self, config) -> None:
+    """Raises unless the plan was made for a call that runs config (its kind, split count and tile)."""
+    made_for = (config.split_plan, config.num_splits, config.block_kv)
+    if (self.kind, self.num_splits, self.block_kv) != made_for:
+      raise ValueError(f"plan (kind, num_splits, block_kv) = {(self.kind, self.num_splits, self.block_kv)} was made "
+                       f"for another call; this one runs {made_for}: plan with the call's own arguments")
 
   def kernel_inputs(self) -> tuple:
     """The runtime vectors a kernel takes, in its order: the sequence order, then the tile count."""

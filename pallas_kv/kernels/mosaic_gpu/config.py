@@ -316,13 +316,12 @@ def converter(config) -> bool:
 
 
 def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: Any, page_size: int | None,
-                 num_splits: int | None = None, **quantized) -> None:
+                 num_splits: int, **quantized) -> None:
   """Raises unless the kernel can run a complete config (`DecodeSmem.for_call`'s arguments) with num_splits
   splits. kv_groups=2 runs two splits per program, sharing the slots out; pipeline_qk holds two K slots."""
   if not isinstance(config, MosaicGPUConfig) or not config.complete:
     raise ValueError(f"the mosaic_gpu GQA kernel takes a complete MosaicGPUConfig (resolve_config), got {config!r}")
   bkv = config.block_kv
-  num_splits = config.num_splits if num_splits is None else num_splits
   if page_size is not None:
     reason = page_size_reason(page_size)
     if reason:
@@ -380,7 +379,7 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig
 
 def _needs_one_group(config: MosaicGPUConfig) -> bool:
   """Whether the fields a config fixes rule out kv_groups=2 (`check_config`)."""
-  return bool(config.persistent or converter(config) or (config.num_splits or 2) % 2 or (config.num_stages or 2) % 2)
+  return bool(config.persistent or converter(config) or plan.has_odd_split_count(config) or (config.num_stages or 2) % 2)
 
 
 def _deepest_ring(config: MosaicGPUConfig, *, problem, rows: int, dtype: Any, stages_given: bool = False,

@@ -129,18 +129,17 @@ def resolve_config(problem, config: TritonConfig | None, *, dtype: Any = "bfloat
   resolved = resolved.over(heuristic_config(problem, dtype=dtype))
   _, row_blocks = row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
   num_sms = num_sms or runtime.num_sms()
-  plan_free = given.split_plan is None and given.num_splits is None and given.sequence_order in (None, "given")
-  if plan_free:
+  if not plan.fixes_plan(given):
     programs = plan.stream_k_programs(num_kv_heads=problem.num_kv_heads, row_blocks=row_blocks, num_sms=num_sms,
                                       programs_per_sm=stream_k_programs_per_sm(problem))
     if stream_k_pays(problem, dtype=dtype, programs=programs):
-      return dataclasses.replace(resolved, split_plan="stream_k", num_splits=programs, sequence_order="given")
+      return plan.as_stream_k(resolved, programs)
   return plan.fill_num_splits(problem, resolved, row_blocks=row_blocks, programs_per_sm=programs_per_sm(resolved, problem),
                               num_sms=num_sms)
 
 
 def programs_per_sm(config: TritonConfig, problem) -> int:
-  return stream_k_programs_per_sm(problem) if config.split_plan == "stream_k" else PROGRAMS_PER_SM
+  return stream_k_programs_per_sm(problem) if plan.is_stream_k(config) else PROGRAMS_PER_SM
 
 
 def stream_k_programs_per_sm(problem) -> int:
