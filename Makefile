@@ -33,10 +33,11 @@ test-experimental: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist worksteal $(PYTEST_FLAGS)
 
-# On a GPU machine: one process (one GPU), jax's persistent compilation cache in $(JAX_CACHE_DIR).
+# On a GPU machine: one process (one GPU), jax's persistent compilation cache in $(JAX_CACHE_DIR); a
+# representative case of each axis (the whole products are marked slow: make test-slow on a GPU).
 test-gpu: $(STAMP)
 	JAX_COMPILATION_CACHE_DIR=$(JAX_CACHE_DIR) JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
-	JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 $(PY) -m pytest -q -m "gpu and not experimental" $(PYTEST_FLAGS)
+	JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 $(PY) -m pytest -q -m "gpu and not experimental and not slow" $(PYTEST_FLAGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.decode $(BENCH_FLAGS)

@@ -211,14 +211,24 @@ def is_probe(impl: str) -> bool:
 def probe_math(impl: str):
   """The kernel's TileMath for a kernel impl that leaves nothing out, else a subclass that leaves
   impl's stages out."""
+  from jax.experimental import pallas as pl   # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import mosaic_gpu as plgpu   # pylint: disable=g-import-not-at-top
   from pallas_kv.kernels.mosaic_gpu import mla as mgpu_mla   # pylint: disable=g-import-not-at-top
 
   @dataclasses.dataclass(frozen=True)
   class ProbeMath(mgpu_mla.TileMath):
-    """MEASUREMENT ONLY: Q K^T, the softmax (P = the raw scores, alpha = 1), P V or the loads left
-    out (`TileMath.load_tiles`)."""
+    """MEASUREMENT ONLY: Q K^T, the softmax (P = the raw scores, alpha = 1), P V, the loads or the
+    second row block's loads left out."""
     skip: frozenset = frozenset()
+
+    def load_tile(self, load, unloaded, row_block):
+      if "loads" in self.skip:
+        unloaded()
+      elif "second_loads" in self.skip:
+        pl.when(row_block == 0)(load)
+        pl.when(row_block != 0)(unloaded)
+      else:
+        load()
 
     def qk(self, s_ref, q_tile, k_tile):
       if "qk" not in self.skip:
@@ -234,11 +244,21 @@ def probe_math(impl: str):
       layout = plgpu.Layout.WGMMA.reduce(0 if st.rows_as_n else 1)
       return plgpu.layout_cast(jnp.ones(m_i.shape, jnp.float32), layout), m_i, l_i, s
 
+  class LateWaits(ProbeMath):
+    """MEASUREMENT ONLY: the consumers compute on a slot before its copy lands and wait for it only to
+    release it (the plain scorer's schedules)."""
+
+    def read_slot(self, ring, step):
+      return ring.slot(step)
+
+    def release_slot(self, ring, step):
+      ring.wait(step)
+      super().release_slot(ring, step)
+
   _, skip, _ = KERNEL_IMPLS[impl]
   if not skip:
     return mgpu_mla.TileMath()
-  return ProbeMath(name=impl, skip=skip, load_tiles="loads" not in skip, wait_for_loads="waits" not in skip,
-                   first_row_block_loads_only="second_loads" in skip)
+  return (LateWaits if "waits" in skip else ProbeMath)(name=impl, skip=skip)
 
 
 def config_of(fields: dict[str, Any]):

@@ -11,6 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 # Relative error ||out - ref|| / ||ref|| allowed per input dtype.
 TOLERANCE = {
@@ -202,3 +203,12 @@ def gpu_available() -> bool:
     return bool(jax.devices("gpu"))
   except RuntimeError:
     return False
+
+
+def tiered(cases, *, every_tier):
+  """pytest params of `cases` (tuples of argument values): those in `every_tier` run in every tier; the
+  rest are marked slow (make test-slow), so that a tier keeps one representative of each axis."""
+  every_tier = set(every_tier)
+  missing = every_tier - set(cases)
+  assert not missing, f"every_tier names cases that are not in cases: {missing}"
+  return [pytest.param(*case, marks=() if case in every_tier else pytest.mark.slow) for case in cases]

@@ -1,8 +1,8 @@
-"""The MLA kernel's experimental schedules (`pallas_kv.experimental.MLAVariantConfig`, run behind
-`mla_config.Schedule`): pipeline_qk, split_scores, rows_as_n, alternate_scores, ring_halves, P V
-staged in SMEM (p_in_registers=False), and the kernel's non-default Codegen options. Numerics in
-GPU interpret mode, garbage past lengths, race detection, their checks, CUDA lowering and the GPU
-run; the shipped schedule is tested in test_mosaic_gpu_mla.py."""
+"""The MLA kernel's experimental schedules (`pallas_kv.experimental.MLAVariantConfig`, run by
+`experimental.mla_schedules` behind `mla_config.variant_schedule`): pipeline_qk, split_scores, rows_as_n,
+alternate_scores, ring_halves, P V staged in SMEM (p_in_registers=False), and the kernel's non-default
+Codegen options. Numerics in GPU interpret mode, garbage past lengths, race detection, their checks,
+CUDA lowering and the GPU run; the shipped schedule is tested in test_mosaic_gpu_mla.py."""
 
 import dataclasses
 import functools
@@ -13,6 +13,7 @@ import pytest
 
 import pallas_kv as pkv
 from pallas_kv.experimental import MLAVariantConfig
+from pallas_kv.experimental import mla_schedules
 from pallas_kv.kernels.mosaic_gpu import mla_config
 from test_mosaic_gpu_mla import GPU_SHAPES, IMPL, LOWERING_SHAPES, QK, SMALL_V, V
 from test_mosaic_gpu_mla import _case, _check, _poisoned, _shape_id, config, gpu_case, lower_mla
@@ -118,8 +119,9 @@ def test_mla_variant_configs_are_checked():
     assert not variant(name).p_in_registers, name
     with pytest.raises(ValueError, match="p_in_registers takes the plain scorer schedule"):
       check(variant(name, p_in_registers=True))
-  assert mla_config.schedule_of(variant("smem_p")) == mla_config.Schedule(p_in_registers=False)
-  assert mla_config.schedule_of(alternate) == mla_config.Schedule(alternate_scores=True, p_in_registers=False)
+  assert mla_config.variant_schedule(variant("smem_p")) == mla_schedules.Schedule(p_in_registers=False)
+  assert mla_config.variant_schedule(alternate) == mla_schedules.Schedule(alternate_scores=True, p_in_registers=False)
+  assert mla_config.variant_schedule(MLAVariantConfig()) is None   # the fields of the shipped schedule
   # The split-scores layout has the same SMEM footprint (P in two halves), so it fits as well.
   assert mla_config.MlaSmem.for_call(variant("split_scores"), qk_dim=QK, v_dim=V, dtype=jnp.bfloat16,
                                      page_size=64).fits
@@ -178,7 +180,7 @@ def test_mla_late_waits_probe_refuses_other_schedules():
   from harness import lower_for_cuda
   row = mla_bench.ALL_ROWS["h128_b64_t4096"]
   args, _ = _problem_of(dict(batch=row.batch, seq_len=row.seq_len, num_heads=row.num_heads))
-  with pytest.raises(ValueError, match="wait_for_loads=False is a probe of the plain scorer schedule only"):
+  with pytest.raises(ValueError, match="moves the slot waits .* probes the plain scorer schedule only"):
     lower_for_cuda(mla_bench.build_fn("kernel_rh_late_waits", row), *args)
 
 

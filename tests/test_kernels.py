@@ -13,7 +13,7 @@ import pallas_kv as pkv
 import sweeps
 from harness import TRITON_CUSTOM_CALL, assert_lse_matches, assert_matches_reference, check_against_reference
 from harness import lower_for_cuda, make_case
-from harness import poison_unread_slots
+from harness import poison_unread_slots, tiered
 from pallas_kv.kernels.mosaic_gpu import config as mosaic_gpu_config
 from pallas_kv.kernels.triton import config as triton_config
 
@@ -290,10 +290,15 @@ def test_hostile_lengths_and_page_ids_are_clamped_interpret(interpret_mode, impl
 
 # ---------------------------------------------------------------- on the GPU
 
+# The GPU tier runs each page size and each shape once per backend; the whole product is slow.
+_GPU_SHAPES = [(2, 4096, 4), (4, 2048, 8), (1, 8192, 16)]
+_GPU_CASES = [(impl, *shape, page) for impl in KERNEL_IMPLS for shape in _GPU_SHAPES for page in (None, 16, 64)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", KERNEL_IMPLS)
-@pytest.mark.parametrize("page_size", [None, 16, 64])
-@pytest.mark.parametrize("batch,seq_len,group", [(2, 4096, 4), (4, 2048, 8), (1, 8192, 16)])
+@pytest.mark.parametrize("impl,batch,seq_len,group,page_size", tiered(
+    _GPU_CASES, every_tier=[(impl, *shape, page) for impl in KERNEL_IMPLS
+                            for shape, page in zip(_GPU_SHAPES, (None, 16, 64))]))
 def test_gpu_matches_reference(impl, batch, seq_len, group, page_size):
   case = make_case(batch * 7 + group, batch=batch, seq_len=seq_len, num_heads=4 * group, num_kv_heads=4,
                    head_dim=128, dtype=jnp.bfloat16, page_size=page_size, num_queries=2)

@@ -29,6 +29,7 @@ LAYERS = [
     {"kernels.triton.merge"},
     {"kernels.mosaic_gpu.backend", "kernels.triton.backend"},
     {"api"},
+    {"experimental.mla_schedules"},   # the MLA kernel's experimental consumers, which the variant config names
     {"module", "sharding", "reference", "experimental", "experimental.mosaic_merge"},
     {""},   # __init__: re-exports only
 ]

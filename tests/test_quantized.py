@@ -11,7 +11,7 @@ import pytest
 
 import pallas_kv as pkv
 from harness import (TRITON_CUSTOM_CALL, assert_lse_matches, assert_matches_reference, lower_for_cuda, make_case,
-                     relative_error)
+                     relative_error, tiered)
 from naive import naive_attention
 from pallas_kv import cache as kv_cache
 
@@ -277,10 +277,14 @@ def test_layer_with_a_quantized_cache_stays_close_to_bf16(kv_dtype):
 
 # ---------------------------------------------------------------- on the GPU
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("impl", list(KERNELS))
-@pytest.mark.parametrize("page_size", [None, 16, 64])
-@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn], ids=_name)
+_GPU_CASES = [(impl, kv_dtype, page) for impl in KERNELS for kv_dtype in (jnp.int8, jnp.float8_e4m3fn)
+              for page in (None, 16, 64)]
+
+
+@pytest.mark.gpu   # the GPU tier: each dtype once per backend, dense and paged
+@pytest.mark.parametrize("impl,kv_dtype,page_size", tiered(
+    _GPU_CASES, every_tier=[(impl, jnp.int8, 16) for impl in KERNELS]
+    + [(impl, jnp.float8_e4m3fn, None) for impl in KERNELS]), ids=lambda v: _name(v) if isinstance(v, type) else str(v))
 def test_gpu_quantized_matches_reference(impl, kv_dtype, page_size):
   rng = np.random.default_rng(9)
   case = make_case(10, batch=4, seq_len=4096, num_heads=32, num_kv_heads=8, head_dim=128, num_queries=2,

@@ -13,7 +13,7 @@ import pytest
 
 import pallas_kv as pkv
 import sweeps
-from harness import TRITON_CUSTOM_CALL, check_against_reference, lower_for_cuda, make_case
+from harness import TRITON_CUSTOM_CALL, check_against_reference, lower_for_cuda, make_case, tiered
 from pallas_kv.kernels import frame
 from pallas_kv.kernels import plan
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
@@ -197,8 +197,9 @@ def test_balanced_plan_lowers_for_cuda(impl, page_size):
 # ---------------------------------------------------------------- on the GPU
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["triton", "mosaic_gpu"])
-@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("impl,page_size", tiered(
+    [(impl, page) for impl in ("triton", "mosaic_gpu") for page in (None, 16)],
+    every_tier=[("triton", 16), ("mosaic_gpu", None)]))
 def test_gpu_balanced_plan_on_a_ragged_batch(impl, page_size):
   # One long sequence among short and empty ones: the plan gives the long one most of the splits.
   rng = np.random.default_rng(7)
@@ -370,9 +371,13 @@ def test_stream_k_lowers_for_cuda(page_size):
   assert module.count(TRITON_CUSTOM_CALL) == 1   # the merge is in the launch
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("page_size", [None, 16])
-@pytest.mark.parametrize("batch,seq_len,ragged", [(16, 16384, True), (64, 4096, True), (32, 2048, False)])
+_STREAM_K_SHAPES = [(16, 16384, True), (64, 4096, True), (32, 2048, False)]
+
+
+@pytest.mark.gpu   # the GPU tier: each shape once, dense and paged
+@pytest.mark.parametrize("page_size,batch,seq_len,ragged", tiered(
+    [(page, *shape) for page in (None, 16) for shape in _STREAM_K_SHAPES],
+    every_tier=[(None, *_STREAM_K_SHAPES[0]), (16, *_STREAM_K_SHAPES[1]), (None, *_STREAM_K_SHAPES[2])]))
 def test_gpu_stream_k(page_size, batch, seq_len, ragged):
   # Many programs cut and merge the same sequences concurrently: the counters' ordering on a GPU.
   rng = np.random.default_rng(batch)

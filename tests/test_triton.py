@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 
 import pallas_kv as pkv
 import sweeps
-from harness import TRITON_CUSTOM_CALL, check_against_reference, lower_for_cuda, make_case
+from harness import TRITON_CUSTOM_CALL, check_against_reference, lower_for_cuda, make_case, tiered
 from pallas_kv.config import AttentionOptions
 from pallas_kv.kernels import frame
 from pallas_kv.kernels.plan import SplitPlan
@@ -336,8 +336,12 @@ def test_deprecation_warning_is_hidden_for_our_kernels_only():
     _lower_triton(users_own_kernel, jax.ShapeDtypeStruct((16, 16), jnp.float32))
 
 
+_GPU_PAGE_CASES = [(64, 8, 64), (256, 128, 32), (128, 48, 16), (128, 32, 128)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim,page_size,block_kv", [(64, 8, 64), (256, 128, 32), (128, 48, 16), (128, 32, 128)])
+@pytest.mark.parametrize("head_dim,page_size,block_kv", tiered(_GPU_PAGE_CASES,
+                                                               every_tier=[_GPU_PAGE_CASES[0], _GPU_PAGE_CASES[1]]))
 def test_gpu_head_dims_and_pages(head_dim, page_size, block_kv):
   case = make_case(head_dim + page_size, batch=3, seq_len=1152, num_heads=8, num_kv_heads=2, head_dim=head_dim,
                    dtype=jnp.float16, page_size=page_size, num_queries=3)
@@ -367,7 +371,7 @@ def test_gpu_merge_in_kernel(page_size):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits,rows,dv", MERGE_SHAPES)
+@pytest.mark.parametrize("splits,rows,dv", tiered(MERGE_SHAPES, every_tier=[MERGE_SHAPES[1], MERGE_SHAPES[4]]))
 def test_gpu_merge_kernel_equals_merge_splits(splits, rows, dv):
   _check_merge_kernel(splits, rows, dv, interpret=False)
 

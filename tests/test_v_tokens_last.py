@@ -11,7 +11,7 @@ import pytest
 
 import pallas_kv as pkv
 from harness import TRITON_CUSTOM_CALL, lower_for_cuda, make_case, poison_unread_slots, random_lengths
-from harness import assert_lse_matches, assert_matches_reference
+from harness import assert_lse_matches, assert_matches_reference, tiered
 
 
 def tokens_last(v):
@@ -205,9 +205,13 @@ def test_triton_lowers_for_cuda(page_size):
   assert TRITON_CUSTOM_CALL in text and "_vt" in text
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("page_size", [None, 16, 64])
-@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn, jnp.bfloat16])
+_GPU_DTYPES = (jnp.int8, jnp.float8_e4m3fn, jnp.bfloat16)
+
+
+@pytest.mark.gpu   # the GPU tier: each dtype once, each page size once
+@pytest.mark.parametrize("kv_dtype,page_size", tiered(
+    [(d, page) for d in _GPU_DTYPES for page in (None, 16, 64)],
+    every_tier=list(zip(_GPU_DTYPES, (None, 16, 64)))))
 def test_gpu_triton_matches_v_like_k(kv_dtype, page_size):
   case = make_case(11, batch=4, seq_len=4096, num_heads=32, num_kv_heads=8, head_dim=128, num_queries=2,
                    dtype=jnp.float16 if jnp.dtype(kv_dtype).itemsize == 1 else jnp.bfloat16, kv_dtype=kv_dtype,

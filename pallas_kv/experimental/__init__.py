@@ -1,8 +1,8 @@
 """Kernel variants that lost to the shipped kernels, kept runnable for experiments (docs/decisions.md).
 
-Each is a config subclass naming a variant that the production kernel runs behind its `Schedule` /
-`converter` seam; pass one to an op with impl "mosaic_gpu". `auto` never takes one; their tests run
-under the `experimental` marker.
+Each is a config subclass naming a variant that the production kernel runs behind a seam (the MLA kernel's
+`mla_config.variant_schedule`, the GQA kernel's `converter`); pass one to an op with impl "mosaic_gpu". `auto`
+never takes one; their tests run under the `experimental` marker.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import ClassVar
 
 from pallas_kv.config import MosaicGPUConfig
 from pallas_kv.config import MosaicMLAConfig
+from pallas_kv.experimental import mla_schedules
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,7 +29,7 @@ class MosaicGPUVariantConfig(MosaicGPUConfig):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MLAVariantConfig(MosaicMLAConfig):
-  """Other consumer schedules of the MLA kernel (`mla_config.Schedule`; docs/decisions.md#mla-schedules):
+  """Other consumer schedules of the MLA kernel (`mla_schedules`; docs/decisions.md#mla-schedules):
 
   pipeline_qk: the next tile's Q K^T issued before the softmax (32-token tiles, 4 stages).
   split_scores: both consumers score half of each tile's keys and trade row maxima (FlashMLA's
@@ -54,3 +55,8 @@ class MLAVariantConfig(MosaicMLAConfig):
     if self.p_in_registers is None:   # P from registers is the plain scorer's alone
       plain = not (self.pipeline_qk or self.split_scores or self.alternate_scores or self.rows_as_n)
       object.__setattr__(self, "p_in_registers", plain)
+
+  @property
+  def mla_schedule(self) -> mla_schedules.Schedule | None:
+    """The consumer schedule the MLA kernel runs (`mla_config.variant_schedule`); None: the shipped one."""
+    return mla_schedules.schedule_of(self)

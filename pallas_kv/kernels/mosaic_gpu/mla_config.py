@@ -1,5 +1,5 @@
-"""The MLA kernel's SMEM layout (`MlaSmem`), consumer schedule (`Schedule`), compile options (`Codegen`) and
-config choice (`resolve_config`, `check_config`)."""
+"""The MLA kernel's SMEM layout (`MlaSmem`), compile options (`Codegen`), config choice (`resolve_config`,
+`check_config`) and the seam to an experimental consumer schedule (`variant_schedule`)."""
 
 from __future__ import annotations
 
@@ -72,39 +72,11 @@ class Codegen:
     return f"{self.registers.name}{'' if self.q_per_tile else '_heldq'}{'_spt' if self.slots_per_tile else ''}"
 
 
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-  """How the two consumers share a tile's work: the shipped p_in_registers (docs/decisions.md#mla-p-in-registers)
-  or an experimental variant (docs/decisions.md#mla-schedules)."""
-  pipeline_qk: bool = False
-  split_scores: bool = False
-  rows_as_n: bool = False
-  alternate_scores: bool = False
-  ring_halves: bool = False
-  p_in_registers: bool = True
-
-  def check(self, *, block_kv: int, rows: int) -> None:
-    if block_kv != BLOCK_KV and (self.split_scores or self.rows_as_n):
-      raise ValueError(f"split_scores and rows_as_n take block_kv={BLOCK_KV}, got {block_kv}")
-    if self.pipeline_qk and self.split_scores:
-      raise ValueError("MLA on mosaic_gpu takes pipeline_qk or split_scores, not both")
-    if self.alternate_scores and (self.pipeline_qk or self.split_scores or self.rows_as_n or block_kv != BLOCK_KV):
-      raise ValueError(f"alternate_scores takes block_kv={BLOCK_KV} and none of pipeline_qk, split_scores, "
-                       f"rows_as_n; got {self}")
-    if self.ring_halves and (self.pipeline_qk or self.split_scores or self.rows_as_n):
-      raise ValueError(f"ring_halves takes the plain scorer schedule or alternate_scores: none of pipeline_qk, "
-                       f"split_scores, rows_as_n; got {self}")
-    if self.p_in_registers and (self.pipeline_qk or self.split_scores or self.alternate_scores or self.rows_as_n):
-      raise ValueError(f"p_in_registers takes the plain scorer schedule (alternate_scores always reads its own P "
-                       f"from registers): none of pipeline_qk, split_scores, alternate_scores, rows_as_n; got {self}")
-    if self.rows_as_n and (self.pipeline_qk or self.split_scores):
-      raise ValueError("MLA on mosaic_gpu takes rows_as_n without pipeline_qk or split_scores")
-    if self.rows_as_n and rows > ROWS_AS_N_MAX:
-      raise ValueError(f"rows_as_n needs at most {ROWS_AS_N_MAX} packed q rows (new tokens x heads), got {rows}")
-
-
-def schedule_of(config) -> Schedule:
-  return Schedule(**{f.name: getattr(config, f.name) for f in dataclasses.fields(Schedule) if hasattr(config, f.name)})
+def variant_schedule(config):
+  """The experimental consumer schedule a config names (`pallas_kv.experimental.MLAVariantConfig.mla_schedule`),
+  or None: the shipped one. It gives `check(block_kv=, rows=)`, `smem_layout(rows)` (MlaSmem's schedule
+  fields), the kernel name's `suffix` and `consumers(program)` (`mla.Program`); docs/decisions.md#mla-schedules."""
+  return getattr(config, "mla_schedule", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,12 +197,11 @@ class MlaSmem:
   def for_call(cls, config: MosaicMLAConfig, *, qk_dim: int, v_dim: int, dtype: Any, page_size: int,
                rows: int = ROWS) -> "MlaSmem":
     """Outputs and partials are staged in the cache's dtype; rows: packed q rows (rows as N)."""
+    schedule = variant_schedule(config)
     return cls(qk_dim=qk_dim, v_dim=v_dim, dtype=dtype, out_dtype=dtype,
                block_kv=config.block_kv, num_stages=config.num_stages,
                copies_per_tile=mgpu_config.copies_per_tile(config.block_kv, page_size),
-               split_scores=schedule_of(config).split_scores,
-               rows_as_n=plan.round_up(rows, ROWS_AS_N_MULTIPLE) if schedule_of(config).rows_as_n else 0,
-               alternate_scores=schedule_of(config).alternate_scores, ring_halves=schedule_of(config).ring_halves)
+               **({} if schedule is None else schedule.smem_layout(rows)))
 
 
 def row_blocks(rows: int) -> int:
@@ -241,7 +212,9 @@ def check_config(config: MosaicMLAConfig, *, qk_dim: int, v_dim: int, dtype: Any
                  rows: int = ROWS) -> None:
   if not isinstance(config, MosaicMLAConfig) or not config.complete:
     raise ValueError(f"the MLA kernel takes a complete MosaicMLAConfig (resolve_config), got {config!r}")
-  schedule_of(config).check(block_kv=config.block_kv, rows=rows)
+  schedule = variant_schedule(config)
+  if schedule is not None:
+    schedule.check(block_kv=config.block_kv, rows=rows)
   reason = mgpu_config.page_size_reason(page_size)
   if reason:
     raise NotImplementedError(f"mosaic_gpu: {reason}")
@@ -276,7 +249,7 @@ def resolve_config(problem, config: MosaicMLAConfig | None, *, dtype: Any = "bfl
   blocks = row_blocks(problem.num_queries * problem.num_heads)
   resolved = plan.fill_num_splits(_one_head(problem),
                                   resolved, row_blocks=blocks, num_sms=num_sms)
-  if given.sequence_order is None and problem.batch * blocks * resolved.num_splits > num_sms:
+  if given.sequence_order is None and plan.num_programs(_one_head(problem), resolved, row_blocks=blocks) > num_sms:
     resolved = dataclasses.replace(resolved, sequence_order="longest_first")
   return resolved
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kv.kernels import online_softmax
 from pallas_kv.kernels.mosaic_gpu.mla_config import ROWS
 
 
@@ -58,6 +59,18 @@ class ProgramOutput:
     if lse is not None:
       plgpu.copy_smem_to_gmem(*self.lse_copy())
     plgpu.wait_smem_to_gmem(0)
+
+  def meet_and_store(self, half: int, out, lse=None, *, row_sums=(), lse_of_max=None):
+    """`meet`, then `store`: out normalised with its lse, or raw with row_sums (SMEM rows the consumers
+    wrote, added up); lse_of_max (log2 units) makes the lse from them."""
+    self.meet()
+    if row_sums:
+      l = sum(plgpu.load(part, layout=plgpu.Layout.WGMMA.reduce(1)) for part in row_sums)
+      if lse_of_max is not None:
+        out, lse = online_softmax.finalize(out, lse_of_max, l)
+      else:
+        out = out / online_softmax.per_row(jnp.where(l > 0, l, 1.0), out.shape)
+    self.store(half, out, lse)
 
   def store_no_keys(self):
     """An empty split's lse alone, -inf, which tells the merges to skip its unwritten output."""

@@ -1,4 +1,4 @@
-"""The per-tile pieces all MLA consumer schedules share: `TileMath`, `Static`, P's hand-over (`SharedP`),
+"""The per-tile pieces the MLA consumer schedules share: `TileMath`, `Static`, P's hand-over (`SharedP`),
 Q K^T's start (`Scores`), `add_pv` and a loop's starting state."""
 
 from __future__ import annotations
@@ -15,16 +15,25 @@ from pallas_kv.kernels.mosaic_gpu import pipeline
 from pallas_kv.kernels.mosaic_gpu import tiling
 from pallas_kv.kernels.mosaic_gpu.mla_config import Codegen, MlaSmem
 
+
 @dataclasses.dataclass(frozen=True)
 class TileMath:
-  """What the consumers compute on each KV tile: Q K^T, the masked online softmax (not split_scores'), P V.
-  Measurement probes subclass it or set a probe field below; `name` goes into the kernel name."""
+  """What the kernel does with each KV tile: its load, the consumers' slot waits, Q K^T, the masked online
+  softmax (not split_scores'), P V. Measurement probes subclass it; `name` goes into the kernel name."""
   name: str = ""
-  load_tiles: bool = True   # False: the producer marks slots full without loading them
-  # False (plain schedule): consumers read a slot before its copy lands, waiting only to release it.
-  wait_for_loads: bool = True
-  # True: only row block 0 loads, an upper bound on what multicasting tiles to both row blocks gains.
-  first_row_block_loads_only: bool = False
+
+  def load_tile(self, load, unloaded, row_block):
+    """The producer's turn at a ring slot: load() copies the tile in; unloaded() marks the slot full
+    without a copy. row_block: the program's block of q rows."""
+    load()
+
+  def read_slot(self, ring: pipeline.Ring, step):
+    """The slot the shipped consumers compute step's tile on: waited for before they read it."""
+    return ring.wait(step)
+
+  def release_slot(self, ring: pipeline.Ring, step):
+    """Frees step's slot once the shipped consumer is done with it."""
+    ring.release(step)
 
   def qk(self, s_ref, q_tile, k_tile):
     plgpu.wgmma(s_ref, q_tile, k_tile)
@@ -59,14 +68,10 @@ class Static:
   tiling: tiling.KVTiling
   smem: MlaSmem
   interpret: bool       # GPU interpret mode cannot run pl.run_state
-  pipeline_qk: bool = False
-  split_scores: bool = False
   balanced: bool = False
   ordered: bool = False
-  rows_as_n: int = 0
-  alternate_scores: bool = False
-  ring_halves: bool = False
-  p_in_registers: bool = False
+  rows_as_n: int = 0    # MlaSmem.rows_as_n
+  schedule: Any = None  # an experimental consumer schedule (mla_config.variant_schedule); None: the shipped one
   tile_math: TileMath = TileMath()
   codegen: Codegen = Codegen()
 
@@ -142,32 +147,9 @@ class Scores:
   def q_smem(self):
     return self.q_block.at[self.q_index[0].astype(jnp.int32) if self.st.codegen.q_per_tile else 0]
 
-  def ring_step(self, j):
-    return j + self.q_index[0].astype(jnp.int32) if self.st.codegen.slots_per_tile else j
-
   def start(self, s_ref, tile, slot):
     self.zero_past(tile, [(slot, self.st.smem.v_dim)])
-    if self.st.rows_as_n:
-      self.st.tile_math.qk(s_ref, slot, self.q_smem.transpose((1, 0)))
-    else:
-      self.st.tile_math.qk(s_ref, self.q_smem, slot.transpose((1, 0)))
-
-  def start_halves(self, s_ref, ring: pipeline.Ring, i):
-    """ring_halves: S over each column part as it lands. Values past the length are zeroed after
-    (`zero_past_parts`): their scores are masked, and the wgmma must finish reading first."""
-    for part in (0, 1):
-      columns = pl.ds(*ring.spec.part_columns(part))
-      self.st.tile_math.qk(s_ref, self.q_smem.at[:, columns], ring.wait(i, part).transpose((1, 0)))
-
-  def start_from(self, s_ref, ring: pipeline.Ring, step, tile):
-    if self.st.ring_halves:
-      self.start_halves(s_ref, ring, step)
-    else:
-      self.start(s_ref, tile, ring.wait(step) if self.st.tile_math.wait_for_loads else ring.slot(step))
-
-  def zero_past_parts(self, ring: pipeline.Ring, step, tile):
-    """ring_halves: zeroes values past the length in both parts, between Q K^T and P V."""
-    self.zero_past(tile, [(ring.slot(step, part), self.st.half_v) for part in (0, 1)])
+    self.st.tile_math.qk(s_ref, self.q_smem, slot.transpose((1, 0)))
 
   def zero_past(self, tile, parts):
     """Zeroes rows past the length of parts: (SMEM ref, value columns) pairs."""
