@@ -55,6 +55,19 @@ def all_shapes():
   return [(heads, case, page_size) for heads in sweep_heads() for case in sweep_cases() for page_size in PAGE_SIZES]
 
 
+def distinct_kernel_shapes(impl: str, resolve_config):
+  """The shapes of `all_shapes` whose heuristic configs differ for impl: one per (heads, page_size,
+  config), since the batch and length change the grid and not the kernel's code."""
+  seen, shapes = set(), []
+  for heads, case, page_size in all_shapes():
+    _, problem = problem_args(heads, case, page_size)
+    key = (heads, page_size, resolve_config(problem, None, num_sms=132))
+    if key not in seen:
+      seen.add(key)
+      shapes.append((heads, case, page_size))
+  return shapes
+
+
 def shape_id(heads, case, page_size) -> str:
   return f"h{heads[0]}-{heads[1]}-b{case[0]}-t{case[1]}-page{page_size}"
 

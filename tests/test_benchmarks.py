@@ -38,7 +38,7 @@ MAX_CASE_KV_BYTES = 60 * 2**30
 OPTIONS = {"softcap": {"softcap": 0.5}, "window": {"window": 5}, "sinks": {"sinks": True}}
 
 
-@pytest.mark.parametrize("op", ["decode", "paged", "mla"])
+@pytest.mark.parametrize("op", ["decode", pytest.param("paged", marks=pytest.mark.slow), "mla"])
 def test_decode_benchmark_rows_are_timed_and_checked(op):
   out = io.StringIO()
   rows = decode_bench.run(op=op, cases=((2, 128),), impls=("xla", "xla_einsum"), num_heads=4, num_kv_heads=2,
@@ -351,6 +351,7 @@ def test_mla_rejects_options():
     cases.Sweep(op="mla", window=128)
 
 
+@pytest.mark.slow
 def test_reference_in_batch_chunks_matches_one_call(monkeypatch):
   for op in ("decode", "paged"):
     sweep = cases.Sweep(op=op, cases=((4, 32),), num_heads=4, num_kv_heads=2, head_dim=64,
@@ -366,7 +367,7 @@ def test_reference_in_batch_chunks_matches_one_call(monkeypatch):
     np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("op", ["decode", "paged"])
+@pytest.mark.parametrize("op", ["decode", pytest.param("paged", marks=pytest.mark.slow)])
 def test_quantized_cache_rows_count_one_byte_elements_and_their_scales(op):
   rows = decode_bench.run(op=op, cases=((2, 64),), impls=("xla", "xla_einsum"), num_heads=4, num_kv_heads=2,
                           head_dim=64, page_size=16, kv_dtype="int8", sinks=True, warmup=0, iters=1, repeats=1,
@@ -460,6 +461,7 @@ def test_report_adds_the_host_loop_table_where_rows_have_it(tmp_path, capsys):
   assert next(l for l in lines if "B1 T1024" in l).endswith("| – | – |")
 
 
+@pytest.mark.slow   # a whole-program smoke run; make test-slow
 def test_step_benchmark_runs():
   cases = [step_bench.StepCase(batch=2, context=40, hidden=32, num_heads=4, num_kv_heads=2, head_dim=16,
                                page_size=8, headroom=4)]
@@ -785,6 +787,7 @@ def test_ptxas_summary_compiles_a_ptx_here(tmp_path):
   assert "EXIT" in sass and ptxas_summary.spills_by_role(sass) == {}
 
 
+@pytest.mark.slow   # a whole-program smoke run; make test-slow
 def test_kernel_variants_load_path_rows_run_in_interpret_mode(monkeypatch):
   import pallas_kv
   from benchmarks.tools import kernel_variants as kv
@@ -800,6 +803,7 @@ def test_kernel_variants_load_path_rows_run_in_interpret_mode(monkeypatch):
   assert rows[-1]["config"]["num_stages"] == list(kv.LOAD_PATH.values())[-1]["num_stages"]
 
 
+@pytest.mark.slow   # a whole-program smoke run; make test-slow
 def test_vmap_benchmark_times_vmapped_and_batched_rows():
   from benchmarks import vmap as vmap_bench
   rows = vmap_bench.run(["2x2x64", "2x2x64p"], ["xla"], warmup=0, iters=1, repeats=1)
@@ -894,6 +898,7 @@ def test_decode_benchmark_kernel_flags_build_partial_configs():
       decode_bench.KernelFlags(**bad)
 
 
+@pytest.mark.slow   # a whole-program smoke run; make test-slow
 def test_decode_benchmark_kernel_flags_parse_and_reach_the_kernel_rows(monkeypatch):
   import pallas_kv as pkv
   flag_values = flags.FlagValues()

@@ -74,9 +74,12 @@ def test_options_interpret(interpret_mode, impl):
   check_against_reference(case, out, **kw)
 
 
-@pytest.mark.parametrize("impl", KERNEL_IMPLS)
-@pytest.mark.parametrize("page_size,num_queries,window", [(None, None, None), (None, 3, 50), (16, 2, None),
-                                                          (64, None, None)])
+_GARBAGE_CASES = [(None, None, None), (None, 3, 50), (16, 2, None), (64, None, None)]
+
+
+@pytest.mark.parametrize("impl,page_size,num_queries,window", tiered(   # each case on one backend, alternating
+    [(i, *case) for case in _GARBAGE_CASES for i in KERNEL_IMPLS],
+    every_tier=[(KERNEL_IMPLS[n % 2], *case) for n, case in enumerate(_GARBAGE_CASES)]))
 def test_garbage_in_unread_slots_never_reaches_an_output(interpret_mode, impl, page_size, num_queries, window):
   # NaN / inf past each length, in pages no live entry names, behind -1 table entries (page size
   # below, at and above the tile), against the reference on the clean values.
@@ -104,7 +107,7 @@ def test_zero_lengths_interpret(interpret_mode, impl):
   assert np.isneginf(np.asarray(lse)).all()
 
 
-@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("impl", tiered([(i,) for i in KERNEL_IMPLS], every_tier=[("mosaic_gpu",)]))
 def test_fixed_splits_make_a_sequence_independent_of_its_batch(interpret_mode, impl):
   case = make_case(7, batch=3, seq_len=256, num_heads=8, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
                    lengths=[256, 187, 120])
@@ -114,7 +117,7 @@ def test_fixed_splits_make_a_sequence_independent_of_its_batch(interpret_mode, i
   np.testing.assert_array_equal(np.asarray(whole[1:2], np.float32), np.asarray(alone, np.float32))
 
 
-@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("impl", tiered([(i,) for i in KERNEL_IMPLS], every_tier=[("triton",)]))
 def test_grad_uses_xla_backward(interpret_mode, impl):
   case = make_case(8, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
   config = _small_config(impl, 1)
@@ -126,7 +129,7 @@ def test_grad_uses_xla_backward(interpret_mode, impl):
     assert_matches_reference(g, w, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("impl", tiered([(i,) for i in KERNEL_IMPLS], every_tier=[("triton",)]))
 def test_vmap_and_jit_match_a_loop_interpret(interpret_mode, impl):
   cases = [make_case(30 + i, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
            for i in range(2)]
@@ -149,8 +152,8 @@ def _launches(impl, f, *args):
   return sum("pallas_kv_triton_merge" not in line for line in calls), "stablehlo.while" in module
 
 
-@pytest.mark.parametrize("impl", KERNEL_IMPLS)
-@pytest.mark.parametrize("pool", ["shared", "per_element"])
+@pytest.mark.parametrize("impl,pool", tiered([(i, pool) for i in KERNEL_IMPLS for pool in ("shared", "per_element")],
+                                             every_tier=[("triton", "shared"), ("mosaic_gpu", "per_element")]))
 def test_paged_vmap_folds_into_one_launch(interpret_mode, impl, pool):
   cases = [make_case(50 + i, batch=2, seq_len=128, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
                      page_size=16, num_queries=2) for i in range(2)]
@@ -173,7 +176,7 @@ def test_paged_vmap_folds_into_one_launch(interpret_mode, impl, pool):
     np.testing.assert_array_equal(np.asarray(lse[i]), np.asarray(want_lse))
 
 
-@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("impl", tiered([(i,) for i in KERNEL_IMPLS], every_tier=[("mosaic_gpu",)]))
 def test_vmap_of_a_shared_contiguous_cache_loops(interpret_mode, impl):
   # Folding would copy the shared cache once per element: it stays a loop of launches.
   case = make_case(53, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
@@ -184,7 +187,7 @@ def test_vmap_of_a_shared_contiguous_cache_loops(interpret_mode, impl):
   np.testing.assert_array_equal(np.asarray(out[1], np.float32), np.asarray(f(qs[1]), np.float32))
 
 
-@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("impl", tiered([(i,) for i in KERNEL_IMPLS], every_tier=[("triton",)]))
 def test_nested_vmap_and_grad_of_vmap_fold(interpret_mode, impl):
   cases = [[make_case(60 + 2 * i + j, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64,
                       dtype=jnp.bfloat16) for j in range(2)] for i in range(2)]
@@ -229,9 +232,9 @@ def _lower(impl, op, config, args):
   assert KERNEL_IN_MODULE[impl] in module and "pallas_kv" in module  # our kernel, not a fallback
 
 
-@pytest.mark.parametrize("impl", KERNEL_IMPLS)
-@pytest.mark.parametrize("heads,case,page_size", sweeps.all_shapes(),
-                         ids=[sweeps.shape_id(*shape) for shape in sweeps.all_shapes()])
+@pytest.mark.parametrize("impl,heads,case,page_size", [   # every distinct heuristic kernel of the sweep
+    pytest.param(impl, *shape, id=f"{sweeps.shape_id(*shape)}-{impl}") for impl in KERNEL_IMPLS
+    for shape in sweeps.distinct_kernel_shapes(impl, RESOLVE_CONFIG[impl])])
 def test_heuristic_configs_lower_for_cuda(impl, heads, case, page_size):
   args, problem = sweeps.problem_args(heads, case, page_size)
   config = RESOLVE_CONFIG[impl](problem, None, num_sms=132)

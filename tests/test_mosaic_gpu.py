@@ -137,22 +137,20 @@ def test_configs_and_plans_are_validated():
       pkv.MosaicGPUConfig(**foreign)
   check = functools.partial(mgpu_config.check_config, head_dim=64, dtype=jnp.bfloat16, page_size=None)
   with pytest.raises(ValueError, match="complete MosaicGPUConfig"):
-    check(pkv.MosaicGPUConfig(block_kv=64, num_stages=2), rows=4)
+    check(pkv.MosaicGPUConfig(block_kv=64, num_stages=2), rows=4, num_splits=1)
   with pytest.raises(ValueError, match="complete MosaicGPUConfig"):
     check(pkv.MosaicMLAConfig(block_kv=64, num_stages=2, num_splits=1, split_plan="per_sequence",
-                              sequence_order="given"), rows=4)
+                              sequence_order="given"), rows=4, num_splits=1)
   with pytest.raises(ValueError, match="num_stages"):
-    check(_config(num_stages=1, pipeline_qk=True), rows=4)
+    check(_config(num_stages=1, pipeline_qk=True), rows=4, num_splits=1)
   with pytest.raises(NotImplementedError, match="kv_groups=2 needs <= 64 packed rows"):
-    check(_config(num_splits=2, kv_groups=2), rows=65)
-  with pytest.raises(ValueError, match="even num_splits"):
-    check(_config(num_splits=3, kv_groups=2), rows=4)
+    check(_config(num_splits=2, kv_groups=2), rows=65, num_splits=2)
   with pytest.raises(ValueError, match="even num_splits"):   # the plan's split count is the one checked
     check(_config(num_splits=2, kv_groups=2), rows=4, num_splits=3)
   with pytest.raises(ValueError, match="even num_stages"):
-    check(_config(num_stages=3, num_splits=2, kv_groups=2), rows=4)
+    check(_config(num_stages=3, num_splits=2, kv_groups=2), rows=4, num_splits=2)
   with pytest.raises(ValueError, match="SMEM"):
-    check(_config(block_kv=256, num_stages=8), rows=128)
+    check(_config(block_kv=256, num_stages=8), rows=128, num_splits=1)
   # decode_partials runs the same checks on the config it is given, and checks its plan.
   q = jnp.zeros((1, 1, 4, 64), jnp.bfloat16)
   kv = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)

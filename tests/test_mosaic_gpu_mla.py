@@ -442,6 +442,7 @@ def test_gpu_mla_split_merge_matches_reference(batch, seq_len, num_heads, num_qu
 
 # ---------------------------------------------------------------- the benchmark program
 
+@pytest.mark.slow   # a whole-program smoke run; make test-slow
 def test_mla_benchmark_runs_a_tiny_case_on_cpu():
   import io
   from benchmarks import mla as mla_bench

@@ -134,7 +134,7 @@ def check_case(case: QuantCase, config, **kwargs):
     (11, INT8, "head", "token", 16, 3, 2, 4, jnp.float16),
     (13, E4M3, "token", None, 64, 1, 3, 1, jnp.bfloat16),
     (14, E5M2, None, None, None, 2, 2, 1, jnp.bfloat16),
-    (15, E5M2, "token", "head", 64, 1, 2, 4, jnp.float16),
+    pytest.param(15, E5M2, "token", "head", 64, 1, 2, 4, jnp.float16, marks=pytest.mark.slow),   # the first, mirrored
 ], ids=["int8-head+token-page16-s3-fp16", "e4m3-token+none-hkv1-page64-splits3", "e5m2-unscaled-dense-s2",
         "e5m2-token+head-page64-fp16"])
 def test_quantized_matches_reference_interpret(seed, kv_dtype, k_kind, v_kind, page_size, num_queries,

@@ -109,7 +109,12 @@ def test_scale_arguments_are_checked():
 
 # ---------------------------------------------------------------- kernels, interpret mode (CPU)
 
-@pytest.mark.parametrize("impl,kv_dtype,kind,page_size", KERNEL_CASES,
+# The default tier: the square's diagonal (each dtype, scale kind and layout once) and two Mosaic GPU cases.
+_EVERY_TIER = [KERNEL_CASES[k * len(PAGE_SIZES) + k] for k in range(len(SCALE_KINDS))] + [KERNEL_CASES[-3],
+                                                                                          KERNEL_CASES[-2]]
+
+
+@pytest.mark.parametrize("impl,kv_dtype,kind,page_size", tiered(KERNEL_CASES, every_tier=_EVERY_TIER),
                          ids=[f"{i}-{_name(d)}-{k}-page{p}" for i, d, k, p in KERNEL_CASES])
 def test_kernel_matches_reference_on_dequantized_values(interpret_mode, impl, kv_dtype, kind, page_size):
   rng = np.random.default_rng(4)

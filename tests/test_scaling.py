@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
@@ -24,6 +26,7 @@ def _smoke_env():
   return env
 
 
+@pytest.mark.slow   # a whole-program smoke run; make test-slow
 def test_smoke_run_checks_and_times_every_device_count_and_mesh(tmp_path):
   json_path = tmp_path / "rows.json"
   result = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--smoke", f"--json={json_path}"],

@@ -156,7 +156,7 @@ def test_tokenizer_matches_transformers(smollm2, reference):
 def test_greedy_tokens_and_logits_match_transformers(smollm2, reference):
   config, params, _ = smollm2
   records = reference["prompts"]
-  model = Llama(config, impl="xla", cache_dtype="float32")
+  model = Llama(config, impl="xla", cache_dtype="float32", unroll_decode=False)
   tokens, logits = generate_greedy(model, params, [r["prompt_ids"] for r in records], reference["new_tokens"],
                                    logit_steps=3, ignore_eos=True)
   for row, record in enumerate(records):
@@ -170,7 +170,7 @@ def test_greedy_tokens_and_logits_match_transformers(smollm2, reference):
 def bf16_cache_run(smollm2, reference):
   """Greedy tokens and first logits of every prompt over the bfloat16 cache (xla impl)."""
   config, params, _ = smollm2
-  model = Llama(config, impl="xla")
+  model = Llama(config, impl="xla", unroll_decode=False)
   return generate_greedy(model, params, [r["prompt_ids"] for r in reference["prompts"]], reference["new_tokens"],
                          logit_steps=4, ignore_eos=True)
 
@@ -190,25 +190,27 @@ def test_agreement_measures_count_leading_tokens_and_relative_logit_error():
   np.testing.assert_allclose(errors, [[4.0 / 3.0], [0.0]])
 
 
+@pytest.mark.slow   # the int8 cache's error is tested per call in test_quantized.py; this is the whole model
 def test_an_int8_cache_stays_close_to_the_bfloat16_cache(smollm2, reference):
   # Teacher-forced on the bf16 run's tokens, every decode step reads the quantized cache. Measured
   # here: logit error at most 3.7e-2 over 2 prompts x 6 steps, all greedy choices the same; the
   # error is not 0, so the cache is really quantized.
   config, params, _ = smollm2
   prompts = [r["prompt_ids"] for r in reference["prompts"][:2]]
-  model_for = lambda dtype: Llama(config, impl="xla", cache_dtype=dtype)
+  model_for = lambda dtype: Llama(config, impl="xla", cache_dtype=dtype, unroll_decode=False)
   (row,) = quantized_cache.compare(model_for, params, prompts, 6, ["int8"])
   assert 1e-4 < row["logit_error_max"] < 0.1, row
   assert row["forced_same_choice"] >= 10 / 12, row
 
 
-@pytest.mark.parametrize("impl,steps", [("triton", 3), ("mosaic_gpu", 2)])
+@pytest.mark.parametrize("impl,steps", [("triton", 2), ("mosaic_gpu", 2)])
 def test_kernel_impls_in_interpret_mode_give_the_same_tokens(smollm2, reference, bf16_cache_run, impl, steps,
                                                               interpret_mode):
   """The whole model on a kernel backend (interpret mode), a few steps of one prompt."""
   config, params, _ = smollm2
   record = reference["prompts"][KERNEL_PROMPT]
-  tokens, logits = generate_greedy(Llama(config, impl=impl), params, [record["prompt_ids"]], steps,
+  model = Llama(config, impl=impl, unroll_decode=False)
+  tokens, logits = generate_greedy(model, params, [record["prompt_ids"]], steps,
                                    logit_steps=steps)
   assert pkv.last_impl() == impl
   assert tokens[0].tolist() == record["greedy_tokens"][:steps] == bf16_cache_run[0][KERNEL_PROMPT, :steps].tolist()
@@ -241,13 +243,14 @@ def _check_pages(engine):
   assert int(engine.state.pool.num_free) + len(held) == engine.num_pages
 
 
-@pytest.mark.parametrize("steps_per_dispatch", [1, 3])
+@pytest.mark.parametrize("steps_per_dispatch", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_continuous_batching_matches_transformers_and_recycles_pages(smollm2, reference, steps_per_dispatch):
   config, params, _ = smollm2
   records = reference["prompts"]
   # 3 slots and 12 pages of 16 tokens: three chat requests (5 pages each at worst) cannot run at
   # once, so requests also wait for pages while a slot is free.
-  engine = serving.Engine(Llama(config, impl="xla", cache_dtype="float32"), params, num_slots=3, page_size=16,
+  model = Llama(config, impl="xla", cache_dtype="float32", unroll_decode=False)
+  engine = serving.Engine(model, params, num_slots=3, page_size=16,
                           num_pages=12, max_pages_per_seq=8, steps_per_dispatch=steps_per_dispatch)
   assert engine.buckets == (16, 32, 64, 128)
   requests = [serving.Request(r["prompt_ids"], reference["new_tokens"], ignore_eos=True, arrival=a)
@@ -263,8 +266,7 @@ def test_continuous_batching_matches_transformers_and_recycles_pages(smollm2, re
     waited_for_pages |= bool(engine.queue) and None in engine.slots
     _check_pages(engine)
   traces = {k: serving.TRACE_COUNTS[k] - before.get(k, 0) for k in ("prefill", "decode", "release")}
-  # Buckets 16 and 64; no recompile (the first parametrization compiles what the second reuses
-  # but decode_steps, whose step count is static).
+  # Buckets 16 and 64; one decode and one release trace (decode_steps' step count is static).
   assert traces["prefill"] <= 2 and traces["decode"] <= 1 and traces["release"] <= 1
   assert waited_for_pages
   for request, record in zip(requests, records):
@@ -323,6 +325,7 @@ def test_sampling_greedy_top_p_and_seeds():
   assert jnp.argmax(banned, -1).tolist() == [1, 0, 0, 0]
 
 
+@pytest.mark.slow   # a whole-program smoke run; make test-slow
 def test_benchmark_runs_on_cpu(smollm2):
   config, params, _ = smollm2
   config, params = smollm2_bench.truncate(config, params, 2)

@@ -132,9 +132,9 @@ def _call(case, impl, config, paged, **options):
 
 @pytest.mark.parametrize("impl,block_kv,seq_len,lengths,num_queries,paged,merge,options", [
     # 16 tiles / 4 splits: per split 4 tiles; the 50-token sequence takes one split, not four.
-    ("triton", 16, 256, [256, 50, 16, 0], None, False, False, {}),
+    pytest.param("triton", 16, 256, [256, 50, 16, 0], None, False, False, {}, marks=pytest.mark.slow),
     ("triton", 16, 256, [256, 50, 16, 0], 2, True, True, dict(window=90, softcap=20.0)),
-    ("mosaic_gpu", 64, 512, [512, 200, 64, 0], None, False, False, {}),
+    pytest.param("mosaic_gpu", 64, 512, [512, 200, 64, 0], None, False, False, {}, marks=pytest.mark.slow),
     ("mosaic_gpu", 64, 512, [37, 512, 0, 300], 2, True, False, dict(window=300)),
 ], ids=["triton-dense", "triton-paged-S2-window-merged", "mosaic-dense", "mosaic-paged-S2-window"])
 def test_balanced_plan_matches_reference(interpret_mode, impl, block_kv, seq_len, lengths, num_queries, paged,

@@ -232,7 +232,7 @@ def _check_merge_kernel(splits, rows, dv, interpret):
 MERGE_SHAPES = [(1, 4, 64), (33, 4, 128), (5, 36, 64), (64, 16, 256), (7, 40, 512)]
 
 
-@pytest.mark.parametrize("splits,rows,dv", MERGE_SHAPES)
+@pytest.mark.parametrize("splits,rows,dv", tiered(MERGE_SHAPES, every_tier=MERGE_SHAPES[1:2] + MERGE_SHAPES[3:]))
 def test_merge_kernel_equals_merge_splits(splits, rows, dv):
   _check_merge_kernel(splits, rows, dv, interpret=True)
 

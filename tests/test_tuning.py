@@ -92,6 +92,7 @@ def test_bad_format_version_is_refused(tmp_path, monkeypatch):
   tuned.clear_cache()
 
 
+@pytest.mark.slow   # a whole-program smoke run; make test-slow
 def test_tuner_smoke_writes_a_file_the_config_choice_uses(tmp_path):
   out = tmp_path / "cpu.json"
   result = subprocess.run([sys.executable, "-m", "benchmarks.tune", "--smoke", f"--out={out}"], cwd=REPO,

@@ -66,11 +66,14 @@ class Llama:
   cache_dtype: of the KV cache; bfloat16 (what the kernels read), float32 (xla impl only: the
   exact comparison with a float32 reference), or int8 / float8_e4m3fn / float8_e5m2 (quantized
   on append with one scale per token and kv head, `pallas_kv.cache.quantize`).
+  unroll_decode: a decode step's layers unrolled (the fast step on a GPU); False rolls them, which
+  compiles several times faster (the CPU tests).
   """
   config: LlamaConfig
   impl: str = "auto"
   compute_dtype: str = "float32"
   cache_dtype: str = "bfloat16"
+  unroll_decode: bool = True
 
   @property
   def attention(self) -> pkv.DecodeAttention:
@@ -131,7 +134,7 @@ class Llama:
     # A decode step's layers unrolled: their small kernels then go out in one stream, and the
     # call returns before the device is done (a rolled loop of 30 layers measured 7% slower per
     # step on the H200 and kept the host waiting). A prefill's long body stays rolled (compile time).
-    (x, pages), _ = jax.lax.scan(block, (x, pages), layers, unroll=not prefill)
+    (x, pages), _ = jax.lax.scan(block, (x, pages), layers, unroll=self.unroll_decode and not prefill)
     return rms_norm(x, params["final_norm"], self.config.rms_norm_eps), pages
 
   def logits(self, params, hidden):

@@ -152,8 +152,7 @@ SPLIT_COUNTS = {"per_sequence": choose_num_splits, "balanced": choose_balanced_s
                 "stream_k": choose_stream_k_programs}
 
 
-# A config's plan fields (split_plan, num_splits, sequence_order) are read in this module alone: the backends
-# fill and test them through the functions below, and the kernels take the SplitPlan.
+# A config's plan fields are read in this module alone; the kernels take the SplitPlan.
 
 def fixes_plan(config) -> bool:
   """Whether a config fixes any part of its plan: the kind, the split count or a sequence order."""

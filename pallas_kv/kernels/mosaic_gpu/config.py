@@ -127,11 +127,10 @@ class DecodeSmem:
                (persistent): side by side, as the rings stream on during the stores
    streaming   g{g}_k, g{g}_v [stages / kv_groups, bkv, D] dtype   rings of KV group g
                g{g}_ks, g{g}_vs [stages / kv_groups, bkv(, 4)] f32  per-token scales
-               dequantized: num_wgs * dequant_tiles x [bkv, D] q_dtype, swizzled (one-byte cache;
-               separate refs: a statically indexed tile does not lower inside wgmma's run_state)
-               g0_ck, g0_cv [CONVERTED_STAGES, bkv, D] q_dtype   the converter's, in place of dequantized
-  p_smem       [num_wgs, 64, bkv] q_dtype                      stage_p (interpret mode)
-  barriers     produced + consumed per ring slot, q per row warpgroup, consumers_done
+               dequantized: num_wgs * dequant_tiles x [bkv, D] q_dtype (one-byte cache; separate refs,
+               as a statically indexed tile does not lower inside wgmma's run_state); an experimental
+               converter's g0_ck, g0_cv [CONVERTED_STAGES, bkv, D] in their place
+  p_smem       [num_wgs, 64, bkv] q_dtype (interpret mode); barriers: per ring slot, q per row warpgroup, done
   num_wgs = row_wgs (split the rows) x kv_groups (split the tiles); num_stages: K slots of all groups.
   """
   head_dim: int

@@ -570,13 +570,11 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
     dtype or a one-byte type (`frame.QUANTIZED_DTYPES`).
   k_scale, v_scale: None, [Hkv] f32, or per token with the cache's leading dims ([B, T, Hkv] /
     [P, page_size, Hkv]; Hkv 1 or a multiple of 4): logits use k_scale_t * k_t, the output v_scale_t * v_t.
-  options: scale, softcap, window; config: a complete `MosaicGPUConfig`; plan: its `SplitPlan` (batch order,
-    not stream-K); num_programs: a persistent config's (default: the SM count); tile_math: `TileMath`;
-    interpret: False, True or plgpu.InterpretGPUParams.
+  options: scale, softcap, window; config: a complete `MosaicGPUConfig`; plan: its `SplitPlan` (batch order);
+    num_programs: a persistent config's (default: the SM count); interpret: False, True or InterpretGPUParams.
 
-  Returns (out [B, Hkv, num_splits, R, D] f32, each split's normalised output; lse [B, Hkv, num_splits,
-  R] f32, natural log, -inf with out 0 where the split saw no key). Values past lengths[b] (their table
-  entries read as the sequence's last page) never reach an output.
+  Returns (out [B, Hkv, num_splits, R, D] f32, each split's normalised output; lse [B, Hkv, num_splits, R]
+  f32, natural log, -inf with out 0 where the split saw no key).
   """
   frame.check_packed_args(q, k, v, lengths, block_tables, num_queries=num_queries, k_scale=k_scale,
                             v_scale=v_scale)

@@ -1,15 +1,13 @@
 """Split-K MLA decode (DeepSeek's absorbed form) on Mosaic GPU: one latent KV head, paged.
 
-kv_pages [P, page_size, Dqk]: keys are whole rows, values their first Dv columns. The packed rows (S new tokens x
-Hq heads) are cut into blocks of 64 (wgmma M); a token range's row blocks launch together, so the second reads its
-tiles mostly from L2 (docs/decisions.md#mla-grid-order). Three warpgroups per program:
+kv_pages [P, page_size, Dqk]: keys are whole rows, values their first Dv columns; packed rows (S tokens x Hq heads)
+in blocks of 64 (wgmma M), a token range's row blocks launched together (docs/decisions.md#mla-grid-order).
   producer  TMA-copies each KV tile [bkv, Dqk] once into an SMEM ring (`pipeline.Ring`);
-  scorer    S = Q K^T, the masked online softmax, P and the rescale alpha to the partner (`SharedP`), and
-            O[:, :Dv/2] += P V with P from its registers (docs/decisions.md#mla-p-in-registers);
+  scorer    S = Q K^T, the masked online softmax, P and alpha to the partner (`SharedP`), and O[:, :Dv/2] += P V
+            with P from its registers (docs/decisions.md#mla-p-in-registers);
   partner   O[:, Dv/2:] = alpha O[:, Dv/2:] + P V, overlapping the scorer's next tile.
-Split by value columns, the f32 accumulator fits each consumer's registers (FlashMLA's plan); V is the K tile
-itself. Values past a sequence's length are masked, their value rows zeroed in SMEM before either P V. Each split
-writes its normalised partial and LSE. Experimental schedules run their own consumers on a `Program`.
+Split by value columns, the f32 accumulator fits each consumer's registers (FlashMLA's plan). Experimental
+schedules run their own consumers on a `Program`.
 """
 
 from __future__ import annotations
@@ -256,8 +254,7 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
     `TileMath`; codegen: `Codegen`; interpret: False or a plgpu.InterpretGPUParams.
 
   Returns (out [B, splits, R, v_head_dim] in q's dtype, each split's normalised output, unwritten for
-  an empty split; lse [B, splits, R] f32, natural log, -inf where a split saw no key). 16-bit partials
-  (as FlashInfer's) halve what the splits write and the merge reads, at the bf16 output's rounding.
+  an empty split; lse [B, splits, R] f32, natural log, -inf where a split saw no key).
   """
   if q.ndim != 3 or kv_pages.ndim != 3 or q.shape[2] != kv_pages.shape[2]:
     raise ValueError(f"q [B, R, Dqk] and kv_pages [P, page_size, Dqk] must share Dqk: {q.shape=} {kv_pages.shape=}")

@@ -57,11 +57,9 @@ class RegisterSplit:
 class Codegen:
   """How the kernel is compiled, not what it computes; named in the kernel name.
 
-  q_per_tile: Q's SMEM index is a zero loaded from SMEM each tile, which LLVM and ptxas cannot fold, so
-    Q K^T's wgmma descriptors are rebuilt per tile instead of hoisted out of the loop, where they spill
-    (docs/decisions.md#mla-q-per-tile). split_scores slices Q itself and ignores it.
-  slots_per_tile: alternate_scores' ring steps made opaque the same way, since with two stages each
-    slot's descriptors are loop-invariant (docs/decisions.md#mla-slots-per-tile).
+  q_per_tile: Q's SMEM index is a zero loaded each tile, so Q K^T's wgmma descriptors are rebuilt per tile
+    instead of hoisted out of the loop, where they spill (docs/decisions.md#mla-q-per-tile).
+  slots_per_tile: the same for ring steps, for experimental schedules (docs/decisions.md#mla-slots-per-tile).
   """
   registers: RegisterSplit = RegisterSplit()
   q_per_tile: bool = True
@@ -86,10 +84,9 @@ class MlaSmem:
   q_block  [1, 64, Dqk] dtype, swizzled                 Q (wgmma A); the leading 1 is Codegen's index
   union    ring [num_stages, bkv, Dqk] dtype, swizzled  | (out [2, 64, Dv/2] out_dtype, lse [64] f32) after the loop
   p_smem   [64, bkv] dtype, swizzled                    P of the current tile (wgmma A of P V)
-  row_smem [4, 64] f32    alpha, the final row sum (alternate_scores [6, 64]: a pair's first and second
-                          max and rescale, each consumer's row sum), then one row of zeros per consumer
-  barriers ring produced / consumed per slot, q, p_ready and max_ready (one per consumer with
-           alternate_scores; two arrivals with split_scores), p_free, consumers_done
+  row_smem [4, 64] f32    alpha, the final row sum, then one row of zeros per consumer (more rows for
+                          experimental schedules)
+  barriers ring produced / consumed per slot, q, p_ready, max_ready, p_free, consumers_done
   """
   qk_dim: int
   v_dim: int
