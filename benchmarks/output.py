@@ -128,6 +128,12 @@ def plot_available() -> bool:
   return True
 
 
+def _shape_family(row: dict) -> str:
+  """The op and heads of a row's case, without its batch and length: a plot's title."""
+  case = cases.Case.from_row(row)
+  return f"{case.op} {case.describe().split(' ', 3)[3]}"
+
+
 def write_plot(rows: Sequence[dict], path: str) -> None:
   """TB/s against context length per impl; a second panel against batch when the
   rows have several batches. Needs matplotlib (the `plot` extra)."""
@@ -158,9 +164,7 @@ def write_plot(rows: Sequence[dict], path: str) -> None:
     if impls:
       ax.legend(fontsize="small")
   if ok:
-    case = cases.Case.from_row(ok[0])
-    heads = case.describe().split(" ", 3)[3]  # without op, B and T
-    fig.suptitle(f"{case.op} {heads}  ({ok[0].get('device', '')})", fontsize="medium")
+    fig.suptitle(f"{_shape_family(ok[0])}  ({ok[0].get('device', '')})", fontsize="medium")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -192,9 +196,7 @@ def write_bars(rows: Sequence[dict], path: str) -> None:
   ax.grid(True, axis="y", alpha=0.3)
   ax.legend(fontsize="small", ncols=len(impls))
   if ok:
-    case = cases.Case.from_row(ok[0])
-    heads = case.describe().split(" ", 3)[3]
-    ax.set_title(f"{case.op} {heads}, {ok[0].get('device', '').removeprefix('gpu:')}, {ok[0].get('date', '')}\n"
+    ax.set_title(f"{_shape_family(ok[0])}, {ok[0].get('device', '').removeprefix('gpu:')}, {ok[0].get('date', '')}\n"
                  "solid: device time (chain timer); hatched: a Python loop of jitted calls", fontsize="medium")
   fig.tight_layout()
   fig.savefig(path, dpi=110)

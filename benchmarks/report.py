@@ -468,13 +468,13 @@ def main(argv: Sequence[str]) -> None:
   for path in args.paths:
     with open(path) as f:
       loaded.append((path, json.load(f)))
-  for path, write in ((args.plot, "write_plot"), (args.bars, "write_bars")):
-    if path:
-      from benchmarks import output  # pylint: disable=g-import-not-at-top  (imports jax)
-      if output.plot_available():
-        getattr(output, write)([r for _, rs in loaded for r in rs], path)
+  if args.plot or args.bars:
+    from benchmarks import output  # pylint: disable=g-import-not-at-top  (imports jax)
+    for path, write in ((args.plot, output.write_plot), (args.bars, output.write_bars)):
+      if path and output.plot_available():
+        write([r for _, rs in loaded for r in rs], path)
         print(f"# wrote {path}")
-      else:
+      elif path:
         print("# --plot and --bars need matplotlib (pip install 'pallas-kv[plot]'); nothing written")
   if args.auto:
     print(auto_table([r for _, rs in loaded for r in rs]))
