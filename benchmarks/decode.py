@@ -138,6 +138,7 @@ class KernelFlags:
   triton_block_kv: int | None = None
   triton_num_stages: int | None = None
   v_tokens_last: bool = False
+  varlen: bool = False
 
   def __post_init__(self):
     if self.stream_k_programs_per_sm is not None and self.split_plan != "stream_k":
@@ -180,7 +181,7 @@ class KernelFlags:
   def stream_k_splits(self, case: cases.Case) -> int | None:
     """--stream_k_programs_per_sm: the Triton stream-K plan's programs per (kv head, row block)
     on this GPU (`plan.stream_k_programs`); None where not given or not a Triton shape."""
-    if self.stream_k_programs_per_sm is None or case.op == "mla" or case.head_dim not in triton_config.HEAD_DIMS:
+    if self.stream_k_programs_per_sm is None or case.op == "mla" or triton_config.head_dim_reason(case.head_dim):
       return None
     _, row_blocks = triton_config.row_blocking(case.num_queries * (case.num_heads // case.num_kv_heads),
                                                case.head_dim)
@@ -204,13 +205,33 @@ class KernelFlags:
     config = configs.get(backend)
     return self._runner(impl, spec, tokens_last, kw if config is None else dict(kw, config=config)), config
 
-  @staticmethod
-  def _runner(impl: str, spec: peers.OpSpec, tokens_last: bool, kw: dict) -> peers.Runner:
+  def _runner(self, impl: str, spec: peers.OpSpec, tokens_last: bool, kw: dict) -> peers.Runner:
+    if self.varlen:
+      return _varlen_runner(impl, spec, kw)
     runner = peers.build_pallas_kv(impl, spec, **kw)
     if not tokens_last:
       return runner
     tokens_last_v = lambda args: (*args[:2], jnp.transpose(args[2], (0, 2, 3, 1)), *args[3:])   # v is argument 2
     return dataclasses.replace(runner, prepare=tokens_last_v)
+
+
+def _varlen_runner(impl: str, spec: peers.OpSpec, kw: dict) -> peers.Runner:
+  """Our op called in the varlen form (q [B * S, Hq, D], cu_seqlens_q), on the case's S tokens a sequence."""
+  s = spec.num_queries
+  padded = lambda x: x.reshape(x.shape[0] // s, *x.shape[1:]) if s == 1 else x.reshape(-1, s, *x.shape[1:])
+
+  def prepare(args):
+    q = args[0].reshape(-1, *args[0].shape[-2:])
+    batch = q.shape[0] // s
+    return (q, *args[1:], jnp.arange(0, (batch + 1) * s, s, dtype=jnp.int32))
+
+  def call(*args):
+    *args, cu_seqlens = args
+    return op(*args, cu_seqlens_q=cu_seqlens)
+
+  op = peers.build_pallas_kv(impl, spec, max_seqlen_q=s, **kw).fn
+  return peers.Runner(fn=call, prepare=prepare,
+                      to_numpy=lambda out: np.asarray(jnp.asarray(padded(out), jnp.float32)))
 
 
 def config_types(op: str, *, one_byte: bool = False) -> dict[str, type[KernelConfig]]:
@@ -357,6 +378,8 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                        "user's loop sees, host dispatch included): the host us column, host_us in the rows.", **into)
   flags.DEFINE_boolean("v_tokens_last", False, "pallas_kv impls of the dense and paged ops: v stored "
                        "[B, Hkv, D, T] / [P, Hkv, D, page_size] (decode_attention's v_tokens_last).", **into)
+  flags.DEFINE_boolean("varlen", False, "pallas_kv impls: q in the varlen form [B * S, Hq, D] with cu_seqlens_q "
+                       "(S tokens a sequence), to set beside the same run without it.", **into)
   flags.adopt_module_key_flags(cli, flag_values)
 
 

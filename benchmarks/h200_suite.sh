@@ -19,6 +19,10 @@ declare -A PARTS=(
            decode:vlast_float8_e4m3fn_v_tokens_last"   # one-byte caches on triton, bf16 beside
   [mla]="mla:mla_rows mla:mla_rows_b128 mla:mla_rows_s2_h16"
   [smollm2]="serving:smollm2_engine tools.smollm2_transformers:smollm2_transformers"
+  [shapes]="decode:shapes_d64 decode:shapes_d80 decode:shapes_d96 decode:shapes_d128 decode:shapes_d192
+            decode:shapes_d256 decode:shapes_d512"   # head dims past 64 / 128 / 256
+  [shapes_more]="decode:shapes_heads32_8 decode:shapes_heads48_1 decode:shapes_heads71_1 decode:shapes_page16
+                 decode:shapes_page1 decode:shapes_s4_padded decode:shapes_s4_varlen"   # MQA, page 1, varlen
   [vmap]="vmap:vmap"
   [step]="step:step"
   [tune]="tune:tune"                      # Mosaic GPU entries of the tuned file

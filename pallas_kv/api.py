@@ -11,6 +11,8 @@ moves on to the next one, and `last_impl()` tells which one it picked.
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
@@ -19,6 +21,7 @@ from pallas_kv import batching
 from pallas_kv import runtime
 from pallas_kv import tuned
 from pallas_kv import validation
+from pallas_kv import varlen
 from pallas_kv import xla
 from pallas_kv import config as kernel_configs
 from pallas_kv.config import AttentionOptions
@@ -33,6 +36,16 @@ IMPLS = ("auto", "mosaic_gpu", "triton", "xla")
 KERNEL_IMPLS = ("triton", "mosaic_gpu")
 
 _last_impl: str | None = None
+_logger = logging.getLogger("pallas_kv")
+_fallbacks_logged: set[str] = set()
+
+
+def _log_fallback_once(op: str, reasons: dict[str, str]) -> None:
+  """Logs (a warning, once per distinct message) that "auto" runs a kernel-capable device's call on xla."""
+  message = f"impl='auto' runs this {op} call on xla: " + "; ".join(f"{n}: {r}" for n, r in reasons.items())
+  if message not in _fallbacks_logged:
+    _fallbacks_logged.add(message)
+    _logger.warning(message)
 
 
 def last_impl() -> str | None:
@@ -93,16 +106,23 @@ def choose_impl(impl: str, op: str, problem, options, dtypes, config) -> tuple[s
     _last_impl = impl
     return impl, backend
   serving = {}  # kernel backends that run on this device and serve this call, in preference order
+  refusals = {}
   for name in KERNEL_IMPLS:
     if not device_can_run(name):
       continue
     try:
       backend = kernel_backend(name)
-    except NotImplementedError:
+    except NotImplementedError as e:
+      refusals[name] = str(e)
       continue
-    if backend.unsupported_reason(op, problem, options, dtypes) is None:
+    reason = backend.unsupported_reason(op, problem, options, dtypes)
+    if reason is None:
       serving[name] = backend
+    else:
+      refusals[name] = reason
   if not serving:
+    if refusals:   # a GPU whose kernels refuse the call: say why, once
+      _log_fallback_once(op, refusals)
     _last_impl = "xla"
     return "xla", None
   name = next(iter(serving))
@@ -113,10 +133,11 @@ def choose_impl(impl: str, op: str, problem, options, dtypes, config) -> tuple[s
   return name, serving[name]
 
 
-def _options(problem, scale, softcap, window, sinks, k_scale, v_scale) -> AttentionOptions:
+def _options(problem, scale, softcap, window, sinks, k_scale, v_scale, window_start=None) -> AttentionOptions:
   validation.check_options(scale=scale, softcap=softcap, window=window, sinks=sinks, k_scale=k_scale,
                            v_scale=v_scale, num_heads=problem.num_heads, num_kv_heads=problem.num_kv_heads,
                            token_shape=problem.scale_token_shape, cache_dtype=problem.cache_dtype)
+  validation.check_window_start(window_start, problem.batch)
   if window is not None and window >= problem.capacity + problem.num_queries:
     window = None   # every key is inside it (and the kernels' int32 math stays in range)
   return AttentionOptions(
@@ -124,6 +145,7 @@ def _options(problem, scale, softcap, window, sinks, k_scale, v_scale) -> Attent
       softcap=None if softcap is None else float(softcap),
       window=None if window is None else int(window),
       has_sinks=sinks is not None,
+      has_window_start=window_start is not None,
       k_scale=validation.scale_kind(k_scale, problem.scale_token_shape),
       v_scale=validation.scale_kind(v_scale, problem.scale_token_shape))
 
@@ -197,8 +219,8 @@ def _plan(op: str, impl: str, config, problem, options, q, k, lengths):
 
 
 def _run(op: str, impl: str, config, problem, options, q, k, v, lengths, block_tables, *, sinks, k_scale, v_scale,
-         return_lse, xla_fn, refold, plan):
-  """Runs the chosen backend; xla_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale) is the
+         return_lse, xla_fn, refold, plan, window_start=None):
+  """Runs the chosen backend; xla_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale, window_start) is the
   "xla" impl (float32 results), which also gives the kernels their gradients; refold(**arrays)
   runs the public op again on arrays whose batch holds a vmapped axis. plan: a SplitPlan made
   for this call's shapes (`plan_splits`), else planned here from `lengths`."""
@@ -207,28 +229,31 @@ def _run(op: str, impl: str, config, problem, options, q, k, v, lengths, block_t
   if _empty_call(problem):
     return _empty(problem, q, return_lse)
 
-  def xla_call(q, k, v, lengths, block_tables=None, sinks=None, k_scale=None, v_scale=None):
-    return _cast_output(xla_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale), dtype, return_lse)
+  def xla_call(q, k, v, lengths, block_tables=None, sinks=None, k_scale=None, v_scale=None, window_start=None):
+    return _cast_output(xla_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale, window_start), dtype,
+                        return_lse)
 
   if backend is None:
-    return xla_call(q, k, v, lengths, block_tables, sinks, k_scale, v_scale)
+    return xla_call(q, k, v, lengths, block_tables, sinks, k_scale, v_scale, window_start)
 
   config = backend.resolve_config(op, problem, config, dtype=k.dtype)
   if plan is not None:
     _check_plan(plan, config)
 
-  def kernel_call(q, k, v, lengths, block_tables=None, sinks=None, k_scale=None, v_scale=None):
+  def kernel_call(q, k, v, lengths, block_tables=None, sinks=None, k_scale=None, v_scale=None, window_start=None):
     if not runtime.interpret_enabled():   # a CPU lowering (eager or under jit) then names the interpret switch
       q = runtime.gpu_only(q, impl=name)
     split_plan = plan if plan is not None else backend.plan_splits(op, problem, options, config, lengths)
     result = backend.run(op, q, k, v, lengths, block_tables, problem=problem, options=options, config=config,
-                         split_plan=split_plan, sinks=sinks, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
+                         split_plan=split_plan, sinks=sinks, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
+                         window_start=window_start)
     return _cast_output(result, dtype, return_lse)
 
   fold_op = batching.fold_dense if block_tables is None else batching.fold_paged
   fold = lambda n, arrays, batched: fold_op(n, arrays, batched, refold)
   return _with_xla_gradient(kernel_call, xla_call, fold, q=q, k=k, v=v, lengths=lengths,
-                            block_tables=block_tables, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+                            block_tables=block_tables, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+                            window_start=window_start)
 
 
 def _check_plan(plan, config) -> None:
@@ -253,23 +278,50 @@ def plan_splits(op, *args, **kwargs):
   return _PLANNERS[op](*args, **kwargs)
 
 
+def _run_varlen(call, q, lengths, cu_seqlens_q, max_seqlen_q, return_lse: bool):
+  """call(q_padded [B, S, Hq, D]) for q in the varlen form [total, Hq, D] (`pallas_kv.varlen`)."""
+  batch, num_queries = varlen.check(q, cu_seqlens_q, max_seqlen_q)
+  if tuple(getattr(lengths, "shape", ())) != (batch,):
+    raise ValueError(f"cu_seqlens_q has {batch + 1} entries, so lengths must have shape [B]=({batch},); got "
+                     f"{getattr(lengths, 'shape', type(lengths).__name__)}")
+  total = q.shape[0]
+  if runtime.checked_enabled():
+    checkify.check(varlen.counts_fit(cu_seqlens_q, num_queries, total),
+                   f"cu_seqlens_q must rise from 0 to q.shape[0]={total} by at most max_seqlen_q={num_queries} "
+                   "tokens a sequence")
+  result = call(varlen.to_padded(q, cu_seqlens_q, num_queries))
+  if not return_lse:
+    return varlen.from_padded(result, cu_seqlens_q, total)
+  out, lse = result
+  return varlen.from_padded(out, cu_seqlens_q, total), varlen.from_padded(lse, cu_seqlens_q, total, fill=-jnp.inf)
+
+
+def _padded_query(q, lengths, cu_seqlens_q, max_seqlen_q):
+  """The padded form's q [B, S, Hq, D] (a ShapeDtypeStruct) of a varlen call, for planning."""
+  return jax.ShapeDtypeStruct((lengths.shape[0], varlen.check(q, cu_seqlens_q, max_seqlen_q)[1], *q.shape[1:]),
+                              q.dtype)
+
+
 def _v_like_k(v, v_tokens_last: bool):
   """v in k's layout: [B, Hkv, D, T] ([P, Hkv, D, page_size]) back to [B, T, Hkv, D]."""
   return jnp.transpose(v, (0, 3, 1, 2)) if v_tokens_last else v
 
 
 def decode_attention(q, k, v, lengths, *, scale=None, softcap=None, window=None, sinks=None, k_scale=None,
-                     v_scale=None, return_lse=False, impl="auto", config=None, v_tokens_last=False, plan=None):
+                     v_scale=None, return_lse=False, impl="auto", config=None, v_tokens_last=False, plan=None,
+                     window_start=None, cu_seqlens_q=None, max_seqlen_q=None):
   """Attention of a few new tokens per sequence over a contiguous KV cache.
 
   Args:
     q: [B, Hq, D] (one new token) or [B, S, Hq, D] (S <= 16 new tokens, causal among themselves;
-      they are the last S of the lengths[b] valid tokens).
+      they are the last S of the lengths[b] valid tokens); with cu_seqlens_q, [total, Hq, D].
     k, v: [B, T, Hkv, D], T the capacity; Hq % Hkv == 0. bf16/fp16/fp32, or int8/fp8 with scales.
     lengths: int32 [B], valid tokens per sequence, 0 <= lengths <= T (values outside are clamped).
     scale: logit scale, default 1/sqrt(D).
     softcap: logits become softcap * tanh(logits / softcap) after scaling.
     window: a query at position p attends to keys in (p - window, p].
+    window_start: int32 [B], the first visible key of each sequence: keys before window_start[b]
+      are hidden from all its queries (with `window` too, both apply).
     sinks: [Hq] per-head logit of a virtual token with no value that joins the softmax denominator.
     k_scale, v_scale: dequantization scales of an int8/fp8 cache: a number or a scalar (the whole
       cache), [Hkv] (one per kv head), or [B, T, Hkv] (one per token and kv head); the values
@@ -284,42 +336,58 @@ def decode_attention(q, k, v, lengths, *, scale=None, softcap=None, window=None,
       loads page by page.
     plan: the call's `SplitPlan`, made once for several calls of the same shapes and lengths
       (`plan_splits`); else planned here.
+    cu_seqlens_q: int32 [B + 1], the varlen query form: sequence b's new tokens are q's rows
+      cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 (at most max_seqlen_q of them, causal among
+      themselves, the last of its lengths[b] tokens); out and lse come back in q's rows.
+    max_seqlen_q: with cu_seqlens_q, a Python int bound on any sequence's new tokens (default
+      min(16, total)); it sets the padded form's S the kernels run, so a tight bound is faster.
 
   Returns:
-    out [B, (S,) Hq, D] in q's dtype, and lse when return_lse. Sequences of length 0 give zeros.
+    out [B, (S,) Hq, D] ([total, Hq, D] with cu_seqlens_q) in q's dtype, and lse when return_lse.
+    Sequences of length 0 give zeros.
     Gradients flow to q, k, v, sinks and the scales (kernel forward, float32 "xla" backward).
   """
+  if cu_seqlens_q is not None:
+    padded = lambda q: decode_attention(q, k, v, lengths, scale=scale, softcap=softcap, window=window, sinks=sinks,
+                                        k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, impl=impl,
+                                        config=config, v_tokens_last=v_tokens_last, plan=plan,
+                                        window_start=window_start)
+    return _run_varlen(padded, q, lengths, cu_seqlens_q, max_seqlen_q, return_lse)
   problem = validation.validate_dense(q, k, v, lengths, v_tokens_last)
-  options = _options(problem, scale, softcap, window, sinks, k_scale, v_scale)
+  options = _options(problem, scale, softcap, window, sinks, k_scale, v_scale, window_start)
   _check_runtime_values(problem, lengths)
   lengths = validation.lengths_as_int32(lengths, problem.capacity)
 
-  def xla_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale):
+  def xla_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale, window_start):
     return xla.decode_attention(q, k, _v_like_k(v, v_tokens_last), lengths, scale=options.scale,
                                 softcap=options.softcap, window=options.window, sinks=sinks, k_scale=k_scale,
-                                v_scale=v_scale, return_lse=return_lse)
+                                v_scale=v_scale, return_lse=return_lse, window_start=window_start)
 
-  def refold(q, k, v, lengths, sinks=None, k_scale=None, v_scale=None):
+  def refold(q, k, v, lengths, sinks=None, k_scale=None, v_scale=None, window_start=None):
     return decode_attention(q, k, v, lengths, scale=options.scale, softcap=softcap, window=window, sinks=sinks,
                             k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, impl=impl, config=config,
-                            v_tokens_last=v_tokens_last)
+                            v_tokens_last=v_tokens_last, window_start=window_start)
 
   return _run("decode", impl, config, problem, options, q, k, v, lengths, None, sinks=sinks, k_scale=k_scale,
-              v_scale=v_scale, return_lse=return_lse, xla_fn=xla_fn, refold=refold, plan=plan)
+              v_scale=v_scale, return_lse=return_lse, xla_fn=xla_fn, refold=refold, plan=plan,
+              window_start=window_start)
 
 
 def _plan_decode(q, k, v, lengths, *, scale=None, softcap=None, window=None, sinks=None, k_scale=None, v_scale=None,
-                 return_lse=False, impl="auto", config=None, v_tokens_last=False, plan=None):
+                 return_lse=False, impl="auto", config=None, v_tokens_last=False, plan=None, window_start=None,
+                 cu_seqlens_q=None, max_seqlen_q=None):
   del return_lse, plan
+  if cu_seqlens_q is not None:
+    q = _padded_query(q, lengths, cu_seqlens_q, max_seqlen_q)
   problem = validation.validate_dense(q, k, v, lengths, v_tokens_last)
-  options = _options(problem, scale, softcap, window, sinks, k_scale, v_scale)
+  options = _options(problem, scale, softcap, window, sinks, k_scale, v_scale, window_start)
   lengths = validation.lengths_as_int32(lengths, problem.capacity)
   return _plan("decode", impl, config, problem, options, q, k, lengths)[3]
 
 
 def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, softcap=None, window=None,
                            sinks=None, k_scale=None, v_scale=None, return_lse=False, impl="auto", config=None,
-                           v_tokens_last=False, plan=None):
+                           v_tokens_last=False, plan=None, window_start=None, cu_seqlens_q=None, max_seqlen_q=None):
   """Attention of a few new tokens per sequence over a paged KV cache.
 
   k_pages, v_pages: [P, page_size, Hkv, D] (v_pages [P, Hkv, D, page_size] with v_tokens_last);
@@ -329,51 +397,68 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=
   the pages. Other arguments and the result are as in `decode_attention`, with
   T = max_pages_per_seq * page_size.
   """
+  if cu_seqlens_q is not None:
+    padded = lambda q: paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, scale=scale,
+                                              softcap=softcap, window=window, sinks=sinks, k_scale=k_scale,
+                                              v_scale=v_scale, return_lse=return_lse, impl=impl, config=config,
+                                              v_tokens_last=v_tokens_last, plan=plan, window_start=window_start)
+    return _run_varlen(padded, q, lengths, cu_seqlens_q, max_seqlen_q, return_lse)
   problem = validation.validate_paged(q, k_pages, v_pages, block_tables, lengths, v_tokens_last)
-  options = _options(problem, scale, softcap, window, sinks, k_scale, v_scale)
+  options = _options(problem, scale, softcap, window, sinks, k_scale, v_scale, window_start)
   _check_runtime_values(problem, lengths, block_tables)
   lengths = validation.lengths_as_int32(lengths, problem.capacity)
 
-  def xla_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale):
+  def xla_fn(q, k, v, lengths, block_tables, sinks, k_scale, v_scale, window_start):
     return xla.paged_decode_attention(q, k, _v_like_k(v, v_tokens_last), block_tables, lengths,
                                       scale=options.scale, softcap=options.softcap, window=options.window,
-                                      sinks=sinks, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
+                                      sinks=sinks, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
+                                      window_start=window_start)
 
-  def refold(q, k, v, lengths, block_tables, sinks=None, k_scale=None, v_scale=None):
+  def refold(q, k, v, lengths, block_tables, sinks=None, k_scale=None, v_scale=None, window_start=None):
     return paged_decode_attention(q, k, v, block_tables, lengths, scale=options.scale, softcap=softcap,
                                   window=window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-                                  return_lse=return_lse, impl=impl, config=config, v_tokens_last=v_tokens_last)
+                                  return_lse=return_lse, impl=impl, config=config, v_tokens_last=v_tokens_last,
+                                  window_start=window_start)
 
   return _run("paged", impl, config, problem, options, q, k_pages, v_pages, lengths, block_tables, sinks=sinks,
-              k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, xla_fn=xla_fn, refold=refold, plan=plan)
+              k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, xla_fn=xla_fn, refold=refold, plan=plan,
+              window_start=window_start)
 
 
 def _plan_paged(q, k_pages, v_pages, block_tables, lengths, *, scale=None, softcap=None, window=None, sinks=None,
-                k_scale=None, v_scale=None, return_lse=False, impl="auto", config=None, v_tokens_last=False, plan=None):
+                k_scale=None, v_scale=None, return_lse=False, impl="auto", config=None, v_tokens_last=False, plan=None,
+                window_start=None, cu_seqlens_q=None, max_seqlen_q=None):
   del return_lse, plan
+  if cu_seqlens_q is not None:
+    q = _padded_query(q, lengths, cu_seqlens_q, max_seqlen_q)
   problem = validation.validate_paged(q, k_pages, v_pages, block_tables, lengths, v_tokens_last)
-  options = _options(problem, scale, softcap, window, sinks, k_scale, v_scale)
+  options = _options(problem, scale, softcap, window, sinks, k_scale, v_scale, window_start)
   lengths = validation.lengths_as_int32(lengths, problem.capacity)
   return _plan("paged", impl, config, problem, options, q, k_pages, lengths)[3]
 
 
 def mla_decode_attention(q, kv_pages, block_tables, lengths, *, v_head_dim=512, scale=None, return_lse=False,
-                         impl="auto", config=None, plan=None):
+                         impl="auto", config=None, plan=None, cu_seqlens_q=None, max_seqlen_q=None):
   """Multi-head latent attention (DeepSeek MLA, absorbed form) over a paged latent cache.
 
   q: [B, (S,) Hq, Dqk]; kv_pages: [P, page_size, Dqk], one latent head shared by all q heads (keys
   are the whole Dqk = latent + rope; values are kv[..., :v_head_dim]); block_tables, lengths as in
   `paged_decode_attention`. scale defaults to 1/sqrt(Dqk): models that fold a different softmax
   scale into the absorbed query (DeepSeek-V3 uses 1/sqrt(192)) pass it explicitly.
-  config: a `pallas_kv.MosaicMLAConfig`; plan: as in `decode_attention`.
-  Returns out [B, (S,) Hq, v_head_dim] in q's dtype, and lse when return_lse.
+  config: a `pallas_kv.MosaicMLAConfig`; plan, cu_seqlens_q, max_seqlen_q: as in `decode_attention`.
+  Returns out [B, (S,) Hq, v_head_dim] ([total, Hq, v_head_dim] with cu_seqlens_q) in q's dtype, and lse
+  when return_lse.
   """
+  if cu_seqlens_q is not None:
+    padded = lambda q: mla_decode_attention(q, kv_pages, block_tables, lengths, v_head_dim=v_head_dim, scale=scale,
+                                            return_lse=return_lse, impl=impl, config=config, plan=plan)
+    return _run_varlen(padded, q, lengths, cu_seqlens_q, max_seqlen_q, return_lse)
   problem = validation.validate_mla(q, kv_pages, block_tables, lengths, v_head_dim)
   options = _options(problem, scale, None, None, None, None, None)
   _check_runtime_values(problem, lengths, block_tables)
   lengths = validation.lengths_as_int32(lengths, problem.capacity)
 
-  def xla_fn(q, kv, unused_v, lengths, block_tables, sinks, k_scale, v_scale):
+  def xla_fn(q, kv, unused_v, lengths, block_tables, sinks, k_scale, v_scale, window_start):
     return xla.mla_decode_attention(q, kv, block_tables, lengths, v_head_dim=v_head_dim, scale=options.scale,
                                     return_lse=return_lse)
 
@@ -389,8 +474,10 @@ def mla_decode_attention(q, kv_pages, block_tables, lengths, *, v_head_dim=512, 
 
 
 def _plan_mla(q, kv_pages, block_tables, lengths, *, v_head_dim=512, scale=None, return_lse=False, impl="auto",
-              config=None, plan=None):
+              config=None, plan=None, cu_seqlens_q=None, max_seqlen_q=None):
   del return_lse, plan
+  if cu_seqlens_q is not None:
+    q = _padded_query(q, lengths, cu_seqlens_q, max_seqlen_q)
   problem = validation.validate_mla(q, kv_pages, block_tables, lengths, v_head_dim)
   options = _options(problem, scale, None, None, None, None, None)
   lengths = validation.lengths_as_int32(lengths, problem.capacity)

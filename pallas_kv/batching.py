@@ -4,7 +4,7 @@ The kernels see batch through their grid, not through Pallas' batching rules, so
 kernel call carries a `jax.custom_batching.custom_vmap` rule (`fold_when_vmapped`) that reshapes
 the mapped axis N into the batch (N x B sequences) and runs the op once:
 
-  contiguous   q, k, v, lengths [N, B, ...] -> [N * B, ...]
+  contiguous   q, k, v, lengths, window_start [N, B, ...] -> [N * B, ...]
   paged        a pool shared by the mapped axis: block tables [N, B, M] -> [N * B, M];
                a pool per element [N, P, ...] -> [N * P, ...] with element n's page ids offset
                by n * P (ids are clamped into [0, P) first, as the op would, so a bad id never
@@ -47,6 +47,11 @@ def _per_token_scales(arrays) -> list[str]:
   return [name for name in SCALES if name in arrays and jnp.ndim(arrays[name]) == 3]
 
 
+def _per_sequence(arrays) -> tuple[str, ...]:
+  """The arguments with one row per sequence: q, lengths and window_start if given."""
+  return ("q", "lengths") + (("window_start",) if "window_start" in arrays else ())
+
+
 def _loops(arrays, batched) -> bool:
   """Whether an argument that is not per sequence varies along the mapped axis (sinks, per-head scales)."""
   unfoldable = ["sinks"] + [name for name in SCALES if name in arrays and jnp.ndim(arrays[name]) <= 1]
@@ -58,7 +63,7 @@ def fold_dense(n: int, arrays: dict, batched: dict, call: Callable):
   if _loops(arrays, batched) or not all(batched[name] for name in CACHES):
     return None
   folded = dict(arrays)
-  for name in ("q", "lengths") + CACHES + tuple(_per_token_scales(arrays)):
+  for name in _per_sequence(arrays) + CACHES + tuple(_per_token_scales(arrays)):
     folded[name] = _merge(_mapped(arrays[name], batched[name], n))
   return jax.tree_util.tree_map(lambda r: _split(r, n), call(**folded))
 
@@ -70,7 +75,7 @@ def fold_paged(n: int, arrays: dict, batched: dict, call: Callable):
   if _loops(arrays, batched) or len(pools_batched) != 1:
     return None
   folded = dict(arrays)
-  for name in ("q", "lengths"):
+  for name in _per_sequence(arrays):
     folded[name] = _merge(_mapped(arrays[name], batched[name], n))
   tables = _mapped(arrays["block_tables"], batched["block_tables"], n)
   if pools_batched == {True}:   # a pool per element: stack them, offset each element's ids

@@ -21,6 +21,7 @@ class AttentionOptions:
   softcap: float | None = None
   window: int | None = None
   has_sinks: bool = False
+  has_window_start: bool = False   # a per-sequence first visible key, int32 [B], comes with the call
   k_scale: str | None = None  # the kind of k_scale given: None, "head" or "token" (validation.scale_kind)
   v_scale: str | None = None
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kv import api
+from pallas_kv import varlen
 from pallas_kv import xla
 from pallas_kv.cache import KVCache
 from pallas_kv.cache import PagedKVCache
@@ -162,14 +163,19 @@ class DecodeAttention:
 
   # ------------------------------------------------------------------------ the step
 
-  def __call__(self, params: dict, x, cache, positions=None, *, config=None, plan=None):
+  def __call__(self, params: dict, x, cache, positions=None, *, config=None, plan=None, cu_seqlens=None,
+               max_seqlen=None):
     """One decode step. x [B, S, hidden] (S <= 16 new tokens) or [B, hidden] -> (y like x, cache).
 
     positions [B, S] default to the cache's lengths + arange(S) (the new tokens follow the
     cached ones). For a paged cache the pages for the new tokens must be reserved first
     (`pallas_kv.cache.reserve_pages`). config: a kernel config (`pallas_kv.TritonConfig`, ...).
     plan: this step's `SplitPlan` from `plan_step`, shared by the layers of a model.
+    cu_seqlens: int32 [B + 1], the varlen form: x is [total, hidden], sequence b's new tokens its rows
+    cu_seqlens[b] .. cu_seqlens[b + 1] - 1 (at most max_seqlen, default min(16, total)); y is [total, hidden].
     """
+    if cu_seqlens is not None:
+      return self._varlen_step(params, x, cache, cu_seqlens, max_seqlen, config=config, plan=plan)
     h = self.hidden_size
     if x.ndim not in (2, 3) or x.shape[-1] != h:
       raise ValueError(f"x must be [B, S, hidden_size={h}] or [B, hidden_size={h}]; got shape {tuple(x.shape)}")
@@ -184,6 +190,32 @@ class DecodeAttention:
     else:
       y, cache = self._mla_step(params, x, cache, positions, config, plan)
     return (y[:, 0] if single else y), cache
+
+  def _varlen_step(self, params, x, cache, cu_seqlens, max_seqlen, *, config, plan):
+    """A step of different numbers of new tokens per sequence: projections per token, the cache appends
+    each sequence's tokens (right-padded, `num_new`), attention in the ops' varlen form."""
+    h = self.hidden_size
+    if x.ndim != 2 or x.shape[-1] != h:
+      raise ValueError(f"with cu_seqlens, x must be [total_tokens, hidden_size={h}]; got shape {tuple(x.shape)}")
+    batch, num_queries = varlen.check(x[:, None], cu_seqlens, max_seqlen)
+    self._check_cache(cache, batch)
+    seq, index = varlen.token_positions(cu_seqlens, x.shape[0])
+    positions = (cache.lengths[seq] + index)[None]   # [1, total]
+    counts = (cu_seqlens[1:] - cu_seqlens[:-1]).astype(jnp.int32)
+    left_aligned = lambda t: varlen.to_left_aligned(t[0], cu_seqlens, num_queries)
+    attend = dict(cu_seqlens_q=cu_seqlens, max_seqlen_q=num_queries, impl=self.impl, config=config, plan=plan)
+    if self.mla is not None:
+      q, rows = self._mla_latents(params, x[None], positions)
+      cache = cache.append(left_aligned(rows).astype(cache.kv_pages.dtype), counts)
+      out = api.mla_decode_attention(q[0].astype(cache.kv_pages.dtype), cache.kv_pages, cache.block_tables,
+                                     cache.lengths, v_head_dim=self.mla.kv_lora_rank, scale=self.scale, **attend)
+      v = jnp.einsum("tnc,ncv->tnv", out.astype(x.dtype), params["w_uv"])
+      return jnp.einsum("tnv,nvh->th", v, params["wo"]), cache
+    q, k, v = self._project_qkv(params, x[None], positions)
+    kv_dtype = _kv_dtype(cache)
+    cache = cache.append(*(_as_cache_input(left_aligned(t), kv_dtype) for t in (k, v)), counts)
+    out = self._attend(params, q[0].astype(_query_dtype(kv_dtype)), cache, **attend)
+    return jnp.einsum("tnd,ndh->th", out.astype(x.dtype), params["wo"]), cache
 
   def plan_step(self, cache, num_new: int = 1, *, config=None):
     """The `SplitPlan` of a step of num_new tokens per sequence over `cache` (as it is before the
@@ -258,18 +290,20 @@ class DecodeAttention:
     q, k, v = self._project_qkv(params, x, positions)
     kv_dtype = _kv_dtype(cache)
     cache = cache.append(*(_as_cache_input(t, kv_dtype) for t in (k, v)))
-    options = dict(scale=self.scale, softcap=self.softcap, window=self.window, sinks=params.get("sinks"),
-                   k_scale=cache.k_scale, v_scale=cache.v_scale, impl=self.impl, config=config,
-                   v_tokens_last=getattr(cache, "v_tokens_last", False), plan=plan)
-    q = q.astype(_query_dtype(kv_dtype))
-    if isinstance(cache, KVCache):
-      out = api.decode_attention(q, cache.k, cache.v, cache.lengths, **options)
-    elif isinstance(cache, PagedKVCache):
-      out = api.paged_decode_attention(q, cache.k_pages, cache.v_pages, cache.block_tables, cache.lengths, **options)
-    else:
-      raise ValueError(f"cache must be a KVCache or PagedKVCache for standard attention; got {type(cache).__name__}")
+    out = self._attend(params, q.astype(_query_dtype(kv_dtype)), cache, impl=self.impl, config=config, plan=plan)
     y = jnp.einsum("bsnd,ndh->bsh", out.astype(x.dtype), params["wo"])
     return y, cache
+
+  def _attend(self, params, q, cache, **call):
+    """The decode attention of q over a KVCache or PagedKVCache with this layer's options."""
+    options = dict(scale=self.scale, softcap=self.softcap, window=self.window, sinks=params.get("sinks"),
+                   k_scale=cache.k_scale, v_scale=cache.v_scale,
+                   v_tokens_last=getattr(cache, "v_tokens_last", False), **call)
+    if isinstance(cache, KVCache):
+      return api.decode_attention(q, cache.k, cache.v, cache.lengths, **options)
+    if isinstance(cache, PagedKVCache):
+      return api.paged_decode_attention(q, cache.k_pages, cache.v_pages, cache.block_tables, cache.lengths, **options)
+    raise ValueError(f"cache must be a KVCache or PagedKVCache for standard attention; got {type(cache).__name__}")
 
   def _mla_latents(self, params, x, positions):
     """Absorbed query [B, S, H, rank + rope] and the cache rows [B, S, rank + rope] of the new tokens."""

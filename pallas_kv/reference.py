@@ -24,26 +24,30 @@ def _check(problem, *, scale, softcap=None, window=None, sinks=None, k_scale=Non
 
 
 def decode_attention_reference(q, k, v, lengths, *, scale=None, softcap=None, window=None, sinks=None,
-                               k_scale=None, v_scale=None, return_lse=False):
+                               k_scale=None, v_scale=None, return_lse=False, window_start=None):
   """Decode attention over a contiguous cache in float32. See `pallas_kv.decode_attention`."""
   problem = validation.validate_dense(q, k, v, lengths)
+  validation.check_window_start(window_start, problem.batch)
   lengths = validation.lengths_as_int32(lengths, problem.capacity)
   scale = _check(problem, scale=scale, softcap=softcap, window=window, sinks=sinks, k_scale=k_scale,
                  v_scale=v_scale)
   return xla.decode_attention(q, _widened(k, k_scale), _widened(v, v_scale), lengths, scale=scale,
-                              softcap=softcap, window=window, sinks=sinks, return_lse=return_lse)
+                              softcap=softcap, window=window, sinks=sinks, return_lse=return_lse,
+                              window_start=window_start)
 
 
 def paged_decode_attention_reference(q, k_pages, v_pages, block_tables, lengths, *, scale=None, softcap=None,
-                                     window=None, sinks=None, k_scale=None, v_scale=None, return_lse=False):
+                                     window=None, sinks=None, k_scale=None, v_scale=None, return_lse=False,
+                                     window_start=None):
   """Decode attention over a paged cache in float32. See `pallas_kv.paged_decode_attention`."""
   problem = validation.validate_paged(q, k_pages, v_pages, block_tables, lengths)
+  validation.check_window_start(window_start, problem.batch)
   lengths = validation.lengths_as_int32(lengths, problem.capacity)
   scale = _check(problem, scale=scale, softcap=softcap, window=window, sinks=sinks, k_scale=k_scale,
                  v_scale=v_scale)
   return xla.paged_decode_attention(q, _widened(k_pages, k_scale), _widened(v_pages, v_scale), block_tables,
                                     lengths, scale=scale, softcap=softcap, window=window, sinks=sinks,
-                                    return_lse=return_lse)
+                                    return_lse=return_lse, window_start=window_start)
 
 
 def mla_decode_attention_reference(q, kv_pages, block_tables, lengths, *, v_head_dim=512, scale=None,

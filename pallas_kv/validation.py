@@ -159,6 +159,12 @@ def check_options(*, scale, softcap, window, sinks, k_scale, v_scale, num_heads:
       raise ValueError(f"{name} must be floating point; got dtype {_dtype_name(s.dtype)}")
 
 
+def check_window_start(window_start, batch: int) -> None:
+  """window_start: None or an integer array [B], each sequence's first visible key."""
+  if window_start is not None:
+    _check_integer("window_start", window_start, (batch,))
+
+
 def _check_heads(num_heads: int, num_kv_heads: int, kv_name: str) -> None:
   if num_kv_heads < 1 or num_heads % num_kv_heads:
     raise ValueError(f"q has {num_heads} heads and {kv_name} has {num_kv_heads} kv heads; the number of "

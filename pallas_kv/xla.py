@@ -33,8 +33,9 @@ def query_positions(lengths, num_queries: int, capacity: int):
   return lengths[:, None] - num_queries + jnp.arange(num_queries, dtype=jnp.int32)[None, :], lengths
 
 
-def key_mask(lengths, num_queries: int, capacity: int, window: int | None, positions=None):
-  """[B, S, T] bool: key t is visible to new token s (causal, inside the length, inside the window).
+def key_mask(lengths, num_queries: int, capacity: int, window: int | None, positions=None, window_start=None):
+  """[B, S, T] bool: key t is visible to new token s (causal, inside the length, inside the window, at or
+  after window_start[b] if given).
 
   positions [B, S]: the new tokens' positions, if not the last S of the lengths[b] tokens."""
   if positions is None:
@@ -44,6 +45,8 @@ def key_mask(lengths, num_queries: int, capacity: int, window: int | None, posit
   mask = (t <= p) & (t >= 0)
   if window is not None:
     mask &= t > p - window
+  if window_start is not None:
+    mask &= t >= window_start.astype(jnp.int32)[:, None, None]
   return mask
 
 
@@ -97,7 +100,7 @@ def _log_sum(row_sum, shift):
 
 
 def attend(q4, k, v, lengths, *, scale, softcap=None, window=None, sinks=None, k_scale=None, v_scale=None,
-           positions=None):
+           positions=None, window_start=None):
   """q4 [B, S, Hq, D]; k [B, T, Hkv, D], v [B, T, Hkv, Dv] in the cache's dtype; k_scale, v_scale:
   None, a scalar, [Hkv] or per token [B, T, Hkv]. positions [B, S]: the new tokens' positions
   (default: the last S of the lengths[b] tokens). Returns (out [B, S, Hq, Dv], lse [B, S, Hq]) in
@@ -119,7 +122,7 @@ def attend(q4, k, v, lengths, *, scale, softcap=None, window=None, sinks=None, k
     logits = logits * k_token[:, :, None, None, :]
   if softcap is not None:
     logits = softcap * jnp.tanh(logits / softcap)
-  mask = key_mask(lengths, s, t, window, positions)[:, None, None]  # [B, 1, 1, S, T]
+  mask = key_mask(lengths, s, t, window, positions, window_start)[:, None, None]  # [B, 1, 1, S, T]
   # Masked keys get probability 0, but 0 x NaN is NaN: values past a sequence's length (stale
   # cache memory, or pages it does not own) must not reach the product either.
   v = values_in_length(v.astype(dtype), lengths)
@@ -153,21 +156,21 @@ def _gather_scale(scale, block_tables):
 
 
 def decode_attention(q, k, v, lengths, *, scale, softcap=None, window=None, sinks=None, k_scale=None,
-                     v_scale=None, return_lse=False):
+                     v_scale=None, return_lse=False, window_start=None):
   """Decode attention over a contiguous cache. See `pallas_kv.decode_attention`."""
   q4, single = validation.query_as_rank4(q)
   out, lse = attend(q4, k, v, lengths, scale=scale, softcap=softcap, window=window, sinks=sinks,
-                    k_scale=k_scale, v_scale=v_scale)
+                    k_scale=k_scale, v_scale=v_scale, window_start=window_start)
   return _finish(out, lse, single, return_lse)
 
 
 def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale, softcap=None, window=None,
-                           sinks=None, k_scale=None, v_scale=None, return_lse=False):
+                           sinks=None, k_scale=None, v_scale=None, return_lse=False, window_start=None):
   """Decode attention over a paged cache. See `pallas_kv.paged_decode_attention`."""
   return decode_attention(q, gather_pages(k_pages, block_tables), gather_pages(v_pages, block_tables), lengths,
                           scale=scale, softcap=softcap, window=window, sinks=sinks,
                           k_scale=_gather_scale(k_scale, block_tables), v_scale=_gather_scale(v_scale, block_tables),
-                          return_lse=return_lse)
+                          return_lse=return_lse, window_start=window_start)
 
 
 def mla_decode_attention(q, kv_pages, block_tables, lengths, *, v_head_dim, scale, return_lse=False):

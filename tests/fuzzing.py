@@ -33,6 +33,11 @@ from harness import TOLERANCE, Case, assert_lse_matches, assert_matches_referenc
 
 KV_DTYPES = ("bfloat16", "float16", "int8", "float8_e4m3fn", "float8_e5m2")
 PAGE_SIZES = (8, 16, 32, 64, 128)
+# Shapes of real models past the common ones: head dims, q heads per kv head, small pages.
+ODD_HEAD_DIMS = (32, 40, 80, 96, 192, 512)
+SMALL_ODD_HEAD_DIMS = (32, 40, 80, 96)
+WIDE_GROUPS = (20, 48)
+SMALL_PAGE_SIZES = (1, 2, 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +63,8 @@ class Structure:
   sinks: bool
   return_lse: bool
   config: tuple | None        # kernel config fields (of any kernel), or None for the backend's choice
+  window_start: bool = False  # a per-sequence window start, int32 [B]
+  varlen: bool = False        # q in the varlen form [total, Hq, D] with cu_seqlens_q (num_queries >= 2)
 
   @property
   def quantized(self) -> bool:
@@ -128,7 +135,23 @@ def draw_structure(seed: int, *, small: bool = False) -> Structure:
     st = dataclasses.replace(st, config=config + (("split_plan", "balanced"),))
   elif config is not None and gqa and rng.random() < 0.3:   # triton only; mosaic_gpu refuses it
     st = dataclasses.replace(st, config=config + (("split_plan", "stream_k"),))
-  return st
+  return _draw_new_axes(rng, st, small=small) if gqa else st
+
+
+def _draw_new_axes(rng, st: Structure, *, small: bool) -> Structure:
+  """The axes added last (so that earlier draws stay what they were for every seed): window starts, varlen
+  queries, odd head dims, wide groups, small pages."""
+  draws = rng.random(5)
+  pick = lambda options: options[rng.integers(len(options))]
+  new = dict(window_start=bool(draws[0] < 0.2), varlen=bool(st.num_queries and st.num_queries > 1 and draws[1] < 0.3))
+  if draws[2] < 0.2:
+    new["head_dim"] = new["v_head_dim"] = pick(SMALL_ODD_HEAD_DIMS if small else ODD_HEAD_DIMS)
+  if draws[3] < 0.15:
+    new["num_heads"] = st.num_kv_heads * pick(WIDE_GROUPS)
+  if st.page_size is not None and draws[4] < 0.2:
+    new["page_size"] = pick(SMALL_PAGE_SIZES)
+    new["num_pages"] = st.batch * st.capacity // new["page_size"] + 2
+  return dataclasses.replace(st, **new)
 
 
 @dataclasses.dataclass
@@ -213,6 +236,11 @@ def draw_values(st: Structure, seed: int, *, hostile: bool | None = None) -> Val
       options["sinks"] = jnp.asarray(rng.standard_normal(st.num_heads), jnp.float32)
   tables = None if st.op == "dense" else _tables(rng, st, lengths, hostile)
   clean = dict(q=q, k=k, v=v, lengths=jnp.asarray(lengths), block_tables=tables, **options)
+  # Drawn last, so that the values above stay what they were for every seed.
+  if st.window_start:
+    clean["window_start"] = jnp.asarray(rng.integers(0, np.clip(lengths, 0, st.capacity) + 2), jnp.int32)
+  if st.varlen:   # sequence b brings counts[b] of its S tokens: the last ones
+    clean["counts"] = rng.integers(1, st.num_queries + 1, size=st.batch).astype(np.int32)
   if hostile:   # the clamped values: every impl reads real (finite) memory, nothing to poison
     return Values(args=clean, clean=clean, hostile=True)
   args = dict(clean)
@@ -257,17 +285,27 @@ def _reference(st: Structure, clean: dict):
   q, k, v = (None if x is None else x if jnp.dtype(x.dtype).itemsize == 1 else x.astype(jnp.float32)
              for x in (clean["q"], clean["k"], clean["v"]))
   tables = None if clean["block_tables"] is None else jnp.asarray(clean["block_tables"])
-  arrays = {name: clean.get(name) for name in ("sinks", "k_scale", "v_scale")}
-  return _reference_fn(st)(q, k, v, clean["lengths"], tables, **arrays)
+  arrays = {name: clean.get(name) for name in ("sinks", "k_scale", "v_scale", "window_start")}
+  out, lse = _reference_fn(st)(q, k, v, clean["lengths"], tables, **arrays)
+  if st.varlen:   # the rows of the tokens the varlen call brings, from the padded form's reference
+    out, lse = (x[_varlen_rows(clean["counts"], st.num_queries)] for x in (out, lse))
+  return out, lse
+
+
+def _varlen_rows(counts, num_queries: int):
+  """(sequence, slot) index arrays of the varlen rows in the padded form: each sequence's last counts[b]."""
+  seq = np.repeat(np.arange(len(counts)), counts)
+  slot = np.concatenate([np.arange(num_queries - c, num_queries) for c in counts])
+  return seq, slot
 
 
 @functools.lru_cache(maxsize=None)
 def _reference_fn(st: Structure):
-  def ref(q, k, v, lengths, tables, sinks=None, k_scale=None, v_scale=None):
+  def ref(q, k, v, lengths, tables, sinks=None, k_scale=None, v_scale=None, window_start=None):
     if st.op == "mla":
       return pkv.mla_decode_attention_reference(q, k, tables, lengths, v_head_dim=st.v_head_dim, return_lse=True)
     opts = dict(softcap=st.softcap, window=st.window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-                return_lse=True)
+                return_lse=True, window_start=window_start)
     if st.op == "dense":
       return pkv.decode_attention_reference(q, k, v, lengths, **opts)
     return pkv.paged_decode_attention_reference(q, k, v, tables, lengths, **opts)
@@ -284,12 +322,15 @@ def _compiled(st: Structure, impl: str, scale_kinds: tuple):
         q, kv, tables, lengths, v_head_dim=st.v_head_dim, **common))
   number_scales = {name: value for name, value in scale_kinds if value is not None}
   static = dict(softcap=st.softcap, window=st.window, **common)
+  if st.varlen:
+    static["max_seqlen_q"] = st.num_queries
 
-  def call(q, k, v, lengths, tables, sinks, k_scale, v_scale):
+  def call(q, k, v, lengths, tables, sinks, k_scale, v_scale, window_start, cu_seqlens_q):
     scales = dict(k_scale=number_scales.get("k_scale", k_scale), v_scale=number_scales.get("v_scale", v_scale))
+    extra = dict(sinks=sinks, window_start=window_start, cu_seqlens_q=cu_seqlens_q)
     if st.op == "dense":
-      return pkv.decode_attention(q, k, v, lengths, sinks=sinks, **scales, **static)
-    return pkv.paged_decode_attention(q, k, v, tables, lengths, sinks=sinks, **scales, **static)
+      return pkv.decode_attention(q, k, v, lengths, **extra, **scales, **static)
+    return pkv.paged_decode_attention(q, k, v, tables, lengths, **extra, **scales, **static)
 
   return jax.jit(call)
 
@@ -303,12 +344,20 @@ def _call(st: Structure, impl: str, a: dict):
   if st.op == "mla":
     return fn(a["q"], a["k"], tables, a["lengths"])
   arrays = {name: (None if isinstance(a.get(name), float) else a.get(name)) for name in ("k_scale", "v_scale")}
-  return fn(a["q"], a["k"], a["v"], a["lengths"], tables, a.get("sinks"), arrays["k_scale"], arrays["v_scale"])
+  q, cu_seqlens = a["q"], None
+  if st.varlen:
+    q = q[_varlen_rows(a["counts"], st.num_queries)]
+    cu_seqlens = jnp.asarray(np.concatenate([[0], np.cumsum(a["counts"])]), jnp.int32)
+  return fn(q, a["k"], a["v"], a["lengths"], tables, a.get("sinks"), arrays["k_scale"], arrays["v_scale"],
+            a.get("window_start"), cu_seqlens)
 
 
 def _first_sequence(st: Structure, a: dict) -> dict:
   """The draw's arguments for its first sequence alone (a paged pool is shared as it is)."""
   one = dict(a, q=a["q"][:1], lengths=a["lengths"][:1])
+  for name in ("window_start", "counts"):
+    if a.get(name) is not None:
+      one[name] = a[name][:1]
   if a["block_tables"] is not None:
     one["block_tables"] = a["block_tables"][:1]
   if st.op == "dense":

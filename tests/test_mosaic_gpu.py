@@ -8,16 +8,19 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import pallas_kv as pkv
 import sweeps
-from harness import check_against_reference, lower_for_cuda, make_case
+from harness import check_against_reference, lower_for_cuda, make_case, poison_unread_slots, tiered
 from pallas_kv.config import AttentionOptions
 from pallas_kv.kernels import frame
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
+from pallas_kv.kernels.mosaic_gpu import pipeline
+from pallas_kv.kernels.mosaic_gpu import tiling
 
 IMPL = "mosaic_gpu"
 # A complete config (what decode_partials takes): 64-token tiles through a 2-slot ring, one split.
@@ -36,9 +39,9 @@ def _plan(config) -> pkv.SplitPlan:
 
 # ---------------------------------------------------------------- interpret mode (CPU)
 
-@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("page_size", [None, 16, pytest.param(2, marks=pytest.mark.slow)])
 def test_race_detection_finds_none(page_size):
-  # 5 tiles through a 2-slot ring: every slot is refilled (pages of 16: 4 copies a tile).
+  # 5 tiles through a 2-slot ring: every slot is refilled (pages of 16: 4 copies a tile; of 2: 32).
   case = make_case(9, batch=1, seq_len=320, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
                    lengths=[300], page_size=page_size)
   q = case.q.reshape(1, 1, 4, 64)
@@ -240,9 +243,144 @@ def test_load_path_rings_lower_for_cuda(ring):
   assert kernel_variants.PROBES["loads_only"].name in module
 
 
-@pytest.mark.parametrize("page_size", [4, 12, 48])
+@pytest.mark.parametrize("page_size", [3, 12, 24])
 def test_page_sizes_it_cannot_tile_are_refused_so_auto_moves_on(page_size):
   case = make_case(42, batch=1, seq_len=96, num_heads=4, num_kv_heads=2, head_dim=64,
                    dtype=jnp.bfloat16, page_size=page_size)
   with pytest.raises(NotImplementedError, match=f"mosaic_gpu.*page_size {page_size} is not supported"):
     pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths, impl=IMPL)
+
+
+# ---------------------------------------------------------------- small pages and head dims
+
+def _paged_or_dense(case, config, **kw):
+  if case.page_size is None:
+    return pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL, config=config, **kw)
+  return pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths,
+                                    return_lse=True, impl=IMPL, config=config, **kw)
+
+
+# Pages below a swizzle tile's 8 rows (a copy per token or pair, one per 64-column tile at D 128) and pages that
+# overlap 64-token tiles unevenly (48: runs of 16); shuffled pages, garbage in every unread slot, lengths that end
+# mid-tile.
+@pytest.mark.parametrize("page_size,num_queries,head_dim", tiered(
+    [(1, 2, 64), (1, 1, 128), (2, 2, 128), (4, 1, 64), (2, 1, 96), (4, 2, 80), (48, 1, 64)],
+    every_tier=[(1, 2, 64), (4, 2, 80)]))
+def test_small_pages_interpret(interpret_mode, page_size, num_queries, head_dim):
+  t = 192 if page_size == 48 else 128
+  case = make_case(page_size, batch=2, seq_len=t, num_heads=8, num_kv_heads=2, head_dim=head_dim,
+                   num_queries=num_queries, dtype=jnp.bfloat16, page_size=page_size, lengths=[t - 27, 70])
+  out = _paged_or_dense(poison_unread_slots(case), _config(num_splits=2))
+  check_against_reference(case, out)
+
+
+# Head dims off 64/128/256 (swizzles of 32 and 64 bytes; 80 and 240 leave a 16-column chunk for the zeroing of
+# V rows past the length), dense with garbage past each length, or in pages of 16.
+@pytest.mark.parametrize("head_dim,page_size", tiered(
+    [(32, None), (48, None), (80, None), (96, 16), (112, None), (160, 16), (192, None), (240, None)],
+    every_tier=[(80, None)]))
+def test_head_dims_interpret(interpret_mode, head_dim, page_size):
+  case = make_case(head_dim, batch=2, seq_len=128, num_heads=4, num_kv_heads=2, head_dim=head_dim,
+                   dtype=jnp.bfloat16, page_size=page_size, lengths=[75, 128])
+  check_against_reference(case, _paged_or_dense(poison_unread_slots(case), _config()))
+
+
+@pytest.mark.slow
+def test_one_byte_head_dim_interpret(interpret_mode):
+  # int8 rows of 96 bytes (a 32-byte swizzle) widened into bf16 tiles of 96 columns, per-token K scales.
+  case = make_case(96, batch=2, seq_len=128, num_heads=4, num_kv_heads=1, head_dim=96, dtype=jnp.bfloat16,
+                   kv_dtype=jnp.int8, lengths=[75, 128])
+  k_scale = jnp.asarray(np.random.default_rng(0).uniform(0.5, 1.5, case.k.shape[:3]) / 40, jnp.float32)
+  v_scale = jnp.full((1,), 1 / 40, jnp.float32)
+  out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, k_scale=k_scale, v_scale=v_scale,
+                             return_lse=True, impl=IMPL, config=_config())
+  dequantized = dataclasses.replace(case, k=case.k.astype(jnp.float32) * k_scale[..., None],
+                                    v=case.v.astype(jnp.float32) * v_scale[:, None])
+  check_against_reference(dequantized, out)
+
+
+def _lowering_cases():
+  cases = [(64, 1, {}), (128, 1, {}), (256, 1, {}), (128, 2, {}), (128, 4, {}), (96, 2, {}), (80, 4, {}),
+           (128, 1, dict(pipeline_qk=True)), (128, 2, dict(persistent=True)), (128, 1, dict(kv_groups=2, num_splits=2)),
+           (128, 48, {}), (128, 80, dict(block_kv=128, num_stages=2)),
+           (32, None, {}), (48, None, {}), (80, None, {}), (96, None, {}), (112, None, {}), (160, 16, {}),
+           (192, None, dict(pipeline_qk=True)), (240, None, {})]
+  every_tier = [(128, 1, {}), (80, 4, {}), (192, None, dict(pipeline_qk=True))]
+  ids = lambda c: f"d{c[0]}-page{c[1]}" + "".join(f"-{k}={v}" for k, v in c[2].items())
+  return [pytest.param(*c, id=ids(c), marks=() if c in every_tier else pytest.mark.slow) for c in cases]
+
+
+@pytest.mark.parametrize("head_dim,page_size,fields", _lowering_cases())
+def test_small_pages_and_head_dims_lower_for_cuda(head_dim, page_size, fields):
+  b, t, hkv = 4, 3840, 8
+  q = jax.ShapeDtypeStruct((b, 2, 32, head_dim), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+  config = pkv.MosaicGPUConfig(**fields)
+  if page_size is None:
+    kv = jax.ShapeDtypeStruct((b, t, hkv, head_dim), jnp.bfloat16)
+    fn, args = functools.partial(pkv.decode_attention, impl=IMPL, config=config), (q, kv, kv, lengths)
+  else:
+    pages = jax.ShapeDtypeStruct((b * t // page_size, page_size, hkv, head_dim), jnp.bfloat16)
+    tables = jax.ShapeDtypeStruct((b, t // page_size), jnp.int32)
+    fn = functools.partial(pkv.paged_decode_attention, impl=IMPL, config=config)
+    args = (q, pages, pages, tables, lengths)
+  module = lower_for_cuda(fn, *args).mlir_module()
+  assert "custom_call @mosaic_gpu" in module
+  assert f"_d{head_dim}_" in module and (page_size is None or f"_ps{page_size}" in module)
+
+
+def test_small_page_copies_land_one_column_tile_at_a_time():
+  # Pages of 1 at D 128: 64 copies of a token a tile, each as two 64-column tiles, all awaited by one barrier.
+  smem = mgpu_config.DecodeSmem.for_call(BASE, rows=4, head_dim=128, dtype=jnp.bfloat16, page_size=1)
+  spec = smem.ring_spec()
+  assert (spec.copies_per_slot, spec.rows_per_copy, spec.copies_per_source) == (64, 1, 2)
+  assert spec.barrier_types()[0].num_arrivals == 128
+  assert smem.tile_aliases and not mgpu_config.DecodeSmem.for_call(
+      BASE, rows=4, head_dim=128, dtype=jnp.bfloat16, page_size=1, interpret=True).tile_aliases
+  assert smem.nbytes == mgpu_config.smem_bytes(BASE, rows=4, head_dim=128, page_size=16)   # aliases are free
+  eight = mgpu_config.DecodeSmem.for_call(BASE, rows=4, head_dim=128, dtype=jnp.bfloat16, page_size=8).ring_spec()
+  assert not eight.splits_rows and eight.barrier_types()[0].num_arrivals == 8
+  # A token of 32 bf16 columns (a 64-byte swizzle) alone would start off TMA's 128-byte SMEM alignment.
+  with pytest.raises(ValueError, match="128-byte"):
+    pipeline.RingSpec(num_stages=2, block_shape=(64, 32), dtype=jnp.bfloat16, copies_per_slot=64,
+                      transforms=tiling.smem_transforms(jnp.bfloat16, 32))
+
+
+def test_uneven_pages_are_copied_in_runs_that_stay_in_one_page():
+  # Pages of 48 tokens and 64-token tiles: runs of 16 tokens, each inside one page; ids clamped into the pool.
+  table = jnp.asarray([[3, 7, 1, 0, 12, 99]], jnp.int32)
+  kv_tiling = tiling.KVTiling(64, 64, jnp.bfloat16, page_size=48, num_pages=20, max_pages=6)
+  assert (kv_tiling.rows_per_copy, kv_tiling.copies_per_tile) == (16, 4)
+  for tile in range(6 * 48 // 64):
+    for copy, (page, row) in enumerate(kv_tiling.tile_locations(tile, batch=0, block_tables_ref=table)):
+      token = tile * 64 + copy * 16
+      assert (int(page), int(row)) == (min(int(table[0, token // 48]), 19), token % 48)
+
+
+@pytest.mark.parametrize("head_dim,page_size,dtype,accepted", [
+    (32, None, jnp.bfloat16, True), (80, 16, jnp.bfloat16, True), (240, None, jnp.float16, True),
+    (256, 1, jnp.bfloat16, True), (96, 2, jnp.bfloat16, True), (80, 4, jnp.bfloat16, True), (64, 48, jnp.bfloat16, True),
+    (96, None, jnp.int8, True), (40, None, jnp.bfloat16, False), (24, None, jnp.bfloat16, False),
+    (272, None, jnp.bfloat16, False), (512, 16, jnp.bfloat16, False), (48, None, jnp.int8, False),
+    (96, 1, jnp.bfloat16, False), (80, 2, jnp.bfloat16, False), (128, 4, jnp.int8, False), (128, 12, jnp.bfloat16, False),
+])
+def test_unsupported_reason_names_the_head_dim_or_page_size(head_dim, page_size, dtype, accepted):
+  from pallas_kv import validation
+  t, hkv = 96, 2
+  q = jax.ShapeDtypeStruct((2, 8, head_dim), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  if page_size is None:
+    kv = jax.ShapeDtypeStruct((2, t, hkv, head_dim), dtype)
+    problem = validation.validate_dense(q, kv, kv, lengths)
+  else:
+    pages = jax.ShapeDtypeStruct((2 * t // page_size, page_size, hkv, head_dim), dtype)
+    tables = jax.ShapeDtypeStruct((2, t // page_size), jnp.int32)
+    problem = validation.validate_paged(q, pages, pages, tables, lengths)
+  scales = "head" if jnp.dtype(dtype).itemsize == 1 else None
+  options = AttentionOptions(scale=0.1, k_scale=scales, v_scale=scales)
+  reason = mgpu_config.unsupported_reason("decode" if page_size is None else "paged", problem, options,
+                                          (jnp.bfloat16, dtype))
+  if accepted:
+    assert reason is None
+  else:
+    assert reason and (f"head_dim {head_dim}" in reason or f"page_size {page_size}" in reason), reason

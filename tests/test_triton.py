@@ -1,7 +1,7 @@
 """What only the Pallas Triton kernel has: its paged tiles (gathers, pages that are not powers of
-two), row blocks, empty splits, the split merge in the kernel's launch (merge_in_kernel), more
-shapes lowered for CUDA, the hidden deprecation warning. The checks every backend passes are in
-test_kernels.py."""
+two), row blocks, empty splits, the split merge in the kernel's launch (merge_in_kernel), head dims
+that are not powers of two, more shapes lowered for CUDA, the hidden deprecation warning. The checks
+every backend passes are in test_kernels.py."""
 
 import functools
 import warnings
@@ -14,7 +14,9 @@ from jax.experimental import pallas as pl
 
 import pallas_kv as pkv
 import sweeps
-from harness import TRITON_CUSTOM_CALL, check_against_reference, lower_for_cuda, make_case, tiered
+from harness import TRITON_CUSTOM_CALL, check_against_reference, lower_for_cuda, make_case, poison_unread_slots
+from harness import assert_lse_matches, assert_matches_reference, tiered
+from pallas_kv import validation
 from pallas_kv.config import AttentionOptions
 from pallas_kv.kernels import frame
 from pallas_kv.kernels.plan import SplitPlan
@@ -72,8 +74,8 @@ def test_partials_of_empty_splits_interpret():
 
 
 def test_other_head_dims_and_page_sizes_are_refused_with_reason():
-  case = make_case(15, batch=1, seq_len=96, num_heads=4, num_kv_heads=2, head_dim=96, dtype=jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match="triton.*head_dim 96"):
+  case = make_case(15, batch=1, seq_len=96, num_heads=4, num_kv_heads=2, head_dim=36, dtype=jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="triton.*head_dim 36"):
     pkv.decode_attention(case.q, case.k, case.v, case.lengths, impl=IMPL)
   case = make_case(16, batch=1, seq_len=72, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
                    page_size=24)
@@ -258,6 +260,153 @@ def test_merge_in_kernel_config_is_checked():
   with pytest.raises(ValueError, match="complete TritonConfig"):
     triton_config.check_config(pkv.TritonConfig(num_splits=4, merge_in_kernel=True), head_dim=128, page_size=None)
   triton_config.check_config(_kernel_config(4, True)["config"], head_dim=128, page_size=None)
+
+
+# ---------------------------------------------------------------- head dims that are not powers of two
+
+def _problem(head_dim, *, num_queries=1, group=4, page_size=None):
+  q = jax.ShapeDtypeStruct((2, num_queries, 2 * group, head_dim), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  if page_size is None:
+    kv = jax.ShapeDtypeStruct((2, 1024, 2, head_dim), jnp.bfloat16)
+    return validation.validate_dense(q, kv, kv, lengths)
+  pages = jax.ShapeDtypeStruct((2 * 1024 // page_size, page_size, 2, head_dim), jnp.bfloat16)
+  return validation.validate_paged(q, pages, pages, jax.ShapeDtypeStruct((2, 1024 // page_size), jnp.int32), lengths)
+
+
+def test_head_dims_served_are_the_multiples_of_8_from_32_to_512():
+  reason = lambda d: triton_config.unsupported_reason("decode", _problem(d), AttentionOptions(scale=0.1),
+                                                      (jnp.bfloat16, jnp.bfloat16))
+  for head_dim in range(32, 513, 8):
+    assert reason(head_dim) is None, head_dim
+  for head_dim in (8, 16, 20, 24, 36, 81, 100, 520, 1024):
+    assert f"head_dim {head_dim} is not a multiple of 8 in [32, 512]" in reason(head_dim)
+  with pytest.raises(ValueError, match="head_dim 36"):
+    triton_config.check_config(_kernel_config(1)["config"], head_dim=36, page_size=None)
+
+
+def test_padded_head_dims_size_rows_and_smem_by_the_padded_width():
+  # Accumulators rows x padded D float32 stay at 128 x 128: D 512 holds 32 rows, D 80 and 40 as many as D 128.
+  assert [triton_config.row_blocking(256, d)[0] for d in (40, 80, 128, 136, 256, 320, 512)] == [128] * 3 + [64] * 2 + [32] * 2
+  assert triton_config.smem_bytes(head_dim=80, itemsize=2, block_kv=64, num_stages=3, block_rows=16) == \
+      triton_config.smem_bytes(head_dim=128, itemsize=2, block_kv=64, num_stages=3, block_rows=16)
+  for budget in (triton_config.HOPPER_SMEM_BUDGET_BYTES, triton_config.SMEM_BUDGET_BYTES):
+    for head_dim in (40, 200, 320, 512):
+      problem = _problem(head_dim, num_queries=16, group=8)
+      config = triton_config.heuristic_config(problem, budget=budget)
+      block_rows, _ = triton_config.row_blocking(128, head_dim)
+      assert triton_config.fits_smem(head_dim=head_dim, itemsize=2, block_kv=config.block_kv,
+                                     num_stages=config.num_stages, block_rows=block_rows, budget=budget)
+  # D 512 on Hopper: half the tile, three stages again.
+  config = triton_config.heuristic_config(_problem(512), budget=triton_config.HOPPER_SMEM_BUDGET_BYTES)
+  assert (config.block_kv, config.num_stages) == (32, 3)
+
+
+# (head_dim, page_size, num_queries): page 16 gathers a tile of 32 across pages, page 64 holds two.
+_PADDED_CASES = [(80, None, 2), (40, 16, None), (512, 64, 2), (96, 16, 2), (200, None, None), (72, 64, None),
+                 (104, None, 3)]
+
+
+@pytest.mark.parametrize("head_dim,page_size,num_queries", tiered(_PADDED_CASES, every_tier=_PADDED_CASES[:3]))
+def test_padded_head_dims_interpret(interpret_mode, head_dim, page_size, num_queries):
+  # Garbage in every unread slot (NaN values, inf keys) against the reference on the clean case; two splits
+  # merged in a second launch, the last tile past the dense cache's end.
+  case = make_case(head_dim, batch=3, seq_len=200 if page_size is None else 192, num_heads=8, num_kv_heads=2,
+                   head_dim=head_dim, num_queries=num_queries, dtype=jnp.bfloat16, page_size=page_size,
+                   lengths=[137, 0, 192])
+  bad = poison_unread_slots(case)
+  config = pkv.TritonConfig(block_kv=32, num_stages=2, num_splits=2)
+  if page_size is None:
+    out = pkv.decode_attention(bad.q, bad.k, bad.v, bad.lengths, return_lse=True, impl=IMPL, config=config)
+  else:
+    out = _paged(bad, config=config)
+  check_against_reference(case, out)
+
+
+def test_padded_head_dim_merged_in_kernel_interpret(interpret_mode):
+  # The merge in the launch stores and reloads [rows, D] partials: masked past D too.
+  case = make_case(3, batch=2, seq_len=128, num_heads=8, num_kv_heads=2, head_dim=80, num_queries=2,
+                   dtype=jnp.float16, lengths=[128, 45])
+  out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL,
+                             config=_merged_config(3))
+  check_against_reference(case, out)
+
+
+_ONE_BYTE_PADDED_CASES = [(80, "int8", 16, 2), (40, "float8_e4m3fn", None, None), (200, "float8_e5m2", 32, 3)]
+
+
+@pytest.mark.parametrize("head_dim,kv_dtype,page_size,num_queries", tiered(_ONE_BYTE_PADDED_CASES,
+                                                                           every_tier=_ONE_BYTE_PADDED_CASES[:1]))
+def test_padded_head_dims_one_byte_v_tokens_last_interpret(head_dim, kv_dtype, page_size, num_queries):
+  # v [.., D, tokens]: padded rows of the value tile, masked; against the xla impl with v laid out like k.
+  case = make_case(head_dim, batch=3, seq_len=96, num_heads=8, num_kv_heads=2, head_dim=head_dim,
+                   num_queries=num_queries, dtype=jnp.float16, kv_dtype=jnp.dtype(kv_dtype), page_size=page_size)
+  case = poison_unread_slots(case, dense=page_size is None)
+  k, v = (case.k, case.v) if page_size is None else (case.k_pages, case.v_pages)
+  scales = jnp.asarray(np.random.default_rng(head_dim).uniform(0.005, 0.02, k.shape[:3]), jnp.float32)
+
+  def run(impl, v, v_tokens_last, **kw):
+    args = (case.q, k, v) + (() if page_size is None else (case.block_tables,)) + (case.lengths,)
+    op = pkv.decode_attention if page_size is None else pkv.paged_decode_attention
+    return op(*args, k_scale=scales, v_scale=scales, v_tokens_last=v_tokens_last, return_lse=True, impl=impl, **kw)
+
+  ref, ref_lse = run("xla", v, False)
+  with pkv.interpret():
+    out, lse = run(IMPL, jnp.transpose(v, (0, 2, 3, 1)), True,
+                   config=pkv.TritonConfig(block_kv=32, num_stages=2, num_splits=2))
+  assert_matches_reference(out, ref, jnp.float16)
+  assert_lse_matches(lse, ref_lse, jnp.float16)
+
+
+# Dense and paged (page 48: tiles of 16 in a page), one and 16 new tokens, row blocks (group 64), one-byte
+# caches with v tokens last: every shape lowers to Triton IR, whose arrays must be powers of two.
+_PADDED_LOWERING = [(32, None, 1, 4, "bfloat16"), (40, 48, 16, 8, "bfloat16"), (72, None, 2, 64, "int8"),
+                    (80, 16, 1, 8, "float8_e4m3fn"), (96, None, 16, 8, "float16"), (104, 48, 1, 4, "bfloat16"),
+                    (160, None, 4, 16, "int8"), (192, 16, 2, 8, "bfloat16"), (320, None, 16, 8, "bfloat16"),
+                    (512, 64, 1, 64, "bfloat16"), (512, None, 2, 8, "int8")]
+
+
+@pytest.mark.parametrize("head_dim,page_size,num_queries,group,kv_dtype", _PADDED_LOWERING)
+def test_padded_head_dims_lower_triton(head_dim, page_size, num_queries, group, kv_dtype):
+  one_byte = jnp.dtype(kv_dtype).itemsize == 1
+  q = jax.ShapeDtypeStruct((2, num_queries, 2 * group, head_dim), jnp.float16 if one_byte else jnp.dtype(kv_dtype))
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  if page_size is None:
+    k = jax.ShapeDtypeStruct((2, 4000, 2, head_dim), kv_dtype)
+    v = jax.ShapeDtypeStruct((2, 2, head_dim, 4000) if one_byte else k.shape, kv_dtype)
+    op, args, scale_shape = pkv.decode_attention, (q, k, v), k.shape[:3]
+  else:
+    num_pages = 2 * 4800 // page_size + 3
+    k = jax.ShapeDtypeStruct((num_pages, page_size, 2, head_dim), kv_dtype)
+    v = jax.ShapeDtypeStruct((num_pages, 2, head_dim, page_size) if one_byte else k.shape, kv_dtype)
+    op, args = pkv.paged_decode_attention, (q, k, v, jax.ShapeDtypeStruct((2, 4800 // page_size), jnp.int32))
+    scale_shape = k.shape[:3]
+  kw = dict(impl=IMPL, softcap=30.0, sinks=jnp.zeros((2 * group,)))
+  if not one_byte:
+    exported = _lower_triton(functools.partial(op, **kw), *args, lengths)
+  else:
+    scale = jax.ShapeDtypeStruct(scale_shape, jnp.float32)
+    fn = lambda *a: op(*a[:-2], k_scale=a[-2], v_scale=a[-1], v_tokens_last=True, **kw)
+    exported = _lower_triton(fn, *args, lengths, scale, scale)
+  assert f"_d{head_dim}_" in exported.mlir_module()   # the kernel's name: this head dim, not a padded copy
+
+
+_GPU_PADDED_CASES = [(80, None, 2), (96, 16, 1), (40, 64, 3), (200, 16, 2), (512, None, 4), (72, 32, 16)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,page_size,num_queries", tiered(_GPU_PADDED_CASES,
+                                                                  every_tier=_GPU_PADDED_CASES[:2]))
+def test_gpu_padded_head_dims(head_dim, page_size, num_queries):
+  # The heuristic's config; stores past D would land in the next row's columns, loads past D read garbage.
+  case = make_case(head_dim, batch=3, seq_len=1152, num_heads=16, num_kv_heads=2, head_dim=head_dim,
+                   num_queries=num_queries, dtype=jnp.bfloat16, page_size=page_size, lengths=[1152, 0, 701])
+  bad = poison_unread_slots(case)
+  if page_size is None:
+    out = pkv.decode_attention(bad.q, bad.k, bad.v, bad.lengths, return_lse=True, impl=IMPL)
+  else:
+    out = _paged(bad)
+  check_against_reference(case, out)
 
 
 # ---------------------------------------------------------------- CUDA lowering (CPU)

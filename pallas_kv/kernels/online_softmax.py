@@ -27,13 +27,16 @@ def log2_logits(s, *, scale: float, softcap: float | None):
   return s * (scale * LOG2E)
 
 
-def visible(rows, cols, *, tile_start, length, num_queries: int, group: int, window: int | None):
+def visible(rows, cols, *, tile_start, length, num_queries: int, group: int, window: int | None, start=None):
   """Whether packed row `rows` sees key `tile_start + cols` (broadcastable int32 arrays). Row r (at
-  p = L - S + r // G) sees p - window < t <= p, i.e. with x = t - (L - S), x * G <= r < (x + window) * G."""
+  p = L - S + r // G) sees p - window < t <= p, i.e. with x = t - (L - S), x * G <= r < (x + window) * G;
+  given a traced start (the sequence's window start), only keys t >= start."""
   x_g = (cols + (tile_start - length + num_queries)) * group
   ok = x_g <= rows
   if window is not None:
     ok = ok & (rows < x_g + window * group)
+  if start is not None:
+    ok = ok & (cols >= start - tile_start)
   return ok
 
 

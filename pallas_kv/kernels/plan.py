@@ -75,48 +75,54 @@ def balanced_tiles_per_split(lengths, *, block_kv: int, num_queries: int, num_sp
   return jnp.maximum(per_split, MIN_TILES_PER_SPLIT).astype(jnp.int32).reshape(1)
 
 
-def visible_tiles(length, *, block_kv: int, num_queries: int, window: int | None):
-  """(first tile, end tile) of a sequence: the tiles that hold visible keys."""
+def visible_tiles(length, *, block_kv: int, num_queries: int, window: int | None, start=None):
+  """(first tile, end tile) of a sequence: the tiles that hold visible keys; start: its window start or None."""
   first_key = 0 if window is None else jnp.maximum(length - num_queries + 1 - window, 0)
+  if start is not None:
+    first_key = jnp.maximum(first_key, jnp.minimum(start, length))
   return first_key // block_kv, (length + block_kv - 1) // block_kv
 
 
 def _split_tiles(length, *, block_kv: int, num_queries: int, num_splits: int, window: int | None,
-                 tiles_per_split=None):
-  first_tile, end_tile = visible_tiles(length, block_kv=block_kv, num_queries=num_queries, window=window)
+                 tiles_per_split=None, start=None):
+  first_tile, end_tile = visible_tiles(length, block_kv=block_kv, num_queries=num_queries, window=window,
+                                       start=start)
   if tiles_per_split is None:
     tiles_per_split = (jnp.maximum(end_tile - first_tile, 0) + num_splits - 1) // num_splits
   return first_tile, end_tile, tiles_per_split
 
 
 def split_tile_range(length, split, *, block_kv: int, num_queries: int, num_splits: int, window: int | None,
-                     tiles_per_split=None):
+                     tiles_per_split=None, start=None):
   """(t0, t1, a, c): tiles [t0, t1) of split `split` of a sequence and their unmasked sub-range [a, c). Splits
   share the visible tiles equally (earlier ones never fewer), or take `tiles_per_split` each (balanced)."""
   first_tile, end_tile, per_split = _split_tiles(length, block_kv=block_kv, num_queries=num_queries,
                                                  num_splits=num_splits, window=window,
-                                                 tiles_per_split=tiles_per_split)
+                                                 tiles_per_split=tiles_per_split, start=start)
   t0 = jnp.minimum(first_tile + split * per_split, end_tile)
   t1 = jnp.minimum(t0 + per_split, end_tile)
-  a, c = unmasked_tiles(length, t0, t1, block_kv=block_kv, num_queries=num_queries, window=window)
+  a, c = unmasked_tiles(length, t0, t1, block_kv=block_kv, num_queries=num_queries, window=window, start=start)
   return t0, t1, a, c
 
 
-def unmasked_tiles(length, t0, t1, *, block_kv: int, num_queries: int, window: int | None):
-  """The sub-range [a, c) of tiles [t0, t1) whose keys every new token sees: <= L - S and >= L - window."""
+def unmasked_tiles(length, t0, t1, *, block_kv: int, num_queries: int, window: int | None, start=None):
+  """The sub-range [a, c) of tiles [t0, t1) whose keys every new token sees: <= L - S, >= L - window and
+  >= start."""
   full_hi = jnp.maximum(length - num_queries + 1, 0) // block_kv
   full_lo = 0 if window is None else (jnp.maximum(length - window, 0) + block_kv - 1) // block_kv
+  if start is not None:
+    full_lo = jnp.maximum(full_lo, (start + block_kv - 1) // block_kv)
   a = jnp.clip(full_lo, t0, t1)
   c = jnp.clip(full_hi, a, t1)
   return a, c
 
 
 def active_splits(length, *, block_kv: int, num_queries: int, num_splits: int, window: int | None,
-                  tiles_per_split=None):
+                  tiles_per_split=None, start=None):
   """n: splits 0 .. n-1 of a sequence get tiles from `split_tile_range`, the rest none."""
   first_tile, end_tile, per_split = _split_tiles(length, block_kv=block_kv, num_queries=num_queries,
                                                  num_splits=num_splits, window=window,
-                                                 tiles_per_split=tiles_per_split)
+                                                 tiles_per_split=tiles_per_split, start=start)
   num_tiles = jnp.maximum(end_tile - first_tile, 0)
   return jnp.where(num_tiles > 0, (num_tiles + per_split - 1) // jnp.maximum(per_split, 1), 0)
 

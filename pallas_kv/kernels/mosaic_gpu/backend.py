@@ -50,8 +50,9 @@ def plan_splits(op: str, problem, options, config, lengths) -> plan.SplitPlan:
 
 
 def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config, split_plan: plan.SplitPlan, sinks,
-        k_scale, v_scale, return_lse: bool):
-  """Runs an accepted call with a complete config and its plan; k, v: the caches (MLA: both the latent pool)."""
+        k_scale, v_scale, return_lse: bool, window_start=None):
+  """Runs an accepted call with a complete config and its plan; k, v: the caches (MLA: both the latent pool);
+  window_start: int32 [B] or None, each sequence's first visible key."""
   if op == "mla":
     return _run_mla(q, k, lengths, block_tables, problem=problem, options=options, config=config,
                     split_plan=split_plan, return_lse=return_lse)
@@ -59,7 +60,7 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config, sp
   def partials(rows, lengths, block_tables, k_scale, v_scale):
     return mgpu_decode.decode_partials(rows, k, v, lengths, block_tables, num_queries=problem.num_queries,
                                        options=options, config=config, plan=split_plan, k_scale=k_scale,
-                                       v_scale=v_scale, interpret=interpret_params())
+                                       v_scale=v_scale, interpret=interpret_params(), window_start=window_start)
 
   return frame.run(partials, q, k, lengths, block_tables, problem=problem, sinks=sinks, return_lse=return_lse,
                    k_scale=k_scale, v_scale=v_scale, merge=fused_merge())

@@ -21,11 +21,15 @@ from pallas_kv.kernels.mosaic_gpu import pipeline
 from pallas_kv.kernels.mosaic_gpu import tiling
 
 NAME = "mosaic_gpu"
-HEAD_DIMS = (64, 128, 256)
 # wgmma's K (P @ V contracts over the tile's tokens) is a multiple of 64; a TMA box is at most 256 rows.
 MIN_BLOCK_KV = 64
 MAX_BLOCK_KV = 256
-MIN_PAGE_SIZE = 8           # a swizzled tile starts on an 8-row boundary
+# A swizzled tile starts on an 8-row boundary: smaller pages are copied a column tile at a time (GQA, 16-bit).
+MIN_PAGE_SIZE = 8
+# Q K^T contracts over D (wgmma's K: 16 for 16-bit operands; one-byte rows need a 32-byte swizzle); P V's N is at
+# most 256, and a [64, D] float32 accumulator fills a warpgroup's registers there.
+HEAD_DIM_MULTIPLE = {1: 32, 2: 16}
+MIN_HEAD_DIM, MAX_HEAD_DIM = 32, 256
 ROWS_PER_WG = 64            # wgmma M: packed query rows per consumer warpgroup
 CONVERTED_STAGES = 2
 MAX_COMPUTE_WGS = 2
@@ -41,14 +45,41 @@ def row_blocking(rows: int) -> tuple[int, int]:
 
 
 def copies_per_tile(block_kv: int, page_size: int | None) -> int:
-  """TMA copies that fill one KV tile: one per page when a tile spans several pages."""
-  return block_kv // page_size if page_size is not None and page_size < block_kv else 1
+  """Runs of tokens that fill one KV tile: one per page when a tile spans several pages (`tiling.KVTiling`)."""
+  return 1 if page_size is None else block_kv // math.gcd(page_size, block_kv)
 
 
 def page_size_reason(page_size: int) -> str | None:
-  """Why pages of `page_size` tokens cannot be tiled here, or None."""
+  """Why MLA cannot tile pages of `page_size` tokens, or None."""
   if page_size < MIN_PAGE_SIZE or page_size & (page_size - 1):
     return f"page_size {page_size} is not supported (a power of two >= {MIN_PAGE_SIZE})"
+  return None
+
+
+def gqa_page_size_reason(page_size: int, head_dim: int, dtype: Any) -> str | None:
+  """Why the GQA kernel cannot tile pages of `page_size` tokens of a [.., head_dim] `dtype` cache, or None. Runs of
+  gcd(page_size, block_kv) tokens are copied; those of fewer than 8 rows one swizzle column tile at a time, each
+  from a 128-byte boundary of SMEM."""
+  if page_size < 1 or page_size & (page_size - 1) and page_size % 16:
+    return f"page_size {page_size} is not supported (a power of two, or a multiple of 16)"
+  if page_size >= MIN_PAGE_SIZE:
+    return None
+  if jnp.dtype(dtype).itemsize == 1:
+    return f"page_size {page_size} is not supported for a one-byte cache (pages of >= {MIN_PAGE_SIZE} tokens)"
+  swizzle = tiling.smem_transforms(dtype, head_dim)[-1].swizzle
+  if page_size * swizzle % pipeline.TMA_SMEM_ALIGNMENT:
+    multiple = pipeline.TMA_SMEM_ALIGNMENT // page_size // jnp.dtype(dtype).itemsize
+    return (f"page_size {page_size} is not supported for head_dim {head_dim} (pages this small need head_dim a "
+            f"multiple of {multiple})")
+  return None
+
+
+def head_dim_reason(head_dim: int, dtype: Any = "bfloat16") -> str | None:
+  """Why the GQA kernel cannot serve head_dim for a cache of `dtype`, or None."""
+  multiple = HEAD_DIM_MULTIPLE[min(jnp.dtype(dtype).itemsize, 2)]
+  if head_dim % multiple or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+    return (f"head_dim {head_dim} is not supported for a {jnp.dtype(dtype).name} cache (a multiple of {multiple} "
+            f"from {MIN_HEAD_DIM} to {MAX_HEAD_DIM})")
   return None
 
 
@@ -56,11 +87,13 @@ def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
   """Why this backend cannot serve the call, or None if it can."""
   if op == "mla":
     return mla_reason(problem.head_dim, problem.v_head_dim, dtypes[1]) or page_size_reason(problem.page_size)
-  reason = frame.unsupported_reason(op, problem, options, dtypes, backend="Mosaic GPU", head_dims=HEAD_DIMS)
+  reason = frame.unsupported_reason(op, problem, options, dtypes, backend="Mosaic GPU")
+  if reason is None:
+    reason = head_dim_reason(problem.head_dim, dtypes[1])
   if reason is None and problem.v_tokens_last:
     reason = "v_tokens_last (v stored [B, Hkv, D, T]) is read by the triton kernel, not by Mosaic GPU's"
   if reason is None and problem.page_size is not None:
-    reason = page_size_reason(problem.page_size)
+    reason = gqa_page_size_reason(problem.page_size, problem.head_dim, dtypes[1])
   if reason is None and jnp.dtype(dtypes[1]) in frame.QUANTIZED_DTYPES:
     reason = quantized_reason(dtypes[1], options.k_scale, options.v_scale, problem)
   return reason
@@ -91,8 +124,8 @@ def quantized_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str | Non
   reason = quantized_call_reason(kv_dtype, k_scale_kind, v_scale_kind, num_kv_heads=problem.num_kv_heads)
   if reason:
     return reason
-  if problem.page_size is not None and page_size_reason(problem.page_size):
-    return page_size_reason(problem.page_size)
+  if problem.page_size is not None and gqa_page_size_reason(problem.page_size, problem.head_dim, kv_dtype):
+    return gqa_page_size_reason(problem.page_size, problem.head_dim, kv_dtype)
   rows = problem.num_queries * problem.group_size
   config = heuristic_config(problem, dtype=kv_dtype)
   if not fits_smem(config, rows=rows, head_dim=problem.head_dim, dtype=kv_dtype, page_size=problem.page_size,
@@ -130,6 +163,9 @@ class DecodeSmem:
                dequantized: num_wgs * dequant_tiles x [bkv, D] q_dtype (one-byte cache; separate refs,
                as a statically indexed tile does not lower inside wgmma's run_state); an experimental
                converter's g0_ck, g0_cv [CONVERTED_STAGES, bkv, D] in their place
+  tiles        the KV rings again as swizzle tiles (`pipeline.RingSpec.tiles_type`), aliasing them in the union
+               (persistent: in a union with streaming), for copies of fewer rows than a tile (small pages); not in
+               interpret mode
   p_smem       [num_wgs, 64, bkv] q_dtype (interpret mode); barriers: per ring slot, q per row warpgroup, done
   num_wgs = row_wgs (split the rows) x kv_groups (split the tiles); num_stages: K slots of all groups.
   """
@@ -147,6 +183,7 @@ class DecodeSmem:
   scale_width: int = tiling.SCALE_ROW
   pipeline_qk: bool = False
   converter: bool = False
+  tile_aliases: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -159,20 +196,26 @@ class DecodeSmem:
       raise ValueError(f"{self.token_scales=} need a one-byte cache, got dtype {self.dtype.name}")
     if self.converter and not self.quantized:
       raise ValueError(f"a converter warpgroup needs a one-byte cache, got dtype {self.dtype.name}")
+    if self.tile_aliases and self.quantized:
+      raise ValueError(f"tile aliases (copies of fewer rows than a tile) need a 16-bit cache, got {self.dtype.name}")
 
   @classmethod
   def for_call(cls, config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: Any, page_size: int | None,
-               stage_p: bool = False, q_dtype: Any = None, k_scale_kind: str | None = None,
+               interpret: bool = False, q_dtype: Any = None, k_scale_kind: str | None = None,
                v_scale_kind: str | None = None, num_kv_heads: int = 1) -> "DecodeSmem":
-    """The layout a config needs for `rows` packed rows (before padding) of a cache of `dtype`."""
+    """The layout a config needs for `rows` packed rows (before padding) of a cache of `dtype` (in interpret
+    mode: P staged in SMEM, no tile aliases)."""
     row_wgs, _ = row_blocking(rows)
     token_scales = tuple(role for role, kind in (("k", k_scale_kind), ("v", v_scale_kind)) if kind == "token")
-    return cls(head_dim=head_dim, dtype=dtype, block_kv=config.block_kv, num_stages=config.num_stages,
+    smem = cls(head_dim=head_dim, dtype=dtype, block_kv=config.block_kv, num_stages=config.num_stages,
                row_wgs=row_wgs, kv_groups=config.kv_groups,
-               copies_per_tile=copies_per_tile(config.block_kv, page_size), stage_p=stage_p,
+               copies_per_tile=copies_per_tile(config.block_kv, page_size), stage_p=interpret,
                separate_out=config.persistent, q_dtype=q_dtype, token_scales=token_scales,
                scale_width=tiling.token_scale_width(num_kv_heads) or tiling.SCALE_ROW,
                pipeline_qk=config.pipeline_qk, converter=converter(config))
+    if smem.ring_spec().splits_rows and not interpret:
+      smem = dataclasses.replace(smem, tile_aliases=True)
+    return smem
 
   @property
   def num_wgs(self) -> int:
@@ -257,10 +300,12 @@ class DecodeSmem:
           for _ in range(self.num_wgs * self.dequant_tiles))
     out_stage = (plgpu.SMEM((self.num_wgs, ROWS_PER_WG, self.head_dim), jnp.float32),
                  plgpu.SMEM((self.num_wgs, ROWS_PER_WG), jnp.float32))
+    # Same names, so same order and offsets as the rings they alias.
+    tiles = [{name: spec.tiles_type() for name, spec in self._all_ring_specs().items()}] if self.tile_aliases else []
     if self.separate_out:
-      buffers = dict(streaming=streaming, out_stage=out_stage)
+      buffers = dict(streaming=plgpu.RefUnion(streaming, *tiles) if tiles else streaming, out_stage=out_stage)
     else:
-      buffers = dict(union=plgpu.RefUnion(streaming, out_stage))
+      buffers = dict(union=plgpu.RefUnion(streaming, out_stage, *tiles))
     scratch = dict(
         q_smem=plgpu.SMEM((self.row_wgs, ROWS_PER_WG, self.head_dim), self.q_dtype,
                           transforms=tiling.smem_transforms(self.q_dtype, self.head_dim)),
@@ -271,6 +316,16 @@ class DecodeSmem:
     if self.stage_p:
       scratch["p_smem"] = plgpu.SMEM(self._p_shape, self.q_dtype)
     return scratch
+
+  def buffers(self, scratch) -> tuple[Any, Any, Any]:
+    """(streaming, (out, lse) staging, tiles or None) among the kernel's scratch refs."""
+    if not self.separate_out:
+      streaming, out_stage, *tiles = scratch["union"]
+    elif self.tile_aliases:
+      (streaming, *tiles), out_stage = scratch["streaming"], scratch["out_stage"]
+    else:
+      streaming, out_stage, tiles = scratch["streaming"], scratch["out_stage"], []
+    return streaming, out_stage, (tiles[0] if tiles else None)
 
   @property
   def _p_shape(self) -> tuple[int, int, int]:
@@ -321,12 +376,11 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
   if not isinstance(config, MosaicGPUConfig) or not config.complete:
     raise ValueError(f"the mosaic_gpu GQA kernel takes a complete MosaicGPUConfig (resolve_config), got {config!r}")
   bkv = config.block_kv
-  if page_size is not None:
-    reason = page_size_reason(page_size)
-    if reason:
-      raise NotImplementedError(f"mosaic_gpu: {reason}")
-    if page_size < bkv and bkv % page_size or page_size > bkv and page_size % bkv:
-      raise ValueError(f"page_size={page_size} and config.block_kv={bkv}: one must divide the other")
+  reason = head_dim_reason(head_dim, dtype)
+  if reason is None and page_size is not None:
+    reason = gqa_page_size_reason(page_size, head_dim, dtype)
+  if reason:
+    raise NotImplementedError(f"mosaic_gpu: {reason}")
   if config.kv_groups == 2:
     if rows > ROWS_PER_WG:
       raise NotImplementedError(f"kv_groups=2 needs <= {ROWS_PER_WG} packed rows, got {rows}")

@@ -63,15 +63,18 @@ class TileMath:
   def qk(self, s_ref, q_tile, k_tile):
     plgpu.wgmma(s_ref, q_tile, k_tile.transpose((1, 0)))
 
-  def softmax(self, s, acc, m_i, l_i, *, tile, length, row0, masked: bool, st: "_Static", k_scale=None):
-    """(acc rescaled, m, l, P in q's dtype) after raw scores s [64, bkv] f32; k_scale: the head's or None."""
+  def softmax(self, s, acc, m_i, l_i, *, tile, length, row0, masked: bool, st: "_Static", k_scale=None,
+              start=None):
+    """(acc rescaled, m, l, P in q's dtype) after raw scores s [64, bkv] f32; k_scale: the head's or None;
+    start: the sequence's window start or None."""
     scale = st.options.scale if k_scale is None else k_scale * st.options.scale
     s = online_softmax.log2_logits(s, scale=scale, softcap=st.options.softcap)
     if masked:
       rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA) + row0
       cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
       ok = online_softmax.visible(rows, cols, tile_start=tile * st.tiling.block_kv, length=length,
-                                  num_queries=st.num_queries, group=st.group, window=st.options.window)
+                                  num_queries=st.num_queries, group=st.group, window=st.options.window,
+                                  start=start)
       s = jnp.where(ok, s, -jnp.inf)
     acc, m_new, l_new, p = online_softmax.softmax_step(s, acc, m_i, l_i)
     return acc, m_new, l_new, p.astype(st.q_dtype)
@@ -147,18 +150,23 @@ class _Static:
 
 @dataclasses.dataclass(frozen=True)
 class _RingTiles:
-  """Tiles wgmma reads from their ring slots: fetch(step, valid_rows) waits and zeroes rows past valid_rows
-  (unless the filler did: zero_rows=False); tile(step) returns a fetched tile; done(step) frees its slot."""
+  """Tiles wgmma reads from their ring slots: fetch(step, valid_rows, first_row) waits and zeroes rows past
+  valid_rows and before first_row (unless the filler did: zero_rows=False); tile(step) returns a fetched tile;
+  done(step) frees its slot."""
   ring: pipeline.Ring
   zero_rows: bool = True
 
-  def fetch(self, step, valid_rows=None):
+  def fetch(self, step, valid_rows=None, first_row=None):
     tile = self.ring.wait(step)
     if valid_rows is not None and self.zero_rows:
-      @pl.when(valid_rows < tile.shape[0])
+      partial = valid_rows < tile.shape[0]
+      if first_row is not None:
+        partial = partial | (first_row > 0)
+
+      @pl.when(partial)
       def _():
         # Every consumer of the slot writes the same values: a harmless race.
-        tiling.zero_rows_past(tile, valid_rows)
+        tiling.zero_rows_past(tile, valid_rows, first_row=first_row)
     return tile
 
   def tile(self, step):
@@ -178,9 +186,9 @@ class _DequantizedTiles:
   scale_ring: pipeline.Ring | None = None
   head: Any = None
 
-  def fetch(self, step, valid_rows=None):
+  def fetch(self, step, valid_rows=None, first_row=None):
     self.dequantized[...] = _dequantized_values(self.ring, self.scale_ring, step, valid_rows, self.head,
-                                                self.tile_math, self.dequantized.dtype)
+                                                self.tile_math, self.dequantized.dtype, first_row)
     # One proxy fence covers both TMA's refill of the slots read above and wgmma's reads of the stores.
     self.ring.release(step, read_by_registers=True)
     if self.scale_ring is not None:
@@ -195,21 +203,24 @@ class _DequantizedTiles:
     del step
 
 
-def _dequantized_values(ring: pipeline.Ring, scale_ring, step, valid_rows, head, tile_math: TileMath, dtype):
-  """Step's one-byte tile widened in registers, rows past valid_rows zeroed; the slots stay held."""
+def _dequantized_values(ring: pipeline.Ring, scale_ring, step, valid_rows, head, tile_math: TileMath, dtype,
+                        first_row=None):
+  """Step's one-byte tile widened in registers, rows past valid_rows (and before first_row) zeroed; the slots
+  stay held."""
   values = plgpu.load(ring.wait(step), layout=plgpu.Layout.WGMMA_8BIT)
   token_scales = None
   if scale_ring is not None:
     token_scales = tiling.load_token_scales(scale_ring.wait(step), head=head)
   values = tile_math.dequantize(values, dtype, token_scales)
   if valid_rows is not None:   # after the scales: a scale past the length may be inf as well
-    values = tiling.rows_below(values, valid_rows, plgpu.Layout.WGMMA_8BIT)
+    values = tiling.rows_below(values, valid_rows, plgpu.Layout.WGMMA_8BIT, first_row)
   return values
 
 
-def _convert_tile(ring: pipeline.Ring, scale_ring, out_ring: pipeline.Ring, step, valid_rows, head, st: _Static):
+def _convert_tile(ring: pipeline.Ring, scale_ring, out_ring: pipeline.Ring, step, valid_rows, head, st: _Static,
+                  first_row=None):
   """The converter: step's widened tile into out_ring's slot of the same step."""
-  values = _dequantized_values(ring, scale_ring, step, valid_rows, head, st.tile_math, st.q_dtype)
+  values = _dequantized_values(ring, scale_ring, step, valid_rows, head, st.tile_math, st.q_dtype, first_row)
   # The one-byte slots go back first, so that TMA refills them while this tile is stored.
   ring.release(step, read_by_registers=True)
   if scale_ring is not None:
@@ -219,10 +230,26 @@ def _convert_tile(ring: pipeline.Ring, scale_ring, out_ring: pipeline.Ring, step
   out_ring.commit_stores(step)
 
 
-def _tile_range(length, split, st: _Static, tiles_per_split):
+def _tile_range(length, split, st: _Static, tiles_per_split, start):
   return split_plan.split_tile_range(length, split, block_kv=st.tiling.block_kv, num_queries=st.num_queries,
                                   num_splits=st.num_splits, window=st.options.window,
-                                  tiles_per_split=tiles_per_split)
+                                  tiles_per_split=tiles_per_split, start=start)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sequences:
+  """The per-sequence refs: lengths int32 [B] and, where the call has them, window starts int32 [B]."""
+  lengths: Any
+  starts: Any = None
+
+  def bounds(self, b, st: "_Static"):
+    """(length, window start or None) of sequence b, clamped into [0, capacity]."""
+    start = None if self.starts is None else jnp.clip(self.starts[b], 0, st.capacity)
+    return jnp.clip(self.lengths[b], 0, st.capacity), start
+
+  def first_row(self, item, tile, st: "_Static"):
+    """The first row of `tile` at or after the item's window start (rows before it are zeroed), or None."""
+    return None if item.start is None else item.start - tile * st.tiling.block_kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,6 +259,7 @@ class _Item:
   head: Any
   row_block: Any
   length: Any
+  start: Any
   splits: list[Any]
   ranges: list[tuple[Any, ...]]    # (t0, t1, a, c) per KV group
 
@@ -240,24 +268,24 @@ class _Item:
     return [t1 - t0 for t0, t1, _, _ in self.ranges]   # counts[0] >= counts[1]
 
 
-def _item(b, head_block, program_split, lengths_ref, st: _Static, tiles_per_split) -> _Item:
+def _item(b, head_block, program_split, sequences: _Sequences, st: _Static, tiles_per_split) -> _Item:
   if st.num_row_blocks == 1:
     head, row_block = head_block, 0
   else:
     head = lax.div(head_block, jnp.int32(st.num_row_blocks))
     row_block = lax.rem(head_block, jnp.int32(st.num_row_blocks))
-  length = jnp.clip(lengths_ref[b], 0, st.capacity)
+  length, start = sequences.bounds(b, st)
   splits = [program_split * st.kv_groups + g for g in range(st.kv_groups)]
-  return _Item(b=b, head=head, row_block=row_block, length=length, splits=splits,
-               ranges=[_tile_range(length, split, st, tiles_per_split) for split in splits])
+  return _Item(b=b, head=head, row_block=row_block, length=length, start=start, splits=splits,
+               ranges=[_tile_range(length, split, st, tiles_per_split, start) for split in splits])
 
 
-def _for_each_item(body, lengths_ref, st: _Static, tiles_per_split=None):
+def _for_each_item(body, sequences: _Sequences, st: _Static, tiles_per_split=None):
   """Calls body(item, steps_before) -> its step count for each of this program's work items; the ring
   steps (KV group 0's tiles) run on across items. Returns the program's total step count."""
   if not st.persistent:
     item = _item(lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("split"),
-                 lengths_ref, st, tiles_per_split)
+                 sequences, st, tiles_per_split)
     return body(item, jnp.int32(0))
   num_heads, num_split_programs, _ = st.grid_shape
   program = lax.axis_index("program")
@@ -269,7 +297,7 @@ def _for_each_item(body, lengths_ref, st: _Static, tiles_per_split=None):
     head_block = lax.rem(w, jnp.int32(num_heads))
     rest = lax.div(w, jnp.int32(num_heads))
     item = _item(lax.div(rest, jnp.int32(num_split_programs)), head_block,
-                 lax.rem(rest, jnp.int32(num_split_programs)), lengths_ref, st, tiles_per_split)
+                 lax.rem(rest, jnp.int32(num_split_programs)), sequences, st, tiles_per_split)
     return steps_before + body(item, steps_before)
 
   return lax.fori_loop(0, mine, one, jnp.int32(0))
@@ -281,6 +309,7 @@ def _kernel(q_ref,
             lengths_ref,
             *refs, st: _Static, **scratch):
   refs = list(refs)
+  sequences = _Sequences(lengths_ref, refs.pop(0) if st.options.has_window_start else None)
   plan_ref = refs.pop(0) if st.balanced else None
   block_tables_ref = refs.pop(0) if st.tiling.paged else None
   k_scale_ref = refs.pop(0) if st.k_scale else None
@@ -289,15 +318,13 @@ def _kernel(q_ref,
    lse_ref,
    ) = refs
   q_smem = scratch["q_smem"]
-  if st.smem.separate_out:
-    streaming, (out_smem, lse_smem) = scratch["streaming"], scratch["out_stage"]
-  else:
-    streaming, (out_smem, lse_smem) = scratch["union"]
+  streaming, (out_smem, lse_smem), tiles = st.smem.buffers(scratch)
   rings = []
   for g in range(st.kv_groups):
     names = {role: st.smem.ring_name(role, g) for role in st.smem.ring_specs()}
     rings.append({role: pipeline.Ring(spec, streaming[names[role]], scratch[f"{names[role]}_produced"],
-                                      scratch[f"{names[role]}_consumed"])
+                                      scratch[f"{names[role]}_consumed"],
+                                      tiles=None if tiles is None else tiles[names[role]])
                   for role, spec in st.smem.ring_specs().items()})
   converted = {role: pipeline.Ring(spec, streaming[name], scratch[f"{name}_produced"], scratch[f"{name}_consumed"])
                for role, spec in st.smem.converted_ring_specs().items()
@@ -317,14 +344,15 @@ def _kernel(q_ref,
           for role in ("k", "v"):
             # V's rows past the length are zeroed here (0 x NaN is NaN in P V); K's are masked.
             valid_rows = item.length - (t0 + step) * st.tiling.block_kv if role == "v" else None
+            first_row = sequences.first_row(item, t0 + step, st) if role == "v" else None
             _convert_tile(rings[0][role], rings[0].get(f"{role}s"), converted[role], steps_before + step,
-                          valid_rows, item.head, st)
+                          valid_rows, item.head, st, first_row)
 
         for ring in converted.values():   # one item (no persistent grid with a converter)
           ring.drain(count)
         return count
 
-      _for_each_item(convert, lengths_ref, st, None if plan_ref is None else plan_ref[0])
+      _for_each_item(convert, sequences, st, None if plan_ref is None else plan_ref[0])
 
   @pl.when(wg == st.smem.num_wgs)
   def _producer():
@@ -357,7 +385,7 @@ def _kernel(q_ref,
             ring.drain(count)
       return counts[0]
 
-    total = _for_each_item(produce, lengths_ref, st, None if plan_ref is None else plan_ref[0])
+    total = _for_each_item(produce, sequences, st, None if plan_ref is None else plan_ref[0])
     if st.persistent:
       for ring in rings[0].values():
         ring.drain(total)
@@ -383,13 +411,13 @@ def _kernel(q_ref,
         k_tiles, v_tiles = _tile_feeds(rings[g], streaming, w, item.head, st, converted)
         plgpu.barrier_wait(q_barrier)
         carry = _consume(q_tile, k_tiles, v_tiles, p_smem, item.length, row0, *item.ranges[g],
-                         steps_before, st, k_scale=k_head_scale)
+                         steps_before, st, k_scale=k_head_scale, start=item.start)
         _write_partials(carry, out_smem.at[w], lse_smem.at[w], out_ref, lse_ref,
                         scratch["consumers_done"], b=item.b, head=item.head,
                         split=item.splits[g], rw=rw, row0=row0, st=st, v_scale=v_head_scale)
         return item.counts[g]
 
-      _for_each_item(consume, lengths_ref, st, None if plan_ref is None else plan_ref[0])
+      _for_each_item(consume, sequences, st, None if plan_ref is None else plan_ref[0])
       if st.persistent:
         plgpu.wait_smem_to_gmem(0)
 
@@ -406,19 +434,22 @@ def _tile_feeds(rings, streaming, w: int, head, st: _Static, converted=None):
                for role, dequantized in (("k", mine[0]), ("v", mine[-1])))
 
 
-def _consume(q_tile, k_tiles, v_tiles, p_smem, length, row0, t0, t1, a, c, step0, st: _Static, k_scale=None):
-  """(acc, m, l) over tiles [t0, t1), [a, c) unmasked; ring step step0 + i holds tile t0 + i."""
+def _consume(q_tile, k_tiles, v_tiles, p_smem, length, row0, t0, t1, a, c, step0, st: _Static, k_scale=None,
+             start=None):
+  """(acc, m, l) over tiles [t0, t1), [a, c) unmasked; ring step step0 + i holds tile t0 + i; keys before a
+  window start (given) are masked."""
   math_ = st.tile_math
   wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
   s_type = plgpu.ACC((ROWS_PER_WG, st.tiling.block_kv), jnp.float32)
 
   def softmax(s, tile, acc, m_i, l_i, masked: bool):
     return math_.softmax(s, acc, m_i, l_i, tile=tile, length=length, row0=row0, masked=masked, st=st,
-                         k_scale=k_scale)
+                         k_scale=k_scale, **({} if start is None else dict(start=start)))
 
   def pv(acc, p16, i, tile, masked: bool):
     valid_rows = length - tile * st.tiling.block_kv if masked else None
-    v_tile = v_tiles.fetch(i, valid_rows)
+    first_row = start - tile * st.tiling.block_kv if masked and start is not None else None
+    v_tile = v_tiles.fetch(i, valid_rows, first_row)
     acc = math_.pv(acc, p16, v_tile, p_smem)
     v_tiles.done(i)
     return acc
@@ -539,6 +570,8 @@ def _build(st: _Static, interpret: Any):
     name += f"_{st.tile_math.name}"
   if st.balanced:
     name += "_balanced"
+  if st.options.has_window_start:
+    name += "_wstart"
   if st.persistent:
     grid, grid_names = (st.num_programs,), ("program",)
   else:
@@ -560,7 +593,8 @@ def _build(st: _Static, interpret: Any):
 
 def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
                     config: MosaicGPUConfig, plan: SplitPlan, k_scale=None, v_scale=None,
-                    num_programs: int | None = None, tile_math: TileMath = TileMath(), interpret: Any = False):
+                    num_programs: int | None = None, tile_math: TileMath = TileMath(), interpret: Any = False,
+                    window_start=None):
   """Split-K partials of decode attention over a contiguous or paged KV cache.
 
   q: [B, Hkv, R, D] bf16 / fp16, R = S * G packed rows (S = num_queries): row r = s * G + g is new token
@@ -570,6 +604,7 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
     dtype or a one-byte type (`frame.QUANTIZED_DTYPES`).
   k_scale, v_scale: None, [Hkv] f32, or per token with the cache's leading dims ([B, T, Hkv] /
     [P, page_size, Hkv]; Hkv 1 or a multiple of 4): logits use k_scale_t * k_t, the output v_scale_t * v_t.
+  window_start: int32 [B], given exactly when options.has_window_start: keys before it are invisible.
   options: scale, softcap, window; config: a complete `MosaicGPUConfig`; plan: its `SplitPlan` (batch order);
     num_programs: a persistent config's (default: the SM count); interpret: False, True or InterpretGPUParams.
 
@@ -599,7 +634,7 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   rows_padded = row_wgs * ROWS_PER_WG * num_row_blocks
   out_rows = R if num_row_blocks == 1 else rows_padded
   smem = mgpu_config.DecodeSmem.for_call(config, rows=R, head_dim=D, dtype=k.dtype, page_size=page_size,
-                                         stage_p=bool(interpret), **quantized)
+                                         interpret=bool(interpret), **quantized)
   st = _Static(
       num_queries=num_queries, group=R // num_queries, rows=R, num_row_blocks=num_row_blocks,
       out_rows=out_rows, lse_rows=split_plan.round_up(out_rows, _LSE_ROW_MULTIPLE),
@@ -620,7 +655,11 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
     interpret = None
   if rows_padded != R:
     q = jnp.pad(q, ((0, 0), (0, 0), (0, rows_padded - R), (0, 0)))
-  args = [q, k, v, lengths, *plan.kernel_inputs()]
+  if (window_start is not None) != options.has_window_start:
+    raise ValueError(f"window_start is given exactly when options.has_window_start; got "
+                     f"{options.has_window_start=} and window_start {'None' if window_start is None else 'given'}")
+  args = [q, k, v, lengths, *([] if window_start is None else [window_start.astype(jnp.int32)])]
+  args += plan.kernel_inputs()
   args += [] if block_tables is None else [block_tables]
   for kind, scale in ((k_kind, k_scale), (v_kind, v_scale)):
     if kind == "token" and Hkv == 1:

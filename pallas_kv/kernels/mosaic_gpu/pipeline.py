@@ -1,6 +1,6 @@
 """The KV load pipeline on Mosaic GPU: a `Ring` of num_stages SMEM slots filled by TMA, two barriers per slot.
 
-  produced[slot]  completes when every copy into the slot has landed (`copies_per_slot` arrivals)
+  produced[slot]  completes when every copy into the slot has landed (one arrival per copy)
   consumed[slot]  completes when every consumer has released the slot (`num_consumers` arrivals)
 
 Step i uses slot i % num_stages, so the producer runs up to num_stages tiles ahead:
@@ -8,7 +8,10 @@ Step i uses slot i % num_stages, so the producer runs up to num_stages tiles ahe
   consumer  tile = ring.wait(i); ... wgmma on tile ...; ring.release(i)
 A warpgroup may fill a ring with its own stores instead (`commit_stores`). Column parts (`RingSpec.column_parts`)
 each have their own SMEM array (TMA fills only contiguous SMEM) and barriers, so a part is read as it lands and
-refilled once its readers release it. Barrier phases are tracked per thread: each side visits every step in order.
+refilled once its readers release it. A copy of fewer rows than a swizzle tile holds (pages of 1, 2 or 4 tokens)
+lands one column tile at a time through `Ring.tiles`, the slots seen as their swizzle tiles: TMA swizzles by
+SMEM address, so a row written alone lands where the whole tile's copy would put it. Barrier phases are tracked
+per thread: each side visits every step in order.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 # Mosaic GPU aligns every SMEM allocation to this many bytes.
 SMEM_ALIGNMENT = 1024
 BARRIER_BYTES = 8
+TMA_SMEM_ALIGNMENT = 128   # a copy into a swizzled tile starts on a 128-byte boundary (misaligned address if not)
 
 
 def align_up(x: int, alignment: int = SMEM_ALIGNMENT) -> int:
@@ -51,6 +55,12 @@ class RingSpec:
       raise ValueError(f"{self.copies_per_slot=} must be >= 1")
     if self.num_consumers < 1:
       raise ValueError(f"{self.num_consumers=} must be >= 1")
+    if self.splits_rows and (self.column_parts or len(self.block_shape) != 2):
+      raise ValueError(f"copies of {self.rows_per_copy} rows need a 2-D slot of one part, got {self.block_shape=} "
+                       f"{self.column_parts=}")
+    if self.splits_rows and self.rows_per_copy * self.tile[1] * jnp.dtype(self.dtype).itemsize % TMA_SMEM_ALIGNMENT:
+      raise ValueError(f"copies of {self.rows_per_copy} rows of {self.tile[1]} {jnp.dtype(self.dtype).name} would "
+                       f"start off TMA's {TMA_SMEM_ALIGNMENT}-byte SMEM alignment")
 
   def buffer_type(self):
     if self.column_parts:
@@ -70,9 +80,34 @@ class RingSpec:
   def part_columns(self, part: int) -> tuple[int, int]:
     return sum(self.column_parts[:part]), self.column_parts[part]
 
+  @property
+  def tile(self) -> tuple[int, int] | None:
+    """(rows, columns) of the slot's swizzle tiles, or None when untiled."""
+    tilings = [t.tiling for t in self.transforms if isinstance(t, plgpu.TilingTransform)]
+    return tuple(tilings[0]) if tilings else None
+
+  @property
+  def rows_per_copy(self) -> int:
+    return self.block_shape[0] // self.copies_per_slot
+
+  @property
+  def splits_rows(self) -> bool:
+    """Whether a copy fills part of a swizzle tile's rows, and so lands one column tile at a time."""
+    return self.tile is not None and self.rows_per_copy % self.tile[0] != 0
+
+  @property
+  def copies_per_source(self) -> int:
+    return self.block_shape[-1] // self.tile[1] if self.splits_rows else 1
+
+  def tiles_type(self):
+    """The slots as their swizzle tiles [stages, rows / tr, cols / tc, tr, tc], for `Ring.tiles`."""
+    (tr, tc), (rows, cols) = self.tile, self.block_shape
+    swizzle = [t for t in self.transforms if isinstance(t, plgpu.SwizzleTransform)]
+    return plgpu.SMEM((self.num_stages, rows // tr, cols // tc, tr, tc), jnp.dtype(self.dtype), transforms=swizzle)
+
   def barrier_types(self):
     count = self.num_stages * self.num_parts
-    return (plgpu.Barrier(num_arrivals=self.copies_per_slot, num_barriers=count),
+    return (plgpu.Barrier(num_arrivals=self.copies_per_slot * self.copies_per_source, num_barriers=count),
             plgpu.Barrier(num_arrivals=self.num_consumers, num_barriers=count))
 
   @property
@@ -87,12 +122,15 @@ class RingSpec:
 @dataclasses.dataclass(frozen=True)
 class Ring:
   """A ring bound to its refs inside a kernel. poison_released (interpret mode): a one-consumer slot is
-  NaN-filled on release, so a slot freed while another warpgroup reads it shows as NaN in the output."""
+  NaN-filled on release, so a slot freed while another warpgroup reads it shows as NaN in the output.
+  tiles: the slots' bytes as `spec.tiles_type()` (a `RefUnion` alias) where copies split rows; None in
+  interpret mode, whose union members do not share memory: there such copies go through the slots."""
   spec: RingSpec
   slots: Any
   produced: Any
   consumed: Any
   poison_released: bool = False
+  tiles: Any = None
 
   def _slot(self, step):
     return lax.rem(step, jnp.int32(self.spec.num_stages))
@@ -122,10 +160,24 @@ class Ring:
     row = 0
     for src in sources:
       rows = src.shape[0]
-      plgpu.copy_gmem_to_smem(src, dst.at[pl.ds(row, rows)], barrier)
+      if self.spec.splits_rows:
+        for src_part, dst_part in self._tile_columns(step, src, dst, row):
+          plgpu.copy_gmem_to_smem(src_part, dst_part, barrier)
+      else:
+        plgpu.copy_gmem_to_smem(src, dst.at[pl.ds(row, rows)], barrier)
       row += rows
     if row != self.spec.block_shape[0]:
       raise ValueError(f"sources cover {row} rows, the slot has {self.spec.block_shape[0]}")
+
+  def _tile_columns(self, step, src, dst, row):
+    """(source, destination) per column tile of src's rows, which start at `row` inside one swizzle tile."""
+    (tr, tc), rows = self.spec.tile, src.shape[0]
+    for c in range(self.spec.copies_per_source):
+      columns = pl.ds(c * tc, tc)
+      if self.tiles is None:
+        yield src.at[:, columns], dst.at[pl.ds(row, rows), columns]
+      else:
+        yield src.at[:, columns], self.tiles.at[self._slot(step), row // tr, c, pl.ds(row % tr, rows)]
 
   def commit_stores(self, step, part=None):
     """Marks step's slot (part) filled by this warpgroup's stores, fenced for wgmma's async proxy."""

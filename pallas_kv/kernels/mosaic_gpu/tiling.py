@@ -4,13 +4,16 @@ wgmma (K read transposed), and where their tokens live (`KVTiling`):
   contiguous  kv [B, T, Hkv, D]          tile j of sequence b is kv[b, j*bkv : (j+1)*bkv, h]
   paged       kv [P, page_size, Hkv, D]  token t of b is kv[table[b, t // page_size], t % page_size, h]
 
-A paged tile is one TMA copy per page it spans. Per-token scales come with the same copies: TMA rows are
-16 bytes, so a scale tile holds the 4-head group of the program's head (one kv head: contiguous scales).
+A paged tile is one TMA copy per run of tokens that one page holds (gcd(page_size, block_kv) tokens); a run of
+fewer than 8 rows lands one swizzle column tile at a time (`pipeline.RingSpec.splits_rows`). Per-token scales come
+with the same copies: TMA rows are 16 bytes, so a scale tile holds the 4-head group of the program's head (one kv
+head: contiguous scales).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 import jax.numpy as jnp
@@ -43,28 +46,35 @@ def load_token_scales(slot, *, head):
   return jnp.sum(jnp.where(column == head % SCALE_ROW, group, 0.0), axis=1)
 
 
-def rows_below(values, valid_rows, layout):
-  """values [bkv, cols] with rows >= valid_rows set to 0: a masked key's p is 0, but 0 x NaN is NaN in P V."""
+def rows_below(values, valid_rows, layout, first_row=None):
+  """values [bkv, cols] with rows >= valid_rows (and < first_row, given) set to 0: a masked key's p is 0, but
+  0 x NaN is NaN in P V."""
   rows = plgpu.broadcasted_iota(jnp.int32, values.shape, 0, layout=layout)
-  return jnp.where(rows < valid_rows, values, jnp.zeros_like(values))
+  keep = rows < valid_rows
+  if first_row is not None:
+    keep = keep & (rows >= first_row)
+  return jnp.where(keep, values, jnp.zeros_like(values))
 
 
 # Columns zeroed per step: one 128-byte swizzle row, few registers beside the accumulators.
 _ZERO_CHUNK = 64
 
 
-def zero_rows_past(tile, valid_rows, *, width: int | None = None):
-  """Zeroes rows >= valid_rows of a 16-bit SMEM tile's first `width` columns, fenced for wgmma and TMA."""
+def zero_rows_past(tile, valid_rows, *, width: int | None = None, first_row=None):
+  """Zeroes rows >= valid_rows (and < first_row, given) of a 16-bit SMEM tile's first `width` columns, fenced
+  for wgmma and TMA."""
   width = tile.shape[1] if width is None else width
-  for c in range(width // _ZERO_CHUNK):
-    chunk = tile.at[:, pl.ds(c * _ZERO_CHUNK, _ZERO_CHUNK)]
+  for start in range(0, width, _ZERO_CHUNK):
+    chunk = tile.at[:, pl.ds(start, min(_ZERO_CHUNK, width - start))]
     if tile.shape[0] % 64 == 0:
-      chunk[...] = rows_below(plgpu.load(chunk, layout=plgpu.Layout.WGMMA), valid_rows, plgpu.Layout.WGMMA)
+      chunk[...] = rows_below(plgpu.load(chunk, layout=plgpu.Layout.WGMMA), valid_rows, plgpu.Layout.WGMMA,
+                              first_row)
     else:   # the WGMMA layout spans 64 rows: a 32-token tile is zeroed through its transpose
       columns = chunk.transpose((1, 0))
       values = plgpu.load(columns, layout=plgpu.Layout.WGMMA)
       tokens = plgpu.broadcasted_iota(jnp.int32, values.shape, 1, layout=plgpu.Layout.WGMMA)
-      columns[...] = jnp.where(tokens < valid_rows, values, jnp.zeros_like(values))
+      keep = tokens < valid_rows if first_row is None else (tokens < valid_rows) & (tokens >= first_row)
+      columns[...] = jnp.where(keep, values, jnp.zeros_like(values))
   plgpu.commit_smem()
 
 
@@ -107,9 +117,8 @@ class KVTiling:
 
   @property
   def copies_per_tile(self) -> int:
-    if self.paged and self.page_size < self.block_kv:
-      return self.block_kv // self.page_size
-    return 1
+    """Runs of tokens (GMEM sources) per tile; a run is one TMA copy, or one per column tile if it splits rows."""
+    return self.block_kv // self.rows_per_copy
 
   def capacity(self, kv_shape: Sequence[int]) -> int:
     if self.paged:
@@ -118,7 +127,7 @@ class KVTiling:
 
   @property
   def rows_per_copy(self) -> int:
-    return self.block_kv // self.copies_per_tile
+    return math.gcd(self.page_size, self.block_kv) if self.paged else self.block_kv
 
   def tile_locations(self, tile, *, batch, block_tables_ref=None, length=None) -> list[tuple[Any, Any]]:
     """Where tile `tile` of sequence `batch` lives: (leading index, first row) per copy, for K and V alike.
@@ -139,11 +148,16 @@ class KVTiling:
       column = jnp.minimum(column, last_column)
       return jnp.clip(block_tables_ref[batch, column], 0, self.num_pages - 1)
 
-    if ps >= bkv:
+    if ps % bkv == 0:
       tiles_per_page = ps // bkv
       return [(page_id(tile // tiles_per_page), (tile % tiles_per_page) * bkv)]
     n = self.copies_per_tile
-    return [(page_id(tile * n + i), 0) for i in range(n)]
+    if bkv % ps == 0:
+      return [(page_id(tile * n + i), 0) for i in range(n)]
+    # Pages and tiles overlap unevenly (pages of 48 tokens): a run of gcd tokens never crosses a page.
+    rows = self.rows_per_copy
+    tokens = [tile * bkv + i * rows for i in range(n)]
+    return [(page_id(t // ps), t % ps) for t in tokens]
 
   def tile_sources(self, kv_ref, locations, *, head) -> list[Any]:
     """GMEM views [rows_per_copy, D] of kv_ref at `locations`, which stacked in order are the tile."""

@@ -31,19 +31,22 @@ def plan_splits(op: str, problem, options, config: TritonConfig, lengths) -> pla
 
 
 def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: TritonConfig,
-        split_plan: plan.SplitPlan, sinks, k_scale, v_scale, return_lse: bool):
-  """Runs an accepted call with a complete config and its plan; k, v are the caches (pages when paged)."""
+        split_plan: plan.SplitPlan, sinks, k_scale, v_scale, return_lse: bool, window_start=None):
+  """Runs an accepted call with a complete config and its plan; k, v are the caches (pages when paged);
+  window_start: int32 [B] or None, each sequence's first visible key."""
   del op
   interpret = runtime.interpret_enabled()
   kw = dict(num_queries=problem.num_queries, options=options, config=config, plan=split_plan, interpret=interpret,
             v_tokens_last=problem.v_tokens_last)
 
   def partials(rows, lengths, block_tables, k_scale, v_scale):
-    return triton_decode.decode_partials(rows, k, v, lengths, block_tables, k_scale=k_scale, v_scale=v_scale, **kw)
+    return triton_decode.decode_partials(rows, k, v, lengths, block_tables, k_scale=k_scale, v_scale=v_scale,
+                                         window_start=window_start, **kw)
 
   def merged(rows, lengths, block_tables, k_scale, v_scale, row_sinks):
     return triton_decode.decode_merged(rows, k, v, lengths, block_tables, sinks=row_sinks, k_scale=k_scale,
-                                       v_scale=v_scale, out_dtype=q.dtype, return_lse=return_lse, **kw)
+                                       v_scale=v_scale, out_dtype=q.dtype, return_lse=return_lse,
+                                       window_start=window_start, **kw)
 
   # No merge launch with one split (docs/decisions.md#triton-one-split); stream-K merges in the launch.
   in_kernel = config.merge_in_kernel or split_plan.num_splits == 1 or split_plan.stream_k

@@ -15,11 +15,15 @@ from pallas_kv.kernels import frame
 from pallas_kv.kernels import plan
 
 NAME = "triton"
-HEAD_DIMS = (64, 128, 256)
+# Any multiple of HEAD_DIM_STEP in the range: tiles pad to a power of two in the kernel, loads masked past D.
+# Steps of 8 keep the column mask constant over 16-byte runs of 16-bit values: the loads stay vectorized.
+MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_STEP = 32, 512, 8
 MIN_DOT_DIM = 16   # tl.dot needs every dimension >= 16
 MIN_BLOCK_KV = 16
-# Rows one program accumulates in registers; more rows go to more programs, each re-reading its KV head.
-MAX_ROWS_PER_PROGRAM = {64: 128, 128: 128, 256: 64}
+# Rows one program accumulates in registers, rows x padded D float32 (128 x 128 at D 128); more rows go to more
+# programs, each re-reading its KV head.
+MAX_ROWS_PER_PROGRAM = 128
+MAX_ACCUMULATOR_ELEMENTS = 128 * 128
 # SMEM for pipelined tiles: Hopper's, also when lowering without a GPU (docs/decisions.md#triton-smem-budget).
 HOPPER_SMEM_BUDGET_BYTES = 227 * 1024
 SMEM_BUDGET_BYTES = 160 * 1024
@@ -46,16 +50,32 @@ def next_pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
 
+def padded_dim(head_dim: int) -> int:
+  """The kernel's tile width for head_dim: Triton's arrays are powers of two, and tl.dot's dims >= 16."""
+  return max(MIN_DOT_DIM, next_pow2(head_dim))
+
+
+def head_dim_reason(head_dim: int) -> str | None:
+  if head_dim % HEAD_DIM_STEP or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+    return f"head_dim {head_dim} is not a multiple of {HEAD_DIM_STEP} in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]"
+  return None
+
+
+def max_rows_per_program(head_dim: int) -> int:
+  """128 rows up to D 128, 64 at D 256, 32 at D 512."""
+  return min(MAX_ROWS_PER_PROGRAM, MAX_ACCUMULATOR_ELEMENTS // padded_dim(head_dim))
+
+
 def row_blocking(rows: int, head_dim: int) -> tuple[int, int]:
   """(rows per program, a power of two >= 16; row blocks in the grid) for `rows` packed rows."""
-  block = max(MIN_DOT_DIM, next_pow2(rows))
-  block = min(block, MAX_ROWS_PER_PROGRAM[head_dim])
+  block = min(max(MIN_DOT_DIM, next_pow2(rows)), max_rows_per_program(head_dim))
   return block, plan.cdiv(rows, block)
 
 
 def smem_bytes(*, head_dim: int, itemsize: int, block_kv: int, num_stages: int, block_rows: int) -> int:
-  tile = block_kv * head_dim * itemsize
-  return max(num_stages, 1) * 2 * tile + block_rows * head_dim * itemsize
+  """Pipelined K and V tiles and the q rows, at the padded width the kernel's tiles have."""
+  width = padded_dim(head_dim)
+  return max(num_stages, 1) * 2 * block_kv * width * itemsize + block_rows * width * itemsize
 
 
 def smem_budget() -> int:
@@ -79,7 +99,9 @@ def block_kv_for_page(page_size: int, block_kv: int = DEFAULT_BLOCK_KV) -> int |
 
 
 def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
-  reason = frame.unsupported_reason(op, problem, options, dtypes, backend=NAME, head_dims=HEAD_DIMS)
+  reason = frame.unsupported_reason(op, problem, options, dtypes, backend=NAME)
+  if reason is None:
+    reason = head_dim_reason(problem.head_dim)
   if reason is None and problem.page_size is not None and block_kv_for_page(problem.page_size) is None:
     reason = f"page_size {problem.page_size} is not supported (a power of two, or a multiple of {MIN_BLOCK_KV})"
   return reason
@@ -88,14 +110,15 @@ def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
 def check_config(config: TritonConfig, *, head_dim: int, page_size: int | None) -> None:
   if not isinstance(config, TritonConfig) or not config.complete:
     raise ValueError(f"the triton kernel takes a complete TritonConfig (resolve_config), got {config!r}")
-  if head_dim not in HEAD_DIMS:
-    raise ValueError(f"head_dim={head_dim} must be one of {HEAD_DIMS}")
+  if (reason := head_dim_reason(head_dim)) is not None:
+    raise ValueError(reason)
   if page_size is not None and page_size % config.block_kv and config.block_kv % page_size:
     raise ValueError(f"block_kv={config.block_kv} must divide page_size={page_size} or be a multiple of it")
 
 
 def heuristic_config(problem, *, dtype: Any = "bfloat16", budget: int | None = None) -> TritonConfig:
-  """The default tile, stages and warps, shedding stages, then tile size, to fit `budget` bytes of SMEM."""
+  """The default tile, stages and warps; to fit `budget` bytes of SMEM, fewer stages, then half the tile with
+  three stages again (D 512 on Hopper: 32 tokens, three stages)."""
   budget = smem_budget() if budget is None else budget
   itemsize = jnp.dtype(dtype).itemsize
   block_rows, _ = row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
@@ -105,7 +128,7 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", budget: int | None = N
   if problem.page_size is not None:
     block_kv = block_kv_for_page(problem.page_size, block_kv) or block_kv
   config = TritonConfig(block_kv=block_kv, num_stages=DEFAULT_STAGES, split_plan="per_sequence",
-                        num_warps=8 if block_rows * problem.head_dim >= 128 * 128 else 4,
+                        num_warps=8 if block_rows * padded_dim(problem.head_dim) >= 128 * 128 else 4,
                         sequence_order="given", merge_in_kernel=False)
   fits = lambda c: fits_smem(head_dim=problem.head_dim, itemsize=itemsize, block_kv=c.block_kv,
                              num_stages=c.num_stages, block_rows=block_rows, budget=budget)
@@ -113,7 +136,7 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", budget: int | None = N
     if config.num_stages > 2:
       config = dataclasses.replace(config, num_stages=config.num_stages - 1)
     elif config.block_kv > MIN_BLOCK_KV:
-      config = dataclasses.replace(config, block_kv=config.block_kv // 2)
+      config = dataclasses.replace(config, block_kv=config.block_kv // 2, num_stages=DEFAULT_STAGES)
     else:
       break
   return config

@@ -32,7 +32,9 @@ from pallas_kv.kernels.triton.tiles import head_scales_of
 from pallas_kv.kernels.triton.tiles import initial_carry
 from pallas_kv.kernels.triton.tiles import load_q
 from pallas_kv.kernels.triton.tiles import real_rows
+from pallas_kv.kernels.triton.tiles import store_rows
 from pallas_kv.kernels.triton.tiles import tile_step
+from pallas_kv.kernels.triton.tiles import window_start_of
 
 DEPRECATION_MESSAGE = "The Pallas Triton backend is deprecated"
 # Widen one-byte tiles with `tiles.WIDEN_PTX`: generic conversions are slower than HBM delivers the bytes.
@@ -75,19 +77,21 @@ else:
   _compiler_params_class = pltr.CompilerParams
 
 
-def _tile_range(length, split, st: Static, tiles_per_split):
+def _tile_range(length, split, st: Static, tiles_per_split, start):
   return split_plan.split_tile_range(length, split, block_kv=st.block_kv, num_queries=st.num_queries,
                                   num_splits=st.num_splits, window=st.options.window,
-                                  tiles_per_split=tiles_per_split)
+                                  tiles_per_split=tiles_per_split, start=start)
 
 
-def _attend(r: Refs, *, head, row0, length, tiles, seq: tuple, st: Static):
-  """One sequence's partial (out [block_rows, D] f32, lse [block_rows]) over tiles [t0, t1), masked outside [a, c)."""
+def _attend(r: Refs, *, head, row0, length, tiles, seq: tuple, st: Static, start):
+  """One sequence's partial (out [block_rows, width] f32, lse [block_rows]) over tiles [t0, t1), masked outside
+  [a, c)."""
   t0, a, c, t1 = tiles
   q = load_q(r, row0, seq, st)
   head_scales = head_scales_of(r, head, st)
   step = lambda masked: lambda tile, carry: tile_step(r, q, tile, carry, head_scales=head_scales, row0=row0,
-                                                       length=length, seq=seq, masked=masked, st=st)
+                                                       length=length, seq=seq, masked=masked, st=st,
+                                                       start=start)
   carry = lax.fori_loop(t0, a, step(True), initial_carry(st))
   carry = lax.fori_loop(a, c, step(False), carry)
   carry = lax.fori_loop(c, t1, step(True), carry)
@@ -111,21 +115,21 @@ def _kernel(q_ref,
   head = head_block // st.num_row_blocks
   row0 = first_row(head_block, st)
   length = jnp.clip(lengths_ref[b], 0, st.capacity)
-  t0, t1, a, c = _tile_range(length, split, st, r.tiles_per_split)
-  partial = _attend(r, head=head, row0=row0, length=length, tiles=(t0, a, c, t1), seq=seq, st=st)
+  start = window_start_of(r, b, st)
+  t0, t1, a, c = _tile_range(length, split, st, r.tiles_per_split, start)
+  partial = _attend(r, head=head, row0=row0, length=length, tiles=(t0, a, c, t1), seq=seq, st=st, start=start)
   if not st.merge:
     out_ref, lse_ref = r.rest
     out, lse = partial
-    row_ok = real_rows(row0, st)
-    pltr.store(out_ref.at[(*seq, pl.ds(row0, st.block_rows), slice(None))], out,
-               mask=jnp.broadcast_to(row_ok[:, None], (st.block_rows, st.head_dim)))
-    pltr.store(lse_ref.at[(*seq, pl.ds(row0, st.block_rows))], lse, mask=row_ok)
+    store_rows(out_ref, seq, row0, out, st)
+    pltr.store(lse_ref.at[(*seq, pl.ds(row0, st.block_rows))], lse, mask=real_rows(row0, st))
   else:
     _merge_epilogue(partial, r.rest, b=b, head=head, head_block=head_block, split=split, row0=row0,
-                    length=length, tiles_per_split=r.tiles_per_split, st=st)
+                    length=length, tiles_per_split=r.tiles_per_split, st=st, start=start)
 
 
-def _merge_epilogue(partial, refs, *, b, head, head_block, split, row0, length, tiles_per_split, st: Static):
+def _merge_epilogue(partial, refs, *, b, head, head_block, split, row0, length, tiles_per_split, st: Static,
+                    start):
   """Merge mode: store this split's partial; the last split of a sequence to arrive merges them all."""
   outs = MergedOutputs(refs, row0=row0, st=st)
   if st.num_splits == 1:
@@ -133,7 +137,7 @@ def _merge_epilogue(partial, refs, *, b, head, head_block, split, row0, length, 
     return
   active = split_plan.active_splits(length, block_kv=st.block_kv, num_queries=st.num_queries,
                                  num_splits=st.num_splits, window=st.options.window,
-                                 tiles_per_split=tiles_per_split)
+                                 tiles_per_split=tiles_per_split, start=start)
 
   @pl.when((active <= 1) & (split == 0))
   def _():
@@ -172,6 +176,8 @@ def _build(st: Static, *, batch: int, num_kv_heads: int, kv_shape, table_width: 
     kv_spec = per_sequence((kv_shape[1], None, D), lambda hb, s: (0, head(hb), 0))
     v_spec = per_sequence((None, D, kv_shape[1]), lambda hb, s: (head(hb), 0, 0))
   in_specs = [q_spec, kv_spec, v_spec if st.v_tokens_last else kv_spec, whole((batch,))]
+  if st.options.has_window_start:
+    in_specs.append(whole((batch,)))
   if st.ordered:
     in_specs.append(whole((batch,)))
   if st.balanced:
@@ -224,6 +230,8 @@ def _build(st: Static, *, batch: int, num_kv_heads: int, kv_shape, table_width: 
     name += "_streamk"
   if st.v_tokens_last:
     name += "_vt"
+  if st.options.has_window_start:
+    name += "_wstart"
   return pl.pallas_call(
       functools.partial(_kernel, st=st),
       # grid[0] varies fastest: the KV heads of one token range sit side by side in HBM.
@@ -279,15 +287,19 @@ def call_quietly(call, args):
     return call(*args)
 
 
-def _args(q, k, v, lengths, block_tables, k_scale, v_scale, plan: SplitPlan) -> tuple:
-  args = (q, k, v, lengths) + plan.kernel_inputs()
+def _args(q, k, v, lengths, block_tables, k_scale, v_scale, plan: SplitPlan, window_start, options) -> tuple:
+  if (window_start is not None) != options.has_window_start:
+    raise ValueError(f"window_start is given exactly when options.has_window_start; got "
+                     f"{options.has_window_start=} and window_start {'None' if window_start is None else 'given'}")
+  args = (q, k, v, lengths) + (() if window_start is None else (window_start.astype(jnp.int32),))
+  args += plan.kernel_inputs()
   args += (block_tables,) if block_tables is not None else ()
   return args + tuple(scale for scale in (k_scale, v_scale) if scale is not None)
 
 
 def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
                     config: TritonConfig, plan: SplitPlan, k_scale=None, v_scale=None, interpret: bool = False,
-                    v_tokens_last: bool = False):
+                    v_tokens_last: bool = False, window_start=None):
   """Split-K partials of decode attention over a contiguous or paged KV cache.
 
   q: [B, Hkv, R, D] bf16 / fp16, R = S * G rows (`frame.pack_queries`), S = num_queries; token s of sequence b
@@ -295,18 +307,19 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   k, v: dense [B, T, Hkv, D] or paged [P, page_size, Hkv, D] with block_tables int32 [B, max_pages]; with
     v_tokens_last v has k's dims 0, 2, 3, 1. q's dtype, or one-byte (q float16) times k_scale / v_scale:
     None, float32 [Hkv], or float32 per token and kv head shaped like the cache's first three dims.
+  window_start: int32 [B] (given exactly when options.has_window_start): keys before it are invisible.
   config: a complete `TritonConfig`; plan: its `SplitPlan` (results are in batch order whatever plan.order).
   Returns (out [B, Hkv, num_splits, R, D] float32, each split's normalised output; lse [B, Hkv, num_splits, R]
   float32 natural log, -inf (out 0) where the split saw no key)."""
   st = _static(q, k, v, lengths, block_tables, num_queries=num_queries, options=options, config=config, plan=plan,
                k_scale=k_scale, v_scale=v_scale, interpret=interpret, v_tokens_last=v_tokens_last)
-  args = _args(q, k, v, lengths, block_tables, k_scale, v_scale, plan)
+  args = _args(q, k, v, lengths, block_tables, k_scale, v_scale, plan, window_start, options)
   return tuple(_call(st, args, q=q, k=k, config=config, interpret=interpret))
 
 
 def decode_merged(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
                   config: TritonConfig, plan: SplitPlan, sinks=None, k_scale=None, v_scale=None, out_dtype=None,
-                  return_lse: bool = True, interpret: bool = False, v_tokens_last: bool = False):
+                  return_lse: bool = True, interpret: bool = False, v_tokens_last: bool = False, window_start=None):
   """`frame.merge_splits` of `decode_partials`' result in the same launch, up to float32 rounding, the bits
   independent of the order splits finish in. Extra arguments: sinks None or float32 [Hkv, R] (`frame.packed_sinks`),
   out_dtype (default q's). Returns (out [B, Hkv, R, D] out_dtype, lse [B, Hkv, R] float32 or None)."""
@@ -314,7 +327,7 @@ def decode_merged(q, k, v, lengths, block_tables=None, *, num_queries: int, opti
                k_scale=k_scale, v_scale=v_scale, interpret=interpret, v_tokens_last=v_tokens_last, merge=True,
                has_sinks=sinks is not None, write_lse=return_lse, barriers=not interpret)
   B, Hkv, R, _ = q.shape
-  args = _args(q, k, v, lengths, block_tables, k_scale, v_scale, plan)
+  args = _args(q, k, v, lengths, block_tables, k_scale, v_scale, plan, window_start, options)
   if sinks is not None:
     if sinks.shape != (Hkv, R):
       raise ValueError(f"sinks must be float32 [Hkv, R]=({Hkv}, {R}), got {sinks.shape=}")

@@ -11,7 +11,9 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kv.kernels import online_softmax
 from pallas_kv.kernels.triton.tiles import Static
+from pallas_kv.kernels.triton.tiles import load_rows
 from pallas_kv.kernels.triton.tiles import real_rows
+from pallas_kv.kernels.triton.tiles import store_rows
 
 def _merge_finish(acc, norm, shift, sink):
   """`frame.merge_splits`' last step: acc = sum_j w_j out_j, norm = sum_j w_j, w_j = exp(lse_j - shift)."""
@@ -33,15 +35,14 @@ class MergedOutputs:
     self.lse = refs.pop(0) if st.write_lse else None
     # partials [B, Hkv, splits, R(, D)] (stream-K [Hkv, programs, 2, R(, D)]), counters [B, Hkv * nrb]
     self.partials = tuple(refs) if st.num_splits > 1 else None
-    br, D = st.block_rows, st.head_dim
+    self.row0 = row0
     self.row_ok = real_rows(row0, st)
-    self.tile_ok = jnp.broadcast_to(self.row_ok[:, None], (br, D))
-    self.rows = pl.ds(row0, br)
+    self.rows = pl.ds(row0, st.block_rows)
     self.sink = None if sinks_ref is None else pltr.load(sinks_ref.at[self.rows], mask=self.row_ok, other=0.0)
     self.st = st
 
   def write(self, b, head, out, lse):
-    pltr.store(self.out.at[b, head, self.rows, :], out.astype(self.out.dtype), mask=self.tile_ok)
+    store_rows(self.out, (b, head), self.row0, out, self.st)
     if self.lse is not None:
       pltr.store(self.lse.at[b, head, self.rows], lse, mask=self.row_ok)
 
@@ -52,7 +53,7 @@ class MergedOutputs:
 
   def store_partial(self, index, partial):
     part_out, part_lse = self.partials[:2]
-    pltr.store(part_out.at[(*index, self.rows, slice(None))], partial[0], mask=self.tile_ok)
+    store_rows(part_out, index, self.row0, partial[0], self.st)
     pltr.store(part_lse.at[(*index, self.rows)], partial[1], mask=self.row_ok)
 
   def arrive(self, b, head_block):
@@ -72,7 +73,7 @@ class MergedOutputs:
   def merge(self, b, head, count, index_of):
     """Merges `count` partials, j at index_of(j), in order j = 0, 1, ...: the same bits whatever their arrival."""
     part_out, part_lse = self.partials[:2]
-    br, D = self.st.block_rows, self.st.head_dim
+    br, W = self.st.block_rows, self.st.width
     lse_of = lambda j: pltr.load(part_lse.at[(*index_of(j), self.rows)], mask=self.row_ok, other=-jnp.inf)
     shift = lax.fori_loop(0, count, lambda j, m: jnp.maximum(m, lse_of(j)), jnp.full((br,), -jnp.inf, jnp.float32))
     shift = jnp.where(jnp.isfinite(shift), shift, 0.0)
@@ -80,8 +81,8 @@ class MergedOutputs:
     def add(j, carry):
       acc, norm = carry
       weight = jnp.exp(lse_of(j) - shift)
-      out = pltr.load(part_out.at[(*index_of(j), self.rows, slice(None))], mask=self.tile_ok, other=0.0)
+      out = load_rows(part_out, index_of(j), self.row0, self.st)
       return acc + out * online_softmax.per_row(weight, out.shape), norm + weight
 
-    acc, norm = lax.fori_loop(0, count, add, (jnp.zeros((br, D), jnp.float32), jnp.zeros((br,), jnp.float32)))
+    acc, norm = lax.fori_loop(0, count, add, (jnp.zeros((br, W), jnp.float32), jnp.zeros((br,), jnp.float32)))
     self.write(b, head, *_merge_finish(acc, norm, shift, self.sink))

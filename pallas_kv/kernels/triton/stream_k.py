@@ -23,6 +23,7 @@ from pallas_kv.kernels.triton.tiles import head_scales_of
 from pallas_kv.kernels.triton.tiles import initial_carry
 from pallas_kv.kernels.triton.tiles import load_q
 from pallas_kv.kernels.triton.tiles import tile_step
+from pallas_kv.kernels.triton.tiles import window_start_of
 
 
 def stream_k_kernel(r: Refs, st: Static):
@@ -34,8 +35,9 @@ def stream_k_kernel(r: Refs, st: Static):
   padded = triton_config.next_pow2(batch)
   index = jnp.arange(padded, dtype=jnp.int32)
   lengths = jnp.where(index < batch, jnp.clip(r.lengths[jnp.minimum(index, batch - 1)], 0, st.capacity), 0)
+  starts = window_start_of(r, jnp.minimum(index, batch - 1), st)
   plan = StreamKLayout.of(lengths, block_kv=st.block_kv, num_queries=st.num_queries,
-                                  window=st.options.window, num_programs=st.num_splits)
+                                  window=st.options.window, num_programs=st.num_splits, start=starts)
   lo, hi = plan.program_range(w)
   outs = MergedOutputs(r.rest, row0=row0, st=st)
   head_scales = head_scales_of(r, head, st)
@@ -46,8 +48,9 @@ def stream_k_kernel(r: Refs, st: Static):
     b, seq_start = plan.locate(g)
     b = jnp.minimum(b, batch - 1)
     length = jnp.clip(r.lengths[b], 0, st.capacity)
+    start = window_start_of(r, b, st)
     first, end = split_plan.visible_tiles(length, block_kv=st.block_kv, num_queries=st.num_queries,
-                                       window=st.options.window)
+                                       window=st.options.window, start=start)
     seq_end = seq_start + jnp.maximum(end - first, 0)
     segment_start = jnp.maximum(seq_start, lo)
     softmax_carry = jax.tree.map(lambda fresh, x: jnp.where(g == segment_start, fresh, x), initial_carry(st),
@@ -55,7 +58,7 @@ def stream_k_kernel(r: Refs, st: Static):
     # q reloads per tile (from L2, small beside a KV tile): pipelined with it, not stalled at segment starts.
     q = load_q(r, row0, (b,), st)
     softmax_carry = tile_step(r, q, first + (g - seq_start), softmax_carry, head_scales=head_scales, row0=row0,
-                               length=length, seq=(b,), masked=True, st=st)
+                               length=length, seq=(b,), masked=True, st=st, start=start)
     segment_ends = (g + 1 == seq_end) | (g + 1 == hi)
     if st.num_splits == 1:   # one program per head block: every sequence lies in it whole
       pl.when(segment_ends)(lambda: outs.write_one(b, head, *online_softmax.finalize(*softmax_carry)))
@@ -95,7 +98,7 @@ def _write_empty_sequences(outs, plan, *, head, w, batch: int, st: Static):
 
     @pl.when((b < batch) & (pick(plan.tiles, b) == 0))
     def _():
-      outs.write_one(b, head, jnp.zeros((st.block_rows, st.head_dim), jnp.float32),
+      outs.write_one(b, head, jnp.zeros((st.block_rows, st.width), jnp.float32),
                      jnp.full((st.block_rows,), -jnp.inf, jnp.float32))
     return carry
 

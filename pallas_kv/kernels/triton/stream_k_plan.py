@@ -20,8 +20,9 @@ class StreamKLayout:
   total: object
 
   @classmethod
-  def of(cls, lengths, *, block_kv: int, num_queries: int, window: int | None, num_programs: int):
-    first, end = plan.visible_tiles(lengths, block_kv=block_kv, num_queries=num_queries, window=window)
+  def of(cls, lengths, *, block_kv: int, num_queries: int, window: int | None, num_programs: int, start=None):
+    first, end = plan.visible_tiles(lengths, block_kv=block_kv, num_queries=num_queries, window=window,
+                                    start=start)
     tiles = jnp.maximum(end - first, 0).astype(jnp.int32)
     total = jnp.sum(tiles)
     first = jnp.broadcast_to(first, tiles.shape).astype(jnp.int32)   # 0 (an int) without a window

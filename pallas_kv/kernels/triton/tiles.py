@@ -1,5 +1,6 @@
 """A Pallas Triton decode kernel body's pieces: its static description (`Static`), input refs (`Refs`),
-masked tile loads (one-byte tiles widened in registers) and one tile's online-softmax step (`tile_step`)."""
+masked tile loads (one-byte tiles widened in registers; [rows, D] tiles padded to a power of two, the columns
+past D masked) and one tile's online-softmax step (`tile_step`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kv.config import AttentionOptions
 from pallas_kv.kernels import online_softmax
+from pallas_kv.kernels.triton import config as triton_config
 
 # 4 one-byte values in $2 -> float16 pairs $0 (values 0, 1), $1 (2, 3). int8: (s ^ 0x80) under the float16
 # exponent of 1024 reads 1024 + s + 128, minus 1152 is s; e5m2 is a float16's high byte; e4m3fn: sm_89+ cvt.
@@ -76,73 +78,114 @@ class Static:
     return self.page_size is not None
 
   @property
+  def width(self) -> int:
+    """Columns of the kernel's [rows, D] tiles: D padded to a power of two (`triton_config.padded_dim`)."""
+    return triton_config.padded_dim(self.head_dim)
+
+  @property
   def picks_sequences(self) -> bool:
     return self.ordered or self.stream_k
 
 
+def _both(a, b):
+  """a & b of two masks, either None (all true)."""
+  return b if a is None else a if b is None else a & b
+
+
+def _columns(st: Static):
+  """The padded tile's column indices [width] and the mask of the real ones (< D), None where width is D."""
+  cols = jnp.arange(st.width, dtype=jnp.int32)
+  return cols, None if st.width == st.head_dim else cols < st.head_dim
+
+
+def _row_tile(ref, index: tuple, first_row, num_rows: int, st: Static, *, transposed: bool = False):
+  """ref.at[(*index, rows first_row.., columns)] as a [num_rows, width] view ([width, num_rows] transposed) and
+  the mask of its real columns, or None. Padded columns index with arrays, masked (never fetched): pl.ds(0, width)
+  passes jax's bounds check only because it skips a start of 0, and interpret mode takes no mix of slices and
+  arrays."""
+  shape = (st.width, num_rows) if transposed else (num_rows, st.width)
+  cols, col_ok = _columns(st)
+  if col_ok is None:
+    rows = pl.ds(first_row, num_rows)
+    return ref.at[(*index, *((slice(None), rows) if transposed else (rows, slice(None))))], None
+  rows = first_row + jnp.arange(num_rows, dtype=jnp.int32)
+  if transposed:
+    return ref.at[(*index, cols[:, None], rows[None, :])], jnp.broadcast_to(col_ok[:, None], shape)
+  return ref.at[(*index, rows[:, None], cols[None, :])], jnp.broadcast_to(col_ok[None, :], shape)
+
+
+def _load(ref, mask):
+  # The fill must share the ref's kind: Triton casts no int constant to a float8 type.
+  return pltr.load(ref, mask=mask, other=None if mask is None else
+                   0.0 if jnp.issubdtype(ref.dtype, jnp.floating) else 0)
+
+
 def load_tile(ref, block_tables_ref, tile, length, st: Static, *, masked: bool, seq: tuple = (),
-               tokens_last: bool = False):
-  """Tile `tile` of one KV head: [block_kv, D] of a cache ref ([T, D] / [P, page_size, D]) or [block_kv] of
-  a per-token scale ref; with `masked`, tokens >= length read as 0. `seq` is (b,) where the per-sequence refs
-  hold the whole batch (a Pallas Triton access takes one indexer). tokens_last: a value ref [D, T] /
-  [P, D, page_size] read as [D, block_kv], so one-byte values load in words, not single bytes."""
+               tokens_last: bool = False, window_start=None):
+  """Tile `tile` of one KV head: [block_kv, width] of a cache ref ([T, D] / [P, page_size, D]) or [block_kv] of
+  a per-token scale ref; with `masked`, tokens >= length read as 0, as do columns >= D. `seq` is (b,) where the
+  per-sequence refs hold the whole batch (a Pallas Triton access takes one indexer). tokens_last: a value ref
+  [D, T] / [P, D, page_size] read as [width, block_kv], so one-byte values load in words, not single bytes.
+  window_start: with `masked`, tokens before it read as 0 too (they may hold anything)."""
   bkv = st.block_kv
   if tokens_last and st.paged and bkv > st.page_size:
-    return _load_pages_tokens_last(ref, block_tables_ref, tile, length, st, masked=masked, seq=seq)
-  if tokens_last:
-    columns = (st.head_dim,)
-  else:
-    columns = ref.shape[-1:] if ref.ndim == (3 if st.paged else 2 + len(seq)) else ()
+    return _load_pages_tokens_last(ref, block_tables_ref, tile, length, st, masked=masked, seq=seq,
+                                   window_start=window_start)
+  has_columns = tokens_last or ref.ndim == (3 if st.paged else 2 + len(seq))
   start = tile * bkv
   tokens = start + jnp.arange(bkv, dtype=jnp.int32)
-
-  def stored(token_index, column_index):
-    if not columns:
-      return (token_index,)
-    return (column_index, token_index) if tokens_last else (token_index, column_index)
-
-  if not st.paged:
-    ref = ref.at[(*seq, *stored(pl.ds(pl.multiple_of(start, bkv), bkv), slice(None)))]
-  elif bkv <= st.page_size:
-    page = jnp.clip(block_tables_ref[(*seq, start // st.page_size)], 0, st.num_pages - 1)
-    offset = pl.multiple_of(start % st.page_size, bkv)
-    ref = ref.at[(page, *stored(pl.ds(offset, bkv), slice(None)))]
-  else:
+  col_ok = None
+  if st.paged and bkv > st.page_size:
     # The tile spans pages: gather token by token (each key row is still one contiguous run).
     page_index = jnp.minimum(tokens // st.page_size, st.max_pages - 1)
     pages = jnp.clip(block_tables_ref[(*seq, page_index)], 0, st.num_pages - 1)
     slots = tokens % st.page_size
-    if columns:
-      ref = ref.at[pages[:, None], slots[:, None], jnp.arange(columns[0], dtype=jnp.int32)[None, :]]
+    if has_columns:
+      cols, col_ok = _columns(st)
+      ref = ref.at[pages[:, None], slots[:, None], cols[None, :]]
+      if col_ok is not None:
+        col_ok = jnp.broadcast_to(col_ok[None, :], (bkv, st.width))
     else:
       ref = ref.at[pages, slots]
-  if not masked:
-    return pltr.load(ref)
-  mask = tokens < length
-  if columns:
-    mask = jnp.broadcast_to(mask[None, :], (*columns, bkv)) if tokens_last else jnp.broadcast_to(
-        mask[:, None], (bkv, *columns))
-  # The fill must share the ref's kind: Triton casts no int constant to a float8 type.
-  return pltr.load(ref, mask=mask, other=0.0 if jnp.issubdtype(ref.dtype, jnp.floating) else 0)
+  else:
+    if st.paged:
+      index = (jnp.clip(block_tables_ref[(*seq, start // st.page_size)], 0, st.num_pages - 1),)
+      first = pl.multiple_of(start % st.page_size, bkv)
+    else:
+      index, first = seq, pl.multiple_of(start, bkv)
+    if has_columns:
+      ref, col_ok = _row_tile(ref, index, first, bkv, st, transposed=tokens_last)
+    else:
+      ref = ref.at[(*index, pl.ds(first, bkv))]
+  token_ok = None
+  if masked:
+    token_ok = _in_bounds(tokens, length, window_start)
+    if has_columns:
+      token_ok = jnp.broadcast_to(token_ok[None, :] if tokens_last else token_ok[:, None], ref.shape)
+  return _load(ref, _both(token_ok, col_ok))
 
 
-def _load_pages_tokens_last(ref, block_tables_ref, tile, length, st: Static, *, masked: bool, seq: tuple):
-  """A tokens-last tile [D, block_kv] spanning pages, loaded as [D, pages, page_size] with one id per page so
-  that each page's tokens load as a vector (an id per token would load byte by byte)."""
-  ps, D = st.page_size, st.head_dim
+def _in_bounds(tokens, length, window_start):
+  return tokens < length if window_start is None else (tokens < length) & (tokens >= window_start)
+
+
+def _load_pages_tokens_last(ref, block_tables_ref, tile, length, st: Static, *, masked: bool, seq: tuple,
+                            window_start=None):
+  """A tokens-last tile [width, block_kv] spanning pages, loaded as [width, pages, page_size] with one id per page
+  so that each page's tokens load as a vector (an id per token would load byte by byte)."""
+  ps, W = st.page_size, st.width
   n = st.block_kv // ps
   start = tile * st.block_kv
   page_index = jnp.minimum(start // ps + jnp.arange(n, dtype=jnp.int32), st.max_pages - 1)
   pages = jnp.clip(block_tables_ref[(*seq, page_index)], 0, st.num_pages - 1)
   slots = jnp.arange(ps, dtype=jnp.int32)
-  view = ref.at[pages[None, :, None], jnp.arange(D, dtype=jnp.int32)[:, None, None], slots[None, None, :]]
+  cols, col_ok = _columns(st)
+  view = ref.at[pages[None, :, None], cols[:, None, None], slots[None, None, :]]
+  mask = None if col_ok is None else jnp.broadcast_to(col_ok[:, None, None], (W, n, ps))
   if masked:
     tokens = start + ps * jnp.arange(n, dtype=jnp.int32)[:, None] + slots[None, :]
-    mask = jnp.broadcast_to((tokens < length)[None], (D, n, ps))
-    x = pltr.load(view, mask=mask, other=0.0 if jnp.issubdtype(ref.dtype, jnp.floating) else 0)
-  else:
-    x = pltr.load(view)
-  return x.reshape(D, st.block_kv)
+    mask = _both(mask, jnp.broadcast_to(_in_bounds(tokens, length, window_start)[None], (W, n, ps)))
+  return _load(view, mask).reshape(W, st.block_kv)
 
 
 def widen(x, st: Static):
@@ -172,6 +215,7 @@ class Refs:
   def __init__(self, q_ref, k_ref, v_ref, lengths_ref, refs, st: Static):
     refs = list(refs)
     self.q, self.k, self.v, self.lengths = q_ref, k_ref, v_ref, lengths_ref
+    self.window_start = refs.pop(0) if st.options.has_window_start else None   # int32 [B]
     self.order = refs.pop(0) if st.ordered else None
     self.tiles_per_split = refs.pop(0)[0] if st.balanced else None
     self.block_tables = refs.pop(0) if st.paged else None
@@ -182,14 +226,30 @@ class Refs:
 
 
 def load_q(r: Refs, row0, seq: tuple, st: Static):
-  """This program's q rows [block_rows, D]; rows past R load as 0 (padding q would take a launch)."""
-  rows = jnp.arange(st.block_rows, dtype=jnp.int32)[:, None] + row0
-  return pltr.load(r.q.at[(*seq, pl.ds(row0, st.block_rows), slice(None))],
-                   mask=jnp.broadcast_to(rows < st.rows, (st.block_rows, st.head_dim)), other=0.0)
+  """This program's q rows [block_rows, width]; rows past R and columns past D load as 0 (padding q would take a
+  launch)."""
+  return load_rows(r.q, seq, row0, st)
+
+
+def _row_mask(row0, st: Static):
+  """[block_rows, width]: the program's real rows (< R)."""
+  return jnp.broadcast_to(real_rows(row0, st)[:, None], (st.block_rows, st.width))
+
+
+def store_rows(ref, index: tuple, row0, x, st: Static):
+  """Stores a [block_rows, width] tile's real rows and columns at ref[(*index, rows row0.., :D)]."""
+  view, col_ok = _row_tile(ref, index, row0, st.block_rows, st)
+  pltr.store(view, x.astype(ref.dtype), mask=_both(_row_mask(row0, st), col_ok))
+
+
+def load_rows(ref, index: tuple, row0, st: Static):
+  """`store_rows`' inverse: ref[(*index, rows row0.., :D)] as [block_rows, width], 0 outside the real ones."""
+  view, col_ok = _row_tile(ref, index, row0, st.block_rows, st)
+  return pltr.load(view, mask=_both(_row_mask(row0, st), col_ok), other=0.0)
 
 
 def initial_carry(st: Static):
-  return (jnp.zeros((st.block_rows, st.head_dim), jnp.float32),
+  return (jnp.zeros((st.block_rows, st.width), jnp.float32),
           jnp.full((st.block_rows,), -jnp.inf, jnp.float32),
           jnp.zeros((st.block_rows,), jnp.float32))
 
@@ -199,14 +259,21 @@ def head_scales_of(r: Refs, head, st: Static):
   return (r.k_scale[head] if st.k_scale == "head" else None, r.v_scale[head] if st.v_scale == "head" else None)
 
 
-def tile_step(r: Refs, q, tile, carry, *, head_scales, row0, length, seq: tuple, masked: bool, st: Static):
-  """One KV tile folded into the carry (acc, m, l); with `masked`, invisible keys and values past L are 0."""
+def window_start_of(r: Refs, b, st: Static):
+  """Sequence b's first visible key, clamped into [0, capacity], or None where the call has no window start."""
+  return None if r.window_start is None else jnp.clip(r.window_start[b], 0, st.capacity)
+
+
+def tile_step(r: Refs, q, tile, carry, *, head_scales, row0, length, seq: tuple, masked: bool, st: Static,
+              start=None):
+  """One KV tile folded into the carry (acc, m, l); with `masked`, invisible keys (before start too, given
+  one) and values past L are 0."""
   bkv, G = st.block_kv, st.group
   acc, m_i, l_i = carry
 
   def scaled(x, scale_ref, kind, head_scale):
     if kind == "token":
-      scales = load_tile(scale_ref, r.block_tables, tile, length, st, masked=masked, seq=seq)
+      scales = load_tile(scale_ref, r.block_tables, tile, length, st, masked=masked, seq=seq, window_start=start)
       return x * _per_column(scales, x.shape)
     if kind == "head":
       return x * head_scale
@@ -220,12 +287,12 @@ def tile_step(r: Refs, q, tile, carry, *, head_scales, row0, length, seq: tuple,
     rows = jnp.arange(st.block_rows, dtype=jnp.int32)[:, None] + row0
     cols = jnp.arange(bkv, dtype=jnp.int32)[None, :]
     ok = online_softmax.visible(rows, cols, tile_start=tile * bkv, length=length, num_queries=st.num_queries,
-                                group=G, window=st.options.window)
+                                group=G, window=st.options.window, start=start)
     s = jnp.where(ok, s, -jnp.inf)
   acc, m_new, l_new, p = online_softmax.softmax_step(s, acc, m_i, l_i)
   p = scaled(p, r.v_scale, st.v_scale, head_scales[1])   # the sum keeps the unscaled p (l_new)
   v = widen(load_tile(r.v, r.block_tables, tile, length, st, masked=masked, seq=seq,
-                        tokens_last=st.v_tokens_last), st)
+                        tokens_last=st.v_tokens_last, window_start=start), st)
   pv = dot(p.astype(q.dtype), v, trans_b=st.v_tokens_last)
   return acc + pv, m_new, l_new
 
