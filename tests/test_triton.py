@@ -285,11 +285,28 @@ def test_head_dims_served_are_the_multiples_of_8_from_32_to_512():
     triton_config.check_config(_kernel_config(1)["config"], head_dim=36, page_size=None)
 
 
-def test_padded_head_dims_size_rows_and_smem_by_the_padded_width():
-  # Accumulators rows x padded D float32 stay at 128 x 128: D 512 holds 32 rows, D 80 and 40 as many as D 128.
+def test_head_dims_are_power_of_two_column_pieces():
+  pieces = triton_config.column_pieces
+  assert pieces(128) == ((0, 128),) and pieces(32) == ((0, 32),) and pieces(512) == ((0, 512),)
+  assert pieces(96) == ((0, 64), (64, 32)) and pieces(80) == ((0, 64), (64, 16))
+  assert pieces(40) == ((0, 32), (32, 16))                  # the last 8 columns in a masked piece of 16
+  assert pieces(104) == ((0, 64), (64, 32), (96, 16))
+  assert pieces(120) == ((0, 64), (64, 32), (96, 32))       # a third piece pads what is left
+  for head_dim in range(32, 513, 8):
+    cover = pieces(head_dim)
+    assert len(cover) <= triton_config.MAX_COLUMN_PIECES
+    assert all(w & (w - 1) == 0 and w >= 16 for _, w in cover), cover
+    assert [o for o, _ in cover] == [sum(w for _, w in cover[:i]) for i in range(len(cover))]
+    assert head_dim <= triton_config.tile_width(head_dim) <= triton_config.padded_dim(head_dim)   # never wider
+  assert sum(triton_config.tile_width(d) == d for d in range(32, 513, 16)) > 20   # most multiples of 16: exact
+
+
+def test_padded_head_dims_size_rows_and_smem_by_the_tile_width():
+  # Accumulators rows x the tiles' width float32 stay within 128 x 128 (rows a power of two): D 512 holds 32
+  # rows, D 80 and 40 as many as D 128, D 136 (128 + 16) 64.
   assert [triton_config.row_blocking(256, d)[0] for d in (40, 80, 128, 136, 256, 320, 512)] == [128] * 3 + [64] * 2 + [32] * 2
   assert triton_config.smem_bytes(head_dim=80, itemsize=2, block_kv=64, num_stages=3, block_rows=16) == \
-      triton_config.smem_bytes(head_dim=128, itemsize=2, block_kv=64, num_stages=3, block_rows=16)
+      triton_config.smem_bytes(head_dim=64, itemsize=2, block_kv=80, num_stages=3, block_rows=20)
   for budget in (triton_config.HOPPER_SMEM_BUDGET_BYTES, triton_config.SMEM_BUDGET_BYTES):
     for head_dim in (40, 200, 320, 512):
       problem = _problem(head_dim, num_queries=16, group=8)
@@ -329,6 +346,18 @@ def test_padded_head_dim_merged_in_kernel_interpret(interpret_mode):
                    dtype=jnp.float16, lengths=[128, 45])
   out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL,
                              config=_merged_config(3))
+  check_against_reference(case, out)
+
+
+@pytest.mark.parametrize("max_pieces", [1, 3])
+def test_one_padded_piece_and_several_pieces_agree(interpret_mode, monkeypatch, max_pieces):
+  # MAX_COLUMN_PIECES = 1 is the single padded tile (96 in 128 columns), kept to measure the pieces against.
+  monkeypatch.setattr(triton_config, "MAX_COLUMN_PIECES", max_pieces)
+  assert len(triton_config.column_pieces(96)) == (1 if max_pieces == 1 else 2)
+  case = make_case(4, batch=2, seq_len=128, num_heads=4, num_kv_heads=2, head_dim=96, num_queries=2,
+                   dtype=jnp.bfloat16, lengths=[128, 77])
+  out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL,
+                             config=pkv.TritonConfig(block_kv=32, num_stages=2, num_splits=2))
   check_against_reference(case, out)
 
 

@@ -51,8 +51,32 @@ def next_pow2(n: int) -> int:
 
 
 def padded_dim(head_dim: int) -> int:
-  """The kernel's tile width for head_dim: Triton's arrays are powers of two, and tl.dot's dims >= 16."""
+  """head_dim padded to one array: Triton's arrays are powers of two, and tl.dot's dims >= 16."""
   return max(MIN_DOT_DIM, next_pow2(head_dim))
+
+
+# A [rows, D] tile is up to this many power-of-two column pieces (96 = 64 + 32), each its own array and dot,
+# so that padding does not multiply the work per byte; the last piece pads what is left. 1 gives one padded
+# tile, to measure against (set it before a process's first call: traces are cached).
+MAX_COLUMN_PIECES = 3
+
+
+def column_pieces(head_dim: int) -> tuple[tuple[int, int], ...]:
+  """(first column, width) of the pieces that cover head_dim: the largest powers of two that fit, then the rest
+  padded (`padded_dim`); columns past head_dim are masked."""
+  pieces, offset = [], 0
+  while offset < head_dim:
+    rest = head_dim - offset
+    last = len(pieces) == MAX_COLUMN_PIECES - 1 or rest < MIN_DOT_DIM
+    width = padded_dim(rest) if last else 1 << (rest.bit_length() - 1)
+    pieces.append((offset, width))
+    offset += width
+  return tuple(pieces)
+
+
+def tile_width(head_dim: int) -> int:
+  """Columns the kernel's [rows, D] tiles hold: D, or a little more where a piece is padded."""
+  return sum(width for _, width in column_pieces(head_dim))
 
 
 def head_dim_reason(head_dim: int) -> str | None:
@@ -63,7 +87,7 @@ def head_dim_reason(head_dim: int) -> str | None:
 
 def max_rows_per_program(head_dim: int) -> int:
   """128 rows up to D 128, 64 at D 256, 32 at D 512."""
-  return min(MAX_ROWS_PER_PROGRAM, MAX_ACCUMULATOR_ELEMENTS // padded_dim(head_dim))
+  return min(MAX_ROWS_PER_PROGRAM, next_pow2(MAX_ACCUMULATOR_ELEMENTS // tile_width(head_dim) + 1) // 2)
 
 
 def row_blocking(rows: int, head_dim: int) -> tuple[int, int]:
@@ -73,8 +97,8 @@ def row_blocking(rows: int, head_dim: int) -> tuple[int, int]:
 
 
 def smem_bytes(*, head_dim: int, itemsize: int, block_kv: int, num_stages: int, block_rows: int) -> int:
-  """Pipelined K and V tiles and the q rows, at the padded width the kernel's tiles have."""
-  width = padded_dim(head_dim)
+  """Pipelined K and V tiles and the q rows, at the width the kernel's tiles have (`tile_width`)."""
+  width = tile_width(head_dim)
   return max(num_stages, 1) * 2 * block_kv * width * itemsize + block_rows * width * itemsize
 
 
@@ -128,7 +152,7 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", budget: int | None = N
   if problem.page_size is not None:
     block_kv = block_kv_for_page(problem.page_size, block_kv) or block_kv
   config = TritonConfig(block_kv=block_kv, num_stages=DEFAULT_STAGES, split_plan="per_sequence",
-                        num_warps=8 if block_rows * padded_dim(problem.head_dim) >= 128 * 128 else 4,
+                        num_warps=8 if block_rows * tile_width(problem.head_dim) >= 128 * 128 else 4,
                         sequence_order="given", merge_in_kernel=False)
   fits = lambda c: fits_smem(head_dim=problem.head_dim, itemsize=itemsize, block_kv=c.block_kv,
                              num_stages=c.num_stages, block_rows=block_rows, budget=budget)

@@ -27,6 +27,7 @@ from pallas_kv.kernels.triton import stream_k
 from pallas_kv.kernels.triton.outputs import MergedOutputs
 from pallas_kv.kernels.triton.tiles import Refs
 from pallas_kv.kernels.triton.tiles import Static
+from pallas_kv.kernels.triton.tiles import finalize
 from pallas_kv.kernels.triton.tiles import first_row
 from pallas_kv.kernels.triton.tiles import head_scales_of
 from pallas_kv.kernels.triton.tiles import initial_carry
@@ -95,7 +96,7 @@ def _attend(r: Refs, *, head, row0, length, tiles, seq: tuple, st: Static, start
   carry = lax.fori_loop(t0, a, step(True), initial_carry(st))
   carry = lax.fori_loop(a, c, step(False), carry)
   carry = lax.fori_loop(c, t1, step(True), carry)
-  return online_softmax.finalize(*carry)
+  return finalize(*carry)
 
 
 def _kernel(q_ref,

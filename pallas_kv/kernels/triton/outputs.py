@@ -14,13 +14,16 @@ from pallas_kv.kernels.triton.tiles import Static
 from pallas_kv.kernels.triton.tiles import load_rows
 from pallas_kv.kernels.triton.tiles import real_rows
 from pallas_kv.kernels.triton.tiles import store_rows
+from pallas_kv.kernels.triton.tiles import zero_rows
 
-def _merge_finish(acc, norm, shift, sink):
-  """`frame.merge_splits`' last step: acc = sum_j w_j out_j, norm = sum_j w_j, w_j = exp(lse_j - shift)."""
+def _merge_finish(acc: tuple, norm, shift, sink):
+  """`frame.merge_splits`' last step: acc = sum_j w_j out_j (in column pieces), norm = sum_j w_j,
+  w_j = exp(lse_j - shift)."""
   has_keys = norm > 0
   lse = jnp.where(has_keys, jnp.log(jnp.where(has_keys, norm, 1.0)) + shift, -jnp.inf)
   denom = norm if sink is None else norm + jnp.exp(sink - shift)
-  return acc / online_softmax.per_row(jnp.where(has_keys, denom, 1.0), acc.shape), lse
+  denom = jnp.where(has_keys, denom, 1.0)
+  return tuple(piece / online_softmax.per_row(denom, piece.shape) for piece in acc), lse
 
 
 class MergedOutputs:
@@ -49,7 +52,8 @@ class MergedOutputs:
   def write_one(self, b, head, out, lse):
     shift = jnp.where(jnp.isfinite(lse), lse, 0.0)
     weight = jnp.exp(lse - shift)
-    self.write(b, head, *_merge_finish(out * online_softmax.per_row(weight, out.shape), weight, shift, self.sink))
+    out = tuple(piece * online_softmax.per_row(weight, piece.shape) for piece in out)
+    self.write(b, head, *_merge_finish(out, weight, shift, self.sink))
 
   def store_partial(self, index, partial):
     part_out, part_lse = self.partials[:2]
@@ -73,7 +77,7 @@ class MergedOutputs:
   def merge(self, b, head, count, index_of):
     """Merges `count` partials, j at index_of(j), in order j = 0, 1, ...: the same bits whatever their arrival."""
     part_out, part_lse = self.partials[:2]
-    br, W = self.st.block_rows, self.st.width
+    br = self.st.block_rows
     lse_of = lambda j: pltr.load(part_lse.at[(*index_of(j), self.rows)], mask=self.row_ok, other=-jnp.inf)
     shift = lax.fori_loop(0, count, lambda j, m: jnp.maximum(m, lse_of(j)), jnp.full((br,), -jnp.inf, jnp.float32))
     shift = jnp.where(jnp.isfinite(shift), shift, 0.0)
@@ -82,7 +86,8 @@ class MergedOutputs:
       acc, norm = carry
       weight = jnp.exp(lse_of(j) - shift)
       out = load_rows(part_out, index_of(j), self.row0, self.st)
-      return acc + out * online_softmax.per_row(weight, out.shape), norm + weight
+      acc = tuple(a + piece * online_softmax.per_row(weight, piece.shape) for a, piece in zip(acc, out))
+      return acc, norm + weight
 
-    acc, norm = lax.fori_loop(0, count, add, (jnp.zeros((br, W), jnp.float32), jnp.zeros((br,), jnp.float32)))
+    acc, norm = lax.fori_loop(0, count, add, (zero_rows(self.st), jnp.zeros((br,), jnp.float32)))
     self.write(b, head, *_merge_finish(acc, norm, shift, self.sink))

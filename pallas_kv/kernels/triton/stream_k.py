@@ -24,6 +24,8 @@ from pallas_kv.kernels.triton.tiles import initial_carry
 from pallas_kv.kernels.triton.tiles import load_q
 from pallas_kv.kernels.triton.tiles import tile_step
 from pallas_kv.kernels.triton.tiles import window_start_of
+from pallas_kv.kernels.triton.tiles import zero_rows
+from pallas_kv.kernels.triton.tiles import finalize
 
 
 def stream_k_kernel(r: Refs, st: Static):
@@ -61,15 +63,15 @@ def stream_k_kernel(r: Refs, st: Static):
                                length=length, seq=(b,), masked=True, st=st, start=start)
     segment_ends = (g + 1 == seq_end) | (g + 1 == hi)
     if st.num_splits == 1:   # one program per head block: every sequence lies in it whole
-      pl.when(segment_ends)(lambda: outs.write_one(b, head, *online_softmax.finalize(*softmax_carry)))
+      pl.when(segment_ends)(lambda: outs.write_one(b, head, *finalize(*softmax_carry)))
       return softmax_carry, merge_first, merge_last
     _, pieces, _ = plan.pieces_of_span(seq_start, seq_end)
     pl.when(segment_ends & (pieces == 1))(
-        lambda: outs.write_one(b, head, *online_softmax.finalize(*softmax_carry)))
+        lambda: outs.write_one(b, head, *finalize(*softmax_carry)))
 
     def store_and_arrive():
       slot = StreamKLayout.piece_slot(segment_start != lo, segment_start == seq_start)
-      outs.store_partial((head, w, slot), online_softmax.finalize(*softmax_carry))
+      outs.store_partial((head, w, slot), finalize(*softmax_carry))
       return outs.arrive(b, head_block)
 
     cut = segment_ends & (pieces > 1)
@@ -98,7 +100,7 @@ def _write_empty_sequences(outs, plan, *, head, w, batch: int, st: Static):
 
     @pl.when((b < batch) & (pick(plan.tiles, b) == 0))
     def _():
-      outs.write_one(b, head, jnp.zeros((st.block_rows, st.width), jnp.float32),
+      outs.write_one(b, head, zero_rows(st),
                      jnp.full((st.block_rows,), -jnp.inf, jnp.float32))
     return carry
 

@@ -1,10 +1,15 @@
 """A Pallas Triton decode kernel body's pieces: its static description (`Static`), input refs (`Refs`),
-masked tile loads (one-byte tiles widened in registers; [rows, D] tiles padded to a power of two, the columns
-past D masked) and one tile's online-softmax step (`tile_step`)."""
+masked tile loads (one-byte tiles widened in registers) and one tile's online-softmax step (`tile_step`).
+
+Triton's arrays are powers of two, so a [rows, D] tile (q, K, V, the accumulator, the outputs) is a tuple of
+power-of-two column pieces (`triton_config.column_pieces`: D 96 is 64 + 32; D 128 one piece); a last piece
+that runs past D has its columns masked in every load and store (never fetched, never written)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -78,9 +83,9 @@ class Static:
     return self.page_size is not None
 
   @property
-  def width(self) -> int:
-    """Columns of the kernel's [rows, D] tiles: D padded to a power of two (`triton_config.padded_dim`)."""
-    return triton_config.padded_dim(self.head_dim)
+  def pieces(self) -> tuple[tuple[int, int], ...]:
+    """(first column, width) of each column piece of a [rows, D] tile."""
+    return triton_config.column_pieces(self.head_dim)
 
   @property
   def picks_sequences(self) -> bool:
@@ -92,22 +97,26 @@ def _both(a, b):
   return b if a is None else a if b is None else a & b
 
 
-def _columns(st: Static):
-  """The padded tile's column indices [width] and the mask of the real ones (< D), None where width is D."""
-  cols = jnp.arange(st.width, dtype=jnp.int32)
-  return cols, None if st.width == st.head_dim else cols < st.head_dim
+def _columns(piece, st: Static):
+  """A piece's column indices [width] and the mask of the real ones (< D), None where all are."""
+  offset, width = piece
+  cols = jnp.arange(width, dtype=jnp.int32)
+  cols = cols if offset == 0 else cols + offset
+  return cols, None if offset + width <= st.head_dim else cols < st.head_dim
 
 
-def _row_tile(ref, index: tuple, first_row, num_rows: int, st: Static, *, transposed: bool = False):
-  """ref.at[(*index, rows first_row.., columns)] as a [num_rows, width] view ([width, num_rows] transposed) and
-  the mask of its real columns, or None. Padded columns index with arrays, masked (never fetched): pl.ds(0, width)
-  passes jax's bounds check only because it skips a start of 0, and interpret mode takes no mix of slices and
-  arrays."""
-  shape = (st.width, num_rows) if transposed else (num_rows, st.width)
-  cols, col_ok = _columns(st)
-  if col_ok is None:
+def _row_tile(ref, index: tuple, first_row, num_rows: int, piece, st: Static, *, transposed: bool = False):
+  """ref.at[(*index, rows first_row.., the piece's columns)] as a [num_rows, width] view ([width, num_rows]
+  transposed) and the mask of its real columns, or None. A piece past D indexes with arrays, masked (never
+  fetched): a slice past the ref's end passes jax's bounds check only at a start of 0, and interpret mode takes
+  no mix of slices and arrays."""
+  offset, width = piece
+  shape = (width, num_rows) if transposed else (num_rows, width)
+  if offset + width <= st.head_dim:
     rows = pl.ds(first_row, num_rows)
-    return ref.at[(*index, *((slice(None), rows) if transposed else (rows, slice(None))))], None
+    cols = slice(None) if width == st.head_dim else pl.ds(offset, width)
+    return ref.at[(*index, *((cols, rows) if transposed else (rows, cols)))], None
+  cols, col_ok = _columns(piece, st)
   rows = first_row + jnp.arange(num_rows, dtype=jnp.int32)
   if transposed:
     return ref.at[(*index, cols[:, None], rows[None, :])], jnp.broadcast_to(col_ok[:, None], shape)
@@ -122,16 +131,25 @@ def _load(ref, mask):
 
 def load_tile(ref, block_tables_ref, tile, length, st: Static, *, masked: bool, seq: tuple = (),
                tokens_last: bool = False, window_start=None):
-  """Tile `tile` of one KV head: [block_kv, width] of a cache ref ([T, D] / [P, page_size, D]) or [block_kv] of
-  a per-token scale ref; with `masked`, tokens >= length read as 0, as do columns >= D. `seq` is (b,) where the
-  per-sequence refs hold the whole batch (a Pallas Triton access takes one indexer). tokens_last: a value ref
-  [D, T] / [P, D, page_size] read as [width, block_kv], so one-byte values load in words, not single bytes.
-  window_start: with `masked`, tokens before it read as 0 too (they may hold anything)."""
+  """Tile `tile` of one KV head: a cache ref's ([T, D] / [P, page_size, D]) as a tuple of [block_kv, width]
+  column pieces, or [block_kv] of a per-token scale ref; with `masked`, tokens >= length read as 0. `seq` is
+  (b,) where the per-sequence refs hold the whole batch (a Pallas Triton access takes one indexer). tokens_last:
+  a value ref [D, T] / [P, D, page_size] read as [width, block_kv] pieces, so one-byte values load in words,
+  not single bytes. window_start: with `masked`, tokens before it read as 0 too (they may hold anything)."""
+  if not (tokens_last or ref.ndim == (3 if st.paged else 2 + len(seq))):
+    return _load_piece(ref, block_tables_ref, tile, length, st, None, masked=masked, seq=seq,
+                       window_start=window_start)
+  if tokens_last and st.paged and st.block_kv > st.page_size:
+    return tuple(_load_pages_tokens_last(ref, block_tables_ref, tile, length, st, piece, masked=masked, seq=seq,
+                                         window_start=window_start) for piece in st.pieces)
+  return tuple(_load_piece(ref, block_tables_ref, tile, length, st, piece, masked=masked, seq=seq,
+                           tokens_last=tokens_last, window_start=window_start) for piece in st.pieces)
+
+
+def _load_piece(ref, block_tables_ref, tile, length, st: Static, piece, *, masked: bool, seq: tuple,
+                tokens_last: bool = False, window_start=None):
+  """One column piece of `load_tile` (piece None: a scale ref's [block_kv])."""
   bkv = st.block_kv
-  if tokens_last and st.paged and bkv > st.page_size:
-    return _load_pages_tokens_last(ref, block_tables_ref, tile, length, st, masked=masked, seq=seq,
-                                   window_start=window_start)
-  has_columns = tokens_last or ref.ndim == (3 if st.paged else 2 + len(seq))
   start = tile * bkv
   tokens = start + jnp.arange(bkv, dtype=jnp.int32)
   col_ok = None
@@ -140,11 +158,11 @@ def load_tile(ref, block_tables_ref, tile, length, st: Static, *, masked: bool, 
     page_index = jnp.minimum(tokens // st.page_size, st.max_pages - 1)
     pages = jnp.clip(block_tables_ref[(*seq, page_index)], 0, st.num_pages - 1)
     slots = tokens % st.page_size
-    if has_columns:
-      cols, col_ok = _columns(st)
+    if piece is not None:
+      cols, col_ok = _columns(piece, st)
       ref = ref.at[pages[:, None], slots[:, None], cols[None, :]]
       if col_ok is not None:
-        col_ok = jnp.broadcast_to(col_ok[None, :], (bkv, st.width))
+        col_ok = jnp.broadcast_to(col_ok[None, :], (bkv, piece[1]))
     else:
       ref = ref.at[pages, slots]
   else:
@@ -153,14 +171,14 @@ def load_tile(ref, block_tables_ref, tile, length, st: Static, *, masked: bool, 
       first = pl.multiple_of(start % st.page_size, bkv)
     else:
       index, first = seq, pl.multiple_of(start, bkv)
-    if has_columns:
-      ref, col_ok = _row_tile(ref, index, first, bkv, st, transposed=tokens_last)
+    if piece is not None:
+      ref, col_ok = _row_tile(ref, index, first, bkv, piece, st, transposed=tokens_last)
     else:
       ref = ref.at[(*index, pl.ds(first, bkv))]
   token_ok = None
   if masked:
     token_ok = _in_bounds(tokens, length, window_start)
-    if has_columns:
+    if piece is not None:
       token_ok = jnp.broadcast_to(token_ok[None, :] if tokens_last else token_ok[:, None], ref.shape)
   return _load(ref, _both(token_ok, col_ok))
 
@@ -169,17 +187,17 @@ def _in_bounds(tokens, length, window_start):
   return tokens < length if window_start is None else (tokens < length) & (tokens >= window_start)
 
 
-def _load_pages_tokens_last(ref, block_tables_ref, tile, length, st: Static, *, masked: bool, seq: tuple,
+def _load_pages_tokens_last(ref, block_tables_ref, tile, length, st: Static, piece, *, masked: bool, seq: tuple,
                             window_start=None):
-  """A tokens-last tile [width, block_kv] spanning pages, loaded as [width, pages, page_size] with one id per page
-  so that each page's tokens load as a vector (an id per token would load byte by byte)."""
-  ps, W = st.page_size, st.width
+  """A piece [width, block_kv] of a tokens-last tile spanning pages, loaded as [width, pages, page_size] with one
+  id per page so that each page's tokens load as a vector (an id per token would load byte by byte)."""
+  ps, W = st.page_size, piece[1]
   n = st.block_kv // ps
   start = tile * st.block_kv
   page_index = jnp.minimum(start // ps + jnp.arange(n, dtype=jnp.int32), st.max_pages - 1)
   pages = jnp.clip(block_tables_ref[(*seq, page_index)], 0, st.num_pages - 1)
   slots = jnp.arange(ps, dtype=jnp.int32)
-  cols, col_ok = _columns(st)
+  cols, col_ok = _columns(piece, st)
   view = ref.at[pages[None, :, None], cols[:, None, None], slots[None, None, :]]
   mask = None if col_ok is None else jnp.broadcast_to(col_ok[:, None, None], (W, n, ps))
   if masked:
@@ -226,32 +244,48 @@ class Refs:
 
 
 def load_q(r: Refs, row0, seq: tuple, st: Static):
-  """This program's q rows [block_rows, width]; rows past R and columns past D load as 0 (padding q would take a
-  launch)."""
+  """This program's q rows as [block_rows, width] pieces; rows past R and columns past D load as 0 (padding q
+  would take a launch)."""
   return load_rows(r.q, seq, row0, st)
 
 
-def _row_mask(row0, st: Static):
+def _row_mask(row0, piece, st: Static):
   """[block_rows, width]: the program's real rows (< R)."""
-  return jnp.broadcast_to(real_rows(row0, st)[:, None], (st.block_rows, st.width))
+  return jnp.broadcast_to(real_rows(row0, st)[:, None], (st.block_rows, piece[1]))
 
 
-def store_rows(ref, index: tuple, row0, x, st: Static):
-  """Stores a [block_rows, width] tile's real rows and columns at ref[(*index, rows row0.., :D)]."""
-  view, col_ok = _row_tile(ref, index, row0, st.block_rows, st)
-  pltr.store(view, x.astype(ref.dtype), mask=_both(_row_mask(row0, st), col_ok))
+def store_rows(ref, index: tuple, row0, x: tuple, st: Static):
+  """Stores a tile's pieces [block_rows, width], their real rows and columns, at ref[(*index, rows row0.., :D)]."""
+  for piece, values in zip(st.pieces, x, strict=True):
+    view, col_ok = _row_tile(ref, index, row0, st.block_rows, piece, st)
+    pltr.store(view, values.astype(ref.dtype), mask=_both(_row_mask(row0, piece, st), col_ok))
 
 
-def load_rows(ref, index: tuple, row0, st: Static):
-  """`store_rows`' inverse: ref[(*index, rows row0.., :D)] as [block_rows, width], 0 outside the real ones."""
-  view, col_ok = _row_tile(ref, index, row0, st.block_rows, st)
-  return pltr.load(view, mask=_both(_row_mask(row0, st), col_ok), other=0.0)
+def load_rows(ref, index: tuple, row0, st: Static) -> tuple:
+  """`store_rows`' inverse: ref[(*index, rows row0.., :D)] as [block_rows, width] pieces, 0 outside the real
+  rows and columns."""
+  pieces = []
+  for piece in st.pieces:
+    view, col_ok = _row_tile(ref, index, row0, st.block_rows, piece, st)
+    pieces.append(pltr.load(view, mask=_both(_row_mask(row0, piece, st), col_ok), other=0.0))
+  return tuple(pieces)
+
+
+def zero_rows(st: Static) -> tuple:
+  """A float32 [block_rows, D] tile of zeros, as pieces."""
+  return tuple(jnp.zeros((st.block_rows, width), jnp.float32) for _, width in st.pieces)
 
 
 def initial_carry(st: Static):
-  return (jnp.zeros((st.block_rows, st.width), jnp.float32),
-          jnp.full((st.block_rows,), -jnp.inf, jnp.float32),
+  """(acc as pieces, m, l) before the first tile."""
+  return (zero_rows(st), jnp.full((st.block_rows,), -jnp.inf, jnp.float32),
           jnp.zeros((st.block_rows,), jnp.float32))
+
+
+def finalize(acc: tuple, m_i, l_i):
+  """`online_softmax.finalize` of an accumulator in pieces: (out pieces, lse)."""
+  outs = [online_softmax.finalize(piece, m_i, l_i) for piece in acc]
+  return tuple(out for out, _ in outs), outs[0][1]
 
 
 def head_scales_of(r: Refs, head, st: Static):
@@ -279,8 +313,9 @@ def tile_step(r: Refs, q, tile, carry, *, head_scales, row0, length, seq: tuple,
       return x * head_scale
     return x
 
-  k = widen(load_tile(r.k, r.block_tables, tile, length, st, masked=masked, seq=seq), st)
-  s = dot(q, k, trans_b=True)
+  k = load_tile(r.k, r.block_tables, tile, length, st, masked=masked, seq=seq)
+  s = functools.reduce(operator.add, (dot(q_piece, widen(k_piece, st), trans_b=True)
+                                      for q_piece, k_piece in zip(q, k, strict=True)))
   s = scaled(s, r.k_scale, st.k_scale, head_scales[0])
   s = online_softmax.log2_logits(s, scale=st.options.scale, softcap=st.options.softcap)
   if masked:
@@ -289,12 +324,14 @@ def tile_step(r: Refs, q, tile, carry, *, head_scales, row0, length, seq: tuple,
     ok = online_softmax.visible(rows, cols, tile_start=tile * bkv, length=length, num_queries=st.num_queries,
                                 group=G, window=st.options.window, start=start)
     s = jnp.where(ok, s, -jnp.inf)
-  acc, m_new, l_new, p = online_softmax.softmax_step(s, acc, m_i, l_i)
+  alpha, m_new, l_new, p = online_softmax.rescale_step(s, m_i, l_i)
+  acc = tuple(piece * online_softmax.per_row(alpha, piece.shape) for piece in acc)
   p = scaled(p, r.v_scale, st.v_scale, head_scales[1])   # the sum keeps the unscaled p (l_new)
-  v = widen(load_tile(r.v, r.block_tables, tile, length, st, masked=masked, seq=seq,
-                        tokens_last=st.v_tokens_last, window_start=start), st)
-  pv = dot(p.astype(q.dtype), v, trans_b=st.v_tokens_last)
-  return acc + pv, m_new, l_new
+  v = load_tile(r.v, r.block_tables, tile, length, st, masked=masked, seq=seq, tokens_last=st.v_tokens_last,
+                window_start=start)
+  p = p.astype(q[0].dtype)
+  acc = tuple(a + dot(p, widen(v_piece, st), trans_b=st.v_tokens_last) for a, v_piece in zip(acc, v))
+  return acc, m_new, l_new
 
 
 def first_row(head_block, st: Static):
