@@ -378,6 +378,9 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                        "user's loop sees, host dispatch included): the host us column, host_us in the rows.", **into)
   flags.DEFINE_boolean("v_tokens_last", False, "pallas_kv impls of the dense and paged ops: v stored "
                        "[B, Hkv, D, T] / [P, Hkv, D, page_size] (decode_attention's v_tokens_last).", **into)
+  flags.DEFINE_integer("triton_column_pieces", None, "triton: the most power-of-two column pieces a head dim is "
+                       "cut into (pallas_kv.kernels.triton.config.MAX_COLUMN_PIECES; 1: one padded tile).",
+                       lower_bound=1, **into)
   flags.DEFINE_boolean("varlen", False, "pallas_kv impls: q in the varlen form [B * S, Hq, D] with cu_seqlens_q "
                        "(S tokens a sequence), to set beside the same run without it.", **into)
   flags.adopt_module_key_flags(cli, flag_values)
@@ -398,6 +401,8 @@ def main(argv: Sequence[str]) -> int:
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   paths = cli.output_paths()
+  if FLAGS.triton_column_pieces is not None:   # before the first trace: traces are cached
+    triton_config.MAX_COLUMN_PIECES = FLAGS.triton_column_pieces
   rows = run(sweep, json_path=paths.json, csv_path=paths.csv, plot_path=paths.plot, host_loop=FLAGS.host_loop,
              kernel=kernel)
   return output.report_failures(
