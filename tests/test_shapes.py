@@ -80,3 +80,55 @@ def test_no_fallback_is_logged_on_a_cpu(caplog, monkeypatch):
   with caplog.at_level(logging.WARNING, logger="pallas_kv"):
     assert _choice("decode", _dense_problem(head_dim=36)) == "xla"
   assert not [r for r in caplog.records if r.name == "pallas_kv"]
+
+
+# ---------------------------------------------------------------- on the GPU (realistic sizes, the default configs)
+
+import pallas_kv as pkv   # noqa: E402  (the tests above need only api and validation)
+from harness import check_against_reference, make_case, poison_unread_slots, tiered   # noqa: E402
+
+# (impl, heads, kv heads, head dim, page size, new tokens)
+_GPU_CASES = [
+    ("triton", 48, 1, 128, None, 1), ("mosaic_gpu", 71, 1, 128, None, 2), ("mosaic_gpu", 40, 2, 128, 16, 1),
+    ("mosaic_gpu", 16, 2, 96, None, 2), ("mosaic_gpu", 16, 2, 80, 16, 1), ("mosaic_gpu", 16, 2, 192, None, 1),
+    ("mosaic_gpu", 16, 2, 128, 1, 2), ("mosaic_gpu", 16, 2, 128, 2, 1), ("mosaic_gpu", 16, 2, 64, 4, 3),
+    ("triton", 16, 2, 96, 1, 2), ("triton", 128, 1, 64, 16, 4),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl,heads,kv_heads,head_dim,page_size,num_queries", tiered(
+    _GPU_CASES, every_tier=[_GPU_CASES[1], _GPU_CASES[3], _GPU_CASES[6]]))
+def test_gpu_new_shapes_match_the_reference(impl, heads, kv_heads, head_dim, page_size, num_queries):
+  """Wide groups, head dims past 64 / 128 / 256 and small pages on the GPU, garbage in every unread slot;
+  a page-1 ring wraps (more tiles per split than stages)."""
+  case = make_case(head_dim + heads, batch=3, seq_len=1024, num_heads=heads, num_kv_heads=kv_heads,
+                   head_dim=head_dim, num_queries=num_queries, dtype=jnp.bfloat16, page_size=page_size,
+                   lengths=[1024, 0, 613])
+  bad = poison_unread_slots(case, dense=page_size is None)
+  if page_size is None:
+    out = pkv.decode_attention(bad.q, bad.k, bad.v, bad.lengths, return_lse=True, impl=impl)
+  else:
+    out = pkv.paged_decode_attention(bad.q, bad.k_pages, bad.v_pages, bad.block_tables, bad.lengths,
+                                     return_lse=True, impl=impl)
+  check_against_reference(case, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "mosaic_gpu"])
+def test_gpu_varlen_and_window_start_match_the_reference(impl):
+  case = make_case(11, batch=4, seq_len=2048, num_heads=32, num_kv_heads=8, head_dim=128, num_queries=4,
+                   dtype=jnp.bfloat16, page_size=16, lengths=[2048, 900, 37, 1500])
+  starts = jnp.asarray([1000, 0, 36, 1499], jnp.int32)
+  out = pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths,
+                                   window_start=starts, return_lse=True, impl=impl)
+  check_against_reference(case, out, window_start=starts)
+  counts = [4, 1, 2, 3]
+  q = jnp.concatenate([case.q[b, 4 - c:] for b, c in enumerate(counts)])
+  cu = jnp.asarray([0, 4, 5, 7, 10], jnp.int32)
+  varlen = pkv.paged_decode_attention(q, case.k_pages, case.v_pages, case.block_tables, case.lengths,
+                                      cu_seqlens_q=cu, max_seqlen_q=4, impl=impl)
+  padded = pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths,
+                                      impl=impl)
+  rows = jnp.concatenate([padded[b, 4 - c:] for b, c in enumerate(counts)])
+  assert jnp.array_equal(varlen, rows)   # the same kernel on the same padded rows: the same bits
