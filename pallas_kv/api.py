@@ -59,7 +59,10 @@ def kernel_backend(name: str):
     from pallas_kv.kernels.mosaic_gpu import backend
     return backend
   if name == "triton":
-    from pallas_kv.kernels.triton import backend
+    try:
+      from pallas_kv.kernels.triton import backend
+    except ImportError as e:   # jax deprecates Pallas Triton: a jax without it leaves Mosaic GPU and xla
+      raise NotImplementedError(f"impl='triton': the Pallas Triton backend cannot be imported ({e})") from e
     return backend
   raise NotImplementedError(f"impl={name!r}: this backend is not built yet; use impl='xla' or impl='auto'")
 

@@ -1,0 +1,65 @@
+"""pallas_kv without Pallas Triton (deprecated in jax 0.11, to be removed): in a fresh interpreter where
+`jax.experimental.pallas.triton` cannot be imported, the library imports, "auto" never picks Triton, and
+every op lowers for CUDA on Mosaic GPU with no Triton call in the module."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_SCRIPT = textwrap.dedent("""
+    import importlib.abc, sys
+
+    class NoPallasTriton(importlib.abc.MetaPathFinder):
+      BLOCKED = ("jax.experimental.pallas.triton", "jax._src.pallas.triton")
+      def find_spec(self, name, path=None, target=None):
+        if name.startswith(self.BLOCKED):
+          raise ImportError(f"{name} is blocked: Pallas Triton is gone")
+        return None
+
+    sys.meta_path.insert(0, NoPallasTriton())
+    import jax, jax.numpy as jnp
+    import pallas_kv as pkv
+    from pallas_kv import api
+    import harness
+
+    try:
+      api.kernel_backend("triton")
+      raise AssertionError("the triton backend imported")
+    except NotImplementedError as e:
+      assert "cannot be imported" in str(e), e
+    api.device_can_run = lambda name: True   # as on a Hopper GPU
+    SDS = jax.ShapeDtypeStruct
+    B, T, P = 4, 2048, 600
+    q = SDS((B, 2, 32, 128), jnp.bfloat16)
+    k = SDS((B, T, 8, 128), jnp.bfloat16)
+    k8 = SDS((B, T, 8, 128), jnp.int8)
+    pages = SDS((P, 16, 8, 128), jnp.bfloat16)
+    tables, lengths = SDS((B, T // 16), jnp.int32), SDS((B,), jnp.int32)
+    latent, q_mla = SDS((P, 64, 576), jnp.bfloat16), SDS((B, 1, 128, 576), jnp.bfloat16)
+    mla_tables = SDS((B, T // 64), jnp.int32)
+    calls = {
+        "decode": (lambda q, k, l: pkv.decode_attention(q, k, k, l), (q, k, lengths)),
+        "paged": (lambda q, k, t, l: pkv.paged_decode_attention(q, k, k, t, l, window_start=l), (q, pages, tables, lengths)),
+        "int8": (lambda q, k, l: pkv.decode_attention(q, k, k, l, k_scale=0.5, v_scale=0.5), (q, k8, lengths)),
+        "mla": (lambda q, kv, t, l: pkv.mla_decode_attention(q, kv, t, l), (q_mla, latent, mla_tables, lengths)),
+    }
+    for name, (fn, args) in calls.items():
+      text = harness.lower_for_cuda(fn, *args).mlir_module()
+      assert api.last_impl() == "mosaic_gpu", (name, api.last_impl())
+      assert "custom_call @mosaic_gpu" in text and harness.TRITON_CUSTOM_CALL not in text, name
+      print("lowered", name)
+    assert not any(m.startswith("jax.experimental.pallas.triton") for m in sys.modules)
+""")
+
+
+def test_without_pallas_triton_every_op_lowers_on_mosaic_gpu():
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
+  env.pop("PALLAS_KV_INTERPRET", None)
+  result = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+  assert result.returncode == 0, result.stderr[-4000:]
+  assert [line for line in result.stdout.splitlines() if line.startswith("lowered")] == [
+      "lowered decode", "lowered paged", "lowered int8", "lowered mla"]
