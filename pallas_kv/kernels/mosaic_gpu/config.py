@@ -78,7 +78,7 @@ def head_dim_reason(head_dim: int, dtype: Any = "bfloat16") -> str | None:
   """Why the GQA kernel cannot serve head_dim for a cache of `dtype`, or None."""
   multiple = HEAD_DIM_MULTIPLE[min(jnp.dtype(dtype).itemsize, 2)]
   if head_dim % multiple or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
-    return (f"head_dim {head_dim} is not supported for a {jnp.dtype(dtype).name} cache (a multiple of {multiple} "
+    return (f"head_dim {head_dim} is not supported for a cache of {jnp.dtype(dtype).name} (a multiple of {multiple} "
             f"from {MIN_HEAD_DIM} to {MAX_HEAD_DIM})")
   return None
 
