@@ -131,6 +131,16 @@ def make_case(seed: int, *, batch: int = 3, seq_len: int = 64, num_heads: int = 
   return case
 
 
+def attend(case: Case, q=None, **options):
+  """The public op of the case: `paged_decode_attention` over its pages where it has a page size, else
+  `decode_attention` over its contiguous cache; q defaults to the case's."""
+  import pallas_kv as pkv
+  q = case.q if q is None else q
+  if case.page_size is None:
+    return pkv.decode_attention(q, case.k, case.v, case.lengths, **options)
+  return pkv.paged_decode_attention(q, case.k_pages, case.v_pages, case.block_tables, case.lengths, **options)
+
+
 def read_page_slots(block_tables, lengths, page_size: int, num_pages: int) -> np.ndarray:
   """[P, page_size] bool: the slots some sequence reads as a valid token (pages may be shared)."""
   tables, lengths = np.asarray(block_tables), np.clip(np.asarray(lengths), 0, None)

@@ -12,7 +12,7 @@ import pytest
 import pallas_kv as pkv
 import sweeps
 from harness import TRITON_CUSTOM_CALL, assert_lse_matches, assert_matches_reference, check_against_reference
-from harness import lower_for_cuda, make_case
+from harness import attend, lower_for_cuda, make_case
 from harness import poison_unread_slots, tiered
 from pallas_kv.kernels.mosaic_gpu import config as mosaic_gpu_config
 from pallas_kv.kernels.triton import config as triton_config
@@ -305,12 +305,7 @@ _GPU_CASES = [(impl, *shape, page) for impl in KERNEL_IMPLS for shape in _GPU_SH
 def test_gpu_matches_reference(impl, batch, seq_len, group, page_size):
   case = make_case(batch * 7 + group, batch=batch, seq_len=seq_len, num_heads=4 * group, num_kv_heads=4,
                    head_dim=128, dtype=jnp.bfloat16, page_size=page_size, num_queries=2)
-  if page_size is None:
-    out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=impl)
-  else:
-    out = pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths,
-                                     return_lse=True, impl=impl)
-  check_against_reference(case, out)
+  check_against_reference(case, attend(case, return_lse=True, impl=impl))
 
 
 @pytest.mark.gpu

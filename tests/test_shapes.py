@@ -85,7 +85,7 @@ def test_no_fallback_is_logged_on_a_cpu(caplog, monkeypatch):
 # ---------------------------------------------------------------- on the GPU (realistic sizes, the default configs)
 
 import pallas_kv as pkv   # noqa: E402  (the tests above need only api and validation)
-from harness import check_against_reference, make_case, poison_unread_slots, tiered   # noqa: E402
+from harness import attend, check_against_reference, make_case, poison_unread_slots, tiered   # noqa: E402
 
 # (impl, heads, kv heads, head dim, page size, new tokens)
 _GPU_CASES = [
@@ -106,12 +106,7 @@ def test_gpu_new_shapes_match_the_reference(impl, heads, kv_heads, head_dim, pag
                    head_dim=head_dim, num_queries=num_queries, dtype=jnp.bfloat16, page_size=page_size,
                    lengths=[1024, 0, 613])
   bad = poison_unread_slots(case, dense=page_size is None)
-  if page_size is None:
-    out = pkv.decode_attention(bad.q, bad.k, bad.v, bad.lengths, return_lse=True, impl=impl)
-  else:
-    out = pkv.paged_decode_attention(bad.q, bad.k_pages, bad.v_pages, bad.block_tables, bad.lengths,
-                                     return_lse=True, impl=impl)
-  check_against_reference(case, out)
+  check_against_reference(case, attend(bad, return_lse=True, impl=impl))
 
 
 @pytest.mark.gpu
@@ -120,15 +115,11 @@ def test_gpu_varlen_and_window_start_match_the_reference(impl):
   case = make_case(11, batch=4, seq_len=2048, num_heads=32, num_kv_heads=8, head_dim=128, num_queries=4,
                    dtype=jnp.bfloat16, page_size=16, lengths=[2048, 900, 37, 1500])
   starts = jnp.asarray([1000, 0, 36, 1499], jnp.int32)
-  out = pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths,
-                                   window_start=starts, return_lse=True, impl=impl)
-  check_against_reference(case, out, window_start=starts)
+  check_against_reference(case, attend(case, window_start=starts, return_lse=True, impl=impl), window_start=starts)
   counts = [4, 1, 2, 3]
   q = jnp.concatenate([case.q[b, 4 - c:] for b, c in enumerate(counts)])
   cu = jnp.asarray([0, 4, 5, 7, 10], jnp.int32)
-  varlen = pkv.paged_decode_attention(q, case.k_pages, case.v_pages, case.block_tables, case.lengths,
-                                      cu_seqlens_q=cu, max_seqlen_q=4, impl=impl)
-  padded = pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths,
-                                      impl=impl)
+  varlen = attend(case, q, cu_seqlens_q=cu, max_seqlen_q=4, impl=impl)
+  padded = attend(case, impl=impl)
   rows = jnp.concatenate([padded[b, 4 - c:] for b, c in enumerate(counts)])
   assert jnp.array_equal(varlen, rows)   # the same kernel on the same padded rows: the same bits

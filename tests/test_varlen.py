@@ -11,7 +11,7 @@ from jax.experimental import checkify
 
 import pallas_kv as pkv
 from harness import TRITON_CUSTOM_CALL, assert_lse_matches, assert_matches_reference, check_against_reference
-from harness import lower_for_cuda, make_case, tiered
+from harness import attend, lower_for_cuda, make_case, tiered
 
 KERNEL_CONFIGS = {"triton": pkv.TritonConfig(block_kv=32, num_stages=2, num_splits=2),
                   "mosaic_gpu": pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2)}
@@ -66,11 +66,8 @@ def test_varlen_xla_matches_each_sequence_alone(paged):
 def test_varlen_kernels_match_each_sequence_alone(interpret_mode, impl, paged):
   counts = [2, 1, 4]
   case, q, cu = _varlen_case(2, counts, capacity=256, page_size=64 if paged else None, lengths=[256, 77, 130])
-  kw = dict(cu_seqlens_q=cu, max_seqlen_q=4, return_lse=True, impl=impl, config=KERNEL_CONFIGS[impl])
-  if paged:
-    out, lse = pkv.paged_decode_attention(q, case.k_pages, case.v_pages, case.block_tables, case.lengths, **kw)
-  else:
-    out, lse = pkv.decode_attention(q, case.k, case.v, case.lengths, **kw)
+  out, lse = attend(case, q, cu_seqlens_q=cu, max_seqlen_q=4, return_lse=True, impl=impl,
+                    config=KERNEL_CONFIGS[impl])
   _check_per_sequence(case, counts, cu, out, lse)
 
 
@@ -205,12 +202,9 @@ def test_window_start_kernels_match_the_reference(interpret_mode, impl, paged, p
   starts = jnp.asarray([100, 0, 39], jnp.int32)
   fields = dict(num_splits=3 if plan == "stream_k" else 2, split_plan=plan)
   config = dataclasses.replace(KERNEL_CONFIGS[impl], **fields)
-  kw = dict(window_start=starts, return_lse=True, impl=impl, config=config)
   k, v, k_pages, v_pages = _nan_before(case, starts)
-  if paged:
-    out = pkv.paged_decode_attention(case.q, k_pages, v_pages, case.block_tables, case.lengths, **kw)
-  else:
-    out = pkv.decode_attention(case.q, k, v, case.lengths, **kw)
+  hidden = dataclasses.replace(case, k=k, v=v, k_pages=k_pages, v_pages=v_pages)
+  out = attend(hidden, window_start=starts, return_lse=True, impl=impl, config=config)
   check_against_reference(case, out, window_start=starts)
 
 

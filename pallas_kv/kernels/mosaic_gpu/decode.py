@@ -247,9 +247,10 @@ class _Sequences:
     start = None if self.starts is None else jnp.clip(self.starts[b], 0, st.capacity)
     return jnp.clip(self.lengths[b], 0, st.capacity), start
 
-  def first_row(self, item, tile, st: "_Static"):
-    """The first row of `tile` at or after the item's window start (rows before it are zeroed), or None."""
-    return None if item.start is None else item.start - tile * st.tiling.block_kv
+
+def _first_row(start, tile, st: "_Static"):
+  """The first row of `tile` at or after a window start (the rows before it are zeroed), or None without one."""
+  return None if start is None else start - tile * st.tiling.block_kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,7 +345,7 @@ def _kernel(q_ref,
           for role in ("k", "v"):
             # V's rows past the length are zeroed here (0 x NaN is NaN in P V); K's are masked.
             valid_rows = item.length - (t0 + step) * st.tiling.block_kv if role == "v" else None
-            first_row = sequences.first_row(item, t0 + step, st) if role == "v" else None
+            first_row = _first_row(item.start, t0 + step, st) if role == "v" else None
             _convert_tile(rings[0][role], rings[0].get(f"{role}s"), converted[role], steps_before + step,
                           valid_rows, item.head, st, first_row)
 
@@ -444,11 +445,11 @@ def _consume(q_tile, k_tiles, v_tiles, p_smem, length, row0, t0, t1, a, c, step0
 
   def softmax(s, tile, acc, m_i, l_i, masked: bool):
     return math_.softmax(s, acc, m_i, l_i, tile=tile, length=length, row0=row0, masked=masked, st=st,
-                         k_scale=k_scale, **({} if start is None else dict(start=start)))
+                         k_scale=k_scale, start=start)
 
   def pv(acc, p16, i, tile, masked: bool):
     valid_rows = length - tile * st.tiling.block_kv if masked else None
-    first_row = start - tile * st.tiling.block_kv if masked and start is not None else None
+    first_row = _first_row(start, tile, st) if masked else None
     v_tile = v_tiles.fetch(i, valid_rows, first_row)
     acc = math_.pv(acc, p16, v_tile, p_smem)
     v_tiles.done(i)
