@@ -255,6 +255,9 @@ PERFORMANCE_SUITES = (
           "table is after it."),
     Suite("Gemma-2-9B, after the SMEM budget change", ("gemma_auto",), _DECODE + "gemma2_9b.flags "
           "--impl=auto,triton --cases=16x8192,64x8192,128x8192 --warmup=2 --repeats=5"),
+    Suite("Head dims past 128, MQA groups, page 1 (bf16)", ("shapes_d192", "shapes_d512", "shapes_heads48_1",
+          "shapes_heads71_1", "shapes_page16", "shapes_page1"), "bash benchmarks/h200_suite.sh shapes shapes_more",
+          labels=("D 192", "D 512", "48 / 1", "71 / 1", "page 16", "page 1")),
     Suite("One-byte caches (Triton kernel, per-token scales)",
           ("vlast_bfloat16_nov_tokens_last", "vlast_int8_v_tokens_last", "vlast_float8_e4m3fn_v_tokens_last"),
           _DECODE + "gqa_h200.flags --impl=triton --kv_dtype=K --[no]v_tokens_last --warmup=2 --repeats=5",

@@ -56,7 +56,9 @@ def token_positions(cu_seqlens_q, total: int):
   """(sequence [total], index among its sequence's new tokens [total]) of each varlen row."""
   cu = cu_seqlens_q.astype(jnp.int32)
   token = jnp.arange(total, dtype=jnp.int32)
-  seq = jnp.clip(jnp.searchsorted(cu[1:], token, side="right"), 0, cu.shape[0] - 2).astype(jnp.int32)
+  # compare_all: the default scan method is a while loop, which on a GPU syncs with the host each step.
+  seq = jnp.searchsorted(cu[1:], token, side="right", method="compare_all")
+  seq = jnp.clip(seq, 0, cu.shape[0] - 2).astype(jnp.int32)
   return seq, token - cu[seq]
 
 

@@ -83,6 +83,28 @@ def test_other_head_dims_and_page_sizes_are_refused_with_reason():
     _paged(case)
 
 
+# Programs of 64 rows or more (MQA groups, S x group > 32) split for one program per SM, the others for two
+# (docs/decisions.md#triton-wide-rows).
+@pytest.mark.parametrize("heads,num_queries,wide", [((48, 1), 1, True), ((71, 1), 1, True), ((32, 8), 16, True),
+                                                     ((40, 2), 1, False), ((32, 8), 1, False)])
+def test_wide_rows_take_one_program_per_sm(heads, num_queries, wide, tmp_path, monkeypatch):
+  from pallas_kv import tuned
+  from pallas_kv.kernels import plan
+  monkeypatch.setenv(tuned.TUNED_DIR_ENV_VAR, str(tmp_path))   # no tuned entries: the heuristic decides
+  tuned.clear_cache()
+  from pallas_kv import validation
+  (hq, hkv), sds = heads, jax.ShapeDtypeStruct
+  kv = sds((16, 8192, hkv, 128), jnp.bfloat16)   # few programs: the split count differs with programs per SM
+  problem = validation.validate_dense(sds((16, num_queries, hq, 128), jnp.bfloat16), kv, kv, sds((16,), jnp.int32))
+  config = triton_config.resolve_config(problem, pkv.TritonConfig(split_plan="per_sequence"), num_sms=132)
+  _, row_blocks = triton_config.row_blocking(num_queries * hq // hkv, 128)
+  unfilled = pkv.TritonConfig(**{**config.given(), "num_splits": None})
+  for_sm = lambda per_sm: plan.fill_num_splits(problem, unfilled, row_blocks=row_blocks, programs_per_sm=per_sm,
+                                               num_sms=132).num_splits
+  assert config.num_splits == for_sm(1 if wide else 2)
+  assert for_sm(1) != for_sm(2)
+
+
 # The heuristic's stages (benchmarks/RESULTS.md, sixteenth and seventeenth sets): three at D 128
 # whatever the grid's waves (two won on full-length batches of one to 2.5 waves and lost more on
 # ragged ones); at D 256 three where the SMEM budget is Hopper's, two where it is an A100's.

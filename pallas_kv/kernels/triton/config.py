@@ -29,6 +29,10 @@ HOPPER_SMEM_BUDGET_BYTES = 227 * 1024
 SMEM_BUDGET_BYTES = 160 * 1024
 # What the split counts were tuned with, though 3 fit at D 128 (docs/decisions.md#triton-programs-per-sm).
 PROGRAMS_PER_SM = 2
+# Programs of this many rows or more (MQA groups; S x group > 32) are compute-heavy: one per SM, half the
+# splits, measured faster (docs/decisions.md#triton-wide-rows).
+WIDE_ROWS = 64
+WIDE_ROWS_PROGRAMS_PER_SM = 1
 DEFAULT_BLOCK_KV = 64
 # One-byte v tokens last loads rows of block_kv bytes: whole cache lines (docs/decisions.md#tokens-last-tiles).
 TOKENS_LAST_ONE_BYTE_BLOCK_KV = 128
@@ -186,7 +190,10 @@ def resolve_config(problem, config: TritonConfig | None, *, dtype: Any = "bfloat
 
 
 def programs_per_sm(config: TritonConfig, problem) -> int:
-  return stream_k_programs_per_sm(problem) if plan.is_stream_k(config) else PROGRAMS_PER_SM
+  if plan.is_stream_k(config):
+    return stream_k_programs_per_sm(problem)
+  block_rows, _ = row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
+  return WIDE_ROWS_PROGRAMS_PER_SM if block_rows >= WIDE_ROWS else PROGRAMS_PER_SM
 
 
 def stream_k_programs_per_sm(problem) -> int:
