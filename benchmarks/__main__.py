@@ -30,6 +30,7 @@ ROUTINES = {
     "scaling": "paged decode attention sharded over 1-8 GPUs (shard_map)",
     "vmap": "jax.vmap of the ops against the same work as one batch",
     "serving": "SmolLM2-135M-Instruct in the continuous-batching engine: tokens/s, GPU idle",
+    "shared_prefix": "forked sequences over a shared prompt: paged decode with and without SharedPrefix",
     "tune": "times kernel configs per shape and merges the winners into the tuned file",
 }
 TOOLS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools")

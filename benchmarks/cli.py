@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from absl import flags
+import jax
 
 from benchmarks import cases
 from benchmarks import peers
@@ -104,6 +105,14 @@ def _values(cls, flag_values) -> dict[str, Any]:
 
 def timing_flags(flag_values: flags.FlagValues = FLAGS) -> TimingFlags:
   return TimingFlags(**_values(TimingFlags, flag_values))
+
+
+def timing_or_defaults(cpu: Mapping[str, int], gpu: Mapping[str, int],
+                       flag_values: flags.FlagValues = FLAGS) -> tuple[int, int, int]:
+  """(warmup, iters, repeats): the flags given, else the defaults of this machine (a CPU's or a GPU's)."""
+  defaults = cpu if jax.default_backend() == "cpu" else gpu
+  given = timing_flags(flag_values)
+  return tuple(defaults[f] if getattr(given, f) is None else getattr(given, f) for f in ("warmup", "iters", "repeats"))
 
 
 def output_paths(flag_values: flags.FlagValues = FLAGS) -> OutputPaths:

@@ -209,7 +209,8 @@ def full_state(engine: serving.Engine, length: int) -> serving.SlotState:
   ids = np.arange(batch * pages_per_seq, dtype=np.int32).reshape(batch, pages_per_seq)
   tables = np.where(np.arange(pages_per_seq) < held, ids, pkv.UNALLOCATED)
   free = np.concatenate([ids[:, held:].reshape(-1), np.arange(ids.size, engine.num_pages, dtype=np.int32)])
-  pool = pkv.PagePool(jnp.asarray(np.concatenate([free, ids[:, :held].reshape(-1)])), jnp.int32(free.size))
+  pool = pkv.PagePool(jnp.asarray(np.concatenate([free, ids[:, :held].reshape(-1)])), jnp.int32(free.size),
+                      jnp.asarray(np.isin(np.arange(engine.num_pages), ids[:, :held]), jnp.int32))
   state = engine.state
   slots = engine.num_slots
   return dataclasses.replace(state, tables=jnp.asarray(tables), lengths=jnp.full((slots,), length, jnp.int32),

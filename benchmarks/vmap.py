@@ -96,10 +96,7 @@ def run(specs, impls, warmup: int, iters: int, repeats: int) -> list[dict]:
 def main(argv):
   del argv
   cpu = jax.default_backend() == "cpu"
-  defaults = CPU_TIMING if cpu else GPU_TIMING
-  given = cli.timing_flags()
-  warmup, iters, repeats = (defaults[f] if getattr(given, f) is None else getattr(given, f)
-                            for f in ("warmup", "iters", "repeats"))
+  warmup, iters, repeats = cli.timing_or_defaults(CPU_TIMING, GPU_TIMING)
   specs = FLAGS.cases or (CPU_CASES if cpu else GPU_CASES)
   impls = FLAGS.impl or (["xla"] if cpu else ["mosaic_gpu", "triton"])
   rows = run(specs, impls, warmup, iters, repeats)

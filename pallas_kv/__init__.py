@@ -16,13 +16,17 @@ from pallas_kv.cache import PagedKVCache as PagedKVCache
 from pallas_kv.cache import PagedLatentCache as PagedLatentCache
 from pallas_kv.cache import PagePool as PagePool
 from pallas_kv.cache import UNALLOCATED as UNALLOCATED
+from pallas_kv.cache import drop_pages as drop_pages
 from pallas_kv.cache import empty_block_tables as empty_block_tables
+from pallas_kv.cache import fork_sequences as fork_sequences
 from pallas_kv.cache import release_sequences as release_sequences
 from pallas_kv.cache import reserve_pages as reserve_pages
+from pallas_kv.cache import retain_pages as retain_pages
 from pallas_kv.reference import decode_attention_reference as decode_attention_reference
 from pallas_kv.reference import mla_decode_attention_reference as mla_decode_attention_reference
 from pallas_kv.reference import paged_decode_attention_reference as paged_decode_attention_reference
 from pallas_kv.runtime import checked as checked
+from pallas_kv.shared_prefix import SharedPrefix as SharedPrefix
 from pallas_kv.runtime import interpret as interpret
 
 __version__ = "0.1.0"

@@ -19,12 +19,14 @@ from jax.experimental import checkify
 
 from pallas_kv import batching
 from pallas_kv import runtime
+from pallas_kv import shared_prefix as sharing
 from pallas_kv import tuned
 from pallas_kv import validation
 from pallas_kv import varlen
 from pallas_kv import xla
 from pallas_kv import config as kernel_configs
 from pallas_kv.config import AttentionOptions
+from pallas_kv.kernels.frame import MAX_GROUP
 from pallas_kv.kernels.plan import SplitPlan
 
 IMPLS = ("auto", "mosaic_gpu", "triton", "xla")
@@ -390,7 +392,8 @@ def _plan_decode(q, k, v, lengths, *, scale=None, softcap=None, window=None, sin
 
 def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, softcap=None, window=None,
                            sinks=None, k_scale=None, v_scale=None, return_lse=False, impl="auto", config=None,
-                           v_tokens_last=False, plan=None, window_start=None, cu_seqlens_q=None, max_seqlen_q=None):
+                           v_tokens_last=False, plan=None, window_start=None, cu_seqlens_q=None, max_seqlen_q=None,
+                           shared_prefix=None):
   """Attention of a few new tokens per sequence over a paged KV cache.
 
   k_pages, v_pages: [P, page_size, Hkv, D] (v_pages [P, Hkv, D, page_size] with v_tokens_last);
@@ -399,7 +402,23 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=
   past a sequence's length are never read. Per-token scales are [P, page_size, Hkv], addressed like
   the pages. Other arguments and the result are as in `decode_attention`, with
   T = max_pages_per_seq * page_size.
+
+  shared_prefix: a `pallas_kv.SharedPrefix`, groups of sequences whose block tables start with the same
+  pages; each group's shared pages are read once for all its members (`pallas_kv.shared_prefix`). The
+  result equals the call without it. With `window` or `window_start` each member sees its own part of
+  the prefix, so such a call runs without sharing.
   """
+  if shared_prefix is not None:
+    _check_shared_prefix(shared_prefix, plan, cu_seqlens_q)
+    unshared = window is not None or window_start is not None
+    attend = lambda q, tables, lens: paged_decode_attention(
+        q, k_pages, v_pages, tables, lens, scale=scale, softcap=softcap, window=window,
+        sinks=sinks if unshared else None, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse or not unshared,
+        impl=impl, config=config, v_tokens_last=v_tokens_last, window_start=window_start)
+    if unshared:
+      return attend(q, block_tables, lengths)
+    return sharing.attend(attend, q, block_tables, lengths, shared_prefix, page_size=k_pages.shape[1],
+                          num_kv_heads=k_pages.shape[2], return_lse=return_lse, max_group=MAX_GROUP, sinks=sinks)
   if cu_seqlens_q is not None:
     padded = lambda q: paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, scale=scale,
                                               softcap=softcap, window=window, sinks=sinks, k_scale=k_scale,
@@ -441,17 +460,25 @@ def _plan_paged(q, k_pages, v_pages, block_tables, lengths, *, scale=None, softc
 
 
 def mla_decode_attention(q, kv_pages, block_tables, lengths, *, v_head_dim=512, scale=None, return_lse=False,
-                         impl="auto", config=None, plan=None, cu_seqlens_q=None, max_seqlen_q=None):
+                         impl="auto", config=None, plan=None, cu_seqlens_q=None, max_seqlen_q=None,
+                         shared_prefix=None):
   """Multi-head latent attention (DeepSeek MLA, absorbed form) over a paged latent cache.
 
   q: [B, (S,) Hq, Dqk]; kv_pages: [P, page_size, Dqk], one latent head shared by all q heads (keys
   are the whole Dqk = latent + rope; values are kv[..., :v_head_dim]); block_tables, lengths as in
   `paged_decode_attention`. scale defaults to 1/sqrt(Dqk): models that fold a different softmax
   scale into the absorbed query (DeepSeek-V3 uses 1/sqrt(192)) pass it explicitly.
-  config: a `pallas_kv.MosaicMLAConfig`; plan, cu_seqlens_q, max_seqlen_q: as in `decode_attention`.
+  config: a `pallas_kv.MosaicMLAConfig`; plan, cu_seqlens_q, max_seqlen_q: as in `decode_attention`;
+  shared_prefix: as in `paged_decode_attention`.
   Returns out [B, (S,) Hq, v_head_dim] ([total, Hq, v_head_dim] with cu_seqlens_q) in q's dtype, and lse
   when return_lse.
   """
+  if shared_prefix is not None:
+    _check_shared_prefix(shared_prefix, plan, cu_seqlens_q)
+    attend = lambda q, tables, lens: mla_decode_attention(
+        q, kv_pages, tables, lens, v_head_dim=v_head_dim, scale=scale, return_lse=True, impl=impl, config=config)
+    return sharing.attend(attend, q, block_tables, lengths, shared_prefix, page_size=kv_pages.shape[1],
+                          num_kv_heads=1, return_lse=return_lse, max_group=None)
   if cu_seqlens_q is not None:
     padded = lambda q: mla_decode_attention(q, kv_pages, block_tables, lengths, v_head_dim=v_head_dim, scale=scale,
                                             return_lse=return_lse, impl=impl, config=config, plan=plan)
@@ -474,6 +501,13 @@ def mla_decode_attention(q, kv_pages, block_tables, lengths, *, v_head_dim=512, 
 
   return _run("mla", impl, config, problem, options, q, kv_pages, kv_pages, lengths, block_tables, sinks=None,
               k_scale=None, v_scale=None, return_lse=return_lse, xla_fn=xla_fn, refold=refold, plan=plan)
+
+
+def _check_shared_prefix(shared_prefix, plan, cu_seqlens_q) -> None:
+  sharing.check(shared_prefix)
+  if plan is not None or cu_seqlens_q is not None:
+    raise ValueError("shared_prefix does not combine with plan= or cu_seqlens_q: its two passes plan their own "
+                     "shapes, and take q in the padded [B, (S,) Hq, D] form")
 
 
 def _plan_mla(q, kv_pages, block_tables, lengths, *, v_head_dim=512, scale=None, return_lse=False, impl="auto",

@@ -14,6 +14,8 @@ capacity, or a position whose page the block table does not hold) stores none of
 its length. `try_append` returns which sequences took their tokens (`ok` [B]); `append` reports a
 refused one in checked mode (`pallas_kv.checked()`), and raises at trace time where the shapes
 alone make it certain (more new tokens than the capacity).
+Paged sequences may share pages (`PagedKVCache.fork`: parallel sampling, a prefix cache): the
+`PagePool` counts the references on each page and frees a page when its last one is dropped.
 """
 
 from __future__ import annotations
@@ -120,6 +122,18 @@ def _write(write, cache, scale, new, write_values=None):
 
 # A static field: the layout of v, part of the cache's type under jit.
 _TOKENS_LAST_FIELD = dict(default=False, metadata=dict(static=True))
+# A static field: (max groups, max members) of the shared prefixes a paged cache's steps look for in its
+# block tables (`pallas_kv.shared_prefix.from_tables`); None: every sequence reads its own pages.
+_PREFIX_GROUPS_FIELD = dict(default=None, metadata=dict(static=True))
+
+
+def _check_prefix_groups(prefix_groups) -> None:
+  if prefix_groups is None:
+    return
+  if (not isinstance(prefix_groups, tuple) or len(prefix_groups) != 2
+      or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in prefix_groups)):
+    raise ValueError(f"prefix_groups must be None or a tuple (max_groups, max_members) of ints >= 1; "
+                     f"got {prefix_groups!r}")
 
 
 def _new_positions(lengths, num_new: int):
@@ -233,7 +247,9 @@ class PagedKVCache:
   lengths int32 [B]. Token t of sequence b lives at [block_tables[b, t // page_size], t % page_size].
   k_scale, v_scale: None, or the scales of a quantized cache ([P, page_size, Hkv] per token,
   addressed like the pages; [Hkv] or a scalar fixed). v_tokens_last: v_pages is stored
-  [P, Hkv, D, page_size] (`paged_decode_attention`'s v_tokens_last)."""
+  [P, Hkv, D, page_size] (`paged_decode_attention`'s v_tokens_last). prefix_groups: (max groups, max
+  members) of forked sequences whose shared pages `DecodeAttention` reads once per group (found in
+  the block tables each step, `pallas_kv.shared_prefix.from_tables`), or None."""
   k_pages: jax.Array
   v_pages: jax.Array
   block_tables: jax.Array
@@ -241,20 +257,24 @@ class PagedKVCache:
   k_scale: jax.Array | None = None
   v_scale: jax.Array | None = None
   v_tokens_last: bool = dataclasses.field(**_TOKENS_LAST_FIELD)
+  prefix_groups: tuple[int, int] | None = dataclasses.field(**_PREFIX_GROUPS_FIELD)
+
+  def __post_init__(self):
+    _check_prefix_groups(self.prefix_groups)
 
   @classmethod
   def create(cls, batch: int, num_pages: int, page_size: int, max_pages_per_seq: int, num_kv_heads: int,
              head_dim: int, dtype=jnp.bfloat16, k_scales=None, v_scales=None,
-             v_tokens_last: bool = False) -> PagedKVCache:
+             v_tokens_last: bool = False, prefix_groups: tuple[int, int] | None = None) -> PagedKVCache:
     """An empty cache: a pool of num_pages pages and block tables with no page assigned (reserve
     pages with `reserve_pages` before appending). k_scales / v_scales / v_tokens_last as in
-    `KVCache.create`."""
+    `KVCache.create`; prefix_groups as the field."""
     validation.check_v_tokens_last(v_tokens_last)
     shape = (num_pages, page_size, num_kv_heads, head_dim)
     v_shape = validation.tokens_last_shape(shape) if v_tokens_last else shape
     return cls(jnp.zeros(shape, dtype), jnp.zeros(v_shape, dtype), empty_block_tables(batch, max_pages_per_seq),
                jnp.zeros((batch,), jnp.int32), _initial_scale(k_scales, shape[:3]),
-               _initial_scale(v_scales, shape[:3]), v_tokens_last)
+               _initial_scale(v_scales, shape[:3]), v_tokens_last, prefix_groups)
 
   @property
   def page_size(self) -> int:
@@ -289,7 +309,8 @@ class PagedKVCache:
     v_pages, v_scale = _write(write, self.v_pages, self.v_scale, v_new,
                               write_tokens_last if self.v_tokens_last else None)
     lengths = jnp.where(fits, self.lengths + counts, self.lengths)
-    return PagedKVCache(k_pages, v_pages, self.block_tables, lengths, k_scale, v_scale, self.v_tokens_last), fits
+    return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages, lengths=lengths, k_scale=k_scale,
+                               v_scale=v_scale), fits
 
   def append_reserving(self, pool: PagePool, k_new, v_new) -> tuple[PagedKVCache, PagePool, jax.Array]:
     """Reserves from `pool` the pages S new tokens per sequence need (`reserve_pages`), then appends
@@ -299,6 +320,19 @@ class PagedKVCache:
     pool, tables, reserved = reserve_pages(pool, self.block_tables, self.lengths, num_tokens, self.page_size)
     cache, ok = dataclasses.replace(self, block_tables=tables).try_append(k_new, v_new)
     return cache, pool, reserved & jnp.all(ok)
+
+  def fork(self, pool: PagePool, parents, children) -> tuple[PagedKVCache, PagePool, jax.Array]:
+    """Makes each children[k] a copy of sequence parents[k] (int [K] batch rows; the children
+    empty) that shares its full pages and holds its own copy of a partly filled last page
+    (`fork_sequences`: per-token scales are copied with their page). All or nothing, as
+    `fork_sequences`: where the pool is short or a child is not empty, nothing changes. Returns (cache, pool, ok)."""
+    pool, tables, lengths, copy_src, copy_dst, ok = fork_sequences(pool, self.block_tables, self.lengths, parents,
+                                                                   children, self.page_size)
+    copy = lambda pages: copy_pages(pages, copy_src, copy_dst)
+    copy_scale = lambda s: copy(s) if s is not None and s.ndim == 3 else s  # fixed scales belong to no page
+    return dataclasses.replace(self, k_pages=copy(self.k_pages), v_pages=copy(self.v_pages), block_tables=tables,
+                               lengths=lengths, k_scale=copy_scale(self.k_scale),
+                               v_scale=copy_scale(self.v_scale)), pool, ok
 
   def dense_view(self) -> KVCache:
     """A contiguous copy [B, max_pages * page_size, Hkv, D] of what the block tables point at
@@ -317,10 +351,14 @@ class PagedKVCache:
 @dataclasses.dataclass(frozen=True)
 class PagedLatentCache:
   """Paged MLA cache: one latent head per token. kv_pages [P, page_size, Dqk] (latent + rope),
-  block_tables int32 [B, max_pages], lengths int32 [B]."""
+  block_tables int32 [B, max_pages], lengths int32 [B]; prefix_groups as `PagedKVCache`'s."""
   kv_pages: jax.Array
   block_tables: jax.Array
   lengths: jax.Array
+  prefix_groups: tuple[int, int] | None = dataclasses.field(**_PREFIX_GROUPS_FIELD)
+
+  def __post_init__(self):
+    _check_prefix_groups(self.prefix_groups)
 
   @property
   def page_size(self) -> int:
@@ -349,7 +387,15 @@ class PagedLatentCache:
     pages, slots, fits = _paged_fit(self.block_tables, self.lengths, counts, self.page_size,
                                     self.kv_pages.shape[0], s)
     kv_pages = self.kv_pages.at[pages, slots].set(kv_new, mode="drop")
-    return PagedLatentCache(kv_pages, self.block_tables, jnp.where(fits, self.lengths + counts, self.lengths)), fits
+    return dataclasses.replace(self, kv_pages=kv_pages,
+                               lengths=jnp.where(fits, self.lengths + counts, self.lengths)), fits
+
+  def fork(self, pool: PagePool, parents, children) -> tuple[PagedLatentCache, PagePool, jax.Array]:
+    """As `PagedKVCache.fork`. Returns (cache, pool, ok)."""
+    pool, tables, lengths, copy_src, copy_dst, ok = fork_sequences(pool, self.block_tables, self.lengths, parents,
+                                                                   children, self.page_size)
+    return dataclasses.replace(self, kv_pages=copy_pages(self.kv_pages, copy_src, copy_dst), block_tables=tables,
+                               lengths=lengths), pool, ok
 
 
 # ---------------------------------------------------------------------------- page pool
@@ -360,20 +406,28 @@ UNALLOCATED = -1  # block table entry of a page not yet assigned
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagePool:
-  """Free pages of a pool of P pages, as a stack: free_pages[:num_free] are free ids.
+  """A pool of P pages: the free ones as a stack (free_pages[:num_free] are free ids) and the
+  references held on each page (ref_counts).
 
-  All operations are array code (usable under jit). Sequences hold exactly the pages their
-  lengths need, in block-table order: sequence b holds ceil(lengths[b] / page_size) pages.
+  A page's count is the number of block-table entries that hold it (sequences hold exactly the
+  pages their lengths need, in block-table order: sequence b holds ceil(lengths[b] / page_size)),
+  plus the references taken with `retain_pages`. Sequences share a page by each holding a
+  reference (`fork_sequences`); a shared page is full, so no append writes into it. Invariant: a
+  page is on the free stack, once, iff its count is 0. All operations are array code (usable
+  under jit).
   """
   free_pages: jax.Array  # int32 [P]
   num_free: jax.Array  # int32 []
+  ref_counts: jax.Array  # int32 [P]: references held on each page; 0 = free
 
   @classmethod
   def create(cls, num_pages: int) -> PagePool:
+    """Every page free."""
     if num_pages < 1:
       raise ValueError(f"num_pages must be >= 1; got {num_pages}")
     # Reversed so that pages are handed out in increasing order (pops come from the top).
-    return cls(jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32), jnp.asarray(num_pages, jnp.int32))
+    return cls(jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32), jnp.asarray(num_pages, jnp.int32),
+               jnp.zeros((num_pages,), jnp.int32))
 
   @property
   def num_pages(self) -> int:
@@ -384,13 +438,21 @@ def _pages_held(lengths, page_size: int):
   return (jnp.maximum(lengths, 0) + page_size - 1) // page_size
 
 
+def _page_index(pages, num_pages: int):
+  """Page ids as scatter indices: an id outside [0, P) becomes P, which a mode="drop" scatter
+  drops (jnp would wrap a negative index around)."""
+  pages = jnp.asarray(pages, jnp.int32)
+  return jnp.where((pages >= 0) & (pages < num_pages), pages, num_pages)
+
+
 def empty_block_tables(batch: int, max_pages_per_seq: int):
   """A block table with no page assigned ([B, max_pages] of UNALLOCATED)."""
   return jnp.full((batch, max_pages_per_seq), UNALLOCATED, jnp.int32)
 
 
 def reserve_pages(pool: PagePool, block_tables, lengths, num_new: int, page_size: int):
-  """Assigns the pages that appending num_new tokens to every sequence will need.
+  """Assigns the pages that appending num_new tokens to every sequence will need, each with one
+  reference (the sequence's).
 
   All or nothing: if the pool has too few free pages, or a sequence would outgrow its block
   table, nothing changes and ok is False (callers must not append then; check it, e.g. with
@@ -408,7 +470,7 @@ def reserve_pages(pool: PagePool, block_tables, lengths, num_new: int, page_size
   ok = (total <= pool.num_free) & jnp.all(needed <= max_pages)
   first = jnp.cumsum(new_counts) - new_counts  # this sequence's first pop, counted from the top
   max_new = -(-num_new // page_size) + 1  # static bound on new pages per sequence
-  tables = block_tables
+  tables, ref_counts = block_tables, pool.ref_counts
   rows = jnp.arange(batch)
   for j in range(max_new):
     take = ok & (j < new_counts)
@@ -416,22 +478,114 @@ def reserve_pages(pool: PagePool, block_tables, lengths, num_new: int, page_size
     page = pool.free_pages[stack_index]
     column = jnp.where(take, held + j, max_pages)  # out of range: dropped
     tables = tables.at[rows, column].set(page, mode="drop")
+    ref_counts = ref_counts.at[jnp.where(take, page, pool.num_pages)].set(1, mode="drop")
   num_free = jnp.where(ok, pool.num_free - total, pool.num_free)
-  return PagePool(pool.free_pages, num_free), tables, ok
+  return PagePool(pool.free_pages, num_free, ref_counts), tables, ok
+
+
+def retain_pages(pool: PagePool, pages) -> PagePool:
+  """Takes one more reference on each listed page (int [...]; an id may repeat, once per
+  reference), e.g. for a prefix cache that keeps pages past their sequences. Ids outside [0, P)
+  are ignored, and so are free pages: a reference to one would not keep the stack from handing
+  it out."""
+  index = _page_index(pages, pool.num_pages).reshape(-1)
+  held = pool.ref_counts.at[index].get(mode="fill", fill_value=0) > 0
+  ref_counts = pool.ref_counts.at[jnp.where(held, index, pool.num_pages)].add(1, mode="drop")
+  return dataclasses.replace(pool, ref_counts=ref_counts)
+
+
+def drop_pages(pool: PagePool, pages) -> PagePool:
+  """Drops one reference per listed page (int [...]; an id may repeat, once per reference) and
+  pushes each page whose count reaches 0 onto the free stack once, in the order of its first
+  listing. Ids outside [0, P) are ignored; a free page's count stays 0."""
+  pages = jnp.asarray(pages, jnp.int32).reshape(-1)
+  num_pages, num_listed = pool.num_pages, pages.shape[0]
+  index = _page_index(pages, num_pages)
+  ref_counts = jnp.maximum(pool.ref_counts.at[index].add(-1, mode="drop"), 0)
+  freed = (pool.ref_counts > 0) & (ref_counts == 0)  # [P]
+  order = jnp.arange(num_listed, dtype=jnp.int32)
+  first_listing = jnp.full((num_pages,), num_listed, jnp.int32).at[index].min(order, mode="drop")
+  push = (freed.at[index].get(mode="fill", fill_value=False)
+          & (first_listing.at[index].get(mode="fill", fill_value=-1) == order))
+  slot = jnp.where(push, pool.num_free + jnp.cumsum(push) - 1, num_pages)  # out of range: dropped
+  free_pages = pool.free_pages.at[slot].set(pages, mode="drop")
+  num_free = (pool.num_free + jnp.sum(push)).astype(jnp.int32)
+  return PagePool(free_pages, num_free, ref_counts)
 
 
 def release_sequences(pool: PagePool, block_tables, lengths, done, page_size: int):
-  """Returns the pages of finished sequences (done: bool [B]) to the pool and empties them.
+  """Ends finished sequences (done: bool [B]): drops their references to their pages
+  (`drop_pages`: a page another sequence or a retain still holds stays allocated) and empties them.
 
   Returns (pool, block_tables, lengths) with done sequences at length 0 and no pages.
   """
-  batch, max_pages = block_tables.shape
+  max_pages = block_tables.shape[1]
   held = _pages_held(lengths, page_size)
   owned = done[:, None] & (jnp.arange(max_pages)[None, :] < held[:, None])  # [B, M]
-  flat_owned = owned.reshape(-1)
-  slot = pool.num_free + jnp.cumsum(flat_owned) - 1
-  slot = jnp.where(flat_owned, slot, pool.num_pages)  # out of range: dropped
-  free_pages = pool.free_pages.at[slot].set(block_tables.reshape(-1), mode="drop")
-  num_free = pool.num_free + jnp.sum(flat_owned)
+  pool = drop_pages(pool, jnp.where(owned, block_tables, UNALLOCATED))
   tables = jnp.where(done[:, None], UNALLOCATED, block_tables)
-  return PagePool(free_pages, num_free.astype(jnp.int32)), tables, jnp.where(done, 0, lengths)
+  return pool, tables, jnp.where(done, 0, lengths)
+
+
+def fork_sequences(pool: PagePool, block_tables, lengths, parents, children, page_size: int):
+  """Makes each children[k] a copy of sequence parents[k] (int [K] batch rows) that shares its pages.
+
+  The child takes the parent's length and holds the parent's full pages (one more reference
+  each; no copy). A partly filled last page is not shared, since both sequences append into it:
+  the child gets a fresh page from the pool there, which the caller fills with a copy of the
+  parent's (copy_src[k] -> copy_dst[k]; `PagedKVCache.fork` does both). A parent may have several
+  children; a parent of length 0 gives an empty child.
+
+  All or nothing: if a child row holds a token or a page, is a parent or another child, a row is
+  out of range, or the pool has too few free pages for the copies, nothing changes and ok is False.
+
+  Returns (pool, block_tables, lengths, copy_src, copy_dst, ok: bool []). copy_src, copy_dst:
+  int32 [K] page ids, UNALLOCATED (-1) both where child k needs no copy (a parent of whole pages,
+  or ok False); `copy_pages` takes them as they are.
+  """
+  parents, children = jnp.asarray(parents, jnp.int32), jnp.asarray(children, jnp.int32)
+  if parents.ndim != 1 or parents.shape != children.shape:
+    raise ValueError(f"parents and children must be int [K] of one shape; got {parents.shape}, {children.shape}")
+  batch, max_pages = block_tables.shape
+  num_pages = pool.num_pages
+  in_range = jnp.all((parents >= 0) & (parents < batch) & (children >= 0) & (children < batch))
+  parents, children = jnp.clip(parents, 0, batch - 1), jnp.clip(children, 0, batch - 1)
+  distinct = (jnp.sum(children[:, None] == children[None, :]) == children.shape[0]) & ~jnp.any(
+      children[:, None] == parents[None, :])
+  empty = jnp.all(lengths[children] == 0) & jnp.all(block_tables[children] < 0)
+  parent_lengths = jnp.maximum(lengths[parents], 0)
+  full = parent_lengths // page_size  # [K] pages shared
+  partial = parent_lengths % page_size != 0  # [K] a last page to copy
+  num_copies = jnp.sum(partial)
+  ok = in_range & distinct & empty & (num_copies <= pool.num_free)
+
+  copying = ok & partial
+  pop = jnp.cumsum(partial) - partial  # this child's pop, counted from the top of the stack
+  fresh = pool.free_pages[jnp.clip(pool.num_free - 1 - pop, 0, num_pages - 1)]
+  parent_rows = block_tables[parents]  # [K, M]
+  last = jnp.take_along_axis(parent_rows, jnp.clip(full, 0, max_pages - 1)[:, None], axis=1)[:, 0]
+  copy_src = jnp.where(copying, last, UNALLOCATED)
+  copy_dst = jnp.where(copying, fresh, UNALLOCATED)
+
+  columns = jnp.arange(max_pages)[None, :]
+  shared = ok & (columns < full[:, None])  # [K, M]
+  child_rows = jnp.where(shared, parent_rows,
+                         jnp.where(copying[:, None] & (columns == full[:, None]), fresh[:, None], UNALLOCATED))
+  rows = jnp.where(ok, children, batch)  # out of range: dropped
+  tables = block_tables.at[rows].set(child_rows, mode="drop")
+  lengths = lengths.at[rows].set(parent_lengths.astype(lengths.dtype), mode="drop")
+  ref_counts = pool.ref_counts.at[_page_index(jnp.where(shared, parent_rows, UNALLOCATED), num_pages)].add(
+      1, mode="drop")
+  ref_counts = ref_counts.at[_page_index(copy_dst, num_pages)].set(1, mode="drop")
+  num_free = jnp.where(ok, pool.num_free - num_copies, pool.num_free).astype(jnp.int32)
+  return PagePool(pool.free_pages, num_free, ref_counts), tables, lengths, copy_src, copy_dst, ok
+
+
+def copy_pages(pages, copy_src, copy_dst):
+  """pages [P, ...] with page copy_dst[k] set to page copy_src[k] (int [K]); a pair with an id
+  outside [0, P) (UNALLOCATED) copies nothing. Any layout whose first axis is the page works
+  (v tokens last, per-token scales)."""
+  num_pages = pages.shape[0]
+  source = pages[jnp.clip(copy_src, 0, num_pages - 1)]
+  valid = (copy_src >= 0) & (copy_src < num_pages)
+  return pages.at[jnp.where(valid, _page_index(copy_dst, num_pages), num_pages)].set(source, mode="drop")

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kv import api
+from pallas_kv import shared_prefix
 from pallas_kv import varlen
 from pallas_kv import xla
 from pallas_kv.cache import KVCache
@@ -221,8 +222,10 @@ class DecodeAttention:
     """The `SplitPlan` of a step of num_new tokens per sequence over `cache` (as it is before the
     step appends them), or None where the step runs no kernel. Plan once per step and pass
     `plan=` to every layer whose cache has the same shapes: the plan is computed once, not per
-    layer."""
+    layer. A cache with `prefix_groups` gives None: its shared-prefix calls plan their own two passes."""
     self._check_cache(cache, cache.lengths.shape[0])
+    if getattr(cache, "prefix_groups", None) is not None:
+      return None
     lengths = jnp.minimum(cache.lengths + num_new, self._capacity(cache))
     batch = cache.lengths.shape[0]
     if self.mla is not None:
@@ -302,7 +305,8 @@ class DecodeAttention:
     if isinstance(cache, KVCache):
       return api.decode_attention(q, cache.k, cache.v, cache.lengths, **options)
     if isinstance(cache, PagedKVCache):
-      return api.paged_decode_attention(q, cache.k_pages, cache.v_pages, cache.block_tables, cache.lengths, **options)
+      return api.paged_decode_attention(q, cache.k_pages, cache.v_pages, cache.block_tables, cache.lengths,
+                                        **_sharing(cache, options))
     raise ValueError(f"cache must be a KVCache or PagedKVCache for standard attention; got {type(cache).__name__}")
 
   def _mla_latents(self, params, x, positions):
@@ -320,8 +324,9 @@ class DecodeAttention:
     q, rows = self._mla_latents(params, x, positions)
     cache = cache.append(rows.astype(cache.kv_pages.dtype))
     out_latent = api.mla_decode_attention(q.astype(cache.kv_pages.dtype), cache.kv_pages, cache.block_tables,
-                                          cache.lengths, v_head_dim=self.mla.kv_lora_rank, scale=self.scale,
-                                          impl=self.impl, config=config, plan=plan)
+                                          cache.lengths, **_sharing(cache, dict(
+                                              v_head_dim=self.mla.kv_lora_rank, scale=self.scale, impl=self.impl,
+                                              config=config, plan=plan)))
     v = jnp.einsum("bsnc,ncv->bsnv", out_latent.astype(x.dtype), params["w_uv"])
     return jnp.einsum("bsnv,nvh->bsh", v, params["wo"]), cache
 
@@ -355,3 +360,14 @@ class DecodeAttention:
                            scale=self.scale, softcap=self.softcap, window=self.window, sinks=params.get("sinks"),
                            k_scale=k_scale, v_scale=v_scale)
     return jnp.einsum("bsnd,ndh->bsh", out.astype(x.dtype), params["wo"]), cache
+
+
+def _sharing(cache, options: dict) -> dict:
+  """options with the shared prefixes a paged cache's block tables show, where the cache looks for them
+  (`prefix_groups`; a varlen call, with cu_seqlens_q, reads every sequence's pages itself)."""
+  if cache.prefix_groups is None or options.get("cu_seqlens_q") is not None:
+    return options
+  max_groups, max_members = cache.prefix_groups
+  found = shared_prefix.from_tables(cache.block_tables, cache.lengths, page_size=cache.page_size,
+                                    max_groups=max_groups, max_members=max_members)
+  return dict(options, shared_prefix=found, plan=None)

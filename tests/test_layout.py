@@ -15,7 +15,7 @@ BENCHMARKS = REPO / "benchmarks"
 LAYERS = [
     {"validation", "config", "runtime"},
     {"tuned", "cache"},
-    {"xla", "batching", "varlen", "kernels.plan", "kernels.frame", "kernels.online_softmax"},
+    {"xla", "batching", "varlen", "shared_prefix", "kernels.plan", "kernels.frame", "kernels.online_softmax"},
     {"kernels.mosaic_gpu.pipeline", "kernels.mosaic_gpu.tiling", "kernels.triton.stream_k_plan"},
     {"kernels.mosaic_gpu.config", "kernels.triton.config"},
     # sizes the MLA kernel from the backend config's SMEM capacity; the Triton kernel body's pieces
