@@ -118,7 +118,8 @@ def attend(attend_fn, q, block_tables, lengths, sharing: SharedPrefix, *, page_s
   q4 = q[:, None] if squeeze else q
   batch, num_queries, num_heads, head_dim = q4.shape
   per_kv = num_heads // num_kv_heads
-  lengths = lengths.astype(jnp.int32)
+  # Clamped as the ops clamp them, so that no suffix runs past its shifted table's real pages.
+  lengths = jnp.clip(lengths.astype(jnp.int32), 0, block_tables.shape[1] * page_size)
   pages, skip, present = _shared_pages(sharing, lengths, num_queries, page_size)
 
   # Prefix pass: [G, N] members -> [G * C, chunk] pseudo-sequences, their queries stacked per kv head.

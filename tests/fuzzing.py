@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kv as pkv
+from pallas_kv import shared_prefix
 from harness import TOLERANCE, Case, assert_lse_matches, assert_matches_reference, poison_unread_slots, read_page_slots
 
 KV_DTYPES = ("bfloat16", "float16", "int8", "float8_e4m3fn", "float8_e5m2")
@@ -65,6 +66,7 @@ class Structure:
   config: tuple | None        # kernel config fields (of any kernel), or None for the backend's choice
   window_start: bool = False  # a per-sequence window start, int32 [B]
   varlen: bool = False        # q in the varlen form [total, Hq, D] with cu_seqlens_q (num_queries >= 2)
+  shared_prefix: bool = False  # rows whose tables start with the same pages, read once (`SharedPrefix`)
 
   @property
   def quantized(self) -> bool:
@@ -135,7 +137,11 @@ def draw_structure(seed: int, *, small: bool = False) -> Structure:
     st = dataclasses.replace(st, config=config + (("split_plan", "balanced"),))
   elif config is not None and gqa and rng.random() < 0.3:   # triton only; mosaic_gpu refuses it
     st = dataclasses.replace(st, config=config + (("split_plan", "stream_k"),))
-  return _draw_new_axes(rng, st, small=small) if gqa else st
+  st = _draw_new_axes(rng, st, small=small) if gqa else st
+  # Drawn after every other axis, for the same reason.
+  if st.op != "dense" and not st.varlen and rng.random() < 0.25:
+    st = dataclasses.replace(st, shared_prefix=True)
+  return st
 
 
 def _draw_new_axes(rng, st: Structure, *, small: bool) -> Structure:
@@ -191,6 +197,17 @@ def _tables(rng, st: Structure, lengths, hostile: bool):
   return tables.astype(np.int32)
 
 
+def _forked(rng, st: Structure, tables, lengths):
+  """tables with some rows starting with row 0's first pages (up to the pages both hold), as forks do."""
+  tables = tables.copy()
+  held = -(-np.clip(lengths, 0, st.capacity) // st.page_size)
+  for b in range(1, st.batch):
+    if rng.random() < 0.7:
+      common = int(rng.integers(0, min(held[0], held[b]) + 1))
+      tables[b, :common] = tables[0, :common]
+  return tables
+
+
 def _cache_values(rng, shape, dtype):
   x = rng.standard_normal(shape, dtype=np.float32)
   if dtype == "int8":
@@ -241,6 +258,8 @@ def draw_values(st: Structure, seed: int, *, hostile: bool | None = None) -> Val
     clean["window_start"] = jnp.asarray(rng.integers(0, np.clip(lengths, 0, st.capacity) + 2), jnp.int32)
   if st.varlen:   # sequence b brings counts[b] of its S tokens: the last ones
     clean["counts"] = rng.integers(1, st.num_queries + 1, size=st.batch).astype(np.int32)
+  if st.shared_prefix:
+    clean["block_tables"] = _forked(rng, st, tables, lengths)
   if hostile:   # the clamped values: every impl reads real (finite) memory, nothing to poison
     return Values(args=clean, clean=clean, hostile=True)
   args = dict(clean)
@@ -317,9 +336,11 @@ def _compiled(st: Structure, impl: str, scale_kinds: tuple):
   """The op of a structure, jitted with its static options bound; arrays go in positionally."""
   config = st.decode_config(impl)
   common = dict(return_lse=st.return_lse, impl=impl, config=config)
+  sharing = lambda tables, lengths: None if not st.shared_prefix else shared_prefix.from_tables(
+      tables, lengths, page_size=st.page_size, max_groups=st.batch, max_members=st.batch)
   if st.op == "mla":
     return jax.jit(lambda q, kv, tables, lengths: pkv.mla_decode_attention(
-        q, kv, tables, lengths, v_head_dim=st.v_head_dim, **common))
+        q, kv, tables, lengths, v_head_dim=st.v_head_dim, shared_prefix=sharing(tables, lengths), **common))
   number_scales = {name: value for name, value in scale_kinds if value is not None}
   static = dict(softcap=st.softcap, window=st.window, **common)
   if st.varlen:
@@ -330,7 +351,8 @@ def _compiled(st: Structure, impl: str, scale_kinds: tuple):
     extra = dict(sinks=sinks, window_start=window_start, cu_seqlens_q=cu_seqlens_q)
     if st.op == "dense":
       return pkv.decode_attention(q, k, v, lengths, **extra, **scales, **static)
-    return pkv.paged_decode_attention(q, k, v, tables, lengths, **extra, **scales, **static)
+    return pkv.paged_decode_attention(q, k, v, tables, lengths, shared_prefix=sharing(tables, lengths), **extra,
+                                      **scales, **static)
 
   return jax.jit(call)
 
