@@ -14,6 +14,7 @@ read also rounds queries, keys and values (up to ~0.4 on logits), so its tokens 
 the first near tie (a recorded margin below NEAR_TIE), where either choice is right.
 """
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -234,13 +235,19 @@ def test_auto_impl_on_the_gpu_agrees_until_a_near_tie(smollm2, reference):
 
 
 def _check_pages(engine):
-  """No page is held twice; each slot holds exactly the pages its length needs; none is lost."""
+  """Each slot holds exactly the pages its length needs, at the start of its table; a page's
+  reference count is the number of table entries that hold it; the free stack holds exactly the
+  pages of count 0, once each (none lost, none held and free)."""
   tables, lengths = np.asarray(engine.state.tables), np.asarray(engine.state.lengths)
-  held = tables[tables >= 0]
-  assert len(set(held.tolist())) == len(held)
+  pool = engine.state.pool
   for row, length in zip(tables, lengths):
-    assert (row >= 0).sum() == -(-length // engine.page_size)
-  assert int(engine.state.pool.num_free) + len(held) == engine.num_pages
+    held = -(-length // engine.page_size)
+    assert (row[:held] >= 0).all() and (row[held:] == pkv.UNALLOCATED).all()
+  references = np.bincount(tables[tables >= 0], minlength=engine.num_pages)
+  np.testing.assert_array_equal(np.asarray(pool.ref_counts), references)
+  free = np.asarray(pool.free_pages)[:int(pool.num_free)]
+  assert len(set(free.tolist())) == len(free)
+  assert set(free.tolist()) == set(np.flatnonzero(references == 0).tolist())
 
 
 @pytest.mark.parametrize("steps_per_dispatch", [pytest.param(1, marks=pytest.mark.slow), 3])
@@ -297,6 +304,153 @@ def test_engine_refuses_what_cannot_run(smollm2):
   assert not engine.busy
 
 
+# A random 2-layer model: the engine's bookkeeping in seconds on a CPU.
+TINY_CONFIG = gguf_loader.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                                      num_kv_heads=2, head_dim=8, eos_token_id=2)
+TINY_PROMPT = [5, 17, 9, 33, 41, 12]  # 1 full page of 4 and a partly filled one
+
+
+@pytest.fixture(scope="module")
+def tiny_params():
+  c, rng = TINY_CONFIG, np.random.default_rng(0)
+  layers, h, n, kv, d, f = c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+  normal = lambda *shape, fan_in: jnp.asarray(rng.standard_normal(shape) / np.sqrt(fan_in), jnp.float32)
+  # Embeddings of norm ~1.5: logits of a few units, so sampling at temperature 1 has choices.
+  return dict(embed=normal(c.vocab_size, h, fan_in=h / 2), final_norm=jnp.ones(h),
+              layers=dict(attn_norm=jnp.ones((layers, h)), mlp_norm=jnp.ones((layers, h)),
+                          attn=dict(wq=normal(layers, h, n, d, fan_in=h), wk=normal(layers, h, kv, d, fan_in=h),
+                                    wv=normal(layers, h, kv, d, fan_in=h), wo=normal(layers, n, d, h, fan_in=n * d)),
+                          w_gate=normal(layers, h, f, fan_in=h), w_up=normal(layers, h, f, fan_in=h),
+                          w_down=normal(layers, f, h, fan_in=f)))
+
+
+def _tiny_engine(params, *, cache_dtype="float32", num_pages=32, **options):
+  options.setdefault("share_prefixes", True)   # the engine's option under test; off by default
+  model = Llama(TINY_CONFIG, impl="xla", cache_dtype=cache_dtype, unroll_decode=False)
+  return serving.Engine(model, params, num_slots=4, page_size=4, num_pages=num_pages, max_pages_per_seq=8,
+                        buckets=(8, 16), **options)
+
+
+def _run_checked(engine, requests, on_step=None):
+  """Runs the requests (submitted at their arrival steps), checking the pool after every step."""
+  pending = sorted(requests, key=lambda r: r.arrival)
+  while pending or engine.busy:
+    while pending and pending[0].arrival <= engine.step_index:
+      engine.submit(pending.pop(0))
+    engine.step()
+    _check_pages(engine)
+    if on_step:
+      on_step(engine)
+  assert int(engine.state.pool.num_free) == engine.num_pages and engine.committed_pages == 0
+
+
+def _prompt_cache(engine, slot: int, length: int):
+  """What every layer caches for a slot's first `length` tokens: k, v (and their scales) [L, length, ...]."""
+  num_layers, page_size = engine.model.config.num_layers, engine.page_size
+  ids = np.asarray(engine.state.tables)[slot, :-(-length // page_size)]
+  def gather(array):
+    array = np.asarray(array).reshape(num_layers, engine.num_pages, page_size, *array.shape[2:])
+    return array[:, ids].reshape(num_layers, -1, *array.shape[3:])[:, :length]
+  return [gather(a) for a in jax.tree.leaves(engine.state.pages)]
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "int8"])  # int8: per-token scales copied with a forked page
+def test_greedy_samples_are_the_single_request_output(tiny_params, cache_dtype):
+  request = lambda n: serving.Request(TINY_PROMPT, 7, ignore_eos=True, n=n)
+  engine = _tiny_engine(tiny_params, cache_dtype=cache_dtype)
+  assert engine.model.prefix_groups == (2, 4)  # the samples' decode steps read the prompt once
+  group = request(4)
+  forked = []
+
+  def same_prompt_cache(engine):  # every layer's copy of the partly filled page, scales too
+    slots = [s for s, held in enumerate(engine.slots) if held is not None]
+    if len(slots) == 4 and not forked:
+      first = _prompt_cache(engine, slots[0], len(TINY_PROMPT))
+      for slot in slots[1:]:
+        for mine, theirs in zip(_prompt_cache(engine, slot, len(TINY_PROMPT)), first):
+          np.testing.assert_array_equal(mine, theirs)
+      forked.append(len(first))
+
+  _run_checked(engine, [group], same_prompt_cache)
+  assert forked == [4 if cache_dtype == "int8" else 2]
+  # The n = 1 request alone and four of them side by side, reading every page per sequence.
+  alone = _tiny_engine(tiny_params, cache_dtype=cache_dtype, share_prefixes=False)
+  assert alone.model.prefix_groups is None
+  single = request(1)
+  _run_checked(alone, [single])
+  side_by_side = [request(1) for _ in range(4)]
+  _run_checked(alone, side_by_side)
+  assert len(single.output_ids) == 7 and single.samples == [single.output_ids]
+  assert group.samples == [single.output_ids] * 4 == [r.output_ids for r in side_by_side]
+  assert group.output_ids is group.samples[0] and group.finish_reasons == ["length"] * 4
+  assert group.finish_reason == "length" and group.finished_step is not None
+
+
+def test_sample_i_draws_with_seed_plus_i(tiny_params):
+  request = lambda n, seed: serving.Request(TINY_PROMPT, 8, temperature=1.0, top_p=0.95, seed=seed, ignore_eos=True,
+                                            n=n)
+  engine = _tiny_engine(tiny_params)
+  group = request(3, 7)
+  singles = [request(1, 7 + i) for i in range(3)]
+  before = serving.TRACE_COUNTS["prefill"]
+  _run_checked(engine, [group])
+  _run_checked(engine, singles + [request(3, 8)])
+  assert serving.TRACE_COUNTS["prefill"] - before <= 2  # n = 3 and n = 1, once each
+  assert group.samples == [r.output_ids for r in singles]
+  assert len({tuple(s) for s in group.samples}) > 1  # the seeds do differ
+
+
+def test_samples_share_the_prompt_pages_and_the_pool_balances(tiny_params):
+  # 14 pages of 4 tokens: the n = 3 request alone needs 10 (its prompt's full page once, 3 per
+  # sample), so requests wait for pages (and for slots) while others run.
+  engine = _tiny_engine(tiny_params, num_pages=14, steps_per_dispatch=2)
+  group = serving.Request(TINY_PROMPT, 10, ignore_eos=True, n=3)
+  assert engine.pages_needed(group) == 1 + 3 * 3
+  assert engine.pages_needed(dataclasses.replace(group, n=1)) == -(-(6 + 10 - 1) // 4)
+  whole_pages = serving.Request(TINY_PROMPT + [7, 8], 6, temperature=0.8, seed=3, n=2, arrival=1)  # no copy
+  requests = [group, serving.Request([3, 4, 5, 6, 7, 8, 9, 10, 11], 8, ignore_eos=True), whole_pages,
+              serving.Request(TINY_PROMPT[:3], 9, temperature=1.0, seed=1, n=4, arrival=2),  # may stop at EOS
+              serving.Request(TINY_PROMPT, 1, n=2, arrival=2)]  # done at its first tokens
+  seen = dict(waited=False, shared=False)
+
+  def inspect(engine):
+    seen["waited"] |= bool(engine.queue) and engine.slots.count(None) >= engine.queue[0].n
+    slots = [s for s, held in enumerate(engine.slots) if held is not None and held[0] is group]
+    lengths = np.asarray(engine.state.lengths)[slots]
+    if len(slots) == 3 and lengths.min() > len(TINY_PROMPT):
+      tables = np.asarray(engine.state.tables)[slots]
+      held = [row[:-(-length // engine.page_size)] for row, length in zip(tables, lengths)]
+      distinct = set(np.concatenate(held).tolist())
+      shared = engine.shared_pages(group)
+      assert all((row[:shared] == held[0][:shared]).all() for row in held)
+      assert (np.asarray(engine.state.pool.ref_counts)[held[0][:shared]] == 3).all()
+      assert len(distinct) == shared + sum(len(row) - shared for row in held) < 3 * len(held[0])
+      seen["shared"] = True
+
+  _run_checked(engine, requests, inspect)
+  assert seen["waited"] and seen["shared"]
+  assert group.samples == [group.output_ids] * 3  # greedy
+  for request in requests:
+    assert len(request.samples) == len(request.finish_reasons) == request.n
+    assert request.finished_step is not None and None not in request.finish_reasons
+    for tokens, reason in zip(request.samples, request.finish_reasons):
+      assert 1 <= len(tokens) <= request.max_new_tokens
+      assert reason == ("eos" if tokens[-1] == TINY_CONFIG.eos_token_id and not request.ignore_eos else "length")
+  assert engine.num_finished == len(requests)
+
+
+def test_engine_refuses_a_sample_count_outside_its_slots(tiny_params):
+  engine = _tiny_engine(tiny_params, num_pages=28)
+  for n in (0, 5):
+    with pytest.raises(ValueError, match=f"n={n} samples"):
+      engine.submit(serving.Request(TINY_PROMPT, 4, n=n))
+  engine.submit(serving.Request(TINY_PROMPT, 26))  # 8 pages
+  with pytest.raises(ValueError, match="needs 29 pages; the pool has 28"):
+    engine.submit(serving.Request(TINY_PROMPT, 26, n=4))  # 1 shared + 4 x 7
+  engine.queue.clear()
+  assert not engine.busy
+
+
 def test_reserve_prompt_is_all_or_nothing():
   pool = pkv.PagePool.create(4)
   table = pkv.empty_block_tables(1, 8)
@@ -331,13 +485,18 @@ def test_benchmark_runs_on_cpu(smollm2):
   config, params = smollm2_bench.truncate(config, params, 2)
   lines = []
   rows = smollm2_bench.run(config, params, batches=(2,), contexts=(24,), impls=("xla", "dot_product"), new_tokens=5,
-                           steps_per_dispatch=2, counts=dict(warmup=1, iters=2, repeats=2), out=lines.append)
-  assert [row["impl"] for row in rows] == ["xla", "dot_product"] and all("error" not in row for row in rows)
+                           steps_per_dispatch=2, counts=dict(warmup=1, iters=2, repeats=2), out=lines.append,
+                           samples=(1, 2))
+  assert [(row["impl"], row["samples"]) for row in rows] == [("xla", 1), ("xla", 2), ("dot_product", 1),
+                                                             ("dot_product", 2)]
+  assert all("error" not in row for row in rows), rows
   for row in rows:
-    assert row["loop_tok_s"] > 0 and row["step_ms"] > 0 and row["device_step_ms"] > 0 and row["attn_us"] > 0
-    assert 0 <= row["gpu_idle"] < 1 and len(row["first_tokens"]) == 5
-  # The same model with jax.nn.dot_product_attention over gathered pages picks the same tokens.
-  assert rows[0]["first_tokens"] == rows[1]["first_tokens"]
+    assert row["loop_tok_s"] > 0 and row["step_ms"] > 0 and len(row["first_tokens"]) == 5
+    if row["samples"] == 1:
+      assert row["device_step_ms"] > 0 and row["attn_us"] > 0 and 0 <= row["gpu_idle"] < 1
+  # The same model with jax.nn.dot_product_attention over gathered pages picks the same tokens, and so do
+  # two greedy samples of the first prompt read through its shared pages.
+  assert all(row["first_tokens"] == rows[0]["first_tokens"] for row in rows)
 
 
 def test_demo_with_a_kernel_impl_on_a_cpu_names_the_interpret_switch():

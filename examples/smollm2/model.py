@@ -58,6 +58,17 @@ def layer_tables(block_tables, layer, num_pages: int):
   return jnp.where(block_tables >= 0, block_tables + layer * num_pages, pkv.UNALLOCATED)
 
 
+def copy_pages(pages: KVPages, copy_src, copy_dst, num_layers: int) -> KVPages:
+  """pages with pool page copy_dst[k] set to pool page copy_src[k] (int [K], -1: no copy) in every
+  layer, per-token scales with their pages: the partly filled pages `pallas_kv.fork_sequences` asks for."""
+  num_pages = pages.k.shape[0] // num_layers
+  layers = jnp.arange(num_layers, dtype=jnp.int32)[:, None]
+  src, dst = (layer_tables(jnp.asarray(ids, jnp.int32)[None], layers, num_pages).reshape(-1)
+              for ids in (copy_src, copy_dst))
+  copy = lambda array: None if array is None else pkv.cache.copy_pages(array, src, dst)
+  return KVPages(copy(pages.k), copy(pages.v), copy(pages.k_scale), copy(pages.v_scale))
+
+
 @dataclasses.dataclass(frozen=True)
 class Llama:
   """A Llama decoder. `impl` picks the decode attention backend ("auto", "mosaic_gpu", "triton", "xla").
@@ -68,12 +79,16 @@ class Llama:
   on append with one scale per token and kv head, `pallas_kv.cache.quantize`).
   unroll_decode: a decode step's layers unrolled (the fast step on a GPU); False rolls them, which
   compiles several times faster (the CPU tests).
+  prefix_groups: (max groups, max members) of sequences whose block tables start with the same pages
+  (forked samples of one prompt), whose shared pages each layer's attention then reads once per
+  group (`pallas_kv.PagedKVCache`'s field); None: every sequence reads its own pages.
   """
   config: LlamaConfig
   impl: str = "auto"
   compute_dtype: str = "float32"
   cache_dtype: str = "bfloat16"
   unroll_decode: bool = True
+  prefix_groups: tuple[int, int] | None = None
 
   @property
   def attention(self) -> pkv.DecodeAttention:
@@ -108,7 +123,7 @@ class Llama:
 
   def _layer_cache(self, pages: KVPages, tables, lengths, layer, num_pages: int) -> pkv.PagedKVCache:
     return pkv.PagedKVCache(pages.k, pages.v, layer_tables(tables, layer, num_pages), lengths, pages.k_scale,
-                            pages.v_scale)
+                            pages.v_scale, prefix_groups=self.prefix_groups)
 
   def _block(self, tables, lengths, num_pages, prefill, num_new, plan, carry, layer):
     x, pages = carry

@@ -1,25 +1,30 @@
 """Continuous batching: a fixed number of slots that requests enter and leave at any step.
 
 Each engine step (host side):
-  1. waiting requests are admitted, first come first served, while a slot is free and the page
-     budget allows: each is prefilled alone, right-padded to a prompt-length bucket, into its slot
-     (its prompt's pages reserved first), which samples its first token on the device;
+  1. waiting requests are admitted, first come first served, while enough slots are free and the
+     page budget allows: each is prefilled alone, right-padded to a prompt-length bucket, into its
+     slot (its prompt's pages reserved first), which samples its first token on the device. A
+     request for n samples takes n slots: its prompt is prefilled once, then forked into the others
+     (`pallas_kv.fork_sequences`: they share the prompt's full pages), and each sample draws its
+     own first token;
   2. one dispatch runs `steps_per_dispatch` decode steps over every slot (`decode_steps`, idle
      ones masked): a page is reserved where a sequence's next token starts one
      (`pallas_kv.reserve_pages`), the model appends and attends, each active slot samples its next
      token and stops itself at EOS or at its token budget, all on the device;
   3. only then are the previous dispatch's tokens read on the host, while this one runs: the GPU
-     never waits for the host between steps. Finished requests give their pages back
-     (`pallas_kv.release_sequences`) and free their slot for the next step's admissions.
+     never waits for the host between steps. Finished samples give their pages back
+     (`pallas_kv.release_sequences`: a shared page stays until its last sharer is done) and free
+     their slot for the next step's admissions.
 A sequence's tokens depend only on its own prompt, seed and positions, so they are the same
 whatever the batch around it and however many steps a dispatch runs.
 The jitted functions take fixed shapes (slots, pages, bucket lengths), so requests coming and
 going never recompile: `TRACE_COUNTS` counts their traces.
 
 Pages: a request is admitted only when the pool can hold its whole worst case (prompt + new
-tokens) beside the worst cases of the running requests. Pages are still taken step by step and
-returned as soon as a request ends, but a reservation can then never fail mid-generation: when
-the pool is short, requests wait in the queue (never crash, never overwrite another's pages).
+tokens; the prompt's full pages once for all its samples: `Engine.pages_needed`) beside the worst
+cases of the running requests. Pages are still taken step by step and returned as soon as a
+sample ends, but a reservation can then never fail mid-generation: when the pool is short,
+requests wait in the queue (never crash, never overwrite another's pages).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import pallas_kv as pkv
 from examples.smollm2 import sampling
 from examples.smollm2.model import KVPages
 from examples.smollm2.model import Llama
+from examples.smollm2.model import copy_pages
 
 TRACE_COUNTS = collections.Counter()  # traces of each jitted function (a trace precedes a compile)
 MIN_BUCKET = 16
@@ -46,7 +52,14 @@ MIN_BUCKET = 16
 
 @dataclasses.dataclass
 class Request:
-  """A generation request; the engine fills in the fields after `arrival`."""
+  """A generation request; the engine fills in the fields after `arrival`.
+
+  n: samples of the prompt, each generated in its own slot after one shared prefill. Sample i
+  draws with seed `seed + i`, so it is the output of the same request with n = 1 and that seed
+  (greedy: every sample is the n = 1 output). output_ids and finish_reason are sample 0's;
+  samples and finish_reasons hold all n (samples[0] is output_ids). The request is finished when
+  all its samples are.
+  """
   prompt_ids: list[int]
   max_new_tokens: int
   temperature: float = 0.0  # 0: greedy
@@ -54,10 +67,14 @@ class Request:
   seed: int = 0
   ignore_eos: bool = False  # generate max_new_tokens even past EOS
   arrival: int = 0  # the engine step at which `Engine.run` submits it
+  n: int = 1
   output_ids: list[int] = dataclasses.field(default_factory=list)
   admitted_step: int | None = None
-  finished_step: int | None = None
+  finished_step: int | None = None  # when its last sample finished
   finish_reason: str | None = None  # "eos" or "length"
+  # Set at admission (not copied by dataclasses.replace: a replaced request starts afresh).
+  samples: list[list[int]] = dataclasses.field(default_factory=list, init=False)
+  finish_reasons: list[str | None] = dataclasses.field(default_factory=list, init=False)
 
 
 @jax.tree_util.register_dataclass
@@ -74,9 +91,9 @@ class SlotSampling:
     return cls(jnp.zeros((slots,), jnp.float32), jnp.ones((slots,), jnp.float32), jnp.zeros((slots,), jnp.int32),
                jnp.zeros((slots,), bool))
 
-  def with_slot(self, slot, other: SlotSampling) -> SlotSampling:
-    """This with the slot's entries replaced by `other`'s (scalars)."""
-    return jax.tree.map(lambda mine, new: mine.at[slot].set(new), self, other)
+  def with_slots(self, slots, other: SlotSampling) -> SlotSampling:
+    """This with the entries of slots (int [n]) replaced by `other`'s ([n])."""
+    return jax.tree.map(lambda mine, new: mine.at[slots].set(new), self, other)
 
 
 @jax.tree_util.register_dataclass
@@ -118,22 +135,41 @@ def _stops(model: Llama, token, ban_eos):
 
 
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("state",))
-def prefill_slot(model: Llama, params, state: SlotState, tokens, length, slot, request: SlotSampling,
-                 max_new_tokens):
-  """Prefills tokens [1, bucket] (length real ones) into an empty slot and samples its first token;
-  the slot then generates until EOS or max_new_tokens. request: the slot's sampling (scalars).
-  Returns (state, first token, ok); if the pool could not hold the prompt (ok False) the slot stays
-  empty."""
+def prefill_slots(model: Llama, params, state: SlotState, tokens, length, slots, request: SlotSampling,
+                  max_new_tokens):
+  """Prefills tokens [1, bucket] (length real ones) into the empty slots[0], forks it into the
+  empty slots[1:] (int32 [n]; n static, through the shape) and samples each slot's first token;
+  the slots then generate until EOS or max_new_tokens. request: the sampling (scalars); slot i
+  draws with seed request.seed + i.
+
+  The forked slots share the prompt's full pages; a partly filled last page is copied into a fresh
+  page of each, in every layer. Returns (state, first tokens [n], ok); if the pool could not hold
+  the prompt and its copies (ok False) the slots stay empty.
+  """
   TRACE_COUNTS["prefill"] += 1
-  pool, table, ok = reserve_prompt(state.pool, state.tables[slot][None], length, state.pages.page_size)
+  num_samples, parent, page_size = slots.shape[0], slots[0], state.pages.page_size
+  pool, table, ok = reserve_prompt(state.pool, state.tables[parent][None], length, page_size)
   logits, pages = model.prefill(params, tokens, state.pages, table, (length - 1)[None])
-  logits = sampling.mask_token(logits, model.config.eos_token_id, request.ban_eos[None])
-  token = sampling.sample(logits, request.seed[None], length[None], request.temperature[None],
-                          request.top_p[None])[0]
-  generating = ok & ~_stops(model, token, request.ban_eos) & (max_new_tokens > 1)
-  return SlotState(pages, state.tables.at[slot].set(table[0]), state.lengths.at[slot].set(jnp.where(ok, length, 0)),
-                   pool, state.tokens.at[slot].set(token), state.active.at[slot].set(generating),
-                   state.remaining.at[slot].set(max_new_tokens - 1), state.sampling.with_slot(slot, request)), token, ok
+  tables = state.tables.at[parent].set(table[0])
+  lengths = state.lengths.at[parent].set(jnp.where(ok, length, 0))
+  if num_samples > 1:
+    pool, tables, lengths, copy_src, copy_dst, forked = pkv.fork_sequences(
+        pool, tables, lengths, jnp.full((num_samples - 1,), parent), slots[1:], page_size)
+    pages = copy_pages(pages, copy_src, copy_dst, model.config.num_layers)
+    # All or nothing: a prompt that could not be forked leaves slots[0] empty too.
+    ok = ok & forked
+    pool, tables, lengths = pkv.release_sequences(pool, tables, lengths,
+                                                  (jnp.arange(tables.shape[0]) == parent) & ~ok, page_size)
+  group = SlotSampling(jnp.full((num_samples,), request.temperature), jnp.full((num_samples,), request.top_p),
+                       request.seed + jnp.arange(num_samples, dtype=jnp.int32),
+                       jnp.full((num_samples,), request.ban_eos))
+  logits = sampling.mask_token(jnp.broadcast_to(logits, (num_samples, logits.shape[1])), model.config.eos_token_id,
+                               group.ban_eos)
+  first = sampling.sample(logits, group.seed, jnp.full((num_samples,), length), group.temperature, group.top_p)
+  generating = ok & ~_stops(model, first, group.ban_eos) & (max_new_tokens > 1)
+  return SlotState(pages, tables, lengths, pool, state.tokens.at[slots].set(first),
+                   state.active.at[slots].set(generating), state.remaining.at[slots].set(max_new_tokens - 1),
+                   state.sampling.with_slots(slots, group)), first, ok
 
 
 def decode_step(model: Llama, params, state: SlotState):
@@ -227,7 +263,7 @@ class Stats:
 @dataclasses.dataclass
 class _Dispatch:
   """Work dispatched in one engine step whose results the host has not read yet."""
-  first_tokens: list[tuple[int, jax.Array, jax.Array]]  # (slot, token, ok) of the prefills before it
+  first_tokens: list[tuple[list[int], jax.Array, jax.Array]]  # (slots, tokens, ok) of the prefills before it
   decoded: tuple[jax.Array, jax.Array, jax.Array] | None  # decode_steps' (tokens, emitted, ok)
 
 
@@ -236,10 +272,15 @@ class Engine:
 
   steps_per_dispatch: decode steps per dispatch (`decode_steps`); more amortize the host's work
   per dispatch, and a request then waits up to that many steps to enter a slot freed mid-way.
+  share_prefixes: the samples of a request (`Request.n`) read their shared prompt pages once per
+  layer (the model's `prefix_groups`). Off by default: the shared-prefix pass costs a call per layer
+  even when no request has samples; False reads the prompt once per sample (the same tokens). A model
+  that already has prefix_groups keeps them.
   """
 
   def __init__(self, model: Llama, params, *, num_slots: int = 8, page_size: int = 16, num_pages: int = 256,
-               max_pages_per_seq: int = 64, buckets: tuple[int, ...] | None = None, steps_per_dispatch: int = 1):
+               max_pages_per_seq: int = 64, buckets: tuple[int, ...] | None = None, steps_per_dispatch: int = 1,
+               share_prefixes: bool = False):
     if page_size < 2:
       raise ValueError(f"page_size={page_size} must be at least 2")
     if num_slots < 1 or num_pages < 1 or max_pages_per_seq < 1:
@@ -247,13 +288,18 @@ class Engine:
                        "must be positive")
     if steps_per_dispatch < 1:
       raise ValueError(f"steps_per_dispatch={steps_per_dispatch} must be at least 1")
+    if not share_prefixes:
+      model = dataclasses.replace(model, prefix_groups=None)
+    elif model.prefix_groups is None and num_slots >= 2:
+      # A group is one request's samples: 2 to num_slots members, so at most num_slots // 2 groups.
+      model = dataclasses.replace(model, prefix_groups=(num_slots // 2, num_slots))
     self.model, self.params = model, params
     self.num_slots, self.page_size, self.num_pages = num_slots, page_size, num_pages
     self.steps_per_dispatch = steps_per_dispatch
     self.capacity = max_pages_per_seq * page_size
     self.buckets = tuple(sorted(buckets)) if buckets else default_buckets(self.capacity)
     self.state = empty_state(model, num_slots, num_pages, page_size, max_pages_per_seq)
-    self.slots: list[Request | None] = [None] * num_slots
+    self.slots: list[tuple[Request, int] | None] = [None] * num_slots  # (request, sample index)
     self.queue: collections.deque[Request] = collections.deque()
     self.in_flight: _Dispatch | None = None
     self.committed_pages = 0  # worst-case pages of the running requests
@@ -264,12 +310,23 @@ class Engine:
 
   # ------------------------------------------------------------------------ requests
 
+  def shared_pages(self, request: Request) -> int:
+    """The prompt's full pages: held once for all the request's samples."""
+    return len(request.prompt_ids) // self.page_size
+
+  def sample_pages(self, request: Request) -> int:
+    """Pages a sample holds at most past the shared ones: a copy of the prompt's partly filled last
+    page and the pages of every new token but the last (never fed back)."""
+    return -(-(len(request.prompt_ids) + request.max_new_tokens - 1) // self.page_size) - self.shared_pages(request)
+
   def pages_needed(self, request: Request) -> int:
-    """Pages a request holds at most: its prompt and every new token but the last (never fed back)."""
-    return -(-(len(request.prompt_ids) + request.max_new_tokens - 1) // self.page_size)
+    """Pages a request holds at most: the prompt's full pages once, and each sample's own."""
+    return self.shared_pages(request) + request.n * self.sample_pages(request)
 
   def validate(self, request: Request) -> None:
     """ValueError if the request could never run in this engine."""
+    if not isinstance(request.n, (int, np.integer)) or not 1 <= request.n <= self.num_slots:
+      raise ValueError(f"n={request.n!r} samples of a request must be an int in [1, num_slots={self.num_slots}]")
     n, new = len(request.prompt_ids), request.max_new_tokens
     if n < 1 or new < 1:
       raise ValueError(f"a request needs a prompt and max_new_tokens >= 1; got {n} prompt tokens, {new=}")
@@ -288,70 +345,90 @@ class Engine:
 
   @property
   def busy(self) -> bool:
-    return bool(self.queue) or any(r is not None for r in self.slots) or self.in_flight is not None
+    return bool(self.queue) or any(held is not None for held in self.slots) or self.in_flight is not None
 
   # ------------------------------------------------------------------------ a step
 
+  def _generating(self, slot: int) -> bool:
+    """The slot holds a sample that has not finished."""
+    held = self.slots[slot]
+    return held is not None and held[0].finish_reasons[held[1]] is None
+
   def _emit(self, slot: int, token: int) -> bool:
-    """Adds a token to the slot's request; True when that finishes it (the rule `decode_step`
-    applies on the device)."""
-    request = self.slots[slot]
-    if request.finish_reason is not None:
-      raise RuntimeError(f"slot {slot} emitted a token after its request finished")
-    request.output_ids.append(token)
+    """Adds a token to the slot's sample; True when that finishes the sample (the rule
+    `decode_step` applies on the device)."""
+    request, sample = self.slots[slot]
+    if request.finish_reasons[sample] is not None:
+      raise RuntimeError(f"slot {slot} emitted a token after its sample finished")
+    tokens = request.samples[sample]
+    tokens.append(token)
     self.stats.tokens += 1
     eos = self.model.config.eos_token_id
     if token == eos and not request.ignore_eos:
-      request.finish_reason = "eos"
-    elif len(request.output_ids) >= request.max_new_tokens:
-      request.finish_reason = "length"
+      reason = "eos"
+    elif len(tokens) >= request.max_new_tokens:
+      reason = "length"
     else:
       return False
-    request.finished_step = self.step_index
+    request.finish_reasons[sample] = reason
+    if sample == 0:
+      request.finish_reason = reason
+    if all(r is not None for r in request.finish_reasons):
+      request.finished_step = self.step_index
     return True
 
-  def _admit(self) -> list[tuple[int, jax.Array, jax.Array]]:
+  def _admit(self) -> list[tuple[list[int], jax.Array, jax.Array]]:
     """Prefills waiting requests into free slots while the page budget allows (dispatched, not
-    waited for); returns each one's (slot, first token, ok)."""
+    waited for); returns each one's (slots, first tokens, ok)."""
     admitted = []
-    while self.queue and None in self.slots:
+    while self.queue and self.slots.count(None) >= self.queue[0].n:
       request = self.queue[0]
       need = self.pages_needed(request)
       if self.committed_pages + need > self.num_pages:
         break  # the pool is short: wait for running requests to finish
-      slot = self.slots.index(None)
+      slots = [i for i, held in enumerate(self.slots) if held is None][:request.n]
       n = len(request.prompt_ids)
       bucket = next(b for b in self.buckets if b >= n)
       tokens = np.zeros((1, bucket), np.int32)
       tokens[0, :n] = request.prompt_ids
       sampling_args = SlotSampling(np.float32(request.temperature), np.float32(request.top_p), np.int32(request.seed),
                                    np.bool_(request.ignore_eos))
-      self.state, token, ok = prefill_slot(self.model, self.params, self.state, tokens, np.int32(n), np.int32(slot),
-                                           sampling_args, np.int32(request.max_new_tokens))
+      self.state, first, ok = prefill_slots(self.model, self.params, self.state, tokens, np.int32(n),
+                                            np.asarray(slots, np.int32), sampling_args,
+                                            np.int32(request.max_new_tokens))
       self.queue.popleft()
-      self.slots[slot] = request
+      request.samples = [request.output_ids] + [[] for _ in range(request.n - 1)]
+      request.finish_reasons = [None] * request.n
+      for sample, slot in enumerate(slots):
+        self.slots[slot] = (request, sample)
       self.committed_pages += need
       request.admitted_step = self.step_index
       self.stats.prefills += 1
-      admitted.append((slot, token, ok))
+      admitted.append((slots, first, ok))
     return admitted
 
   def _release(self, done: np.ndarray) -> None:
+    """Empties the slots of finished samples; the prompt's shared pages go with the request's last."""
     if not done.any():
       return
     self.state = release_slots(self.state, done)
     for slot in np.flatnonzero(done):
-      self.committed_pages -= self.pages_needed(self.slots[slot])
+      request, _ = self.slots[slot]
       self.slots[slot] = None
-      self.num_finished += 1
+      self.committed_pages -= self.sample_pages(request)
+      if not any(held is not None and held[0] is request for held in self.slots):
+        self.committed_pages -= self.shared_pages(request)
+        self.num_finished += 1
 
   def _read(self, dispatch: _Dispatch) -> None:
-    """Takes in a dispatch's tokens (waiting for it) and releases the requests they finish."""
+    """Takes in a dispatch's tokens (waiting for it) and releases the samples they finish."""
     done = np.zeros(self.num_slots, bool)
-    for slot, token, ok in dispatch.first_tokens:
-      if not bool(ok):  # cannot happen within the budget (the slot was left empty)
-        raise RuntimeError(f"page pool refused a prompt of {len(self.slots[slot].prompt_ids)} tokens within the budget")
-      done[slot] = self._emit(slot, int(token))
+    for slots, first, ok in dispatch.first_tokens:
+      if not bool(ok):  # cannot happen within the budget (the slots were left empty)
+        raise RuntimeError(f"page pool refused a prompt of {len(self.slots[slots[0]][0].prompt_ids)} tokens "
+                           "within the budget")
+      for slot, token in zip(slots, np.asarray(first).tolist()):
+        done[slot] = self._emit(slot, token)
     if dispatch.decoded is not None:
       tokens, emitted, ok = (np.asarray(a) for a in dispatch.decoded)
       if not ok:
@@ -371,7 +448,7 @@ class Engine:
     """Admits what fits, dispatches the next decode steps, then reads the previous dispatch's
     tokens while they run and releases the requests that finished."""
     first_tokens = self._admit()
-    running = any(r is not None and r.finish_reason is None for r in self.slots)
+    running = any(self._generating(slot) for slot in range(self.num_slots))
     decoded = None
     if running:
       self.state, *decoded = decode_steps(self.model, self.params, self.state, self.steps_per_dispatch)
@@ -416,7 +493,7 @@ class ProgressLine:
     if not self.tty and elapsed - self.last < self.every_s:
       return
     self.last = elapsed
-    running = sum(r is not None for r in engine.slots)
+    running = len({id(held[0]) for held in engine.slots if held is not None})
     line = (f"step {engine.step_index:5d}  running {running:3d}  waiting {len(engine.queue):3d}  done "
             f"{engine.num_finished - self.finished_before:3d}/{self.total}  "
             f"{engine.stats.tokens / max(elapsed, 1e-9):8.1f} tok/s")
