@@ -236,18 +236,24 @@ def test_auto_impl_on_the_gpu_agrees_until_a_near_tie(smollm2, reference):
 
 def _check_pages(engine):
   """Each slot holds exactly the pages its length needs, at the start of its table; a page's
-  reference count is the number of table entries that hold it; the free stack holds exactly the
-  pages of count 0, once each (none lost, none held and free)."""
+  reference count is the number of table entries that hold it plus the prefix cache's reference;
+  the free stack holds exactly the pages of count 0, once each (none lost, none held and free);
+  the budget's committed pages cover every allocated one."""
   tables, lengths = np.asarray(engine.state.tables), np.asarray(engine.state.lengths)
   pool = engine.state.pool
   for row, length in zip(tables, lengths):
     held = -(-length // engine.page_size)
     assert (row[:held] >= 0).all() and (row[held:] == pkv.UNALLOCATED).all()
   references = np.bincount(tables[tables >= 0], minlength=engine.num_pages)
+  if engine.prefix_cache is not None:
+    cached = engine.prefix_cache.held_pages()
+    assert len(set(cached)) == len(cached)  # one reference per cached page
+    references += np.bincount(np.asarray(cached, np.int64), minlength=engine.num_pages)
   np.testing.assert_array_equal(np.asarray(pool.ref_counts), references)
   free = np.asarray(pool.free_pages)[:int(pool.num_free)]
   assert len(set(free.tolist())) == len(free)
   assert set(free.tolist()) == set(np.flatnonzero(references == 0).tolist())
+  assert engine.num_pages - int(pool.num_free) <= engine.committed_pages
 
 
 @pytest.mark.parametrize("steps_per_dispatch", [pytest.param(1, marks=pytest.mark.slow), 3])
@@ -341,6 +347,14 @@ def _run_checked(engine, requests, on_step=None):
     _check_pages(engine)
     if on_step:
       on_step(engine)
+  if engine.prefix_cache is not None:
+    # Every page left is the cache's alone, and dropping the cache frees them all.
+    cached = engine.prefix_cache.held_pages()
+    counts = np.asarray(engine.state.pool.ref_counts)
+    assert set(np.flatnonzero(counts).tolist()) == set(cached) and (counts[cached] == 1).all()
+    assert engine.committed_pages == len(cached)
+    assert engine.clear_prefix_cache() == len(cached) and len(engine.prefix_cache) == 0
+    _check_pages(engine)
   assert int(engine.state.pool.num_free) == engine.num_pages and engine.committed_pages == 0
 
 
@@ -458,6 +472,90 @@ def test_reserve_prompt_is_all_or_nothing():
   assert bool(ok) and table[0, :3].tolist() == [0, 1, 2] and int(pool.num_free) == 1
   pool2, table2, ok = serving.reserve_prompt(pool, pkv.empty_block_tables(1, 8), jnp.int32(17), 16)
   assert not bool(ok) and int(pool2.num_free) == 1 and (np.asarray(table2) == pkv.UNALLOCATED).all()
+  # A table that starts with 2 reused pages: only the third page of 40 tokens is reserved.
+  reused = pkv.empty_block_tables(1, 8).at[0, :2].set(jnp.asarray([2, 1], jnp.int32))
+  pool3, table3, ok = serving.reserve_prompt(pool, reused, jnp.int32(40), 16, start=jnp.int32(32))
+  assert bool(ok) and table3[0, :4].tolist() == [2, 1, 3, pkv.UNALLOCATED] and int(pool3.num_free) == 0
+
+
+SYSTEM_PROMPT = [7, 21, 3, 44, 19, 8, 30, 11, 52, 6, 27, 15]  # 3 full pages of 4
+
+
+def _greedy(prompt, new_tokens, arrival=0, n=1):
+  return serving.Request(prompt, new_tokens, ignore_eos=True, arrival=arrival, n=n)
+
+
+def test_prefix_caching_reuses_a_shared_prompt_with_the_same_tokens(tiny_params):
+  suffixes = [[40, 41], [50], [40, 41, 42, 43], [60, 61, 62], [40, 41]]
+  arrivals = [0, 2, 3, 5, 6]  # a prefill's pages are cached once its dispatch is read, a step later
+  run = lambda: [_greedy(SYSTEM_PROMPT + suffix, 6, arrival) for suffix, arrival in zip(suffixes, arrivals)]
+  plain = run()
+  _run_checked(_tiny_engine(tiny_params), plain)
+  engine = _tiny_engine(tiny_params, prefix_caching=True)
+  cached = run()
+  _run_checked(engine, cached)
+  assert [r.output_ids for r in cached] == [r.output_ids for r in plain]
+  # The system prompt is prefilled once; the fourth page of the third prompt is reused by none.
+  prompt_tokens = sum(len(SYSTEM_PROMPT) + len(suffix) for suffix in suffixes)
+  assert engine.stats.cached_tokens == 4 * len(SYSTEM_PROMPT)
+  assert engine.stats.prefill_tokens == prompt_tokens - engine.stats.cached_tokens
+  assert engine.stats.evicted_pages == 0
+
+
+def test_prefix_caching_prefills_the_last_page_of_a_whole_page_prompt(tiny_params):
+  # The last prompt token is always prefilled (its logits give the first new token).
+  engine = _tiny_engine(tiny_params, prefix_caching=True)
+  first, again = _greedy(SYSTEM_PROMPT, 5), _greedy(SYSTEM_PROMPT, 5, arrival=2)
+  seen = []
+
+  def tables(engine):
+    slots = [s for s, held in enumerate(engine.slots) if held is not None]
+    seen.append(np.asarray(engine.state.tables)[slots, :3].tolist())
+
+  _run_checked(engine, [first, again], tables)
+  assert engine.stats.cached_tokens == len(SYSTEM_PROMPT) - engine.page_size
+  assert engine.stats.prefill_tokens == len(SYSTEM_PROMPT) + engine.page_size
+  alone = _greedy(SYSTEM_PROMPT, 5)
+  _run_checked(_tiny_engine(tiny_params), [alone])
+  assert first.output_ids == again.output_ids == alone.output_ids
+  # Side by side, the two share the first two pages and each holds its own third.
+  both = next(rows for rows in seen if len(rows) == 2)
+  assert both[0][:2] == both[1][:2] and both[0][2] != both[1][2]
+
+
+def test_prefix_caching_evicts_to_make_room_and_keeps_the_budget(tiny_params):
+  # 10 pages of 4: each request needs 4 (13 prompt tokens + 3 new), and each distinct prompt
+  # leaves 3 cached pages, so the cache must give pages back for later requests to run.
+  prompts = [[p] + SYSTEM_PROMPT for p in (1, 2, 3)]
+  requests = [_greedy(prompts[i], 4, arrival) for i, arrival in zip([0, 1, 0, 2, 1, 0, 2], [0, 1, 2, 4, 6, 8, 9])]
+  engine = _tiny_engine(tiny_params, prefix_caching=True, num_pages=10)
+  seen = dict(waited=False)
+
+  def inspect(engine):
+    seen["waited"] |= bool(engine.queue) and None in engine.slots
+
+  _run_checked(engine, requests, inspect)
+  assert engine.stats.evicted_pages > 0 and engine.stats.cached_tokens > 0 and seen["waited"]
+  plain = [_greedy(r.prompt_ids, 4) for r in requests]
+  _run_checked(_tiny_engine(tiny_params, num_pages=10), plain)
+  assert [r.output_ids for r in requests] == [r.output_ids for r in plain]
+
+
+def test_prefix_caching_with_samples_gives_the_single_request_output(tiny_params):
+  warm = _greedy(SYSTEM_PROMPT + [40], 3)
+  greedy = _greedy(SYSTEM_PROMPT + [40, 41, 42], 6, arrival=2, n=3)
+  draw = lambda seed, n=1, arrival=0: serving.Request(SYSTEM_PROMPT + [50, 51], 6, temperature=1.0, seed=seed,
+                                                      ignore_eos=True, arrival=arrival, n=n)
+  sampled = draw(4, n=2, arrival=3)
+  engine = _tiny_engine(tiny_params, prefix_caching=True, num_pages=40)
+  _run_checked(engine, [warm, greedy, sampled])
+  assert engine.stats.cached_tokens == 2 * len(SYSTEM_PROMPT)
+  alone = _tiny_engine(tiny_params, share_prefixes=False, num_pages=40)
+  single = _greedy(greedy.prompt_ids, 6)
+  singles = [draw(4 + i) for i in range(2)]
+  _run_checked(alone, [single] + singles)
+  assert greedy.samples == [single.output_ids] * 3
+  assert sampled.samples == [r.output_ids for r in singles]
 
 
 # ---------------------------------------------------------------------------- sampling and benchmark

@@ -162,13 +162,15 @@ class Llama:
 
   # ------------------------------------------------------------------------ prefill and decode
 
-  def prefill(self, params, tokens, pages: KVPages, tables, last):
-    """Runs prompts tokens [B, L] (pages for them reserved in tables [B, M]; lengths start at 0).
+  def prefill(self, params, tokens, pages: KVPages, tables, last, start=None):
+    """Runs prompts tokens [B, L] (pages for them reserved in tables [B, M]).
 
-    last [B]: index of each prompt's last real token (prompts are right-padded; the padding is
-    not appended). Returns (logits at `last` [B, V], pages).
+    last [B]: index in tokens of each prompt's last real token (prompts are right-padded; the
+    padding is not appended). start int32 [B]: tokens each sequence already caches before `tokens`
+    (a reused prefix, in its table's first pages; default 0): the new ones take positions from
+    there and attend to the cached ones. Returns (logits at `last` [B, V], pages).
     """
-    lengths = jnp.zeros((tokens.shape[0],), jnp.int32)
+    lengths = jnp.zeros((tokens.shape[0],), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
     hidden, pages = self._forward(params, self.embed(params, tokens), pages, tables, lengths, prefill=True,
                                   num_new=last + 1)
     hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]

@@ -25,6 +25,12 @@ tokens; the prompt's full pages once for all its samples: `Engine.pages_needed`)
 cases of the running requests. Pages are still taken step by step and returned as soon as a
 sample ends, but a reservation can then never fail mid-generation: when the pool is short,
 requests wait in the queue (never crash, never overwrite another's pages).
+
+Prefix caching (`Engine(..., prefix_caching=True)`): prompts' full pages stay in the pool after
+their requests, keyed by their tokens (`PrefixCache`); a prompt that starts with cached pages puts
+them in its block table and prefills only the rest, its positions offset past them. The cache's
+pages count against the budget and are evicted, least recently used first, when a request needs
+the room (`Engine`'s docstring has the exact rule).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from examples.smollm2 import sampling
 from examples.smollm2.model import KVPages
 from examples.smollm2.model import Llama
 from examples.smollm2.model import copy_pages
+from examples.smollm2.prefix_cache import PrefixCache
 
 TRACE_COUNTS = collections.Counter()  # traces of each jitted function (a trace precedes a compile)
 MIN_BUCKET = 16
@@ -111,20 +118,23 @@ class SlotState:
   sampling: SlotSampling
 
 
-def reserve_prompt(pool, table, length, page_size: int):
-  """Reserves the pages of a length-token prompt for one empty sequence (table [1, M]), all or nothing.
+def reserve_prompt(pool, table, length, page_size: int, start=0):
+  """Reserves the pages of a length-token prompt for one sequence (table [1, M]), all or nothing.
 
-  One page per `reserve_pages` call, so the prompt's length may be a traced value.
+  start: tokens the sequence already holds (whole pages, in its table's first columns: a reused
+  prefix); only the pages past them are reserved. One page per `reserve_pages` call, so the
+  lengths may be traced values.
   """
+  held = start // page_size
   needed = (length + page_size - 1) // page_size
-  ok = (needed <= pool.num_free) & (needed <= table.shape[1])
+  ok = (needed - held <= pool.num_free) & (needed <= table.shape[1])
 
   def one_page(i, carry):
     pool, table = carry
     pool, table, _ = pkv.reserve_pages(pool, table, (i * page_size)[None], num_new=page_size, page_size=page_size)
     return pool, table
 
-  pool, table = jax.lax.fori_loop(0, jnp.where(ok, needed, 0), one_page, (pool, table))
+  pool, table = jax.lax.fori_loop(held, jnp.where(ok, needed, held), one_page, (pool, table))
   return pool, table, ok
 
 
@@ -136,20 +146,27 @@ def _stops(model: Llama, token, ban_eos):
 
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("state",))
 def prefill_slots(model: Llama, params, state: SlotState, tokens, length, slots, request: SlotSampling,
-                  max_new_tokens):
-  """Prefills tokens [1, bucket] (length real ones) into the empty slots[0], forks it into the
-  empty slots[1:] (int32 [n]; n static, through the shape) and samples each slot's first token;
-  the slots then generate until EOS or max_new_tokens. request: the sampling (scalars); slot i
-  draws with seed request.seed + i.
+                  max_new_tokens, prefix, cached, keep):
+  """Prefills a prompt of `length` tokens into the empty slots[0], forks it into the empty
+  slots[1:] (int32 [n]; n static, through the shape) and samples each slot's first token; the
+  slots then generate until EOS or max_new_tokens. request: the sampling (scalars); slot i draws
+  with seed request.seed + i.
 
+  prefix int32 [M]: pages reused from the prefix cache, holding the prompt's first `cached` tokens
+  (whole pages; -1 past them), which the slot's table starts with (one more reference each);
+  tokens [1, bucket]: the rest of the prompt (length - cached real ones), which is prefilled.
+  keep bool [M]: the table columns whose pages the prefix cache keys (one reference each).
   The forked slots share the prompt's full pages; a partly filled last page is copied into a fresh
-  page of each, in every layer. Returns (state, first tokens [n], ok); if the pool could not hold
-  the prompt and its copies (ok False) the slots stay empty.
+  page of each, in every layer. Returns (state, first tokens [n], ok, slots[0]'s block table [M]);
+  if the pool could not hold the prompt and its copies (ok False) the slots stay empty and no
+  reference is taken.
   """
   TRACE_COUNTS["prefill"] += 1
   num_samples, parent, page_size = slots.shape[0], slots[0], state.pages.page_size
-  pool, table, ok = reserve_prompt(state.pool, state.tables[parent][None], length, page_size)
-  logits, pages = model.prefill(params, tokens, state.pages, table, (length - 1)[None])
+  pool, table, ok = reserve_prompt(state.pool, prefix[None], length, page_size, start=cached)
+  pool = pkv.retain_pages(pool, jnp.where(ok, prefix, pkv.UNALLOCATED))  # the slot's reference
+  table = jnp.where(ok, table, pkv.UNALLOCATED)
+  logits, pages = model.prefill(params, tokens, state.pages, table, (length - cached - 1)[None], start=cached[None])
   tables = state.tables.at[parent].set(table[0])
   lengths = state.lengths.at[parent].set(jnp.where(ok, length, 0))
   if num_samples > 1:
@@ -167,9 +184,10 @@ def prefill_slots(model: Llama, params, state: SlotState, tokens, length, slots,
                                group.ban_eos)
   first = sampling.sample(logits, group.seed, jnp.full((num_samples,), length), group.temperature, group.top_p)
   generating = ok & ~_stops(model, first, group.ban_eos) & (max_new_tokens > 1)
+  pool = pkv.retain_pages(pool, jnp.where(ok & keep, tables[parent], pkv.UNALLOCATED))  # the prefix cache's
   return SlotState(pages, tables, lengths, pool, state.tokens.at[slots].set(first),
                    state.active.at[slots].set(generating), state.remaining.at[slots].set(max_new_tokens - 1),
-                   state.sampling.with_slots(slots, group)), first, ok
+                   state.sampling.with_slots(slots, group)), first, ok, tables[parent]
 
 
 def decode_step(model: Llama, params, state: SlotState):
@@ -222,6 +240,13 @@ def release_slots(state: SlotState, done):
   return dataclasses.replace(state, tables=tables, lengths=lengths, pool=pool, active=state.active & ~done)
 
 
+@functools.partial(jax.jit, donate_argnames=("state",))
+def drop_cached_pages(state: SlotState, pages):
+  """Drops the prefix cache's reference on pages (int32 [P], -1 padded): evicted pages it alone held."""
+  TRACE_COUNTS["evict"] += 1
+  return dataclasses.replace(state, pool=pkv.drop_pages(state.pool, pages))
+
+
 def empty_state(model: Llama, num_slots: int, num_pages: int, page_size: int, max_pages_per_seq: int) -> SlotState:
   """No request in any slot: every page in the pool."""
   return SlotState(model.empty_pages(num_pages, page_size), pkv.empty_block_tables(num_slots, max_pages_per_seq),
@@ -248,6 +273,9 @@ class Stats:
   # the pace of the decode loop as a user sees it (dispatch, device and host work overlapped).
   step_seconds: list[float] = dataclasses.field(default_factory=list)
   prefills: int = 0
+  prefill_tokens: int = 0  # prompt tokens run through a prefill
+  cached_tokens: int = 0  # prompt tokens reused from the prefix cache instead
+  evicted_pages: int = 0  # pages the prefix cache gave back to make room
 
   @property
   def tokens_per_s(self) -> float:
@@ -257,13 +285,15 @@ class Stats:
     steps = self.step_seconds or [float("nan")]
     return (f"{self.tokens} tokens in {self.seconds:.2f} s: {self.tokens_per_s:.1f} tokens/s; "
             f"{self.steps} steps, decode step median {1e3 * statistics.median(steps):.2f} ms "
-            f"(p90 {1e3 * float(np.percentile(steps, 90)):.2f} ms); {self.prefills} prefills")
+            f"(p90 {1e3 * float(np.percentile(steps, 90)):.2f} ms); {self.prefills} prefills of "
+            f"{self.prefill_tokens} tokens ({self.cached_tokens} more cached)")
 
 
 @dataclasses.dataclass
 class _Dispatch:
   """Work dispatched in one engine step whose results the host has not read yet."""
-  first_tokens: list[tuple[list[int], jax.Array, jax.Array]]  # (slots, tokens, ok) of the prefills before it
+  # (slots, tokens, ok, keys of the pages it put in the prefix cache) of the prefills before it
+  first_tokens: list[tuple[list[int], jax.Array, jax.Array, list[int]]]
   decoded: tuple[jax.Array, jax.Array, jax.Array] | None  # decode_steps' (tokens, emitted, ok)
 
 
@@ -276,11 +306,28 @@ class Engine:
   layer (the model's `prefix_groups`). Off by default: the shared-prefix pass costs a call per layer
   even when no request has samples; False reads the prompt once per sample (the same tokens). A model
   that already has prefix_groups keeps them.
+  prefix_caching: keep prompts' full pages past their requests (`PrefixCache`); a request whose
+  prompt starts with cached pages reuses them and prefills only the rest. Never its last token,
+  whose logits give the first new token: at most (len(prompt) - 1) // page_size pages are reused.
+  A prefill's pages are found once the host has read its dispatch (the next step): until then
+  their ids are only on the device.
+
+  The page budget with prefix caching, exactly: `committed_pages` is the running requests' worst
+  cases plus the cached pages that no running request reserved. A request's worst case is
+  `pages_needed` less the cached pages it reuses: those stay allocated while it runs whatever
+  happens, since only pages the cache alone holds (reference count 1) are evicted, and they are
+  counted once, with the cache (or with the running request whose prefill filled them, until it
+  finishes: its reservation holds them, then they pass to the cache). Allocated pages never exceed
+  `committed_pages`, and a request is admitted only when `committed_pages` plus its worst case fits
+  the pool, so no reservation can fail mid-generation. When it does not fit, the least recently
+  used pages the cache alone holds (none the request reuses) are dropped until it does (reading
+  the pool's reference counts, a wait for the device, only then); if even all of them would not
+  make room, nothing is dropped and the request waits.
   """
 
   def __init__(self, model: Llama, params, *, num_slots: int = 8, page_size: int = 16, num_pages: int = 256,
                max_pages_per_seq: int = 64, buckets: tuple[int, ...] | None = None, steps_per_dispatch: int = 1,
-               share_prefixes: bool = False):
+               share_prefixes: bool = False, prefix_caching: bool = False):
     if page_size < 2:
       raise ValueError(f"page_size={page_size} must be at least 2")
     if num_slots < 1 or num_pages < 1 or max_pages_per_seq < 1:
@@ -302,7 +349,9 @@ class Engine:
     self.slots: list[tuple[Request, int] | None] = [None] * num_slots  # (request, sample index)
     self.queue: collections.deque[Request] = collections.deque()
     self.in_flight: _Dispatch | None = None
-    self.committed_pages = 0  # worst-case pages of the running requests
+    self.committed_pages = 0  # worst-case pages of the running requests, and the cache's own pages
+    self.prefix_cache = PrefixCache(page_size) if prefix_caching else None
+    self._reused_pages: dict[int, int] = {}  # id of a running request -> cached pages it reuses
     self.step_index = 0
     self.num_finished = 0
     self.stats = Stats()
@@ -379,33 +428,86 @@ class Engine:
 
   def _admit(self) -> list[tuple[list[int], jax.Array, jax.Array]]:
     """Prefills waiting requests into free slots while the page budget allows (dispatched, not
-    waited for); returns each one's (slots, first tokens, ok)."""
+    waited for); returns each one's (slots, first tokens, ok, keys of the pages it puts in the
+    prefix cache)."""
     admitted = []
+    max_pages_per_seq = self.state.tables.shape[1]
     while self.queue and self.slots.count(None) >= self.queue[0].n:
       request = self.queue[0]
-      need = self.pages_needed(request)
-      if self.committed_pages + need > self.num_pages:
+      n = len(request.prompt_ids)
+      chain, reused = [], []
+      if self.prefix_cache is not None:
+        chain = self.prefix_cache.chain(request.prompt_ids)
+        reused = self.prefix_cache.match(chain, (n - 1) // self.page_size)
+      need = self.pages_needed(request) - len(reused)
+      shortfall = self.committed_pages + need - self.num_pages
+      if shortfall > 0 and not self._evict(shortfall, keep=set(reused)):
         break  # the pool is short: wait for running requests to finish
       slots = [i for i, held in enumerate(self.slots) if held is None][:request.n]
-      n = len(request.prompt_ids)
-      bucket = next(b for b in self.buckets if b >= n)
+      cached = len(reused) * self.page_size
+      bucket = next(b for b in self.buckets if b >= n - cached)
       tokens = np.zeros((1, bucket), np.int32)
-      tokens[0, :n] = request.prompt_ids
+      tokens[0, :n - cached] = request.prompt_ids[cached:]
+      prefix = np.full((max_pages_per_seq,), pkv.UNALLOCATED, np.int32)
+      prefix[:len(reused)] = reused
+      # The prompt's newly filled full pages that the cache does not key yet (after any eviction).
+      new_links = []
+      if self.prefix_cache is not None:
+        new_links = [(column, link) for column, link in enumerate(chain)
+                     if column >= len(reused) and link[0] not in self.prefix_cache.entries]
+      keep = np.zeros((max_pages_per_seq,), bool)
+      keep[[column for column, _ in new_links]] = True
       sampling_args = SlotSampling(np.float32(request.temperature), np.float32(request.top_p), np.int32(request.seed),
                                    np.bool_(request.ignore_eos))
-      self.state, first, ok = prefill_slots(self.model, self.params, self.state, tokens, np.int32(n),
-                                            np.asarray(slots, np.int32), sampling_args,
-                                            np.int32(request.max_new_tokens))
+      self.state, first, ok, table = prefill_slots(self.model, self.params, self.state, tokens, np.int32(n),
+                                                   np.asarray(slots, np.int32), sampling_args,
+                                                   np.int32(request.max_new_tokens), prefix, np.int32(cached), keep)
+      for column, link in new_links:
+        self.prefix_cache.add(link, request, table, column)
+      if self.prefix_cache is not None:
+        self.prefix_cache.touch(chain)
       self.queue.popleft()
       request.samples = [request.output_ids] + [[] for _ in range(request.n - 1)]
       request.finish_reasons = [None] * request.n
       for sample, slot in enumerate(slots):
         self.slots[slot] = (request, sample)
       self.committed_pages += need
+      self._reused_pages[id(request)] = len(reused)
       request.admitted_step = self.step_index
       self.stats.prefills += 1
-      admitted.append((slots, first, ok))
+      self.stats.prefill_tokens += n - cached
+      self.stats.cached_tokens += cached
+      admitted.append((slots, first, ok, [link[0] for _, link in new_links]))
     return admitted
+
+  def _evict(self, shortfall: int, keep: set[int]) -> bool:
+    """Drops `shortfall` least recently used cached pages that the cache alone holds, none in
+    `keep`; False (dropping nothing) if there are not that many."""
+    if self.prefix_cache is None:
+      return False
+    ref_counts = np.asarray(self.state.pool.ref_counts)  # waits for the dispatched work
+    keys = self.prefix_cache.evictable(ref_counts, keep, shortfall)
+    if len(keys) < shortfall:
+      return False
+    self._drop_cached(keys)
+    self.stats.evicted_pages += len(keys)
+    return True
+
+  def _drop_cached(self, keys) -> None:
+    pages = np.full((self.num_pages,), pkv.UNALLOCATED, np.int32)
+    evicted = self.prefix_cache.remove(keys)
+    pages[:len(evicted)] = evicted
+    self.state = drop_cached_pages(self.state, pages)
+    self.committed_pages -= len(evicted)
+
+  def clear_prefix_cache(self) -> int:
+    """Evicts every cached page that the cache alone holds; returns how many."""
+    if self.prefix_cache is None:
+      return 0
+    keys = self.prefix_cache.evictable(np.asarray(self.state.pool.ref_counts), set(), len(self.prefix_cache))
+    if keys:
+      self._drop_cached(keys)
+    return len(keys)
 
   def _release(self, done: np.ndarray) -> None:
     """Empties the slots of finished samples; the prompt's shared pages go with the request's last."""
@@ -417,13 +519,17 @@ class Engine:
       self.slots[slot] = None
       self.committed_pages -= self.sample_pages(request)
       if not any(held is not None and held[0] is request for held in self.slots):
-        self.committed_pages -= self.shared_pages(request)
+        self.committed_pages -= self.shared_pages(request) - self._reused_pages.pop(id(request))
+        if self.prefix_cache is not None:  # the pages it keyed stay, the cache's own now
+          self.committed_pages += self.prefix_cache.disown(request)
         self.num_finished += 1
 
   def _read(self, dispatch: _Dispatch) -> None:
     """Takes in a dispatch's tokens (waiting for it) and releases the samples they finish."""
     done = np.zeros(self.num_slots, bool)
-    for slots, first, ok in dispatch.first_tokens:
+    for slots, first, ok, keyed in dispatch.first_tokens:
+      if keyed:
+        self.prefix_cache.resolve(keyed)
       if not bool(ok):  # cannot happen within the budget (the slots were left empty)
         raise RuntimeError(f"page pool refused a prompt of {len(self.slots[slots[0]][0].prompt_ids)} tokens "
                            "within the budget")
