@@ -23,7 +23,8 @@ declare -A PARTS=(
             decode:shapes_d256 decode:shapes_d512"   # head dims past 64 / 128 / 256
   [shapes_more]="decode:shapes_heads32_8 decode:shapes_heads48_1 decode:shapes_heads71_1 decode:shapes_page16
                  decode:shapes_page1 decode:shapes_s4_padded decode:shapes_s4_varlen"   # MQA, page 1, varlen
-  [shared]="shared_prefix:shared_prefix shared_prefix:shared_prefix_mla serving:smollm2_samples"   # forked prompts
+  [shared]="shared_prefix:shared_prefix shared_prefix:shared_prefix_mla serving:smollm2_samples
+            serving:smollm2_system_prompt"   # forked prompts, a cached system prompt
   [vmap]="vmap:vmap"
   [step]="step:step"
   [tune]="tune:tune"                      # Mosaic GPU entries of the tuned file

@@ -81,6 +81,8 @@ def define_flags():
   flags.DEFINE_boolean("stub", False, "also time the engine with attention replaced by a trivial op")
   flags.DEFINE_integer("seed", 0, "seed of the random prompts")
   flags.DEFINE_enum("compute_dtype", None, ["float32", "bfloat16"], "matmul inputs (CPU float32, GPU bfloat16)")
+  flags.DEFINE_integer("system_prompt", 0, "tokens every prompt starts with (a shared system prompt), the engine "
+                       "with prefix caching (Engine(prefix_caching=True)): rows add prefill_tokens and cached_tokens")
   flags.DEFINE_list("samples", ["1"], "samples per prompt (Request.n): batch / N prompts, each forked into N "
                     "sequences that share its pages and read them once (Engine(share_prefixes=True)); 1: batch "
                     "independent requests. Rows of N > 1 skip device_step_ms and attn_us (they time independent "
@@ -100,12 +102,15 @@ def prompt_ids(batch: int, prompt_len: int, vocab: int, seed: int) -> np.ndarray
   return np.random.default_rng(seed).integers(3, vocab, size=(batch, prompt_len))
 
 
-def make_requests(batch: int, prompt_len: int, new_tokens: int, vocab: int, seed: int, samples: int = 1):
-  """batch sequences: batch / samples prompts of `samples` samples each."""
+def make_requests(batch: int, prompt_len: int, new_tokens: int, vocab: int, seed: int, samples: int = 1,
+                  system_prompt: int = 0):
+  """batch sequences: batch / samples prompts of `samples` samples each, the first system_prompt tokens
+  of every prompt the same."""
   if batch % samples:
     raise ValueError(f"batch={batch} must be a multiple of samples={samples}")
-  return [serving.Request(p.tolist(), new_tokens, ignore_eos=True, n=samples)
-          for p in prompt_ids(batch // samples, prompt_len, vocab, seed)]
+  prompts = prompt_ids(batch // samples, prompt_len, vocab, seed)
+  prompts[:, :system_prompt] = prompts[0, :system_prompt]
+  return [serving.Request(p.tolist(), new_tokens, ignore_eos=True, n=samples) for p in prompts]
 
 
 # ---------------------------------------------------------------------------- other attentions
@@ -192,18 +197,24 @@ def make_model(config, attention: str, compute_dtype: str, stub: bool = False) -
 
 
 def engine_for(model: Llama, params, batch: int, context: int, steps_per_dispatch: int, pool_sequences: int,
-               page_size: int = PAGE_SIZE, share_prefixes: bool = False) -> serving.Engine:
+               page_size: int = PAGE_SIZE, share_prefixes: bool = False,
+               prefix_caching: bool = False) -> serving.Engine:
   """An engine of `batch` slots over a pool of pool_sequences full sequences (a pool of one size
   for every batch of a context: the prefill compiles once for them all)."""
   pages_per_seq = -(-context // page_size)
   return serving.Engine(model, params, num_slots=batch, page_size=page_size,
                         num_pages=max(batch, pool_sequences) * pages_per_seq, max_pages_per_seq=pages_per_seq,
-                        steps_per_dispatch=steps_per_dispatch, share_prefixes=share_prefixes)
+                        steps_per_dispatch=steps_per_dispatch, share_prefixes=share_prefixes,
+                        prefix_caching=prefix_caching)
 
 
 def run_loop(engine: serving.Engine, requests, *, progress: bool = False):
-  """(stats of the timed run, its requests) after a compile run of one request of the same shapes."""
-  engine.run([dataclasses.replace(requests[0], max_new_tokens=2 * engine.steps_per_dispatch + 1, output_ids=[])])
+  """(stats of the timed run, its requests) after a compile run of requests of the same shapes (the first
+  and the last: with prefix caching, the prefill of a prompt's uncached rest compiles there too)."""
+  short = lambda r: dataclasses.replace(r, max_new_tokens=2 * engine.steps_per_dispatch + 1, output_ids=[])
+  engine.run([short(requests[0])] + ([short(requests[-1])] if engine.prefix_cache is not None else []))
+  if engine.prefix_cache is not None:
+    engine.clear_prefix_cache()   # the timed run starts with nothing cached
   engine.stats = serving.Stats()
   runs = [dataclasses.replace(r, output_ids=[]) for r in requests]
   stats = engine.run(runs, progress=progress)
@@ -281,13 +292,13 @@ class Phases:
 
 def run_row(config, params, *, batch: int, context: int, attention: str, new_tokens: int, steps_per_dispatch: int,
             pool_sequences: int, counts: dict, compute_dtype: str, seed: int, stub: bool, progress: bool,
-            samples: int = 1) -> dict:
+            samples: int = 1, system_prompt: int = 0) -> dict:
   """Times one (batch, context, attention, samples); the fields of the module docstring."""
   prompt_len = context - new_tokens
-  requests = make_requests(batch, prompt_len, new_tokens, config.vocab_size, seed, samples)
+  requests = make_requests(batch, prompt_len, new_tokens, config.vocab_size, seed, samples, system_prompt)
   phases = Phases(f"B={batch} C={context} {attention} n={samples}")
   engine = engine_for(make_model(config, attention, compute_dtype), params, batch, context, steps_per_dispatch,
-                      pool_sequences, share_prefixes=samples > 1)
+                      pool_sequences, share_prefixes=samples > 1, prefix_caching=system_prompt > 0)
   stats, runs = run_loop(engine, requests, progress=progress)
   ran = attention if attention in DECODE_STEPS else pkv.last_impl()
   phases.done("engine (compile run + timed run)")
@@ -301,7 +312,8 @@ def run_row(config, params, *, batch: int, context: int, attention: str, new_tok
   row = dict(ran=ran, loop_tok_s=stats.tokens_per_s, decode_tok_s=batch / step_s, step_ms=1e3 * step_s,
              p90_step_ms=1e3 * float(np.percentile(stats.step_seconds, 90)), device_step_ms=1e3 * device_s,
              enqueue_step_ms=1e3 * enqueue_s, gpu_idle=max(0.0, 1 - device_s / step_s), attn_us=1e6 * attn_s,
-             attn_share=config.num_layers * attn_s / device_s, first_tokens=runs[0].output_ids)
+             attn_share=config.num_layers * attn_s / device_s, first_tokens=runs[0].output_ids,
+             prefill_tokens=stats.prefill_tokens, cached_tokens=stats.cached_tokens)
   if stub:
     stub_engine = engine_for(make_model(config, attention, compute_dtype, stub=True), params, batch, context,
                              steps_per_dispatch, pool_sequences)
@@ -314,7 +326,7 @@ def run_row(config, params, *, batch: int, context: int, attention: str, new_tok
 def run(config, params, *, batches: Sequence[int], contexts: Sequence[int], impls: Sequence[str], new_tokens: int,
         counts: dict, steps_per_dispatch: int = 4, compute_dtype: str = "float32", seed: int = 0, stub: bool = False,
         out: Callable[[str], None] = print, json_path: str | None = None, progress: bool = False,
-        samples: Sequence[int] = (1,)) -> list[dict]:
+        samples: Sequence[int] = (1,), system_prompt: int = 0) -> list[dict]:
   """One row per (context, batch, attention, samples per prompt); rewrites json_path after each row so
   a run cut short keeps them."""
   rows = []
@@ -326,11 +338,12 @@ def run(config, params, *, batches: Sequence[int], contexts: Sequence[int], impl
       for attention, n in itertools.product(impls, samples):
         row = dict(model="SmolLM2-135M-Instruct", layers=config.num_layers, batch=batch, context=context,
                    prompt_len=context - new_tokens, new_tokens=new_tokens, impl=attention, samples=n,
+                   system_prompt=system_prompt,
                    steps_per_dispatch=steps_per_dispatch, compute_dtype=compute_dtype)
         try:
           row |= run_row(config, params, batch=batch, context=context, attention=attention, new_tokens=new_tokens,
                          steps_per_dispatch=steps_per_dispatch, pool_sequences=max(batches), counts=counts, compute_dtype=compute_dtype,
-                         seed=seed, stub=stub, progress=progress, samples=n)
+                         seed=seed, stub=stub, progress=progress, samples=n, system_prompt=system_prompt)
           stub_text = f"  no-attention step {row['stub_step_ms']:7.2f} ms" if stub else ""
           out(f"C={context:5d} B={batch:3d} n={n:2d} {attention:10s} ({row['ran']:10s}) loop {row['loop_tok_s']:9.1f} tok/s  "
               f"decode {row['decode_tok_s']:9.1f} tok/s  step {row['step_ms']:7.2f} ms (device "
@@ -363,7 +376,8 @@ def main(argv):
       new_tokens=FLAGS.new_tokens or defaults["new_tokens"], counts=counts,
       steps_per_dispatch=FLAGS.steps_per_dispatch or defaults["steps_per_dispatch"],
       compute_dtype=FLAGS.compute_dtype or default_compute_dtype(), seed=FLAGS.seed, stub=FLAGS.stub,
-      json_path=cli.output_paths().json, progress=True, samples=cli.parse_ints(FLAGS.samples, "samples"))
+      json_path=cli.output_paths().json, progress=True, samples=cli.parse_ints(FLAGS.samples, "samples"),
+      system_prompt=FLAGS.system_prompt)
 
 
 if __name__ == "__main__":

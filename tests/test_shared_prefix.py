@@ -215,7 +215,7 @@ def SharedPrefix_from(tables, lengths, **bounds):
       tables, lengths, page_size=4, **bounds)
 
 
-@pytest.mark.parametrize("kind", ["gqa", "mla"])
+@pytest.mark.parametrize("kind", ["gqa", pytest.param("mla", marks=pytest.mark.slow)])   # MLA: make test-slow
 def test_decode_attention_steps_over_forked_sequences(kind):
   """A prompt prefilled once, forked into three more rows, then decode steps with different tokens per
   row: a cache with prefix_groups gives the outputs of one without (and finds the group)."""

@@ -368,7 +368,8 @@ def _prompt_cache(engine, slot: int, length: int):
   return [gather(a) for a in jax.tree.leaves(engine.state.pages)]
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", "int8"])  # int8: per-token scales copied with a forked page
+# int8: per-token scales copied with a forked page (make test-slow; float32 in every tier).
+@pytest.mark.parametrize("cache_dtype", ["float32", pytest.param("int8", marks=pytest.mark.slow)])
 def test_greedy_samples_are_the_single_request_output(tiny_params, cache_dtype):
   request = lambda n: serving.Request(TINY_PROMPT, 7, ignore_eos=True, n=n)
   engine = _tiny_engine(tiny_params, cache_dtype=cache_dtype)
@@ -541,6 +542,7 @@ def test_prefix_caching_evicts_to_make_room_and_keeps_the_budget(tiny_params):
   assert [r.output_ids for r in requests] == [r.output_ids for r in plain]
 
 
+@pytest.mark.slow   # both features together; each alone runs in every tier
 def test_prefix_caching_with_samples_gives_the_single_request_output(tiny_params):
   warm = _greedy(SYSTEM_PROMPT + [40], 3)
   greedy = _greedy(SYSTEM_PROMPT + [40, 41, 42], 6, arrival=2, n=3)
@@ -595,6 +597,13 @@ def test_benchmark_runs_on_cpu(smollm2):
   # The same model with jax.nn.dot_product_attention over gathered pages picks the same tokens, and so do
   # two greedy samples of the first prompt read through its shared pages.
   assert all(row["first_tokens"] == rows[0]["first_tokens"] for row in rows)
+  # A common first page of the two prompts, with prefix caching: the second request prefills only its rest.
+  cached, = smollm2_bench.run(config, params, batches=(2,), contexts=(24,), impls=("xla",), new_tokens=5,
+                              steps_per_dispatch=2, counts=dict(warmup=1, iters=2, repeats=2), out=lines.append,
+                              system_prompt=16)
+  assert "error" not in cached, cached
+  assert (cached["cached_tokens"], cached["prefill_tokens"]) == (16, 2 * 19 - 16)
+  assert cached["first_tokens"] == rows[0]["first_tokens"]
 
 
 def test_demo_with_a_kernel_impl_on_a_cpu_names_the_interpret_switch():

@@ -62,13 +62,15 @@ class PrefixCache:
     return entry if entry is not None and entry.parent == parent and entry.tokens == tokens else None
 
   def match(self, chain: list[Link], limit: int) -> list[int]:
-    """Page ids of the longest run of cached pages at the chain's start, at most `limit`. A page
-    whose prefill has not been read yet ends the run (its id is still on the device)."""
+    """Page ids of the longest run of cached pages at the chain's start, at most `limit`. A page whose
+    prefill the host has not read yet is read now (a wait for that prefill alone): requests that
+    arrive together then share a prompt that the first of them prefills."""
     pages = []
     for link in chain[:limit]:
       entry = self.find(link)
-      if entry is None or entry.page is None:
+      if entry is None:
         break
+      self.resolve([link[0]])
       pages.append(entry.page)
     return pages
 

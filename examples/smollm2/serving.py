@@ -309,8 +309,8 @@ class Engine:
   prefix_caching: keep prompts' full pages past their requests (`PrefixCache`); a request whose
   prompt starts with cached pages reuses them and prefills only the rest. Never its last token,
   whose logits give the first new token: at most (len(prompt) - 1) // page_size pages are reused.
-  A prefill's pages are found once the host has read its dispatch (the next step): until then
-  their ids are only on the device.
+  A request that matches pages whose prefill is still running waits for that prefill (reading
+  their ids), so requests arriving together prefill a shared prompt once.
 
   The page budget with prefix caching, exactly: `committed_pages` is the running requests' worst
   cases plus the cached pages that no running request reserved. A request's worst case is
