@@ -161,8 +161,8 @@ class PeerAttention(pkv.DecodeAttention):
   prefill and the rest as `DecodeAttention`'s. The step plans no kernel: it takes no config or plan."""
   peer: str = "dot_product"
 
-  def __call__(self, params, x, cache, positions=None, *, config=None, plan=None):
-    del config, plan
+  def __call__(self, params, x, cache, positions=None, *, config=None, plan=None, shared_prefix=None):
+    del config, plan, shared_prefix
     single = x.ndim == 2
     if single:
       x = x[:, None]

@@ -165,13 +165,15 @@ class DecodeAttention:
   # ------------------------------------------------------------------------ the step
 
   def __call__(self, params: dict, x, cache, positions=None, *, config=None, plan=None, cu_seqlens=None,
-               max_seqlen=None):
+               max_seqlen=None, shared_prefix=None):
     """One decode step. x [B, S, hidden] (S <= 16 new tokens) or [B, hidden] -> (y like x, cache).
 
     positions [B, S] default to the cache's lengths + arange(S) (the new tokens follow the
     cached ones). For a paged cache the pages for the new tokens must be reserved first
     (`pallas_kv.cache.reserve_pages`). config: a kernel config (`pallas_kv.TritonConfig`, ...).
     plan: this step's `SplitPlan` from `plan_step`, shared by the layers of a model.
+    shared_prefix: this step's `SharedPrefix` for a cache with `prefix_groups`, found once for layers whose
+    block tables group alike (`pallas_kv.shared_prefix.from_tables`); else found here from the cache.
     cu_seqlens: int32 [B + 1], the varlen form: x is [total, hidden], sequence b's new tokens its rows
     cu_seqlens[b] .. cu_seqlens[b + 1] - 1 (at most max_seqlen, default min(16, total)); y is [total, hidden].
     """
@@ -187,9 +189,9 @@ class DecodeAttention:
     if positions is None:
       positions = cache.lengths[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None, :]
     if self.mla is None:
-      y, cache = self._standard_step(params, x, cache, positions, config, plan)
+      y, cache = self._standard_step(params, x, cache, positions, config, plan, shared_prefix)
     else:
-      y, cache = self._mla_step(params, x, cache, positions, config, plan)
+      y, cache = self._mla_step(params, x, cache, positions, config, plan, shared_prefix)
     return (y[:, 0] if single else y), cache
 
   def _varlen_step(self, params, x, cache, cu_seqlens, max_seqlen, *, config, plan):
@@ -289,15 +291,16 @@ class DecodeAttention:
     v = jnp.einsum("bsh,hnd->bsnd", x, params["wv"])
     return rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta), v
 
-  def _standard_step(self, params, x, cache, positions, config, plan):
+  def _standard_step(self, params, x, cache, positions, config, plan, found=None):
     q, k, v = self._project_qkv(params, x, positions)
     kv_dtype = _kv_dtype(cache)
     cache = cache.append(*(_as_cache_input(t, kv_dtype) for t in (k, v)))
-    out = self._attend(params, q.astype(_query_dtype(kv_dtype)), cache, impl=self.impl, config=config, plan=plan)
+    out = self._attend(params, q.astype(_query_dtype(kv_dtype)), cache, impl=self.impl, config=config, plan=plan,
+                       found=found)
     y = jnp.einsum("bsnd,ndh->bsh", out.astype(x.dtype), params["wo"])
     return y, cache
 
-  def _attend(self, params, q, cache, **call):
+  def _attend(self, params, q, cache, found=None, **call):
     """The decode attention of q over a KVCache or PagedKVCache with this layer's options."""
     options = dict(scale=self.scale, softcap=self.softcap, window=self.window, sinks=params.get("sinks"),
                    k_scale=cache.k_scale, v_scale=cache.v_scale,
@@ -306,7 +309,7 @@ class DecodeAttention:
       return api.decode_attention(q, cache.k, cache.v, cache.lengths, **options)
     if isinstance(cache, PagedKVCache):
       return api.paged_decode_attention(q, cache.k_pages, cache.v_pages, cache.block_tables, cache.lengths,
-                                        **_sharing(cache, options))
+                                        **_sharing(cache, options, found))
     raise ValueError(f"cache must be a KVCache or PagedKVCache for standard attention; got {type(cache).__name__}")
 
   def _mla_latents(self, params, x, positions):
@@ -320,13 +323,13 @@ class DecodeAttention:
     k_rope = rope((x @ params["w_kr"])[:, :, None, :], positions, self.rope_theta)[:, :, 0]
     return jnp.concatenate([q_latent, q_rope], -1), jnp.concatenate([latent, k_rope], -1)
 
-  def _mla_step(self, params, x, cache, positions, config, plan):
+  def _mla_step(self, params, x, cache, positions, config, plan, found=None):
     q, rows = self._mla_latents(params, x, positions)
     cache = cache.append(rows.astype(cache.kv_pages.dtype))
     out_latent = api.mla_decode_attention(q.astype(cache.kv_pages.dtype), cache.kv_pages, cache.block_tables,
                                           cache.lengths, **_sharing(cache, dict(
                                               v_head_dim=self.mla.kv_lora_rank, scale=self.scale, impl=self.impl,
-                                              config=config, plan=plan)))
+                                              config=config, plan=plan), found))
     v = jnp.einsum("bsnc,ncv->bsnv", out_latent.astype(x.dtype), params["w_uv"])
     return jnp.einsum("bsnv,nvh->bsh", v, params["wo"]), cache
 
@@ -362,12 +365,13 @@ class DecodeAttention:
     return jnp.einsum("bsnd,ndh->bsh", out.astype(x.dtype), params["wo"]), cache
 
 
-def _sharing(cache, options: dict) -> dict:
-  """options with the shared prefixes a paged cache's block tables show, where the cache looks for them
-  (`prefix_groups`; a varlen call, with cu_seqlens_q, reads every sequence's pages itself)."""
+def _sharing(cache, options: dict, found=None) -> dict:
+  """options with the shared prefixes a paged cache's block tables show (`found`, else found here), where the
+  cache looks for them (`prefix_groups`; a varlen call, with cu_seqlens_q, reads every sequence's pages itself)."""
   if cache.prefix_groups is None or options.get("cu_seqlens_q") is not None:
     return options
-  max_groups, max_members = cache.prefix_groups
-  found = shared_prefix.from_tables(cache.block_tables, cache.lengths, page_size=cache.page_size,
-                                    max_groups=max_groups, max_members=max_members)
+  if found is None:
+    max_groups, max_members = cache.prefix_groups
+    found = shared_prefix.from_tables(cache.block_tables, cache.lengths, page_size=cache.page_size,
+                                      max_groups=max_groups, max_members=max_members)
   return dict(options, shared_prefix=found, plan=None)

@@ -116,22 +116,23 @@ class Llama:
 
   # ------------------------------------------------------------------------ layers
 
-  def _attend(self, params, x, cache, *, prefill: bool, num_new=None, plan=None):
+  def _attend(self, params, x, cache, *, prefill: bool, num_new=None, plan=None, sharing=None):
     if prefill:
       return self.attention.prefill(params, x, cache, num_new)
-    return self.attention(params, x, cache, plan=plan)
+    return self.attention(params, x, cache, plan=plan, shared_prefix=sharing)
 
   def _layer_cache(self, pages: KVPages, tables, lengths, layer, num_pages: int) -> pkv.PagedKVCache:
     return pkv.PagedKVCache(pages.k, pages.v, layer_tables(tables, layer, num_pages), lengths, pages.k_scale,
                             pages.v_scale, prefix_groups=self.prefix_groups)
 
-  def _block(self, tables, lengths, num_pages, prefill, num_new, plan, carry, layer):
+  def _block(self, tables, lengths, num_pages, prefill, num_new, plan, sharing, carry, layer):
     x, pages = carry
     params, index = layer
     c = self.config
     cache = self._layer_cache(pages, tables, lengths, index, num_pages)
     normed = rms_norm(x, params["attn_norm"], c.rms_norm_eps).astype(self.compute_dtype)
-    h, cache = self._attend(params["attn"], normed, cache, prefill=prefill, num_new=num_new, plan=plan)
+    h, cache = self._attend(params["attn"], normed, cache, prefill=prefill, num_new=num_new, plan=plan,
+                            sharing=sharing)
     x = x + h.astype(jnp.float32)
     y = rms_norm(x, params["mlp_norm"], c.rms_norm_eps)
     y = jax.nn.silu(self._matmul(y, params["w_gate"])) * self._matmul(y, params["w_up"])
@@ -144,7 +145,12 @@ class Llama:
     num_pages = pages.k.shape[0] // self.config.num_layers
     # Every layer's cache has the same shapes and lengths: a decode step plans its splits once.
     plan = None if prefill else self.attention.plan_step(self._layer_cache(pages, tables, lengths, 0, num_pages))
-    block = functools.partial(self._block, tables, lengths, num_pages, prefill, num_new, plan)
+    # The same for the groups of forked sequences: every layer's tables are the pool's ids, offset alike.
+    sharing = None
+    if not prefill and self.prefix_groups is not None:
+      sharing = pkv.shared_prefix.from_tables(tables, lengths, page_size=pages.k.shape[1],
+                                              max_groups=self.prefix_groups[0], max_members=self.prefix_groups[1])
+    block = functools.partial(self._block, tables, lengths, num_pages, prefill, num_new, plan, sharing)
     layers = (params["layers"], jnp.arange(self.config.num_layers, dtype=jnp.int32))
     # A decode step's layers unrolled: their small kernels then go out in one stream, and the
     # call returns before the device is done (a rolled loop of 30 layers measured 7% slower per
