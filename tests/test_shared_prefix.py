@@ -254,3 +254,61 @@ def test_decode_attention_steps_over_forked_sequences(kind):
     assert int(found.num_pages[0]) == 2   # the prompt's two full pages; its partial page was copied per row
   np.testing.assert_allclose(outputs[(2, 4)], outputs[None], rtol=1e-5, atol=1e-5)
   assert float(jnp.std(outputs[None][:, 0] - outputs[None][:, 1])) > 1e-3   # the rows did diverge
+
+
+def _large_forked_batch(seed, *, groups, members, prefix, page_size, num_queries, latent=False):
+  """`groups` x `members` rows, each group over one `prefix`-token prompt (its full pages shared, the
+  partial one copied per row), then 1-300 private tokens per row; NaN in every page no row reads."""
+  rng = np.random.default_rng(seed)
+  batch = groups * members
+  suffix = rng.integers(1, 300, batch) + num_queries
+  lengths = prefix + suffix
+  width = -(-int(lengths.max()) // page_size)
+  shared_pages = prefix // page_size
+  num_pages = groups * shared_pages + batch * (width - shared_pages) + 8
+  order = iter(rng.permutation(num_pages))
+  tables = np.full((batch, width), pkv.UNALLOCATED, np.int32)
+  for g in range(groups):
+    tables[g * members:(g + 1) * members, :shared_pages] = [next(order) for _ in range(shared_pages)]
+  for row in range(batch):
+    for column in range(shared_pages, -(-int(lengths[row]) // page_size)):
+      tables[row, column] = next(order)
+  dims = (512 + 64,) if latent else (8, 128)
+  pages = rng.standard_normal((2, num_pages, page_size) + dims).astype(np.float32)
+  read = np.zeros((num_pages, page_size), bool)
+  for row in range(batch):
+    for t in range(int(lengths[row])):
+      read[tables[row, t // page_size], t % page_size] = True
+  pages[:, ~read] = np.nan
+  heads = 16 if latent else 32
+  q = rng.standard_normal((batch, num_queries, heads, dims[-1])).astype(np.float32)
+  sharing = SharedPrefix(jnp.asarray(np.arange(batch, dtype=np.int32).reshape(groups, members)),
+                         jnp.full((groups,), shared_pages, jnp.int32))
+  bf16 = lambda x: jnp.asarray(x, jnp.bfloat16)
+  return bf16(q), bf16(pages[0]), bf16(pages[1]), jnp.asarray(tables), jnp.asarray(lengths, jnp.int32), sharing
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl,num_queries", [("triton", 1), ("triton", 2), ("mosaic_gpu", 1), ("mosaic_gpu", 2)])
+def test_gpu_shared_prefix_equals_the_plain_call(impl, num_queries):
+  """4 groups x 16 samples over a 1,000-token prompt (ending mid-page), GQA 32 / 8 D128, page 16."""
+  q, k, v, tables, lengths, sharing = _large_forked_batch(20 + num_queries, groups=4, members=16, prefix=1000,
+                                                          page_size=16, num_queries=num_queries)
+  shared = jax.jit(lambda *a: pkv.paged_decode_attention(*a, return_lse=True, impl=impl, shared_prefix=sharing))(
+      q, k, v, tables, lengths)
+  f32 = lambda x: x.astype(jnp.float32)
+  clean = lambda x: jnp.nan_to_num(x.astype(jnp.float32))   # the reference multiplies unread slots by 0
+  plain = pkv.paged_decode_attention(clean(q), clean(k), clean(v), tables, lengths, return_lse=True, impl="xla")
+  _assert_same(shared, plain, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_mla_shared_prefix_equals_the_plain_call():
+  """MLA (16 heads, latent 512 + rope 64, page 64) on Mosaic GPU: 2 groups x 16 samples over 2,000 tokens."""
+  q, kv, _, tables, lengths, sharing = _large_forked_batch(30, groups=2, members=16, prefix=2000, page_size=64,
+                                                           num_queries=1, latent=True)
+  shared = jax.jit(lambda *a: pkv.mla_decode_attention(*a, v_head_dim=512, impl="mosaic_gpu", return_lse=True,
+                                                       shared_prefix=sharing))(q, kv, tables, lengths)
+  clean = lambda x: jnp.nan_to_num(x.astype(jnp.float32))
+  plain = pkv.mla_decode_attention(clean(q), clean(kv), tables, lengths, v_head_dim=512, impl="xla", return_lse=True)
+  _assert_same(shared, plain, jnp.bfloat16)
