@@ -36,6 +36,10 @@ IMPLS = ("auto", "mosaic_gpu", "triton", "xla")
 # paged page 16, Gemma-2 (D 256, 5% faster at B32) and gpt-oss (64/8, D 64, 15-25% faster), and
 # int8 / fp8 caches (108-116 us against 178 at B32 T4096). MLA runs on Mosaic GPU only.
 KERNEL_IMPLS = ("triton", "mosaic_gpu")
+# Except for wide groups: 64 or more q heads per kv head (MQA models, a shared prefix's stacked samples) over a
+# two-byte cache, contiguous or in pages of 16+ tokens, go to Mosaic GPU first (docs/decisions.md#auto-wide-groups).
+MOSAIC_MIN_GROUP = 64
+MOSAIC_MIN_PAGE = 16
 
 _last_impl: str | None = None
 _logger = logging.getLogger("pallas_kv")
@@ -131,6 +135,8 @@ def choose_impl(impl: str, op: str, problem, options, dtypes, config) -> tuple[s
     _last_impl = "xla"
     return "xla", None
   name = next(iter(serving))
+  if "mosaic_gpu" in serving and _wide_group(problem, dtypes[1]):
+    name = "mosaic_gpu"
   if op != "mla":  # where the tuned file timed several backends on this shape, the fastest wins
     key = tuned.shape_key(op, problem, dtypes[1])
     name = tuned.fastest_backend(tuple(serving), key, runtime.device_kind()) or name
@@ -212,6 +218,12 @@ def _empty(problem, q, return_lse: bool):
 
 def _empty_call(problem) -> bool:
   return problem.batch == 0 or problem.capacity == 0 or problem.num_pages == 0
+
+
+def _wide_group(problem, cache_dtype) -> bool:
+  """Whether `auto` takes Mosaic GPU before Triton for this call (docs/decisions.md#auto-wide-groups)."""
+  return (problem.group_size >= MOSAIC_MIN_GROUP and not validation.is_quantized_dtype(cache_dtype)
+          and (problem.page_size is None or problem.page_size >= MOSAIC_MIN_PAGE))
 
 
 def _plan(op: str, impl: str, config, problem, options, q, k, lengths):

@@ -123,3 +123,15 @@ def test_gpu_varlen_and_window_start_match_the_reference(impl):
   padded = attend(case, impl=impl)
   rows = jnp.concatenate([padded[b, 4 - c:] for b, c in enumerate(counts)])
   assert jnp.array_equal(varlen, rows)   # the same kernel on the same padded rows: the same bits
+
+
+def test_auto_takes_mosaic_gpu_for_wide_groups_where_it_measured_faster(on_hopper):
+  # 71 / 1 and a shared prefix's stacked samples (16 x 4 q heads per kv head), two-byte caches: Mosaic GPU.
+  assert _choice("decode", _dense_problem(heads=71, kv_heads=1)) == "mosaic_gpu"
+  assert _choice("paged", _paged_problem(page_size=16, heads=512, kv_heads=8)) == "mosaic_gpu"
+  # Narrower groups, page 1 (Mosaic GPU's one copy per token) and one-byte caches stay on Triton.
+  assert _choice("decode", _dense_problem(heads=48, kv_heads=1)) == "triton"
+  assert _choice("decode", _dense_problem(num_queries=16)) == "triton"
+  assert _choice("paged", _paged_problem(page_size=1, heads=512, kv_heads=8)) == "triton"
+  assert _choice("decode", _dense_problem(heads=71, kv_heads=1, dtype=jnp.int8),
+                 dtypes=(jnp.bfloat16, jnp.int8)) == "triton"
