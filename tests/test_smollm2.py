@@ -454,6 +454,31 @@ def test_samples_share_the_prompt_pages_and_the_pool_balances(tiny_params):
   assert engine.num_finished == len(requests)
 
 
+def test_a_group_of_16_holds_a_sixteenth_of_the_prompt_pages_of_16_requests(tiny_params):
+  # A 16-token prompt (4 full pages of 4) and 4 new tokens per sequence (one page of its own), counted by the
+  # pool at its fullest: n = 16 holds the prompt's pages once, 16 requests each hold their own copy.
+  prompt = [5, 17, 9, 33, 41, 12, 7, 8, 10, 11, 13, 14, 15, 16, 18, 19]
+
+  def peak_pages(requests):
+    model = Llama(TINY_CONFIG, impl="xla", unroll_decode=False)
+    engine = serving.Engine(model, tiny_params, num_slots=16, page_size=4, num_pages=96, max_pages_per_seq=8,
+                            buckets=(16,), share_prefixes=True)
+    peak = dict(used=0, prompt=0)
+
+    def inspect(engine):
+      used = engine.num_pages - int(engine.state.pool.num_free)
+      if used > peak["used"]:
+        tables = np.asarray(engine.state.tables)[[s for s, held in enumerate(engine.slots) if held is not None]]
+        peak.update(used=used, prompt=len(set(tables[:, :4].ravel().tolist())))
+    _run_checked(engine, requests, inspect)
+    return peak
+
+  group = peak_pages([serving.Request(prompt, 4, ignore_eos=True, n=16)])
+  alone = peak_pages([serving.Request(prompt, 4, ignore_eos=True) for _ in range(16)])
+  assert (group["prompt"], alone["prompt"]) == (4, 64)
+  assert (group["used"], alone["used"]) == (4 + 16, 16 * 5)
+
+
 def test_engine_refuses_a_sample_count_outside_its_slots(tiny_params):
   engine = _tiny_engine(tiny_params, num_pages=28)
   for n in (0, 5):
