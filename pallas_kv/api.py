@@ -473,7 +473,7 @@ def _plan_paged(q, k_pages, v_pages, block_tables, lengths, *, scale=None, softc
 
 def mla_decode_attention(q, kv_pages, block_tables, lengths, *, v_head_dim=512, scale=None, return_lse=False,
                          impl="auto", config=None, plan=None, cu_seqlens_q=None, max_seqlen_q=None,
-                         shared_prefix=None):
+                         shared_prefix=None, kv_scale=None):
   """Multi-head latent attention (DeepSeek MLA, absorbed form) over a paged latent cache.
 
   q: [B, (S,) Hq, Dqk]; kv_pages: [P, page_size, Dqk], one latent head shared by all q heads (keys
@@ -482,37 +482,44 @@ def mla_decode_attention(q, kv_pages, block_tables, lengths, *, v_head_dim=512, 
   scale into the absorbed query (DeepSeek-V3 uses 1/sqrt(192)) pass it explicitly.
   config: a `pallas_kv.MosaicMLAConfig`; plan, cu_seqlens_q, max_seqlen_q: as in `decode_attention`;
   shared_prefix: as in `paged_decode_attention`.
+  kv_scale: for an int8 / fp8 latent cache, the scale that widens it: a number or scalar array, or one per
+  token [P, page_size] float32 (`PagedLatentCache` with scales="token" writes these on append); None is 1.
   Returns out [B, (S,) Hq, v_head_dim] ([total, Hq, v_head_dim] with cu_seqlens_q) in q's dtype, and lse
   when return_lse.
   """
   if shared_prefix is not None:
     _check_shared_prefix(shared_prefix, plan, cu_seqlens_q)
     attend = lambda q, tables, lens: mla_decode_attention(
-        q, kv_pages, tables, lens, v_head_dim=v_head_dim, scale=scale, return_lse=True, impl=impl, config=config)
+        q, kv_pages, tables, lens, v_head_dim=v_head_dim, scale=scale, return_lse=True, impl=impl, config=config,
+        kv_scale=kv_scale)
     return sharing.attend(attend, q, block_tables, lengths, shared_prefix, page_size=kv_pages.shape[1],
                           num_kv_heads=1, return_lse=return_lse, max_group=None)
   if cu_seqlens_q is not None:
     padded = lambda q: mla_decode_attention(q, kv_pages, block_tables, lengths, v_head_dim=v_head_dim, scale=scale,
-                                            return_lse=return_lse, impl=impl, config=config, plan=plan)
+                                            return_lse=return_lse, impl=impl, config=config, plan=plan,
+                                            kv_scale=kv_scale)
     return _run_varlen(padded, q, lengths, cu_seqlens_q, max_seqlen_q, return_lse)
   problem = validation.validate_mla(q, kv_pages, block_tables, lengths, v_head_dim)
-  options = _options(problem, scale, None, None, None, None, None)
+  kv_scale = validation.latent_scale(kv_scale, kv_pages)   # per token: [P, page_size, 1], as k_scale is
+  options = _options(problem, scale, None, None, None, kv_scale, None)
   _check_runtime_values(problem, lengths, block_tables)
   lengths = validation.lengths_as_int32(lengths, problem.capacity)
 
   def xla_fn(q, kv, unused_v, lengths, block_tables, sinks, k_scale, v_scale, window_start):
     return xla.mla_decode_attention(q, kv, block_tables, lengths, v_head_dim=v_head_dim, scale=options.scale,
-                                    return_lse=return_lse)
+                                    return_lse=return_lse, kv_scale=k_scale)
 
   # The latent cache goes in as both k and v; the xla impl reads it as k only, so its whole
   # gradient arrives there.
-  def refold(q, k, v, lengths, block_tables):
+  def refold(q, k, v, lengths, block_tables, k_scale=None):
     del v  # the same latent pool as k
+    per_token = k_scale is not None and jnp.ndim(k_scale) == 3
     return mla_decode_attention(q, k, block_tables, lengths, v_head_dim=v_head_dim, scale=options.scale,
-                                return_lse=return_lse, impl=impl, config=config)
+                                return_lse=return_lse, impl=impl, config=config,
+                                kv_scale=k_scale[..., 0] if per_token else k_scale)
 
   return _run("mla", impl, config, problem, options, q, kv_pages, kv_pages, lengths, block_tables, sinks=None,
-              k_scale=None, v_scale=None, return_lse=return_lse, xla_fn=xla_fn, refold=refold, plan=plan)
+              k_scale=kv_scale, v_scale=None, return_lse=return_lse, xla_fn=xla_fn, refold=refold, plan=plan)
 
 
 def _check_shared_prefix(shared_prefix, plan, cu_seqlens_q) -> None:
@@ -523,12 +530,12 @@ def _check_shared_prefix(shared_prefix, plan, cu_seqlens_q) -> None:
 
 
 def _plan_mla(q, kv_pages, block_tables, lengths, *, v_head_dim=512, scale=None, return_lse=False, impl="auto",
-              config=None, plan=None, cu_seqlens_q=None, max_seqlen_q=None):
+              config=None, plan=None, cu_seqlens_q=None, max_seqlen_q=None, kv_scale=None):
   del return_lse, plan
   if cu_seqlens_q is not None:
     q = _padded_query(q, lengths, cu_seqlens_q, max_seqlen_q)
   problem = validation.validate_mla(q, kv_pages, block_tables, lengths, v_head_dim)
-  options = _options(problem, scale, None, None, None, None, None)
+  options = _options(problem, scale, None, None, None, validation.latent_scale(kv_scale, kv_pages), None)
   lengths = validation.lengths_as_int32(lengths, problem.capacity)
   return _plan("mla", impl, config, problem, options, q, kv_pages, lengths)[3]
 

@@ -116,7 +116,8 @@ def _write(write, cache, scale, new, write_values=None):
   if not is_quantized(cache.dtype):
     return write_values(cache, new), scale
   per_token = scale is not None and scale.ndim == 3
-  values, used = quantize(new, cache.dtype, None if per_token else scale)
+  fixed = 1.0 if scale is None else scale   # no scale: the values as they are, rounded and clipped
+  values, used = quantize(new, cache.dtype, None if per_token else fixed)
   return write_values(cache, values), (write(scale, used) if per_token else scale)
 
 
@@ -351,14 +352,33 @@ class PagedKVCache:
 @dataclasses.dataclass(frozen=True)
 class PagedLatentCache:
   """Paged MLA cache: one latent head per token. kv_pages [P, page_size, Dqk] (latent + rope),
-  block_tables int32 [B, max_pages], lengths int32 [B]; prefix_groups as `PagedKVCache`'s."""
+  block_tables int32 [B, max_pages], lengths int32 [B]; prefix_groups as `PagedKVCache`'s.
+  kv_scale: for an int8 / fp8 cache, the scale that widens it (`mla_decode_attention`'s): per token
+  [P, page_size] float32, written on append, or a fixed scalar; None: scale 1."""
   kv_pages: jax.Array
   block_tables: jax.Array
   lengths: jax.Array
   prefix_groups: tuple[int, int] | None = dataclasses.field(**_PREFIX_GROUPS_FIELD)
+  kv_scale: jax.Array | None = None
 
   def __post_init__(self):
     _check_prefix_groups(self.prefix_groups)
+
+  @classmethod
+  def create(cls, num_pages: int, page_size: int, head_dim: int, *, batch: int, max_pages_per_seq: int,
+             dtype=jnp.bfloat16, scales=None, prefix_groups: tuple[int, int] | None = None) -> PagedLatentCache:
+    """An empty paged latent cache with unallocated tables. For an int8 / fp8 dtype, scales: "token" (one per
+    token, max |row| / the dtype's largest value, computed on append), a fixed number, or None (scale 1)."""
+    if scales is not None and not is_quantized(dtype):
+      raise ValueError(f"scales={scales!r} must be None for a {jnp.dtype(dtype).name} latent cache: they widen "
+                       "an int8 / fp8 cache")
+    scale = _initial_scale(scales, (num_pages, page_size, 1))
+    if scale is not None and scale.ndim == 3:
+      scale = scale[..., 0]
+    elif scale is not None and scale.ndim != 0:
+      raise ValueError(f"a fixed latent scale must be a number; got shape {scale.shape}")
+    return cls(jnp.zeros((num_pages, page_size, head_dim), dtype), empty_block_tables(batch, max_pages_per_seq),
+               jnp.zeros((batch,), jnp.int32), prefix_groups, scale)
 
   @property
   def page_size(self) -> int:
@@ -386,16 +406,31 @@ class PagedLatentCache:
     counts = _counts(num_new, b, s, self.capacity)
     pages, slots, fits = _paged_fit(self.block_tables, self.lengths, counts, self.page_size,
                                     self.kv_pages.shape[0], s)
-    kv_pages = self.kv_pages.at[pages, slots].set(kv_new, mode="drop")
-    return dataclasses.replace(self, kv_pages=kv_pages,
+    write = lambda array, rows: array.at[pages, slots].set(rows.reshape(rows.shape[:2] + array.shape[2:]), mode="drop")
+    per_token = self.kv_scale is not None and self.kv_scale.ndim == 2
+    kv_pages, kv_scale = _write(write, self.kv_pages, None if self.kv_scale is None else
+                                self.kv_scale[..., None] if per_token else self.kv_scale, kv_new[:, :, None])
+    kv_scale = kv_scale[..., 0] if per_token else kv_scale
+    return dataclasses.replace(self, kv_pages=kv_pages, kv_scale=kv_scale,
                                lengths=jnp.where(fits, self.lengths + counts, self.lengths)), fits
+
+  def gather(self, dtype) -> jax.Array:
+    """Every sequence's latent rows [B, T, Dqk] in `dtype`, widened by kv_scale (zeros past the written rows)."""
+    rows = gather_pages(self.kv_pages, self.block_tables)
+    if self.kv_scale is None:
+      return rows.astype(dtype)
+    scale = gather_pages(self.kv_scale, self.block_tables)[..., None] if self.kv_scale.ndim == 2 else self.kv_scale
+    return (rows.astype(jnp.float32) * scale).astype(dtype)
 
   def fork(self, pool: PagePool, parents, children) -> tuple[PagedLatentCache, PagePool, jax.Array]:
     """As `PagedKVCache.fork`. Returns (cache, pool, ok)."""
     pool, tables, lengths, copy_src, copy_dst, ok = fork_sequences(pool, self.block_tables, self.lengths, parents,
                                                                    children, self.page_size)
+    kv_scale = self.kv_scale
+    if kv_scale is not None and kv_scale.ndim == 2:   # per-token scales travel with their pages
+      kv_scale = copy_pages(kv_scale, copy_src, copy_dst)
     return dataclasses.replace(self, kv_pages=copy_pages(self.kv_pages, copy_src, copy_dst), block_tables=tables,
-                               lengths=lengths), pool, ok
+                               lengths=lengths, kv_scale=kv_scale), pool, ok
 
 
 # ---------------------------------------------------------------------------- page pool

@@ -24,7 +24,6 @@ from pallas_kv import xla
 from pallas_kv.cache import KVCache
 from pallas_kv.cache import PagedKVCache
 from pallas_kv.cache import PagedLatentCache
-from pallas_kv.cache import gather_pages
 from pallas_kv.cache import is_quantized
 
 
@@ -209,9 +208,10 @@ class DecodeAttention:
     attend = dict(cu_seqlens_q=cu_seqlens, max_seqlen_q=num_queries, impl=self.impl, config=config, plan=plan)
     if self.mla is not None:
       q, rows = self._mla_latents(params, x[None], positions)
-      cache = cache.append(left_aligned(rows).astype(cache.kv_pages.dtype), counts)
-      out = api.mla_decode_attention(q[0].astype(cache.kv_pages.dtype), cache.kv_pages, cache.block_tables,
-                                     cache.lengths, v_head_dim=self.mla.kv_lora_rank, scale=self.scale, **attend)
+      cache = cache.append(_as_cache_input(left_aligned(rows), cache.kv_pages.dtype), counts)
+      out = api.mla_decode_attention(q[0].astype(_query_dtype(cache.kv_pages.dtype)), cache.kv_pages,
+                                     cache.block_tables, cache.lengths, v_head_dim=self.mla.kv_lora_rank,
+                                     scale=self.scale, kv_scale=cache.kv_scale, **attend)
       v = jnp.einsum("tnc,ncv->tnv", out.astype(x.dtype), params["w_uv"])
       return jnp.einsum("tnv,nvh->th", v, params["wo"]), cache
     q, k, v = self._project_qkv(params, x[None], positions)
@@ -231,9 +231,11 @@ class DecodeAttention:
     lengths = jnp.minimum(cache.lengths + num_new, self._capacity(cache))
     batch = cache.lengths.shape[0]
     if self.mla is not None:
-      q = jax.ShapeDtypeStruct((batch, num_new, self.num_heads, cache.kv_pages.shape[2]), cache.kv_pages.dtype)
+      q = jax.ShapeDtypeStruct((batch, num_new, self.num_heads, cache.kv_pages.shape[2]),
+                               _query_dtype(cache.kv_pages.dtype))
       return api.plan_splits(api.mla_decode_attention, q, cache.kv_pages, cache.block_tables, lengths,
-                             v_head_dim=self.mla.kv_lora_rank, scale=self.scale, impl=self.impl, config=config)
+                             v_head_dim=self.mla.kv_lora_rank, scale=self.scale, impl=self.impl, config=config,
+                             kv_scale=cache.kv_scale)
     kv_dtype = _kv_dtype(cache)
     q = jax.ShapeDtypeStruct((batch, num_new, self.num_heads, self.head_dim), _query_dtype(kv_dtype))
     options = dict(scale=self.scale, softcap=self.softcap, window=self.window, k_scale=cache.k_scale,
@@ -325,11 +327,11 @@ class DecodeAttention:
 
   def _mla_step(self, params, x, cache, positions, config, plan, found=None):
     q, rows = self._mla_latents(params, x, positions)
-    cache = cache.append(rows.astype(cache.kv_pages.dtype))
-    out_latent = api.mla_decode_attention(q.astype(cache.kv_pages.dtype), cache.kv_pages, cache.block_tables,
-                                          cache.lengths, **_sharing(cache, dict(
+    cache = cache.append(_as_cache_input(rows, cache.kv_pages.dtype))
+    out_latent = api.mla_decode_attention(q.astype(_query_dtype(cache.kv_pages.dtype)), cache.kv_pages,
+                                          cache.block_tables, cache.lengths, **_sharing(cache, dict(
                                               v_head_dim=self.mla.kv_lora_rank, scale=self.scale, impl=self.impl,
-                                              config=config, plan=plan), found))
+                                              config=config, plan=plan, kv_scale=cache.kv_scale), found))
     v = jnp.einsum("bsnc,ncv->bsnv", out_latent.astype(x.dtype), params["w_uv"])
     return jnp.einsum("bsnv,nvh->bsh", v, params["wo"]), cache
 
@@ -349,8 +351,8 @@ class DecodeAttention:
     self._check_cache(cache, x.shape[0])
     if self.mla is not None:
       q, rows = self._mla_latents(params, x, positions)
-      cache = cache.append(rows.astype(cache.kv_pages.dtype), num_new)
-      kv = gather_pages(cache.kv_pages, cache.block_tables)[:, :, None, :]
+      cache = cache.append(_as_cache_input(rows, cache.kv_pages.dtype), num_new)
+      kv = cache.gather(_query_dtype(cache.kv_pages.dtype))[:, :, None, :]   # widened where one-byte
       out = prefix_attention(q.astype(kv.dtype), kv, kv[..., :self.mla.kv_lora_rank], positions, cache.lengths,
                              scale=self.scale)
       v = jnp.einsum("bsnc,ncv->bsnv", out.astype(x.dtype), params["w_uv"])

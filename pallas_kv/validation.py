@@ -262,6 +262,25 @@ def validate_mla(q, kv_pages, block_tables, lengths, v_head_dim) -> Problem:
                  page_size=page_size, num_pages=num_pages, cache_dtype=jnp.dtype(kv_pages.dtype))
 
 
+def latent_scale(kv_scale, kv_pages):
+  """An MLA call's kv_scale as the ops' k_scale: None, a number or scalar array as given, or a per-token
+  [P, page_size] array as [P, page_size, 1] (the shape of a per-token scale of one kv head)."""
+  if kv_scale is None:
+    return None
+  if not is_quantized_dtype(kv_pages.dtype):
+    raise ValueError(f"kv_scale={_describe(kv_scale)} must be None for a {_dtype_name(kv_pages.dtype)} latent "
+                     "cache: it dequantizes an int8 / fp8 cache")
+  if isinstance(kv_scale, numbers.Real) and not isinstance(kv_scale, bool):
+    return kv_scale
+  token_shape = tuple(kv_pages.shape[:2])
+  if not hasattr(kv_scale, "shape") or tuple(kv_scale.shape) not in ((), token_shape):
+    raise ValueError(f"kv_scale must be a number, a scalar array or per token [P, page_size]={list(token_shape)}; "
+                     f"got {getattr(kv_scale, 'shape', type(kv_scale).__name__)}")
+  if not jnp.issubdtype(kv_scale.dtype, jnp.floating):
+    raise ValueError(f"kv_scale must be floating point; got dtype {_dtype_name(kv_scale.dtype)}")
+  return kv_scale if kv_scale.ndim == 0 else kv_scale[..., None]
+
+
 def default_scale(head_dim: int) -> float:
   if head_dim < 1:
     raise ValueError(f"head_dim={head_dim} must be >= 1 for the default scale 1/sqrt(head_dim)")

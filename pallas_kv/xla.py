@@ -173,8 +173,9 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale,
                           return_lse=return_lse, window_start=window_start)
 
 
-def mla_decode_attention(q, kv_pages, block_tables, lengths, *, v_head_dim, scale, return_lse=False):
-  """Multi-head latent attention decode. See `pallas_kv.mla_decode_attention`.
+def mla_decode_attention(q, kv_pages, block_tables, lengths, *, v_head_dim, scale, return_lse=False, kv_scale=None):
+  """Multi-head latent attention decode. See `pallas_kv.mla_decode_attention`; kv_scale: None, a scalar or
+  per token [P, page_size, 1] (a one-byte cache's dequantizing scale, applied to the gathered tile).
 
   Every q head reads the one latent head, so the products are written per head ([B, S, H, T]
   scores, keys minor) rather than through `attend`'s grouped form: there XLA laid the scores out
@@ -185,7 +186,12 @@ def mla_decode_attention(q, kv_pages, block_tables, lengths, *, v_head_dim, scal
   s, t = q4.shape[1], block_tables.shape[1] * kv_pages.shape[1]
   # One latent tile is both K and V: zero it past each length once, in the gather (masked keys
   # get -inf scores either way, but 0 x NaN is NaN).
-  kv = values_in_length(gather_pages(kv_pages, block_tables), lengths)  # [B, T, Dqk]
+  kv = gather_pages(kv_pages, block_tables)  # [B, T, Dqk]
+  if kv_scale is not None:   # widened to q's dtype: the products run as on a two-byte cache
+    kv_scale = jnp.asarray(kv_scale, jnp.float32)
+    kv_scale = gather_pages(kv_scale, block_tables) if kv_scale.ndim == 3 else kv_scale
+    kv = (kv.astype(jnp.float32) * kv_scale).astype(q4.dtype)
+  kv = values_in_length(kv, lengths)
   dtype = compute_dtype(q4.dtype, kv.dtype)
   precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
   kv = kv.astype(dtype)

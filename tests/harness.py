@@ -222,3 +222,13 @@ def tiered(cases, *, every_tier):
   missing = every_tier - set(cases)
   assert not missing, f"every_tier names cases that are not in cases: {missing}"
   return [pytest.param(*case, marks=() if case in every_tier else pytest.mark.slow) for case in cases]
+
+
+def small_mla_layer():
+  """A small MLA `DecodeAttention` on the xla impl (hidden 64, 4 heads, latent 32 + rope 8), its params and a
+  [2, 5, 64] input."""
+  import pallas_kv as pkv   # pylint: disable=import-outside-toplevel
+  layer = pkv.DecodeAttention(hidden_size=64, num_heads=4, impl="xla",
+                              mla=pkv.MLAConfig(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                                v_head_dim=16))
+  return layer, layer.init(jax.random.key(3)), jax.random.normal(jax.random.key(4), (2, 5, 64))

@@ -13,7 +13,7 @@ import pytest
 import pallas_kv as pkv
 from pallas_kv import cache as kv_cache
 from pallas_kv import module
-from harness import assert_matches_reference, relative_error
+from harness import assert_matches_reference, relative_error, small_mla_layer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,11 +73,7 @@ def test_decode_step_matches_prefill_of_the_longer_prompt(kind, options):
 
 
 def test_mla_step_matches_prefill():
-  layer = pkv.DecodeAttention(hidden_size=64, num_heads=4, impl="xla",
-                              mla=pkv.MLAConfig(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                                                v_head_dim=16))
-  params = layer.init(jax.random.key(3))
-  x = jax.random.normal(jax.random.key(4), (2, 5, 64))
+  layer, params, x = small_mla_layer()
   pool = pkv.PagePool.create(8)
   empty = pkv.PagedLatentCache(jnp.zeros((8, 4, 40)), kv_cache.empty_block_tables(2, 4),
                                jnp.zeros((2,), jnp.int32))

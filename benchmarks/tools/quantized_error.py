@@ -7,6 +7,9 @@ few K channels 10x larger (LLM keys have such outlier channels). Each one-byte c
 `pallas_kv.cache.quantize`, per token and kv head ("token") or with one scale per kv head
 ("head"). Prints ||out - out_bf16|| / ||out_bf16|| of the "xla" impl, which the kernels match
 within their own tolerance (tests/test_quantized.py).
+Then MLA (DeepSeek's latent rows: 16 heads, Dqk 576 = latent 512 + rope 64, pages of 64, same B and
+T), its one latent row per token quantized as `PagedLatentCache` does: per token ("token") or one
+scale for the cache ("cache"), outlier channels in the latent alike.
 """
 
 from __future__ import annotations
@@ -57,6 +60,29 @@ def main(argv):
         (k8, _), (v8, _) = kv_cache.quantize(k, dtype, k_scale), kv_cache.quantize(v, dtype, v_scale)
       out = pkv.decode_attention(q, k8, v8, lengths, k_scale=k_scale, v_scale=v_scale, impl="xla")
       print(f"{jnp.dtype(dtype).name:15s} {kind:6s}  {relative_error(out, bf16):.1e}")
+  mla_errors(kq, b, t)
+
+
+def mla_errors(key, batch: int, seq_len: int, heads: int = 16, dim: int = 576, v_dim: int = 512, page: int = 64):
+  """The MLA rows: a latent cache in pages (in order), one-byte against bf16."""
+  kq, kc = jax.random.split(key)
+  q = jax.random.normal(kq, (batch, heads, dim), jnp.bfloat16)
+  rows = jax.random.normal(kc, (batch * seq_len // page, page, dim), jnp.float32)
+  rows = rows.at[..., :FLAGS.outlier_channels].multiply(OUTLIER_FACTOR)
+  tables = jnp.arange(rows.shape[0], dtype=jnp.int32).reshape(batch, seq_len // page)
+  lengths = jnp.full((batch,), seq_len, jnp.int32)
+  call = lambda pages, scale=None: pkv.mla_decode_attention(q, pages, tables, lengths, v_head_dim=v_dim,
+                                                            kv_scale=scale, impl="xla")
+  bf16 = call(rows.astype(jnp.bfloat16))
+  print(f"# MLA: {heads} heads, Dqk {dim}, Dv {v_dim}, page {page}, {FLAGS.outlier_channels} latent outlier "
+        f"channels x{OUTLIER_FACTOR:g}")
+  print("latent cache    scales  vs bf16 cache")
+  for dtype in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2):
+    for kind in ("token", "cache"):
+      fixed = None if kind == "token" else jnp.max(jnp.abs(rows)) / kv_cache.QUANTIZED_MAX[jnp.dtype(dtype)]
+      pages, scale = kv_cache.quantize(rows[:, :, None], dtype, fixed)
+      scale = scale[..., 0] if kind == "token" else scale
+      print(f"{jnp.dtype(dtype).name:15s} {kind:6s}  {relative_error(call(pages[:, :, 0], scale), bf16):.1e}")
 
 
 if __name__ == "__main__":
