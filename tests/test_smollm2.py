@@ -459,10 +459,11 @@ def test_a_group_of_16_holds_a_sixteenth_of_the_prompt_pages_of_16_requests(tiny
   # pool at its fullest: n = 16 holds the prompt's pages once, 16 requests each hold their own copy.
   prompt = [5, 17, 9, 33, 41, 12, 7, 8, 10, 11, 13, 14, 15, 16, 18, 19]
 
-  def peak_pages(requests):
-    model = Llama(TINY_CONFIG, impl="xla", unroll_decode=False)
-    engine = serving.Engine(model, tiny_params, num_slots=16, page_size=4, num_pages=96, max_pages_per_seq=8,
-                            buckets=(16,), share_prefixes=True)
+  model = Llama(TINY_CONFIG, impl="xla", unroll_decode=False)
+  engine = serving.Engine(model, tiny_params, num_slots=16, page_size=4, num_pages=96, max_pages_per_seq=8,
+                          buckets=(16,), share_prefixes=True)
+
+  def peak_pages(requests):   # one engine for both runs: each ends with every page back in the pool
     peak = dict(used=0, prompt=0)
 
     def inspect(engine):
