@@ -271,9 +271,10 @@ def test_mla_prefill_continues_a_cache():
   rows = tiny_decoder.MLA.kv_lora_rank + tiny_decoder.MLA.qk_rope_head_dim
   cache = pkv.PagedLatentCache(jnp.zeros((4, 4, rows)), jnp.asarray([[2, 0, 3, -1]], jnp.int32),
                                jnp.zeros((1,), jnp.int32))
-  whole, whole_cache = layer.prefill(params, x, cache)
-  first, part = layer.prefill(params, x[:, :6], cache)
-  second, part = layer.prefill(params, x[:, 6:], part)
+  prefill = jax.jit(layer.prefill)   # a compile per prompt length, not one per op
+  whole, whole_cache = prefill(params, x, cache)
+  first, part = prefill(params, x[:, :6], cache)
+  second, part = prefill(params, x[:, 6:], part)
   np.testing.assert_allclose(np.concatenate([first, second], axis=1), whole, rtol=2e-5, atol=2e-5)
   np.testing.assert_allclose(part.kv_pages, whole_cache.kv_pages, rtol=2e-5, atol=2e-5)
 
