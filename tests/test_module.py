@@ -209,9 +209,12 @@ def test_prefill_attention_in_query_blocks_matches_one_block(monkeypatch):
   v = jnp.asarray(rng.standard_normal((2, 40, 2, 16)), jnp.float32)
   positions = jnp.broadcast_to(jnp.arange(37, dtype=jnp.int32), (2, 37))
   lengths = jnp.full((2,), 37, jnp.int32)
-  whole = module.prefix_attention(q, k, v, positions, lengths, scale=0.25, softcap=3.0)
+  # A new jit each time: the chunk is read when it traces.
+  attend = lambda: jax.jit(lambda *a: module.prefix_attention(*a, scale=0.25, softcap=3.0))(q, k, v, positions,
+                                                                                            lengths)
+  whole = attend()
   monkeypatch.setattr(module, "PREFILL_CHUNK", 8)   # 5 blocks, the last one partial
-  blocks = module.prefix_attention(q, k, v, positions, lengths, scale=0.25, softcap=3.0)
+  blocks = attend()
   np.testing.assert_allclose(np.asarray(blocks), np.asarray(whole), rtol=1e-6, atol=1e-6)
   kk = np.repeat(np.asarray(k)[:, :37], 2, axis=2)   # 4 q heads over 2 kv heads; keys past 37 unseen
   logits = np.einsum("bqhd,bkhd->bhqk", np.asarray(q), kk) * 0.25
@@ -254,11 +257,12 @@ def test_ragged_prompts_in_one_prefill_equal_separate_prefills():
   x = jax.random.normal(jax.random.key(7), (2, 9, 64), jnp.float32)
   lengths = [5, 9]
   cache = pkv.KVCache.create(batch=2, capacity=12, num_kv_heads=2, head_dim=16, dtype=jnp.float32)
-  y, together = layer.prefill(params, x, cache, jnp.asarray(lengths, jnp.int32))
+  prefill = jax.jit(layer.prefill)   # a compile per shape, not one per op
+  y, together = prefill(params, x, cache, jnp.asarray(lengths, jnp.int32))
   assert np.asarray(together.lengths).tolist() == lengths
   for b, n in enumerate(lengths):
     alone = pkv.KVCache.create(batch=1, capacity=12, num_kv_heads=2, head_dim=16, dtype=jnp.float32)
-    y_alone, alone = layer.prefill(params, x[b:b + 1, :n], alone)
+    y_alone, alone = prefill(params, x[b:b + 1, :n], alone)
     np.testing.assert_allclose(y[b, :n], y_alone[0], rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(together.k[b], alone.k[0], rtol=2e-5, atol=2e-5)   # padding not stored
 
