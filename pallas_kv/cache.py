@@ -108,6 +108,18 @@ def _check_new(name: str, new, batch: int, tail: tuple[int, ...], dtype) -> None
     raise ValueError(f"{name} has dtype {jnp.dtype(new.dtype).name}; the cache holds {jnp.dtype(dtype).name}")
 
 
+def gather_widened(pages, block_tables, scale, dtype):
+  """A latent pool's rows [B, T, D] (`gather_pages`) in `dtype`, times scale: None, a scalar, or per token
+  [P, page_size] / [P, page_size, 1], gathered like the pages."""
+  rows = gather_pages(pages, block_tables)
+  if scale is None:
+    return rows.astype(dtype)
+  scale = jnp.asarray(scale, jnp.float32)
+  if scale.ndim:
+    scale = gather_pages(scale, block_tables).reshape(rows.shape[:2] + (1,))
+  return (rows.astype(jnp.float32) * scale).astype(dtype)
+
+
 def _write(write, cache, scale, new, write_values=None):
   """(cache, scale) after write(array, values) puts new [B, S, Hkv, D] at the new tokens'
   places; a quantized cache stores quantize(new), and per-token scales are written alike.
@@ -408,19 +420,15 @@ class PagedLatentCache:
                                     self.kv_pages.shape[0], s)
     write = lambda array, rows: array.at[pages, slots].set(rows.reshape(rows.shape[:2] + array.shape[2:]), mode="drop")
     per_token = self.kv_scale is not None and self.kv_scale.ndim == 2
-    kv_pages, kv_scale = _write(write, self.kv_pages, None if self.kv_scale is None else
-                                self.kv_scale[..., None] if per_token else self.kv_scale, kv_new[:, :, None])
+    scale = self.kv_scale[..., None] if per_token else self.kv_scale   # _write's per-token form [P, page_size, 1]
+    kv_pages, kv_scale = _write(write, self.kv_pages, scale, kv_new[:, :, None])
     kv_scale = kv_scale[..., 0] if per_token else kv_scale
     return dataclasses.replace(self, kv_pages=kv_pages, kv_scale=kv_scale,
                                lengths=jnp.where(fits, self.lengths + counts, self.lengths)), fits
 
   def gather(self, dtype) -> jax.Array:
     """Every sequence's latent rows [B, T, Dqk] in `dtype`, widened by kv_scale (zeros past the written rows)."""
-    rows = gather_pages(self.kv_pages, self.block_tables)
-    if self.kv_scale is None:
-      return rows.astype(dtype)
-    scale = gather_pages(self.kv_scale, self.block_tables)[..., None] if self.kv_scale.ndim == 2 else self.kv_scale
-    return (rows.astype(jnp.float32) * scale).astype(dtype)
+    return gather_widened(self.kv_pages, self.block_tables, self.kv_scale, dtype)
 
   def fork(self, pool: PagePool, parents, children) -> tuple[PagedLatentCache, PagePool, jax.Array]:
     """As `PagedKVCache.fork`. Returns (cache, pool, ok)."""

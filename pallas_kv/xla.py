@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from pallas_kv import validation
 from pallas_kv.cache import gather_pages
+from pallas_kv.cache import gather_widened
 
 
 def query_positions(lengths, num_queries: int, capacity: int):
@@ -186,12 +187,9 @@ def mla_decode_attention(q, kv_pages, block_tables, lengths, *, v_head_dim, scal
   s, t = q4.shape[1], block_tables.shape[1] * kv_pages.shape[1]
   # One latent tile is both K and V: zero it past each length once, in the gather (masked keys
   # get -inf scores either way, but 0 x NaN is NaN).
-  kv = gather_pages(kv_pages, block_tables)  # [B, T, Dqk]
-  if kv_scale is not None:   # widened to q's dtype: the products run as on a two-byte cache
-    kv_scale = jnp.asarray(kv_scale, jnp.float32)
-    kv_scale = gather_pages(kv_scale, block_tables) if kv_scale.ndim == 3 else kv_scale
-    kv = (kv.astype(jnp.float32) * kv_scale).astype(q4.dtype)
-  kv = values_in_length(kv, lengths)
+  # A scaled one-byte cache is widened to q's dtype: the products run as on a two-byte cache.
+  kv = gather_widened(kv_pages, block_tables, kv_scale, kv_pages.dtype if kv_scale is None else q4.dtype)
+  kv = values_in_length(kv, lengths)  # [B, T, Dqk]
   dtype = compute_dtype(q4.dtype, kv.dtype)
   precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
   kv = kv.astype(dtype)
