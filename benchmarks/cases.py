@@ -86,8 +86,8 @@ class Sweep:
       raise ValueError(f"{self.dtype=} must be one of {DTYPES}")
     if self.kv_dtype is not None and self.kv_dtype not in DTYPES + KV_QUANTIZED_DTYPES:
       raise ValueError(f"{self.kv_dtype=} must be one of {DTYPES + KV_QUANTIZED_DTYPES}")
-    if self.op == "mla" and self.kv_dtype not in (None, self.dtype):
-      raise ValueError(f"op='mla' takes no kv_dtype; got {self.kv_dtype=}")
+    if self.op == "mla" and self.kv_dtype not in (None, self.dtype, "float8_e4m3fn"):
+      raise ValueError(f"op='mla' takes kv_dtype float8_e4m3fn or none; got {self.kv_dtype=}")
     if not self.cases:
       raise ValueError(f"{self.cases=} must not be empty")
     for b, t in self.cases:
@@ -213,7 +213,7 @@ class Case:
     else:
       tokens = self.batch * self.pages_per_seq * self.page_size
     per_token = self.head_dim if self.op == "mla" else 2 * self.num_kv_heads * self.head_dim
-    scales = 2 * self.num_kv_heads * SCALE_BYTES if self.quantized else 0
+    scales = (1 if self.op == "mla" else 2 * self.num_kv_heads) * SCALE_BYTES if self.quantized else 0
     return tokens * (per_token * self.itemsize + scales)
 
   def attended_keys(self, lengths: jax.Array | np.ndarray) -> int:
@@ -242,8 +242,8 @@ class Case:
 
   def costs(self, total_keys: int) -> dict[str, float]:
     """Bytes that must move and flops, for `total_keys` = sum of lengths."""
-    if self.op == "mla":  # one latent row per token, read once for K and V
-      kv = total_keys * self.head_dim * self.itemsize
+    if self.op == "mla":  # one latent row per token (and its scale), read once for K and V
+      kv = total_keys * (self.head_dim * self.itemsize + (SCALE_BYTES if self.quantized else 0))
     else:   # K and V of each kv head, and their per-token scales in a quantized cache
       per_head = self.head_dim * self.itemsize + (SCALE_BYTES if self.quantized else 0)
       kv = total_keys * self.num_kv_heads * 2 * per_head
@@ -281,6 +281,9 @@ def make_inputs(case: Case, key: jax.Array, lengths: jax.Array) -> tuple:
   if not case.quantized:
     return args
   quantize = peers.import_pallas_kv().cache.quantize
+  if case.op == "mla":   # the latent pool [P, page_size, Dqk], one scale per token: kv_scale last
+    pages, kv_scale = quantize(args[1], case.kv_dtype)
+    return (args[0], pages, *args[2:], kv_scale)
   (k, k_scale), (v, v_scale) = (quantize(x, case.kv_dtype) for x in args[1:3])
   return (args[0], k, v) + args[3:] + (k_scale, v_scale)
 

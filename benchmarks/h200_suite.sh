@@ -18,6 +18,7 @@ declare -A PARTS=(
   [vlast]="decode:vlast_bfloat16_nov_tokens_last decode:vlast_int8_v_tokens_last
            decode:vlast_float8_e4m3fn_v_tokens_last"   # one-byte caches on triton, bf16 beside
   [mla]="mla:mla_rows mla:mla_rows_b128 mla:mla_rows_s2_h16"
+  [mla_fp8]="mla:mla_fp8_bf16 mla:mla_fp8"   # an fp8 latent pool beside bf16
   [smollm2]="serving:smollm2_engine tools.smollm2_transformers:smollm2_transformers"
   [shapes]="decode:shapes_d64 decode:shapes_d80 decode:shapes_d96 decode:shapes_d128 decode:shapes_d192
             decode:shapes_d256 decode:shapes_d512"   # head dims past 64 / 128 / 256

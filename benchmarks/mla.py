@@ -1,9 +1,10 @@
-r"""MLA decode benchmark (DeepSeek-V3 absorbed form: latent 512 + rope 64, paged, bf16).
+r"""MLA decode benchmark (DeepSeek-V3 absorbed form: latent 512 + rope 64, paged, bf16 or fp8).
 
 Usage (from the repository root):
 
   python -m benchmarks mla                        # GPU: every row below; CPU: one tiny row
   python -m benchmarks mla --rows=h128_b64_t4096,h16_b64_t8192 --json=/tmp/mla.json
+  python -m benchmarks mla --kv_dtype=float8_e4m3fn --impl=mosaic_gpu,xla   # an fp8 pool, a scale per token
   python -m benchmarks mla --impl=mosaic_gpu,bf16_einsum --iters=50
 
 Rows (page 64, shuffled pages): 128 heads at (B, T) = (1, 32768), (16, 4096), (64, 4096),
@@ -149,10 +150,11 @@ class Row:
   qk_dim: int = cases.MLA_QK_DIM
   v_dim: int = cases.MLA_V_DIM
 
-  def case(self, dtype: str = "bfloat16") -> cases.Case:
+  def case(self, dtype: str = "bfloat16", kv_dtype: str | None = None) -> cases.Case:
     sweep = cases.Sweep(op="mla", impls=(OUR_IMPLS[0],), cases=((self.batch, self.seq_len),),
                         num_heads=self.num_heads, num_queries=self.num_queries, page_size=PAGE_SIZE,
-                        ragged=self.ragged, dtype=dtype, mla_qk_dim=self.qk_dim, mla_v_dim=self.v_dim)
+                        ragged=self.ragged, dtype=dtype, mla_qk_dim=self.qk_dim, mla_v_dim=self.v_dim,
+                        kv_dtype=kv_dtype)
     return cases.Case.from_sweep(sweep, self.batch, self.seq_len)
 
 
@@ -328,9 +330,16 @@ def variant_fields(impl: str) -> dict | None:
   return dict(num_splits=int(fixed.group(1))) if fixed else VARIANTS.get(impl)
 
 
-def build_fn(impl: str, row: Row):
-  """The jitted function of an impl on a row's inputs (q, kv_pages, block_tables, lengths)."""
+def build_fn(impl: str, row: Row, quantized: bool = False):
+  """The jitted function of an impl on a row's inputs (q, kv_pages, block_tables, lengths; quantized: and the fp8
+  pool's per-token kv_scale, which the baseline widens the pool with)."""
   scale = float(row.qk_dim) ** -0.5
+  if quantized and impl == BASELINE:
+    widen = lambda pages, kv_scale: (pages.astype(jnp.float32) * kv_scale[..., None]).astype(jnp.bfloat16)
+    return jax.jit(lambda q, pages, tables, lengths, kv_scale: bf16_einsum(
+        q, widen(pages, kv_scale), tables, lengths, v_head_dim=row.v_dim, scale=scale))
+  if quantized and (impl in KERNEL_IMPLS or MERGED_SPLITS.fullmatch(impl)):
+    raise NotImplementedError(f"{impl} times bf16 pools; --kv_dtype=float8_e4m3fn runs the op's impls")
   if impl == BASELINE:
     return jax.jit(lambda *a: bf16_einsum(*a, v_head_dim=row.v_dim, scale=scale))
   if impl in KERNEL_IMPLS:
@@ -345,28 +354,30 @@ def build_fn(impl: str, row: Row):
   fields = variant_fields(impl)
   if fields is not None:
     impl, config = "mosaic_gpu", config_of(DEFAULT_FIELDS | fields)
-  return jax.jit(lambda *a: pkv.mla_decode_attention(*a, v_head_dim=row.v_dim, scale=scale, impl=impl,
-                                                     config=config))
+  return jax.jit(lambda q, pages, tables, lengths, kv_scale=None: pkv.mla_decode_attention(
+      q, pages, tables, lengths, v_head_dim=row.v_dim, scale=scale, impl=impl, config=config, kv_scale=kv_scale))
 
 
 # ---------------------------------------------------------------- one row
 
 def run_row(row: Row, impls: Sequence[str], *, warmup: int, iters: int, repeats: int, rotate_bytes: float,
-            seed: int = 0) -> list[dict[str, Any]]:
-  """Checks every impl against the baseline's output, then times it; never raises."""
-  case = row.case()
+            seed: int = 0, kv_dtype: str | None = None) -> list[dict[str, Any]]:
+  """Checks every impl against the baseline's output, then times it; never raises. kv_dtype float8_e4m3fn: an
+  fp8 pool with per-token scales (the baseline reads it widened)."""
+  case = row.case(kv_dtype=kv_dtype)
+  build = functools.partial(build_fn, quantized=case.quantized)
   key_len, key_in = jax.random.split(jax.random.key(seed))
   lengths = cases.make_lengths(case, key_len)
   costs = case.costs(case.attended_keys(lengths))
   num_sets = timing.num_rotating_sets(case.rotation_bytes(costs["kv_bytes"]), rotate_bytes)
   input_sets = cases.make_input_sets(case, key_in, lengths, num_sets)
-  baseline = np.asarray(build_fn(BASELINE, row)(*input_sets[0]), np.float32)
+  baseline = np.asarray(build(BASELINE, row)(*input_sets[0]), np.float32)
   rows = []
   for impl in impls:
     result: dict[str, Any] = {"row": row.name, "impl": impl, "ours": is_ours(impl), **costs,
-                              **dataclasses.asdict(row)}
+                              **dataclasses.asdict(row), "kv_dtype": kv_dtype or "bfloat16"}
     try:
-      fn = build_fn(impl, row)
+      fn = build(impl, row)
       result["rel_err"] = cases.relative_error(np.asarray(fn(*input_sets[0]), np.float32), baseline)
       if impl == "auto":
         result["auto_choice"] = peers.auto_choice()
@@ -407,17 +418,18 @@ def failed(rows: Sequence[dict]) -> list[dict]:
 
 def run(rows: Sequence[Row], *, impls: Sequence[str] | None = None, warmup: int = 1, iters: int = 3,
         repeats: int = 3, rotate_bytes: float = 0.0, json_path: str | None = None,
-        out: TextIO | None = None) -> list[dict]:
+        out: TextIO | None = None, kv_dtype: str | None = None) -> list[dict]:
   """Runs the rows, prints a line per row as it goes and the table last; returns the results."""
   out = sys.stdout if out is None else out
   if impls is None:
     impls = CPU_IMPLS if cases.default_is_cpu() else GPU_IMPLS
   stamp = output.run_stamp()
   print(f"# pallas_kv MLA benchmark  device={stamp['device']}  jax={jax.__version__}  page={PAGE_SIZE}  "
-        f"warmup={warmup} iters={iters} repeats={repeats}", file=out, flush=True)
+        f"cache={kv_dtype or 'bfloat16'} warmup={warmup} iters={iters} repeats={repeats}", file=out, flush=True)
   results = []
   for row in rows:
-    row_results = run_row(row, impls, warmup=warmup, iters=iters, repeats=repeats, rotate_bytes=rotate_bytes)
+    row_results = run_row(row, impls, warmup=warmup, iters=iters, repeats=repeats, rotate_bytes=rotate_bytes,
+                          kv_dtype=kv_dtype)
     for r in row_results:
       done = f"{r['time_us']:.1f} us, err {r['rel_err']:.1e}" if r["status"] == "ok" else r["status"]
       print(f"  {row.name} {r['impl']}: {done}", file=out, flush=True)
@@ -442,6 +454,8 @@ def define_flags() -> None:
                     f"{','.join(GPU_IMPLS)}; CPU {','.join(CPU_IMPLS)}.")
   flags.DEFINE_float("rotate_bytes", None, "Rotate among input sets until their KV totals this many bytes "
                      "(L2 defeat). Default: GPU 3 x L2, CPU 0.")
+  flags.DEFINE_enum("kv_dtype", None, ["bfloat16", "float8_e4m3fn"], "The latent pool's dtype; float8_e4m3fn "
+                    "with a scale per token. Default: bfloat16.")
   cli.define_timing_flags({"warmup": "CPU 1, GPU 5", "iters": "CPU 3, GPU 20", "repeats": "CPU 3, GPU 10"})
   cli.define_output_flags(("json",))
 
@@ -458,7 +472,9 @@ def main(argv: Sequence[str]) -> int:
   defaults = dict(warmup=1, iters=3, repeats=3) if cpu else dict(warmup=5, iters=20, repeats=10)
   timing_counts = {**defaults, **cli.timing_flags().given()}
   rotate = fv.rotate_bytes if fv.rotate_bytes is not None else (0.0 if cpu else timing.DEFAULT_ROTATE_BYTES)
-  results = run(rows, impls=fv.impl, rotate_bytes=rotate, json_path=cli.output_paths().json, **timing_counts)
+  kv_dtype = None if fv.kv_dtype in (None, "bfloat16") else fv.kv_dtype
+  results = run(rows, impls=fv.impl, rotate_bytes=rotate, json_path=cli.output_paths().json, kv_dtype=kv_dtype,
+                **timing_counts)
   bad = failed(results)
   for r in bad:
     print(f"FAILED: {r['impl']} on {r['row']}: {r.get('reason', 'check against ' + BASELINE)}\n"

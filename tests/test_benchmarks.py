@@ -233,7 +233,7 @@ def test_suite_runs_each_part_through_the_driver(tmp_path):
       "--cases=8x8192",
       "python3 -m benchmarks tune --flagfile=configs/suite/tune.flags --cases=8x8192",   # tune writes the tuned file
   ]
-  assert lines[5].startswith("unknown part or run: nosuch; parts: gqa host_loop mla models")
+  assert lines[5].startswith("unknown part or run: nosuch; parts: gqa host_loop mla mla_fp8 models")
   assert (out / "gqa.log").read_text() == lines[0] + "\n"
   assert {p.name for p in out.glob("*.json")} == {os.path.basename(p) for p in glob.glob(
       os.path.join(REPO, "pallas_kv", "tuned", "*.json"))}   # tune's output: the tuned file, copied

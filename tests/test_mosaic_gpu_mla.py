@@ -222,7 +222,7 @@ def _problem(*, num_heads=128, num_queries=1, qk_dim=QK, v_dim=V, page_size=64, 
     (dict(qk_dim=64, v_dim=32), "MLA needs v_head_dim a multiple of 128"),
     (dict(qk_dim=640, v_dim=512), "Dqk <= 576"),
     (dict(page_size=4), "page_size 4 is not supported"),
-    (dict(dtype=jnp.float32), "MLA needs a bfloat16 or float16 cache"),
+    (dict(dtype=jnp.float32), "MLA needs a bfloat16, float16 or fp8 .* cache"),
 ])
 def test_mla_calls_it_cannot_serve_are_refused_with_reason(fields, match):
   args, _ = _problem(seq_len=256, **fields)

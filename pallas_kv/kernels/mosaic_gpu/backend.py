@@ -55,7 +55,7 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config, sp
   window_start: int32 [B] or None, each sequence's first visible key."""
   if op == "mla":
     return _run_mla(q, k, lengths, block_tables, problem=problem, options=options, config=config,
-                    split_plan=split_plan, return_lse=return_lse)
+                    split_plan=split_plan, return_lse=return_lse, kv_scale=k_scale)
 
   def partials(rows, lengths, block_tables, k_scale, v_scale):
     return mgpu_decode.decode_partials(rows, k, v, lengths, block_tables, num_queries=problem.num_queries,
@@ -66,16 +66,17 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config, sp
                    k_scale=k_scale, v_scale=v_scale, merge=fused_merge())
 
 
-def _run_mla(q, kv_pages, lengths, block_tables, *, problem, options, config, split_plan, return_lse: bool):
-  """MLA over the latent pool kv_pages [P, page_size, Dqk], as one kv head (Hkv = 1)."""
+def _run_mla(q, kv_pages, lengths, block_tables, *, problem, options, config, split_plan, return_lse: bool,
+             kv_scale=None):
+  """MLA over the latent pool kv_pages [P, page_size, Dqk], as one kv head (Hkv = 1); kv_scale: an fp8 pool's."""
 
   def partials(rows, lengths, block_tables, k_scale, v_scale):
-    del k_scale, v_scale
+    del v_scale
     out, lse = mgpu_mla.mla_partials(rows[:, 0], kv_pages, lengths, block_tables,
                                      num_queries=problem.num_queries, v_head_dim=problem.v_head_dim,
-                                     scale=options.scale, config=config, plan=split_plan,
+                                     scale=options.scale, config=config, plan=split_plan, kv_scale=k_scale,
                                      interpret=interpret_params())
     return out[:, None], lse[:, None]   # [B, Hkv = 1, splits, R, ...]
 
   return frame.run(partials, q, kv_pages, lengths, block_tables, problem=problem, sinks=None,
-                   return_lse=return_lse, merge=fused_merge())
+                   return_lse=return_lse, k_scale=kv_scale, merge=fused_merge())

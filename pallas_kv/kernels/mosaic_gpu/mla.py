@@ -8,6 +8,11 @@ in blocks of 64 (wgmma M), a token range's row blocks launched together (docs/de
   partner   O[:, Dv/2:] = alpha O[:, Dv/2:] + P V, overlapping the scorer's next tile.
 Split by value columns, the f32 accumulator fits each consumer's registers (FlashMLA's plan). Experimental
 schedules run their own consumers on a `Program`.
+
+An fp8 cache (`MlaSmem.quantized`) keeps the schedule and changes what a tile costs: Q K^T runs on fp8 wgmma
+with Q as two fp8 terms (`split_query`), and each consumer widens its own value columns into a 16-bit tile
+(`widen_values`; the scorer while its Q K^T runs, the partner while the scorer scores), so no warpgroup waits
+for another's widening. Per-token scales multiply S's columns and fold into P.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from pallas_kv.kernels.mosaic_gpu.mla_config import ROWS, VALUE_WGS, Codegen, Ml
 from pallas_kv.kernels.mosaic_gpu.mla_config import variant_schedule
 from pallas_kv.kernels.mosaic_gpu.mla_output import ProgramOutput
 from pallas_kv.kernels.mosaic_gpu.mla_tiles import Scores, SharedP, Static, TileMath, add_pv, start_state, zero_row
+from pallas_kv.kernels.mosaic_gpu.mla_tiles import scaled_probabilities, scaled_scores, split_query, widen_values
 
 SCORER, PARTNER, PRODUCER = 0, 1, 2
 LSE_ROW_MULTIPLE = 4   # TMA stores need 16-byte rows: the lse output is padded to 4 float32 rows
@@ -63,15 +69,32 @@ class Program:
   length: Any
   row0: Any
   st: Static
+  row_factor_ref: Any = None          # one-byte caches: [B, rows] f32 (`split_query`)
+  widened: Any = None                 # one-byte caches: each consumer's widened values [bkv, Dv/2]
+  scale_ring: pipeline.Ring | None = None   # per-token scales
 
   def scores(self, w: int) -> Scores:
     return Scores(q_block=self.q_block, length=self.length, st=self.st, q_index=zero_row(self.row_smem, w, self.st))
 
   def load_q(self, source=None):
-    """Copies q rows (source; default: the row block's) into SMEM and waits for them."""
-    source = self.q_ref.at[self.b, pl.ds(self.row0, ROWS)] if source is None else source
-    plgpu.copy_gmem_to_smem(source, self.q_block.at[0], self.q_barrier)
+    """Copies q rows (source; default: the row block's) into SMEM and waits for them; over a one-byte cache,
+    both fp8 terms and the rows' factors."""
+    if self.st.smem.quantized:
+      rows = pl.ds(self.row0, ROWS)
+      for term in range(self.st.smem.q_terms):   # one copy per term: TMA strides up to 5 dims
+        plgpu.copy_gmem_to_smem(self.q_ref.at[self.b, term, rows], self.q_block.at[term], self.q_barrier)
+      plgpu.copy_gmem_to_smem(self.row_factor_ref.at[self.b, rows],
+                              self.row_smem.at[self.st.smem.row_factor_row], self.q_barrier)
+    else:
+      source = self.q_ref.at[self.b, pl.ds(self.row0, ROWS)] if source is None else source
+      plgpu.copy_gmem_to_smem(source, self.q_block.at[0], self.q_barrier)
     plgpu.barrier_wait(self.q_barrier)
+
+  def row_factor(self):
+    return plgpu.load(self.row_smem.at[self.st.smem.row_factor_row], layout=plgpu.Layout.WGMMA.reduce(1))
+
+  def valid_rows(self, tile, masked: bool):
+    return self.length - tile * self.st.tiling.block_kv if masked else None
 
 
 def score_tiles(program: Program, scores: Scores):
@@ -92,16 +115,24 @@ def score_tiles(program: Program, scores: Scores):
     alpha, m_new, l_new, prob = st.tile_math.softmax(s, m_i, l_i, tile=tile, length=p.length, row0=p.row0,
                                                      masked=masked, st=st)
     p16, acc = prob.astype(st.smem.dtype), acc * online_softmax.per_row(alpha, acc.shape)
-    publish = functools.partial(p.shared.publish, p16, alpha, wait_free=tile > p.t0)
-    if st.interpret:   # interpret mode reads P from SMEM
-      publish()
-      acc = add_pv(acc, [(p.shared.p, values)], st)
-    else:   # the hand-over while the tensor cores run P V
-      acc = add_pv(acc, [(p16, values)], st, meanwhile=publish)
+    acc = publish_and_add_pv(p, acc, p16, alpha, values, tile)
     st.tile_math.release_slot(p.ring, i)
     return acc, m_new, l_new
 
-  carry = start_state((ROWS, st.half_v))
+  return unmasked_then_masked(p, step, start_state((ROWS, st.half_v)))
+
+
+def publish_and_add_pv(p: Program, acc, p16, alpha, values, tile):
+  """The scorer's acc + P V over values [bkv, Dv/2], handing P and alpha to the partner meanwhile."""
+  publish = functools.partial(p.shared.publish, p16, alpha, wait_free=tile > p.t0)
+  if p.st.interpret:   # interpret mode reads P from SMEM
+    publish()
+    return add_pv(acc, [(p.shared.p, values)], p.st)
+  return add_pv(acc, [(p16, values)], p.st, meanwhile=publish)   # the hand-over while the tensor cores run P V
+
+
+def unmasked_then_masked(p: Program, step, carry):
+  """step(tile, carry, masked=) over tiles [t0, c), then the masked [c, t1)."""
   carry = lax.fori_loop(p.t0, p.c, functools.partial(step, masked=False), carry)
   return lax.fori_loop(p.c, p.t1, functools.partial(step, masked=True), carry)
 
@@ -150,20 +181,79 @@ def scorer_and_partner(program: Program, score, partner):
 
 
 def shipped_consumers(program: Program):
-  """The shipped consumer schedule: `score_tiles` and `partner_tiles`."""
-  scorer_and_partner(program, score_tiles, partner_tiles)
+  """The shipped consumer schedule: `score_tiles` and `partner_tiles` (over fp8 caches, their one-byte forms)."""
+  if program.st.smem.quantized:
+    scorer_and_partner(program, score_one_byte_tiles, partner_one_byte_tiles)
+  else:
+    scorer_and_partner(program, score_tiles, partner_tiles)
+
+
+def score_one_byte_tiles(program: Program, scores: Scores):
+  """`score_tiles` over an fp8 cache: Q K^T from the fp8 slot, the scorer's value columns widened meanwhile."""
+  p, st = program, program.st
+  s_type = plgpu.ACC((ROWS, st.tiling.block_kv), jnp.float32)
+  row_factor = p.row_factor()
+
+  def step(tile, carry, *, masked: bool):
+    acc, m_i, l_i = carry
+    i = tile - p.t0
+    slot = p.ring.wait(i)
+
+    def qk(s_ref):
+      scores.start(s_ref, tile, slot)
+      widen_values(slot, p.widened, SCORER, st, p.valid_rows(tile, masked))   # while the tensor cores run
+      return s_ref[...]
+
+    s = pl.run_scoped(qk, s_type)
+    p.ring.release(i, read_by_registers=True)
+    key_scales = None
+    if p.scale_ring is not None:
+      key_scales = plgpu.load(p.scale_ring.wait(i), layout=plgpu.Layout.WGMMA.reduce(0))
+      p.scale_ring.release(i, read_by_registers=True)
+    alpha, m_new, l_new, prob = st.tile_math.softmax(scaled_scores(s, row_factor, key_scales), m_i, l_i, tile=tile,
+                                                     length=p.length, row0=p.row0, masked=masked, st=st)
+    p16 = scaled_probabilities(prob, key_scales).astype(st.smem.dtype)
+    acc = acc * online_softmax.per_row(alpha, acc.shape)
+    return publish_and_add_pv(p, acc, p16, alpha, p.widened[SCORER], tile), m_new, l_new
+
+  return unmasked_then_masked(p, step, start_state((ROWS, st.half_v)))
+
+
+def partner_one_byte_tiles(program: Program):
+  """`partner_tiles` over an fp8 cache: its value columns widened while the scorer scores the tile."""
+  p, st = program, program.st
+
+  def step(tile, acc, *, masked: bool):
+    i = tile - p.t0
+    widen_values(p.ring.wait(i), p.widened, PARTNER, st, p.valid_rows(tile, masked))
+    p.ring.release(i, read_by_registers=True)
+    alpha = p.shared.receive()
+    acc = add_pv(acc * online_softmax.per_row(alpha, acc.shape), [(p.shared.p, p.widened[PARTNER])], st)
+    p.shared.hand_back()
+    return acc
+
+  return unmasked_then_masked(p, step, plgpu.layout_cast(jnp.zeros((ROWS, st.half_v), jnp.float32),
+                                                         plgpu.Layout.WGMMA))
 
 
 def _kernel(q_ref,
             kv_ref,
             lengths_ref,
             block_tables_ref,
-            *refs,              # [balanced plan: tiles per split, int32 [1]], [sequence order, int32 [B]], out, lse
+            *refs,              # [balanced plan: tiles per split, int32 [1]], [sequence order, int32 [B]],
+                                # [one-byte: row factors [B, rows] f32, [per-token scales [P * page_size] f32]],
+                                # out, lse
             st: Static, q_block, union, p_smem, row_smem, produced, consumed, q_barrier, p_ready,
-            p_free, max_ready, consumers_done):
+            p_free, max_ready, consumers_done, widened=None, scale_slots=None, scales_produced=None,
+            scales_consumed=None):
   refs = list(refs)
   tiles_per_split = refs.pop(0)[0] if st.balanced else None
   sequence_order = refs.pop(0) if st.ordered else None        # batch slot -> the sequence it takes
+  row_factor_ref = refs.pop(0) if st.smem.quantized else None
+  scale_ref = refs.pop(0) if st.smem.token_scales else None
+  scale_ring = None
+  if scale_ref is not None:
+    scale_ring = pipeline.Ring(st.smem.scale_ring_spec(), scale_slots, scales_produced, scales_consumed)
   (out_ref,
    lse_ref,
    ) = refs
@@ -195,13 +285,20 @@ def _kernel(q_ref,
         ring.acquire(step, part)
         load = functools.partial(ring.commit, step, st.tiling.tile_sources(kv_ref, where, head=0), part)
         st.tile_math.load_tile(load, functools.partial(ring.commit_stores, step, part), row_block)
+      if scale_ring is not None:
+        scale_ring.acquire(step)
+        scale_ring.commit(step, st.tiling.scale_sources(scale_ref, where, head=0, width=1,
+                                                        tokens_per_index=st.tiling.page_size))
 
     ring.drain(t1 - t0)
+    if scale_ring is not None:
+      scale_ring.drain(t1 - t0)
 
   program = Program(wg=wg, q_ref=q_ref, q_block=q_block, q_barrier=q_barrier, ring=ring,
                     shared=SharedP(p_smem, row_smem, p_ready, p_free), p_smem=p_smem, row_smem=row_smem,
                     p_ready=p_ready, p_free=p_free, max_ready=max_ready, output=output, b=b, t0=t0, t1=t1, c=c,
-                    length=length, row0=row0, st=st)
+                    length=length, row0=row0, st=st, row_factor_ref=row_factor_ref, widened=widened,
+                    scale_ring=scale_ring)
   consumers = shipped_consumers if st.schedule is None else st.schedule.consumers
   if st.num_splits == 1:   # the output itself: written whatever the length
     consumers(program)
@@ -225,7 +322,9 @@ def _build(st: Static, interpret: Any):
           f"{SHIPPED_SUFFIX if st.schedule is None else st.schedule.suffix}"
           f"{'_balanced' if st.balanced else ''}{'_ordered' if st.ordered else ''}"
           f"{f'_n{st.rows_as_n}' if st.rows_as_n else ''}"
-          f"{st.codegen.name}{f'_{st.tile_math.name}' if st.tile_math.name else ''}")
+          f"{st.codegen.name}{f'_{st.tile_math.name}' if st.tile_math.name else ''}"
+          f"{f'_{st.smem.kv_dtype.name}' if st.smem.quantized else ''}{'_ks' if st.smem.token_scales else ''}"
+          f"{'_q1' if st.smem.quantized and st.smem.q_terms == 1 else ''}")
   return plgpu.kernel(
       functools.partial(_kernel, st=st),
       out_type=out_type,
@@ -241,13 +340,17 @@ def _build(st: Static, interpret: Any):
 
 
 def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head_dim: int, scale: float,
-                 config: MosaicMLAConfig, plan: SplitPlan, tile_math: TileMath = TileMath(),
-                 codegen: Codegen = Codegen(), interpret: Any = False):
+                 config: MosaicMLAConfig, plan: SplitPlan, kv_scale=None, query_terms: int = 2,
+                 tile_math: TileMath = TileMath(), codegen: Codegen = Codegen(), interpret: Any = False):
   """Split-K partials of MLA decode over a paged latent cache.
 
-  q: [B, R, Dqk] in the cache's dtype (bf16 / fp16), R = S * Hq packed rows (S = num_queries): row
-    r = s * Hq + h is new token s of head h, at lengths[b] - S + s, seeing keys t <= that position.
-  kv_pages: [P, page_size, Dqk]; keys are whole rows, values the first v_head_dim columns.
+  q: [B, R, Dqk] in the cache's dtype (bf16 / fp16; over an fp8 cache, fp16 or bf16), R = S * Hq packed rows
+    (S = num_queries): row r = s * Hq + h is new token s of head h, at lengths[b] - S + s, seeing keys t <= that
+    position.
+  kv_pages: [P, page_size, Dqk]; keys are whole rows, values the first v_head_dim columns. float8_e4m3fn /
+    float8_e5m2 pages are read as they are and widened in the kernel.
+  kv_scale: an fp8 cache's scale: None (1), a scalar or [1], or per token [P, page_size] (or [P, page_size, 1]).
+  query_terms: over an fp8 cache, Q's fp8 terms: 2 (bf16's error) or 1 (fp8's error, half Q K^T's MMA time).
   lengths: int32 [B]; block_tables: int32 [B, max_pages] (both clamped in the kernel).
   scale: the logit scale; config: a complete MosaicMLAConfig (a variant config runs its schedule); plan:
     its `SplitPlan` (not stream-K; grid slot i takes sequence plan.order[i] when given); tile_math:
@@ -258,8 +361,12 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
   """
   if q.ndim != 3 or kv_pages.ndim != 3 or q.shape[2] != kv_pages.shape[2]:
     raise ValueError(f"q [B, R, Dqk] and kv_pages [P, page_size, Dqk] must share Dqk: {q.shape=} {kv_pages.shape=}")
-  if q.dtype != kv_pages.dtype or jnp.dtype(q.dtype) not in frame.KV_DTYPES:
-    raise ValueError(f"q and kv_pages must share a 16-bit dtype, got {q.dtype=} {kv_pages.dtype=}")
+  quantized = jnp.dtype(kv_pages.dtype).itemsize == 1
+  if jnp.dtype(q.dtype) not in frame.KV_DTYPES or not (quantized or q.dtype == kv_pages.dtype):
+    raise ValueError(f"q must be bf16 / fp16, of kv_pages' dtype unless that is one byte; got {q.dtype=} "
+                     f"{kv_pages.dtype=}")
+  if kv_scale is not None and not quantized:
+    raise ValueError(f"kv_scale widens an fp8 cache, not a {jnp.dtype(kv_pages.dtype).name} one")
   B, R, D = q.shape
   if R % num_queries:
     raise ValueError(f"{num_queries=} must divide the packed rows {R=}")
@@ -267,13 +374,16 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
   if reason:
     raise NotImplementedError(f"mosaic_gpu: {reason}")
   page_size = kv_pages.shape[1]
-  check_config(config, qk_dim=D, v_dim=v_head_dim, dtype=q.dtype, page_size=page_size, rows=R)
+  token_scales = kv_scale is not None and jnp.size(kv_scale) > 1
+  check_config(config, qk_dim=D, v_dim=v_head_dim, dtype=q.dtype, page_size=page_size, rows=R,
+               kv_dtype=kv_pages.dtype)
   if plan.stream_k:
     raise ValueError("the MLA kernel takes the per-sequence or balanced plan, not stream-K")
   plan.check(block_kv=config.block_kv, batch=B)
   kv_tiling = tiling.KVTiling(config.block_kv, D, kv_pages.dtype, page_size=page_size,
                               num_pages=kv_pages.shape[0], max_pages=block_tables.shape[1])
-  smem = MlaSmem.for_call(config, qk_dim=D, v_dim=v_head_dim, dtype=q.dtype, page_size=page_size, rows=R)
+  smem = MlaSmem.for_call(config, qk_dim=D, v_dim=v_head_dim, dtype=q.dtype, page_size=page_size, rows=R,
+                          kv_dtype=kv_pages.dtype, token_scales=token_scales, query_terms=query_terms)
   num_row_blocks = 1 if smem.rows_as_n else row_blocks(R)
   rows_padded = smem.rows_as_n or num_row_blocks * ROWS
   out_rows = R if num_row_blocks == 1 else rows_padded
@@ -287,7 +397,14 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
   kv = kv_pages.reshape(*kv_pages.shape[:2], 1, D)   # KVTiling's [P, page_size, Hkv, D]
   tiles = [] if plan.tiles_per_split is None else [plan.tiles_per_split]
   order = [] if plan.order is None else [plan.order]
-  out, lse = _build(st, interpret or None)(q, kv, lengths, block_tables, *tiles, *order)
+  one_byte, factor = [], None
+  if quantized:
+    factor = 1.0 if kv_scale is None or token_scales else jnp.reshape(kv_scale, ()).astype(jnp.float32)
+    q, row_factor = split_query(q, factor, smem.q_terms)
+    one_byte = [row_factor] + ([jnp.reshape(kv_scale, (-1,)).astype(jnp.float32)] if token_scales else [])
+  out, lse = _build(st, interpret or None)(q, kv, lengths, block_tables, *tiles, *order, *one_byte)
   if st.rows_as_n:
     out = jnp.swapaxes(out, 2, 3)   # O^T [B, splits, Dv, N] -> [B, splits, N, Dv]
+  if quantized and not token_scales and kv_scale is not None:   # a scalar scale: V's share, after the kernel
+    out = (out.astype(jnp.float32) * factor).astype(out.dtype)
   return out[:, :, :R], lse[:, :, :R]

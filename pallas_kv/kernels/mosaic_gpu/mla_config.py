@@ -11,6 +11,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kv import runtime
 from pallas_kv.config import MosaicMLAConfig
+from pallas_kv.kernels import frame
 from pallas_kv.kernels import plan
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import pipeline
@@ -87,6 +88,12 @@ class MlaSmem:
   row_smem [4, 64] f32    alpha, the final row sum, then one row of zeros per consumer (more rows for
                           experimental schedules)
   barriers ring produced / consumed per slot, q, p_ready, max_ready, p_free, consumers_done
+  A one-byte cache (kv_dtype float8_e4m3fn) changes three of these and adds two:
+  q_block  [2, 64, Dqk] float8_e4m3fn                   Q as two fp8 terms (hi, lo), for fp8 wgmma with K
+  ring     [num_stages, bkv, Dqk] kv_dtype              the cache's bytes as TMA lands them
+  row_smem one more row                                 each q row's factor (1 / its fp8 scale x kv_scale)
+  widened  2 x [bkv, Dv/2] dtype, swizzled              each consumer's value columns widened (wgmma B of P V)
+  scales   ring [num_stages, bkv] f32                   per-token scales, when the call has them
   """
   qk_dim: int
   v_dim: int
@@ -99,10 +106,31 @@ class MlaSmem:
   rows_as_n: int = 0           # padded q rows as wgmma N; 0: rows as M
   alternate_scores: bool = False
   ring_halves: bool = False    # ring slots in two column parts: [0, Dv/2) and [Dv/2, Dqk)
+  kv_dtype: Any = None         # the cache's dtype; None: dtype. One byte: Q K^T in fp8, V widened per consumer
+  token_scales: bool = False   # a one-byte cache's per-token scales ride a ring of their own
+  query_terms: int = 2         # one-byte caches: Q's fp8 terms (1 halves Q K^T's MMA time at fp8's error)
 
   def __post_init__(self):
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
     object.__setattr__(self, "out_dtype", jnp.dtype(self.out_dtype))
+    object.__setattr__(self, "kv_dtype", jnp.dtype(self.dtype if self.kv_dtype is None else self.kv_dtype))
+    if self.token_scales and not self.quantized:
+      raise ValueError("token_scales widen a one-byte cache")
+    if self.query_terms not in (1, 2):
+      raise ValueError(f"query_terms={self.query_terms} must be 1 or 2")
+
+  @property
+  def quantized(self) -> bool:
+    return self.kv_dtype.itemsize == 1
+
+  @property
+  def q_terms(self) -> int:
+    return self.query_terms if self.quantized else 1
+
+  @property
+  def row_factor_row(self) -> int:
+    """row_smem's row of q row factors (one-byte caches)."""
+    return self.zero_rows + VALUE_WGS
 
   @property
   def half_v(self) -> int:
@@ -129,6 +157,10 @@ class MlaSmem:
       limit = self.rows_as_n * self.dtype.itemsize
     return tiling.smem_transforms(self.dtype, minor_dim, max_swizzle=limit)
 
+  def kv_transforms(self):
+    """Q's and the ring's: in fp8, Q K^T's operands take the swizzle of their own rows."""
+    return tiling.smem_transforms(self.kv_dtype, self.qk_dim) if self.quantized else self.transforms(self.qk_dim)
+
   def p_type(self):
     if self.split_scores:   # one half per consumer (separate buffers: wgmma takes no indexed ref)
       return tuple(plgpu.SMEM((ROWS, self.half_kv), self.dtype, transforms=self.transforms(self.half_kv))
@@ -141,9 +173,29 @@ class MlaSmem:
     """With ring_halves, each part has one reader that releases it: consumer w, part w."""
     parts = (self.half_v, self.qk_dim - self.half_v) if self.ring_halves else ()
     return pipeline.RingSpec(num_stages=self.num_stages, block_shape=(self.block_kv, self.qk_dim),
-                             dtype=self.dtype, transforms=self.transforms(self.qk_dim),
+                             dtype=self.kv_dtype, transforms=self.kv_transforms(),
                              copies_per_slot=self.copies_per_tile,
                              num_consumers=1 if self.ring_halves else VALUE_WGS, column_parts=parts)
+
+  def scale_ring_spec(self) -> pipeline.RingSpec:
+    """Read by the scorer alone: the partner's P comes scaled."""
+    return pipeline.RingSpec(num_stages=self.num_stages, block_shape=(self.block_kv,), dtype=jnp.float32,
+                             copies_per_slot=self.copies_per_tile, num_consumers=1)
+
+  def widened_type(self):
+    """One buffer per consumer (wgmma's operand is a whole ref, not an index into a stack)."""
+    return tuple(plgpu.SMEM((self.block_kv, self.half_v), self.dtype, transforms=self.transforms(self.half_v))
+                 for _ in range(VALUE_WGS))
+
+  def quantized_scratch(self) -> dict[str, Any]:
+    if not self.quantized:
+      return {}
+    scratch = dict(widened=self.widened_type())
+    if self.token_scales:
+      scales = self.scale_ring_spec()
+      scratch.update(scale_slots=scales.buffer_type(), **dict(zip(("scales_produced", "scales_consumed"),
+                                                                   scales.barrier_types())))
+    return scratch
 
   def scratch_types(self) -> dict[str, Any]:
     ring = self.ring_spec()
@@ -152,19 +204,21 @@ class MlaSmem:
     out_stage = (plgpu.SMEM((VALUE_WGS, *half_out), self.out_dtype),
                  plgpu.SMEM((self.q_rows,), jnp.float32))
     return dict(
-        q_block=plgpu.SMEM((1, self.q_rows, self.qk_dim), self.dtype,
-                          transforms=self.transforms(self.qk_dim)),
+        q_block=plgpu.SMEM((self.q_terms, self.q_rows, self.qk_dim),
+                           jnp.float8_e4m3fn if self.quantized else self.dtype,   # e4m3 pairs with either fp8
+                          transforms=self.kv_transforms()),
         union=plgpu.RefUnion(ring.buffer_type(), out_stage),
         p_smem=self.p_type(),
         row_smem=plgpu.SMEM((self.row_vectors, self.q_rows), jnp.float32),
         produced=produced, consumed=consumed,
-        q_barrier=plgpu.Barrier(),
+        q_barrier=plgpu.Barrier(num_arrivals=self.q_terms + 1 if self.quantized else 1),   # Q's terms, row factors
         p_ready=plgpu.Barrier(num_arrivals=VALUE_WGS if self.split_scores else 1,
                               num_barriers=VALUE_WGS if self.alternate_scores else 1),
         p_free=plgpu.Barrier(num_arrivals=VALUE_WGS if self.split_scores else 1),
         max_ready=plgpu.Barrier(num_arrivals=1 if self.alternate_scores else VALUE_WGS,
                                 num_barriers=VALUE_WGS if self.alternate_scores else 1),
-        consumers_done=plgpu.Barrier(num_arrivals=VALUE_WGS))
+        consumers_done=plgpu.Barrier(num_arrivals=VALUE_WGS),
+        **self.quantized_scratch())
 
   @property
   def zero_rows(self) -> int:
@@ -172,7 +226,7 @@ class MlaSmem:
 
   @property
   def row_vectors(self) -> int:
-    return self.zero_rows + VALUE_WGS
+    return self.zero_rows + VALUE_WGS + (1 if self.quantized else 0)
 
   @property
   def nbytes(self) -> int:
@@ -180,11 +234,16 @@ class MlaSmem:
     ring = self.ring_spec()
     rows = self.q_rows
     out_stage = align(rows * self.v_dim * self.out_dtype.itemsize) + rows * 4
-    q = rows * self.qk_dim * self.dtype.itemsize
+    q = self.q_terms * rows * self.qk_dim * self.kv_dtype.itemsize
     p = rows * self.block_kv * self.dtype.itemsize
     barriers = ring.barrier_bytes + (7 if self.alternate_scores else 5) * pipeline.BARRIER_BYTES
+    quantized = 0
+    if self.quantized:
+      quantized = align(VALUE_WGS * self.block_kv * self.half_v * self.dtype.itemsize)
+    if self.token_scales:
+      quantized += align(self.scale_ring_spec().buffer_bytes) + self.scale_ring_spec().barrier_bytes
     return (align(q) + align(max(ring.buffer_bytes, out_stage)) + align(p) + align(self.row_vectors * rows * 4)
-            + align(self.reduction_scratch_bytes) + barriers)
+            + align(self.reduction_scratch_bytes) + barriers + quantized)
 
   @property
   def fits(self) -> bool:
@@ -192,10 +251,14 @@ class MlaSmem:
 
   @classmethod
   def for_call(cls, config: MosaicMLAConfig, *, qk_dim: int, v_dim: int, dtype: Any, page_size: int,
-               rows: int = ROWS) -> "MlaSmem":
-    """Outputs and partials are staged in the cache's dtype; rows: packed q rows (rows as N)."""
+               rows: int = ROWS, kv_dtype: Any = None, token_scales: bool = False, query_terms: int = 2) -> "MlaSmem":
+    """Outputs and partials are staged in q's dtype (the cache's, or bf16 over a one-byte cache); rows: packed q
+    rows (rows as N). A one-byte dtype is taken as the cache's (kv_dtype), with fp16 math (`frame.compute_dtype`)."""
     schedule = variant_schedule(config)
-    return cls(qk_dim=qk_dim, v_dim=v_dim, dtype=dtype, out_dtype=dtype,
+    if jnp.dtype(dtype).itemsize == 1:
+      kv_dtype, dtype = dtype, frame.compute_dtype(dtype)
+    return cls(qk_dim=qk_dim, v_dim=v_dim, dtype=dtype, out_dtype=dtype, kv_dtype=kv_dtype, token_scales=token_scales,
+               query_terms=query_terms,
                block_kv=config.block_kv, num_stages=config.num_stages,
                copies_per_tile=mgpu_config.copies_per_tile(config.block_kv, page_size),
                **({} if schedule is None else schedule.smem_layout(rows)))
@@ -206,16 +269,21 @@ def row_blocks(rows: int) -> int:
 
 
 def check_config(config: MosaicMLAConfig, *, qk_dim: int, v_dim: int, dtype: Any, page_size: int,
-                 rows: int = ROWS) -> None:
+                 rows: int = ROWS, kv_dtype: Any = None) -> None:
   if not isinstance(config, MosaicMLAConfig) or not config.complete:
     raise ValueError(f"the MLA kernel takes a complete MosaicMLAConfig (resolve_config), got {config!r}")
   schedule = variant_schedule(config)
+  if kv_dtype is not None and jnp.dtype(kv_dtype).itemsize == 1 and (schedule is not None
+                                                                      or config.block_kv != BLOCK_KV):
+    # fp8 tiles are read into registers in wgmma's 8-bit layout, which spans 64 rows.
+    raise ValueError(f"an fp8 latent cache takes the shipped schedule with block_kv={BLOCK_KV}, got {config!r}")
   if schedule is not None:
     schedule.check(block_kv=config.block_kv, rows=rows)
   reason = mgpu_config.page_size_reason(page_size)
   if reason:
     raise NotImplementedError(f"mosaic_gpu: {reason}")
-  smem = MlaSmem.for_call(config, qk_dim=qk_dim, v_dim=v_dim, dtype=dtype, page_size=page_size, rows=rows)
+  smem = MlaSmem.for_call(config, qk_dim=qk_dim, v_dim=v_dim, dtype=dtype, page_size=page_size, rows=rows,
+                          kv_dtype=kv_dtype, token_scales=kv_dtype is not None and jnp.dtype(kv_dtype).itemsize == 1)
   if not smem.fits:
     raise ValueError(f"num_stages={config.num_stages} of {config.block_kv} x {qk_dim} tiles needs {smem.nbytes} "
                      f"bytes of SMEM, over the {mgpu_config.SMEM_CAPACITY_BYTES} available; use fewer stages")

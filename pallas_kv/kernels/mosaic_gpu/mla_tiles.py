@@ -1,5 +1,6 @@
 """The per-tile pieces the MLA consumer schedules share: `TileMath`, `Static`, P's hand-over (`SharedP`),
-Q K^T's start (`Scores`), `add_pv` and a loop's starting state."""
+Q K^T's start (`Scores`), `add_pv` and a loop's starting state; for one-byte caches, Q's two fp8 terms
+(`split_query`), the value columns' widening (`widen_values`) and the scores' scales (`scaled_scores`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -145,9 +147,16 @@ class Scores:
 
   @property
   def q_smem(self):
-    return self.q_block.at[self.q_index[0].astype(jnp.int32) if self.st.codegen.q_per_tile else 0]
+    return self.q_term(0)
+
+  def q_term(self, term: int):
+    return self.q_block.at[self.q_index[0].astype(jnp.int32) + term if self.st.codegen.q_per_tile else term]
 
   def start(self, s_ref, tile, slot):
+    if self.st.smem.quantized:   # two fp8 terms of Q against the fp8 keys; keys past the length are masked
+      for term in range(self.st.smem.q_terms):
+        self.st.tile_math.qk(s_ref, self.q_term(term), slot.transpose((1, 0)))
+      return
     self.zero_past(tile, [(slot, self.st.smem.v_dim)])
     self.st.tile_math.qk(s_ref, self.q_smem, slot.transpose((1, 0)))
 
@@ -169,3 +178,52 @@ def zero_row(row_smem, w: int, st: Static):
   return row
 
 
+
+
+# ---------------------------------------------------------------- one-byte caches
+
+FP8_MAX = 448.0      # float8_e4m3fn's largest value: each q row is scaled to it
+WIDEN_CHUNK = 64     # value columns widened per step: one 128-byte swizzle row of the 16-bit tile
+
+
+def split_query(q, factor, terms: int = 2):
+  """q [B, R, Dqk] as two float8_e4m3fn terms [B, 2, R, Dqk], hi + lo, scaled row by row to FP8_MAX: together
+  they keep ~8 significant bits (bf16 has 8), so fp8 wgmma computes Q K^T with bf16's error. Also returns each
+  row's factor [B, R] f32, factor (a scalar kv_scale, or 1) over the row's scale, by which S's rows are multiplied.
+  terms=1: hi alone [B, 1, R, Dqk] (fp8's error, half the MMA time)."""
+  q = q.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(q), axis=-1)
+  row_scale = jnp.where(amax > 0, FP8_MAX / jnp.where(amax > 0, amax, 1.0), 1.0)
+  scaled = q * row_scale[..., None]
+  hi = scaled.astype(jnp.float8_e4m3fn)
+  lo = (scaled - hi.astype(jnp.float32)).astype(jnp.float8_e4m3fn)
+  return jnp.stack([hi, lo][:terms], axis=1), jnp.asarray(factor, jnp.float32) / row_scale
+
+
+def widen_values(slot, widened, w: int, st: Static, valid_rows=None):
+  """Consumer w's value columns [w Dv/2, (w + 1) Dv/2) of a one-byte slot [bkv, Dqk], widened exactly into
+  widened[w] [bkv, Dv/2] (16-bit), rows >= valid_rows zeroed (given), fenced for wgmma. The slot stays held."""
+  for start in range(0, st.half_v, WIDEN_CHUNK):
+    values = plgpu.load(slot.at[:, pl.ds(w * st.half_v + start, WIDEN_CHUNK)], layout=plgpu.Layout.WGMMA_8BIT)
+    values = values.astype(jnp.float16).astype(st.smem.dtype)   # Hopper converts fp8 to f16 only
+    if valid_rows is not None:
+      values = tiling.rows_below(values, valid_rows, plgpu.Layout.WGMMA_8BIT)
+    widened[w].at[:, pl.ds(start, WIDEN_CHUNK)][...] = values
+  plgpu.commit_smem()
+
+
+def scaled_scores(s, row_factor, key_scales=None):
+  """Raw fp8 scores s [64, bkv] f32 times each row's factor ([64], WGMMA rows) and each key's scale ([bkv], WGMMA
+  columns; given)."""
+  s = s * lax.broadcast_in_dim(row_factor, s.shape, [0])
+  if key_scales is not None:
+    s = s * lax.broadcast_in_dim(key_scales, s.shape, [1])
+  return s
+
+
+def scaled_probabilities(prob, key_scales=None):
+  """P with each key's scale folded in (P V then reads the unscaled widened values); a masked key's p is 0 and
+  stays 0 whatever scale lies past the length."""
+  if key_scales is None:
+    return prob
+  return jnp.where(prob > 0, prob * lax.broadcast_in_dim(key_scales, prob.shape, [1]), 0.0)

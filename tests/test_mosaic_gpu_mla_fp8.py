@@ -1,0 +1,197 @@
+"""The Mosaic GPU MLA kernel over an fp8 latent cache (kernels/mosaic_gpu/mla.py, `MlaSmem.quantized`): Q K^T on
+fp8 wgmma with Q as two fp8 terms (`split_query`), each consumer widening its own value columns, per-token or
+scalar kv_scale. Numerics in GPU interpret mode on small latent dims against the reference over the exactly widened
+cache, garbage (NaN pages and scales) past the lengths, the terms' precision, what the kernel refuses, CUDA
+lowering at DeepSeek-V3 shapes, and real shapes on a GPU."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kv as pkv
+from harness import assert_lse_matches, assert_matches_reference, lower_for_cuda, paginate, relative_error
+from pallas_kv import cache as kv_cache
+from pallas_kv.kernels.mosaic_gpu import mla_config
+from pallas_kv.kernels.mosaic_gpu import mla_tiles
+
+IMPL = "mosaic_gpu"
+SMALL_QK, SMALL_V = 192, 128
+QK, V = 576, 512
+FP8 = jnp.float8_e4m3fn
+
+
+def _case(seed, *, batch, seq_len, num_heads, num_queries, page_size, lengths, scales, qk_dim=SMALL_QK,
+          dtype=FP8):
+  """(q bf16, fp8 pages, tables, lengths, kv_scale, the pages widened exactly in f32). scales: "token" (one per
+  token, from each row's max), a number, or None (values stored as they are)."""
+  rng = np.random.default_rng(seed)
+  shape = (batch, num_heads, qk_dim) if num_queries is None else (batch, num_queries, num_heads, qk_dim)
+  q = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  kv = rng.standard_normal((batch, seq_len, qk_dim)) * 3.0
+  kv[..., :4] *= 20.0   # outlier channels, as latent caches have
+  pages, tables, _ = paginate(jnp.asarray(kv, jnp.float32), page_size, rng)
+  if scales == "token":
+    pages, kv_scale = kv_cache.quantize(pages, dtype)
+    widened = pages.astype(jnp.float32) * kv_scale[..., None]
+  elif scales is None:
+    pages, kv_scale = kv_cache.quantize(pages / 20.0, dtype, 1.0)[0], None
+    widened = pages.astype(jnp.float32)
+  else:
+    pages, kv_scale = kv_cache.quantize(pages, dtype, scales)[0], scales
+    widened = pages.astype(jnp.float32) * scales
+  return q, pages, tables, jnp.asarray(lengths, jnp.int32), kv_scale, widened
+
+
+def _check(case, out_lse, *, scale=None, v_head_dim=SMALL_V):
+  q, _, tables, lengths, _, widened = case
+  out, lse = out_lse
+  ref, ref_lse = pkv.mla_decode_attention_reference(q.astype(jnp.float32), widened, tables, lengths,
+                                                    v_head_dim=v_head_dim, scale=scale, return_lse=True)
+  assert out.dtype == q.dtype
+  assert_matches_reference(out, ref, q.dtype)   # bf16's tolerance: the fp8 cache's rounding is not the kernel's
+  assert_lse_matches(lse, ref_lse, q.dtype)
+
+
+def _config(num_splits, **fields):
+  return pkv.MosaicMLAConfig(**(dict(block_kv=64, num_stages=2, num_splits=num_splits, split_plan="per_sequence",
+                                     sequence_order="given") | fields))
+
+
+# ---------------------------------------------------------------- interpret mode (CPU)
+
+@pytest.mark.parametrize("page_size,num_queries,num_heads,num_splits,scales,dtype", [
+    (16, 2, 4, 2, "token", FP8),
+    (64, None, 8, 1, 0.05, FP8),
+    (32, 3, 24, 2, "token", FP8),
+    (64, None, 4, 3, None, jnp.float8_e5m2),
+], ids=["page16-s2-token-splits2", "page64-s1-scalar", "page32-s3-rowblocks2-token", "page64-e5m2-unscaled-splits3"])
+def test_fp8_mla_interpret(interpret_mode, page_size, num_queries, num_heads, num_splits, scales, dtype):
+  # A ragged length (not a multiple of a tile) and one of zero; 3 x 24 heads = 72 rows take two row blocks.
+  case = _case(page_size + num_heads, batch=2, seq_len=256, num_heads=num_heads, num_queries=num_queries,
+               page_size=page_size, lengths=[219, 0], scales=scales, dtype=dtype)
+  q, pages, tables, lengths, kv_scale, _ = case
+  out, lse = pkv.mla_decode_attention(q, pages, tables, lengths, v_head_dim=SMALL_V, scale=0.11, return_lse=True,
+                                      impl=IMPL, config=_config(num_splits), kv_scale=kv_scale)
+  _check(case, (out, lse), scale=0.11)
+  np.testing.assert_array_equal(np.asarray(out[1], np.float32), 0.0)
+  assert np.isneginf(np.asarray(lse[1])).all()
+
+
+def test_fp8_mla_garbage_past_lengths_never_reaches_an_output(interpret_mode):
+  page_size = 16
+  case = _case(5, batch=3, seq_len=128, num_heads=4, num_queries=2, page_size=page_size, lengths=[100, 37, 70],
+               scales="token")
+  q, pages, tables, lengths, kv_scale, _ = case
+  bad_pages = np.asarray(pages.astype(jnp.float32)).copy()
+  bad_scale = np.asarray(kv_scale).copy()
+  live = set()
+  for b, length in enumerate(np.asarray(lengths)):
+    used = -(-int(length) // page_size)
+    live.update(np.asarray(tables)[b, :used].tolist())
+    for j in range(used):
+      past = np.arange(j * page_size, (j + 1) * page_size) >= length
+      bad_pages[tables[b, j], past] = np.nan
+      bad_scale[tables[b, j], past] = np.inf
+  for page in set(range(pages.shape[0])) - live:
+    bad_pages[page], bad_scale[page] = np.nan, np.nan
+  out = pkv.mla_decode_attention(q, jnp.asarray(bad_pages, pages.dtype), tables, lengths, v_head_dim=SMALL_V,
+                                 return_lse=True, impl=IMPL, config=_config(2), kv_scale=jnp.asarray(bad_scale))
+  _check(case, out)
+
+
+def test_split_query_terms_keep_bf16_precision():
+  rng = np.random.default_rng(0)
+  q = rng.standard_normal((2, 64, SMALL_QK)).astype(np.float32)
+  q[0, :, :3] *= 50.0    # outlier channels
+  q[1, 5] = 0.0          # an all-zero row
+  terms, factor = mla_tiles.split_query(jnp.asarray(q), 0.5)
+  assert terms.shape == (2, 2, 64, SMALL_QK) and terms.dtype == FP8 and factor.shape == (2, 64)
+  joined = (terms[:, 0].astype(jnp.float32) + terms[:, 1].astype(jnp.float32)) * factor[..., None] / 0.5
+  hi_only = terms[:, 0].astype(jnp.float32) * factor[..., None] / 0.5
+  # Dot products, as Q K^T takes them: the two terms err as bf16 does, one fp8 term ~16x more.
+  k = rng.standard_normal((SMALL_QK, 32)).astype(np.float32)
+  exact = q @ k
+  bf16 = np.asarray(jnp.asarray(q, jnp.bfloat16), np.float32) @ k
+  assert relative_error(np.asarray(joined) @ k, exact) < 2 * relative_error(bf16, exact)
+  assert relative_error(np.asarray(hi_only) @ k, exact) > 4 * relative_error(bf16, exact)
+  np.testing.assert_array_equal(np.asarray(joined[1, 5]), 0.0)
+  assert np.isfinite(np.asarray(factor)).all()
+
+
+# ---------------------------------------------------------------- what it refuses (CPU)
+
+def test_fp8_mla_takes_the_shipped_schedule_on_64_token_tiles():
+  for given in (dict(block_kv=32, num_stages=4),):
+    with pytest.raises(ValueError, match="fp8 latent cache takes the shipped schedule with block_kv=64"):
+      mla_config.check_config(_config(1, **given), qk_dim=QK, v_dim=V, dtype=jnp.float16, page_size=64,
+                              kv_dtype=FP8)
+  # Q's two fp8 terms and each consumer's widened values fit beside two one-byte stages.
+  smem = mla_config.MlaSmem.for_call(_config(1), qk_dim=QK, v_dim=V, dtype=FP8, page_size=64, token_scales=True)
+  assert smem.quantized and smem.dtype == jnp.float16 and smem.fits
+  deeper = mla_config.MlaSmem.for_call(_config(1, num_stages=3), qk_dim=QK, v_dim=V, dtype=FP8, page_size=64)
+  assert not deeper.fits
+
+
+def test_fp8_mla_kernel_refuses_a_scale_on_a_16_bit_cache():
+  from pallas_kv.kernels.mosaic_gpu import mla as mgpu_mla
+  q = jnp.zeros((1, 64, SMALL_QK), jnp.bfloat16)
+  pages = jnp.zeros((4, 64, SMALL_QK), jnp.bfloat16)
+  with pytest.raises(ValueError, match="kv_scale widens an fp8 cache, not a bfloat16 one"):
+    mgpu_mla.mla_partials(q, pages, jnp.zeros((1,), jnp.int32), jnp.zeros((1, 4), jnp.int32), num_queries=1,
+                          v_head_dim=SMALL_V, scale=0.1, config=_config(1), plan=pkv.SplitPlan(
+                              kind="per_sequence", num_splits=1, block_kv=64), kv_scale=jnp.ones((1,)))
+
+
+# ---------------------------------------------------------------- CUDA lowering (CPU)
+
+LOWERING = [
+    dict(batch=64, seq_len=4096), dict(batch=64, seq_len=8192, num_heads=16), dict(batch=1, seq_len=32768,
+                                                                                     scales="scalar"),
+    dict(batch=8, seq_len=4096, num_heads=32, num_queries=4, page_size=16),
+    dict(batch=4, seq_len=1024, dtype=jnp.float8_e5m2, scales=None),
+]
+
+
+@pytest.mark.parametrize("shape", LOWERING, ids=lambda s: "-".join(f"{k}={getattr(v, '__name__', v)}"
+                                                                   for k, v in s.items()))
+def test_fp8_mla_lowers_for_cuda(shape):
+  shape = dict(num_heads=128, num_queries=1, page_size=64, dtype=FP8, scales="token") | shape
+  b, t, ps = shape["batch"], shape["seq_len"], shape["page_size"]
+  q_shape = (b, shape["num_heads"], QK) if shape["num_queries"] == 1 else (b, shape["num_queries"],
+                                                                            shape["num_heads"], QK)
+  args = [jax.ShapeDtypeStruct(q_shape, jnp.bfloat16), jax.ShapeDtypeStruct((b * t // ps, ps, QK), shape["dtype"]),
+          jax.ShapeDtypeStruct((b, t // ps), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32)]
+  scales = shape["scales"]
+  if scales is not None:
+    args.append(jax.ShapeDtypeStruct((b * t // ps, ps) if scales == "token" else (), jnp.float32))
+  call = lambda q, pages, tables, lengths, kv_scale=None: pkv.mla_decode_attention(
+      q, pages, tables, lengths, v_head_dim=V, return_lse=True, impl=IMPL, kv_scale=kv_scale)
+  module = lower_for_cuda(call, *args).mlir_module()
+  name = f"_regp_{jnp.dtype(shape['dtype']).name}"
+  assert "custom_call @mosaic_gpu" in module and name in module
+  assert ("_ks" in module) == (scales == "token")
+
+
+# ---------------------------------------------------------------- on the GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,seq_len,num_heads,num_queries,page_size,scales", [
+    (1, 32768, 128, None, 64, "token"), (16, 4096, 128, 2, 64, 0.05), (64, 4096, 128, None, 16, "token"),
+    (8, 8192, 16, 4, 128, "token")])
+def test_gpu_fp8_mla_matches_reference(batch, seq_len, num_heads, num_queries, page_size, scales):
+  from pallas_kv import runtime
+  if not runtime.is_hopper_or_newer():
+    pytest.skip("needs a Hopper GPU (compute capability 9.0+)")
+  rng = np.random.default_rng(batch)
+  lengths = rng.integers(1, seq_len + 1, size=batch)
+  lengths[0] = seq_len
+  case = _case(batch, batch=batch, seq_len=seq_len, num_heads=num_heads, num_queries=num_queries,
+               page_size=page_size, lengths=lengths, scales=scales, qk_dim=QK)
+  q, pages, tables, lengths, kv_scale, _ = case
+  out = jax.jit(functools.partial(pkv.mla_decode_attention, v_head_dim=V, return_lse=True))(
+      q, pages, tables, lengths, kv_scale=kv_scale)
+  assert pkv.last_impl() == IMPL
+  _check(case, out, v_head_dim=V)
