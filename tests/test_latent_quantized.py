@@ -95,14 +95,14 @@ def test_kv_scale_errors_name_the_argument():
 def test_mosaic_gpu_refuses_an_int8_latent_cache_and_auto_runs_fp8_on_it(monkeypatch):
   q = jnp.ones((2, 8, 192), jnp.bfloat16)
   lengths = jnp.asarray([3, 5], jnp.int32)
-  int8_pages = jnp.ones((8, 16, 192), jnp.int8)
+  int8_pages = jnp.ones((8, 32, 192), jnp.int8)
   with pytest.raises(NotImplementedError, match="MLA needs a bfloat16, float16 or fp8 .* got int8"):
     pkv.mla_decode_attention(q, int8_pages, _tables(), lengths, v_head_dim=128, kv_scale=0.5, impl="mosaic_gpu")
   monkeypatch.setattr(api, "device_can_run", lambda name: True)   # as on a Hopper GPU
   for dtype, want in ((jnp.int8, "xla"), (jnp.float8_e4m3fn, "mosaic_gpu"), (jnp.float8_e5m2, "mosaic_gpu")):
     pages = int8_pages.astype(dtype)
     problem = api.validation.validate_mla(q, pages, _tables(), lengths, 128)
-    for kv_scale in (0.5, jnp.ones((8, 16, 1), jnp.float32)):
+    for kv_scale in (0.5, jnp.ones((8, 32, 1), jnp.float32)):
       options = api._options(problem, None, None, None, None, kv_scale, None)
       assert api.choose_impl("auto", "mla", problem, options, (q.dtype, pages.dtype), None)[0] == want
 

@@ -63,11 +63,11 @@ def _config(num_splits, **fields):
 # ---------------------------------------------------------------- interpret mode (CPU)
 
 @pytest.mark.parametrize("page_size,num_queries,num_heads,num_splits,scales,dtype", [
-    (16, 2, 4, 2, "token", FP8),
+    (32, 2, 4, 2, "token", FP8),
     (64, None, 8, 1, 0.05, FP8),
     (32, 3, 24, 2, "token", FP8),
     (64, None, 4, 3, None, jnp.float8_e5m2),
-], ids=["page16-s2-token-splits2", "page64-s1-scalar", "page32-s3-rowblocks2-token", "page64-e5m2-unscaled-splits3"])
+], ids=["page32-s2-token-splits2", "page64-s1-scalar", "page32-s3-rowblocks2-token", "page64-e5m2-unscaled-splits3"])
 def test_fp8_mla_interpret(interpret_mode, page_size, num_queries, num_heads, num_splits, scales, dtype):
   # A ragged length (not a multiple of a tile) and one of zero; 3 x 24 heads = 72 rows take two row blocks.
   case = _case(page_size + num_heads, batch=2, seq_len=256, num_heads=num_heads, num_queries=num_queries,
@@ -81,7 +81,7 @@ def test_fp8_mla_interpret(interpret_mode, page_size, num_queries, num_heads, nu
 
 
 def test_fp8_mla_garbage_past_lengths_never_reaches_an_output(interpret_mode):
-  page_size = 16
+  page_size = 32
   case = _case(5, batch=3, seq_len=128, num_heads=4, num_queries=2, page_size=page_size, lengths=[100, 37, 70],
                scales="token")
   q, pages, tables, lengths, kv_scale, _ = case
@@ -100,6 +100,25 @@ def test_fp8_mla_garbage_past_lengths_never_reaches_an_output(interpret_mode):
   out = pkv.mla_decode_attention(q, jnp.asarray(bad_pages, pages.dtype), tables, lengths, v_head_dim=SMALL_V,
                                  return_lse=True, impl=IMPL, config=_config(2), kv_scale=jnp.asarray(bad_scale))
   _check(case, out)
+
+
+def test_fp8_mla_race_detection_finds_none():
+  # The partner widens the scorer's value columns for each tile (values_ready / values_free) while the scorer
+  # scores it: 5 tiles through a 2-slot ring, pages of 32, a masked last tile, per-token scales.
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from pallas_kv.kernels.mosaic_gpu import mla as mgpu_mla
+  case = _case(5, batch=1, seq_len=384, num_heads=4, num_queries=None, page_size=32, lengths=[300], scales="token")
+  q, pages, tables, lengths, kv_scale, widened = case
+  out, lse = mgpu_mla.mla_partials(q.astype(jnp.float16), pages, lengths, tables, num_queries=1,
+                                   v_head_dim=SMALL_V, scale=0.1, config=_config(1), kv_scale=kv_scale,
+                                   plan=pkv.SplitPlan(kind="per_sequence", num_splits=1, block_kv=64),
+                                   interpret=plgpu.InterpretGPUParams(detect_races=True))
+  jax.block_until_ready(out)
+  assert not gpu_callbacks.get_races().races_found
+  ref = pkv.mla_decode_attention_reference(q.astype(jnp.float32), widened, tables, lengths, v_head_dim=SMALL_V,
+                                           scale=0.1)
+  assert_matches_reference(out[:, 0], ref, jnp.bfloat16)
 
 
 def test_split_query_terms_keep_bf16_precision():
@@ -135,6 +154,20 @@ def test_fp8_mla_takes_the_shipped_schedule_on_64_token_tiles():
   assert not deeper.fits
 
 
+def test_per_token_scales_on_pages_under_32_tokens_run_on_xla(monkeypatch):
+  # A tile's scales land one page's run a copy, and TMA writes SMEM from 128-byte boundaries.
+  from pallas_kv import api
+  case = _case(2, batch=2, seq_len=64, num_heads=4, num_queries=None, page_size=16, lengths=[40, 9], scales="token")
+  q, pages, tables, lengths, kv_scale, _ = case
+  with pytest.raises(NotImplementedError, match="per-token kv_scale on pages of 16 tokens"):
+    pkv.mla_decode_attention(q, pages, tables, lengths, v_head_dim=SMALL_V, impl=IMPL, kv_scale=kv_scale)
+  monkeypatch.setattr(api, "device_can_run", lambda name: True)   # as on a Hopper GPU
+  problem = api.validation.validate_mla(q, pages, tables, lengths, SMALL_V)
+  for scale, want in ((kv_scale[..., None], "xla"), (0.5, IMPL)):
+    options = api._options(problem, None, None, None, None, scale, None)
+    assert api.choose_impl("auto", "mla", problem, options, (q.dtype, pages.dtype), None)[0] == want
+
+
 def test_fp8_mla_kernel_refuses_a_scale_on_a_16_bit_cache():
   from pallas_kv.kernels.mosaic_gpu import mla as mgpu_mla
   q = jnp.zeros((1, 64, SMALL_QK), jnp.bfloat16)
@@ -150,7 +183,8 @@ def test_fp8_mla_kernel_refuses_a_scale_on_a_16_bit_cache():
 LOWERING = [
     dict(batch=64, seq_len=4096), dict(batch=64, seq_len=8192, num_heads=16), dict(batch=1, seq_len=32768,
                                                                                      scales="scalar"),
-    dict(batch=8, seq_len=4096, num_heads=32, num_queries=4, page_size=16),
+    dict(batch=8, seq_len=4096, num_heads=32, num_queries=4, page_size=32),
+    dict(batch=8, seq_len=4096, num_heads=32, page_size=16, scales="scalar"),
     dict(batch=4, seq_len=1024, dtype=jnp.float8_e5m2, scales=None),
 ]
 
@@ -179,7 +213,7 @@ def test_fp8_mla_lowers_for_cuda(shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,seq_len,num_heads,num_queries,page_size,scales", [
-    (1, 32768, 128, None, 64, "token"), (16, 4096, 128, 2, 64, 0.05), (64, 4096, 128, None, 16, "token"),
+    (1, 32768, 128, None, 64, "token"), (16, 4096, 128, 2, 64, 0.05), (64, 4096, 128, None, 32, "token"),
     (8, 8192, 16, 4, 128, "token")])
 def test_gpu_fp8_mla_matches_reference(batch, seq_len, num_heads, num_queries, page_size, scales):
   from pallas_kv import runtime

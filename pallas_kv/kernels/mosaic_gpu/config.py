@@ -86,7 +86,8 @@ def head_dim_reason(head_dim: int, dtype: Any = "bfloat16") -> str | None:
 def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
   """Why this backend cannot serve the call, or None if it can."""
   if op == "mla":
-    return mla_reason(problem.head_dim, problem.v_head_dim, dtypes[1]) or page_size_reason(problem.page_size)
+    return (mla_reason(problem.head_dim, problem.v_head_dim, dtypes[1]) or page_size_reason(problem.page_size)
+            or mla_scale_reason(problem.page_size, options.k_scale))
   reason = frame.unsupported_reason(op, problem, options, dtypes, backend="Mosaic GPU")
   if reason is None:
     reason = head_dim_reason(problem.head_dim, dtypes[1])
@@ -102,6 +103,7 @@ def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
 # MLA: Dv splits over two consumers in 64-column swizzle tiles; Q and two 64-token stages must fit SMEM.
 MLA_MAX_QK_DIM = 576
 MLA_V_DIM_MULTIPLE = 128
+MLA_SCALE_RUN = pipeline.TMA_SMEM_ALIGNMENT // 4   # float32 scales per TMA copy
 MLA_ONE_BYTE_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
@@ -114,6 +116,15 @@ def mla_reason(qk_dim: int, v_dim: int, kv_dtype) -> str | None:
   if v_dim % MLA_V_DIM_MULTIPLE or qk_dim % 64 or not v_dim <= qk_dim <= MLA_MAX_QK_DIM:
     return (f"MLA needs v_head_dim a multiple of {MLA_V_DIM_MULTIPLE} and Dqk a multiple of 64 with "
             f"v_head_dim <= Dqk <= {MLA_MAX_QK_DIM} on Mosaic GPU, got Dqk {qk_dim}, v_head_dim {v_dim}")
+  return None
+
+
+def mla_scale_reason(page_size: int, kv_scale_kind: str | None) -> str | None:
+  """Why the MLA kernel cannot copy per-token scales of pages of page_size tokens, or None: a tile's scales land
+  one run of gcd(page_size, 64) tokens a copy, and TMA writes SMEM from 128-byte boundaries (32 float32)."""
+  if kv_scale_kind == "token" and math.gcd(page_size, MLA_SCALE_RUN) % MLA_SCALE_RUN:
+    return (f"per-token kv_scale on pages of {page_size} tokens: the MLA kernel copies scales in runs of "
+            f"{MLA_SCALE_RUN} tokens (pages of a multiple of {MLA_SCALE_RUN})")
   return None
 
 

@@ -10,9 +10,9 @@ Split by value columns, the f32 accumulator fits each consumer's registers (Flas
 schedules run their own consumers on a `Program`.
 
 An fp8 cache (`MlaSmem.quantized`) keeps the schedule and changes what a tile costs: Q K^T runs on fp8 wgmma
-with Q as two fp8 terms (`split_query`), and each consumer widens its own value columns into a 16-bit tile
-(`widen_values`; the scorer while its Q K^T runs, the partner while the scorer scores), so no warpgroup waits
-for another's widening. Per-token scales multiply S's columns and fold into P.
+with Q as two fp8 terms (`split_query`), and the partner widens the value columns into two 16-bit tiles
+(`widen_values`), the scorer's half while the scorer runs Q K^T and the softmax (`partner_one_byte_tiles`).
+Per-token scales multiply S's columns and fold into P.
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ class Program:
   st: Static
   row_factor_ref: Any = None          # one-byte caches: [B, rows] f32 (`split_query`)
   widened: Any = None                 # one-byte caches: each consumer's widened values [bkv, Dv/2]
+  values_ready: Any = None            # one-byte caches: the scorer's widened values, written / read by P V
+  values_free: Any = None
   scale_ring: pipeline.Ring | None = None   # per-token scales
 
   def scores(self, w: int) -> Scores:
@@ -189,7 +191,7 @@ def shipped_consumers(program: Program):
 
 
 def score_one_byte_tiles(program: Program, scores: Scores):
-  """`score_tiles` over an fp8 cache: Q K^T from the fp8 slot, the scorer's value columns widened meanwhile."""
+  """`score_tiles` over an fp8 cache: Q K^T from the fp8 slot; P V on the value columns the partner widened."""
   p, st = program, program.st
   s_type = plgpu.ACC((ROWS, st.tiling.block_kv), jnp.float32)
   row_factor = p.row_factor()
@@ -201,11 +203,10 @@ def score_one_byte_tiles(program: Program, scores: Scores):
 
     def qk(s_ref):
       scores.start(s_ref, tile, slot)
-      widen_values(slot, p.widened, SCORER, st, p.valid_rows(tile, masked))   # while the tensor cores run
       return s_ref[...]
 
     s = pl.run_scoped(qk, s_type)
-    p.ring.release(i, read_by_registers=True)
+    p.ring.release(i)
     key_scales = None
     if p.scale_ring is not None:
       key_scales = plgpu.load(p.scale_ring.wait(i), layout=plgpu.Layout.WGMMA.reduce(0))
@@ -214,26 +215,45 @@ def score_one_byte_tiles(program: Program, scores: Scores):
                                                      length=p.length, row0=p.row0, masked=masked, st=st)
     p16 = scaled_probabilities(prob, key_scales).astype(st.smem.dtype)
     acc = acc * online_softmax.per_row(alpha, acc.shape)
-    return publish_and_add_pv(p, acc, p16, alpha, p.widened[SCORER], tile), m_new, l_new
+    plgpu.barrier_wait(p.values_ready)
+    acc = publish_and_add_pv(p, acc, p16, alpha, p.widened[SCORER], tile)
+    plgpu.barrier_arrive(p.values_free)   # after P V's wgmma: its result is read above
+    return acc, m_new, l_new
 
   return unmasked_then_masked(p, step, start_state((ROWS, st.half_v)))
 
 
 def partner_one_byte_tiles(program: Program):
-  """`partner_tiles` over an fp8 cache: its value columns widened while the scorer scores the tile."""
+  """`partner_tiles` over an fp8 cache. The partner widens both halves of the value columns: the scorer's first,
+  once the scorer's last P V is done with them (values_free), handed over by values_ready while the scorer runs
+  Q K^T and the softmax; then its own. The scorer's tile then costs what a 16-bit tile costs."""
   p, st = program, program.st
 
   def step(tile, acc, *, masked: bool):
     i = tile - p.t0
-    widen_values(p.ring.wait(i), p.widened, PARTNER, st, p.valid_rows(tile, masked))
+    slot, valid_rows = p.ring.wait(i), p.valid_rows(tile, masked)
+
+    @pl.when(tile > p.t0)
+    def _():
+      plgpu.barrier_wait(p.values_free)
+
+    widen_values(slot, p.widened, SCORER, st, valid_rows)
+    plgpu.barrier_arrive(p.values_ready)
+    widen_values(slot, p.widened, PARTNER, st, valid_rows)
     p.ring.release(i, read_by_registers=True)
     alpha = p.shared.receive()
     acc = add_pv(acc * online_softmax.per_row(alpha, acc.shape), [(p.shared.p, p.widened[PARTNER])], st)
     p.shared.hand_back()
     return acc
 
-  return unmasked_then_masked(p, step, plgpu.layout_cast(jnp.zeros((ROWS, st.half_v), jnp.float32),
-                                                         plgpu.Layout.WGMMA))
+  acc = unmasked_then_masked(p, step, plgpu.layout_cast(jnp.zeros((ROWS, st.half_v), jnp.float32),
+                                                        plgpu.Layout.WGMMA))
+
+  @pl.when(p.t1 > p.t0)
+  def _():
+    plgpu.barrier_wait(p.values_free)   # the scorer's last P V: observe every phase of the barrier
+
+  return acc
 
 
 def _kernel(q_ref,
@@ -244,8 +264,8 @@ def _kernel(q_ref,
                                 # [one-byte: row factors [B, rows] f32, [per-token scales [P * page_size] f32]],
                                 # out, lse
             st: Static, q_block, union, p_smem, row_smem, produced, consumed, q_barrier, p_ready,
-            p_free, max_ready, consumers_done, widened=None, scale_slots=None, scales_produced=None,
-            scales_consumed=None):
+            p_free, max_ready, consumers_done, widened=None, values_ready=None, values_free=None, scale_slots=None,
+            scales_produced=None, scales_consumed=None):
   refs = list(refs)
   tiles_per_split = refs.pop(0)[0] if st.balanced else None
   sequence_order = refs.pop(0) if st.ordered else None        # batch slot -> the sequence it takes
@@ -298,7 +318,7 @@ def _kernel(q_ref,
                     shared=SharedP(p_smem, row_smem, p_ready, p_free), p_smem=p_smem, row_smem=row_smem,
                     p_ready=p_ready, p_free=p_free, max_ready=max_ready, output=output, b=b, t0=t0, t1=t1, c=c,
                     length=length, row0=row0, st=st, row_factor_ref=row_factor_ref, widened=widened,
-                    scale_ring=scale_ring)
+                    values_ready=values_ready, values_free=values_free, scale_ring=scale_ring)
   consumers = shipped_consumers if st.schedule is None else st.schedule.consumers
   if st.num_splits == 1:   # the output itself: written whatever the length
     consumers(program)
@@ -375,6 +395,9 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
     raise NotImplementedError(f"mosaic_gpu: {reason}")
   page_size = kv_pages.shape[1]
   token_scales = kv_scale is not None and jnp.size(kv_scale) > 1
+  reason = mgpu_config.mla_scale_reason(page_size, "token" if token_scales else None)
+  if reason:
+    raise NotImplementedError(f"mosaic_gpu: {reason}")
   check_config(config, qk_dim=D, v_dim=v_head_dim, dtype=q.dtype, page_size=page_size, rows=R,
                kv_dtype=kv_pages.dtype)
   if plan.stream_k:

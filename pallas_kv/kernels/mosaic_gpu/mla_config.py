@@ -92,7 +92,8 @@ class MlaSmem:
   q_block  [2, 64, Dqk] float8_e4m3fn                   Q as two fp8 terms (hi, lo), for fp8 wgmma with K
   ring     [num_stages, bkv, Dqk] kv_dtype              the cache's bytes as TMA lands them
   row_smem one more row                                 each q row's factor (1 / its fp8 scale x kv_scale)
-  widened  2 x [bkv, Dv/2] dtype, swizzled              each consumer's value columns widened (wgmma B of P V)
+  widened  2 x [bkv, Dv/2] dtype, swizzled              the consumers' value columns, widened by the partner
+  barriers values_ready, values_free                    the scorer's half handed over
   scales   ring [num_stages, bkv] f32                   per-token scales, when the call has them
   """
   qk_dim: int
@@ -106,7 +107,7 @@ class MlaSmem:
   rows_as_n: int = 0           # padded q rows as wgmma N; 0: rows as M
   alternate_scores: bool = False
   ring_halves: bool = False    # ring slots in two column parts: [0, Dv/2) and [Dv/2, Dqk)
-  kv_dtype: Any = None         # the cache's dtype; None: dtype. One byte: Q K^T in fp8, V widened per consumer
+  kv_dtype: Any = None         # the cache's dtype; None: dtype. One byte: Q K^T in fp8, V widened by the partner
   token_scales: bool = False   # a one-byte cache's per-token scales ride a ring of their own
   query_terms: int = 2         # one-byte caches: Q's fp8 terms (1 halves Q K^T's MMA time at fp8's error)
 
@@ -190,7 +191,7 @@ class MlaSmem:
   def quantized_scratch(self) -> dict[str, Any]:
     if not self.quantized:
       return {}
-    scratch = dict(widened=self.widened_type())
+    scratch = dict(widened=self.widened_type(), values_ready=plgpu.Barrier(), values_free=plgpu.Barrier())
     if self.token_scales:
       scales = self.scale_ring_spec()
       scratch.update(scale_slots=scales.buffer_type(), **dict(zip(("scales_produced", "scales_consumed"),
@@ -239,7 +240,8 @@ class MlaSmem:
     barriers = ring.barrier_bytes + (7 if self.alternate_scores else 5) * pipeline.BARRIER_BYTES
     quantized = 0
     if self.quantized:
-      quantized = align(VALUE_WGS * self.block_kv * self.half_v * self.dtype.itemsize)
+      quantized = (VALUE_WGS * align(self.block_kv * self.half_v * self.dtype.itemsize)
+                   + 2 * pipeline.BARRIER_BYTES)
     if self.token_scales:
       quantized += align(self.scale_ring_spec().buffer_bytes) + self.scale_ring_spec().barrier_bytes
     return (align(q) + align(max(ring.buffer_bytes, out_stage)) + align(p) + align(self.row_vectors * rows * 4)

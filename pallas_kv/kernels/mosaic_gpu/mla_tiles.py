@@ -196,7 +196,9 @@ def split_query(q, factor, terms: int = 2):
   row_scale = jnp.where(amax > 0, FP8_MAX / jnp.where(amax > 0, amax, 1.0), 1.0)
   scaled = q * row_scale[..., None]
   hi = scaled.astype(jnp.float8_e4m3fn)
-  lo = (scaled - hi.astype(jnp.float32)).astype(jnp.float8_e4m3fn)
+  # The barrier keeps hi's rounding: XLA on GPU may fold the round trip f32 -> fp8 -> f32 away (excess
+  # precision), which made lo all zeros there.
+  lo = (scaled - lax.optimization_barrier(hi).astype(jnp.float32)).astype(jnp.float8_e4m3fn)
   return jnp.stack([hi, lo][:terms], axis=1), jnp.asarray(factor, jnp.float32) / row_scale
 
 
