@@ -39,7 +39,7 @@ from pallas_kv.kernels.mosaic_gpu.mla_config import ROWS, VALUE_WGS, Codegen, Ml
 from pallas_kv.kernels.mosaic_gpu.mla_config import variant_schedule
 from pallas_kv.kernels.mosaic_gpu.mla_output import ProgramOutput
 from pallas_kv.kernels.mosaic_gpu.mla_tiles import Scores, SharedP, Static, TileMath, add_pv, start_state, zero_row
-from pallas_kv.kernels.mosaic_gpu.mla_tiles import scaled_probabilities, scaled_scores, split_query, widen_values
+from pallas_kv.kernels.mosaic_gpu.mla_tiles import scaled_probabilities, scaled_scores, split_query
 
 SCORER, PARTNER, PRODUCER = 0, 1, 2
 LSE_ROW_MULTIPLE = 4   # TMA stores need 16-byte rows: the lse output is padded to 4 float32 rows
@@ -237,9 +237,9 @@ def partner_one_byte_tiles(program: Program):
     def _():
       plgpu.barrier_wait(p.values_free)
 
-    widen_values(slot, p.widened, SCORER, st, valid_rows)
+    st.tile_math.widen(slot, p.widened, SCORER, st, valid_rows)
     plgpu.barrier_arrive(p.values_ready)
-    widen_values(slot, p.widened, PARTNER, st, valid_rows)
+    st.tile_math.widen(slot, p.widened, PARTNER, st, valid_rows)
     p.ring.release(i, read_by_registers=True)
     alpha = p.shared.receive()
     acc = add_pv(acc * online_softmax.per_row(alpha, acc.shape), [(p.shared.p, p.widened[PARTNER])], st)

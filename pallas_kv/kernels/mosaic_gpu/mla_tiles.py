@@ -40,6 +40,10 @@ class TileMath:
   def qk(self, s_ref, q_tile, k_tile):
     plgpu.wgmma(s_ref, q_tile, k_tile)
 
+  def widen(self, slot, widened, w: int, st: "Static", valid_rows=None):
+    """A one-byte slot's value columns of consumer w into widened[w] (`widen_values`)."""
+    widen_values(slot, widened, w, st, valid_rows)
+
   def pv(self, acc_ref, p_tile, v_tile):
     plgpu.wgmma(acc_ref, p_tile, v_tile)
 

@@ -1,0 +1,130 @@
+r"""Where an fp8 MLA tile's time goes: the MLA kernel's launch alone (one split, no merge) over a bf16 pool and
+over its fp8 copy (a scale per token), with Q as two fp8 terms or one, and with a stage left out.
+
+  python -m benchmarks tools.mla_fp8_parts --json=parts.json          # on a GPU; CPU: the tiny row, interpreted
+
+Impls: `bf16`, `fp8` (the shipped kernel: Q as two fp8 terms), `fp8_q1` (one term: fp8's error, half Q K^T's
+MMA work), and probes whose results are wrong by design (unchecked): `bf16_no_qk`, `fp8_no_qk` (Q K^T left out),
+`fp8_no_widen` (the partner hands the value tiles over without widening them). Each checked impl's relative
+error is given against bf16_einsum over the bf16 pool and over the fp8 pool widened exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from benchmarks import cases
+from benchmarks import mla as bench
+from benchmarks import timing
+
+_ROWS = flags.DEFINE_list("rows", None, "benchmarks.mla rows; default: GPU h128_b64_t4096, h16_b64_t8192; CPU tiny_cpu")
+_IMPLS = flags.DEFINE_list("impl", ["bf16", "fp8", "fp8_q1", "bf16_no_qk", "fp8_no_qk", "fp8_no_widen"], "impls")
+_JSON = flags.DEFINE_string("json", None, "write the rows here")
+
+# impl: (fp8 pool, Q's fp8 terms, the stages left out)
+IMPLS = {"bf16": (False, 2, ()), "fp8": (True, 2, ()), "fp8_q1": (True, 1, ()), "bf16_no_qk": (False, 2, ("qk",)),
+         "fp8_no_qk": (True, 2, ("qk",)), "fp8_no_widen": (True, 2, ("widen",))}
+
+
+def probe_math(skip: tuple[str, ...]):
+  from pallas_kv.kernels.mosaic_gpu import mla as mgpu_mla   # pylint: disable=g-import-not-at-top
+
+  @dataclasses.dataclass(frozen=True)
+  class Probe(mgpu_mla.TileMath):
+    """MEASUREMENT ONLY: Q K^T or the widening left out."""
+    name: str = "probe_" + "_".join(skip)
+
+    def qk(self, s_ref, q_tile, k_tile):
+      if "qk" not in skip:
+        super().qk(s_ref, q_tile, k_tile)
+
+    def widen(self, slot, widened, w, st, valid_rows=None):
+      if "widen" in skip:
+        plgpu.commit_smem()
+      else:
+        super().widen(slot, widened, w, st, valid_rows)
+
+  return Probe() if skip else mgpu_mla.TileMath()
+
+
+def launch(row: bench.Row, impl: str):
+  """The jitted kernel launch of impl on (q, pages, tables, lengths[, kv_scale]): out [B, (S,) Hq, Dv]."""
+  from pallas_kv.kernels.mosaic_gpu import backend, mla as mgpu_mla   # pylint: disable=g-import-not-at-top
+  quantized, terms, skip = IMPLS[impl]
+  config, plan = bench.kernel_config({}, 1)
+  math = probe_math(skip)
+
+  def run(q, pages, tables, lengths, kv_scale=None):
+    rows = q.reshape(q.shape[0], -1, q.shape[-1])   # [B, S * Hq, Dqk]: row s * Hq + h
+    if quantized:
+      rows = rows.astype(jnp.float16)   # the op's compute dtype over a one-byte pool
+    out, _ = mgpu_mla.mla_partials(rows, pages, lengths, tables, num_queries=row.num_queries, v_head_dim=row.v_dim,
+                                   scale=row.qk_dim ** -0.5, config=config, plan=plan, kv_scale=kv_scale,
+                                   query_terms=terms, tile_math=math, interpret=backend.interpret_params())
+    return out[:, 0].reshape(*q.shape[:-1], row.v_dim).astype(q.dtype)
+
+  return jax.jit(run)
+
+
+def run_row(row: bench.Row, impls, *, cpu: bool) -> list[dict[str, Any]]:
+  case = row.case()
+  lengths = cases.make_lengths(case, jax.random.key(0))
+  bf16_sets = cases.make_input_sets(case, jax.random.key(1), lengths, 1 if cpu else 3)
+  fp8_sets = []
+  for q, pages, tables, lens in bf16_sets:   # the same pools in fp8 with a scale per token: kv_scale last
+    fp8_pages, kv_scale = quantize(pages)
+    fp8_sets.append((q, fp8_pages, tables, lens, kv_scale))
+  q, pages, tables, lens = bf16_sets[0]
+  widened = (fp8_sets[0][1].astype(jnp.float32) * fp8_sets[0][4][..., None]).astype(jnp.bfloat16)
+  einsum = jax.jit(lambda *a: bench.bf16_einsum(*a, v_head_dim=row.v_dim, scale=row.qk_dim ** -0.5))
+  ref_pool, ref_widened = einsum(q, pages, tables, lens), einsum(q, widened, tables, lens)
+  results = []
+  for impl in impls:
+    quantized, _, skip = IMPLS[impl]
+    sets = fp8_sets if quantized else bf16_sets
+    fn = launch(row, impl)
+    result = dict(row=row.name, impl=impl, probe=bool(skip))
+    if not skip:
+      out = fn(*sets[0])
+      result.update(err_vs_bf16_pool=cases.relative_error(out, ref_pool),
+                    err_vs_widened=cases.relative_error(out, ref_widened) if quantized else None)
+    t = timing.time_jax(fn, sets, warmup=0 if cpu else 3, iters=1 if cpu else 10, repeats=1 if cpu else 5)
+    result["us"] = t.median_s * 1e6
+    print(result, flush=True)
+    results.append(result)
+  return results
+
+
+def quantize(pages):
+  from pallas_kv import cache as kv_cache   # pylint: disable=g-import-not-at-top
+  return kv_cache.quantize(pages, jnp.float8_e4m3fn)
+
+
+def main(argv) -> None:
+  del argv
+  cpu = cases.default_is_cpu()
+  names = _ROWS.value or (["tiny_cpu"] if cpu else ["h128_b64_t4096", "h16_b64_t8192"])
+  unknown = [i for i in _IMPLS.value if i not in IMPLS]
+  if unknown:
+    raise app.UsageError(f"--impl: unknown {unknown}; choose from {','.join(IMPLS)}")
+  results = [r for name in names for r in run_row(bench.ALL_ROWS[name], _IMPLS.value, cpu=cpu)]
+  for r in results:
+    errors = "probe (unchecked)" if r["probe"] else (
+        f"err vs bf16 pool {r['err_vs_bf16_pool']:.2e}"
+        + (f", vs widened fp8 pool {r['err_vs_widened']:.2e}" if r["err_vs_widened"] is not None else ""))
+    print(f"{r['row']:<18} {r['impl']:<14} {r['us']:9.1f} us  {errors}")
+  if _JSON.value:
+    with open(_JSON.value, "w") as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)
