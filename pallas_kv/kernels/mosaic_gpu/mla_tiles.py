@@ -194,7 +194,7 @@ def split_query(q, factor, terms: int = 2):
   """q [B, R, Dqk] as two float8_e4m3fn terms [B, 2, R, Dqk], hi + lo, scaled row by row to FP8_MAX: together
   they keep ~8 significant bits (bf16 has 8), so fp8 wgmma computes Q K^T with bf16's error. Also returns each
   row's factor [B, R] f32, factor (a scalar kv_scale, or 1) over the row's scale, by which S's rows are multiplied.
-  terms=1: hi alone [B, 1, R, Dqk] (fp8's error, half the MMA time)."""
+  terms=1: hi alone [B, 1, R, Dqk] (fp8's error, half the MMA time; docs/decisions.md#mla-fp8-query-terms)."""
   q = q.astype(jnp.float32)
   amax = jnp.max(jnp.abs(q), axis=-1)
   row_scale = jnp.where(amax > 0, FP8_MAX / jnp.where(amax > 0, amax, 1.0), 1.0)
