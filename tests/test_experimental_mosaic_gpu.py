@@ -27,9 +27,9 @@ def converter(**fields) -> MosaicGPUVariantConfig:
 
 @pytest.mark.parametrize("seed,kv_dtype,k_kind,v_kind,page_size,num_queries,num_kv_heads,fields", [
     (30, INT8, "token", "token", None, 1, 4, dict(num_splits=2)),
-    (31, E4M3, "head", "token", 16, 3, 1, dict(pipeline_qk=True)),
+    (31, E4M3, "head", "token", 32, 3, 1, dict(pipeline_qk=True)),
     (32, E5M2, None, "head", 64, 2, 1, dict()),
-], ids=["int8-token-dense", "e4m3-head+token-hkv1-page16-s3-pqk", "e5m2-none+head-page64-s2"])
+], ids=["int8-token-dense", "e4m3-head+token-hkv1-page32-s3-pqk", "e5m2-none+head-page64-s2"])
 def test_converter_warpgroup_matches_reference_interpret(seed, kv_dtype, k_kind, v_kind, page_size, num_queries,
                                                          num_kv_heads, fields):
   # A ragged length (the last tile masked) and an empty sequence: the converter zeroes V's rows past
@@ -46,7 +46,7 @@ def test_converter_warpgroup_race_detection_finds_none():
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
   # 5 tiles through 2-slot rings on both sides of the converter: every slot refilled.
   case = make_quant_case(33, kv_dtype=INT8, k_kind="token", v_kind="token", batch=1, seq_len=320, num_heads=4,
-                         num_kv_heads=1, page_size=16, lengths=[300])
+                         num_kv_heads=1, page_size=32, lengths=[300])
   out, _ = run_partials(case, converter(), interpret=plgpu.InterpretGPUParams(detect_races=True))
   jax.block_until_ready(out)
   assert not gpu_callbacks.get_races().races_found

@@ -21,6 +21,7 @@ from pallas_kv.kernels import frame
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
 from pallas_kv.kernels.mosaic_gpu import pipeline
+from pallas_kv.kernels.mosaic_gpu import tiling
 
 INT8, E4M3, E5M2 = jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 SCALE_KINDS = (None, "head", "token")
@@ -156,10 +157,22 @@ def test_quantized_softcap_and_window_interpret():
 
 
 def test_quantized_single_kv_head_per_token_scales_interpret():
-  # One kv head: its per-token scales are contiguous and copied as flat runs, not 4-head rows.
+  # One kv head: its per-token scales are contiguous and copied as flat runs (a page's 32 scales, 128 bytes, a
+  # copy), not 4-head rows.
   case = make_quant_case(4, kv_dtype=INT8, k_kind="token", v_kind="token", batch=2, num_heads=4, num_kv_heads=1,
-                         page_size=16, lengths=[256, 77])
+                         page_size=32, lengths=[256, 77])
   check_case(case, complete(num_splits=2))
+
+
+def test_per_token_scales_of_one_kv_head_need_pages_of_32_tokens():
+  # TMA writes SMEM from 128-byte boundaries: a page's run of single scales is one copy, so pages of 16 (64
+  # bytes) would land misaligned; 4-head scale rows (16 bytes a token) take pages of 8.
+  case = make_quant_case(9, kv_dtype=INT8, k_kind="token", v_kind="token", batch=1, seq_len=64, num_heads=4,
+                         num_kv_heads=1, page_size=16, lengths=[40])
+  with pytest.raises(NotImplementedError, match="pages of 16 tokens: TMA .* a multiple of 32 tokens"):
+    run_partials(case, complete())
+  assert mgpu_config.token_scale_reason(16, 1) and not mgpu_config.token_scale_reason(32, 1)
+  assert not mgpu_config.token_scale_reason(8, tiling.SCALE_ROW) and not mgpu_config.token_scale_reason(None, 1)
 
 
 def test_quantized_eight_kv_heads_pick_their_scale_group_interpret():
@@ -172,9 +185,9 @@ def test_quantized_eight_kv_heads_pick_their_scale_group_interpret():
 
 @pytest.mark.parametrize("page_size,fields,num_programs", [
     (None, dict(pipeline_qk=True, num_splits=2), None),
-    (16, dict(pipeline_qk=True, persistent=True, num_splits=2), 3),
+    (32, dict(pipeline_qk=True, persistent=True, num_splits=2), 3),
     (None, dict(kv_groups=2, num_splits=2), None),
-], ids=["pqk", "pqk-persistent3-page16", "kv_groups2"])
+], ids=["pqk", "pqk-persistent3-page32", "kv_groups2"])
 def test_quantized_pipeline_options_interpret(page_size, fields, num_programs):
   case = make_quant_case(6, kv_dtype=E4M3, k_kind="token", v_kind="head", batch=2, num_heads=4, num_kv_heads=1,
                          page_size=page_size, lengths=[201, 0])
@@ -195,7 +208,7 @@ def test_quantized_race_detection_finds_none(fields):
   # 5 tiles through a 2-slot ring: K, V and scale slots refilled after register reads, and the
   # dequantized tiles rewritten after wgmma read them.
   case = make_quant_case(8, kv_dtype=INT8, k_kind="token", v_kind="token", batch=1, seq_len=320, num_heads=4,
-                         num_kv_heads=1, page_size=16, lengths=[300])
+                         num_kv_heads=1, page_size=32, lengths=[300])
   out, _ = run_partials(case, complete(**fields), num_programs=1,
                         interpret=plgpu.InterpretGPUParams(detect_races=True))
   jax.block_until_ready(out)
@@ -379,12 +392,12 @@ def test_heuristic_configs_lower_for_cuda(monkeypatch, kv_dtype, page_size, scal
     (dict(pipeline_qk=True), None, (32, 8), 128, None),
     (dict(pipeline_qk=True, persistent=True, num_stages=6), 16, (32, 8), 128, None),
     (dict(block_kv=128, num_stages=4), None, (32, 8), 128, None),
-    (dict(), 16, (8, 1), 128, None),
+    (dict(), 32, (8, 1), 128, None),
     (dict(), None, (32, 8), 64, None),
     (dict(), 64, (32, 8), 256, None),
-    (dict(), 16, (16, 1), 128, 5),
-], ids=["pqk", "pqk-persistent-page16", "bkv128", "hkv1-page16", "d64", "d256-page64-one-group",
-        "two-row-warpgroups-page16"])
+    (dict(), 32, (16, 1), 128, 5),
+], ids=["pqk", "pqk-persistent-page16", "bkv128", "hkv1-page32", "d64", "d256-page64-one-group",
+        "two-row-warpgroups-page32"])
 def test_options_and_shapes_lower_for_cuda(monkeypatch, fields, page_size, heads, head_dim, num_queries):
   # K per token, V per head, int8; partial configs filled by the backend (resolve_config).
   _, problem = sweeps.problem_args(heads, (32, 4096), page_size)

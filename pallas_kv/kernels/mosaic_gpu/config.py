@@ -103,7 +103,6 @@ def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
 # MLA: Dv splits over two consumers in 64-column swizzle tiles; Q and two 64-token stages must fit SMEM.
 MLA_MAX_QK_DIM = 576
 MLA_V_DIM_MULTIPLE = 128
-MLA_SCALE_RUN = pipeline.TMA_SMEM_ALIGNMENT // 4   # float32 scales per TMA copy
 MLA_ONE_BYTE_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
@@ -119,13 +118,20 @@ def mla_reason(qk_dim: int, v_dim: int, kv_dtype) -> str | None:
   return None
 
 
-def mla_scale_reason(page_size: int, kv_scale_kind: str | None) -> str | None:
-  """Why the MLA kernel cannot copy per-token scales of pages of page_size tokens, or None: a tile's scales land
-  one run of gcd(page_size, 64) tokens a copy, and TMA writes SMEM from 128-byte boundaries (32 float32)."""
-  if kv_scale_kind == "token" and math.gcd(page_size, MLA_SCALE_RUN) % MLA_SCALE_RUN:
-    return (f"per-token kv_scale on pages of {page_size} tokens: the MLA kernel copies scales in runs of "
-            f"{MLA_SCALE_RUN} tokens (pages of a multiple of {MLA_SCALE_RUN})")
+def token_scale_reason(page_size: int | None, width: int) -> str | None:
+  """Why a kernel cannot copy per-token scales (`width` float32 a token) of pages of page_size tokens, or None.
+  A tile's scales land one page's run a copy, and TMA writes SMEM from 128-byte boundaries: a run of 16 single
+  scales (64 bytes) raised a misaligned address on the H200 (RESULTS.md, twenty-sixth set)."""
+  run = pipeline.TMA_SMEM_ALIGNMENT // (4 * width)   # tokens per 128 bytes of scales
+  if page_size is not None and page_size % run:
+    return (f"per-token scales of {width} float32 a token on pages of {page_size} tokens: TMA copies them a page "
+            f"at a time into 128-byte aligned SMEM (pages of a multiple of {run} tokens)")
   return None
+
+
+def mla_scale_reason(page_size: int, kv_scale_kind: str | None) -> str | None:
+  """Why the MLA kernel cannot serve a kv_scale of this kind on pages of page_size tokens, or None."""
+  return token_scale_reason(page_size, 1) if kv_scale_kind == "token" else None
 
 
 def quantized_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str | None, problem) -> str | None:
@@ -137,6 +143,10 @@ def quantized_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str | Non
   reason = quantized_call_reason(kv_dtype, k_scale_kind, v_scale_kind, num_kv_heads=problem.num_kv_heads)
   if reason:
     return reason
+  if "token" in (k_scale_kind, v_scale_kind):
+    reason = token_scale_reason(problem.page_size, tiling.token_scale_width(problem.num_kv_heads))
+    if reason:
+      return reason
   if problem.page_size is not None and gqa_page_size_reason(problem.page_size, problem.head_dim, kv_dtype):
     return gqa_page_size_reason(problem.page_size, problem.head_dim, kv_dtype)
   rows = problem.num_queries * problem.group_size
