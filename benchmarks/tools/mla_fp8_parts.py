@@ -4,7 +4,7 @@ over its fp8 copy (a scale per token), with Q as two fp8 terms or one, and with 
   python -m benchmarks tools.mla_fp8_parts --json=parts.json          # on a GPU; CPU: the tiny row, interpreted
 
 Impls: `bf16`, `fp8` (the shipped kernel: Q as two fp8 terms), `fp8_q1` (one term: fp8's error, half Q K^T's
-MMA work), and probes whose results are wrong by design (unchecked): `bf16_no_qk`, `fp8_no_qk` (Q K^T left out),
+MMA work), `fp8_scalar` (one scale for the pool: no scale ring, S and P unscaled in the kernel), and probes whose results are wrong by design (unchecked): `bf16_no_qk`, `fp8_no_qk` (Q K^T left out),
 `fp8_no_widen` (the partner hands the value tiles over without widening them). Each checked impl's relative
 error is given against bf16_einsum over the bf16 pool and over the fp8 pool widened exactly.
 """
@@ -26,12 +26,13 @@ from benchmarks import mla as bench
 from benchmarks import timing
 
 _ROWS = flags.DEFINE_list("rows", None, "benchmarks.mla rows; default: GPU h128_b64_t4096, h16_b64_t8192; CPU tiny_cpu")
-_IMPLS = flags.DEFINE_list("impl", ["bf16", "fp8", "fp8_q1", "bf16_no_qk", "fp8_no_qk", "fp8_no_widen"], "impls")
+_IMPLS = flags.DEFINE_list("impl", ["bf16", "fp8", "fp8_q1", "fp8_scalar", "bf16_no_qk", "fp8_no_qk", "fp8_no_widen"],
+                           "impls")
 _JSON = flags.DEFINE_string("json", None, "write the rows here")
 
-# impl: (fp8 pool, Q's fp8 terms, the stages left out)
-IMPLS = {"bf16": (False, 2, ()), "fp8": (True, 2, ()), "fp8_q1": (True, 1, ()), "bf16_no_qk": (False, 2, ("qk",)),
-         "fp8_no_qk": (True, 2, ("qk",)), "fp8_no_widen": (True, 2, ("widen",))}
+# impl: (pool: bf16, fp8 with a scale per token or one scalar; Q's fp8 terms; the stages left out)
+IMPLS = {"bf16": ("bf16", 2, ()), "fp8": ("token", 2, ()), "fp8_q1": ("token", 1, ()), "fp8_scalar": ("scalar", 2, ()),
+         "bf16_no_qk": ("bf16", 2, ("qk",)), "fp8_no_qk": ("token", 2, ("qk",)), "fp8_no_widen": ("token", 2, ("widen",))}
 
 
 def probe_math(skip: tuple[str, ...]):
@@ -58,13 +59,13 @@ def probe_math(skip: tuple[str, ...]):
 def launch(row: bench.Row, impl: str):
   """The jitted kernel launch of impl on (q, pages, tables, lengths[, kv_scale]): out [B, (S,) Hq, Dv]."""
   from pallas_kv.kernels.mosaic_gpu import backend, mla as mgpu_mla   # pylint: disable=g-import-not-at-top
-  quantized, terms, skip = IMPLS[impl]
+  pool, terms, skip = IMPLS[impl]
   config, plan = bench.kernel_config({}, 1)
   math = probe_math(skip)
 
   def run(q, pages, tables, lengths, kv_scale=None):
     rows = q.reshape(q.shape[0], -1, q.shape[-1])   # [B, S * Hq, Dqk]: row s * Hq + h
-    if quantized:
+    if pool != "bf16":
       rows = rows.astype(jnp.float16)   # the op's compute dtype over a one-byte pool
     out, _ = mgpu_mla.mla_partials(rows, pages, lengths, tables, num_queries=row.num_queries, v_head_dim=row.v_dim,
                                    scale=row.qk_dim ** -0.5, config=config, plan=plan, kv_scale=kv_scale,
@@ -78,24 +79,28 @@ def run_row(row: bench.Row, impls, *, cpu: bool) -> list[dict[str, Any]]:
   case = row.case()
   lengths = cases.make_lengths(case, jax.random.key(0))
   bf16_sets = cases.make_input_sets(case, jax.random.key(1), lengths, 1 if cpu else 3)
-  fp8_sets = []
-  for q, pages, tables, lens in bf16_sets:   # the same pools in fp8 with a scale per token: kv_scale last
-    fp8_pages, kv_scale = quantize(pages)
-    fp8_sets.append((q, fp8_pages, tables, lens, kv_scale))
+  pool_sets = {"bf16": bf16_sets, "token": [], "scalar": []}
+  for q, pages, tables, lens in bf16_sets:   # the same pools in fp8: kv_scale last
+    for kind in ("token", "scalar"):
+      fp8_pages, kv_scale = quantize(pages, kind)
+      pool_sets[kind].append((q, fp8_pages, tables, lens, kv_scale))
   q, pages, tables, lens = bf16_sets[0]
-  widened = (fp8_sets[0][1].astype(jnp.float32) * fp8_sets[0][4][..., None]).astype(jnp.bfloat16)
   einsum = jax.jit(lambda *a: bench.bf16_einsum(*a, v_head_dim=row.v_dim, scale=row.qk_dim ** -0.5))
-  ref_pool, ref_widened = einsum(q, pages, tables, lens), einsum(q, widened, tables, lens)
+  refs = {"bf16": einsum(q, pages, tables, lens)}
+  for kind in ("token", "scalar"):
+    _, fp8_pages, _, _, kv_scale = pool_sets[kind][0]
+    scale = kv_scale[..., None] if kind == "token" else kv_scale
+    refs[kind] = einsum(q, (fp8_pages.astype(jnp.float32) * scale).astype(jnp.bfloat16), tables, lens)
   results = []
   for impl in impls:
-    quantized, _, skip = IMPLS[impl]
-    sets = fp8_sets if quantized else bf16_sets
+    pool, _, skip = IMPLS[impl]
+    sets = pool_sets[pool]
     fn = launch(row, impl)
     result = dict(row=row.name, impl=impl, probe=bool(skip))
     if not skip:
       out = fn(*sets[0])
-      result.update(err_vs_bf16_pool=cases.relative_error(out, ref_pool),
-                    err_vs_widened=cases.relative_error(out, ref_widened) if quantized else None)
+      result.update(err_vs_bf16_pool=cases.relative_error(out, refs["bf16"]),
+                    err_vs_widened=cases.relative_error(out, refs[pool]) if pool != "bf16" else None)
     t = timing.time_jax(fn, sets, warmup=0 if cpu else 3, iters=1 if cpu else 10, repeats=1 if cpu else 5)
     result["us"] = t.median_s * 1e6
     print(result, flush=True)
@@ -103,9 +108,13 @@ def run_row(row: bench.Row, impls, *, cpu: bool) -> list[dict[str, Any]]:
   return results
 
 
-def quantize(pages):
+def quantize(pages, kind: str):
+  """(fp8 pages, kv_scale): a scale per token [P, page_size], or one for the pool (its max over 448)."""
   from pallas_kv import cache as kv_cache   # pylint: disable=g-import-not-at-top
-  return kv_cache.quantize(pages, jnp.float8_e4m3fn)
+  if kind == "token":
+    return kv_cache.quantize(pages, jnp.float8_e4m3fn)
+  scale = jnp.max(jnp.abs(pages.astype(jnp.float32))) / 448.0
+  return kv_cache.quantize(pages, jnp.float8_e4m3fn, scale)[0], scale
 
 
 def main(argv) -> None:
