@@ -4,9 +4,10 @@ over its fp8 copy (a scale per token), with Q as two fp8 terms or one, and with 
   python -m benchmarks tools.mla_fp8_parts --json=parts.json          # on a GPU; CPU: the tiny row, interpreted
 
 Impls: `bf16`, `fp8` (the shipped kernel: Q as two fp8 terms), `fp8_q1` (one term: fp8's error, half Q K^T's
-MMA work), `fp8_scalar` (one scale for the pool: no scale ring, S and P unscaled in the kernel), and probes whose results are wrong by design (unchecked): `bf16_no_qk`, `fp8_no_qk` (Q K^T left out),
-`fp8_no_widen` (the partner hands the value tiles over without widening them). Each checked impl's relative
-error is given against bf16_einsum over the bf16 pool and over the fp8 pool widened exactly.
+MMA work), `fp8_scalar` (one scale for the pool: no scale ring, S and P unscaled in the kernel), and probes
+whose results are wrong by design (unchecked): `bf16_no_qk`, `fp8_no_qk` (Q K^T left out), `fp8_no_widen` (the
+partner hands the value tiles over without widening them). Each checked impl's relative error is given against
+bf16_einsum over the bf16 pool and over the fp8 pool widened exactly.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ _IMPLS = flags.DEFINE_list("impl", ["bf16", "fp8", "fp8_q1", "fp8_scalar", "bf16
 _JSON = flags.DEFINE_string("json", None, "write the rows here")
 
 # impl: (pool: bf16, fp8 with a scale per token or one scalar; Q's fp8 terms; the stages left out)
-IMPLS = {"bf16": ("bf16", 2, ()), "fp8": ("token", 2, ()), "fp8_q1": ("token", 1, ()), "fp8_scalar": ("scalar", 2, ()),
-         "bf16_no_qk": ("bf16", 2, ("qk",)), "fp8_no_qk": ("token", 2, ("qk",)), "fp8_no_widen": ("token", 2, ("widen",))}
+IMPLS = {"bf16": ("bf16", 2, ()), "fp8": ("token", 2, ()), "fp8_q1": ("token", 1, ()),
+         "fp8_scalar": ("scalar", 2, ()), "bf16_no_qk": ("bf16", 2, ("qk",)), "fp8_no_qk": ("token", 2, ("qk",)),
+         "fp8_no_widen": ("token", 2, ("widen",))}
 
 
 def probe_math(skip: tuple[str, ...]):

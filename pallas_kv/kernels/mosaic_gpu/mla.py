@@ -70,7 +70,7 @@ class Program:
   row0: Any
   st: Static
   row_factor_ref: Any = None          # one-byte caches: [B, rows] f32 (`split_query`)
-  widened: Any = None                 # one-byte caches: each consumer's widened values [bkv, Dv/2]
+  widened: Any = None                 # one-byte caches: both consumers' value columns, widened by the partner
   values_ready: Any = None            # one-byte caches: the scorer's widened values, written / read by P V
   values_free: Any = None
   scale_ring: pipeline.Ring | None = None   # per-token scales
