@@ -140,13 +140,10 @@ def quantized_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str | Non
   if kv_dtype not in frame.QUANTIZED_DTYPES:
     return (f"the cache dtype {kv_dtype.name} is not a one-byte type the kernel dequantizes "
             f"({', '.join(d.name for d in frame.QUANTIZED_DTYPES)})")
-  reason = quantized_call_reason(kv_dtype, k_scale_kind, v_scale_kind, num_kv_heads=problem.num_kv_heads)
+  reason = quantized_call_reason(kv_dtype, k_scale_kind, v_scale_kind, num_kv_heads=problem.num_kv_heads,
+                                 page_size=problem.page_size)
   if reason:
     return reason
-  if "token" in (k_scale_kind, v_scale_kind):
-    reason = token_scale_reason(problem.page_size, tiling.token_scale_width(problem.num_kv_heads))
-    if reason:
-      return reason
   if problem.page_size is not None and gqa_page_size_reason(problem.page_size, problem.head_dim, kv_dtype):
     return gqa_page_size_reason(problem.page_size, problem.head_dim, kv_dtype)
   rows = problem.num_queries * problem.group_size
@@ -158,8 +155,9 @@ def quantized_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str | Non
 
 
 def quantized_call_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str | None, *,
-                          num_kv_heads: int) -> str | None:
-  """Why `decode.decode_partials` cannot take a cache of kv_dtype with these scale kinds, or None."""
+                          num_kv_heads: int, page_size: int | None = None) -> str | None:
+  """Why `decode.decode_partials` cannot take a cache of kv_dtype (pages of page_size tokens, None: contiguous)
+  with these scale kinds, or None."""
   kv_dtype = jnp.dtype(kv_dtype)
   for name, kind in (("k_scale", k_scale_kind), ("v_scale", v_scale_kind)):
     if kind not in (None, "head", "token"):
@@ -168,9 +166,12 @@ def quantized_call_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str 
     if k_scale_kind or v_scale_kind:
       return f"k_scale / v_scale need a one-byte cache, got {kv_dtype.name}"
     return None
-  if "token" in (k_scale_kind, v_scale_kind) and tiling.token_scale_width(num_kv_heads) is None:
-    return (f"per-token scales need 1 or a multiple of {tiling.SCALE_ROW} kv heads (TMA copies rows of 16 "
-            f"bytes), got {num_kv_heads}")
+  if "token" in (k_scale_kind, v_scale_kind):
+    width = tiling.token_scale_width(num_kv_heads)
+    if width is None:
+      return (f"per-token scales need 1 or a multiple of {tiling.SCALE_ROW} kv heads (TMA copies rows of 16 "
+              f"bytes), got {num_kv_heads}")
+    return token_scale_reason(page_size, width)
   return None
 
 

@@ -617,9 +617,7 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   B, Hkv, R, D = q.shape
   page_size = None if block_tables is None else k.shape[1]
   k_kind, v_kind = frame.scale_kind(k_scale, k.shape), frame.scale_kind(v_scale, k.shape)
-  reason = mgpu_config.quantized_call_reason(k.dtype, k_kind, v_kind, num_kv_heads=Hkv)
-  if reason is None and "token" in (k_kind, v_kind):
-    reason = mgpu_config.token_scale_reason(page_size, tiling.token_scale_width(Hkv))
+  reason = mgpu_config.quantized_call_reason(k.dtype, k_kind, v_kind, num_kv_heads=Hkv, page_size=page_size)
   if reason:
     raise NotImplementedError(f"mosaic_gpu: {reason}")
   quantized = dict(q_dtype=q.dtype, k_scale_kind=k_kind, v_scale_kind=v_kind, num_kv_heads=Hkv)

@@ -394,7 +394,7 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
   if reason:
     raise NotImplementedError(f"mosaic_gpu: {reason}")
   page_size = kv_pages.shape[1]
-  token_scales = kv_scale is not None and jnp.size(kv_scale) > 1
+  token_scales = kv_scale is not None and jnp.ndim(kv_scale) >= 2   # [P, page_size(, 1)]
   reason = mgpu_config.mla_scale_reason(page_size, "token" if token_scales else None)
   if reason:
     raise NotImplementedError(f"mosaic_gpu: {reason}")
