@@ -54,7 +54,7 @@ def test_converter_warpgroup_race_detection_finds_none():
 
 def test_converter_warpgroup_is_checked():
   config = converter(num_splits=2)
-  check = functools.partial(mgpu_config.check_config, rows=4, page_size=None)
+  check = functools.partial(mgpu_config.check_config, rows=4, page_size=None, num_splits=config.num_splits)
   with pytest.raises(ValueError, match="converts one-byte caches"):
     check(config, head_dim=128, dtype=jnp.bfloat16)
   with pytest.raises(ValueError, match="kv_groups=1 and persistent=False"):
