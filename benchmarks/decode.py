@@ -41,8 +41,9 @@ lists its fields in `config`.
   python -m benchmarks decode --flagfile=configs/gqa_h200.flags --impl=mosaic_gpu --kv_dtype=int8 \
       --convert_warpgroup
 
-`--v_tokens_last` gives pallas_kv's own impls of the dense and paged ops v stored tokens last
-(`decode_attention(..., v_tokens_last=True)`; transposed before the timing; mosaic_gpu refuses it):
+pallas_kv's own impls of the dense and paged ops read v laid out as `KVCache.create` lays it out:
+tokens last for a one-byte --kv_dtype (`decode_attention(..., v_tokens_last=True)`; transposed
+before the timing), like k otherwise; `--[no]v_tokens_last` chooses:
 
   python -m benchmarks decode --flagfile=configs/gqa_h200.flags --impl=triton --kv_dtype=int8 --v_tokens_last
 
@@ -117,6 +118,7 @@ from benchmarks import output
 from benchmarks import peers
 from benchmarks import timing
 import pallas_kv as pkv
+from pallas_kv import cache as pkv_cache
 from pallas_kv import experimental
 from pallas_kv import runtime
 from pallas_kv.config import KernelConfig
@@ -137,7 +139,7 @@ class KernelFlags:
   convert_warpgroup: bool = False
   triton_block_kv: int | None = None
   triton_num_stages: int | None = None
-  v_tokens_last: bool = False
+  v_tokens_last: bool | None = None   # None: `pallas_kv.cache.default_v_tokens_last` of the case's cache
   varlen: bool = False
 
   def __post_init__(self):
@@ -194,7 +196,7 @@ class KernelFlags:
     spec = cases.op_spec(case)
     if impl not in peers.OUR_IMPLS:
       return peers.build_runner(impl, spec), None
-    tokens_last = self.v_tokens_last and case.op != "mla"
+    tokens_last = self.tokens_last(case)
     kw = dict(v_tokens_last=True) if tokens_last else {}
     configs = self.configs(case)
     backend = impl
@@ -204,6 +206,14 @@ class KernelFlags:
       backend = peers.auto_choice()
     config = configs.get(backend)
     return self._runner(impl, spec, tokens_last, kw if config is None else dict(kw, config=config)), config
+
+  def tokens_last(self, case: cases.Case) -> bool:
+    """Whether ours read the case's v stored tokens last."""
+    if case.op == "mla":
+      return False
+    if self.v_tokens_last is None:
+      return pkv_cache.default_v_tokens_last(case.kv_dtype or case.dtype)
+    return self.v_tokens_last
 
   def _runner(self, impl: str, spec: peers.OpSpec, tokens_last: bool, kw: dict) -> peers.Runner:
     if self.varlen:
@@ -255,6 +265,8 @@ def run_impl(impl: str, case: cases.Case, sweep: cases.Sweep, input_sets: Sequen
     runner, config = kernel.runner(impl, case, input_sets[0])
     if config is not None:
       row["config"] = config.given()
+    if row["ours"] and kernel.tokens_last(case):
+      row["v_tokens_last"] = True
     prepared = [runner.prepare(args) for args in input_sets]
     first = runner.fn(*prepared[0])  # compiles; "auto" records its choice
     if impl == "auto":
@@ -376,8 +388,9 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                        "other fields.", **into)
   flags.DEFINE_boolean("host_loop", True, "Also time each impl as a Python loop of separate calls (what a "
                        "user's loop sees, host dispatch included): the host us column, host_us in the rows.", **into)
-  flags.DEFINE_boolean("v_tokens_last", False, "pallas_kv impls of the dense and paged ops: v stored "
-                       "[B, Hkv, D, T] / [P, Hkv, D, page_size] (decode_attention's v_tokens_last).", **into)
+  flags.DEFINE_boolean("v_tokens_last", None, "pallas_kv impls of the dense and paged ops: v stored "
+                       "[B, Hkv, D, T] / [P, Hkv, D, page_size] (decode_attention's v_tokens_last); unset: "
+                       "as KVCache.create lays it out (tokens last for a one-byte cache).", **into)
   flags.DEFINE_integer("triton_column_pieces", None, "triton: the most power-of-two column pieces a head dim is "
                        "cut into (pallas_kv.kernels.triton.config.MAX_COLUMN_PIECES; 1: one padded tile).",
                        lower_bound=1, **into)

@@ -52,6 +52,27 @@ def is_quantized(dtype) -> bool:
   return jnp.dtype(dtype) in QUANTIZED_MAX
 
 
+def default_v_tokens_last(dtype) -> bool:
+  """The layout of V that `KVCache.create` / `PagedKVCache.create` build unless told: tokens last for a
+  one-byte cache, whose decode reads it faster on every row measured (docs/quantized.md), like k otherwise."""
+  return is_quantized(dtype)
+
+
+def _v_layout(v_tokens_last, dtype) -> bool:
+  if v_tokens_last is None:
+    return default_v_tokens_last(dtype)
+  validation.check_v_tokens_last(v_tokens_last)
+  return v_tokens_last
+
+
+def _relaid_v(v, v_tokens_last: bool, to_tokens_last: bool):
+  """v [lead, T, Hkv, D] <-> [lead, Hkv, D, T] (T: capacity or page_size), unchanged if already so laid."""
+  validation.check_v_tokens_last(to_tokens_last)
+  if v_tokens_last == to_tokens_last:
+    return v
+  return jnp.transpose(v, (0, 2, 3, 1) if to_tokens_last else (0, 3, 1, 2))
+
+
 def quantize(x, dtype, scale=None):
   """x [B, S, Hkv, D] float -> (values in the one-byte `dtype`, the scale used).
 
@@ -199,7 +220,7 @@ class KVCache:
   """Contiguous cache: k, v [B, T, Hkv, D]; lengths int32 [B] valid tokens per sequence;
   k_scale, v_scale: None, or the scales of a quantized cache ([B, T, Hkv], [Hkv] or a scalar).
   v_tokens_last: v is stored [B, Hkv, D, T] (`decode_attention`'s v_tokens_last; its scales keep
-  their shape)."""
+  their shape); `with_v_tokens_last` converts."""
   k: jax.Array
   v: jax.Array
   lengths: jax.Array
@@ -209,11 +230,12 @@ class KVCache:
 
   @classmethod
   def create(cls, batch: int, capacity: int, num_kv_heads: int, head_dim: int, dtype=jnp.bfloat16,
-             k_scales=None, v_scales=None, v_tokens_last: bool = False) -> KVCache:
+             k_scales=None, v_scales=None, v_tokens_last: bool | None = None) -> KVCache:
     """An empty cache. For an int8 / fp8 dtype, k_scales / v_scales: "token" (per token, computed
     on append), a fixed number or [Hkv] array, or None (scale 1). v_tokens_last: store v
-    [B, Hkv, D, T], the faster layout for a one-byte cache on the Triton kernel (README)."""
-    validation.check_v_tokens_last(v_tokens_last)
+    [B, Hkv, D, T]; None (the default): `default_v_tokens_last(dtype)`, tokens last for a one-byte
+    cache, whose decode reads it faster (docs/quantized.md)."""
+    v_tokens_last = _v_layout(v_tokens_last, dtype)
     shape = (batch, capacity, num_kv_heads, head_dim)
     v_shape = validation.tokens_last_shape(shape) if v_tokens_last else shape
     return cls(jnp.zeros(shape, dtype), jnp.zeros(v_shape, dtype), jnp.zeros((batch,), jnp.int32),
@@ -222,6 +244,12 @@ class KVCache:
   @property
   def capacity(self) -> int:
     return self.k.shape[1]
+
+  def with_v_tokens_last(self, v_tokens_last: bool) -> KVCache:
+    """This cache with v laid out tokens last ([B, Hkv, D, T]) or like k ([B, T, Hkv, D]): a transposed
+    copy of v where the layout changes (the scales keep theirs)."""
+    return dataclasses.replace(self, v=_relaid_v(self.v, self.v_tokens_last, v_tokens_last),
+                               v_tokens_last=v_tokens_last)
 
   def append(self, k_new, v_new, num_new=None) -> KVCache:
     """`try_append` that reports a refused sequence in checked mode instead of returning ok."""
@@ -260,9 +288,9 @@ class PagedKVCache:
   lengths int32 [B]. Token t of sequence b lives at [block_tables[b, t // page_size], t % page_size].
   k_scale, v_scale: None, or the scales of a quantized cache ([P, page_size, Hkv] per token,
   addressed like the pages; [Hkv] or a scalar fixed). v_tokens_last: v_pages is stored
-  [P, Hkv, D, page_size] (`paged_decode_attention`'s v_tokens_last). prefix_groups: (max groups, max
-  members) of forked sequences whose shared pages `DecodeAttention` reads once per group (found in
-  the block tables each step, `pallas_kv.shared_prefix.from_tables`), or None."""
+  [P, Hkv, D, page_size] (`paged_decode_attention`'s v_tokens_last; `with_v_tokens_last` converts).
+  prefix_groups: (max groups, max members) of forked sequences whose shared pages `DecodeAttention` reads once
+  per group (found in the block tables each step, `pallas_kv.shared_prefix.from_tables`), or None."""
   k_pages: jax.Array
   v_pages: jax.Array
   block_tables: jax.Array
@@ -278,11 +306,11 @@ class PagedKVCache:
   @classmethod
   def create(cls, batch: int, num_pages: int, page_size: int, max_pages_per_seq: int, num_kv_heads: int,
              head_dim: int, dtype=jnp.bfloat16, k_scales=None, v_scales=None,
-             v_tokens_last: bool = False, prefix_groups: tuple[int, int] | None = None) -> PagedKVCache:
+             v_tokens_last: bool | None = None, prefix_groups: tuple[int, int] | None = None) -> PagedKVCache:
     """An empty cache: a pool of num_pages pages and block tables with no page assigned (reserve
     pages with `reserve_pages` before appending). k_scales / v_scales / v_tokens_last as in
-    `KVCache.create`; prefix_groups as the field."""
-    validation.check_v_tokens_last(v_tokens_last)
+    `KVCache.create` (by default tokens last for a one-byte cache); prefix_groups as the field."""
+    v_tokens_last = _v_layout(v_tokens_last, dtype)
     shape = (num_pages, page_size, num_kv_heads, head_dim)
     v_shape = validation.tokens_last_shape(shape) if v_tokens_last else shape
     return cls(jnp.zeros(shape, dtype), jnp.zeros(v_shape, dtype), empty_block_tables(batch, max_pages_per_seq),
@@ -296,6 +324,12 @@ class PagedKVCache:
   @property
   def capacity(self) -> int:
     return self.block_tables.shape[1] * self.page_size
+
+  def with_v_tokens_last(self, v_tokens_last: bool) -> PagedKVCache:
+    """This cache with v_pages laid out tokens last ([P, Hkv, D, page_size]) or like k_pages: a transposed copy
+    where the layout changes; page ids and scales are unchanged."""
+    return dataclasses.replace(self, v_pages=_relaid_v(self.v_pages, self.v_tokens_last, v_tokens_last),
+                               v_tokens_last=v_tokens_last)
 
   def append(self, k_new, v_new, num_new=None) -> PagedKVCache:
     """`try_append` that reports a refused sequence in checked mode instead of returning ok."""

@@ -904,6 +904,11 @@ def test_decode_benchmark_kernel_flags_build_partial_configs():
               dict(stream_k_programs_per_sm=2)):
     with pytest.raises(ValueError):
       decode_bench.KernelFlags(**bad)
+  # v's layout follows KVCache.create's unless a flag says: tokens last for one-byte caches (never MLA).
+  fp8 = dataclasses.replace(case, kv_dtype="float8_e4m3fn")
+  assert [decode_bench.KernelFlags().tokens_last(c) for c in (case, int8, fp8, mla)] == [False, True, True, False]
+  assert not decode_bench.KernelFlags(v_tokens_last=False).tokens_last(int8)
+  assert decode_bench.KernelFlags(v_tokens_last=True).tokens_last(case)
 
 
 @pytest.mark.slow   # a whole-program smoke run; make test-slow

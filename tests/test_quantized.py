@@ -250,7 +250,8 @@ def test_fixed_scales_and_bad_ones():
   cache = pkv.KVCache.create(1, 4, 2, 8, dtype=jnp.float8_e4m3fn, k_scales=jnp.asarray([0.5, 2.0]), v_scales=0.25)
   new = cache.append(jnp.full((1, 1, 2, 8), 1.0), jnp.full((1, 1, 2, 8), 1.0))
   np.testing.assert_allclose(np.asarray(new.k[0, 0], np.float32), [[2.0] * 8, [0.5] * 8])
-  np.testing.assert_allclose(np.asarray(new.v[0, 0], np.float32), 4.0)
+  assert new.v_tokens_last   # the one-byte default
+  np.testing.assert_allclose(np.asarray(new.with_v_tokens_last(False).v[0, 0], np.float32), 4.0)
   with pytest.raises(ValueError, match="scales must be None"):
     pkv.KVCache.create(1, 4, 2, 8, dtype=jnp.int8, k_scales="per-token")
   with pytest.raises(ValueError, match="floating-point values"):

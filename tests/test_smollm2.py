@@ -365,7 +365,11 @@ def _prompt_cache(engine, slot: int, length: int):
   def gather(array):
     array = np.asarray(array).reshape(num_layers, engine.num_pages, page_size, *array.shape[2:])
     return array[:, ids].reshape(num_layers, -1, *array.shape[3:])[:, :length]
-  return [gather(a) for a in jax.tree.leaves(engine.state.pages)]
+  pages = engine.state.pages
+  v = pages.v
+  if v.shape[1:] != pages.k.shape[1:]:   # a one-byte cache's values, stored tokens last
+    v = jnp.moveaxis(v, 3, 1)
+  return [gather(a) for a in (pages.k, v, pages.k_scale, pages.v_scale) if a is not None]
 
 
 # int8: per-token scales copied with a forked page (make test-slow; float32 in every tier).

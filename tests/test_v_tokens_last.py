@@ -138,6 +138,42 @@ def test_caches_store_v_tokens_last_on_append(paged):
 
 
 @pytest.mark.parametrize("paged", [False, True])
+def test_one_byte_caches_are_created_tokens_last_unless_told(paged):
+  def create(dtype, **kw):
+    if paged:
+      return pkv.PagedKVCache.create(2, 10, 4, 4, 2, 8, dtype, **kw)
+    return pkv.KVCache.create(2, 16, 2, 8, dtype, **kw)
+
+  for dtype in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2):
+    cache = create(dtype, k_scales="token", v_scales="token")
+    v = cache.v_pages if paged else cache.v
+    assert cache.v_tokens_last and pkv.cache.default_v_tokens_last(dtype), dtype
+    assert v.shape == ((10, 2, 8, 4) if paged else (2, 2, 8, 16)), v.shape
+    assert not create(dtype, v_tokens_last=False).v_tokens_last
+  for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+    assert not create(dtype).v_tokens_last and create(dtype, v_tokens_last=True).v_tokens_last
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_with_v_tokens_last_converts_a_filled_cache_both_ways(paged):
+  like_k, last = _cache_pair(paged, jnp.int8, "token")
+  rng = np.random.default_rng(7)
+  k, v = (jnp.asarray(rng.standard_normal((2, 11, 2, 8)), jnp.float32) for _ in range(2))
+  like_k, last = like_k.append(k, v), last.append(k, v)
+  values = lambda c: np.asarray(c.v_pages if paged else c.v, np.float32)
+  converted, back = like_k.with_v_tokens_last(True), last.with_v_tokens_last(False)
+  assert converted.v_tokens_last and not back.v_tokens_last
+  np.testing.assert_array_equal(values(converted), values(last))
+  np.testing.assert_array_equal(values(back), values(like_k))
+  np.testing.assert_array_equal(values(last.with_v_tokens_last(True)), values(last))   # already so: unchanged
+  # Converted, the cache appends on in its new layout as a cache created that way.
+  k2, v2 = (jnp.asarray(rng.standard_normal((2, 2, 2, 8)), jnp.float32) for _ in range(2))
+  np.testing.assert_array_equal(values(converted.append(k2, v2)), values(last.append(k2, v2)))
+  with pytest.raises(ValueError, match="v_tokens_last must be a bool"):
+    like_k.with_v_tokens_last(1)
+
+
+@pytest.mark.parametrize("paged", [False, True])
 def test_layer_over_a_tokens_last_cache_gives_the_same_step(paged):
   # The layer hands the cache's layout to the op (which checks v's shape against it); the Triton
   # kernel on this layout is checked against v like k above.

@@ -28,7 +28,8 @@ from examples.smollm2.gguf_loader import LlamaConfig
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVPages:
-  """The paged KV cache of every layer: k, v [num_layers * P, page_size, Hkv, D]; for an int8 /
+  """The paged KV cache of every layer: k, v [num_layers * P, page_size, Hkv, D] (v [num_layers * P, Hkv, D,
+  page_size] for a one-byte cache: `PagedKVCache.create`'s default layout); for an int8 /
   fp8 cache, k_scale, v_scale [num_layers * P, page_size, Hkv]: one scale per token and kv head,
   addressed like the pages (None for a 16- or 32-bit cache)."""
   k: jax.Array
@@ -112,7 +113,12 @@ class Llama:
     scales = (None, None)
     if pkv.cache.is_quantized(self.cache_dtype):   # per token: written by each append
       scales = (jnp.ones(shape[:3], jnp.float32), jnp.ones(shape[:3], jnp.float32))
-    return KVPages(jnp.zeros(shape, self.cache_dtype), jnp.zeros(shape, self.cache_dtype), *scales)
+    v_shape = (shape[0], *shape[2:], page_size) if self._v_tokens_last else shape
+    return KVPages(jnp.zeros(shape, self.cache_dtype), jnp.zeros(v_shape, self.cache_dtype), *scales)
+
+  @property
+  def _v_tokens_last(self) -> bool:
+    return pkv.cache.default_v_tokens_last(self.cache_dtype)
 
   # ------------------------------------------------------------------------ layers
 
@@ -123,7 +129,7 @@ class Llama:
 
   def _layer_cache(self, pages: KVPages, tables, lengths, layer, num_pages: int) -> pkv.PagedKVCache:
     return pkv.PagedKVCache(pages.k, pages.v, layer_tables(tables, layer, num_pages), lengths, pages.k_scale,
-                            pages.v_scale, prefix_groups=self.prefix_groups)
+                            pages.v_scale, v_tokens_last=self._v_tokens_last, prefix_groups=self.prefix_groups)
 
   def _block(self, tables, lengths, num_pages, prefill, num_new, plan, sharing, carry, layer):
     x, pages = carry
