@@ -348,9 +348,10 @@ def decode_attention(q, k, v, lengths, *, scale=None, softcap=None, window=None,
     config: a kernel config (`pallas_kv.TritonConfig` or `MosaicGPUConfig`): it names its backend
       (narrowing "auto" to it) and fixes the fields it sets; the backend fills the rest.
     v_tokens_last: v is stored [B, Hkv, D, T] instead of like k: each kv head's values with their
-      tokens contiguous, which P V reads without byte-wise loads for a one-byte cache (Triton and
-      xla; Mosaic GPU refuses it), with 128-token tiles by default. Paged, a tile spanning pages
-      loads page by page.
+      tokens contiguous, which P V reads without byte-wise loads for a one-byte cache (the layout
+      `KVCache.create` gives one-byte caches). Triton takes 128-token tiles for it, a tile spanning
+      pages loaded page by page; Mosaic GPU reads [D, block_kv] tiles transposed (head_dim a
+      multiple of 64, pages of a multiple of 64 tokens); xla transposes v.
     plan: the call's `SplitPlan`, made once for several calls of the same shapes and lengths
       (`plan_splits`); else planned here.
     cu_seqlens_q: int32 [B + 1], the varlen query form: sequence b's new tokens are q's rows

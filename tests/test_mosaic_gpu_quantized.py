@@ -327,8 +327,9 @@ def test_partial_configs_are_filled_around_their_fields():
 # ---------------------------------------------------------------- CUDA lowering (CPU)
 
 def lowering_args(kv_dtype, k_kind, v_kind, page_size, *, batch=32, seq_len=4096, heads=(32, 8), head_dim=128,
-                  num_queries=1):
-  """ShapeDtypeStructs (q rows [B, Hkv, R, D], k, v, lengths, tables, k_scale, v_scale) of a realistic shape."""
+                  num_queries=1, v_tokens_last=False):
+  """ShapeDtypeStructs (q rows [B, Hkv, R, D], k, v, lengths, tables, k_scale, v_scale) of a realistic shape (v
+  [lead, Hkv, D, tokens] with v_tokens_last)."""
   hq, hkv = heads
   lead = (batch, seq_len) if page_size is None else (batch * seq_len // page_size, page_size)
   kv = jax.ShapeDtypeStruct((*lead, hkv, head_dim), kv_dtype)
@@ -336,7 +337,8 @@ def lowering_args(kv_dtype, k_kind, v_kind, page_size, *, batch=32, seq_len=4096
                                                                        jnp.float32)
   tables = None if page_size is None else jax.ShapeDtypeStruct((batch, seq_len // page_size), jnp.int32)
   rows = jax.ShapeDtypeStruct((batch, hkv, num_queries * hq // hkv, head_dim), jnp.bfloat16)
-  return rows, kv, kv, jax.ShapeDtypeStruct((batch,), jnp.int32), tables, scale(k_kind), scale(v_kind)
+  v = jax.ShapeDtypeStruct((lead[0], hkv, head_dim, lead[1]), kv_dtype) if v_tokens_last else kv
+  return rows, kv, v, jax.ShapeDtypeStruct((batch,), jnp.int32), tables, scale(k_kind), scale(v_kind)
 
 
 def lower(monkeypatch, config, args, *, num_queries=1):
@@ -352,6 +354,7 @@ def lower(monkeypatch, config, args, *, num_queries=1):
 
   monkeypatch.setattr(mgpu_core, "_smem_tree_size", recording_tree_size)
   q, k, v, lengths, tables, k_scale, v_scale = args
+  v_tokens_last = v.shape != k.shape
   given = [x for x in (tables, k_scale, v_scale) if x is not None]
   plan = pkv.SplitPlan(kind="per_sequence", num_splits=config.num_splits, block_kv=config.block_kv)
 
@@ -360,14 +363,15 @@ def lower(monkeypatch, config, args, *, num_queries=1):
     pick = lambda x: None if x is None else next(rest)
     return mgpu_decode.decode_partials(q, k, v, lengths, pick(tables), num_queries=num_queries,
                                        options=AttentionOptions(scale=0.1), config=config, plan=plan,
-                                       k_scale=pick(k_scale), v_scale=pick(v_scale))
+                                       k_scale=pick(k_scale), v_scale=pick(v_scale), v_tokens_last=v_tokens_last)
 
   module = lower_for_cuda(partials, q, k, v, lengths, *given).mlir_module()
-  assert "custom_call @mosaic_gpu" in module and jnp.dtype(k.dtype).name in module
+  assert "custom_call @mosaic_gpu" in module
+  assert jnp.dtype(k.dtype).itemsize > 1 or jnp.dtype(k.dtype).name in module   # the one-byte kernel's name
   smem = mgpu_config.DecodeSmem.for_call(
       config, rows=q.shape[2], head_dim=q.shape[3], dtype=k.dtype, page_size=None if tables is None else k.shape[1],
       q_dtype=q.dtype, k_scale_kind=frame.scale_kind(k_scale, k.shape), v_scale_kind=frame.scale_kind(v_scale, k.shape),
-      num_kv_heads=k.shape[2])
+      num_kv_heads=k.shape[2], v_tokens_last=v_tokens_last)
   assert allocated and max(allocated) == smem.nbytes
   return module
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import pallas_kv as pkv
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from harness import TRITON_CUSTOM_CALL, lower_for_cuda, make_case, poison_unread_slots, random_lengths
 from harness import assert_lse_matches, assert_matches_reference, tiered
 
@@ -61,6 +62,91 @@ def test_triton_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, num_
   assert_lse_matches(lse, ref_lse, jnp.float16)
 
 
+# Mosaic GPU: V tiles [D, bkv] read transposed by wgmma; one-byte tiles widened without their per-token scales,
+# which fold into P (the kernel lays V's scales tokens last). Every layout the kernel takes (dense; pages of one
+# and of two tiles), every V scale kind, and the pipeline options that change who reads the V tiles.
+MOSAIC = pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, split_plan="per_sequence", kv_groups=1,
+                             pipeline_qk=False, persistent=False)
+
+
+@pytest.mark.parametrize("kv_dtype, scale_kind, page_size, num_queries, fields", [
+    (jnp.bfloat16, None, None, 2, {}),
+    (jnp.int8, "token", None, None, {}),
+    (jnp.float8_e4m3fn, "head", 64, None, dict(kv_groups=2)),
+    (jnp.int8, "token", 128, None, dict(pipeline_qk=True, num_splits=1)),
+    pytest.param(jnp.float16, None, 64, None, dict(pipeline_qk=True), marks=pytest.mark.slow),
+    pytest.param(jnp.float8_e5m2, "token", None, 3, dict(persistent=True), marks=pytest.mark.slow),
+], ids=["bf16-dense-s2", "int8-token-dense", "e4m3-head-page64-groups2", "int8-token-page128-pqk",
+        "fp16-page64-pqk", "e5m2-token-dense-s3-persistent"])
+def test_mosaic_gpu_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, num_queries, fields):
+  case = make_case(8, batch=3, seq_len=256, num_heads=8, num_kv_heads=4, head_dim=64, num_queries=num_queries,
+                   dtype=jnp.bfloat16 if kv_dtype == jnp.bfloat16 else jnp.float16, kv_dtype=kv_dtype,
+                   page_size=page_size)
+  case = poison_unread_slots(case, dense=page_size is None)
+  rng = np.random.default_rng(9)
+  paged = page_size is not None
+  token_shape = case.k_pages.shape[:3] if paged else case.k.shape[:3]
+  scales = dict(k_scale=_scales(rng, scale_kind, token_shape), v_scale=_scales(rng, scale_kind, token_shape))
+  if scale_kind == "token" and not paged:   # NaN scales past the lengths must not reach an output
+    past = np.arange(case.k.shape[1])[None, :] >= np.asarray(case.lengths)[:, None]
+    scales["v_scale"] = jnp.where(past[..., None], jnp.nan, scales["v_scale"])
+  ref, ref_lse = _run(case, paged=paged, v_tokens_last=False, impl="xla", **scales)
+  config = dataclasses.replace(MOSAIC, **fields)
+  with pkv.interpret():
+    out, lse = _run(case, paged=paged, v_tokens_last=True, impl="mosaic_gpu", config=config, **scales)
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+  assert_matches_reference(out, ref, case.q.dtype)
+  assert_lse_matches(lse, ref_lse, case.q.dtype)
+
+
+def test_mosaic_gpu_tokens_last_race_detection_finds_none():
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
+  # 5 tiles through a 2-slot ring: V and its scale slots refilled after register reads, the widened V tile
+  # rewritten after wgmma read it.
+  case = make_case(10, batch=1, seq_len=320, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.float16,
+                   kv_dtype=jnp.int8, lengths=[300])
+  from pallas_kv.config import AttentionOptions
+  from pallas_kv.kernels import frame
+  from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
+  scales = _scales(np.random.default_rng(1), "token", case.k.shape[:3])
+  config = dataclasses.replace(MOSAIC, num_splits=1)
+  out, _ = mgpu_decode.decode_partials(
+      frame.pack_queries(case.q[:, None], 1), case.k, tokens_last(case.v), case.lengths, num_queries=1,
+      options=AttentionOptions(scale=0.1), config=config, plan=pkv.SplitPlan(kind="per_sequence", num_splits=1,
+                                                                            block_kv=64),
+      k_scale=scales, v_scale=scales, v_tokens_last=True, interpret=plgpu.InterpretGPUParams(detect_races=True))
+  jax.block_until_ready(out)
+  assert not gpu_callbacks.get_races().races_found
+
+
+# B=32 T=4096 heads 32/8 D=128 unless noted: the heuristic's configs (one-byte: two KV groups, 8 stages) and the
+# options that change the V tiles' readers, lowered for CUDA (layout inference included) with the SMEM the fit
+# counts checked against what Mosaic GPU lays out.
+MOSAIC_LOWERINGS = [
+    ("bfloat16", None, None, {}, 128), ("int8", "token", None, {}, 128), ("float8_e4m3fn", "token", 64, {}, 128),
+    ("int8", "head", 128, dict(pipeline_qk=True, persistent=True), 128), ("bfloat16", None, None,
+                                                                           dict(block_kv=128), 128),
+    ("int8", "token", None, dict(kv_groups=1), 256), ("float16", None, 64, dict(pipeline_qk=True), 64),
+]
+
+
+@pytest.mark.parametrize("kv_dtype, scale_kind, page_size, fields, head_dim", MOSAIC_LOWERINGS,
+                         ids=["bf16", "int8-token", "e4m3-token-page64", "int8-head-page128-pqk-persistent",
+                              "bf16-bkv128", "int8-token-d256-one-group", "fp16-page64-pqk-d64"])
+def test_mosaic_gpu_tokens_last_lowers_for_cuda(monkeypatch, kv_dtype, scale_kind, page_size, fields, head_dim):
+  import sweeps
+  from test_mosaic_gpu_quantized import lower, lowering_args
+  from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
+  _, problem = sweeps.problem_args((32, 8), (32, 4096), page_size)
+  problem = dataclasses.replace(problem, head_dim=head_dim, v_tokens_last=True)
+  config = mgpu_config.resolve_config(problem, pkv.MosaicGPUConfig(**fields), dtype=kv_dtype, num_sms=132)
+  args = lowering_args(kv_dtype, scale_kind, scale_kind, page_size, head_dim=head_dim, v_tokens_last=True)
+  if kv_dtype in ("bfloat16", "float16"):
+    args = (jax.ShapeDtypeStruct(args[0].shape, kv_dtype), *args[1:])
+  module = lower(monkeypatch, config, args)
+  assert "_vlast" in module
+
+
 def test_xla_gives_the_same_values_and_gradients():
   case = make_case(5, batch=2, seq_len=32, num_heads=4, num_kv_heads=2, head_dim=32, dtype=jnp.float32)
   f = lambda v, last: pkv.decode_attention(case.q, case.k, v, case.lengths, impl="xla", v_tokens_last=last).sum()
@@ -99,8 +185,26 @@ def test_shapes_and_backends_are_checked():
                                v_tokens_last=True)
   with pytest.raises(ValueError, match="v_tokens_last must be a bool"):
     pkv.decode_attention(case.q, case.k, case.v, case.lengths, v_tokens_last="yes")
-  with pytest.raises(NotImplementedError, match="v_tokens_last .* triton kernel"):
-    pkv.decode_attention(case.q, case.k, tokens_last(case.v), case.lengths, v_tokens_last=True, impl="mosaic_gpu")
+  # Mosaic GPU's V tiles [D, bkv]: D in 64-row blocks, one page's copy a tile.
+  with pytest.raises(NotImplementedError, match="v_tokens_last needs pages of a multiple of 64 tokens.*got 16"):
+    pkv.paged_decode_attention(case.q, case.k_pages, tokens_last(case.v_pages), case.block_tables, case.lengths,
+                               v_tokens_last=True, impl="mosaic_gpu")
+  narrow = make_case(7, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=96, dtype=jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="v_tokens_last needs head_dim a multiple of 64.*got 96"):
+    pkv.decode_attention(narrow.q, narrow.k, tokens_last(narrow.v), narrow.lengths, v_tokens_last=True,
+                         impl="mosaic_gpu")
+  pages64 = make_case(7, batch=2, seq_len=128, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
+                      page_size=64)
+  with pytest.raises(ValueError, match="block_kv=128 must divide page_size 64"):
+    pkv.paged_decode_attention(pages64.q, pages64.k_pages, tokens_last(pages64.v_pages), pages64.block_tables,
+                               pages64.lengths, v_tokens_last=True, impl="mosaic_gpu",
+                               config=pkv.MosaicGPUConfig(block_kv=128))
+  from pallas_kv import experimental
+  int8 = make_case(7, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.float16,
+                   kv_dtype=jnp.int8)
+  with pytest.raises(ValueError, match="v_tokens_last has no converter"):
+    pkv.decode_attention(int8.q, int8.k, tokens_last(int8.v), int8.lengths, v_tokens_last=True, impl="mosaic_gpu",
+                         config=experimental.MosaicGPUVariantConfig(convert_warpgroup=True))
 
 
 # ---------------------------------------------------------------- caches and the layer
@@ -259,5 +363,27 @@ def test_gpu_triton_matches_v_like_k(kv_dtype, page_size):
   paged = page_size is not None
   ref, ref_lse = _run(case, paged=paged, v_tokens_last=False, impl="xla", **scales)
   out, lse = jax.jit(lambda: _run(case, paged=paged, v_tokens_last=True, impl="triton", **scales))()
+  assert_matches_reference(out, ref, case.q.dtype)
+  assert_lse_matches(lse, ref_lse, case.q.dtype)
+
+
+@pytest.mark.gpu   # the GPU tier: each dtype once, dense and pages of 64 (the smallest Mosaic GPU takes)
+@pytest.mark.parametrize("kv_dtype,page_size", tiered(
+    [(d, page) for d in _GPU_DTYPES for page in (None, 64)],
+    every_tier=list(zip(_GPU_DTYPES, (None, 64, None)))))
+def test_gpu_mosaic_gpu_matches_v_like_k(kv_dtype, page_size):
+  # The heuristic's config (one-byte: two KV groups, 8 stages); poisoned slots past the lengths.
+  case = make_case(13, batch=4, seq_len=4096, num_heads=32, num_kv_heads=8, head_dim=128, num_queries=2,
+                   dtype=jnp.float16 if jnp.dtype(kv_dtype).itemsize == 1 else jnp.bfloat16, kv_dtype=kv_dtype,
+                   page_size=page_size)
+  case = poison_unread_slots(case, dense=page_size is None)
+  rng = np.random.default_rng(14)
+  kind = "token" if jnp.dtype(kv_dtype).itemsize == 1 else None
+  token_shape = (case.k_pages if page_size else case.k).shape[:3]
+  scales = dict(k_scale=_scales(rng, kind, token_shape), v_scale=_scales(rng, kind, token_shape))
+  paged = page_size is not None
+  ref, ref_lse = _run(case, paged=paged, v_tokens_last=False, impl="xla", **scales)
+  out, lse = jax.jit(lambda: _run(case, paged=paged, v_tokens_last=True, impl="mosaic_gpu", **scales))()
+  assert np.isfinite(np.asarray(out, np.float32)).all()
   assert_matches_reference(out, ref, case.q.dtype)
   assert_lse_matches(lse, ref_lse, case.q.dtype)

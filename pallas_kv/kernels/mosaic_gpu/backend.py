@@ -60,7 +60,8 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config, sp
   def partials(rows, lengths, block_tables, k_scale, v_scale):
     return mgpu_decode.decode_partials(rows, k, v, lengths, block_tables, num_queries=problem.num_queries,
                                        options=options, config=config, plan=split_plan, k_scale=k_scale,
-                                       v_scale=v_scale, interpret=interpret_params(), window_start=window_start)
+                                       v_scale=v_scale, interpret=interpret_params(), window_start=window_start,
+                                       v_tokens_last=problem.v_tokens_last)
 
   return frame.run(partials, q, k, lengths, block_tables, problem=problem, sinks=sinks, return_lse=return_lse,
                    k_scale=k_scale, v_scale=v_scale, merge=fused_merge())

@@ -83,6 +83,18 @@ def head_dim_reason(head_dim: int, dtype: Any = "bfloat16") -> str | None:
   return None
 
 
+def tokens_last_reason(head_dim: int, page_size: int | None) -> str | None:
+  """Why the GQA kernel cannot read v stored tokens last ([B, Hkv, D, T] / [P, Hkv, D, page_size]), or None. Its V
+  tiles are [D, block_kv], zeroed and widened 64 rows (a WGMMA register block) at a time, one TMA copy each."""
+  if head_dim % ROWS_PER_WG:
+    return (f"v_tokens_last needs head_dim a multiple of {ROWS_PER_WG} on Mosaic GPU (V tiles [D, block_kv] are "
+            f"held {ROWS_PER_WG} rows at a time), got {head_dim}")
+  if page_size is not None and page_size % MIN_BLOCK_KV:
+    return (f"v_tokens_last needs pages of a multiple of {MIN_BLOCK_KV} tokens on Mosaic GPU (a page holds whole "
+            f"[D, block_kv] V tiles), got {page_size}")
+  return None
+
+
 def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
   """Why this backend cannot serve the call, or None if it can."""
   if op == "mla":
@@ -92,7 +104,7 @@ def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
   if reason is None:
     reason = head_dim_reason(problem.head_dim, dtypes[1])
   if reason is None and problem.v_tokens_last:
-    reason = "v_tokens_last (v stored [B, Hkv, D, T]) is read by the triton kernel, not by Mosaic GPU's"
+    reason = tokens_last_reason(problem.head_dim, problem.page_size)
   if reason is None and problem.page_size is not None:
     reason = gqa_page_size_reason(problem.page_size, problem.head_dim, dtypes[1])
   if reason is None and jnp.dtype(dtypes[1]) in frame.QUANTIZED_DTYPES:
@@ -149,7 +161,8 @@ def quantized_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str | Non
   rows = problem.num_queries * problem.group_size
   config = heuristic_config(problem, dtype=kv_dtype)
   if not fits_smem(config, rows=rows, head_dim=problem.head_dim, dtype=kv_dtype, page_size=problem.page_size,
-                   k_scale_kind=k_scale_kind, v_scale_kind=v_scale_kind, num_kv_heads=problem.num_kv_heads):
+                   k_scale_kind=k_scale_kind, v_scale_kind=v_scale_kind, num_kv_heads=problem.num_kv_heads,
+                   v_tokens_last=problem.v_tokens_last):
     return f"no KV ring fits SMEM for head_dim {problem.head_dim} and {rows} packed rows of a one-byte cache"
   return None
 
@@ -182,10 +195,13 @@ class DecodeSmem:
   q_smem       [row_wgs, 64, D] q_dtype, swizzled            packed queries (wgmma A)
   union        streaming | (out [num_wgs, 64, D] f32, lse [num_wgs, 64] f32) after the loop; separate_out
                (persistent): side by side, as the rings stream on during the stores
-   streaming   g{g}_k, g{g}_v [stages / kv_groups, bkv, D] dtype   rings of KV group g
-               g{g}_ks, g{g}_vs [stages / kv_groups, bkv(, 4)] f32  per-token scales
-               dequantized: num_wgs * dequant_tiles x [bkv, D] q_dtype (one-byte cache; separate refs,
-               as a statically indexed tile does not lower inside wgmma's run_state); an experimental
+   streaming   g{g}_k, g{g}_v [stages / kv_groups, bkv, D] dtype   rings of KV group g (v_tokens_last: V's
+               slots [D, bkv])
+               g{g}_ks, g{g}_vs [stages / kv_groups, bkv(, 4)] f32  per-token scales (v_tokens_last: V's [bkv],
+               the head's own, laid out tokens last by `decode.decode_partials`)
+               dequantized: num_wgs * dequant_tiles x [bkv, D] q_dtype (one-byte cache; V's [D, bkv] with
+               v_tokens_last; separate refs, as a statically indexed tile does not lower inside wgmma's
+               run_state); an experimental
                converter's g0_ck, g0_cv [CONVERTED_STAGES, bkv, D] in their place
   tiles        the KV rings again as swizzle tiles (`pipeline.RingSpec.tiles_type`), aliasing them in the union
                (persistent: in a union with streaming), for copies of fewer rows than a tile (small pages); not in
@@ -208,6 +224,7 @@ class DecodeSmem:
   pipeline_qk: bool = False
   converter: bool = False
   tile_aliases: bool = False
+  v_tokens_last: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -222,11 +239,14 @@ class DecodeSmem:
       raise ValueError(f"a converter warpgroup needs a one-byte cache, got dtype {self.dtype.name}")
     if self.tile_aliases and self.quantized:
       raise ValueError(f"tile aliases (copies of fewer rows than a tile) need a 16-bit cache, got {self.dtype.name}")
+    if self.v_tokens_last and (self.converter or self.copies_per_tile != 1):
+      raise ValueError(f"v_tokens_last copies a whole [D, block_kv] tile from one page (block_kv must divide "
+                       f"page_size) and has no converter, got {self.copies_per_tile=} {self.converter=}")
 
   @classmethod
   def for_call(cls, config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: Any, page_size: int | None,
                interpret: bool = False, q_dtype: Any = None, k_scale_kind: str | None = None,
-               v_scale_kind: str | None = None, num_kv_heads: int = 1) -> "DecodeSmem":
+               v_scale_kind: str | None = None, num_kv_heads: int = 1, v_tokens_last: bool = False) -> "DecodeSmem":
     """The layout a config needs for `rows` packed rows (before padding) of a cache of `dtype` (in interpret
     mode: P staged in SMEM, no tile aliases)."""
     row_wgs, _ = row_blocking(rows)
@@ -236,7 +256,7 @@ class DecodeSmem:
                copies_per_tile=copies_per_tile(config.block_kv, page_size), stage_p=interpret,
                separate_out=config.persistent, q_dtype=q_dtype, token_scales=token_scales,
                scale_width=tiling.token_scale_width(num_kv_heads) or tiling.SCALE_ROW,
-               pipeline_qk=config.pipeline_qk, converter=converter(config))
+               pipeline_qk=config.pipeline_qk, converter=converter(config), v_tokens_last=v_tokens_last)
     if smem.ring_spec().splits_rows and not interpret:
       smem = dataclasses.replace(smem, tile_aliases=True)
     return smem
@@ -256,23 +276,38 @@ class DecodeSmem:
 
   @property
   def dequant_tiles(self) -> int:
-    """Per consumer: K and V take turns in one, unless pipeline_qk still reads K while V is converted."""
+    """Per consumer: K and V take turns in one, unless pipeline_qk still reads K while V is converted or V's
+    tiles are laid out tokens last."""
     if not self.quantized or self.converter:
       return 0
-    return 2 if self.pipeline_qk else 1
+    return 2 if self.pipeline_qk or self.v_tokens_last else 1
+
+  def tile_shape(self, role: str) -> tuple[int, int]:
+    """A K ("k") or V ("v") tile: [bkv, D], or [D, bkv] for V stored tokens last."""
+    if role == "v" and self.v_tokens_last:
+      return (self.head_dim, self.block_kv)
+    return (self.block_kv, self.head_dim)
+
+  def dequantized_types(self) -> tuple[Any, ...]:
+    """One consumer's widened tiles: K's first, V's last (one tile where they take turns)."""
+    roles = {0: (), 1: ("k",), 2: ("k", "v")}[self.dequant_tiles]
+    return tuple(plgpu.SMEM(shape, self.q_dtype, transforms=tiling.smem_transforms(self.q_dtype, shape[1]))
+                 for shape in (self.tile_shape(role) for role in roles))
 
   @property
   def _tma_ring_readers(self) -> int:
     return 1 if self.converter else self.row_wgs
 
-  def ring_spec(self) -> pipeline.RingSpec:
+  def ring_spec(self, role: str = "k") -> pipeline.RingSpec:
+    shape = self.tile_shape(role)
     return pipeline.RingSpec(
-        num_stages=self.num_stages // self.kv_groups, block_shape=(self.block_kv, self.head_dim),
-        dtype=self.dtype, transforms=tiling.smem_transforms(self.dtype, self.head_dim),
+        num_stages=self.num_stages // self.kv_groups, block_shape=shape,
+        dtype=self.dtype, transforms=tiling.smem_transforms(self.dtype, shape[1]),
         copies_per_slot=self.copies_per_tile, num_consumers=self._tma_ring_readers)
 
-  def scale_ring_spec(self) -> pipeline.RingSpec:
-    block = (self.block_kv,) if self.scale_width == 1 else (self.block_kv, self.scale_width)
+  def scale_ring_spec(self, role: str = "k") -> pipeline.RingSpec:
+    tokens_last = role == "v" and self.v_tokens_last   # the head's own scales, contiguous
+    block = (self.block_kv,) if self.scale_width == 1 or tokens_last else (self.block_kv, self.scale_width)
     return pipeline.RingSpec(num_stages=self.num_stages // self.kv_groups, block_shape=block, dtype=jnp.float32,
                              copies_per_slot=self.copies_per_tile, num_consumers=self._tma_ring_readers)
 
@@ -292,9 +327,9 @@ class DecodeSmem:
     """A KV group's rings by role, in the producer's fill order: "k", "ks" (K's scales) if any, "v", "vs"."""
     specs = {}
     for role in ("k", "v"):
-      specs[role] = self.ring_spec()
+      specs[role] = self.ring_spec(role)
       if role in self.token_scales:
-        specs[f"{role}s"] = self.scale_ring_spec()
+        specs[f"{role}s"] = self.scale_ring_spec(role)
     return specs
 
   @staticmethod
@@ -318,10 +353,7 @@ class DecodeSmem:
       streaming[name] = spec.buffer_type()
       barriers[f"{name}_produced"], barriers[f"{name}_consumed"] = spec.barrier_types()
     if self.quantized:
-      transforms = tiling.smem_transforms(self.q_dtype, self.head_dim)
-      streaming["dequantized"] = tuple(
-          plgpu.SMEM((self.block_kv, self.head_dim), self.q_dtype, transforms=transforms)
-          for _ in range(self.num_wgs * self.dequant_tiles))
+      streaming["dequantized"] = self.dequantized_types() * self.num_wgs
     out_stage = (plgpu.SMEM((self.num_wgs, ROWS_PER_WG, self.head_dim), jnp.float32),
                  plgpu.SMEM((self.num_wgs, ROWS_PER_WG), jnp.float32))
     # Same names, so same order and offsets as the rings they alias.
@@ -393,6 +425,15 @@ def converter(config) -> bool:
   return bool(getattr(config, "convert_warpgroup", False))
 
 
+def check_tokens_last_fields(config: MosaicGPUConfig, page_size: int | None) -> None:
+  """Raises where a (partial) config's fields cannot read v stored tokens last."""
+  if converter(config):
+    raise ValueError("convert_warpgroup=True converts tiles of v laid out like k; v_tokens_last has no converter")
+  if page_size is not None and config.block_kv is not None and page_size % config.block_kv:
+    raise ValueError(f"v_tokens_last copies a [D, block_kv] tile from one page: block_kv={config.block_kv} must "
+                     f"divide page_size {page_size}")
+
+
 def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: Any, page_size: int | None,
                  num_splits: int, **quantized) -> None:
   """Raises unless the kernel can run a complete config (`DecodeSmem.for_call`'s arguments) with num_splits
@@ -423,6 +464,11 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
                                 "holds a whole float32 tile in its registers)")
   if config.pipeline_qk and config.num_stages < 2:
     raise ValueError(f"pipeline_qk=True needs num_stages >= 2, got {config.num_stages=}")
+  if quantized.get("v_tokens_last"):
+    reason = tokens_last_reason(head_dim, page_size)
+    if reason:
+      raise NotImplementedError(f"mosaic_gpu: {reason}")
+    check_tokens_last_fields(config, page_size)
   smem = DecodeSmem.for_call(config, rows=rows, head_dim=head_dim, dtype=dtype, page_size=page_size, **quantized)
   if not smem.fits:
     raise ValueError(
@@ -443,6 +489,7 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig
   rows = problem.num_queries * problem.group_size
   one_byte = jnp.dtype(dtype).itemsize == 1
   quantized = dict(k_scale_kind="token", v_scale_kind="token", num_kv_heads=problem.num_kv_heads) if one_byte else {}
+  quantized["v_tokens_last"] = getattr(problem, "v_tokens_last", False)
   start = dataclasses.replace(DEFAULT, num_stages=min(2 * DEFAULT.num_stages, MAX_STAGES)) if one_byte else DEFAULT
   deepest = functools.partial(_deepest_ring, problem=problem, rows=rows, dtype=dtype,
                               stages_given=given.num_stages is not None, **quantized)
@@ -474,8 +521,13 @@ def resolve_config(problem, config: MosaicGPUConfig | None, *, dtype: Any = "bfl
   fields over the heuristic's."""
   if config is not None and not isinstance(config, MosaicGPUConfig):
     raise TypeError(f"the mosaic_gpu GQA kernel takes a MosaicGPUConfig, got {type(config).__name__}")
-  resolved = (tuned.tuned_config(NAME, problem, dtype, device_kind) if config is None else None) or config
+  # Tuned entries were measured with v laid out like k.
+  tokens_last = getattr(problem, "v_tokens_last", False)
+  resolved = (tuned.tuned_config(NAME, problem, dtype, device_kind) if config is None and not tokens_last else None
+              ) or config
   resolved = resolved or MosaicGPUConfig()
+  if tokens_last:
+    check_tokens_last_fields(resolved, problem.page_size)
   resolved = resolved.over(heuristic_config(problem, dtype=dtype, given=resolved))
   _, row_blocks = row_blocking(problem.num_queries * problem.group_size)
   return plan.fill_num_splits(problem, resolved, row_blocks=row_blocks, num_sms=num_sms,

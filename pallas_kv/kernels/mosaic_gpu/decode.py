@@ -64,9 +64,10 @@ class TileMath:
     plgpu.wgmma(s_ref, q_tile, k_tile.transpose((1, 0)))
 
   def softmax(self, s, acc, m_i, l_i, *, tile, length, row0, masked: bool, st: "_Static", k_scale=None,
-              start=None):
+              start=None, v_scales=None):
     """(acc rescaled, m, l, P in q's dtype) after raw scores s [64, bkv] f32; k_scale: the head's or None;
-    start: the sequence's window start or None."""
+    start: the sequence's window start or None; v_scales: the tile's per-token V scales [bkv] (WGMMA columns)
+    folded into P, or None."""
     scale = st.options.scale if k_scale is None else k_scale * st.options.scale
     s = online_softmax.log2_logits(s, scale=scale, softcap=st.options.softcap)
     if masked:
@@ -77,6 +78,8 @@ class TileMath:
                                   start=start)
       s = jnp.where(ok, s, -jnp.inf)
     acc, m_new, l_new, p = online_softmax.softmax_step(s, acc, m_i, l_i)
+    if v_scales is not None:   # a masked key's p is 0 and stays 0 whatever scale lies past the length
+      p = jnp.where(p > 0, p * lax.broadcast_in_dim(v_scales, p.shape, [1]), 0.0)
     return acc, m_new, l_new, p.astype(st.q_dtype)
 
   def pv(self, acc, p16, v_tile, p_smem=None):
@@ -150,27 +153,36 @@ class _Static:
 
 @dataclasses.dataclass(frozen=True)
 class _RingTiles:
-  """Tiles wgmma reads from their ring slots: fetch(step, valid_rows, first_row) waits and zeroes rows past
-  valid_rows and before first_row (unless the filler did: zero_rows=False); tile(step) returns a fetched tile;
-  done(step) frees its slot."""
+  """Tiles wgmma reads from their ring slots: fetch(step, valid_rows, first_row) waits and zeroes rows (tokens)
+  past valid_rows and before first_row (unless the filler did: zero_rows=False); tile(step) returns a fetched
+  tile; done(step) frees its slot. tokens_last: slots [D, bkv] of v stored tokens last, handed to wgmma
+  transposed."""
   ring: pipeline.Ring
   zero_rows: bool = True
+  tokens_last: bool = False
 
   def fetch(self, step, valid_rows=None, first_row=None):
     tile = self.ring.wait(step)
     if valid_rows is not None and self.zero_rows:
-      partial = valid_rows < tile.shape[0]
+      partial = valid_rows < self.ring.spec.block_shape[1 if self.tokens_last else 0]
       if first_row is not None:
         partial = partial | (first_row > 0)
 
       @pl.when(partial)
       def _():
         # Every consumer of the slot writes the same values: a harmless race.
-        tiling.zero_rows_past(tile, valid_rows, first_row=first_row)
-    return tile
+        if self.tokens_last:
+          tiling.zero_columns_past(tile, valid_rows, first_column=first_row)
+        else:
+          tiling.zero_rows_past(tile, valid_rows, first_row=first_row)
+    return self.tile(step)
 
   def tile(self, step):
-    return self.ring.slot(step)
+    tile = self.ring.slot(step)
+    return tile.transpose((1, 0)) if self.tokens_last else tile
+
+  def column_scales(self, step):
+    del step   # 16-bit tiles have no scales
 
   def done(self, step):
     self.ring.release(step)
@@ -179,41 +191,53 @@ class _RingTiles:
 @dataclasses.dataclass(frozen=True)
 class _DequantizedTiles:
   """One-byte tiles behind `_RingTiles`' interface: fetch widens the slot into this consumer's dequantized
-  tile and frees the slot; the caller waits for wgmma's reads of that tile before the next fetch."""
+  tile and frees the slot; the caller waits for wgmma's reads of that tile before the next fetch.
+  tokens_last: V's tiles [D, bkv], widened without their per-token scales, which P takes (`column_scales`)."""
   ring: pipeline.Ring
   dequantized: Any
   tile_math: TileMath
   scale_ring: pipeline.Ring | None = None
   head: Any = None
+  tokens_last: bool = False
 
   def fetch(self, step, valid_rows=None, first_row=None):
-    self.dequantized[...] = _dequantized_values(self.ring, self.scale_ring, step, valid_rows, self.head,
-                                                self.tile_math, self.dequantized.dtype, first_row)
+    scale_ring = None if self.tokens_last else self.scale_ring
+    self.dequantized[...] = _dequantized_values(self.ring, scale_ring, step, valid_rows, self.head,
+                                                self.tile_math, self.dequantized.dtype, first_row,
+                                                tokens_axis=1 if self.tokens_last else 0)
     # One proxy fence covers both TMA's refill of the slots read above and wgmma's reads of the stores.
     self.ring.release(step, read_by_registers=True)
-    if self.scale_ring is not None:
-      self.scale_ring.release(step)   # its reads came before that fence
-    return self.dequantized
+    if scale_ring is not None:
+      scale_ring.release(step)   # its reads came before that fence
+    return self.tile(step)
 
   def tile(self, step):
     del step
-    return self.dequantized
+    return self.dequantized.transpose((1, 0)) if self.tokens_last else self.dequantized
+
+  def column_scales(self, step):
+    """Tokens last: step's per-token scales [bkv] (WGMMA columns) for P; else None (fetch applies them)."""
+    if not self.tokens_last or self.scale_ring is None:
+      return None
+    scales = plgpu.load(self.scale_ring.wait(step), layout=plgpu.Layout.WGMMA.reduce(0))
+    self.scale_ring.release(step, read_by_registers=True)
+    return scales
 
   def done(self, step):
     del step
 
 
 def _dequantized_values(ring: pipeline.Ring, scale_ring, step, valid_rows, head, tile_math: TileMath, dtype,
-                        first_row=None):
-  """Step's one-byte tile widened in registers, rows past valid_rows (and before first_row) zeroed; the slots
-  stay held."""
+                        first_row=None, tokens_axis: int = 0):
+  """Step's one-byte tile widened in registers, tokens (rows; columns with tokens_axis=1) past valid_rows (and
+  before first_row) zeroed; the slots stay held."""
   values = plgpu.load(ring.wait(step), layout=plgpu.Layout.WGMMA_8BIT)
   token_scales = None
   if scale_ring is not None:
     token_scales = tiling.load_token_scales(scale_ring.wait(step), head=head)
   values = tile_math.dequantize(values, dtype, token_scales)
   if valid_rows is not None:   # after the scales: a scale past the length may be inf as well
-    values = tiling.rows_below(values, valid_rows, plgpu.Layout.WGMMA_8BIT, first_row)
+    values = tiling.rows_below(values, valid_rows, plgpu.Layout.WGMMA_8BIT, first_row, axis=tokens_axis)
   return values
 
 
@@ -364,6 +388,9 @@ def _kernel(q_ref,
                "v": functools.partial(st.tiling.tile_sources, v_ref),
                "ks": functools.partial(scale_sources, k_scale_ref),
                "vs": functools.partial(scale_sources, v_scale_ref)}
+    if st.smem.v_tokens_last:
+      sources["v"] = functools.partial(st.tiling.tokens_last_sources, v_ref)
+      sources["vs"] = functools.partial(st.tiling.tokens_last_scale_sources, v_scale_ref)
 
     def produce(item: _Item, steps_before):
       counts = item.counts
@@ -426,12 +453,13 @@ def _kernel(q_ref,
 def _tile_feeds(rings, streaming, w: int, head, st: _Static, converted=None):
   if converted:
     return _RingTiles(converted["k"]), _RingTiles(converted["v"], zero_rows=False)
+  tokens_last = st.smem.v_tokens_last
   if not st.quantized:
-    return _RingTiles(rings["k"]), _RingTiles(rings["v"])
+    return _RingTiles(rings["k"]), _RingTiles(rings["v"], tokens_last=tokens_last)
   n = st.smem.dequant_tiles
   mine = streaming["dequantized"][w * n:(w + 1) * n]
   return tuple(_DequantizedTiles(rings[role], dequantized, st.tile_math, scale_ring=rings.get(f"{role}s"),
-                                 head=head)
+                                 head=head, tokens_last=tokens_last and role == "v")
                for role, dequantized in (("k", mine[0]), ("v", mine[-1])))
 
 
@@ -443,9 +471,9 @@ def _consume(q_tile, k_tiles, v_tiles, p_smem, length, row0, t0, t1, a, c, step0
   wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
   s_type = plgpu.ACC((ROWS_PER_WG, st.tiling.block_kv), jnp.float32)
 
-  def softmax(s, tile, acc, m_i, l_i, masked: bool):
+  def softmax(s, i, tile, acc, m_i, l_i, masked: bool):
     return math_.softmax(s, acc, m_i, l_i, tile=tile, length=length, row0=row0, masked=masked, st=st,
-                         k_scale=k_scale, start=start)
+                         k_scale=k_scale, start=start, v_scales=v_tiles.column_scales(i))
 
   def pv(acc, p16, i, tile, masked: bool):
     valid_rows = length - tile * st.tiling.block_kv if masked else None
@@ -471,7 +499,7 @@ def _consume(q_tile, k_tiles, v_tiles, p_smem, length, row0, t0, t1, a, c, step0
 
       s = pl.run_scoped(qk, s_type)
       k_tiles.done(i)
-      acc, m_new, l_i, p16 = softmax(s, tile, acc, m_i, l_i, masked)
+      acc, m_new, l_i, p16 = softmax(s, i, tile, acc, m_i, l_i, masked)
       return pv(acc, p16, i, tile, masked), m_new, l_i
 
     carry = (acc, m_i, l_i)
@@ -499,7 +527,7 @@ def _consume(q_tile, k_tiles, v_tiles, p_smem, length, row0, t0, t1, a, c, step0
 
       def body(s_ref):
         math_.qk(s_ref, q_tile, k_next)
-        acc_new, m_new, l_new, p16 = softmax(s, tile, acc, m_i, l_i, masked)
+        acc_new, m_new, l_new, p16 = softmax(s, i, tile, acc, m_i, l_i, masked)
         acc_new = pv(acc_new, p16, i, tile, masked)
         return acc_new, m_new, l_new, s_ref[...]
 
@@ -567,6 +595,8 @@ def _build(st: _Static, interpret: Any):
     name += f"_{st.tiling.dtype.name}_k{st.k_scale or 'none'}_v{st.v_scale or 'none'}"
   if st.smem.converter:
     name += "_cvt"
+  if st.smem.v_tokens_last:
+    name += "_vlast"
   if st.tile_math.name:
     name += f"_{st.tile_math.name}"
   if st.balanced:
@@ -595,14 +625,15 @@ def _build(st: _Static, interpret: Any):
 def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
                     config: MosaicGPUConfig, plan: SplitPlan, k_scale=None, v_scale=None,
                     num_programs: int | None = None, tile_math: TileMath = TileMath(), interpret: Any = False,
-                    window_start=None):
+                    window_start=None, v_tokens_last: bool = False):
   """Split-K partials of decode attention over a contiguous or paged KV cache.
 
   q: [B, Hkv, R, D] bf16 / fp16, R = S * G packed rows (S = num_queries): row r = s * G + g is new token
     s of q head kv_head * G + g, at p = lengths[b] - S + s; it sees keys t < lengths[b], t <= p and,
     with options.window, t > p - window.
   k, v: [B, T, Hkv, D], or paged [P, page_size, Hkv, D] with block_tables int32 [B, max_pages]; in q's
-    dtype or a one-byte type (`frame.QUANTIZED_DTYPES`).
+    dtype or a one-byte type (`frame.QUANTIZED_DTYPES`). v_tokens_last: v is [B, Hkv, D, T] / [P, Hkv, D,
+    page_size] (`config.tokens_last_reason`).
   k_scale, v_scale: None, [Hkv] f32, or per token with the cache's leading dims ([B, T, Hkv] /
     [P, page_size, Hkv]; Hkv 1 or a multiple of 4): logits use k_scale_t * k_t, the output v_scale_t * v_t.
   window_start: int32 [B], given exactly when options.has_window_start: keys before it are invisible.
@@ -613,14 +644,15 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   f32, natural log, -inf with out 0 where the split saw no key).
   """
   frame.check_packed_args(q, k, v, lengths, block_tables, num_queries=num_queries, k_scale=k_scale,
-                            v_scale=v_scale)
+                          v_scale=v_scale, v_tokens_last=v_tokens_last)
   B, Hkv, R, D = q.shape
   page_size = None if block_tables is None else k.shape[1]
   k_kind, v_kind = frame.scale_kind(k_scale, k.shape), frame.scale_kind(v_scale, k.shape)
   reason = mgpu_config.quantized_call_reason(k.dtype, k_kind, v_kind, num_kv_heads=Hkv, page_size=page_size)
   if reason:
     raise NotImplementedError(f"mosaic_gpu: {reason}")
-  quantized = dict(q_dtype=q.dtype, k_scale_kind=k_kind, v_scale_kind=v_kind, num_kv_heads=Hkv)
+  quantized = dict(q_dtype=q.dtype, k_scale_kind=k_kind, v_scale_kind=v_kind, num_kv_heads=Hkv,
+                   v_tokens_last=v_tokens_last)
   mgpu_config.check_config(config, rows=R, head_dim=D, dtype=k.dtype, page_size=page_size, num_splits=plan.num_splits,
                            **quantized)
   if plan.ordered or plan.stream_k:
@@ -662,8 +694,10 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   args = [q, k, v, lengths, *([] if window_start is None else [window_start.astype(jnp.int32)])]
   args += plan.kernel_inputs()
   args += [] if block_tables is None else [block_tables]
-  for kind, scale in ((k_kind, k_scale), (v_kind, v_scale)):
-    if kind == "token" and Hkv == 1:
+  for role, kind, scale in (("k", k_kind, k_scale), ("v", v_kind, v_scale)):
+    if kind == "token" and role == "v" and v_tokens_last:
+      scale = jnp.swapaxes(scale, 1, 2)   # [B, Hkv, T]: a tile's scales are one run (tiling.tokens_last_scale_sources)
+    elif kind == "token" and Hkv == 1:
       scale = scale.reshape(-1)   # contiguous per head: copied as flat runs (tiling.scale_sources)
     if kind is not None:
       args.append(scale)

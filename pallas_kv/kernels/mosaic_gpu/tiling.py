@@ -4,6 +4,9 @@ wgmma (K read transposed), and where their tokens live (`KVTiling`):
   contiguous  kv [B, T, Hkv, D]          tile j of sequence b is kv[b, j*bkv : (j+1)*bkv, h]
   paged       kv [P, page_size, Hkv, D]  token t of b is kv[table[b, t // page_size], t % page_size, h]
 
+v stored tokens last ([B, Hkv, D, T] / [P, Hkv, D, page_size]) is tiled [D, block_kv] instead, read transposed by
+P V's wgmma as K is by Q K^T.
+
 A paged tile is one TMA copy per run of tokens that one page holds (gcd(page_size, block_kv) tokens); a run of
 fewer than 8 rows lands one swizzle column tile at a time (`pipeline.RingSpec.splits_rows`). Per-token scales come
 with the same copies: TMA rows are 16 bytes, so a scale tile holds the 4-head group of the program's head (one kv
@@ -46,10 +49,10 @@ def load_token_scales(slot, *, head):
   return jnp.sum(jnp.where(column == head % SCALE_ROW, group, 0.0), axis=1)
 
 
-def rows_below(values, valid_rows, layout, first_row=None):
+def rows_below(values, valid_rows, layout, first_row=None, *, axis: int = 0):
   """values [bkv, cols] with rows >= valid_rows (and < first_row, given) set to 0: a masked key's p is 0, but
-  0 x NaN is NaN in P V."""
-  rows = plgpu.broadcasted_iota(jnp.int32, values.shape, 0, layout=layout)
+  0 x NaN is NaN in P V. axis=1: the tokens are the columns (v stored tokens last, [D, bkv])."""
+  rows = plgpu.broadcasted_iota(jnp.int32, values.shape, axis, layout=layout)
   keep = rows < valid_rows
   if first_row is not None:
     keep = keep & (rows >= first_row)
@@ -75,6 +78,16 @@ def zero_rows_past(tile, valid_rows, *, width: int | None = None, first_row=None
       tokens = plgpu.broadcasted_iota(jnp.int32, values.shape, 1, layout=plgpu.Layout.WGMMA)
       keep = tokens < valid_rows if first_row is None else (tokens < valid_rows) & (tokens >= first_row)
       columns[...] = jnp.where(keep, values, jnp.zeros_like(values))
+  plgpu.commit_smem()
+
+
+def zero_columns_past(tile, valid_columns, *, first_column=None):
+  """Zeroes columns >= valid_columns (and < first_column, given) of a 16-bit SMEM tile [D, bkv] of v stored tokens
+  last, 64 rows at a time (the WGMMA layout's span), fenced for wgmma and TMA."""
+  for start in range(0, tile.shape[0], 64):
+    chunk = tile.at[pl.ds(start, 64)]
+    chunk[...] = rows_below(plgpu.load(chunk, layout=plgpu.Layout.WGMMA), valid_columns, plgpu.Layout.WGMMA,
+                            first_column, axis=1)
   plgpu.commit_smem()
 
 
@@ -163,6 +176,19 @@ class KVTiling:
     """GMEM views [rows_per_copy, D] of kv_ref at `locations`, which stacked in order are the tile."""
     rows = self.rows_per_copy
     return [kv_ref.at[index, pl.ds(row, rows), head] for index, row in locations]
+
+  def tokens_last_sources(self, v_ref, locations, *, head) -> list[Any]:
+    """GMEM views [D, block_kv] of a v stored tokens last (v_ref [B, Hkv, D, T] / [P, Hkv, D, page_size]) at
+    `locations`: one per tile, as a page holds whole tiles (`config.tokens_last_reason`)."""
+    if self.copies_per_tile != 1:
+      raise ValueError(f"v stored tokens last is copied a whole tile at a time; pages of {self.page_size} tokens "
+                       f"hold parts of {self.block_kv}-token tiles")
+    return [v_ref.at[index, head, :, pl.ds(row, self.block_kv)] for index, row in locations]
+
+  def tokens_last_scale_sources(self, scale_ref, locations, *, head) -> list[Any]:
+    """GMEM views [block_kv] of per-token scales laid out tokens last (scale_ref [B, Hkv, T] / [P, Hkv, page_size]
+    f32), beside `tokens_last_sources`."""
+    return [scale_ref.at[index, head, pl.ds(row, self.block_kv)] for index, row in locations]
 
   def scale_sources(self, scale_ref, locations, *, head, width: int, tokens_per_index: int) -> list[Any]:
     """GMEM views of the tile's per-token scales, one per copy: scale_ref [B, T, Hkv] / [P, page_size, Hkv]
