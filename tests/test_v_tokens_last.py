@@ -348,23 +348,31 @@ def test_triton_lowers_for_cuda(page_size):
 _GPU_DTYPES = (jnp.int8, jnp.float8_e4m3fn, jnp.bfloat16)
 
 
-@pytest.mark.gpu   # the GPU tier: each dtype once, each page size once
-@pytest.mark.parametrize("kv_dtype,page_size", tiered(
-    [(d, page) for d in _GPU_DTYPES for page in (None, 16, 64)],
-    every_tier=list(zip(_GPU_DTYPES, (None, 16, 64)))))
-def test_gpu_triton_matches_v_like_k(kv_dtype, page_size):
-  case = make_case(11, batch=4, seq_len=4096, num_heads=32, num_kv_heads=8, head_dim=128, num_queries=2,
+def _check_on_gpu(impl: str, kv_dtype, page_size, seed: int):
+  """impl reading v tokens last against xla reading it like k, heads 32/8 D 128, B4 T4096, 2 new tokens; per-token
+  scales for a one-byte cache; poisoned slots past the lengths."""
+  case = make_case(seed, batch=4, seq_len=4096, num_heads=32, num_kv_heads=8, head_dim=128, num_queries=2,
                    dtype=jnp.float16 if jnp.dtype(kv_dtype).itemsize == 1 else jnp.bfloat16, kv_dtype=kv_dtype,
                    page_size=page_size)
-  rng = np.random.default_rng(12)
+  case = poison_unread_slots(case, dense=page_size is None)
+  rng = np.random.default_rng(seed + 1)
   kind = "token" if jnp.dtype(kv_dtype).itemsize == 1 else None
   token_shape = (case.k_pages if page_size else case.k).shape[:3]
   scales = dict(k_scale=_scales(rng, kind, token_shape), v_scale=_scales(rng, kind, token_shape))
   paged = page_size is not None
   ref, ref_lse = _run(case, paged=paged, v_tokens_last=False, impl="xla", **scales)
-  out, lse = jax.jit(lambda: _run(case, paged=paged, v_tokens_last=True, impl="triton", **scales))()
+  out, lse = jax.jit(lambda: _run(case, paged=paged, v_tokens_last=True, impl=impl, **scales))()
+  assert np.isfinite(np.asarray(out, np.float32)).all()
   assert_matches_reference(out, ref, case.q.dtype)
   assert_lse_matches(lse, ref_lse, case.q.dtype)
+
+
+@pytest.mark.gpu   # the GPU tier: each dtype once, each page size once
+@pytest.mark.parametrize("kv_dtype,page_size", tiered(
+    [(d, page) for d in _GPU_DTYPES for page in (None, 16, 64)],
+    every_tier=list(zip(_GPU_DTYPES, (None, 16, 64)))))
+def test_gpu_triton_matches_v_like_k(kv_dtype, page_size):
+  _check_on_gpu("triton", kv_dtype, page_size, seed=11)
 
 
 @pytest.mark.gpu   # the GPU tier: each dtype once, dense and pages of 64 (the smallest Mosaic GPU takes)
@@ -372,18 +380,4 @@ def test_gpu_triton_matches_v_like_k(kv_dtype, page_size):
     [(d, page) for d in _GPU_DTYPES for page in (None, 64)],
     every_tier=list(zip(_GPU_DTYPES, (None, 64, None)))))
 def test_gpu_mosaic_gpu_matches_v_like_k(kv_dtype, page_size):
-  # The heuristic's config (one-byte: two KV groups, 8 stages); poisoned slots past the lengths.
-  case = make_case(13, batch=4, seq_len=4096, num_heads=32, num_kv_heads=8, head_dim=128, num_queries=2,
-                   dtype=jnp.float16 if jnp.dtype(kv_dtype).itemsize == 1 else jnp.bfloat16, kv_dtype=kv_dtype,
-                   page_size=page_size)
-  case = poison_unread_slots(case, dense=page_size is None)
-  rng = np.random.default_rng(14)
-  kind = "token" if jnp.dtype(kv_dtype).itemsize == 1 else None
-  token_shape = (case.k_pages if page_size else case.k).shape[:3]
-  scales = dict(k_scale=_scales(rng, kind, token_shape), v_scale=_scales(rng, kind, token_shape))
-  paged = page_size is not None
-  ref, ref_lse = _run(case, paged=paged, v_tokens_last=False, impl="xla", **scales)
-  out, lse = jax.jit(lambda: _run(case, paged=paged, v_tokens_last=True, impl="mosaic_gpu", **scales))()
-  assert np.isfinite(np.asarray(out, np.float32)).all()
-  assert_matches_reference(out, ref, case.q.dtype)
-  assert_lse_matches(lse, ref_lse, case.q.dtype)
+  _check_on_gpu("mosaic_gpu", kv_dtype, page_size, seed=13)   # the heuristic's config
