@@ -99,12 +99,13 @@ def test_mosaic_gpu_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, 
   assert_lse_matches(lse, ref_lse, case.q.dtype)
 
 
-def test_mosaic_gpu_tokens_last_race_detection_finds_none():
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn], ids=["int8-widened", "e4m3-fp8-operands"])
+def test_mosaic_gpu_tokens_last_race_detection_finds_none(kv_dtype):
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
-  # 5 tiles through a 2-slot ring: V and its scale slots refilled after register reads, the widened V tile
-  # rewritten after wgmma read it.
+  # 5 tiles through a 2-slot ring: V and its scale slots refilled after register reads, the widened V tile (int8)
+  # or P's fp8 terms and the zeroed V columns (e4m3) rewritten after wgmma read them.
   case = make_case(10, batch=1, seq_len=320, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.float16,
-                   kv_dtype=jnp.int8, lengths=[300])
+                   kv_dtype=kv_dtype, lengths=[300])
   from pallas_kv.config import AttentionOptions
   from pallas_kv.kernels import frame
   from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode

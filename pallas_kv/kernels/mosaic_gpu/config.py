@@ -116,6 +116,8 @@ def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
 MLA_MAX_QK_DIM = 576
 MLA_V_DIM_MULTIPLE = 128
 MLA_ONE_BYTE_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+FP8_DTYPES = MLA_ONE_BYTE_DTYPES
+FP8_OPERAND_DTYPE = jnp.float8_e4m3fn   # Q's and P's terms on fp8 wgmma
 
 
 def mla_reason(qk_dim: int, v_dim: int, kv_dtype) -> str | None:
@@ -192,7 +194,8 @@ def quantized_call_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str 
 class DecodeSmem:
   """The SMEM layout of one GQA program; the single source for scratch and for the fit check.
 
-  q_smem       [row_wgs, 64, D] q_dtype, swizzled            packed queries (wgmma A)
+  q_smem       [row_wgs, 64, D] q_dtype, swizzled            packed queries (wgmma A); fp8 operands: [row_wgs, 2,
+               64, D] e4m3, Q's two terms, and q_factors [row_wgs, 64] f32, their rows' factors
   union        streaming | (out [num_wgs, 64, D] f32, lse [num_wgs, 64] f32) after the loop; separate_out
                (persistent): side by side, as the rings stream on during the stores
    streaming   g{g}_k, g{g}_v [stages / kv_groups, bkv, D] dtype   rings of KV group g (v_tokens_last: V's
@@ -206,7 +209,8 @@ class DecodeSmem:
   tiles        the KV rings again as swizzle tiles (`pipeline.RingSpec.tiles_type`), aliasing them in the union
                (persistent: in a union with streaming), for copies of fewer rows than a tile (small pages); not in
                interpret mode
-  p_smem       [num_wgs, 64, bkv] q_dtype (interpret mode); barriers: per ring slot, q per row warpgroup, done
+  p_smem       [num_wgs, 64, bkv] q_dtype (interpret mode); fp8 operands: p_terms 2 * num_wgs x [64, bkv] e4m3
+  barriers     per ring slot, q per row warpgroup, done
   num_wgs = row_wgs (split the rows) x kv_groups (split the tiles); num_stages: K slots of all groups.
   """
   head_dim: int
@@ -227,6 +231,8 @@ class DecodeSmem:
   v_tokens_last: bool = False
 
   def __post_init__(self):
+    if self.fp8_operands and self.pipeline_qk:
+      raise ValueError("pipeline_qk=True has no schedule for fp8 wgmma operands (an fp8 cache with v tokens last)")
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
     if self.q_dtype is None:
       object.__setattr__(self, "q_dtype", self.dtype if self.dtype.itemsize > 1 else jnp.dtype(jnp.bfloat16))
@@ -266,6 +272,12 @@ class DecodeSmem:
     return self.row_wgs * self.kv_groups
 
   @property
+  def fp8_operands(self) -> bool:
+    """Whether wgmma reads the fp8 tiles as they are (`fp8_operands`): an fp8 cache with V stored tokens last, so
+    that both of its operands are K-major."""
+    return self.v_tokens_last and self.dtype in FP8_DTYPES and not self.converter
+
+  @property
   def num_threads(self) -> int:
     """Consumers, the TMA producer, and the converter if any."""
     return self.num_wgs + 1 + int(self.converter)
@@ -278,7 +290,7 @@ class DecodeSmem:
   def dequant_tiles(self) -> int:
     """Per consumer: K and V take turns in one, unless pipeline_qk still reads K while V is converted or V's
     tiles are laid out tokens last."""
-    if not self.quantized or self.converter:
+    if not self.quantized or self.converter or self.fp8_operands:
       return 0
     return 2 if self.pipeline_qk or self.v_tokens_last else 1
 
@@ -306,7 +318,7 @@ class DecodeSmem:
         copies_per_slot=self.copies_per_tile, num_consumers=self._tma_ring_readers)
 
   def scale_ring_spec(self, role: str = "k") -> pipeline.RingSpec:
-    tokens_last = role == "v" and self.v_tokens_last   # the head's own scales, contiguous
+    tokens_last = (role == "v" and self.v_tokens_last) or self.fp8_operands   # the head's own scales, contiguous
     block = (self.block_kv,) if self.scale_width == 1 or tokens_last else (self.block_kv, self.scale_width)
     return pipeline.RingSpec(num_stages=self.num_stages // self.kv_groups, block_shape=block, dtype=jnp.float32,
                              copies_per_slot=self.copies_per_tile, num_consumers=self._tma_ring_readers)
@@ -363,14 +375,21 @@ class DecodeSmem:
     else:
       buffers = dict(union=plgpu.RefUnion(streaming, out_stage, *tiles))
     scratch = dict(
-        q_smem=plgpu.SMEM((self.row_wgs, ROWS_PER_WG, self.head_dim), self.q_dtype,
-                          transforms=tiling.smem_transforms(self.q_dtype, self.head_dim)),
+        q_smem=plgpu.SMEM(self._q_shape, self._q_smem_dtype,
+                          transforms=tiling.smem_transforms(self._q_smem_dtype, self.head_dim)),
         **buffers,
-        q_barrier=plgpu.Barrier(num_barriers=self.row_wgs),
+        q_barrier=plgpu.Barrier(num_arrivals=2 if self.fp8_operands else 1, num_barriers=self.row_wgs),
         consumers_done=plgpu.Barrier(num_arrivals=self.num_wgs),
         **barriers)
     if self.stage_p:
       scratch["p_smem"] = plgpu.SMEM(self._p_shape, self.q_dtype)
+    if self.fp8_operands:
+      scratch["q_factors"] = plgpu.SMEM((self.row_wgs, ROWS_PER_WG), jnp.float32)
+      # Separate refs: a statically indexed tile does not lower inside wgmma's run_state.
+      scratch["p_terms"] = tuple(
+          plgpu.SMEM((ROWS_PER_WG, self.block_kv), FP8_OPERAND_DTYPE,
+                     transforms=tiling.smem_transforms(FP8_OPERAND_DTYPE, self.block_kv))
+          for _ in range(2 * self.num_wgs))
     return scratch
 
   def buffers(self, scratch) -> tuple[Any, Any, Any]:
@@ -388,6 +407,15 @@ class DecodeSmem:
     return (self.num_wgs, ROWS_PER_WG, self.block_kv)
 
   @property
+  def _q_shape(self) -> tuple[int, ...]:
+    terms = (2,) if self.fp8_operands else ()
+    return (self.row_wgs, *terms, ROWS_PER_WG, self.head_dim)
+
+  @property
+  def _q_smem_dtype(self):
+    return jnp.dtype(FP8_OPERAND_DTYPE) if self.fp8_operands else self.q_dtype
+
+  @property
   def nbytes(self) -> int:
     """SMEM bytes the kernel asks for (allocations aligned as Mosaic GPU aligns them)."""
     align = pipeline.align_up
@@ -395,10 +423,12 @@ class DecodeSmem:
     rings = sum(align(spec.buffer_bytes) for spec in specs)
     dequantized = self.num_wgs * self.dequant_tiles * align(self._dequantized_tile_bytes)
     outputs = align(self.num_wgs * ROWS_PER_WG * self.head_dim * 4) + self.num_wgs * ROWS_PER_WG * 4
-    q = self.row_wgs * ROWS_PER_WG * self.head_dim * self.q_dtype.itemsize
+    q = math.prod(self._q_shape) * self._q_smem_dtype.itemsize
     barriers = (sum(spec.barrier_bytes for spec in specs)
                 + (self.row_wgs + 1) * pipeline.BARRIER_BYTES)
     p = math.prod(self._p_shape) * self.q_dtype.itemsize if self.stage_p else 0
+    if self.fp8_operands:
+      p = align(self.row_wgs * ROWS_PER_WG * 4) + 2 * self.num_wgs * align(ROWS_PER_WG * self.block_kv)
     streaming = rings + dequantized
     streaming = streaming + align(outputs) if self.separate_out else max(streaming, outputs)
     return (align(q) + align(streaming) + align(p)

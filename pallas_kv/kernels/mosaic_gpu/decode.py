@@ -28,6 +28,7 @@ from pallas_kv.kernels import frame
 from pallas_kv.kernels import plan as split_plan
 from pallas_kv.kernels.plan import SplitPlan
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
+from pallas_kv.kernels.mosaic_gpu import fp8_operands
 from pallas_kv.kernels.mosaic_gpu import pipeline
 from pallas_kv.kernels.mosaic_gpu import tiling
 
@@ -68,6 +69,15 @@ class TileMath:
     """(acc rescaled, m, l, P in q's dtype) after raw scores s [64, bkv] f32; k_scale: the head's or None;
     start: the sequence's window start or None; v_scales: the tile's per-token V scales [bkv] (WGMMA columns)
     folded into P, or None."""
+    acc, m_new, l_new, p = self.probabilities(s, acc, m_i, l_i, tile=tile, length=length, row0=row0, masked=masked,
+                                              st=st, k_scale=k_scale, start=start)
+    if v_scales is not None:   # a masked key's p is 0 and stays 0 whatever scale lies past the length
+      p = jnp.where(p > 0, p * lax.broadcast_in_dim(v_scales, p.shape, [1]), 0.0)
+    return acc, m_new, l_new, p.astype(st.q_dtype)
+
+  def probabilities(self, s, acc, m_i, l_i, *, tile, length, row0, masked: bool, st: "_Static", k_scale=None,
+                    start=None):
+    """`softmax` with P f32, no V scale folded in."""
     scale = st.options.scale if k_scale is None else k_scale * st.options.scale
     s = online_softmax.log2_logits(s, scale=scale, softcap=st.options.softcap)
     if masked:
@@ -77,10 +87,7 @@ class TileMath:
                                   num_queries=st.num_queries, group=st.group, window=st.options.window,
                                   start=start)
       s = jnp.where(ok, s, -jnp.inf)
-    acc, m_new, l_new, p = online_softmax.softmax_step(s, acc, m_i, l_i)
-    if v_scales is not None:   # a masked key's p is 0 and stays 0 whatever scale lies past the length
-      p = jnp.where(p > 0, p * lax.broadcast_in_dim(v_scales, p.shape, [1]), 0.0)
-    return acc, m_new, l_new, p.astype(st.q_dtype)
+    return online_softmax.softmax_step(s, acc, m_i, l_i)
 
   def pv(self, acc, p16, v_tile, p_smem=None):
     if p_smem is None:
@@ -334,6 +341,7 @@ def _kernel(q_ref,
             lengths_ref,
             *refs, st: _Static, **scratch):
   refs = list(refs)
+  q_factors_ref = refs.pop(0) if st.smem.fp8_operands else None
   sequences = _Sequences(lengths_ref, refs.pop(0) if st.options.has_window_start else None)
   plan_ref = refs.pop(0) if st.balanced else None
   block_tables_ref = refs.pop(0) if st.tiling.paged else None
@@ -391,6 +399,8 @@ def _kernel(q_ref,
     if st.smem.v_tokens_last:
       sources["v"] = functools.partial(st.tiling.tokens_last_sources, v_ref)
       sources["vs"] = functools.partial(st.tiling.tokens_last_scale_sources, v_scale_ref)
+    if st.smem.fp8_operands:
+      sources["ks"] = functools.partial(st.tiling.tokens_last_scale_sources, k_scale_ref)
 
     def produce(item: _Item, steps_before):
       counts = item.counts
@@ -422,6 +432,8 @@ def _kernel(q_ref,
   for w in range(st.smem.num_wgs):
     g, rw = divmod(w, st.row_wgs)   # KV group, row warpgroup
 
+    fp8 = st.smem.fp8_operands
+
     @pl.when(wg == w)
     def _consumer():
       plgpu.set_max_registers(_consumer_registers(st.smem.num_wgs, bool(converted)), action="increase")
@@ -432,14 +444,27 @@ def _kernel(q_ref,
       def consume(item: _Item, steps_before):
         row0 = item.row_block * st.rows_per_program + rw * ROWS_PER_WG
         if g == 0:   # one load per row warpgroup; the other KV group waits on its barrier
-          plgpu.copy_gmem_to_smem(q_ref.at[item.b, item.head, pl.ds(row0, ROWS_PER_WG)], q_tile,
-                                  q_barrier)
+          rows = pl.ds(row0, ROWS_PER_WG)
+          if fp8:
+            plgpu.copy_gmem_to_smem(q_ref.at[item.b, item.head, :, rows], q_tile, q_barrier)
+            plgpu.copy_gmem_to_smem(q_factors_ref.at[item.b, item.head, rows], scratch["q_factors"].at[rw],
+                                    q_barrier)
+          else:
+            plgpu.copy_gmem_to_smem(q_ref.at[item.b, item.head, rows], q_tile, q_barrier)
         k_head_scale = k_scale_ref[item.head] if st.k_scale == "head" else None
         v_head_scale = v_scale_ref[item.head] if st.v_scale == "head" else None
-        k_tiles, v_tiles = _tile_feeds(rings[g], streaming, w, item.head, st, converted)
         plgpu.barrier_wait(q_barrier)
-        carry = _consume(q_tile, k_tiles, v_tiles, p_smem, item.length, row0, *item.ranges[g],
-                         steps_before, st, k_scale=k_head_scale, start=item.start)
+        if fp8:
+          tiles = fp8_operands.Fp8Tiles(q_tile, scratch["q_factors"].at[rw], rings[g]["k"], rings[g]["v"],
+                                        rings[g].get("ks"), rings[g].get("vs"), scratch["p_terms"][2 * w:2 * w + 2])
+          t0, t1, a, c = item.ranges[g]
+          carry = fp8_operands.consume(tiles, length=item.length, row0=row0, t0=t0, t1=t1, a=a, c=c,
+                                       step0=steps_before, st=st, tile_math=st.tile_math, start=item.start,
+                                       interpret=st.smem.stage_p)
+        else:
+          k_tiles, v_tiles = _tile_feeds(rings[g], streaming, w, item.head, st, converted)
+          carry = _consume(q_tile, k_tiles, v_tiles, p_smem, item.length, row0, *item.ranges[g],
+                           steps_before, st, k_scale=k_head_scale, start=item.start)
         _write_partials(carry, out_smem.at[w], lse_smem.at[w], out_ref, lse_ref,
                         scratch["consumers_done"], b=item.b, head=item.head,
                         split=item.splits[g], rw=rw, row0=row0, st=st, v_scale=v_head_scale)
@@ -597,6 +622,8 @@ def _build(st: _Static, interpret: Any):
     name += "_cvt"
   if st.smem.v_tokens_last:
     name += "_vlast"
+  if st.smem.fp8_operands:
+    name += "_fp8mma"
   if st.tile_math.name:
     name += f"_{st.tile_math.name}"
   if st.balanced:
@@ -691,11 +718,15 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   if (window_start is not None) != options.has_window_start:
     raise ValueError(f"window_start is given exactly when options.has_window_start; got "
                      f"{options.has_window_start=} and window_start {'None' if window_start is None else 'given'}")
-  args = [q, k, v, lengths, *([] if window_start is None else [window_start.astype(jnp.int32)])]
+  args = [q, k, v, lengths]
+  if smem.fp8_operands:   # Q as two e4m3 terms and their rows' factors (a head's k_scale folded in)
+    q, q_factors = fp8_operands.split_rows(q, k_scale if k_kind == "head" else None)
+    args = [q, k, v, lengths, q_factors]
+  args += [] if window_start is None else [window_start.astype(jnp.int32)]
   args += plan.kernel_inputs()
   args += [] if block_tables is None else [block_tables]
   for role, kind, scale in (("k", k_kind, k_scale), ("v", v_kind, v_scale)):
-    if kind == "token" and role == "v" and v_tokens_last:
+    if kind == "token" and ((role == "v" and v_tokens_last) or smem.fp8_operands):
       scale = jnp.swapaxes(scale, 1, 2)   # [B, Hkv, T]: a tile's scales are one run (tiling.tokens_last_scale_sources)
     elif kind == "token" and Hkv == 1:
       scale = scale.reshape(-1)   # contiguous per head: copied as flat runs (tiling.scale_sources)

@@ -1,0 +1,153 @@
+"""The GQA consumer over an fp8 cache with V stored tokens last: wgmma reads the fp8 tiles as they are.
+
+Both products then have K-major fp8 operands (K [bkv, D], V [D, bkv]), so nothing is widened:
+  Q K^T  Q as two e4m3 terms (hi + lo, each row scaled to 448: `split_rows`; ~8 significant bits, bf16's), two
+         wgmmas over the K slot; S's rows times their factors, its columns times the keys' per-token scales.
+  P V    P times the values' per-token scales, over c (each row's running max of the scales it has seen), times
+         448, as two e4m3 terms staged in SMEM, two wgmmas over the V slot read transposed. acc is kept in units of
+         c / 448: where c grows, acc shrinks with the softmax's own rescale.
+Rows past a length are masked in S; V's columns there are zeroed in the slot (0 x NaN is NaN in P V).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kv.kernels.mosaic_gpu import mla_tiles
+from pallas_kv.kernels.mosaic_gpu import pipeline
+from pallas_kv.kernels.mosaic_gpu import tiling
+
+FP8_MAX = mla_tiles.FP8_MAX
+# The floor of a row's running value scale: a row that has seen no key keeps P = 0 and acc = 0, never 0 / 0.
+_MIN_VALUE_SCALE = 1e-30
+ROWS = 64
+
+
+def split_rows(q, k_head_scale=None):
+  """q [B, Hkv, R, D] as two e4m3 terms [B, Hkv, 2, R, D] and each row's factor [B, Hkv, R] f32 (1 over its
+  scale, times the head's k_scale if given), by which S's rows are multiplied (`mla_tiles.split_query`)."""
+  b, hkv, r, d = q.shape
+  terms, factors = mla_tiles.split_query(q.reshape(b * hkv, r, d), 1.0)
+  terms, factors = terms.reshape(b, hkv, 2, r, d), factors.reshape(b, hkv, r)
+  if k_head_scale is not None:
+    factors = factors * k_head_scale.astype(jnp.float32)[None, :, None]
+  return terms, factors
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Tiles:
+  """One consumer's refs: Q's terms [2, 64, D] and their factors [64] (SMEM), the K and V rings and their
+  per-token scale rings (None: no per-token scale), P's terms (hi, lo), each [64, bkv] in SMEM."""
+  q_terms: Any
+  q_factors: Any
+  k_ring: pipeline.Ring
+  v_ring: pipeline.Ring
+  k_scales: pipeline.Ring | None
+  v_scales: pipeline.Ring | None
+  p_terms: Any
+
+
+def _column_scales(ring: pipeline.Ring, step):
+  """Step's per-token scales [bkv] as WGMMA columns; the slot is released."""
+  scales = plgpu.load(ring.wait(step), layout=plgpu.Layout.WGMMA.reduce(0))
+  ring.release(step, read_by_registers=True)
+  return scales
+
+
+def _zero_value_columns(v_slot, valid, first=None):
+  """Zeroes the slot's tokens (columns) >= valid and < first (given): one-byte [D, bkv], 64 rows at a time."""
+  for start in range(0, v_slot.shape[0], ROWS):
+    chunk = v_slot.at[pl.ds(start, ROWS)]
+    values = plgpu.load(chunk, layout=plgpu.Layout.WGMMA_8BIT).astype(jnp.float16)   # no 8-bit selects
+    chunk[...] = tiling.rows_below(values, valid, plgpu.Layout.WGMMA_8BIT, first, axis=1).astype(chunk.dtype)
+  plgpu.commit_smem()
+
+
+def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math, start=None, interpret=False):
+  """(acc, m, l) over tiles [t0, t1), [a, c) unmasked, as the 16-bit consumer's (`decode._consume`)."""
+  bkv = st.tiling.block_kv
+  wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
+  rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
+  columns = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])
+  row_factors = plgpu.load(tiles.q_factors, layout=wgmma_rows)
+
+  def scores(i):
+    k_t = tiles.k_ring.wait(i).transpose((1, 0))
+
+    def qk(s_ref):
+      for term in range(2):
+        plgpu.wgmma(s_ref, tiles.q_terms.at[term], k_t)
+      return s_ref[...]
+
+    s = pl.run_scoped(qk, plgpu.ACC((ROWS, bkv), jnp.float32))
+    tiles.k_ring.release(i)
+    s = s * rows(row_factors, s.shape)
+    if tiles.k_scales is not None:
+      s = s * columns(_column_scales(tiles.k_scales, i), s.shape)
+    return s
+
+  def values(i, tile, masked: bool):
+    """V's slot read transposed [bkv, D], its columns past the length (and before a window start) zeroed."""
+    v_slot = tiles.v_ring.wait(i)
+    if masked:
+      valid, first = length - tile * bkv, None if start is None else start - tile * bkv
+      partial = valid < bkv if first is None else (valid < bkv) | (first > 0)
+
+      @pl.when(partial)
+      def _():
+        _zero_value_columns(v_slot, valid, first)   # every consumer of the slot writes the same values
+    return v_slot.transpose((1, 0))
+
+  def pv(acc, i, tile, masked: bool):
+    v_t = values(i, tile, masked)
+
+    def mma(acc_ref):
+      for term in range(2):
+        plgpu.wgmma(acc_ref, tiles.p_terms[term], v_t)
+
+    if interpret:   # GPU interpret mode runs no pl.run_state
+      def staged(acc_ref):
+        mma(acc_ref)
+        return acc_ref[...]
+      acc = acc + pl.run_scoped(staged, plgpu.ACC(acc.shape, jnp.float32))
+    else:
+      acc = pl.run_state(mma)(plgpu.ACC.init(acc))
+    tiles.v_ring.release(i)
+    return acc
+
+  def step(tile, carry, *, masked: bool):
+    acc, m_i, l_i, c_i = carry
+    i = step0 + tile - t0
+    acc, m_new, l_new, p = tile_math.probabilities(scores(i), acc, m_i, l_i, tile=tile, length=length, row0=row0,
+                                                   masked=masked, st=st, start=start)
+    if tiles.v_scales is not None:
+      v_scales = columns(_column_scales(tiles.v_scales, i), p.shape)
+      p = jnp.where(p > 0, p * v_scales, 0.0)   # a masked key's p stays 0 whatever scale lies past the length
+      c_new = jnp.maximum(c_i, jnp.max(jnp.where(p > 0, v_scales, 0.0), axis=1))
+      acc = acc * rows(c_i / c_new, acc.shape)
+      c_i = c_new
+    p = p * rows(FP8_MAX / c_i, p.shape)
+    p_hi, p_lo = tiles.p_terms
+    hi = p.astype(p_hi.dtype)
+    p_hi[...] = hi
+    p_lo[...] = (p - hi.astype(jnp.float32)).astype(p_lo.dtype)
+    plgpu.commit_smem()
+    return pv(acc, i, tile, masked), m_new, l_new, c_i
+
+  acc = plgpu.layout_cast(jnp.zeros((ROWS, st.tiling.head_dim), jnp.float32), plgpu.Layout.WGMMA)
+  m_i = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), wgmma_rows)
+  l_i = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), wgmma_rows)
+  c_i = plgpu.layout_cast(jnp.full((ROWS,), 1.0 if tiles.v_scales is None else _MIN_VALUE_SCALE, jnp.float32),
+                          wgmma_rows)
+  carry = (acc, m_i, l_i, c_i)
+  carry = lax.fori_loop(t0, a, lambda t, x: step(t, x, masked=True), carry)
+  carry = lax.fori_loop(a, c, lambda t, x: step(t, x, masked=False), carry)
+  carry = lax.fori_loop(c, t1, lambda t, x: step(t, x, masked=True), carry)
+  acc, m_i, l_i, c_i = carry
+  return acc * rows(c_i / FP8_MAX, acc.shape), m_i, l_i
