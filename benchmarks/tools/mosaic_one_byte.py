@@ -1,0 +1,88 @@
+r"""Mosaic GPU against Triton over a one-byte cache with v stored tokens last: scale kinds x Mosaic GPU configs.
+
+  python -m benchmarks tools.mosaic_one_byte --json=parts.json     # on a GPU; CPU: a tiny shape, interpreted
+
+Heads 32/8, head_dim 128 (CPU: 64), fp16 queries, full lengths; each row times `pallas_kv.decode_attention(...,
+v_tokens_last=True)` (benchmarks/timing.py chain difference) with per-token scales ("token"), one per kv head
+("head") or none, on the backend's config or a partial MosaicGPUConfig. An fp8 cache runs Mosaic GPU's fp8 wgmma
+operands, an int8 one its widening consumers. err: against `xla` on the same inputs.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kv as pkv
+from benchmarks import cases
+from benchmarks import timing
+
+_KV_DTYPE = flags.DEFINE_string("kv_dtype", "float8_e4m3fn", "the cache's one-byte dtype")
+_SHAPE = flags.DEFINE_string("shape", None, "BxT; default 32x4096 on a GPU, 2x256 on a CPU")
+_JSON = flags.DEFINE_string("json", None, "write the rows here")
+_ONLY = flags.DEFINE_list("only", None, "variant names to run; default all on a GPU, the two per-token defaults on a CPU")
+
+M = pkv.MosaicGPUConfig
+# (name, impl, scale kind, Mosaic GPU config or None)
+VARIANTS = [(f"{impl} {kind}", impl, kind, None) for impl in ("triton", "mosaic_gpu") for kind in ("token", "head", "none")]
+VARIANTS += [(f"mosaic_gpu {kind} {name}", "mosaic_gpu", kind, config)
+             for name, config in (("groups1", M(kv_groups=1)), ("bkv128", M(block_kv=128))) for kind in ("token", "none")]
+
+
+def inputs(batch: int, seq_len: int, head_dim: int, kv_dtype, seed: int = 0) -> dict[str, Any]:
+  """q [B, 32, D] fp16, k [B, T, 8, D] and v [B, 8, D, T] (tokens last) one-byte, full lengths, scales."""
+  rng = np.random.default_rng(seed)
+  one_byte = lambda shape: jnp.asarray(np.clip(rng.standard_normal(shape) * 40, -127, 127) if kv_dtype == jnp.int8
+                                       else rng.standard_normal(shape) * 8, kv_dtype)
+  scales = lambda shape: jnp.asarray(rng.uniform(0.005, 0.02, shape), jnp.float32)
+  return dict(q=jnp.asarray(rng.standard_normal((batch, 32, head_dim)), jnp.float16),
+              k=one_byte((batch, seq_len, 8, head_dim)), v=one_byte((batch, 8, head_dim, seq_len)),
+              lengths=jnp.full((batch,), seq_len, jnp.int32),
+              scales=dict(token=scales((batch, seq_len, 8)), head=scales((8,)), none=None))
+
+
+def rows(batch: int, seq_len: int, head_dim: int, kv_dtype, *, cpu: bool, only=None) -> list[dict[str, Any]]:
+  only = only or ([v[0] for v in VARIANTS] if not cpu else ["triton token", "mosaic_gpu token"])
+  x = inputs(batch, seq_len, head_dim, kv_dtype)
+  op = lambda impl, config=None: jax.jit(lambda q, k, v, lengths, scale: pkv.decode_attention(
+      q, k, v, lengths, k_scale=scale, v_scale=scale, impl=impl, config=config, v_tokens_last=True))
+  refs = {kind: op("xla")(x["q"], x["k"], x["v"], x["lengths"], scale) for kind, scale in x["scales"].items()}
+  results = []
+  for name, impl, kind, config in VARIANTS:
+    if name not in only:
+      continue
+    args = (x["q"], x["k"], x["v"], x["lengths"], x["scales"][kind])
+    row = dict(name=name, impl=impl, scale=kind, config=None if config is None else config.given(),
+               batch=batch, seq_len=seq_len, kv_dtype=jnp.dtype(kv_dtype).name)
+    try:
+      with pkv.interpret(cpu):
+        fn = op(impl, config)
+        row["err"] = cases.relative_error(fn(*args), refs[kind])
+        t = timing.time_jax(fn, [args], warmup=0 if cpu else 2, iters=1 if cpu else 20, repeats=1 if cpu else 5)
+      row["us"] = t.median_s * 1e6
+    except Exception as e:   # a config that does not fit says so in its row
+      row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    print(f"{name:32s} " + (f"{row['us']:8.1f} us  err {row['err']:.1e}" if "us" in row else row["error"]),
+          flush=True)
+    results.append(row)
+  return results
+
+
+def main(argv):
+  del argv
+  cpu = jax.default_backend() == "cpu"
+  batch, seq_len = (int(n) for n in (_SHAPE.value or ("2x256" if cpu else "32x4096")).split("x"))
+  results = rows(batch, seq_len, 64 if cpu else 128, jnp.dtype(_KV_DTYPE.value), cpu=cpu, only=_ONLY.value)
+  if _JSON.value:
+    with open(_JSON.value, "w") as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)
