@@ -1,6 +1,7 @@
 r"""Mosaic GPU against Triton over a one-byte cache with v stored tokens last: scale kinds x Mosaic GPU configs.
 
-  python -m benchmarks tools.mosaic_one_byte --json=parts.json     # on a GPU; CPU: a tiny shape, interpreted
+  python -m benchmarks tools.mosaic_one_byte --json=parts.json     # on a GPU (~5 minutes); CPU: a tiny shape
+  python -m benchmarks tools.mosaic_one_byte --only="triton token,mosaic_gpu token"
 
 Heads 32/8, head_dim 128 (CPU: 64), fp16 queries, full lengths; each row times `pallas_kv.decode_attention(...,
 v_tokens_last=True)` (benchmarks/timing.py chain difference) with per-token scales ("token"), one per kv head

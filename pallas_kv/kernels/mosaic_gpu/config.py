@@ -335,24 +335,13 @@ class DecodeSmem:
   def converted_ring_name(role: str) -> str:
     return f"g0_c{role}"
 
-  @property
-  def paired_scales(self) -> bool:
-    """fp8 operands with per-token scales on K and V: a tile's two scale runs share one slot [2, bkv] (one wait,
-    one fence, one arrival a tile instead of two)."""
-    return self.fp8_operands and set(self.token_scales) == {"k", "v"}
-
   def ring_specs(self) -> dict[str, pipeline.RingSpec]:
-    """A KV group's rings by role, in the producer's fill order: "k", "ks" (K's scales) if any, "v", "vs"; paired
-    scales: "k", "v", "kvs"."""
+    """A KV group's rings by role, in the producer's fill order: "k", "ks" (K's scales) if any, "v", "vs"."""
     specs = {}
     for role in ("k", "v"):
       specs[role] = self.ring_spec(role)
-      if role in self.token_scales and not self.paired_scales:
+      if role in self.token_scales:
         specs[f"{role}s"] = self.scale_ring_spec(role)
-    if self.paired_scales:
-      specs["kvs"] = pipeline.RingSpec(num_stages=self.num_stages // self.kv_groups, block_shape=(2, self.block_kv),
-                                       dtype=jnp.float32, copies_per_slot=self.copies_per_tile,
-                                       num_consumers=self._tma_ring_readers)
     return specs
 
   @staticmethod

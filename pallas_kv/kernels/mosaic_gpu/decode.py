@@ -345,13 +345,8 @@ def _kernel(q_ref,
   sequences = _Sequences(lengths_ref, refs.pop(0) if st.options.has_window_start else None)
   plan_ref = refs.pop(0) if st.balanced else None
   block_tables_ref = refs.pop(0) if st.tiling.paged else None
-  if st.smem.paired_scales:   # one array [.., Hkv, 2, tokens]: K's and V's per-token scales
-    k_scale_ref = v_scale_ref = None
-    kv_scales_ref = refs.pop(0)
-  else:
-    k_scale_ref = refs.pop(0) if st.k_scale else None
-    v_scale_ref = refs.pop(0) if st.v_scale else None
-    kv_scales_ref = None
+  k_scale_ref = refs.pop(0) if st.k_scale else None
+  v_scale_ref = refs.pop(0) if st.v_scale else None
   (out_ref,
    lse_ref,
    ) = refs
@@ -406,7 +401,6 @@ def _kernel(q_ref,
       sources["vs"] = functools.partial(st.tiling.tokens_last_scale_sources, v_scale_ref)
     if st.smem.fp8_operands:
       sources["ks"] = functools.partial(st.tiling.tokens_last_scale_sources, k_scale_ref)
-      sources["kvs"] = functools.partial(st.tiling.paired_scale_sources, kv_scales_ref)
 
     def produce(item: _Item, steps_before):
       counts = item.counts
@@ -462,8 +456,7 @@ def _kernel(q_ref,
         plgpu.barrier_wait(q_barrier)
         if fp8:
           tiles = fp8_operands.Fp8Tiles(q_tile, scratch["q_factors"].at[rw], rings[g]["k"], rings[g]["v"],
-                                        rings[g].get("ks"), rings[g].get("vs"), scratch["p_terms"][2 * w:2 * w + 2],
-                                        paired_scales=rings[g].get("kvs"))
+                                        rings[g].get("ks"), rings[g].get("vs"), scratch["p_terms"][2 * w:2 * w + 2])
           t0, t1, a, c = item.ranges[g]
           carry = fp8_operands.consume(tiles, length=item.length, row0=row0, t0=t0, t1=t1, a=a, c=c,
                                        step0=steps_before, st=st, tile_math=st.tile_math, start=item.start,
@@ -732,15 +725,13 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   args += [] if window_start is None else [window_start.astype(jnp.int32)]
   args += plan.kernel_inputs()
   args += [] if block_tables is None else [block_tables]
-  scales = []
   for role, kind, scale in (("k", k_kind, k_scale), ("v", v_kind, v_scale)):
     if kind == "token" and ((role == "v" and v_tokens_last) or smem.fp8_operands):
       scale = jnp.swapaxes(scale, 1, 2)   # [B, Hkv, T]: a tile's scales are one run (tiling.tokens_last_scale_sources)
     elif kind == "token" and Hkv == 1:
       scale = scale.reshape(-1)   # contiguous per head: copied as flat runs (tiling.scale_sources)
     if kind is not None:
-      scales.append(scale)
-  args += [jnp.stack(scales, axis=2)] if smem.paired_scales else scales
+      args.append(scale)
   out, lse = _build(st, interpret)(*args)
   if out_rows != R:
     out = out[:, :, :, :R]

@@ -43,8 +43,7 @@ def split_rows(q, k_head_scale=None):
 @dataclasses.dataclass(frozen=True)
 class Fp8Tiles:
   """One consumer's refs: Q's terms [2, 64, D] and their factors [64] (SMEM), the K and V rings and their
-  per-token scale rings (None: no per-token scale), P's terms (hi, lo), each [64, bkv] in SMEM; paired_scales:
-  instead of two scale rings, one whose slot [2, bkv] holds both (held from Q K^T until P takes V's row)."""
+  per-token scale rings (None: no per-token scale), P's terms (hi, lo), each [64, bkv] in SMEM."""
   q_terms: Any
   q_factors: Any
   k_ring: pipeline.Ring
@@ -52,29 +51,6 @@ class Fp8Tiles:
   k_scales: pipeline.Ring | None
   v_scales: pipeline.Ring | None
   p_terms: Any
-  paired_scales: pipeline.Ring | None = None
-
-  @property
-  def has_k_scales(self) -> bool:
-    return self.k_scales is not None or self.paired_scales is not None
-
-  @property
-  def has_v_scales(self) -> bool:
-    return self.v_scales is not None or self.paired_scales is not None
-
-  def key_scales(self, step):
-    """Step's per-token K scales [bkv] (WGMMA columns)."""
-    if self.paired_scales is None:
-      return _column_scales(self.k_scales, step)
-    return plgpu.load(self.paired_scales.wait(step).at[0], layout=plgpu.Layout.WGMMA.reduce(0))
-
-  def value_scales(self, step):
-    """Step's per-token V scales [bkv] (WGMMA columns); the (paired) slot is released."""
-    if self.paired_scales is None:
-      return _column_scales(self.v_scales, step)
-    scales = plgpu.load(self.paired_scales.slot(step).at[1], layout=plgpu.Layout.WGMMA.reduce(0))
-    self.paired_scales.release(step, read_by_registers=True)
-    return scales
 
 
 def _column_scales(ring: pipeline.Ring, step):
@@ -112,8 +88,8 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
     s = pl.run_scoped(qk, plgpu.ACC((ROWS, bkv), jnp.float32))
     tiles.k_ring.release(i)
     s = s * rows(row_factors, s.shape)
-    if tiles.has_k_scales:
-      s = s * columns(tiles.key_scales(i), s.shape)
+    if tiles.k_scales is not None:
+      s = s * columns(_column_scales(tiles.k_scales, i), s.shape)
     return s
 
   def values(i, tile, masked: bool):
@@ -150,8 +126,8 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
     i = step0 + tile - t0
     acc, m_new, l_new, p = tile_math.probabilities(scores(i), acc, m_i, l_i, tile=tile, length=length, row0=row0,
                                                    masked=masked, st=st, start=start)
-    if tiles.has_v_scales:
-      v_scales = columns(tiles.value_scales(i), p.shape)
+    if tiles.v_scales is not None:
+      v_scales = columns(_column_scales(tiles.v_scales, i), p.shape)
       p = jnp.where(p > 0, p * v_scales, 0.0)   # a masked key's p stays 0 whatever scale lies past the length
       c_new = jnp.maximum(c_i, jnp.max(jnp.where(p > 0, v_scales, 0.0), axis=1))
       acc = acc * rows(c_i / c_new, acc.shape)
@@ -167,7 +143,7 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
   acc = plgpu.layout_cast(jnp.zeros((ROWS, st.tiling.head_dim), jnp.float32), plgpu.Layout.WGMMA)
   m_i = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), wgmma_rows)
   l_i = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), wgmma_rows)
-  c_i = plgpu.layout_cast(jnp.full((ROWS,), _MIN_VALUE_SCALE if tiles.has_v_scales else 1.0, jnp.float32),
+  c_i = plgpu.layout_cast(jnp.full((ROWS,), 1.0 if tiles.v_scales is None else _MIN_VALUE_SCALE, jnp.float32),
                           wgmma_rows)
   carry = (acc, m_i, l_i, c_i)
   carry = lax.fori_loop(t0, a, lambda t, x: step(t, x, masked=True), carry)

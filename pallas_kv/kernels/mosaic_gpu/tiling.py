@@ -190,11 +190,6 @@ class KVTiling:
     f32), beside `tokens_last_sources`."""
     return [scale_ref.at[index, head, pl.ds(row, self.block_kv)] for index, row in locations]
 
-  def paired_scale_sources(self, scale_ref, locations, *, head) -> list[Any]:
-    """GMEM views [2, block_kv] of K's and V's per-token scales stacked tokens last (scale_ref [B, Hkv, 2, T] /
-    [P, Hkv, 2, page_size] f32)."""
-    return [scale_ref.at[index, head, :, pl.ds(row, self.block_kv)] for index, row in locations]
-
   def scale_sources(self, scale_ref, locations, *, head, width: int, tokens_per_index: int) -> list[Any]:
     """GMEM views of the tile's per-token scales, one per copy: scale_ref [B, T, Hkv] / [P, page_size, Hkv]
     f32, flattened when width is 1 (one kv head); tokens_per_index is T or page_size."""
