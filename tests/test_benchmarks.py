@@ -1026,3 +1026,13 @@ def test_one_byte_operands_cost_accuracy_that_the_bf16_path_does_not():
   assert errors["bf16"] < 1e-2
   assert errors["qk8"] > 3 * errors["bf16"]
   assert errors["qk8_pv8"] > errors["bf16"]
+
+
+@pytest.mark.slow   # two interpreted kernels; make test-slow
+def test_mosaic_one_byte_tool_checks_and_times_its_rows_here():
+  from benchmarks.tools import mosaic_one_byte
+  import jax.numpy as jnp
+  rows = mosaic_one_byte.rows(1, 128, 64, jnp.dtype(jnp.float8_e4m3fn), cpu=True,
+                              only=["mosaic_gpu token", "mosaic_gpu none bkv128"])
+  assert [r["name"] for r in rows] == ["mosaic_gpu token", "mosaic_gpu none bkv128"]
+  assert all(r["err"] < 1e-2 and r["us"] > 0 for r in rows), rows

@@ -27,13 +27,16 @@ from benchmarks import timing
 _KV_DTYPE = flags.DEFINE_string("kv_dtype", "float8_e4m3fn", "the cache's one-byte dtype")
 _SHAPE = flags.DEFINE_string("shape", None, "BxT; default 32x4096 on a GPU, 2x256 on a CPU")
 _JSON = flags.DEFINE_string("json", None, "write the rows here")
-_ONLY = flags.DEFINE_list("only", None, "variant names to run; default all on a GPU, the two per-token defaults on a CPU")
+_ONLY = flags.DEFINE_list("only", None,
+                          "variant names to run; default all on a GPU, the two per-token defaults on a CPU")
 
 M = pkv.MosaicGPUConfig
 # (name, impl, scale kind, Mosaic GPU config or None)
-VARIANTS = [(f"{impl} {kind}", impl, kind, None) for impl in ("triton", "mosaic_gpu") for kind in ("token", "head", "none")]
+VARIANTS = [(f"{impl} {kind}", impl, kind, None)
+            for impl in ("triton", "mosaic_gpu") for kind in ("token", "head", "none")]
 VARIANTS += [(f"mosaic_gpu {kind} {name}", "mosaic_gpu", kind, config)
-             for name, config in (("groups1", M(kv_groups=1)), ("bkv128", M(block_kv=128))) for kind in ("token", "none")]
+             for name, config in (("groups1", M(kv_groups=1)), ("bkv128", M(block_kv=128)))
+             for kind in ("token", "none")]
 
 
 def inputs(batch: int, seq_len: int, head_dim: int, kv_dtype, seed: int = 0) -> dict[str, Any]:
