@@ -23,7 +23,9 @@ LAYERS = [
     # the MLA kernel's output stores (its SMEM staging's rows) and per-tile pieces; the Triton
     # kernel's merged outputs
     {"kernels.mosaic_gpu.mla_output", "kernels.mosaic_gpu.mla_tiles", "kernels.triton.outputs"},
-    {"kernels.triton.stream_k"},   # the Triton stream-K kernel body, which the decode kernel dispatches to
+    # the Triton stream-K kernel body, which the decode kernel dispatches to; the GQA kernel's fp8-operand
+    # consumer (Q's terms split as MLA's are)
+    {"kernels.triton.stream_k", "kernels.mosaic_gpu.fp8_operands"},
     {"kernels.mosaic_gpu.decode", "kernels.mosaic_gpu.mla", "kernels.triton.decode"},
     # the merge launches: the Triton one takes the Triton decode module's compiler params
     {"kernels.triton.merge"},

@@ -1,6 +1,7 @@
 """pallas_kv without Pallas Triton (deprecated in jax 0.11, to be removed): in a fresh interpreter where
 `jax.experimental.pallas.triton` cannot be imported, the library imports, "auto" never picks Triton, and
-every op lowers for CUDA on Mosaic GPU with no Triton call in the module."""
+every op lowers for CUDA on Mosaic GPU with no Triton call in the module (one-byte caches in their default layout,
+v tokens last, too)."""
 
 import os
 import subprocess
@@ -36,6 +37,8 @@ _SCRIPT = textwrap.dedent("""
     q = SDS((B, 2, 32, 128), jnp.bfloat16)
     k = SDS((B, T, 8, 128), jnp.bfloat16)
     k8 = SDS((B, T, 8, 128), jnp.int8)
+    v8, vf8 = SDS((B, 8, 128, T), jnp.int8), SDS((B, 8, 128, T), jnp.float8_e4m3fn)   # one-byte caches' default
+    kf8, token = SDS((B, T, 8, 128), jnp.float8_e4m3fn), SDS((B, T, 8), jnp.float32)
     pages = SDS((P, 16, 8, 128), jnp.bfloat16)
     tables, lengths = SDS((B, T // 16), jnp.int32), SDS((B,), jnp.int32)
     latent, q_mla = SDS((P, 64, 576), jnp.bfloat16), SDS((B, 1, 128, 576), jnp.bfloat16)
@@ -44,6 +47,10 @@ _SCRIPT = textwrap.dedent("""
         "decode": (lambda q, k, l: pkv.decode_attention(q, k, k, l), (q, k, lengths)),
         "paged": (lambda q, k, t, l: pkv.paged_decode_attention(q, k, k, t, l, window_start=l), (q, pages, tables, lengths)),
         "int8": (lambda q, k, l: pkv.decode_attention(q, k, k, l, k_scale=0.5, v_scale=0.5), (q, k8, lengths)),
+        "int8 tokens last": (lambda q, k, v, l, s: pkv.decode_attention(q, k, v, l, k_scale=s, v_scale=s,
+                                                                       v_tokens_last=True), (q, k8, v8, lengths, token)),
+        "fp8 tokens last": (lambda q, k, v, l, s: pkv.decode_attention(q, k, v, l, k_scale=s, v_scale=s,
+                                                                      v_tokens_last=True), (q, kf8, vf8, lengths, token)),
         "mla": (lambda q, kv, t, l: pkv.mla_decode_attention(q, kv, t, l), (q_mla, latent, mla_tables, lengths)),
     }
     for name, (fn, args) in calls.items():
@@ -62,4 +69,5 @@ def test_without_pallas_triton_every_op_lowers_on_mosaic_gpu():
                           timeout=600)
   assert result.returncode == 0, result.stderr[-4000:]
   assert [line for line in result.stdout.splitlines() if line.startswith("lowered")] == [
-      "lowered decode", "lowered paged", "lowered int8", "lowered mla"]
+      "lowered decode", "lowered paged", "lowered int8", "lowered int8 tokens last", "lowered fp8 tokens last",
+      "lowered mla"]
