@@ -429,10 +429,9 @@ def _kernel(q_ref,
         ring.drain(total)
 
   # One traced body per consumer warpgroup, so that its ring and rows are static.
+  fp8 = st.smem.fp8_operands   # wgmma reads the fp8 tiles as stored (`fp8_operands.consume`)
   for w in range(st.smem.num_wgs):
     g, rw = divmod(w, st.row_wgs)   # KV group, row warpgroup
-
-    fp8 = st.smem.fp8_operands
 
     @pl.when(wg == w)
     def _consumer():
