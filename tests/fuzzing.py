@@ -67,6 +67,7 @@ class Structure:
   window_start: bool = False  # a per-sequence window start, int32 [B]
   varlen: bool = False        # q in the varlen form [total, Hq, D] with cu_seqlens_q (num_queries >= 2)
   shared_prefix: bool = False  # rows whose tables start with the same pages, read once (`SharedPrefix`)
+  v_tokens_last: bool = False  # v stored [B, Hkv, D, T] / [P, Hkv, D, page_size] (one-byte caches' default)
 
   @property
   def quantized(self) -> bool:
@@ -141,6 +142,9 @@ def draw_structure(seed: int, *, small: bool = False) -> Structure:
   # Drawn after every other axis, for the same reason.
   if st.op != "dense" and not st.varlen and rng.random() < 0.25:
     st = dataclasses.replace(st, shared_prefix=True)
+  # Drawn last of all, for the same reason; likelier for one-byte caches, whose default it is.
+  if gqa and rng.random() < (0.6 if st.quantized else 0.2):
+    st = dataclasses.replace(st, v_tokens_last=True)
   return st
 
 
@@ -342,7 +346,7 @@ def _compiled(st: Structure, impl: str, scale_kinds: tuple):
     return jax.jit(lambda q, kv, tables, lengths: pkv.mla_decode_attention(
         q, kv, tables, lengths, v_head_dim=st.v_head_dim, shared_prefix=sharing(tables, lengths), **common))
   number_scales = {name: value for name, value in scale_kinds if value is not None}
-  static = dict(softcap=st.softcap, window=st.window, **common)
+  static = dict(softcap=st.softcap, window=st.window, v_tokens_last=st.v_tokens_last, **common)
   if st.varlen:
     static["max_seqlen_q"] = st.num_queries
 
@@ -370,7 +374,8 @@ def _call(st: Structure, impl: str, a: dict):
   if st.varlen:
     q = q[_varlen_rows(a["counts"], st.num_queries)]
     cu_seqlens = jnp.asarray(np.concatenate([[0], np.cumsum(a["counts"])]), jnp.int32)
-  return fn(q, a["k"], a["v"], a["lengths"], tables, a.get("sinks"), arrays["k_scale"], arrays["v_scale"],
+  v = jnp.transpose(a["v"], (0, 2, 3, 1)) if st.v_tokens_last else a["v"]   # [lead, tokens, Hkv, D] -> tokens last
+  return fn(q, a["k"], v, a["lengths"], tables, a.get("sinks"), arrays["k_scale"], arrays["v_scale"],
             a.get("window_start"), cu_seqlens)
 
 
