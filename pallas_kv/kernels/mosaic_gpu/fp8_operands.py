@@ -5,7 +5,7 @@ Both products then have K-major fp8 operands (K [bkv, D], V [D, bkv]), so nothin
          wgmmas over the K slot; S's rows times their factors, its columns times the keys' per-token scales.
   P V    P times the values' per-token scales, over c (each row's running max of the scales it has seen), times
          448, as two e4m3 terms staged in SMEM, two wgmmas over the V slot read transposed. acc is kept in units of
-         c / 448: where c grows, acc shrinks with the softmax's own rescale.
+         c / 448: where c grows, acc is rescaled by c_old / c_new, as the softmax rescales it by alpha.
 Rows past a length are masked in S; V's columns there are zeroed in the slot (0 x NaN is NaN in P V).
 """
 
