@@ -321,7 +321,7 @@ def _padded_query(q, lengths, cu_seqlens_q, max_seqlen_q):
 
 def _v_like_k(v, v_tokens_last: bool):
   """v in k's layout: [B, Hkv, D, T] ([P, Hkv, D, page_size]) back to [B, T, Hkv, D]."""
-  return jnp.transpose(v, (0, 3, 1, 2)) if v_tokens_last else v
+  return validation.relaid_v(v, tokens_last=False) if v_tokens_last else v
 
 
 def decode_attention(q, k, v, lengths, *, scale=None, softcap=None, window=None, sinks=None, k_scale=None,

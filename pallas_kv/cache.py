@@ -68,9 +68,7 @@ def _v_layout(v_tokens_last, dtype) -> bool:
 def _relaid_v(v, v_tokens_last: bool, to_tokens_last: bool):
   """v [lead, T, Hkv, D] <-> [lead, Hkv, D, T] (T: capacity or page_size), unchanged if already so laid."""
   validation.check_v_tokens_last(to_tokens_last)
-  if v_tokens_last == to_tokens_last:
-    return v
-  return jnp.transpose(v, (0, 2, 3, 1) if to_tokens_last else (0, 3, 1, 2))
+  return v if v_tokens_last == to_tokens_last else validation.relaid_v(v, tokens_last=to_tokens_last)
 
 
 def quantize(x, dtype, scale=None):

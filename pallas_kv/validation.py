@@ -182,6 +182,12 @@ def tokens_last_shape(shape) -> tuple[int, ...]:
   return (shape[0], shape[2], shape[3], shape[1])
 
 
+def relaid_v(v, *, tokens_last: bool):
+  """v laid out like k ([B, T, Hkv, D] / [P, page_size, Hkv, D]) -> tokens last ([B, Hkv, D, T] /
+  [P, Hkv, D, page_size]), or back with tokens_last=False."""
+  return jnp.transpose(v, (0, 2, 3, 1) if tokens_last else (0, 3, 1, 2))
+
+
 def _check_v_shape(k, v, k_name: str, v_name: str, v_tokens_last: bool) -> None:
   if not v_tokens_last:
     if k.shape != v.shape:

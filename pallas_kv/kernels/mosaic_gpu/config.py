@@ -231,9 +231,9 @@ class DecodeSmem:
   v_tokens_last: bool = False
 
   def __post_init__(self):
+    object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
     if self.fp8_operands and self.pipeline_qk:
       raise ValueError("pipeline_qk=True has no schedule for fp8 wgmma operands (an fp8 cache with v tokens last)")
-    object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
     if self.q_dtype is None:
       object.__setattr__(self, "q_dtype", self.dtype if self.dtype.itemsize > 1 else jnp.dtype(jnp.bfloat16))
     object.__setattr__(self, "q_dtype", jnp.dtype(self.q_dtype))
@@ -317,9 +317,15 @@ class DecodeSmem:
         dtype=self.dtype, transforms=tiling.smem_transforms(self.dtype, shape[1]),
         copies_per_slot=self.copies_per_tile, num_consumers=self._tma_ring_readers)
 
+  def scales_tokens_last(self, role: str) -> bool:
+    """Whether role's per-token scales are laid out tokens last ([B, Hkv, T] / [P, Hkv, page_size], by
+    `decode.decode_partials`): a tile's scales are then the head's own run, loaded as WGMMA columns (V's tokens
+    last; both with fp8 operands)."""
+    return (role == "v" and self.v_tokens_last) or self.fp8_operands
+
   def scale_ring_spec(self, role: str = "k") -> pipeline.RingSpec:
-    tokens_last = (role == "v" and self.v_tokens_last) or self.fp8_operands   # the head's own scales, contiguous
-    block = (self.block_kv,) if self.scale_width == 1 or tokens_last else (self.block_kv, self.scale_width)
+    one_run = self.scale_width == 1 or self.scales_tokens_last(role)
+    block = (self.block_kv,) if one_run else (self.block_kv, self.scale_width)
     return pipeline.RingSpec(num_stages=self.num_stages // self.kv_groups, block_shape=block, dtype=jnp.float32,
                              copies_per_slot=self.copies_per_tile, num_consumers=self._tma_ring_readers)
 

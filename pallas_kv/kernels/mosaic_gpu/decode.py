@@ -226,9 +226,7 @@ class _DequantizedTiles:
     """Tokens last: step's per-token scales [bkv] (WGMMA columns) for P; else None (fetch applies them)."""
     if not self.tokens_last or self.scale_ring is None:
       return None
-    scales = plgpu.load(self.scale_ring.wait(step), layout=plgpu.Layout.WGMMA.reduce(0))
-    self.scale_ring.release(step, read_by_registers=True)
-    return scales
+    return fp8_operands.column_scales(self.scale_ring, step)
 
   def done(self, step):
     del step
@@ -398,9 +396,9 @@ def _kernel(q_ref,
                "vs": functools.partial(scale_sources, v_scale_ref)}
     if st.smem.v_tokens_last:
       sources["v"] = functools.partial(st.tiling.tokens_last_sources, v_ref)
-      sources["vs"] = functools.partial(st.tiling.tokens_last_scale_sources, v_scale_ref)
-    if st.smem.fp8_operands:
-      sources["ks"] = functools.partial(st.tiling.tokens_last_scale_sources, k_scale_ref)
+    for role, scale_ref in (("k", k_scale_ref), ("v", v_scale_ref)):
+      if st.smem.scales_tokens_last(role):
+        sources[f"{role}s"] = functools.partial(st.tiling.tokens_last_scale_sources, scale_ref)
 
     def produce(item: _Item, steps_before):
       counts = item.counts
@@ -717,15 +715,16 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   if (window_start is not None) != options.has_window_start:
     raise ValueError(f"window_start is given exactly when options.has_window_start; got "
                      f"{options.has_window_start=} and window_start {'None' if window_start is None else 'given'}")
-  args = [q, k, v, lengths]
   if smem.fp8_operands:   # Q as two e4m3 terms and their rows' factors (a head's k_scale folded in)
     q, q_factors = fp8_operands.split_rows(q, k_scale if k_kind == "head" else None)
     args = [q, k, v, lengths, q_factors]
+  else:
+    args = [q, k, v, lengths]
   args += [] if window_start is None else [window_start.astype(jnp.int32)]
   args += plan.kernel_inputs()
   args += [] if block_tables is None else [block_tables]
   for role, kind, scale in (("k", k_kind, k_scale), ("v", v_kind, v_scale)):
-    if kind == "token" and ((role == "v" and v_tokens_last) or smem.fp8_operands):
+    if kind == "token" and smem.scales_tokens_last(role):
       scale = jnp.swapaxes(scale, 1, 2)   # [B, Hkv, T]: a tile's scales are one run (tiling.tokens_last_scale_sources)
     elif kind == "token" and Hkv == 1:
       scale = scale.reshape(-1)   # contiguous per head: copied as flat runs (tiling.scale_sources)

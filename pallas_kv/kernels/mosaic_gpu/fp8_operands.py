@@ -19,6 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import mla_tiles
 from pallas_kv.kernels.mosaic_gpu import pipeline
 from pallas_kv.kernels.mosaic_gpu import tiling
@@ -26,7 +27,7 @@ from pallas_kv.kernels.mosaic_gpu import tiling
 FP8_MAX = mla_tiles.FP8_MAX
 # The floor of a row's running value scale: a row that has seen no key keeps P = 0 and acc = 0, never 0 / 0.
 _MIN_VALUE_SCALE = 1e-30
-ROWS = 64
+ROWS = mgpu_config.ROWS_PER_WG   # wgmma M: a consumer's packed query rows
 
 
 def split_rows(q, k_head_scale=None):
@@ -53,20 +54,11 @@ class Fp8Tiles:
   p_terms: Any
 
 
-def _column_scales(ring: pipeline.Ring, step):
+def column_scales(ring: pipeline.Ring, step):
   """Step's per-token scales [bkv] as WGMMA columns; the slot is released."""
   scales = plgpu.load(ring.wait(step), layout=plgpu.Layout.WGMMA.reduce(0))
   ring.release(step, read_by_registers=True)
   return scales
-
-
-def _zero_value_columns(v_slot, valid, first=None):
-  """Zeroes the slot's tokens (columns) >= valid and < first (given): one-byte [D, bkv], 64 rows at a time."""
-  for start in range(0, v_slot.shape[0], ROWS):
-    chunk = v_slot.at[pl.ds(start, ROWS)]
-    values = plgpu.load(chunk, layout=plgpu.Layout.WGMMA_8BIT).astype(jnp.float16)   # no 8-bit selects
-    chunk[...] = tiling.rows_below(values, valid, plgpu.Layout.WGMMA_8BIT, first, axis=1).astype(chunk.dtype)
-  plgpu.commit_smem()
 
 
 def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math, start=None, interpret=False):
@@ -89,7 +81,7 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
     tiles.k_ring.release(i)
     s = s * rows(row_factors, s.shape)
     if tiles.k_scales is not None:
-      s = s * columns(_column_scales(tiles.k_scales, i), s.shape)
+      s = s * columns(column_scales(tiles.k_scales, i), s.shape)
     return s
 
   def values(i, tile, masked: bool):
@@ -100,8 +92,8 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
       partial = valid < bkv if first is None else (valid < bkv) | (first > 0)
 
       @pl.when(partial)
-      def _():
-        _zero_value_columns(v_slot, valid, first)   # every consumer of the slot writes the same values
+      def _():   # every consumer of the slot writes the same values
+        tiling.zero_columns_past(v_slot, valid, first_column=first)
     return v_slot.transpose((1, 0))
 
   def pv(acc, i, tile, masked: bool):
@@ -127,7 +119,7 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
     acc, m_new, l_new, p = tile_math.probabilities(scores(i), acc, m_i, l_i, tile=tile, length=length, row0=row0,
                                                    masked=masked, st=st, start=start)
     if tiles.v_scales is not None:
-      v_scales = columns(_column_scales(tiles.v_scales, i), p.shape)
+      v_scales = columns(column_scales(tiles.v_scales, i), p.shape)
       p = jnp.where(p > 0, p * v_scales, 0.0)   # a masked key's p stays 0 whatever scale lies past the length
       c_new = jnp.maximum(c_i, jnp.max(jnp.where(p > 0, v_scales, 0.0), axis=1))
       acc = acc * rows(c_i / c_new, acc.shape)

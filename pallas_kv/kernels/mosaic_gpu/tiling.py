@@ -82,12 +82,16 @@ def zero_rows_past(tile, valid_rows, *, width: int | None = None, first_row=None
 
 
 def zero_columns_past(tile, valid_columns, *, first_column=None):
-  """Zeroes columns >= valid_columns (and < first_column, given) of a 16-bit SMEM tile [D, bkv] of v stored tokens
-  last, 64 rows at a time (the WGMMA layout's span), fenced for wgmma and TMA."""
+  """Zeroes columns >= valid_columns (and < first_column, given) of an SMEM tile [D, bkv] of v stored tokens last,
+  64 rows at a time (the WGMMA layouts' span), fenced for wgmma and TMA. One-byte values are selected as float16
+  (exact both ways), as Mosaic GPU has no 8-bit select."""
+  one_byte = jnp.dtype(tile.dtype).itemsize == 1
+  layout = plgpu.Layout.WGMMA_8BIT if one_byte else plgpu.Layout.WGMMA
   for start in range(0, tile.shape[0], 64):
     chunk = tile.at[pl.ds(start, 64)]
-    chunk[...] = rows_below(plgpu.load(chunk, layout=plgpu.Layout.WGMMA), valid_columns, plgpu.Layout.WGMMA,
-                            first_column, axis=1)
+    values = plgpu.load(chunk, layout=layout)
+    values = values.astype(jnp.float16) if one_byte else values
+    chunk[...] = rows_below(values, valid_columns, layout, first_column, axis=1).astype(chunk.dtype)
   plgpu.commit_smem()
 
 
