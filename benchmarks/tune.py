@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from absl import app
 from absl import flags
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import cases
@@ -32,6 +33,7 @@ from benchmarks import cli
 from benchmarks import peers
 from benchmarks import timing
 import pallas_kv as pkv
+from pallas_kv import cache as pkv_cache
 from pallas_kv import runtime
 from pallas_kv import tuned
 from pallas_kv import validation
@@ -52,11 +54,15 @@ def define_flags() -> None:
   flags.DEFINE_bool("smoke", False, "tiny case in interpret mode (CPU)")
 
 
-def candidate_space(backend: str, space: str) -> list[dict]:
-  """Config fields to try (of the backend's config type, `BACKENDS`); split_scale scales the
-  heuristic's split count."""
+def candidate_space(backend: str, space: str, *, one_byte: bool = False) -> list[dict]:
+  """Config fields to try (of the backend's config type, `BACKENDS`) on a cache of 16-bit or, with one_byte,
+  one-byte values; split_scale scales the heuristic's split count."""
   if space == "smoke":
     return [dict(block_kv=64, num_stages=2), dict(block_kv=64, num_stages=3)]
+  if backend == "triton" and space == "fast" and one_byte:   # 12 candidates, for v stored tokens last
+    # 128-token tiles won at every batch and 256-token ones came within 2% at B128 (RESULTS.md, seventh set).
+    tiles = [dict(block_kv=128, num_stages=n) for n in (2, 3, 4)] + [dict(block_kv=256, num_stages=2)]
+    return [dict(tile, split_scale=scale) for tile in tiles for scale in (0.5, 1, 2)]
   if backend == "triton" and space == "fast":  # 12 candidates: ~1.5 minutes per shape on an H200
     # 128-token tiles and half the heuristic's splits won at B1 and B128 on the H200
     # (benchmarks/RESULTS.md, 2026-11-30 fourth set); 32-token tiles came within 1% of them at B32 and B128.
@@ -107,11 +113,15 @@ def make_config(backend: str, problem, fields: dict, dtype) -> KernelConfig | No
     return None
 
 
-def _problem(case: cases.Case, args: tuple):
+def _problem(case: cases.Case, args: tuple, tokens_last: bool):
   """The validated shape of the op's own arguments (a quantized case's scales follow them)."""
   if case.op == "decode":
-    return validation.validate_dense(*args[:4])
-  return validation.validate_paged(*args[:5])
+    return validation.validate_dense(*args[:4], v_tokens_last=tokens_last)
+  return validation.validate_paged(*args[:5], v_tokens_last=tokens_last)
+
+
+def _with_v_tokens_last(args: tuple) -> tuple:
+  return (*args[:2], validation.relaid_v(args[2], tokens_last=True), *args[3:])   # v is argument 2
 
 
 def tune_case(case: cases.Case, sweep: cases.Sweep, backend: str, candidates: Iterable[dict], key) -> dict | None:
@@ -124,11 +134,16 @@ def tune_case(case: cases.Case, sweep: cases.Sweep, backend: str, candidates: It
   # case timed on one set reads its cache from L2 and would crown the wrong config.
   num_sets = timing.num_rotating_sets(case.rotation_bytes(kv_bytes), sweep.rotate_bytes)
   input_sets = cases.make_input_sets(case, key, lengths, num_sets)
+  ref, _ = cases.reference_output(case, input_sets[0])
+  cache_dtype = case.kv_dtype or case.dtype   # tuned entries are keyed by the cache's dtype and v's layout
+  # The layout a cache of this dtype is created in (one-byte caches: v tokens last), which is what calls read.
+  tokens_last = pkv_cache.default_v_tokens_last(cache_dtype)
+  if tokens_last:
+    input_sets = [_with_v_tokens_last(args) for args in input_sets]
   args = input_sets[0]
-  ref, _ = cases.reference_output(case, args)
-  problem = _problem(case, args)
+  problem = _problem(case, args, tokens_last)
   op = {"decode": pkv.decode_attention, "paged": pkv.paged_decode_attention}[case.op]
-  cache_dtype = case.kv_dtype or case.dtype   # tuned entries are keyed by the cache's dtype
+  op = functools.partial(op, v_tokens_last=True) if tokens_last else op
   seen, results = set(), []
   for fields in candidates:
     config = make_config(backend, problem, fields, cache_dtype)
@@ -174,7 +189,8 @@ def run(sweep: cases.Sweep, backend: str, space: str, out: pathlib.Path | None =
     key, case_key = jax.random.split(key)
     case = cases.Case.from_sweep(sweep, batch, seq_len)
     print(f"== {case.describe()}  backend={backend}", flush=True)
-    entry = tune_case(case, sweep, backend, candidate_space(backend, space), case_key)
+    one_byte = jnp.dtype(case.kv_dtype or case.dtype).itemsize == 1
+    entry = tune_case(case, sweep, backend, candidate_space(backend, space, one_byte=one_byte), case_key)
     if entry is not None:
       entries.append(entry)
       print(f"  best: {entry['config'].given()}  {entry['time_us']:.1f} us  {entry['tbps']:.2f} TB/s", flush=True)

@@ -5,7 +5,7 @@ explicit config is given (explicit > tuned > heuristic). The directory is `palla
 (shipped with the package) unless the environment variable PALLAS_KV_TUNED_DIR names another.
 
 A file holds entries {"backend", "key": {...}, "config": {...}}. A lookup matches the key's
-exact fields (op, head_dim, group size, new tokens, page size, dtype) and, among those, takes the
+exact fields (op, head_dim, group size, new tokens, page size, dtype, v's layout) and, among those, takes the
 entry nearest in log2(batch x kv heads) and log2(capacity); entries further than
 MAX_LOG2_DISTANCE away are ignored, so a far shape falls back to the heuristic.
 """
@@ -25,7 +25,9 @@ from pallas_kv import config as kernel_configs
 TUNED_DIR_ENV_VAR = "PALLAS_KV_TUNED_DIR"
 FORMAT_VERSION = 2   # 2: each entry's config holds only its kernel's fields
 MAX_LOG2_DISTANCE = 2.0
-EXACT_FIELDS = ("op", "head_dim", "group_size", "num_queries", "page_size", "dtype")
+EXACT_FIELDS = ("op", "head_dim", "group_size", "num_queries", "page_size", "dtype", "v_tokens_last")
+# A key field that older files leave out, and the value it had there.
+_DEFAULTS = {"v_tokens_last": False}
 
 
 def tuned_dir() -> pathlib.Path:
@@ -43,7 +45,12 @@ def shape_key(op: str, problem, dtype) -> dict:
   import jax.numpy as jnp
   return dict(op=op, head_dim=problem.head_dim, group_size=problem.group_size, num_queries=problem.num_queries,
               page_size=problem.page_size, dtype=jnp.dtype(dtype).name,
-              programs=problem.batch * problem.num_kv_heads, capacity=problem.capacity)
+              v_tokens_last=bool(problem.v_tokens_last), programs=problem.batch * problem.num_kv_heads,
+              capacity=problem.capacity)
+
+
+def _field(key: dict, name: str):
+  return key.get(name, _DEFAULTS.get(name))
 
 
 def _distance(a: dict, b: dict) -> float:
@@ -71,7 +78,7 @@ def nearest_entry(backend: str, key: dict, device_kind: str) -> tuple[dict, floa
   entries = _load(str(tuned_dir() / f"{device_slug(device_kind)}.json"))
   best, best_distance = None, MAX_LOG2_DISTANCE
   for entry in entries:
-    if entry["backend"] != backend or any(entry["key"].get(f) != key[f] for f in EXACT_FIELDS):
+    if entry["backend"] != backend or any(_field(entry["key"], f) != _field(key, f) for f in EXACT_FIELDS):
       continue
     distance = _distance(entry["key"], key)
     if distance <= best_distance:

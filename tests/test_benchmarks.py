@@ -1036,3 +1036,17 @@ def test_mosaic_one_byte_tool_checks_and_times_its_rows_here():
                               only=["mosaic_gpu token", "mosaic_gpu none bkv128"])
   assert [r["name"] for r in rows] == ["mosaic_gpu token", "mosaic_gpu none bkv128"]
   assert all(r["err"] < 1e-2 and r["us"] > 0 for r in rows), rows
+
+
+def test_host_dispatch_tool_times_each_cache_dtype_beside_a_trivial_jit(tmp_path):
+  out = tmp_path / "dispatch.json"
+  result = subprocess.run([sys.executable, "-m", "benchmarks", "tools.host_dispatch", "--impl=xla",
+                           "--shape=1,64,4,2,64", "--calls=5", "--sets=1,2", f"--json={out}"],
+                          capture_output=True, text=True, cwd=REPO, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = json.loads(out.read_text())
+  assert [(r["call"], r["sets"]) for r in rows] == [("jit(a + 1)", 1)] + [
+      (f"decode {d}", s) for d in ("bfloat16", "float8_e4m3fn", "int8") for s in (1, 2)]
+  # The result comes after the last dispatch.
+  assert all(0 < r["enqueue_us"] <= r["per_call_us"] for r in rows), rows
+  assert "per call us" in result.stdout

@@ -206,8 +206,10 @@ def test_triton_quantized_lowers_for_cuda(kv_dtype, kind, page_size):
     args, op = (q, kv, kv, tables), pkv.paged_decode_attention
   scale = jax.ShapeDtypeStruct((hkv,) if kind == "head" else kv.shape[:3], jnp.float32)
   f = lambda *a: op(*a[:-3], a[-3], k_scale=a[-2], v_scale=a[-1], impl="triton")
-  exported = lower_for_cuda(f, *args, lengths, scale, scale)
-  assert TRITON_CUSTOM_CALL in exported.mlir_module()
+  module = lower_for_cuda(f, *args, lengths, scale, scale).mlir_module()
+  assert TRITON_CUSTOM_CALL in module
+  # bf16 q meets the one-byte cache's float16 math inside the kernel: casting it first would be a launch.
+  assert "stablehlo.convert" not in module
 
 
 # ---------------------------------------------------------------- quantizing caches

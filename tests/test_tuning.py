@@ -51,6 +51,26 @@ def test_tuned_file_round_trips(tuned_file):
   assert type(found) is pkv.MosaicGPUConfig and found == config
 
 
+def test_entries_are_keyed_by_v_layout(tmp_path, monkeypatch):
+  """A one-byte cache's entry tuned with v tokens last serves that layout only; an entry written before the
+  key had the field serves v laid out like k."""
+  monkeypatch.setenv(tuned.TUNED_DIR_ENV_VAR, str(tmp_path))
+  like_k = _problem(8, 8192)
+  tokens_last = validation.Problem(**{**like_k.__dict__, "v_tokens_last": True})
+  last_config, old_config = pkv.TritonConfig(block_kv=256, num_stages=2), pkv.TritonConfig(block_kv=64, num_stages=4)
+  old_key = {k: v for k, v in tuned.shape_key("decode", like_k, "int8").items() if k != "v_tokens_last"}
+  tuned.write(tmp_path / f"{tuned.device_slug(DEVICE)}.json", DEVICE,
+              [dict(backend="triton", key=tuned.shape_key("decode", tokens_last, "int8"), config=last_config),
+               dict(backend="triton", key=old_key, config=old_config)])
+  tuned.clear_cache()
+  try:
+    assert tuned.tuned_config("triton", tokens_last, "int8", DEVICE) == last_config
+    assert tuned.tuned_config("triton", like_k, "int8", DEVICE) == old_config
+    assert tuned.tuned_config("triton", tokens_last, "float8_e4m3fn", DEVICE) is None
+  finally:
+    tuned.clear_cache()
+
+
 def _keeps(resolved, config) -> bool:
   """resolved is complete and holds every field config fixes."""
   return resolved.complete and all(getattr(resolved, name) == value for name, value in config.given().items())

@@ -142,13 +142,18 @@ def packed_sinks(sinks, problem):
 
 
 def run(partials: Callable, q, k, lengths, block_tables, *, problem, sinks, return_lse: bool, k_scale=None,
-        v_scale=None, merged: bool = False, merge: Callable | None = None):
+        v_scale=None, merged: bool = False, merge: Callable | None = None, cast_rows: bool = True):
   """Packs q into rows, runs partials(rows, lengths, block_tables, k_scale, v_scale) -> per-split (out
   [B, Hkv, splits, >= R, D], lse), merges the splits (`merge_splits`, or merge(out, lse, row_sinks, rows=R,
   out_dtype=, return_lse=) -> (out [B, Hkv, R, D], lse or None)) and unpacks. merged=True: partials(...,
-  row_sinks) merges itself. Lengths and page ids pass unclamped: kernels clamp them, so nothing launches before."""
+  row_sinks) merges itself. Lengths and page ids pass unclamped: kernels clamp them, so nothing launches before.
+  The rows are cast to the matmuls' dtype (`compute_dtype`) here; with cast_rows=False the kernel casts 16-bit
+  rows for a one-byte cache's float16 math itself (a cast here would be a launch of its own)."""
   q4, single = validation.query_as_rank4(q)
-  rows = pack_queries(q4, problem.num_kv_heads).astype(compute_dtype(k.dtype))
+  rows = pack_queries(q4, problem.num_kv_heads)
+  kernel_casts = (not cast_rows and jnp.dtype(k.dtype) in QUANTIZED_DTYPES and jnp.dtype(rows.dtype) in KV_DTYPES)
+  if not kernel_casts:
+    rows = rows.astype(compute_dtype(k.dtype))
   num_rows = rows.shape[2]
   lengths = lengths.astype(jnp.int32)
   if block_tables is not None:

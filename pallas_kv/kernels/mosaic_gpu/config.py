@@ -557,10 +557,8 @@ def resolve_config(problem, config: MosaicGPUConfig | None, *, dtype: Any = "bfl
   fields over the heuristic's."""
   if config is not None and not isinstance(config, MosaicGPUConfig):
     raise TypeError(f"the mosaic_gpu GQA kernel takes a MosaicGPUConfig, got {type(config).__name__}")
-  # Tuned entries were measured with v laid out like k.
   tokens_last = getattr(problem, "v_tokens_last", False)
-  resolved = (tuned.tuned_config(NAME, problem, dtype, device_kind) if config is None and not tokens_last else None
-              ) or config
+  resolved = (tuned.tuned_config(NAME, problem, dtype, device_kind) if config is None else None) or config
   resolved = resolved or MosaicGPUConfig()
   if tokens_last:
     check_tokens_last_fields(resolved, problem.page_size)

@@ -52,4 +52,5 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config: Tr
   in_kernel = config.merge_in_kernel or split_plan.num_splits == 1 or split_plan.stream_k
   return frame.run(merged if in_kernel else partials, q, k, lengths, block_tables, problem=problem, sinks=sinks,
                    return_lse=return_lse, k_scale=k_scale, v_scale=v_scale, merged=in_kernel,
-                   merge=functools.partial(triton_merge.merge_partials, interpret=interpret))
+                   merge=functools.partial(triton_merge.merge_partials, interpret=interpret),
+                   cast_rows=False)   # the kernel casts bf16 q for a one-byte cache: no launch for it

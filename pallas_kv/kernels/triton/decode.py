@@ -270,7 +270,7 @@ def _static(q, k, v, lengths, block_tables, *, num_queries: int, options: Attent
                  k_scale=frame.scale_kind(k_scale, k.shape), v_scale=frame.scale_kind(v_scale, k.shape),
                  fast_widen=FAST_WIDEN and not interpret and jnp.dtype(k.dtype) in frame.QUANTIZED_DTYPES,
                  rows=R, balanced=plan.balanced, ordered=plan.ordered, stream_k=plan.stream_k,
-                 v_tokens_last=v_tokens_last, **merge)
+                 v_tokens_last=v_tokens_last, operand_dtype=frame.compute_dtype(k.dtype), **merge)
 
 
 def _call(st: Static, args, *, q, k, config: TritonConfig, interpret: bool, out_dtype=None):
@@ -306,7 +306,7 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   q: [B, Hkv, R, D] bf16 / fp16, R = S * G rows (`frame.pack_queries`), S = num_queries; token s of sequence b
     sits at p = lengths[b] - S + s and sees keys p - window < t <= p. lengths: int32 [B], clamped into [0, capacity].
   k, v: dense [B, T, Hkv, D] or paged [P, page_size, Hkv, D] with block_tables int32 [B, max_pages]; with
-    v_tokens_last v has k's dims 0, 2, 3, 1. q's dtype, or one-byte (q float16) times k_scale / v_scale:
+    v_tokens_last v has k's dims 0, 2, 3, 1. q's dtype, or one-byte times k_scale / v_scale (float16 math):
     None, float32 [Hkv], or float32 per token and kv head shaped like the cache's first three dims.
   window_start: int32 [B] (given exactly when options.has_window_start): keys before it are invisible.
   config: a complete `TritonConfig`; plan: its `SplitPlan` (results are in batch order whatever plan.order).

@@ -1,0 +1,101 @@
+r"""Where a Python loop of jitted decode calls spends its time: per call, up to the loop's last dispatch
+(`enqueue_us`) and up to its result (`per_call_us`), beside a jitted `a + 1` on four floats (the host's own
+dispatch). Where the two times match, the loop is bound by the host, not the GPU.
+
+  python -m benchmarks tools.host_dispatch --json=dispatch.json
+  python -m benchmarks tools.host_dispatch --nocommand_buffers      # XLA_FLAGS=--xla_gpu_enable_command_buffer=
+
+Caches: v stored as `pallas_kv.cache.default_v_tokens_last` gives (one-byte: tokens last), per-token scales.
+Each loop cycles over --sets input sets (1: the same buffers every call).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+
+_KV_DTYPES = flags.DEFINE_list("kv_dtype", ["bfloat16", "float8_e4m3fn", "int8"], "cache dtypes")
+_IMPL = flags.DEFINE_string("impl", "auto", "pallas_kv impl")
+_SHAPE = flags.DEFINE_list("shape", ["1", "32768", "32", "8", "128"], "B, T, Hq, Hkv, D")
+_CALLS = flags.DEFINE_integer("calls", 300, "calls per loop")
+_SETS = flags.DEFINE_list("sets", ["1", "4"], "input sets a loop cycles over")
+_COMMAND_BUFFERS = flags.DEFINE_bool("command_buffers", True, "leave XLA's command buffers (CUDA graphs) on")
+_JSON = flags.DEFINE_string("json", None, "write the rows here")
+
+
+def inputs(kv_dtype: str, shape: tuple[int, ...], seed: int) -> tuple:
+  """(q, k, v, lengths[, k_scale, v_scale]) of a full-length cache in the layout pallas_kv creates."""
+  from pallas_kv import cache   # pylint: disable=g-import-not-at-top
+  b, t, hq, hkv, d = shape
+  keys = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(keys[0], (b, hq, d), jnp.bfloat16)
+  k, v = (jax.random.normal(key, (b, t, hkv, d), jnp.float32) for key in keys[1:3])
+  if cache.default_v_tokens_last(kv_dtype):
+    v = jnp.transpose(v, (0, 2, 3, 1))
+  args = (q, k.astype(kv_dtype), v.astype(kv_dtype), jnp.full((b,), t, jnp.int32))
+  if jnp.dtype(kv_dtype).itemsize == 1:
+    scale = jax.random.uniform(keys[3], (b, t, hkv), jnp.float32, 0.01, 0.02)
+    args += (scale, 1.1 * scale)
+  return args
+
+
+def jitted_call(kv_dtype: str, impl: str):
+  import pallas_kv as pkv   # pylint: disable=g-import-not-at-top
+  tokens_last = pkv.cache.default_v_tokens_last(kv_dtype)
+
+  def call(q, k, v, lengths, k_scale=None, v_scale=None):
+    return pkv.decode_attention(q, k, v, lengths, k_scale=k_scale, v_scale=v_scale, impl=impl,
+                                v_tokens_last=tokens_last)
+  return jax.jit(call)
+
+
+def time_loop(fn, arg_sets: list[tuple], calls: int) -> dict[str, float]:
+  """Per-call µs of the second of two loops of `calls` calls: to the last dispatch and to the result."""
+  jax.block_until_ready(fn(*arg_sets[0]))
+  for _ in range(2):
+    t0 = time.perf_counter()
+    for i in range(calls):
+      out = fn(*arg_sets[i % len(arg_sets)])
+    t1 = time.perf_counter()
+    jax.block_until_ready(out)
+    t2 = time.perf_counter()
+  return dict(enqueue_us=(t1 - t0) / calls * 1e6, per_call_us=(t2 - t0) / calls * 1e6)
+
+
+def run(kv_dtypes, impl: str, shape: tuple[int, ...], calls: int, set_counts: list[int]) -> list[dict]:
+  rows = []
+  tiny = jax.jit(lambda a: a + 1)
+  rows.append(dict(call="jit(a + 1)", sets=1, **time_loop(tiny, [(jnp.ones((4,), jnp.float32),)], calls)))
+  for kv_dtype in kv_dtypes:
+    fn = jitted_call(kv_dtype, impl)
+    arg_sets = [inputs(kv_dtype, shape, seed) for seed in range(max(set_counts))]
+    for sets in set_counts:
+      rows.append(dict(call=f"decode {kv_dtype}", sets=sets, **time_loop(fn, arg_sets[:sets], calls)))
+  return rows
+
+
+def main(argv):
+  del argv
+  if not _COMMAND_BUFFERS.value:   # read when the GPU backend starts, which no jax op has done yet
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+  shape = tuple(int(x) for x in _SHAPE.value)
+  rows = run(_KV_DTYPES.value, _IMPL.value, shape, _CALLS.value, [int(s) for s in _SETS.value])
+  print(f"# host dispatch  device={jax.devices()[0].device_kind}  shape B,T,Hq,Hkv,D={shape}  impl={_IMPL.value}"
+        f"  command_buffers={_COMMAND_BUFFERS.value}")
+  print(f"{'call':24} {'sets':>4} {'enqueue us':>11} {'per call us':>12}")
+  for row in rows:
+    print(f"{row['call']:24} {row['sets']:4d} {row['enqueue_us']:11.1f} {row['per_call_us']:12.1f}")
+  if _JSON.value:
+    with open(_JSON.value, "w") as f:
+      json.dump([dict(row, impl=_IMPL.value, shape=shape, command_buffers=_COMMAND_BUFFERS.value) for row in rows],
+                f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)
