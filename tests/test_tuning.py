@@ -71,6 +71,21 @@ def test_entries_are_keyed_by_v_layout(tmp_path, monkeypatch):
     tuned.clear_cache()
 
 
+def test_tuner_times_a_one_byte_cache_as_created(tmp_path):
+  """An int8 case is tuned with v tokens last (`cache.default_v_tokens_last`) over the one-byte space, and its
+  entry is keyed by that layout."""
+  from benchmarks import cases
+  from benchmarks import tune
+  assert all(c["block_kv"] >= 128 for c in tune.candidate_space("triton", "fast", one_byte=True))
+  sweep = cases.Sweep(op="decode", impls=("xla",), cases=((1, 256),), num_heads=4, num_kv_heads=2, head_dim=64,
+                      iters=1, repeats=1, warmup=0, kv_dtype="int8")
+  case = cases.Case.from_sweep(sweep, 1, 256)
+  with pkv.interpret():
+    entry = tune.tune_case(case, sweep, "triton", [dict(block_kv=128, num_stages=2)], jax.random.key(0))
+  assert entry["key"]["v_tokens_last"] is True and entry["key"]["dtype"] == "int8"
+  assert entry["rel_err"] < 1e-2 and entry["config"].block_kv == 128
+
+
 def _keeps(resolved, config) -> bool:
   """resolved is complete and holds every field config fixes."""
   return resolved.complete and all(getattr(resolved, name) == value for name, value in config.given().items())
