@@ -1050,3 +1050,25 @@ def test_host_dispatch_tool_times_each_cache_dtype_beside_a_trivial_jit(tmp_path
   # The result comes after the last dispatch.
   assert all(0 < r["enqueue_us"] <= r["per_call_us"] for r in rows), rows
   assert "per call us" in result.stdout
+
+
+_PROFILE_KERNEL_LAYOUT = """
+import dataclasses
+from absl import flags
+from benchmarks import cases, cli, decode
+from benchmarks.tools import profile_kernel
+profile_kernel.define_flags()
+flags.FLAGS(["profile_kernel", "--cases=2x64", "--num_heads=4", "--num_kv_heads=2", "--head_dim=32", *EXTRA])
+kernel, sweep = decode.kernel_flags(), cli.sweep_from_flags()
+print([kernel.tokens_last(cases.Case.from_sweep(dataclasses.replace(sweep, kv_dtype=d), 2, 64))
+       for d in ("int8", "bfloat16")])
+"""
+
+
+@pytest.mark.parametrize("extra, expected", [([], "[True, False]"), (["--nov_tokens_last"], "[False, False]")])
+def test_profile_kernel_profiles_the_layout_caches_are_created_in(extra, expected):
+  """Unset, --v_tokens_last follows `pallas_kv.cache.default_v_tokens_last`, as benchmarks.decode's does."""
+  script = _PROFILE_KERNEL_LAYOUT.replace("*EXTRA", ", ".join(repr(e) for e in extra) or "")
+  result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.strip().splitlines()[-1] == expected

@@ -64,8 +64,8 @@ def define_flags() -> None:
                        "program of this many calls instead, and print the GPU's busy and elapsed time per call")
   flags.DEFINE_bool("timer_check", False, "JAX impls: the chain-diff timer plain and queued, beside the GPU's "
                     "busy time per call in a profiled chain of --chain_calls (default 40) calls")
-  flags.DEFINE_bool("v_tokens_last", False, "pallas_kv impls of the dense and paged ops: v stored tokens last "
-                    "(benchmarks.decode's flag of that name)")
+  flags.DEFINE_bool("v_tokens_last", None, "pallas_kv impls of the dense and paged ops: v stored tokens last; "
+                    "unset: the layout a cache of the dtype is created in (benchmarks.decode's flag of that name)")
   flags.DEFINE_integer("triton_num_stages", None, "triton impl: TritonConfig(num_stages=N), the backend filling "
                        "the other fields (benchmarks.decode's flag of that name)")
   flags.DEFINE_bool("kernel_times", False, "print the GPU time of every kernel a call launches (torch.profiler's "
