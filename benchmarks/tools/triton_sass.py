@@ -3,7 +3,7 @@ r"""Instructions per KV tile of the Triton decode kernel, read from its SASS on 
   pip install triton==3.9.0      (its compiler, ptxas and nvdisasm; not a dependency of the project)
   python -m benchmarks.tools.triton_sass --kv_dtype=bfloat16,int8,float8_e4m3fn --scales=token
   python -m benchmarks.tools.triton_sass --minimal_loop --kv_dtype=bfloat16,int8
-  python -m benchmarks.tools.triton_sass --kv_dtype=int8 --v_tokens_last [--page_size=64]
+  python -m benchmarks.tools.triton_sass --kv_dtype=int8 [--page_size=64]     # v as created: tokens last
 
 For each cache dtype it lowers `pallas_kv.decode_attention(impl="triton")` for CUDA (jax.export,
 as the lowering tests do), keeps the kernel's Triton module, compiles that for sm_90 with the pip
@@ -62,7 +62,8 @@ def define_flags() -> None:
   flags.DEFINE_integer("num_stages", 3, "TritonConfig.num_stages")
   flags.DEFINE_integer("num_warps", 4, "TritonConfig.num_warps")
   flags.DEFINE_bool("minimal_loop", False, "count the minimal loop's variants instead of the kernel")
-  flags.DEFINE_bool("v_tokens_last", False, "the kernel with v stored [B, Hkv, D, T] (decode_attention's option)")
+  flags.DEFINE_bool("v_tokens_last", None, "the kernel with v stored [B, Hkv, D, T] (decode_attention's option); "
+                    "unset: the layout a cache of each dtype is created in (one-byte: tokens last)")
   flags.DEFINE_integer("page_size", None, "a paged cache of this page size (default: contiguous)")
 
 
@@ -265,12 +266,15 @@ def main(argv: Sequence[str]) -> None:
   config = pkv.TritonConfig(block_kv=FLAGS.block_kv, num_stages=FLAGS.num_stages, num_warps=FLAGS.num_warps,
                             num_splits=1)
   for kv_dtype in FLAGS.kv_dtype:
+    tokens_last = FLAGS.v_tokens_last
+    if tokens_last is None:
+      tokens_last = pkv.cache.default_v_tokens_last(kv_dtype)
     ttir = kernel_ttir(kv_dtype, scales=FLAGS.scales, batch=FLAGS.batch, seq_len=FLAGS.seq_len, config=config,
-                       v_tokens_last=FLAGS.v_tokens_last, page_size=FLAGS.page_size)
+                       v_tokens_last=tokens_last, page_size=FLAGS.page_size)
     sass, resources = compile_sass(ttir, num_warps=FLAGS.num_warps, num_stages=FLAGS.num_stages)
     _print_loops(f"{kv_dtype} (scales {FLAGS.scales if jnp.dtype(kv_dtype).itemsize == 1 else '-'}), "
                  f"{config.block_kv}-token tiles, {config.num_stages} stages, {config.num_warps} warps"
-                 f"{', v tokens last' if FLAGS.v_tokens_last else ''}{f', page {FLAGS.page_size}' if FLAGS.page_size else ''}",
+                 f"{', v tokens last' if tokens_last else ''}{f', page {FLAGS.page_size}' if FLAGS.page_size else ''}",
                  sass, resources)
 
 
