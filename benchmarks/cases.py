@@ -327,6 +327,12 @@ def make_input_sets(case: Case, key: jax.Array, lengths: jax.Array,
           for k in jax.random.split(key_sets, num_sets)]
 
 
+def with_v_tokens_last(args: tuple) -> tuple:
+  """An input set (q, k, v, ...) with v stored tokens last (`decode_attention(..., v_tokens_last=True)`)."""
+  relaid_v = peers.import_pallas_kv().validation.relaid_v
+  return (*args[:2], relaid_v(args[2], tokens_last=True), *args[3:])
+
+
 def _upcast(args: tuple) -> tuple:
   return tuple(a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a
                for a in args)

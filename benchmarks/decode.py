@@ -121,7 +121,6 @@ import pallas_kv as pkv
 from pallas_kv import cache as pkv_cache
 from pallas_kv import experimental
 from pallas_kv import runtime
-from pallas_kv import validation
 from pallas_kv.config import KernelConfig
 from pallas_kv.kernels import plan
 from pallas_kv.kernels.triton import config as triton_config
@@ -222,8 +221,7 @@ class KernelFlags:
     runner = peers.build_pallas_kv(impl, spec, **kw)
     if not tokens_last:
       return runner
-    tokens_last_v = lambda args: (*args[:2], validation.relaid_v(args[2], tokens_last=True), *args[3:])   # v: arg 2
-    return dataclasses.replace(runner, prepare=tokens_last_v)
+    return dataclasses.replace(runner, prepare=cases.with_v_tokens_last)
 
 
 def _varlen_runner(impl: str, spec: peers.OpSpec, kw: dict) -> peers.Runner:

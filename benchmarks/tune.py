@@ -120,9 +120,6 @@ def _problem(case: cases.Case, args: tuple, tokens_last: bool):
   return validation.validate_paged(*args[:5], v_tokens_last=tokens_last)
 
 
-def _with_v_tokens_last(args: tuple) -> tuple:
-  return (*args[:2], validation.relaid_v(args[2], tokens_last=True), *args[3:])   # v is argument 2
-
 
 def tune_case(case: cases.Case, sweep: cases.Sweep, backend: str, candidates: Iterable[dict], key) -> dict | None:
   """Times every valid candidate on one case; returns the winning entry (or None): its config the
@@ -139,7 +136,7 @@ def tune_case(case: cases.Case, sweep: cases.Sweep, backend: str, candidates: It
   # The layout a cache of this dtype is created in (one-byte caches: v tokens last), which is what calls read.
   tokens_last = pkv_cache.default_v_tokens_last(cache_dtype)
   if tokens_last:
-    input_sets = [_with_v_tokens_last(args) for args in input_sets]
+    input_sets = [cases.with_v_tokens_last(args) for args in input_sets]
   args = input_sets[0]
   problem = _problem(case, args, tokens_last)
   op = {"decode": pkv.decode_attention, "paged": pkv.paged_decode_attention}[case.op]

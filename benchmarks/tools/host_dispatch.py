@@ -5,8 +5,9 @@ dispatch). Where the two times match, the loop is bound by the host, not the GPU
   python -m benchmarks tools.host_dispatch --json=dispatch.json
   python -m benchmarks tools.host_dispatch --nocommand_buffers      # XLA_FLAGS=--xla_gpu_enable_command_buffer=
 
-Caches: v stored as `pallas_kv.cache.default_v_tokens_last` gives (one-byte: tokens last), per-token scales.
-Each loop cycles over --sets input sets (1: the same buffers every call).
+The calls and their inputs are `benchmarks.decode`'s (full lengths; one-byte caches with per-token scales and v
+stored as pallas_kv creates them, tokens last). Each loop cycles over --sets input sets (1: the same buffers every
+call).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 
+from benchmarks import cases
+from benchmarks import decode
+
 _KV_DTYPES = flags.DEFINE_list("kv_dtype", ["bfloat16", "float8_e4m3fn", "int8"], "cache dtypes")
 _IMPL = flags.DEFINE_string("impl", "auto", "pallas_kv impl")
 _SHAPE = flags.DEFINE_list("shape", ["1", "32768", "32", "8", "128"], "B, T, Hq, Hkv, D")
@@ -29,30 +33,17 @@ _COMMAND_BUFFERS = flags.DEFINE_bool("command_buffers", True, "leave XLA's comma
 _JSON = flags.DEFINE_string("json", None, "write the rows here")
 
 
-def inputs(kv_dtype: str, shape: tuple[int, ...], seed: int) -> tuple:
-  """(q, k, v, lengths[, k_scale, v_scale]) of a full-length cache in the layout pallas_kv creates."""
-  from pallas_kv import cache   # pylint: disable=g-import-not-at-top
+def prepared_call(kv_dtype: str, impl: str, shape: tuple[int, ...], num_sets: int):
+  """(the jitted call `benchmarks.decode` times for `impl`, num_sets of its argument tuples) on a full-length
+  case of this cache dtype, laid out as pallas_kv creates such a cache."""
   b, t, hq, hkv, d = shape
-  keys = jax.random.split(jax.random.key(seed), 4)
-  q = jax.random.normal(keys[0], (b, hq, d), jnp.bfloat16)
-  k, v = (jax.random.normal(key, (b, t, hkv, d), jnp.float32) for key in keys[1:3])
-  if cache.default_v_tokens_last(kv_dtype):
-    v = jnp.transpose(v, (0, 2, 3, 1))
-  args = (q, k.astype(kv_dtype), v.astype(kv_dtype), jnp.full((b,), t, jnp.int32))
-  if jnp.dtype(kv_dtype).itemsize == 1:
-    scale = jax.random.uniform(keys[3], (b, t, hkv), jnp.float32, 0.01, 0.02)
-    args += (scale, 1.1 * scale)
-  return args
-
-
-def jitted_call(kv_dtype: str, impl: str):
-  import pallas_kv as pkv   # pylint: disable=g-import-not-at-top
-  tokens_last = pkv.cache.default_v_tokens_last(kv_dtype)
-
-  def call(q, k, v, lengths, k_scale=None, v_scale=None):
-    return pkv.decode_attention(q, k, v, lengths, k_scale=k_scale, v_scale=v_scale, impl=impl,
-                                v_tokens_last=tokens_last)
-  return jax.jit(call)
+  sweep = cases.Sweep(op="decode", impls=(impl,), cases=((b, t),), num_heads=hq, num_kv_heads=hkv, head_dim=d,
+                      kv_dtype=kv_dtype)
+  case = cases.Case.from_sweep(sweep, b, t)
+  key = jax.random.key(sweep.seed)
+  input_sets = cases.make_input_sets(case, key, cases.make_lengths(case, key), num_sets)
+  runner, _ = decode.KernelFlags().runner(impl, case, input_sets[0])
+  return runner.fn, [runner.prepare(args) for args in input_sets]
 
 
 def time_loop(fn, arg_sets: list[tuple], calls: int) -> dict[str, float]:
@@ -73,8 +64,7 @@ def run(kv_dtypes, impl: str, shape: tuple[int, ...], calls: int, set_counts: li
   tiny = jax.jit(lambda a: a + 1)
   rows.append(dict(call="jit(a + 1)", sets=1, **time_loop(tiny, [(jnp.ones((4,), jnp.float32),)], calls)))
   for kv_dtype in kv_dtypes:
-    fn = jitted_call(kv_dtype, impl)
-    arg_sets = [inputs(kv_dtype, shape, seed) for seed in range(max(set_counts))]
+    fn, arg_sets = prepared_call(kv_dtype, impl, shape, max(set_counts))
     for sets in set_counts:
       rows.append(dict(call=f"decode {kv_dtype}", sets=sets, **time_loop(fn, arg_sets[:sets], calls)))
   return rows

@@ -78,7 +78,7 @@ class Static:
   ordered: bool = False
   stream_k: bool = False
   v_tokens_last: bool = False
-  operand_dtype: Any = None   # the matmuls' (`frame.compute_dtype`); None: q's own
+  operand_dtype: Any = None   # the matmuls' dtype, `frame.compute_dtype` of the cache
 
   @property
   def paged(self) -> bool:
@@ -248,8 +248,7 @@ class Refs:
 def load_q(r: Refs, row0, seq: tuple, st: Static):
   """This program's q rows as [block_rows, width] pieces in the matmuls' dtype; rows past R and columns past D
   load as 0. Padding q, or casting it for a one-byte cache's float16 math, would each take a launch."""
-  pieces = load_rows(r.q, seq, row0, st)
-  return pieces if st.operand_dtype is None else tuple(x.astype(st.operand_dtype) for x in pieces)
+  return tuple(x.astype(st.operand_dtype) for x in load_rows(r.q, seq, row0, st))
 
 
 def _row_mask(row0, piece, st: Static):
