@@ -71,11 +71,12 @@ def candidate_space(backend: str, space: str, *, one_byte: bool = False) -> list
     grid = dict(block_kv=(32, 64, 128), num_stages=(2, 3, 4), num_warps=(4, 8), split_scale=(0.5, 1, 2))
   elif space == "fast":
     # What moved the time on the H200 (benchmarks/NOTES.md): the consumer overlap, the
-    # persistent grid and the split count; stages and 128-token tiles did not.
-    grid = dict(pipeline_qk=(False, True), persistent=(False, True), split_scale=(0.5, 1))
+    # persistent grid and the split count; stages and 128-token tiles did not. Two tile consumers: the
+    # consumer's serial math is what the full kernel loses against its loads alone at B32 and B64.
+    grid = dict(pipeline_qk=(False, True), persistent=(False, True), split_scale=(0.5, 1), tile_consumers=(1, 2))
   else:
     grid = dict(block_kv=(64, 128), num_stages=(2, 3, 4), split_scale=(0.5, 1, 2), pipeline_qk=(False, True),
-                kv_groups=(1, 2))
+                kv_groups=(1, 2), tile_consumers=(1, 2))
   names = list(grid)
   return [dict(zip(names, values)) for values in itertools.product(*grid.values())]
 

@@ -138,20 +138,26 @@ class MosaicGPUConfig(KernelConfig):
     their own ring (needs <= 64 packed rows and even num_splits and num_stages).
   pipeline_qk: issue tile i+1's Q K^T before tile i's softmax (FA3's intra-warpgroup overlap).
   persistent: one program per SM looping over the work items, its ring streaming across them.
+  tile_consumers: 1, or 2 consumer warpgroups that take turns on the tiles of each work item (even ring
+    steps and odd), each with its own softmax state, merged in the kernel: two tiles' math in flight per
+    program (needs <= 64 packed rows, kv_groups=1 and an even num_stages, >= 4 with pipeline_qk).
   """
   kv_groups: int | None = None
   pipeline_qk: bool | None = None
   persistent: bool | None = None
+  tile_consumers: int | None = None
 
   backend: ClassVar[str] = "mosaic_gpu"
   BLOCK_KVS: ClassVar[tuple[int, ...]] = (64, 128, 256)
   BOOL_FIELDS: ClassVar[tuple[str, ...]] = ("pipeline_qk", "persistent")
-  CHOICES: ClassVar[dict[str, tuple]] = {"kv_groups": (1, 2)}
+  CHOICES: ClassVar[dict[str, tuple]] = {"kv_groups": (1, 2), "tile_consumers": (1, 2)}
 
   def __post_init__(self):
     super().__post_init__()
     if self.persistent and self.kv_groups == 2:
       raise ValueError(f"persistent=True needs kv_groups=1, got {self.kv_groups=}")
+    if self.tile_consumers == 2 and self.kv_groups == 2:
+      raise ValueError(f"tile_consumers=2 needs kv_groups=1, got {self.kv_groups=}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,5 +1,5 @@
 """What only the Mosaic GPU kernel has: race detection in GPU interpret mode, its shipped pipeline
-options (pipeline_qk, persistent, kv_groups=2) and their checks, measurement probes, more shapes
+options (pipeline_qk, persistent, kv_groups=2, tile_consumers=2) and their checks, measurement probes, more shapes
 lowered for CUDA, `auto` on Hopper. The checks every backend passes are in test_kernels.py; the
 experimental variants' tests are in test_experimental_mosaic_gpu.py."""
 
@@ -25,7 +25,7 @@ from pallas_kv.kernels.mosaic_gpu import tiling
 IMPL = "mosaic_gpu"
 # A complete config (what decode_partials takes): 64-token tiles through a 2-slot ring, one split.
 BASE = pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=1, split_plan="per_sequence", kv_groups=1,
-                           pipeline_qk=False, persistent=False)
+                           pipeline_qk=False, persistent=False, tile_consumers=1)
 
 
 def _config(**fields) -> pkv.MosaicGPUConfig:
@@ -39,8 +39,15 @@ def _plan(config) -> pkv.SplitPlan:
 
 # ---------------------------------------------------------------- interpret mode (CPU)
 
-@pytest.mark.parametrize("page_size", [None, 16, pytest.param(2, marks=pytest.mark.slow)])
-def test_race_detection_finds_none(page_size):
+# Two tile consumers: each takes every other ring step, and the second hands its partial to the first at
+# the end of each work item (two items per program through the persistent grid: splits of 3 and 2 tiles).
+TWO_TILE_CONSUMERS = _config(tile_consumers=2, num_stages=4, pipeline_qk=True, persistent=True, num_splits=2)
+
+
+@pytest.mark.parametrize("page_size,config,num_programs", [
+    (None, BASE, None), (16, BASE, None), pytest.param(2, BASE, None, marks=pytest.mark.slow),
+    (None, TWO_TILE_CONSUMERS, 1)], ids=["dense", "page16", "page2", "two-tile-consumers"])
+def test_race_detection_finds_none(page_size, config, num_programs):
   # 5 tiles through a 2-slot ring: every slot is refilled (pages of 16: 4 copies a tile; of 2: 32).
   case = make_case(9, batch=1, seq_len=320, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
                    lengths=[300], page_size=page_size)
@@ -48,7 +55,7 @@ def test_race_detection_finds_none(page_size):
   args = (case.k, case.v, case.lengths) if page_size is None else (
       case.k_pages, case.v_pages, case.lengths, case.block_tables)
   out, lse = mgpu_decode.decode_partials(q, *args, num_queries=1, options=AttentionOptions(scale=0.125),
-                                         config=BASE, plan=_plan(BASE),
+                                         config=config, plan=_plan(config), num_programs=num_programs,
                                          interpret=plgpu.InterpretGPUParams(detect_races=True))
   jax.block_until_ready(out)
   # No public accessor exists for the interpreter's race state in jax 0.11.
@@ -108,7 +115,13 @@ def _partials_case(case, config, num_programs=None):
     ([201], None, dict(pipeline_qk=True, num_splits=3), None),
     ([150, 201], 16, dict(persistent=True, num_splits=2), 2),
     ([150, 0, 201], 64, dict(pipeline_qk=True, persistent=True, num_splits=1), 1),
-], ids=["pqk-splits3", "persistent2-page16", "pqk-persistent1-page64"])
+    # Two tile consumers: an item of one tile (the second consumer has none), items starting on odd ring
+    # steps (so the first consumer's first tile is the item's second), a split with no tile.
+    ([201], None, dict(tile_consumers=2, num_stages=4, pipeline_qk=True, num_splits=3), None),
+    ([150, 0, 201], 64, dict(tile_consumers=2, num_stages=4, pipeline_qk=True, persistent=True, num_splits=1), 1),
+    ([150, 201], 16, dict(tile_consumers=2, persistent=True, num_splits=2), 2),
+], ids=["pqk-splits3", "persistent2-page16", "pqk-persistent1-page64", "tc2-pqk-splits3",
+        "tc2-pqk-persistent1-page64", "tc2-persistent2-page16"])
 def test_pipeline_options_interpret(lengths, page_size, fields, num_programs):
   case = make_case(40, batch=len(lengths), seq_len=256, num_heads=4, num_kv_heads=1, head_dim=64,
                    dtype=jnp.bfloat16, page_size=page_size, lengths=lengths)
@@ -121,7 +134,8 @@ def test_pipeline_options_through_the_api_interpret(interpret_mode):
   case = make_case(41, batch=1, seq_len=192, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
                    lengths=[150])
   for config in (pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, pipeline_qk=True, persistent=True),
-                 pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, kv_groups=2)):
+                 pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, kv_groups=2),
+                 pkv.MosaicGPUConfig(tile_consumers=2)):
     out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL, config=config)
     check_against_reference(case, out)
 
@@ -131,6 +145,10 @@ def test_configs_and_plans_are_validated():
     pkv.MosaicGPUConfig(kv_groups=3)
   with pytest.raises(ValueError, match="persistent"):
     pkv.MosaicGPUConfig(persistent=True, kv_groups=2)
+  with pytest.raises(ValueError, match="tile_consumers=2 needs kv_groups=1"):
+    pkv.MosaicGPUConfig(tile_consumers=2, kv_groups=2)
+  with pytest.raises(ValueError, match="tile_consumers"):
+    pkv.MosaicGPUConfig(tile_consumers=3)
   with pytest.raises(ValueError, match="pipeline_qk"):
     pkv.MosaicGPUConfig(pipeline_qk=1)
   with pytest.raises(ValueError, match=r"block_kv=32 must be one of \(64, 128, 256\)"):
@@ -154,6 +172,12 @@ def test_configs_and_plans_are_validated():
     check(_config(num_stages=3, num_splits=2, kv_groups=2), rows=4, num_splits=2)
   with pytest.raises(ValueError, match="SMEM"):
     check(_config(block_kv=256, num_stages=8), rows=128, num_splits=1)
+  with pytest.raises(NotImplementedError, match="tile_consumers=2 needs <= 64 packed rows"):
+    check(_config(tile_consumers=2), rows=65, num_splits=1)
+  with pytest.raises(ValueError, match="tile_consumers=2 needs an even num_stages"):
+    check(_config(tile_consumers=2, num_stages=3), rows=4, num_splits=1)
+  with pytest.raises(ValueError, match=r"even num_stages \(>= 4 with pipeline_qk\)"):
+    check(_config(tile_consumers=2, num_stages=2, pipeline_qk=True), rows=4, num_splits=1)
   # decode_partials runs the same checks on the config it is given, and checks its plan.
   q = jnp.zeros((1, 1, 4, 64), jnp.bfloat16)
   kv = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
@@ -193,6 +217,8 @@ def _option_lowering_cases():
            (dict(persistent=True), (1, 32768), None),
            (dict(block_kv=128, num_stages=3), (8, 8192), 16),
            (dict(kv_groups=2, num_splits=2), (8, 8192), 16),
+           (dict(tile_consumers=2, pipeline_qk=True, persistent=True), (32, 4096), None),
+           (dict(tile_consumers=2), (8, 8192), 16),
            (dict(split_plan="balanced"), (8, 8192), 16)]
   return [pytest.param(f, c, p, id="-".join(f"{k}={v}" for k, v in f.items()) + f"-b{c[0]}-t{c[1]}-page{p}")
           for f, c, p in cases]

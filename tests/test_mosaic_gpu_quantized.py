@@ -28,7 +28,7 @@ SCALE_KINDS = (None, "head", "token")
 # A complete config (what decode_partials takes): 64-token tiles through a 2-slot ring, one KV
 # group, one split.
 BASE = pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=1, split_plan="per_sequence", kv_groups=1,
-                           pipeline_qk=False, persistent=False)
+                           pipeline_qk=False, persistent=False, tile_consumers=1)
 
 
 def complete(config_type=pkv.MosaicGPUConfig, **fields):
@@ -187,7 +187,8 @@ def test_quantized_eight_kv_heads_pick_their_scale_group_interpret():
     (None, dict(pipeline_qk=True, num_splits=2), None),
     (32, dict(pipeline_qk=True, persistent=True, num_splits=2), 3),
     (None, dict(kv_groups=2, num_splits=2), None),
-], ids=["pqk", "pqk-persistent3-page32", "kv_groups2"])
+    (32, dict(tile_consumers=2, num_stages=4, pipeline_qk=True, persistent=True, num_splits=2), 3),
+], ids=["pqk", "pqk-persistent3-page32", "kv_groups2", "tile_consumers2-pqk-persistent3-page32"])
 def test_quantized_pipeline_options_interpret(page_size, fields, num_programs):
   case = make_quant_case(6, kv_dtype=E4M3, k_kind="token", v_kind="head", batch=2, num_heads=4, num_kv_heads=1,
                          page_size=page_size, lengths=[201, 0])

@@ -15,6 +15,8 @@ input sets rotated to overflow L2):
   probe rows   the kernel alone (`decode_partials`, no combine) at B=128 and B=1: `kernel` is
                the baseline kernel, `probe:*` leave out one consumer stage (results wrong by
                design, not checked). kernel vs baseline at B=1 = the combine's share.
+`--probe_shapes='B32 T4096,B64 T2048'` moves the kernel-only rows to other shapes, `--probe_variant=pqk+persistent`
+gives them that variant's config (the tuned one at B >= 8) instead of the heuristic's.
 `--load_path` adds `loads:*` rows on the probe shapes: the `loads_only` probe under each ring
 shape of LOAD_PATH (tile tokens x stages, persistent, two rings); `--variants=none --load_path`
 runs only the kernel-only rows (~2 minutes).
@@ -61,6 +63,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...] | None]] = {
     "pqk+persistent": ({"pipeline_qk": True, "persistent": True}, None),
     "bkv128_st3": ({"block_kv": 128, "num_stages": 3}, None),
     "kv_groups2": ({"kv_groups": 2}, ("B1 T32768", "B8 T8192", "B8 T8192 p16")),
+    "tile_consumers2": ({"tile_consumers": 2}, None),
+    "tc2+pqk+persistent": ({"tile_consumers": 2, "pipeline_qk": True, "persistent": True}, None),
     "splits_x2": ({"splits_factor": 2}, ("B1 T32768", "B8 T8192")),
     "baseline_again": ({}, None),
 }
@@ -137,6 +141,7 @@ class Settings:
   repeats: int
   rotate_bytes: float
   budget_s: float
+  probe_fields: tuple[tuple[str, Any], ...] = ()   # the config fields of the kernel-only rows
 
 
 def _case(s: Settings, batch: int, seq_len: int, page_size: int | None) -> cases.Case:
@@ -216,7 +221,8 @@ def run_shape(s: Settings, batch: int, seq_len: int, page_size: int | None, key,
   if name in probe_shapes:
     # Kernel-only rows go before baseline_again so that it still closes the shape.
     last = [todo.pop()] if todo and todo[-1][0] == "baseline_again" else []
-    todo += [("kernel", None, {})] + [(f"probe:{p}", p, {}) for p in PROBES] + last
+    fields = dict(s.probe_fields)
+    todo += [("kernel", None, fields)] + [(f"probe:{p}", p, fields) for p in PROBES] + last
     if load_path:
       todo += [(f"loads:{n}", "loads_only", f) for n, f in LOAD_PATH.items()]
   rows = []
@@ -326,6 +332,10 @@ def define_flags() -> None:
                      "skipped (the whole run, compiles included, should stay < 6 min).")
   flags.DEFINE_list("variants", None, f"Subset of {','.join(VARIANTS)} (default all); "
                     "'none' runs only the kernel-only rows.")
+  flags.DEFINE_list("probe_shapes", None, f"Shapes of the kernel-only rows (default {','.join(PROBE_SHAPES)}); "
+                    "names as in the table, e.g. 'B32 T4096'.")
+  flags.DEFINE_string("probe_variant", "baseline", "The variant (of VARIANTS) whose config fields the "
+                      "kernel-only rows take, e.g. pqk+persistent, the tuned config at B >= 8.")
   flags.DEFINE_boolean("load_path", False, "Also time the loads-only probe under each "
                        f"ring shape of LOAD_PATH ({', '.join(LOAD_PATH)}) on the probe shapes.")
 
@@ -333,6 +343,10 @@ def define_flags() -> None:
 def main(argv: Sequence[str]) -> int:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  if FLAGS.probe_variant not in VARIANTS:
+    raise app.UsageError(f"--probe_variant: {FLAGS.probe_variant!r} is not among the variants {list(VARIANTS)}")
+  probe_fields = tuple(VARIANTS[FLAGS.probe_variant][0].items())
+  probe_shapes = tuple(FLAGS.probe_shapes or PROBE_SHAPES)
   if FLAGS.variants:
     unknown = set(FLAGS.variants) - set(VARIANTS) - {"none"}
     if unknown:
@@ -343,7 +357,7 @@ def main(argv: Sequence[str]) -> int:
   json_path = cli.output_paths().json
   if FLAGS.smoke:
     s = Settings(smoke=True, num_heads=4, num_kv_heads=1, head_dim=64, warmup=0, iters=1,
-                 repeats=1, rotate_bytes=0.0, budget_s=FLAGS.budget_s)
+                 repeats=1, rotate_bytes=0.0, budget_s=FLAGS.budget_s, probe_fields=probe_fields)
     with pkv.interpret():
       rows = run(s, SMOKE_SHAPES, SMOKE_PROBE_SHAPES, json_path, FLAGS.load_path)
   else:
@@ -351,11 +365,15 @@ def main(argv: Sequence[str]) -> int:
       raise app.UsageError("needs a GPU; use --smoke on a CPU")
     s = Settings(smoke=False, num_heads=32, num_kv_heads=8, head_dim=128,
                  **{**GPU_TIMING, **cli.timing_flags().given()},
-                 rotate_bytes=timing.DEFAULT_ROTATE_BYTES, budget_s=FLAGS.budget_s)
+                 rotate_bytes=timing.DEFAULT_ROTATE_BYTES, budget_s=FLAGS.budget_s, probe_fields=probe_fields)
+    unknown = set(probe_shapes) - {shape_name(*x) for x in GPU_SHAPES}
+    if unknown:
+      raise app.UsageError(f"--probe_shapes: unknown {sorted(unknown)}; choose from "
+                           f"{[shape_name(*x) for x in GPU_SHAPES]}")
     shapes = GPU_SHAPES
     if not VARIANTS:  # kernel-only rows: only the shapes that have them
-      shapes = tuple(x for x in GPU_SHAPES if shape_name(*x) in PROBE_SHAPES)
-    rows = run(s, shapes, PROBE_SHAPES, json_path, FLAGS.load_path)
+      shapes = tuple(x for x in GPU_SHAPES if shape_name(*x) in probe_shapes)
+    rows = run(s, shapes, probe_shapes, json_path, FLAGS.load_path)
   return output.report_failures(output.failed_rows(rows, exempt=is_probe),
                                 lambda r: f"{r['variant']} on {r['shape']}")
 

@@ -66,3 +66,17 @@ def finalize(acc, m_i, l_i, *, rows_axis: int = 0):
   out = acc / per_row(l_safe, acc.shape, rows_axis)
   lse = jnp.where(has_keys, m_i * LN2 + jnp.log(l_safe), -jnp.inf)
   return out, lse
+
+
+def merge_pair(out_a, lse_a, out_b, lse_b, *, rows_axis: int = 0):
+  """Two normalised partials over disjoint keys (`finalize`'s out [rows, Dv] and natural-log lse [rows]) as one;
+  a keyless side (lse -inf) weighs 0, and both keyless gives 0 and -inf."""
+  top = jnp.maximum(lse_a, lse_b)
+  top = jnp.where(top == -jnp.inf, 0.0, top)
+  w_a, w_b = jnp.exp(lse_a - top), jnp.exp(lse_b - top)
+  total = w_a + w_b
+  has_keys = total > 0
+  total_safe = jnp.where(has_keys, total, 1.0)
+  out = (out_a * per_row(w_a / total_safe, out_a.shape, rows_axis)
+         + out_b * per_row(w_b / total_safe, out_b.shape, rows_axis))
+  return out, jnp.where(has_keys, top + jnp.log(total_safe), -jnp.inf)

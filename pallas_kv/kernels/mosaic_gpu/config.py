@@ -211,7 +211,8 @@ class DecodeSmem:
                interpret mode
   p_smem       [num_wgs, 64, bkv] q_dtype (interpret mode); fp8 operands: p_terms 2 * num_wgs x [64, bkv] e4m3
   barriers     per ring slot, q per row warpgroup, done
-  num_wgs = row_wgs (split the rows) x kv_groups (split the tiles); num_stages: K slots of all groups.
+  num_wgs = row_wgs (split the rows) x kv_groups (split the tiles) x tile_consumers (take turns on the tiles);
+  num_stages: K slots of all groups.
   """
   head_dim: int
   dtype: Any
@@ -229,9 +230,13 @@ class DecodeSmem:
   converter: bool = False
   tile_aliases: bool = False
   v_tokens_last: bool = False
+  tile_consumers: int = 1
 
   def __post_init__(self):
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+    if self.tile_consumers == 2 and (self.fp8_operands or self.converter or self.row_wgs != 1 or self.kv_groups != 1):
+      raise ValueError(f"tile_consumers=2 needs one row warpgroup and one KV group, no converter and no fp8 wgmma "
+                       f"operands, got {self.row_wgs=} {self.kv_groups=} {self.converter=} {self.fp8_operands=}")
     if self.fp8_operands and self.pipeline_qk:
       raise ValueError("pipeline_qk=True has no schedule for fp8 wgmma operands (an fp8 cache with v tokens last)")
     if self.q_dtype is None:
@@ -262,14 +267,15 @@ class DecodeSmem:
                copies_per_tile=copies_per_tile(config.block_kv, page_size), stage_p=interpret,
                separate_out=config.persistent, q_dtype=q_dtype, token_scales=token_scales,
                scale_width=tiling.token_scale_width(num_kv_heads) or tiling.SCALE_ROW,
-               pipeline_qk=config.pipeline_qk, converter=converter(config), v_tokens_last=v_tokens_last)
+               pipeline_qk=config.pipeline_qk, converter=converter(config), v_tokens_last=v_tokens_last,
+               tile_consumers=config.tile_consumers or 1)
     if smem.ring_spec().splits_rows and not interpret:
       smem = dataclasses.replace(smem, tile_aliases=True)
     return smem
 
   @property
   def num_wgs(self) -> int:
-    return self.row_wgs * self.kv_groups
+    return self.row_wgs * self.kv_groups * self.tile_consumers
 
   @property
   def fp8_operands(self) -> bool:
@@ -387,6 +393,10 @@ class DecodeSmem:
         q_barrier=plgpu.Barrier(num_arrivals=2 if self.fp8_operands else 1, num_barriers=self.row_wgs),
         consumers_done=plgpu.Barrier(num_arrivals=self.num_wgs),
         **barriers)
+    if self.tile_consumers == 2:
+      # The second consumer's partial staged for the first to merge, and the first's reads of it done.
+      scratch["partner_staged"] = plgpu.Barrier(num_arrivals=1)
+      scratch["partner_read"] = plgpu.Barrier(num_arrivals=1)
     if self.stage_p:
       scratch["p_smem"] = plgpu.SMEM(self._p_shape, self.q_dtype)
     if self.fp8_operands:
@@ -431,7 +441,7 @@ class DecodeSmem:
     outputs = align(self.num_wgs * ROWS_PER_WG * self.head_dim * 4) + self.num_wgs * ROWS_PER_WG * 4
     q = math.prod(self._q_shape) * self._q_smem_dtype.itemsize
     barriers = (sum(spec.barrier_bytes for spec in specs)
-                + (self.row_wgs + 1) * pipeline.BARRIER_BYTES)
+                + (self.row_wgs + 1 + (2 if self.tile_consumers == 2 else 0)) * pipeline.BARRIER_BYTES)
     p = math.prod(self._p_shape) * self.q_dtype.itemsize if self.stage_p else 0
     if self.fp8_operands:
       p = align(self.row_wgs * ROWS_PER_WG * 4) + 2 * self.num_wgs * align(ROWS_PER_WG * self.block_kv)
@@ -489,6 +499,16 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
       raise ValueError(f"kv_groups=2 needs an even num_splits, got {num_splits}")
     if config.num_stages % 2:
       raise ValueError(f"kv_groups=2 needs an even num_stages, got {config.num_stages=}")
+  if config.tile_consumers == 2:
+    if rows > ROWS_PER_WG:
+      raise NotImplementedError(f"tile_consumers=2 needs <= {ROWS_PER_WG} packed rows, got {rows}")
+    # Each consumer takes the steps of one parity: an even ring gives every slot one reader. pipeline_qk holds a
+    # K slot until the consumer's next tile (two steps on) has landed.
+    if config.num_stages % 2 or (config.pipeline_qk and config.num_stages < 4):
+      raise ValueError(f"tile_consumers=2 needs an even num_stages (>= 4 with pipeline_qk), got "
+                       f"{config.num_stages=} {config.pipeline_qk=}")
+    if converter(config):
+      raise ValueError("tile_consumers=2 has no converter warpgroup (convert_warpgroup=True)")
   if converter(config):
     if jnp.dtype(dtype).itemsize != 1:
       raise ValueError(f"convert_warpgroup=True converts one-byte caches; the cache is {jnp.dtype(dtype).name}")
@@ -514,7 +534,7 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
 
 
 DEFAULT = MosaicGPUConfig(block_kv=64, num_stages=4, split_plan="per_sequence", kv_groups=1, pipeline_qk=False,
-                          persistent=False)
+                          persistent=False, tile_consumers=1)
 
 
 def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig | None = None) -> MosaicGPUConfig:
@@ -539,7 +559,8 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig
 
 def _needs_one_group(config: MosaicGPUConfig) -> bool:
   """Whether the fields a config fixes rule out kv_groups=2 (`check_config`)."""
-  return bool(config.persistent or converter(config) or plan.has_odd_split_count(config) or (config.num_stages or 2) % 2)
+  return bool(config.persistent or converter(config) or plan.has_odd_split_count(config) or (config.num_stages or 2) % 2
+              or config.tile_consumers == 2)
 
 
 def _deepest_ring(config: MosaicGPUConfig, *, problem, rows: int, dtype: Any, stages_given: bool = False,

@@ -2,7 +2,8 @@
 
 One program per (kv head x row block, split, sequence) streams its split's tiles, computed in the kernel from
 `lengths`. A producer warpgroup TMA-copies K and V tiles into SMEM rings (`pipeline.Ring`); each consumer owns 64
-packed query rows (or, with kv_groups=2, one of two splits) and runs Q K^T, the online softmax and P V (`TileMath`).
+packed query rows (or, with kv_groups=2, one of two splits; with tile_consumers=2, every other tile of the item,
+merged with its partner's at the item's end) and runs Q K^T, the online softmax and P V (`TileMath`).
 Hopper has no mixed-type wgmma: consumers widen one-byte tiles (times per-token scales) into SMEM tiles of q's
 dtype (`_DequantizedTiles`). Each split writes its normalised partial and natural-log LSE.
 """
@@ -429,7 +430,8 @@ def _kernel(q_ref,
   # One traced body per consumer warpgroup, so that its ring and rows are static.
   fp8 = st.smem.fp8_operands   # wgmma reads the fp8 tiles as stored (`fp8_operands.consume`)
   for w in range(st.smem.num_wgs):
-    g, rw = divmod(w, st.row_wgs)   # KV group, row warpgroup
+    turn, w_in_turn = divmod(w, st.row_wgs * st.kv_groups)   # which ring steps' parity (tile_consumers=2)
+    g, rw = divmod(w_in_turn, st.row_wgs)   # KV group, row warpgroup
 
     @pl.when(wg == w)
     def _consumer():
@@ -437,10 +439,13 @@ def _kernel(q_ref,
       q_tile = q_smem.at[rw]
       q_barrier = scratch["q_barrier"].at[rw]
       p_smem = scratch["p_smem"].at[w] if st.smem.stage_p else None
+      partner = None
+      if st.smem.tile_consumers == 2:
+        partner = _Partner(out_smem.at[1], lse_smem.at[1], scratch["partner_staged"], scratch["partner_read"])
 
       def consume(item: _Item, steps_before):
         row0 = item.row_block * st.rows_per_program + rw * ROWS_PER_WG
-        if g == 0:   # one load per row warpgroup; the other KV group waits on its barrier
+        if g == 0 and turn == 0:   # one load per row warpgroup; the other consumers wait on its barrier
           rows = pl.ds(row0, ROWS_PER_WG)
           if fp8:
             plgpu.copy_gmem_to_smem(q_ref.at[item.b, item.head, :, rows], q_tile, q_barrier)
@@ -461,10 +466,11 @@ def _kernel(q_ref,
         else:
           k_tiles, v_tiles = _tile_feeds(rings[g], streaming, w, item.head, st, converted)
           carry = _consume(q_tile, k_tiles, v_tiles, p_smem, item.length, row0, *item.ranges[g],
-                           steps_before, st, k_scale=k_head_scale, start=item.start)
+                           steps_before, st, k_scale=k_head_scale, start=item.start, turn=turn)
         _write_partials(carry, out_smem.at[w], lse_smem.at[w], out_ref, lse_ref,
                         scratch["consumers_done"], b=item.b, head=item.head,
-                        split=item.splits[g], rw=rw, row0=row0, st=st, v_scale=v_head_scale)
+                        split=item.splits[g], rw=rw, row0=row0, st=st, v_scale=v_head_scale,
+                        partner=partner, turn=turn)
         return item.counts[g]
 
       _for_each_item(consume, sequences, st, None if plan_ref is None else plan_ref[0])
@@ -486,10 +492,17 @@ def _tile_feeds(rings, streaming, w: int, head, st: _Static, converted=None):
 
 
 def _consume(q_tile, k_tiles, v_tiles, p_smem, length, row0, t0, t1, a, c, step0, st: _Static, k_scale=None,
-             start=None):
+             start=None, turn: int = 0):
   """(acc, m, l) over tiles [t0, t1), [a, c) unmasked; ring step step0 + i holds tile t0 + i; keys before a
-  window start (given) are masked."""
+  window start (given) are masked. With two tile consumers, only the tiles whose ring step has parity `turn`."""
   math_ = st.tile_math
+  stride = st.smem.tile_consumers
+  # This consumer's tiles are first, first + stride, ... below t1; mine(x) counts those below x.
+  if stride == 1:
+    first, mine = t0, lambda x: x - t0
+  else:
+    first = t0 + lax.rem(jnp.int32(turn + stride) - lax.rem(step0, jnp.int32(stride)), jnp.int32(stride))
+    mine = lambda x: lax.div(jnp.maximum(x - first + (stride - 1), 0), jnp.int32(stride))
   wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
   s_type = plgpu.ACC((ROWS_PER_WG, st.tiling.block_kv), jnp.float32)
 
@@ -510,8 +523,9 @@ def _consume(q_tile, k_tiles, v_tiles, p_smem, length, row0, t0, t1, a, c, step0
   l_i = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG,), jnp.float32), wgmma_rows)
 
   if not st.pipeline_qk:
-    def step(tile, carry, *, masked: bool):
+    def step(j, carry, *, masked: bool):
       acc, m_i, l_i = carry
+      tile = first + stride * j
       i = step0 + tile - t0
       k_tile = k_tiles.fetch(i)
 
@@ -528,24 +542,25 @@ def _consume(q_tile, k_tiles, v_tiles, p_smem, length, row0, t0, t1, a, c, step0
   else:
     # FA3-style: tile i+1's Q K^T runs during tile i's softmax and P V. K slot i is held until then,
     # so the last step re-scores its own tile rather than branch around the wgmma.
-    def first(s_ref):
-      @pl.when(t1 > t0)
+    def score_first(s_ref):
+      @pl.when(t1 > first)
       def _():
-        math_.qk(s_ref, q_tile, k_tiles.fetch(step0))
+        math_.qk(s_ref, q_tile, k_tiles.fetch(step0 + first - t0))
       return s_ref[...]
 
-    s0 = pl.run_scoped(first, s_type)
+    s0 = pl.run_scoped(score_first, s_type)
 
-    def step(tile, carry, *, masked: bool):
+    def step(j, carry, *, masked: bool):
       acc, m_i, l_i, s = carry
+      tile = first + stride * j
       i = step0 + tile - t0
-      has_next = tile + 1 < t1
+      has_next = tile + stride < t1
 
       @pl.when(has_next)
       def _():
-        k_tiles.fetch(i + 1)
+        k_tiles.fetch(i + stride)
 
-      k_next = k_tiles.tile(jnp.where(has_next, i + 1, i))
+      k_next = k_tiles.tile(jnp.where(has_next, i + stride, i))
 
       def body(s_ref):
         math_.qk(s_ref, q_tile, k_next)
@@ -559,22 +574,56 @@ def _consume(q_tile, k_tiles, v_tiles, p_smem, length, row0, t0, t1, a, c, step0
 
     carry = (acc, m_i, l_i, s0)
 
-  carry = lax.fori_loop(t0, a, functools.partial(step, masked=True), carry)
-  carry = lax.fori_loop(a, c, functools.partial(step, masked=False), carry)
-  carry = lax.fori_loop(c, t1, functools.partial(step, masked=True), carry)
+  carry = lax.fori_loop(mine(t0), mine(a), functools.partial(step, masked=True), carry)
+  carry = lax.fori_loop(mine(a), mine(c), functools.partial(step, masked=False), carry)
+  carry = lax.fori_loop(mine(c), mine(t1), functools.partial(step, masked=True), carry)
   return carry[:3]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Partner:
+  """How the second of two tile consumers hands its partial to the first, which merges the two: its staging
+  out [64, D] and lse [64] (f32), `staged` (its stores are done) and `read` (the first has loaded them)."""
+  out: Any
+  lse: Any
+  staged: Any
+  read: Any
+
+  def hand_over(self, out, lse):
+    self.out[...] = out
+    self.lse[...] = lse
+    plgpu.barrier_arrive(self.staged)
+    plgpu.barrier_wait(self.read)   # the staging is free again for the next item
+
+  def merged_with(self, out, lse):
+    plgpu.barrier_wait(self.staged)
+    other_out = plgpu.load(self.out, (), layout=plgpu.Layout.WGMMA)
+    other_lse = plgpu.load(self.lse, (), layout=plgpu.Layout.WGMMA.reduce(1))
+    plgpu.barrier_arrive(self.read)
+    return online_softmax.merge_pair(out, lse, other_out, other_lse)
+
+
 def _write_partials(carry, out_smem, lse_smem, out_ref, lse_ref, consumers_done, *,
-                    b, head, split, rw: int, row0, st: _Static, v_scale=None):
-  """Normalises and stores one warpgroup's partial through out_smem [64, D], lse_smem [64] (f32)."""
+                    b, head, split, rw: int, row0, st: _Static, v_scale=None, partner: _Partner | None = None,
+                    turn: int = 0):
+  """Normalises and stores one warpgroup's partial through out_smem [64, D], lse_smem [64] (f32). Two tile
+  consumers: the second (turn 1) hands its partial over through `partner`, the first merges and stores."""
   out, lse = online_softmax.finalize(*carry)
   if v_scale is not None:
     out = out * v_scale
+  if partner is not None:
+    if not st.persistent:
+      # The staging buffers alias the K/V rings: wait until both consumers are done reading them.
+      plgpu.barrier_arrive(consumers_done)
+      plgpu.barrier_wait(consumers_done)
+    if turn == 1:
+      partner.hand_over(out, lse)
+      return
+    out, lse = partner.merged_with(out, lse)
   if st.persistent:
     # The staging is this warpgroup's own: wait only until the previous item's stores have read it.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  elif st.smem.num_wgs > 1:
+  elif st.smem.num_wgs > 1 and partner is None:
     # The staging buffers alias the K/V rings: wait until every consumer is done reading them.
     plgpu.barrier_arrive(consumers_done)
     plgpu.barrier_wait(consumers_done)
@@ -621,6 +670,8 @@ def _build(st: _Static, interpret: Any):
     name += "_vlast"
   if st.smem.fp8_operands:
     name += "_fp8mma"
+  if st.smem.tile_consumers == 2:
+    name += "_tc2"
   if st.tile_math.name:
     name += f"_{st.tile_math.name}"
   if st.balanced:
