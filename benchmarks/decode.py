@@ -27,8 +27,9 @@ lists its fields in `config`.
                            programs; `--stream_k_programs_per_sm=N` fixes num_splits to the
                            programs of N per SM). Per-sequence is also what replaces the Triton
                            default's stream-K plan where it would take one.
-  --sequence_order=ORDER   sequence_order=ORDER on triton and on MLA (Mosaic GPU GQA has none);
-                           on triton it rules out the default's stream-K plan
+  --sequence_order=ORDER   sequence_order=ORDER on every pallas_kv backend (the config it makes
+                           takes the heuristic's other fields, not the tuned file's); on triton it
+                           rules out the default's stream-K plan
   --convert_warpgroup      one-byte caches on mosaic_gpu: `pallas_kv.experimental.
                            MosaicGPUVariantConfig(convert_warpgroup=True)` (the backend then takes
                            one KV group and the stages that fit); 16-bit caches take no config
@@ -379,7 +380,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   flags.DEFINE_boolean("convert_warpgroup", False, "mosaic_gpu, one-byte caches: pallas_kv.experimental."
                        "MosaicGPUVariantConfig(convert_warpgroup=True); the backend fills the other fields.", **into)
   flags.DEFINE_enum("sequence_order", None, list(pkv.TritonConfig.CHOICES["sequence_order"]),
-                    "triton and MLA: the order in which programs take the sequences (sequence_order=ORDER); the "
+                    "pallas_kv impls: the order in which programs take the sequences (sequence_order=ORDER); the "
                     "backend fills the other fields.", **into)
   flags.DEFINE_integer("triton_block_kv", None, "triton: TritonConfig(block_kv=N); the backend fills the other "
                        "fields.", **into)

@@ -141,16 +141,20 @@ class MosaicGPUConfig(KernelConfig):
   tile_consumers: 1, or 2 consumer warpgroups that take turns on the tiles of each work item (even ring
     steps and odd), each with its own softmax state, merged in the kernel: two tiles' math in flight per
     program (needs <= 64 packed rows, kv_groups=1 and an even num_stages, >= 4 with pipeline_qk).
+  sequence_order: as `TritonConfig.sequence_order`: the order in which the work items (and so the programs,
+    or a persistent program's loop) take the sequences.
   """
   kv_groups: int | None = None
   pipeline_qk: bool | None = None
   persistent: bool | None = None
   tile_consumers: int | None = None
+  sequence_order: str | None = None
 
   backend: ClassVar[str] = "mosaic_gpu"
   BLOCK_KVS: ClassVar[tuple[int, ...]] = (64, 128, 256)
   BOOL_FIELDS: ClassVar[tuple[str, ...]] = ("pipeline_qk", "persistent")
-  CHOICES: ClassVar[dict[str, tuple]] = {"kv_groups": (1, 2), "tile_consumers": (1, 2)}
+  CHOICES: ClassVar[dict[str, tuple]] = {"kv_groups": (1, 2), "tile_consumers": (1, 2),
+                                         "sequence_order": SEQUENCE_ORDERS}
 
   def __post_init__(self):
     super().__post_init__()

@@ -871,9 +871,10 @@ def test_decode_benchmark_kernel_flags_build_partial_configs():
         batch=16, num_kv_heads=8, row_blocks=1, capacity=32768, block_kv=config.block_kv, num_sms=132)
   merged = resolved(merge_in_kernel=True)
   assert set(merged) == {"triton"} and merged["triton"].merge_in_kernel
-  ordered = resolved(sequence_order="longest_first")   # Mosaic GPU's GQA kernel has no order
-  assert set(ordered) == {"triton"}
+  ordered = resolved(sequence_order="longest_first")
+  assert set(ordered) == {"triton", "mosaic_gpu"}
   assert ordered["triton"].sequence_order == "longest_first" and ordered["triton"].split_plan == "per_sequence"
+  assert ordered["mosaic_gpu"].sequence_order == "longest_first"
   # This shape takes stream-K by default; the flag forces either plan.
   assert plain["triton"].split_plan == "stream_k"
   per_sequence = resolved(split_plan="per_sequence")
@@ -927,7 +928,8 @@ def test_decode_benchmark_kernel_flags_parse_and_reach_the_kernel_rows(monkeypat
     rows = {r["impl"]: r for r in run(impls=("auto", "triton", "mosaic_gpu", "xla"), kernel=kernel)}
     assert all(r["status"] == "ok" and r["check_ok"] for r in rows.values()), rows
     triton_fields = {"split_plan": "balanced", "sequence_order": "longest_first", "merge_in_kernel": True}
-    assert rows["triton"]["config"] == triton_fields and rows["mosaic_gpu"]["config"] == {"split_plan": "balanced"}
+    assert rows["triton"]["config"] == triton_fields
+    assert rows["mosaic_gpu"]["config"] == {"split_plan": "balanced", "sequence_order": "longest_first"}
     assert rows["auto"]["auto_choice"] == "triton" and rows["auto"]["config"] == triton_fields
     assert "config" not in rows["xla"]
     tokens_last = decode_bench.KernelFlags(v_tokens_last=True, triton_num_stages=2)

@@ -25,7 +25,7 @@ from pallas_kv.kernels.mosaic_gpu import tiling
 IMPL = "mosaic_gpu"
 # A complete config (what decode_partials takes): 64-token tiles through a 2-slot ring, one split.
 BASE = pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=1, split_plan="per_sequence", kv_groups=1,
-                           pipeline_qk=False, persistent=False, tile_consumers=1)
+                           pipeline_qk=False, persistent=False, tile_consumers=1, sequence_order="given")
 
 
 def _config(**fields) -> pkv.MosaicGPUConfig:
@@ -119,7 +119,7 @@ def _partials_case(case, config, num_programs=None):
     # steps (so the first consumer's first tile is the item's second), a split with no tile.
     ([201], None, dict(tile_consumers=2, num_stages=4, pipeline_qk=True, num_splits=3), None),
     ([150, 0, 201], 64, dict(tile_consumers=2, num_stages=4, pipeline_qk=True, persistent=True, num_splits=1), 1),
-    ([150, 201], 16, dict(tile_consumers=2, persistent=True, num_splits=2), 2),
+    pytest.param([150, 201], 16, dict(tile_consumers=2, persistent=True, num_splits=2), 2, marks=pytest.mark.slow),
 ], ids=["pqk-splits3", "persistent2-page16", "pqk-persistent1-page64", "tc2-pqk-splits3",
         "tc2-pqk-persistent1-page64", "tc2-persistent2-page16"])
 def test_pipeline_options_interpret(lengths, page_size, fields, num_programs):
@@ -134,10 +134,26 @@ def test_pipeline_options_through_the_api_interpret(interpret_mode):
   case = make_case(41, batch=1, seq_len=192, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
                    lengths=[150])
   for config in (pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, pipeline_qk=True, persistent=True),
-                 pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, kv_groups=2),
-                 pkv.MosaicGPUConfig(tile_consumers=2)):
+                 pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, kv_groups=2)):
     out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL, config=config)
     check_against_reference(case, out)
+
+
+@pytest.mark.parametrize("fields", [pytest.param(dict(), marks=pytest.mark.slow),
+                                    dict(persistent=True, pipeline_qk=True, tile_consumers=2)],
+                         ids=["grid", "persistent-tc2"])
+def test_sequence_order_moves_only_the_schedule_interpret(interpret_mode, fields):
+  # Longest first: batch slot i takes sequence order[i]; the splits, and so the bits, are those of batch order.
+  case = make_case(42, batch=4, seq_len=256, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
+                   lengths=[40, 250, 0, 130], page_size=16)
+  outs = {}
+  for order in ("given", "longest_first"):
+    config = pkv.MosaicGPUConfig(block_kv=64, num_stages=4, num_splits=2, sequence_order=order, **fields)
+    outs[order] = pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths,
+                                             return_lse=True, impl=IMPL, config=config)
+  check_against_reference(case, outs["longest_first"])
+  for given, ordered in zip(outs["given"], outs["longest_first"]):
+    np.testing.assert_array_equal(np.asarray(given), np.asarray(ordered))
 
 
 def test_configs_and_plans_are_validated():
@@ -153,7 +169,7 @@ def test_configs_and_plans_are_validated():
     pkv.MosaicGPUConfig(pipeline_qk=1)
   with pytest.raises(ValueError, match=r"block_kv=32 must be one of \(64, 128, 256\)"):
     pkv.MosaicGPUConfig(block_kv=32)
-  for foreign in (dict(sequence_order="longest_first"), dict(num_warps=4), dict(convert_warpgroup=True)):
+  for foreign in (dict(merge_in_kernel=True), dict(num_warps=4), dict(convert_warpgroup=True)):
     with pytest.raises(TypeError):   # another kernel's field, or an experimental variant's
       pkv.MosaicGPUConfig(**foreign)
   check = functools.partial(mgpu_config.check_config, head_dim=64, dtype=jnp.bfloat16, page_size=None)
@@ -190,9 +206,9 @@ def test_configs_and_plans_are_validated():
     call(config=pkv.MosaicGPUConfig(block_kv=64), plan=_plan(BASE))
   with pytest.raises(ValueError, match="made for 128-token tiles; the kernel streams 64"):
     call(config=BASE, plan=pkv.SplitPlan(kind="per_sequence", num_splits=1, block_kv=128))
-  with pytest.raises(ValueError, match="batch order"):   # the GQA kernel takes no sequence order
+  with pytest.raises(ValueError, match=r"order must be int32 \[1\]"):
     call(config=BASE, plan=pkv.SplitPlan(kind="per_sequence", num_splits=1, block_kv=64,
-                                         order=jnp.zeros((1,), jnp.int32)))
+                                         order=jnp.zeros((2,), jnp.int32)))
   with pytest.raises(ValueError, match="no stream-K plan"):
     call(config=BASE, plan=pkv.SplitPlan(kind="stream_k", num_splits=1, block_kv=64))
   with pytest.raises(ValueError, match=r"tiles_per_split must be int32 \[1\]"):
@@ -217,7 +233,8 @@ def _option_lowering_cases():
            (dict(persistent=True), (1, 32768), None),
            (dict(block_kv=128, num_stages=3), (8, 8192), 16),
            (dict(kv_groups=2, num_splits=2), (8, 8192), 16),
-           (dict(tile_consumers=2, pipeline_qk=True, persistent=True), (32, 4096), None),
+           (dict(tile_consumers=2, pipeline_qk=True, persistent=True, sequence_order="longest_first"), (64, 8192),
+            None),
            (dict(tile_consumers=2), (8, 8192), 16),
            (dict(split_plan="balanced"), (8, 8192), 16)]
   return [pytest.param(f, c, p, id="-".join(f"{k}={v}" for k, v in f.items()) + f"-b{c[0]}-t{c[1]}-page{p}")
@@ -233,6 +250,7 @@ def test_pipeline_options_lower_for_cuda(fields, case, page_size):
   module = lower_for_cuda(functools.partial(op, impl=IMPL, config=config), *args).mlir_module()
   assert "custom_call @mosaic_gpu" in module
   assert ("_balanced" in module) == (config.split_plan == "balanced")
+  assert ("_ordered" in module) == (config.sequence_order != "given")
 
 
 def _kernel_variants():

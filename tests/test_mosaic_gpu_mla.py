@@ -271,8 +271,6 @@ def test_mla_configs_are_checked():
   for foreign in (dict(kv_groups=2), dict(pipeline_qk=True), dict(split_scores=True), dict(p_in_registers=False)):
     with pytest.raises(TypeError):
       pkv.MosaicMLAConfig(**foreign)
-  with pytest.raises(TypeError):
-    pkv.MosaicGPUConfig(sequence_order="given")
   with pytest.raises(ValueError, match="complete MosaicMLAConfig"):
     check(pkv.MosaicMLAConfig(num_stages=2))
   with pytest.raises(ValueError, match="complete MosaicMLAConfig"):

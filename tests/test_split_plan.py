@@ -165,7 +165,7 @@ def test_kernels_cut_the_splits_the_plan_says(impl):
   if impl == "mosaic_gpu":
     from jax.experimental.pallas import mosaic_gpu as plgpu
     interpret = plgpu.InterpretGPUParams()
-    own = dict(kv_groups=1, pipeline_qk=False, persistent=False, tile_consumers=1)
+    own = dict(kv_groups=1, pipeline_qk=False, persistent=False, tile_consumers=1, sequence_order="given")
   lse = {}
   for kind in ("per_sequence", "balanced"):
     config = CONFIG_TYPE[impl](block_kv=block_kv, num_stages=2, num_splits=2, split_plan=kind, **own)
@@ -436,11 +436,9 @@ def test_longest_first_gives_the_bits_of_batch_order(interpret_mode, paged, merg
 
 
 def test_sequence_order_is_validated():
-  for config_type in (pkv.TritonConfig, pkv.MosaicMLAConfig):
+  for config_type in (pkv.TritonConfig, pkv.MosaicMLAConfig, pkv.MosaicGPUConfig):
     with pytest.raises(ValueError, match="sequence_order"):
       config_type(sequence_order="shortest_first")
-  with pytest.raises(TypeError, match="sequence_order"):   # the Mosaic GPU GQA kernel has no order
-    pkv.MosaicGPUConfig(num_splits=2, sequence_order="longest_first")
   ordered = SplitPlan(kind="per_sequence", num_splits=2, block_kv=64, order=jnp.zeros((2,), jnp.int32))
   with pytest.raises(ValueError, match=r"order must be int32 \[3\]"):
     ordered.check(block_kv=64, batch=3)

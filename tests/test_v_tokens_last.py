@@ -66,7 +66,7 @@ def test_triton_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, num_
 # which fold into P (the kernel lays V's scales tokens last). Every layout the kernel takes (dense; pages of one
 # and of two tiles), every V scale kind, and the pipeline options that change who reads the V tiles.
 MOSAIC = pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, split_plan="per_sequence", kv_groups=1,
-                             pipeline_qk=False, persistent=False, tile_consumers=1)
+                             pipeline_qk=False, persistent=False, tile_consumers=1, sequence_order="given")
 
 
 @pytest.mark.parametrize("kv_dtype, scale_kind, page_size, num_queries, fields", [
@@ -76,7 +76,8 @@ MOSAIC = pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, split_plan
     pytest.param(jnp.int8, "token", 128, None, dict(pipeline_qk=True, num_splits=1), marks=pytest.mark.slow),
     pytest.param(jnp.float16, None, 64, None, dict(pipeline_qk=True), marks=pytest.mark.slow),
     pytest.param(jnp.float8_e5m2, "token", None, 3, dict(persistent=True), marks=pytest.mark.slow),
-    (jnp.int8, "token", 64, None, dict(tile_consumers=2, num_stages=4, pipeline_qk=True, persistent=True)),
+    pytest.param(jnp.int8, "token", 64, None, dict(tile_consumers=2, num_stages=4, pipeline_qk=True, persistent=True),
+                 marks=pytest.mark.slow),
 ], ids=["bf16-dense-s2", "int8-token-dense", "e4m3-head-page64-groups2", "int8-token-page128-pqk",
         "fp16-page64-pqk", "e5m2-token-dense-s3-persistent", "int8-token-page64-tile-consumers2"])
 def test_mosaic_gpu_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, num_queries, fields):

@@ -15,6 +15,7 @@ input sets rotated to overflow L2):
   probe rows   the kernel alone (`decode_partials`, no combine) at B=128 and B=1: `kernel` is
                the baseline kernel, `probe:*` leave out one consumer stage (results wrong by
                design, not checked). kernel vs baseline at B=1 = the combine's share.
+`--shapes=16x32768,8x8192p16` runs other shapes, `--ragged` with lengths uniform in [1, T].
 `--probe_shapes='B32 T4096,B64 T2048'` moves the kernel-only rows to other shapes, `--probe_variant=pqk+persistent`
 gives them that variant's config (the tuned one at B >= 8) instead of the heuristic's.
 `--load_path` adds `loads:*` rows on the probe shapes: the `loads_only` probe under each ring
@@ -65,6 +66,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...] | None]] = {
     "kv_groups2": ({"kv_groups": 2}, ("B1 T32768", "B8 T8192", "B8 T8192 p16")),
     "tile_consumers2": ({"tile_consumers": 2}, None),
     "tc2+pqk+persistent": ({"tile_consumers": 2, "pipeline_qk": True, "persistent": True}, None),
+    "pqk+persistent+lf": ({"pipeline_qk": True, "persistent": True, "sequence_order": "longest_first"}, None),
+    "longest_first": ({"sequence_order": "longest_first"}, None),
     "splits_x2": ({"splits_factor": 2}, ("B1 T32768", "B8 T8192")),
     "baseline_again": ({}, None),
 }
@@ -126,6 +129,16 @@ GPU_TIMING = {"warmup": 2, "iters": 20, "repeats": 5}
 ROW_TIMING_FIELDS = ("time_us", "min_us", "samples_us", "timer")
 
 
+def parse_shape(text: str) -> tuple[int, int, int | None]:
+  """(batch, seq_len, page_size or None) of "BxT" or "BxTpPAGE"."""
+  try:
+    batch, rest = text.strip().split("x")
+    seq_len, _, page = rest.partition("p")
+    return int(batch), int(seq_len), int(page) if page else None
+  except ValueError:
+    raise app.UsageError(f"--shapes: {text!r} is not BxT or BxTpPAGE") from None
+
+
 def shape_name(batch: int, seq_len: int, page_size: int | None) -> str:
   return f"B{batch} T{seq_len}" + (f" p{page_size}" if page_size else "")
 
@@ -142,6 +155,7 @@ class Settings:
   rotate_bytes: float
   budget_s: float
   probe_fields: tuple[tuple[str, Any], ...] = ()   # the config fields of the kernel-only rows
+  ragged: bool = False   # lengths uniform in [1, T] (`cases.make_lengths`), not full
 
 
 def _case(s: Settings, batch: int, seq_len: int, page_size: int | None) -> cases.Case:
@@ -149,7 +163,7 @@ def _case(s: Settings, batch: int, seq_len: int, page_size: int | None) -> cases
       op="decode" if page_size is None else "paged", batch=batch, seq_len=seq_len,
       num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
       v_head_dim=s.head_dim, num_queries=1, page_size=page_size or 16, shuffle_pages=True,
-      dtype="bfloat16", ragged=False)
+      dtype="bfloat16", ragged=s.ragged)
 
 
 def _problem(args: tuple, paged: bool):
@@ -332,6 +346,9 @@ def define_flags() -> None:
                      "skipped (the whole run, compiles included, should stay < 6 min).")
   flags.DEFINE_list("variants", None, f"Subset of {','.join(VARIANTS)} (default all); "
                     "'none' runs only the kernel-only rows.")
+  flags.DEFINE_list("shapes", None, "Shapes to run instead of GPU_SHAPES, as BxT or BxTpPAGE (e.g. 16x32768,8x8192p16).")
+  flags.DEFINE_boolean("ragged", False, "Random lengths in [1, T] (the decode benchmark's --ragged) instead of "
+                       "full ones; TB/s counts the keys read.")
   flags.DEFINE_list("probe_shapes", None, f"Shapes of the kernel-only rows (default {','.join(PROBE_SHAPES)}); "
                     "names as in the table, e.g. 'B32 T4096'.")
   flags.DEFINE_string("probe_variant", "baseline", "The variant (of VARIANTS) whose config fields the "
@@ -357,7 +374,8 @@ def main(argv: Sequence[str]) -> int:
   json_path = cli.output_paths().json
   if FLAGS.smoke:
     s = Settings(smoke=True, num_heads=4, num_kv_heads=1, head_dim=64, warmup=0, iters=1,
-                 repeats=1, rotate_bytes=0.0, budget_s=FLAGS.budget_s, probe_fields=probe_fields)
+                 repeats=1, rotate_bytes=0.0, budget_s=FLAGS.budget_s, probe_fields=probe_fields,
+                 ragged=FLAGS.ragged)
     with pkv.interpret():
       rows = run(s, SMOKE_SHAPES, SMOKE_PROBE_SHAPES, json_path, FLAGS.load_path)
   else:
@@ -365,14 +383,15 @@ def main(argv: Sequence[str]) -> int:
       raise app.UsageError("needs a GPU; use --smoke on a CPU")
     s = Settings(smoke=False, num_heads=32, num_kv_heads=8, head_dim=128,
                  **{**GPU_TIMING, **cli.timing_flags().given()},
-                 rotate_bytes=timing.DEFAULT_ROTATE_BYTES, budget_s=FLAGS.budget_s, probe_fields=probe_fields)
-    unknown = set(probe_shapes) - {shape_name(*x) for x in GPU_SHAPES}
-    if unknown:
+                 rotate_bytes=timing.DEFAULT_ROTATE_BYTES, budget_s=FLAGS.budget_s, probe_fields=probe_fields,
+                 ragged=FLAGS.ragged)
+    shapes = tuple(parse_shape(x) for x in FLAGS.shapes) if FLAGS.shapes else GPU_SHAPES
+    unknown = set(probe_shapes) - {shape_name(*x) for x in shapes}
+    if unknown and FLAGS.probe_shapes:
       raise app.UsageError(f"--probe_shapes: unknown {sorted(unknown)}; choose from "
-                           f"{[shape_name(*x) for x in GPU_SHAPES]}")
-    shapes = GPU_SHAPES
+                           f"{[shape_name(*x) for x in shapes]}")
     if not VARIANTS:  # kernel-only rows: only the shapes that have them
-      shapes = tuple(x for x in GPU_SHAPES if shape_name(*x) in probe_shapes)
+      shapes = tuple(x for x in shapes if shape_name(*x) in probe_shapes)
     rows = run(s, shapes, probe_shapes, json_path, FLAGS.load_path)
   return output.report_failures(output.failed_rows(rows, exempt=is_probe),
                                 lambda r: f"{r['variant']} on {r['shape']}")

@@ -534,7 +534,7 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
 
 
 DEFAULT = MosaicGPUConfig(block_kv=64, num_stages=4, split_plan="per_sequence", kv_groups=1, pipeline_qk=False,
-                          persistent=False, tile_consumers=1)
+                          persistent=False, tile_consumers=1, sequence_order="given")
 
 
 def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig | None = None) -> MosaicGPUConfig:

@@ -128,6 +128,7 @@ class _Static:
   k_scale: str | None = None
   v_scale: str | None = None
   balanced: bool = False
+  ordered: bool = False   # the batch slots take the sequences of the plan's order
 
   @property
   def quantized(self) -> bool:
@@ -268,9 +269,11 @@ def _tile_range(length, split, st: _Static, tiles_per_split, start):
 
 @dataclasses.dataclass(frozen=True)
 class _Sequences:
-  """The per-sequence refs: lengths int32 [B] and, where the call has them, window starts int32 [B]."""
+  """The per-sequence refs: lengths int32 [B] and, where the call has them, window starts int32 [B] and the
+  sequence order (batch slot -> sequence) int32 [B]."""
   lengths: Any
   starts: Any = None
+  order: Any = None
 
   def bounds(self, b, st: "_Static"):
     """(length, window start or None) of sequence b, clamped into [0, capacity]."""
@@ -300,6 +303,8 @@ class _Item:
 
 
 def _item(b, head_block, program_split, sequences: _Sequences, st: _Static, tiles_per_split) -> _Item:
+  if sequences.order is not None:   # clamped: a runtime value never addresses past the batch
+    b = jnp.clip(sequences.order[b], 0, st.batch - 1)
   if st.num_row_blocks == 1:
     head, row_block = head_block, 0
   else:
@@ -341,7 +346,8 @@ def _kernel(q_ref,
             *refs, st: _Static, **scratch):
   refs = list(refs)
   q_factors_ref = refs.pop(0) if st.smem.fp8_operands else None
-  sequences = _Sequences(lengths_ref, refs.pop(0) if st.options.has_window_start else None)
+  starts_ref = refs.pop(0) if st.options.has_window_start else None
+  sequences = _Sequences(lengths_ref, starts_ref, refs.pop(0) if st.ordered else None)
   plan_ref = refs.pop(0) if st.balanced else None
   block_tables_ref = refs.pop(0) if st.tiling.paged else None
   k_scale_ref = refs.pop(0) if st.k_scale else None
@@ -676,6 +682,8 @@ def _build(st: _Static, interpret: Any):
     name += f"_{st.tile_math.name}"
   if st.balanced:
     name += "_balanced"
+  if st.ordered:
+    name += "_ordered"
   if st.options.has_window_start:
     name += "_wstart"
   if st.persistent:
@@ -712,7 +720,8 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   k_scale, v_scale: None, [Hkv] f32, or per token with the cache's leading dims ([B, T, Hkv] /
     [P, page_size, Hkv]; Hkv 1 or a multiple of 4): logits use k_scale_t * k_t, the output v_scale_t * v_t.
   window_start: int32 [B], given exactly when options.has_window_start: keys before it are invisible.
-  options: scale, softcap, window; config: a complete `MosaicGPUConfig`; plan: its `SplitPlan` (batch order);
+  options: scale, softcap, window; config: a complete `MosaicGPUConfig`; plan: its `SplitPlan` (batch slot i takes
+    sequence plan.order[i] when given);
     num_programs: a persistent config's (default: the SM count); interpret: False, True or InterpretGPUParams.
 
   Returns (out [B, Hkv, num_splits, R, D] f32, each split's normalised output; lse [B, Hkv, num_splits, R]
@@ -730,8 +739,8 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
                    v_tokens_last=v_tokens_last)
   mgpu_config.check_config(config, rows=R, head_dim=D, dtype=k.dtype, page_size=page_size, num_splits=plan.num_splits,
                            **quantized)
-  if plan.ordered or plan.stream_k:
-    raise ValueError(f"the mosaic_gpu GQA kernel takes sequences in batch order and no stream-K plan, got {plan}")
+  if plan.stream_k:
+    raise ValueError(f"the mosaic_gpu GQA kernel takes no stream-K plan, got {plan}")
   plan.check(block_kv=config.block_kv, batch=B)
   if block_tables is None:
     kv_tiling = tiling.KVTiling(config.block_kv, D, k.dtype)
@@ -749,7 +758,7 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
       num_splits=plan.num_splits, capacity=kv_tiling.capacity(k.shape), options=options,
       tiling=kv_tiling, smem=smem, batch=B, num_kv_heads=Hkv, pipeline_qk=config.pipeline_qk,
       tile_math=tile_math, q_dtype=jnp.dtype(q.dtype), k_scale=k_kind, v_scale=v_kind,
-      balanced=plan.balanced)
+      balanced=plan.balanced, ordered=plan.ordered)
   if config.persistent:
     if num_programs is None:
       num_programs = runtime.num_sms()
