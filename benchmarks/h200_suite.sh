@@ -28,6 +28,8 @@ declare -A PARTS=(
             serving:smollm2_system_prompt"   # forked prompts, a cached system prompt
   [vmap]="vmap:vmap"
   [step]="step:step"
+  [mosaic_levers]="tools.kernel_variants:mosaic_tile_consumers tools.kernel_variants:mosaic_ragged_order
+                   decode:rows_ragged_longest_first"   # Mosaic GPU's levers; run rows_ragged beside it
   [tune]="tune:tune"                      # Mosaic GPU entries of the tuned file
   [tune_triton]="tune:tune_triton"
   [scaling8k]="scaling:scaling8k"         # several GPUs
