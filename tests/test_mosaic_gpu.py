@@ -93,6 +93,29 @@ def test_gpu_auto_runs_mla_here_and_untuned_gqa_on_triton():
   assert pkv.last_impl() == IMPL
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fields,page_size", [
+    (dict(tile_consumers=2, pipeline_qk=True, persistent=True), None),
+    (dict(tile_consumers=2), 16),
+    (dict(sequence_order="longest_first", pipeline_qk=True, persistent=True), 16),
+], ids=["tc2-pqk-persistent", "tc2-page16", "longest-first-persistent-page16"])
+def test_gpu_tile_consumers_and_sequence_order_on_a_ragged_batch(fields, page_size):
+  # Persistent programs over items of every length (one of 8192 tokens, an empty one); longest first gives the
+  # bits of batch order.
+  rng = np.random.default_rng(8)
+  lengths = rng.integers(1, 4096, size=24)
+  lengths[5], lengths[17] = 8192, 0
+  case = make_case(61, batch=24, seq_len=8192, num_heads=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16,
+                   lengths=lengths, page_size=page_size)
+  config = pkv.MosaicGPUConfig(**fields)
+  out = _paged_or_dense(case, config)
+  check_against_reference(case, out)
+  if "sequence_order" in fields:
+    given = _paged_or_dense(case, dataclasses.replace(config, sequence_order="given"))
+    for a, b in zip(given, out, strict=True):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 # ---------------------------------------------------------------- pipeline options (interpret)
 
 def _partials_case(case, config, num_programs=None):
