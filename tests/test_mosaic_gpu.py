@@ -217,6 +217,9 @@ def test_configs_and_plans_are_validated():
     check(_config(tile_consumers=2, num_stages=3), rows=4, num_splits=1)
   with pytest.raises(ValueError, match=r"even num_stages \(>= 4 with pipeline_qk\)"):
     check(_config(tile_consumers=2, num_stages=2, pipeline_qk=True), rows=4, num_splits=1)
+  with pytest.raises(NotImplementedError, match="tile_consumers=2 has no schedule for fp8 wgmma operands"):
+    mgpu_config.check_config(_config(tile_consumers=2), rows=4, head_dim=64, dtype=jnp.float8_e4m3fn, page_size=None,
+                             num_splits=1, k_scale_kind="token", v_scale_kind="token", v_tokens_last=True)
   # decode_partials runs the same checks on the config it is given, and checks its plan.
   q = jnp.zeros((1, 1, 4, 64), jnp.bfloat16)
   kv = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)

@@ -509,6 +509,9 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
                        f"{config.num_stages=} {config.pipeline_qk=}")
     if converter(config):
       raise ValueError("tile_consumers=2 has no converter warpgroup (convert_warpgroup=True)")
+    if quantized.get("v_tokens_last") and jnp.dtype(dtype) in FP8_DTYPES:
+      raise NotImplementedError("tile_consumers=2 has no schedule for fp8 wgmma operands (an fp8 cache with v "
+                                "tokens last); use tile_consumers=1")
   if converter(config):
     if jnp.dtype(dtype).itemsize != 1:
       raise ValueError(f"convert_warpgroup=True converts one-byte caches; the cache is {jnp.dtype(dtype).name}")
