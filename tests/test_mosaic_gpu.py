@@ -220,6 +220,13 @@ def test_configs_and_plans_are_validated():
   with pytest.raises(NotImplementedError, match="tile_consumers=2 has no schedule for fp8 wgmma operands"):
     mgpu_config.check_config(_config(tile_consumers=2), rows=4, head_dim=64, dtype=jnp.float8_e4m3fn, page_size=None,
                              num_splits=1, k_scale_kind="token", v_scale_kind="token", v_tokens_last=True)
+  sds = jax.ShapeDtypeStruct
+  fp8_call = functools.partial(pkv.decode_attention, impl=IMPL, v_tokens_last=True,
+                               config=pkv.MosaicGPUConfig(tile_consumers=2))
+  with pytest.raises(NotImplementedError, match="tile_consumers=2 has no schedule for fp8 wgmma operands"):
+    jax.eval_shape(fp8_call, sds((2, 4, 64), jnp.bfloat16), sds((2, 256, 1, 64), jnp.float8_e4m3fn),
+                   sds((2, 1, 64, 256), jnp.float8_e4m3fn), sds((2,), jnp.int32), k_scale=sds((2, 256, 1), jnp.float32),
+                   v_scale=sds((2, 256, 1), jnp.float32))
   # decode_partials runs the same checks on the config it is given, and checks its plan.
   q = jnp.zeros((1, 1, 4, 64), jnp.bfloat16)
   kv = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
