@@ -30,6 +30,7 @@ declare -A PARTS=(
   [step]="step:step"
   [mosaic_levers]="tools.kernel_variants:mosaic_tile_consumers tools.kernel_variants:mosaic_ragged_order
                    decode:rows_ragged_longest_first"   # Mosaic GPU's levers; run rows_ragged beside it
+  [paged_one_byte]="decode:paged64_int8 decode:paged64_int8_tiles"   # Triton's paged tiles, int8 page 64
   [tune]="tune:tune"                      # Mosaic GPU entries of the tuned file
   [tune_triton]="tune:tune_triton"
   [scaling8k]="scaling:scaling8k"         # several GPUs
