@@ -317,6 +317,12 @@ def test_partial_configs_are_filled_around_their_fields():
     assert config.kv_groups == 1 and config.given() | fields == config.given(), fields
   assert resolve(pkv.MosaicGPUConfig(kv_groups=2, num_stages=6), dtype=INT8).num_stages == 6
   assert resolve(pkv.MosaicGPUConfig(num_stages=2), dtype=INT8).kv_groups == 2   # a given even depth: shared out
+  # Two tile consumers need an even ring: the depth that fits is found in steps of two (128-token bf16 tiles fit
+  # three stages, which they cannot take; two).
+  config = resolve(pkv.MosaicGPUConfig(tile_consumers=2, block_kv=128), dtype=jnp.bfloat16)
+  assert (config.kv_groups, config.num_stages) == (1, 2)
+  mgpu_config.check_config(config, rows=4, head_dim=128, dtype=jnp.bfloat16, page_size=None,
+                           num_splits=config.num_splits)
   for dtype, block_kv, stages in ((INT8, 256, 2), (jnp.bfloat16, 128, 3)):
     config = resolve(pkv.MosaicGPUConfig(block_kv=block_kv), dtype=dtype)
     assert config.num_stages == stages

@@ -212,7 +212,7 @@ class DecodeSmem:
                (persistent: in a union with streaming), for copies of fewer rows than a tile (small pages); not in
                interpret mode
   p_smem       [num_wgs, 64, bkv] q_dtype (interpret mode); fp8 operands: p_terms 2 * num_wgs x [64, bkv] e4m3
-  barriers     per ring slot, q per row warpgroup, done
+  barriers     per ring slot, q per row warpgroup, done; with tile_consumers=2, partner staged and read
   num_wgs = row_wgs (split the rows) x kv_groups (split the tiles) x tile_consumers (take turns on the tiles);
   num_stages: K slots of all groups.
   """
@@ -571,10 +571,12 @@ def _needs_one_group(config: MosaicGPUConfig) -> bool:
 
 def _deepest_ring(config: MosaicGPUConfig, *, problem, rows: int, dtype: Any, stages_given: bool = False,
                   **quantized) -> MosaicGPUConfig:
-  """config with num_stages lowered (in steps of kv_groups, to 2 at least) until it fits, unless given."""
+  """config with num_stages lowered (in steps of 2 where two groups or two tile consumers need an even ring, to 2
+  at least) until it fits, unless given."""
+  step = 2 if config.kv_groups == 2 or config.tile_consumers == 2 else 1
   while not stages_given and config.num_stages > 2 and not fits_smem(
       config, rows=rows, head_dim=problem.head_dim, dtype=dtype, page_size=problem.page_size, **quantized):
-    config = dataclasses.replace(config, num_stages=config.num_stages - config.kv_groups)
+    config = dataclasses.replace(config, num_stages=config.num_stages - step)
   return config
 
 
