@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kv.cache import UNALLOCATED
+from pallas_kv.kernels import online_softmax
 
 
 @jax.tree_util.register_dataclass
@@ -160,14 +161,7 @@ def attend(attend_fn, q, block_tables, lengths, sharing: SharedPrefix, *, page_s
 def merge(out_a, lse_a, out_b, lse_b, *, dtype, sinks=None):
   """Two attentions over disjoint keys, each normalized over its own keys, as one: weights exp(lse), and
   exp(sinks[h]) more in each head's denominator (a virtual key with no value). The LSE counts real keys."""
-  lse_a, lse_b = lse_a.astype(jnp.float32), lse_b.astype(jnp.float32)
-  top = jnp.maximum(lse_a, lse_b)
-  finite = jnp.isfinite(top)
-  safe_top = jnp.where(finite, top, 0.0)
-  weight_a, weight_b = jnp.exp(lse_a - safe_top), jnp.exp(lse_b - safe_top)
-  keys = jnp.where(finite, weight_a + weight_b, 1.0)
-  total = keys if sinks is None else keys + jnp.exp(sinks.astype(jnp.float32) - safe_top)
-  out = out_a.astype(jnp.float32) * weight_a[..., None] + out_b.astype(jnp.float32) * weight_b[..., None]
-  out = jnp.where(finite[..., None], out / total[..., None], 0.0)
-  lse = jnp.where(finite, safe_top + jnp.log(keys), -jnp.inf)
+  out, lse = online_softmax.merge_pair(out_a.astype(jnp.float32), lse_a.astype(jnp.float32),
+                                       out_b.astype(jnp.float32), lse_b.astype(jnp.float32),
+                                       sinks=None if sinks is None else sinks.astype(jnp.float32))
   return out.astype(dtype), lse

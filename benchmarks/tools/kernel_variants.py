@@ -131,12 +131,12 @@ ROW_TIMING_FIELDS = ("time_us", "min_us", "samples_us", "timer")
 
 def parse_shape(text: str) -> tuple[int, int, int | None]:
   """(batch, seq_len, page_size or None) of "BxT" or "BxTpPAGE"."""
+  case, _, page = text.strip().lower().partition("p")
   try:
-    batch, rest = text.strip().split("x")
-    seq_len, _, page = rest.partition("p")
-    return int(batch), int(seq_len), int(page) if page else None
-  except ValueError:
-    raise app.UsageError(f"--shapes: {text!r} is not BxT or BxTpPAGE") from None
+    [(batch, seq_len)] = cli.parse_cases([case], form="BxT or BxTpPAGE", example="8x8192p16")
+    return batch, seq_len, int(page) if page else None
+  except ValueError as e:
+    raise app.UsageError(f"--shapes: {e}") from None
 
 
 def shape_name(batch: int, seq_len: int, page_size: int | None) -> str:

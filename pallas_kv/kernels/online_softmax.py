@@ -68,15 +68,16 @@ def finalize(acc, m_i, l_i, *, rows_axis: int = 0):
   return out, lse
 
 
-def merge_pair(out_a, lse_a, out_b, lse_b, *, rows_axis: int = 0):
-  """Two normalised partials over disjoint keys (`finalize`'s out [rows, Dv] and natural-log lse [rows]) as one;
-  a keyless side (lse -inf) weighs 0, and both keyless gives 0 and -inf."""
+def merge_pair(out_a, lse_a, out_b, lse_b, *, sinks=None):
+  """Two partials over disjoint keys, each normalised over its own (`finalize`'s out [..., Dv] and natural-log
+  lse [...], -inf where keyless), as one (out [..., Dv] f32, lse [...] over the real keys); sinks: a virtual
+  key's logit, broadcast against lse, added to the denominator only. Both keyless gives 0 and -inf."""
   top = jnp.maximum(lse_a, lse_b)
-  top = jnp.where(top == -jnp.inf, 0.0, top)
+  has_keys = top > -jnp.inf
+  top = jnp.where(has_keys, top, 0.0)
   w_a, w_b = jnp.exp(lse_a - top), jnp.exp(lse_b - top)
-  total = w_a + w_b
-  has_keys = total > 0
-  total_safe = jnp.where(has_keys, total, 1.0)
-  out = (out_a * per_row(w_a / total_safe, out_a.shape, rows_axis)
-         + out_b * per_row(w_b / total_safe, out_b.shape, rows_axis))
-  return out, jnp.where(has_keys, top + jnp.log(total_safe), -jnp.inf)
+  keys = jnp.where(has_keys, w_a + w_b, 1.0)
+  total = keys if sinks is None else keys + jnp.exp(sinks - top)
+  rows = lambda x: lax.broadcast_in_dim(x, out_a.shape, tuple(range(x.ndim)))   # lse's dims lead out's
+  out = (out_a * rows(w_a) + out_b * rows(w_b)) / rows(total)
+  return jnp.where(rows(has_keys), out, 0.0), jnp.where(has_keys, top + jnp.log(keys), -jnp.inf)

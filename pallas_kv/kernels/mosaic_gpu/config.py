@@ -117,8 +117,6 @@ MLA_MAX_QK_DIM = 576
 MLA_V_DIM_MULTIPLE = 128
 MLA_ONE_BYTE_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 FP8_DTYPES = MLA_ONE_BYTE_DTYPES
-TWO_TILE_CONSUMERS_FP8 = ("tile_consumers=2 has no schedule for fp8 wgmma operands (an fp8 cache with v tokens "
-                          "last); use tile_consumers=1")
 FP8_OPERAND_DTYPE = jnp.float8_e4m3fn   # Q's and P's terms on fp8 wgmma
 
 
@@ -237,7 +235,8 @@ class DecodeSmem:
   def __post_init__(self):
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
     if self.tile_consumers == 2 and self.fp8_operands:
-      raise NotImplementedError(TWO_TILE_CONSUMERS_FP8)
+      raise NotImplementedError("tile_consumers=2 has no schedule for fp8 wgmma operands (an fp8 cache with v "
+                                "tokens last); use tile_consumers=1")
     if self.tile_consumers == 2 and (self.converter or self.row_wgs != 1 or self.kv_groups != 1):
       raise ValueError(f"tile_consumers=2 needs one row warpgroup (<= {ROWS_PER_WG} packed rows), kv_groups=1 and "
                        f"no converter, got {self.row_wgs=} {self.kv_groups=} {self.converter=}")
@@ -513,8 +512,6 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
                        f"{config.num_stages=} {config.pipeline_qk=}")
     if converter(config):
       raise ValueError("tile_consumers=2 has no converter warpgroup (convert_warpgroup=True)")
-    if quantized.get("v_tokens_last") and jnp.dtype(dtype) in FP8_DTYPES:
-      raise NotImplementedError(TWO_TILE_CONSUMERS_FP8)
   if converter(config):
     if jnp.dtype(dtype).itemsize != 1:
       raise ValueError(f"convert_warpgroup=True converts one-byte caches; the cache is {jnp.dtype(dtype).name}")

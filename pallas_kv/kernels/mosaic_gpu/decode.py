@@ -617,11 +617,11 @@ def _write_partials(carry, out_smem, lse_smem, out_ref, lse_ref, consumers_done,
   out, lse = online_softmax.finalize(*carry)
   if v_scale is not None:
     out = out * v_scale
+  if not st.persistent and st.smem.num_wgs > 1:
+    # The staging buffers alias the K/V rings: wait until every consumer is done reading them.
+    plgpu.barrier_arrive(consumers_done)
+    plgpu.barrier_wait(consumers_done)
   if partner is not None:
-    if not st.persistent:
-      # The staging buffers alias the K/V rings: wait until both consumers are done reading them.
-      plgpu.barrier_arrive(consumers_done)
-      plgpu.barrier_wait(consumers_done)
     if turn == 1:
       partner.hand_over(out, lse)
       return
@@ -629,10 +629,6 @@ def _write_partials(carry, out_smem, lse_smem, out_ref, lse_ref, consumers_done,
   if st.persistent:
     # The staging is this warpgroup's own: wait only until the previous item's stores have read it.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  elif st.smem.num_wgs > 1 and partner is None:
-    # The staging buffers alias the K/V rings: wait until every consumer is done reading them.
-    plgpu.barrier_arrive(consumers_done)
-    plgpu.barrier_wait(consumers_done)
   out_smem[...] = out
   lse_smem[...] = lse
   plgpu.commit_smem()
