@@ -45,8 +45,9 @@ class KernelConfig:
   num_splits: how many pieces a sequence's tiles are cut into (split-K); what exactly depends on
     `split_plan`: "per_sequence", equal shares of each sequence (a fixed count makes a result
     independent of the rest of the batch); "balanced", the most pieces any sequence may take;
-    "stream_k" (Triton), programs per (kv head, row block) sharing the whole batch's tiles.
-  split_plan: "per_sequence" | "balanced" (| "stream_k" on Triton). The plan of one call is a
+    "stream_k": Triton, programs per (kv head, row block) sharing the whole batch's tiles; Mosaic GPU, the
+    most pieces a sequence may be cut into by the persistent programs' equal shares.
+  split_plan: "per_sequence" | "balanced" | "stream_k". The plan of one call is a
     `pallas_kv.kernels.plan.SplitPlan`, computed once from `lengths` before the kernel runs.
   """
   block_kv: int | None = None
@@ -143,6 +144,10 @@ class MosaicGPUConfig(KernelConfig):
     program (needs <= 64 packed rows, kv_groups=1 and an even num_stages, >= 4 with pipeline_qk).
   sequence_order: as `TritonConfig.sequence_order`: the order in which the work items (and so the programs,
     or a persistent program's loop) take the sequences.
+  split_plan "stream_k": the persistent programs (one an SM) each stream an equal share of the batch's tiles,
+    laid end to end over sequences and kv heads, and a sequence cut across programs leaves one piece per program
+    for the merge; num_splits (>= 2) caps the pieces of a sequence. Needs persistent (None or True),
+    kv_groups=1 and sequence_order "given"; calls with window_start are refused.
   """
   kv_groups: int | None = None
   pipeline_qk: bool | None = None
@@ -151,6 +156,7 @@ class MosaicGPUConfig(KernelConfig):
   sequence_order: str | None = None
 
   backend: ClassVar[str] = "mosaic_gpu"
+  SPLIT_PLANS: ClassVar[tuple[str, ...]] = ("per_sequence", "balanced", "stream_k")
   BLOCK_KVS: ClassVar[tuple[int, ...]] = (64, 128, 256)
   BOOL_FIELDS: ClassVar[tuple[str, ...]] = ("pipeline_qk", "persistent")
   CHOICES: ClassVar[dict[str, tuple]] = {"kv_groups": (1, 2), "tile_consumers": (1, 2),
@@ -162,6 +168,15 @@ class MosaicGPUConfig(KernelConfig):
       raise ValueError(f"persistent=True needs kv_groups=1, got {self.kv_groups=}")
     if self.tile_consumers == 2 and self.kv_groups == 2:
       raise ValueError(f"tile_consumers=2 needs kv_groups=1, got {self.kv_groups=}")
+    if self.split_plan == "stream_k":
+      wrong = {name: value for name, value, ok in (("persistent", self.persistent, (None, True)),
+                                                   ("kv_groups", self.kv_groups, (None, 1)),
+                                                   ("sequence_order", self.sequence_order, (None, "given")))
+               if value not in ok}
+      if wrong or self.num_splits == 1:
+        raise ValueError(f"split_plan='stream_k' is walked by persistent programs in batch order, a sequence cut "
+                         f"into at most num_splits >= 2 pieces: needs persistent True, kv_groups 1 and "
+                         f"sequence_order 'given' (or None), got {wrong or dict(num_splits=self.num_splits)}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -17,7 +17,9 @@ LAYERS = [
     # the online softmax's math imports nothing of the package: shared_prefix merges its passes with it
     {"tuned", "cache", "kernels.online_softmax"},
     {"xla", "batching", "varlen", "shared_prefix", "kernels.plan", "kernels.frame"},
-    {"kernels.mosaic_gpu.pipeline", "kernels.mosaic_gpu.tiling", "kernels.triton.stream_k_plan"},
+    # the Mosaic GPU GQA kernel's work items (which tiles each program streams, the stream-K walk's segments)
+    {"kernels.mosaic_gpu.pipeline", "kernels.mosaic_gpu.tiling", "kernels.mosaic_gpu.work",
+     "kernels.triton.stream_k_plan"},
     {"kernels.mosaic_gpu.config", "kernels.triton.config"},
     # sizes the MLA kernel from the backend config's SMEM capacity; the Triton kernel body's pieces
     {"kernels.mosaic_gpu.mla_config", "kernels.triton.tiles"},

@@ -5,6 +5,7 @@ experimental variants' tests are in test_experimental_mosaic_gpu.py."""
 
 import dataclasses
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import sweeps
 from harness import check_against_reference, lower_for_cuda, make_case, poison_unread_slots, tiered
 from pallas_kv.config import AttentionOptions
 from pallas_kv.kernels import frame
+from pallas_kv.kernels import plan as split_plan
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
 from pallas_kv.kernels.mosaic_gpu import pipeline
@@ -32,9 +34,14 @@ def _config(**fields) -> pkv.MosaicGPUConfig:
   return dataclasses.replace(BASE, **fields)
 
 
-def _plan(config) -> pkv.SplitPlan:
-  """The per-sequence plan of a complete config (its own split count)."""
-  return pkv.SplitPlan(kind="per_sequence", num_splits=config.num_splits, block_kv=config.block_kv)
+def _plan(config, lengths=None, *, num_kv_heads: int = 1, num_sms: int = 132) -> pkv.SplitPlan:
+  """The plan of a complete config (its own split count): per sequence, or a stream-K walk of `lengths` over
+  kv heads of one row block each."""
+  if config.split_plan != "stream_k":
+    return pkv.SplitPlan(kind="per_sequence", num_splits=config.num_splits, block_kv=config.block_kv)
+  problem = types.SimpleNamespace(batch=lengths.shape[0], num_kv_heads=num_kv_heads, num_queries=1, capacity=1 << 20)
+  return split_plan.make_plan(lengths, problem=problem, config=config, window=None, row_blocks=1, num_sms=num_sms,
+                              walked=True)
 
 
 # ---------------------------------------------------------------- interpret mode (CPU)
@@ -44,9 +51,16 @@ def _plan(config) -> pkv.SplitPlan:
 TWO_TILE_CONSUMERS = _config(tile_consumers=2, num_stages=4, pipeline_qk=True, persistent=True, num_splits=2)
 
 
+# Stream-K over one sequence of 5 tiles: two programs (shares of 3 and 2 tiles), two tile consumers each, and the
+# producer filling the third piece slot.
+STREAM_K = _config(split_plan="stream_k", persistent=True, num_splits=3, tile_consumers=2, num_stages=4,
+                   pipeline_qk=True)
+
+
 @pytest.mark.parametrize("page_size,config,num_programs", [
     (None, BASE, None), (16, BASE, None), pytest.param(2, BASE, None, marks=pytest.mark.slow),
-    (None, TWO_TILE_CONSUMERS, 1)], ids=["dense", "page16", "page2", "two-tile-consumers"])
+    (None, TWO_TILE_CONSUMERS, 1), (None, STREAM_K, None)],
+    ids=["dense", "page16", "page2", "two-tile-consumers", "stream-k"])
 def test_race_detection_finds_none(page_size, config, num_programs):
   # 5 tiles through a 2-slot ring: every slot is refilled (pages of 16: 4 copies a tile; of 2: 32).
   case = make_case(9, batch=1, seq_len=320, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
@@ -55,7 +69,7 @@ def test_race_detection_finds_none(page_size, config, num_programs):
   args = (case.k, case.v, case.lengths) if page_size is None else (
       case.k_pages, case.v_pages, case.lengths, case.block_tables)
   out, lse = mgpu_decode.decode_partials(q, *args, num_queries=1, options=AttentionOptions(scale=0.125),
-                                         config=config, plan=_plan(config), num_programs=num_programs,
+                                         config=config, plan=_plan(config, case.lengths), num_programs=num_programs,
                                          interpret=plgpu.InterpretGPUParams(detect_races=True))
   jax.block_until_ready(out)
   # No public accessor exists for the interpreter's race state in jax 0.11.
@@ -124,8 +138,8 @@ def _partials_case(case, config, num_programs=None):
   args = ((rows, case.k_pages, case.v_pages, case.lengths, case.block_tables) if case.page_size
           else (rows, case.k, case.v, case.lengths))
   out, lse = mgpu_decode.decode_partials(*args, num_queries=1, options=AttentionOptions(scale=case.q.shape[-1] ** -0.5),
-                                         config=config, plan=_plan(config), num_programs=num_programs,
-                                         interpret=plgpu.InterpretGPUParams())
+                                         config=config, plan=_plan(config, case.lengths, num_kv_heads=case.k.shape[2]),
+                                         num_programs=num_programs, interpret=plgpu.InterpretGPUParams())
   out, lse = frame.merge_splits(out, lse)
   return frame.unpack_rows(out, 1)[:, 0].astype(case.q.dtype), frame.unpack_rows(lse, 1)[:, 0]
 
@@ -151,13 +165,28 @@ def test_pipeline_options_interpret(lengths, page_size, fields, num_programs):
   check_against_reference(case, _partials_case(case, _config(**fields), num_programs))
 
 
+# Stream-K: persistent programs walk equal shares (2 tiles) of the batch's tiles laid end to end over sequences
+# and both kv heads: sequences cut into two and three pieces, an empty one, a share that crosses into the next kv
+# head (13 tiles a head), unused piece slots that the producer fills.
+@pytest.mark.parametrize("page_size,fields", tiered(
+    [(None, ()), (16, (("pipeline_qk", True),)), (None, (("tile_consumers", 2), ("num_stages", 4))),
+     (64, (("tile_consumers", 2), ("num_stages", 4), ("pipeline_qk", True)))],
+    every_tier=[(None, ()), (64, (("tile_consumers", 2), ("num_stages", 4), ("pipeline_qk", True)))]))
+def test_stream_k_interpret(page_size, fields):
+  case = make_case(43, batch=6, seq_len=256, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
+                   page_size=page_size, lengths=[250, 30, 0, 256, 5, 130])
+  config = _config(split_plan="stream_k", persistent=True, num_splits=3, **dict(fields))
+  check_against_reference(case, _partials_case(case, config))
+
+
 def test_pipeline_options_through_the_api_interpret(interpret_mode):
   # Partial configs: the backend fills the rest (heuristic), the op plans the splits; two KV
   # groups stream a split each.
   case = make_case(41, batch=1, seq_len=192, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
                    lengths=[150])
   for config in (pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, pipeline_qk=True, persistent=True),
-                 pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, kv_groups=2)):
+                 pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, kv_groups=2),
+                 pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, split_plan="stream_k")):
     out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL, config=config)
     check_against_reference(case, out)
 
@@ -242,8 +271,27 @@ def test_configs_and_plans_are_validated():
   with pytest.raises(ValueError, match=r"order must be int32 \[1\]"):
     call(config=BASE, plan=pkv.SplitPlan(kind="per_sequence", num_splits=1, block_kv=64,
                                          order=jnp.zeros((2,), jnp.int32)))
-  with pytest.raises(ValueError, match="no stream-K plan"):
-    call(config=BASE, plan=pkv.SplitPlan(kind="stream_k", num_splits=1, block_kv=64))
+  # A stream-K plan needs its walk and a stream-K config, and the walk sets the program count.
+  stream_k = _config(split_plan="stream_k", num_splits=2, persistent=True)
+  with pytest.raises(ValueError, match="walks a stream-K plan with persistent programs"):
+    call(config=BASE, plan=_plan(stream_k, lengths, num_kv_heads=1))
+  with pytest.raises(ValueError, match="plan without a walk"):
+    call(config=stream_k, plan=pkv.SplitPlan(kind="stream_k", num_splits=2, block_kv=64))
+  with pytest.raises(ValueError, match="differs from the stream-K plan's 1 programs"):
+    call(config=stream_k, plan=_plan(stream_k, lengths, num_kv_heads=1), num_programs=3)
+  with pytest.raises(NotImplementedError, match="'stream_k' with window_start"):
+    mgpu_decode.decode_partials(q, kv, kv, lengths, num_queries=1, window_start=lengths - 5, config=stream_k,
+                                options=AttentionOptions(scale=0.1, has_window_start=True),
+                                plan=_plan(stream_k, lengths, num_kv_heads=1))
+  with pytest.raises(ValueError, match=r"walk.offsets must be int32 \[2\]"):
+    walk = _plan(stream_k, lengths, num_kv_heads=1).walk
+    call(config=stream_k, plan=pkv.SplitPlan(kind="stream_k", num_splits=2, block_kv=64, walk=dataclasses.replace(
+        walk, offsets=jnp.zeros((3,), jnp.int32))))
+  with pytest.raises(ValueError, match="a walk is a stream-K plan's"):
+    pkv.SplitPlan(kind="per_sequence", num_splits=2, block_kv=64, walk=walk)
+  for fields in (dict(persistent=False), dict(kv_groups=2), dict(sequence_order="longest_first"), dict(num_splits=1)):
+    with pytest.raises(ValueError, match="split_plan='stream_k' is walked by persistent programs"):
+      pkv.MosaicGPUConfig(split_plan="stream_k", **fields)
   with pytest.raises(ValueError, match=r"tiles_per_split must be int32 \[1\]"):
     call(config=BASE, plan=pkv.SplitPlan(kind="balanced", num_splits=1, block_kv=64,
                                          tiles_per_split=jnp.ones((2,), jnp.int32)))
@@ -269,7 +317,9 @@ def _option_lowering_cases():
            (dict(tile_consumers=2, pipeline_qk=True, persistent=True, sequence_order="longest_first"), (64, 8192),
             None),
            (dict(tile_consumers=2), (8, 8192), 16),
-           (dict(split_plan="balanced"), (8, 8192), 16)]
+           (dict(split_plan="balanced"), (8, 8192), 16),
+           (dict(split_plan="stream_k", tile_consumers=2, pipeline_qk=True), (64, 8192), None),
+           (dict(split_plan="stream_k"), (16, 32768), 16)]
   return [pytest.param(f, c, p, id="-".join(f"{k}={v}" for k, v in f.items()) + f"-b{c[0]}-t{c[1]}-page{p}")
           for f, c, p in cases]
 
@@ -284,6 +334,7 @@ def test_pipeline_options_lower_for_cuda(fields, case, page_size):
   assert "custom_call @mosaic_gpu" in module
   assert ("_balanced" in module) == (config.split_plan == "balanced")
   assert ("_ordered" in module) == (config.sequence_order != "given")
+  assert ("_streamk" in module) == (config.split_plan == "stream_k")
 
 
 def _kernel_variants():

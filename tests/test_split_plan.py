@@ -5,6 +5,7 @@ SMs; the stream-K plan (Triton); and the longest-first sequence order
 
 import dataclasses
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,60 @@ CONFIG_TYPE = {"triton": pkv.TritonConfig, "mosaic_gpu": pkv.MosaicGPUConfig}
 
 
 # ---------------------------------------------------------------- the plan itself
+
+def _walk_segments(lengths, *, block_kv, num_queries, window, head_blocks, num_programs, max_pieces):
+  """Every program's segments as the Mosaic GPU kernel finds them (`work.segment_of`, run outside a kernel):
+  (program, head block, sequence, t0, t1, slot, fill_from), and the plan's share."""
+  from pallas_kv.kernels.mosaic_gpu import work
+  walk = plan.stream_k_walk(jnp.asarray(lengths, jnp.int32), block_kv=block_kv, num_queries=num_queries,
+                            window=window, head_blocks=head_blocks, num_programs=num_programs, max_pieces=max_pieces)
+  st = types.SimpleNamespace(batch=len(lengths), capacity=1 << 20, num_queries=num_queries, num_row_blocks=1,
+                             num_splits=max_pieces, tiling=types.SimpleNamespace(block_kv=block_kv),
+                             options=types.SimpleNamespace(window=window))
+  sequences = work.Sequences(jnp.asarray(lengths, jnp.int32))
+  refs = work.WalkRefs(walk.offsets, walk.programs, walk.share)
+  segments = []
+  for p, (lo, hi, first, end) in enumerate(np.asarray(walk.programs)):
+    for flat in range(first, end):
+      item = work.segment_of(jnp.int32(flat), p, lo, hi, walk.share[0], sequences, refs, st)
+      t0, t1, _, _ = item.ranges[0]
+      segments.append((p, int(item.head), int(item.b), int(t0), int(t1), int(item.splits[0]), int(item.fill_from)))
+  return segments, int(walk.share[0])
+
+
+@pytest.mark.parametrize("seed,batch,head_blocks,num_programs,max_pieces,window", [
+    (0, 7, 3, 10, 2, None), (1, 5, 2, 24, 3, None), (2, 1, 1, 6, 4, None), (3, 9, 2, 132, 5, 300),
+    (4, 6, 1, 4, 2, None)])
+def test_stream_k_walk_covers_each_tile_once_in_capped_pieces(seed, batch, head_blocks, num_programs, max_pieces,
+                                                              window):
+  # What the kernel relies on: every visible tile of every (head block, sequence) lies in exactly one segment,
+  # a sequence's pieces take slots 0, 1, ... below max_pieces in program order, the segment that ends it (and
+  # only that one) names its piece count as fill_from, and every sequence, empty ones included, is visited.
+  rng = np.random.default_rng(seed)
+  block_kv, num_queries = 16, 2
+  lengths = rng.integers(0, 400, size=batch)
+  lengths[rng.integers(batch)] = 0 if batch > 1 else lengths[0]
+  if seed == 4:
+    lengths[:] = 0   # nothing to stream: the last program writes every empty sequence
+  segments, share = _walk_segments(lengths, block_kv=block_kv, num_queries=num_queries, window=window,
+                                   head_blocks=head_blocks, num_programs=num_programs, max_pieces=max_pieces)
+  per_program = {}
+  for h in range(head_blocks):
+    for b, length in enumerate(lengths):
+      first, end = (int(x) for x in plan.visible_tiles(jnp.int32(length), block_kv=block_kv,
+                                                       num_queries=num_queries, window=window))
+      mine = sorted((p, t0, t1, slot, fill) for p, hh, bb, t0, t1, slot, fill in segments if (hh, bb) == (h, b))
+      assert mine, f"sequence {b} of head block {h} is never visited"
+      if end <= first:
+        assert [(slot, fill) for _, _, _, slot, fill in mine] == [(0, 1)]
+        continue
+      covered = [t for _, t0, t1, _, _ in mine for t in range(t0, t1)]
+      assert covered == list(range(first, end))
+      assert [slot for *_, slot, _ in mine] == list(range(len(mine))) and len(mine) <= max_pieces
+      assert [fill for *_, fill in mine] == [max_pieces] * (len(mine) - 1) + [len(mine)]
+      for p, t0, t1, _, _ in mine:
+        per_program[p] = per_program.get(p, 0) + t1 - t0
+  assert all(tiles <= share for tiles in per_program.values())
 
 @pytest.mark.parametrize("seed,block_kv,num_queries,window,num_splits,chunks", [
     (0, 64, 1, None, 8, 66), (1, 16, 3, None, 4, 10), (2, 64, 2, 700, 16, 200), (3, 32, 1, None, 1, 5),
@@ -347,9 +402,8 @@ def test_stream_k_with_sinks_scales_and_no_lse(interpret_mode):
 def test_stream_k_is_validated():
   from pallas_kv.config import AttentionOptions
   from pallas_kv.kernels.triton import decode as triton_decode
-  for config_type in (pkv.MosaicGPUConfig, pkv.MosaicMLAConfig):   # a Triton plan only
-    with pytest.raises(ValueError, match="split_plan='stream_k' must be one of"):
-      config_type(num_splits=4, split_plan="stream_k")
+  with pytest.raises(ValueError, match="split_plan='stream_k' must be one of"):   # not on the MLA kernel
+    pkv.MosaicMLAConfig(num_splits=4, split_plan="stream_k")
   with pytest.raises(ValueError, match="sequence_order must be 'given'"):
     pkv.TritonConfig(num_splits=4, split_plan="stream_k", sequence_order="longest_first")
   case = make_case(81, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
@@ -473,3 +527,17 @@ def test_longest_first_lowers_for_cuda(paged):
     kv = jax.ShapeDtypeStruct((64, 8192, 8, 128), jnp.bfloat16)
     module = lower_for_cuda(functools.partial(pkv.decode_attention, **kw), q, kv, kv, lengths).mlir_module()
   assert module.count(TRITON_CUSTOM_CALL) == 2 and "stablehlo.sort" in module
+
+
+@pytest.mark.parametrize("batch,pieces", [(16, 4), (64, 2), (1, 34)])
+def test_mosaic_stream_k_resolves_to_persistent_programs(batch, pieces):
+  # Walked by the persistent programs; a sequence may take enough pieces that one twice the mean length does not
+  # lengthen a share (8 kv heads, 132 SMs: 1 + 264 / (8 B)), and the walk has no more programs than pieces of work.
+  _, problem = sweeps.problem_args((32, 8), (batch, 4096), None)
+  config = mgpu_config.resolve_config(problem, pkv.MosaicGPUConfig(split_plan="stream_k"), num_sms=132)
+  assert config.complete and config.persistent and config.kv_groups == 1 and config.num_splits == pieces
+  made = plan.make_plan(jnp.full((batch,), 4000, jnp.int32), problem=problem, config=config, window=None,
+                        row_blocks=1, num_sms=132, walked=True)
+  assert made.walk.num_programs == min(132, batch * 8 * (pieces - 1))
+  assert plan.make_plan(jnp.full((batch,), 4000, jnp.int32), problem=problem, config=config, window=None,
+                        row_blocks=1, num_sms=132).walk is None   # Triton plans stream-K in its kernel

@@ -148,6 +148,14 @@ def stream_k_programs(*, num_kv_heads: int, row_blocks: int, num_sms: int, progr
   return max(1, (num_sms * programs_per_sm) // (num_kv_heads * row_blocks))
 
 
+def choose_stream_k_pieces(*, batch: int, num_kv_heads: int, row_blocks: int, num_sms: int, programs_per_sm: int = 1,
+                           **_) -> int:
+  """The most pieces one sequence may be cut into when persistent programs walk equal shares of the batch's tiles
+  (`stream_k_walk`): enough that a sequence of up to twice the mean length never makes a share longer."""
+  slots = num_sms * programs_per_sm
+  return max(2, min(1 + cdiv(2 * slots, batch * num_kv_heads * row_blocks), MAX_SPLITS))
+
+
 def choose_stream_k_programs(*, num_kv_heads: int, row_blocks: int, num_sms: int, programs_per_sm: int = 1,
                              **_) -> int:
   return stream_k_programs(num_kv_heads=num_kv_heads, row_blocks=row_blocks, num_sms=num_sms,
@@ -185,11 +193,13 @@ def num_programs(problem, config, *, row_blocks: int) -> int:
 
 
 def fill_num_splits(problem, config, *, row_blocks: int, programs_per_sm: int = 1, num_sms: int | None = None,
-                    splits_per_program: int = 1):
-  """config with num_splits filled in where None (times splits_per_program, the splits one program serves)."""
+                    splits_per_program: int = 1, walked: bool = False):
+  """config with num_splits filled in where None (times splits_per_program, the splits one program serves);
+  walked: a stream-K plan is walked by persistent programs (`stream_k_walk`), its count the pieces a sequence may
+  take."""
   if config.num_splits is not None:
     return config
-  choose = SPLIT_COUNTS[config.split_plan]
+  choose = choose_stream_k_pieces if walked and is_stream_k(config) else SPLIT_COUNTS[config.split_plan]
   splits = choose(batch=problem.batch, num_kv_heads=problem.num_kv_heads, row_blocks=row_blocks,
                   capacity=problem.capacity, block_kv=config.block_kv, num_sms=num_sms or runtime.num_sms(),
                   programs_per_sm=programs_per_sm)
@@ -198,14 +208,67 @@ def fill_num_splits(problem, config, *, row_blocks: int, programs_per_sm: int = 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class StreamKWalk:
+  """A stream-K plan for persistent programs (Mosaic GPU), computed before the kernel. The batch's visible tiles
+  are laid end to end once per head block (head block h's copy of sequence b at h * N + offsets[b]) and cut into
+  equal shares, one a program. offsets int32 [B + 1]: the running sum of the sequences' tiles, N = offsets[B];
+  programs int32 [P, 4]: each program's share [lo, hi) and the flat sequences h * B + b in [first, end) it visits
+  (those its share meets, and the empty ones that start in it; the last program takes the empty ones at the end);
+  share int32 [1]: tiles a share, at least the longest sequence's over (pieces - 1), so that no sequence is cut
+  into more pieces than the plan's count."""
+  offsets: jax.Array
+  programs: jax.Array
+  share: jax.Array
+
+  @property
+  def num_programs(self) -> int:
+    return self.programs.shape[0]
+
+  def arrays(self) -> tuple:
+    return (self.offsets, self.programs, self.share)
+
+
+def walk_programs(*, batch: int, head_blocks: int, max_pieces: int, num_sms: int, programs_per_sm: int = 1) -> int:
+  """Persistent programs of a stream-K walk: a wave, but no more than there can be pieces of work."""
+  return max(1, min(num_sms * programs_per_sm, batch * head_blocks * max(max_pieces - 1, 1)))
+
+
+def stream_k_walk(lengths, *, block_kv: int, num_queries: int, window: int | None, head_blocks: int,
+                  num_programs: int, max_pieces: int) -> StreamKWalk:
+  """The `StreamKWalk` of lengths int32 [B] (clamped to the capacity) for num_programs programs."""
+  if max_pieces < 2:
+    raise ValueError(f"a stream-K walk cuts a sequence into at most max_pieces >= 2 pieces, got {max_pieces}")
+  first, end = visible_tiles(lengths, block_kv=block_kv, num_queries=num_queries, window=window)
+  tiles = jnp.maximum(end - first, 0).astype(jnp.int32)
+  batch = lengths.shape[0]
+  offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(tiles, dtype=jnp.int32)])
+  total = head_blocks * offsets[batch]
+  share = jnp.maximum(jnp.maximum(cdiv(total, num_programs), cdiv(jnp.max(tiles), max_pieces - 1)), 1)
+  lo = jnp.minimum(jnp.arange(num_programs, dtype=jnp.int32) * share, total)
+  hi = jnp.minimum(lo + share, total)
+  flat = jnp.arange(head_blocks * batch, dtype=jnp.int32)
+  seq_start = (flat // batch) * offsets[batch] + offsets[flat % batch]
+  seq_end = seq_start + tiles[flat % batch]
+  # Visited by program p: the sequences its share meets and the empty ones starting in it (prefix counts, as
+  # both ends are nondecreasing in the flat order).
+  first_seq = jnp.sum((seq_start[None] < lo[:, None]) & (seq_end[None] <= lo[:, None]), axis=1)
+  end_seq = jnp.sum(seq_start[None] < hi[:, None], axis=1).at[-1].set(head_blocks * batch)
+  programs = jnp.stack([lo, hi, first_seq, end_seq], axis=1).astype(jnp.int32)
+  return StreamKWalk(offsets=offsets, programs=programs, share=share.astype(jnp.int32).reshape(1))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class SplitPlan:
   """One call's split plan: static kind, split count and tile size; tiles_per_split int32 [1] (balanced
-  only); order int32 [B], the sequences in the order programs take them (None: batch order)."""
+  only); order int32 [B], the sequences in the order programs take them (None: batch order); walk: a stream-K
+  plan's shares for persistent programs (Mosaic GPU; Triton plans stream-K inside its kernel)."""
   kind: str = dataclasses.field(metadata=dict(static=True))
   num_splits: int = dataclasses.field(metadata=dict(static=True))
   block_kv: int = dataclasses.field(metadata=dict(static=True))
   tiles_per_split: jax.Array | None = None
   order: jax.Array | None = None
+  walk: StreamKWalk | None = None
 
   def __post_init__(self):
     if self.kind not in SPLIT_COUNTS:
@@ -213,6 +276,8 @@ class SplitPlan:
     if (self.kind == "balanced") != (self.tiles_per_split is not None):
       raise ValueError(f"SplitPlan: tiles_per_split is given exactly for the balanced plan; got kind={self.kind!r} "
                        f"and tiles_per_split={'None' if self.tiles_per_split is None else 'an array'}")
+    if self.walk is not None and self.kind != "stream_k":
+      raise ValueError(f"SplitPlan: a walk is a stream-K plan's; got kind={self.kind!r}")
 
   @property
   def balanced(self) -> bool:
@@ -229,7 +294,11 @@ class SplitPlan:
   def check(self, *, block_kv: int, batch: int) -> None:
     if self.block_kv != block_kv:
       raise ValueError(f"the plan was made for {self.block_kv}-token tiles; the kernel streams {block_kv}")
-    for name, value, shape in (("tiles_per_split", self.tiles_per_split, (1,)), ("order", self.order, (batch,))):
+    vectors = [("tiles_per_split", self.tiles_per_split, (1,)), ("order", self.order, (batch,))]
+    if self.walk is not None:
+      vectors += [("walk.offsets", self.walk.offsets, (batch + 1,)), ("walk.share", self.walk.share, (1,)),
+                  ("walk.programs", self.walk.programs, (self.walk.num_programs, 4))]
+    for name, value, shape in vectors:
       if value is not None and (value.shape != shape or value.dtype != jnp.int32):
         raise ValueError(f"SplitPlan.{name} must be int32 {list(shape)}, got {value.shape} {value.dtype}")
 
@@ -241,17 +310,28 @@ class SplitPlan:
                        f"for another call; this one runs {made_for}: plan with the call's own arguments")
 
   def kernel_inputs(self) -> tuple:
-    """The runtime vectors a kernel takes, in its order: the sequence order, then the tile count."""
-    return tuple(v for v in (self.order, self.tiles_per_split) if v is not None)
+    """The runtime vectors a kernel takes, in its order: the sequence order, the tile count, the walk's."""
+    vectors = tuple(v for v in (self.order, self.tiles_per_split) if v is not None)
+    return vectors + (() if self.walk is None else self.walk.arrays())
 
 
 def make_plan(lengths, *, problem, config, window: int | None, row_blocks: int, programs_per_sm: int = 1,
-              num_sms: int | None = None) -> SplitPlan:
-  """The plan of a resolved config; one without runtime vectors traces nothing, so no op precedes the kernel."""
+              num_sms: int | None = None, walked: bool = False) -> SplitPlan:
+  """The plan of a resolved config; one without runtime vectors traces nothing, so no op precedes the kernel.
+  walked: a stream-K plan is walked by persistent programs (`stream_k_walk`), else planned in the kernel."""
   order_of = ORDER_FUNCTIONS.get(getattr(config, "sequence_order", None) or "given")
-  if config.split_plan != "balanced" and order_of is None:
+  walk = walked and is_stream_k(config)
+  if config.split_plan != "balanced" and order_of is None and not walk:
     return SplitPlan(kind=config.split_plan, num_splits=config.num_splits, block_kv=config.block_kv)
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, problem.capacity)
+  if walk:
+    head_blocks = problem.num_kv_heads * row_blocks
+    programs = walk_programs(batch=problem.batch, head_blocks=head_blocks, max_pieces=config.num_splits,
+                             num_sms=num_sms or runtime.num_sms(), programs_per_sm=programs_per_sm)
+    return SplitPlan(kind="stream_k", num_splits=config.num_splits, block_kv=config.block_kv,
+                     walk=stream_k_walk(lengths, block_kv=config.block_kv, num_queries=problem.num_queries,
+                                        window=window, head_blocks=head_blocks, num_programs=programs,
+                                        max_pieces=config.num_splits))
   tiles = None
   if config.split_plan == "balanced":
     chunks = balanced_chunks(num_kv_heads=problem.num_kv_heads, row_blocks=row_blocks,

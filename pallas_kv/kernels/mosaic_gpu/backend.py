@@ -46,7 +46,8 @@ def plan_splits(op: str, problem, options, config, lengths) -> plan.SplitPlan:
     return plan.make_plan(lengths, problem=problem, config=config, window=None,
                           row_blocks=mla_config.row_blocks(problem.num_queries * problem.num_heads))
   _, row_blocks = mgpu_config.row_blocking(problem.num_queries * problem.group_size)
-  return plan.make_plan(lengths, problem=problem, config=config, window=options.window, row_blocks=row_blocks)
+  return plan.make_plan(lengths, problem=problem, config=config, window=options.window, row_blocks=row_blocks,
+                        walked=True)
 
 
 def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config, split_plan: plan.SplitPlan, sinks,

@@ -33,6 +33,8 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 32, 256
 ROWS_PER_WG = 64            # wgmma M: packed query rows per consumer warpgroup
 CONVERTED_STAGES = 2
 MAX_COMPUTE_WGS = 2
+# Stream-K's -inf lse rows: a program's rows at most, and a splat stores whole warpgroups of 128 lanes.
+LSE_FILL_ROWS = MAX_COMPUTE_WGS * ROWS_PER_WG
 SMEM_CAPACITY_BYTES = 227 * 1024   # per thread block on Hopper
 _REDUCTION_SCRATCH_BYTES = plgpu.CompilerParams().reduction_scratch_bytes
 
@@ -210,6 +212,7 @@ class DecodeSmem:
                (persistent: in a union with streaming), for copies of fewer rows than a tile (small pages); not in
                interpret mode
   p_smem       [num_wgs, 64, bkv] q_dtype (interpret mode); fp8 operands: p_terms 2 * num_wgs x [64, bkv] e4m3
+  lse_fill     [128] f32, -inf (stream-K: the lse of unused piece slots)
   barriers     per ring slot, q per row warpgroup, done; with tile_consumers=2, partner staged and read
   num_wgs = row_wgs (split the rows) x kv_groups (split the tiles) x tile_consumers (take turns on the tiles);
   num_stages: K slots of all groups.
@@ -231,6 +234,7 @@ class DecodeSmem:
   tile_aliases: bool = False
   v_tokens_last: bool = False
   tile_consumers: int = 1
+  stream_k: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -271,7 +275,7 @@ class DecodeSmem:
                separate_out=config.persistent, q_dtype=q_dtype, token_scales=token_scales,
                scale_width=tiling.token_scale_width(num_kv_heads) or tiling.SCALE_ROW,
                pipeline_qk=config.pipeline_qk, converter=converter(config), v_tokens_last=v_tokens_last,
-               tile_consumers=config.tile_consumers or 1)
+               tile_consumers=config.tile_consumers or 1, stream_k=config.split_plan == "stream_k")
     if smem.ring_spec().splits_rows and not interpret:
       smem = dataclasses.replace(smem, tile_aliases=True)
     return smem
@@ -400,6 +404,8 @@ class DecodeSmem:
       # The second consumer's partial staged for the first to merge, and the first's reads of it done.
       scratch["partner_staged"] = plgpu.Barrier(num_arrivals=1)
       scratch["partner_read"] = plgpu.Barrier(num_arrivals=1)
+    if self.stream_k:   # -inf, the lse of the piece slots a sequence leaves unused (`work.fill_unused_slots`)
+      scratch["lse_fill"] = plgpu.SMEM((LSE_FILL_ROWS,), jnp.float32)
     if self.stage_p:
       scratch["p_smem"] = plgpu.SMEM(self._p_shape, self.q_dtype)
     if self.fp8_operands:
@@ -446,11 +452,12 @@ class DecodeSmem:
     barriers = (sum(spec.barrier_bytes for spec in specs)
                 + (self.row_wgs + 1 + (2 if self.tile_consumers == 2 else 0)) * pipeline.BARRIER_BYTES)
     p = math.prod(self._p_shape) * self.q_dtype.itemsize if self.stage_p else 0
+    fill = align(LSE_FILL_ROWS * 4) if self.stream_k else 0
     if self.fp8_operands:
       p = align(self.row_wgs * ROWS_PER_WG * 4) + 2 * self.num_wgs * align(ROWS_PER_WG * self.block_kv)
     streaming = rings + dequantized
     streaming = streaming + align(outputs) if self.separate_out else max(streaming, outputs)
-    return (align(q) + align(streaming) + align(p)
+    return (align(q) + align(streaming) + align(p) + fill
             + align(_REDUCTION_SCRATCH_BYTES) + barriers)
 
   @property
@@ -550,6 +557,8 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig
   quantized = dict(k_scale_kind="token", v_scale_kind="token", num_kv_heads=problem.num_kv_heads) if one_byte else {}
   quantized["v_tokens_last"] = getattr(problem, "v_tokens_last", False)
   start = dataclasses.replace(DEFAULT, num_stages=min(2 * DEFAULT.num_stages, MAX_STAGES)) if one_byte else DEFAULT
+  if plan.is_stream_k(given):   # walked by the persistent programs
+    start = dataclasses.replace(start, persistent=True)
   deepest = functools.partial(_deepest_ring, problem=problem, rows=rows, dtype=dtype,
                               stages_given=given.num_stages is not None, **quantized)
   if one_byte and given.kv_groups is None and rows <= ROWS_PER_WG and not _needs_one_group(given):
@@ -563,7 +572,7 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig
 def _needs_one_group(config: MosaicGPUConfig) -> bool:
   """Whether the fields a config fixes rule out kv_groups=2 (`check_config`)."""
   return bool(config.persistent or converter(config) or plan.has_odd_split_count(config) or (config.num_stages or 2) % 2
-              or config.tile_consumers == 2)
+              or config.tile_consumers == 2 or plan.is_stream_k(config))
 
 
 def _deepest_ring(config: MosaicGPUConfig, *, problem, rows: int, dtype: Any, stages_given: bool = False,
@@ -591,4 +600,4 @@ def resolve_config(problem, config: MosaicGPUConfig | None, *, dtype: Any = "bfl
   resolved = resolved.over(heuristic_config(problem, dtype=dtype, given=resolved))
   _, row_blocks = row_blocking(problem.num_queries * problem.group_size)
   return plan.fill_num_splits(problem, resolved, row_blocks=row_blocks, num_sms=num_sms,
-                              splits_per_program=resolved.kv_groups)
+                              splits_per_program=resolved.kv_groups, walked=True)

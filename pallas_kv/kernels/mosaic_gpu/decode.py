@@ -32,6 +32,8 @@ from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import fp8_operands
 from pallas_kv.kernels.mosaic_gpu import pipeline
 from pallas_kv.kernels.mosaic_gpu import tiling
+from pallas_kv.kernels.mosaic_gpu import work
+from pallas_kv.kernels.mosaic_gpu.work import Item
 
 ROWS_PER_WG = mgpu_config.ROWS_PER_WG
 PRODUCER_REGISTERS = 40     # the producer only issues TMA: give its registers to the consumers
@@ -129,6 +131,7 @@ class _Static:
   v_scale: str | None = None
   balanced: bool = False
   ordered: bool = False   # the batch slots take the sequences of the plan's order
+  stream_k: bool = False  # the persistent programs walk the plan's equal shares of the tiles (`work`)
 
   @property
   def quantized(self) -> bool:
@@ -261,82 +264,9 @@ def _convert_tile(ring: pipeline.Ring, scale_ring, out_ring: pipeline.Ring, step
   out_ring.commit_stores(step)
 
 
-def _tile_range(length, split, st: _Static, tiles_per_split, start):
-  return split_plan.split_tile_range(length, split, block_kv=st.tiling.block_kv, num_queries=st.num_queries,
-                                  num_splits=st.num_splits, window=st.options.window,
-                                  tiles_per_split=tiles_per_split, start=start)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Sequences:
-  """The per-sequence refs: lengths int32 [B] and, where the call has them, window starts int32 [B] and the
-  sequence order (batch slot -> sequence) int32 [B]."""
-  lengths: Any
-  starts: Any = None
-  order: Any = None
-
-  def bounds(self, b, st: "_Static"):
-    """(length, window start or None) of sequence b, clamped into [0, capacity]."""
-    start = None if self.starts is None else jnp.clip(self.starts[b], 0, st.capacity)
-    return jnp.clip(self.lengths[b], 0, st.capacity), start
-
-
 def _first_row(start, tile, st: "_Static"):
   """The first row of `tile` at or after a window start (the rows before it are zeroed), or None without one."""
   return None if start is None else start - tile * st.tiling.block_kv
-
-
-@dataclasses.dataclass(frozen=True)
-class _Item:
-  """One work item: a (batch, kv head [x row block], split program) and its tile ranges."""
-  b: Any
-  head: Any
-  row_block: Any
-  length: Any
-  start: Any
-  splits: list[Any]
-  ranges: list[tuple[Any, ...]]    # (t0, t1, a, c) per KV group
-
-  @property
-  def counts(self) -> list[Any]:
-    return [t1 - t0 for t0, t1, _, _ in self.ranges]   # counts[0] >= counts[1]
-
-
-def _item(b, head_block, program_split, sequences: _Sequences, st: _Static, tiles_per_split) -> _Item:
-  if sequences.order is not None:   # clamped: a runtime value never addresses past the batch
-    b = jnp.clip(sequences.order[b], 0, st.batch - 1)
-  if st.num_row_blocks == 1:
-    head, row_block = head_block, 0
-  else:
-    head = lax.div(head_block, jnp.int32(st.num_row_blocks))
-    row_block = lax.rem(head_block, jnp.int32(st.num_row_blocks))
-  length, start = sequences.bounds(b, st)
-  splits = [program_split * st.kv_groups + g for g in range(st.kv_groups)]
-  return _Item(b=b, head=head, row_block=row_block, length=length, start=start, splits=splits,
-               ranges=[_tile_range(length, split, st, tiles_per_split, start) for split in splits])
-
-
-def _for_each_item(body, sequences: _Sequences, st: _Static, tiles_per_split=None):
-  """Calls body(item, steps_before) -> its step count for each of this program's work items; the ring
-  steps (KV group 0's tiles) run on across items. Returns the program's total step count."""
-  if not st.persistent:
-    item = _item(lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("split"),
-                 sequences, st, tiles_per_split)
-    return body(item, jnp.int32(0))
-  num_heads, num_split_programs, _ = st.grid_shape
-  program = lax.axis_index("program")
-  # Items program, program + P, ...; the grid has P <= num_items programs.
-  mine = (st.num_items - program + st.num_programs - 1) // st.num_programs
-
-  def one(k, steps_before):
-    w = program + k * st.num_programs
-    head_block = lax.rem(w, jnp.int32(num_heads))
-    rest = lax.div(w, jnp.int32(num_heads))
-    item = _item(lax.div(rest, jnp.int32(num_split_programs)), head_block,
-                 lax.rem(rest, jnp.int32(num_split_programs)), sequences, st, tiles_per_split)
-    return steps_before + body(item, steps_before)
-
-  return lax.fori_loop(0, mine, one, jnp.int32(0))
 
 
 def _kernel(q_ref,
@@ -347,8 +277,11 @@ def _kernel(q_ref,
   refs = list(refs)
   q_factors_ref = refs.pop(0) if st.smem.fp8_operands else None
   starts_ref = refs.pop(0) if st.options.has_window_start else None
-  sequences = _Sequences(lengths_ref, starts_ref, refs.pop(0) if st.ordered else None)
-  plan_ref = refs.pop(0) if st.balanced else None
+  sequences = work.Sequences(lengths_ref, starts_ref, refs.pop(0) if st.ordered else None)
+  tiles_per_split = refs.pop(0)[0] if st.balanced else None
+  walk = work.WalkRefs(*(refs.pop(0) for _ in range(3))) if st.stream_k else None
+  for_each_item = functools.partial(work.for_each_item, sequences=sequences, st=st, tiles_per_split=tiles_per_split,
+                                    walk=walk)
   block_tables_ref = refs.pop(0) if st.tiling.paged else None
   k_scale_ref = refs.pop(0) if st.k_scale else None
   v_scale_ref = refs.pop(0) if st.v_scale else None
@@ -374,7 +307,7 @@ def _kernel(q_ref,
     def _converter():
       plgpu.set_max_registers(CONVERTER_REGISTERS, action="decrease")
 
-      def convert(item: _Item, steps_before):
+      def convert(item: Item, steps_before):
         t0, count = item.ranges[0][0], item.counts[0]
 
         @pl.loop(0, count)
@@ -390,7 +323,7 @@ def _kernel(q_ref,
           ring.drain(count)
         return count
 
-      _for_each_item(convert, sequences, st, None if plan_ref is None else plan_ref[0])
+      for_each_item(convert)
 
   @pl.when(wg == st.smem.num_wgs)
   def _producer():
@@ -406,8 +339,11 @@ def _kernel(q_ref,
     for role, scale_ref in (("k", k_scale_ref), ("v", v_scale_ref)):
       if st.smem.scales_tokens_last(role):
         sources[f"{role}s"] = functools.partial(st.tiling.tokens_last_scale_sources, scale_ref)
+    if st.stream_k:   # the source of the unused piece slots' lse (`work.fill_unused_slots`)
+      scratch["lse_fill"][...] = jnp.full(scratch["lse_fill"].shape, -jnp.inf, jnp.float32)
+      plgpu.commit_smem()
 
-    def produce(item: _Item, steps_before):
+    def produce(item: Item, steps_before):
       counts = item.counts
 
       @pl.loop(0, counts[0])
@@ -426,12 +362,16 @@ def _kernel(q_ref,
         for g, count in enumerate(counts):
           for ring in rings[g].values():
             ring.drain(count)
+      if st.stream_k:
+        work.fill_unused_slots(item, scratch["lse_fill"], lse_ref, st)
       return counts[0]
 
-    total = _for_each_item(produce, sequences, st, None if plan_ref is None else plan_ref[0])
+    total = for_each_item(produce)
     if st.persistent:
       for ring in rings[0].values():
         ring.drain(total)
+    if st.stream_k:
+      plgpu.wait_smem_to_gmem(0)
 
   # One traced body per consumer warpgroup, so that its ring and rows are static.
   fp8 = st.smem.fp8_operands   # wgmma reads the fp8 tiles as stored (`fp8_operands.consume`)
@@ -449,7 +389,7 @@ def _kernel(q_ref,
       if st.smem.tile_consumers == 2:
         partner = _Partner(out_smem.at[1], lse_smem.at[1], scratch["partner_staged"], scratch["partner_read"])
 
-      def consume(item: _Item, steps_before):
+      def consume(item: Item, steps_before):
         row0 = item.row_block * st.rows_per_program + rw * ROWS_PER_WG
         if g == 0 and turn == 0:   # one load per row warpgroup; the other consumers wait on its barrier
           rows = pl.ds(row0, ROWS_PER_WG)
@@ -479,7 +419,7 @@ def _kernel(q_ref,
                         partner=partner, turn=turn)
         return item.counts[g]
 
-      _for_each_item(consume, sequences, st, None if plan_ref is None else plan_ref[0])
+      for_each_item(consume)
       if st.persistent:
         plgpu.wait_smem_to_gmem(0)
 
@@ -678,6 +618,8 @@ def _build(st: _Static, interpret: Any):
     name += f"_{st.tile_math.name}"
   if st.balanced:
     name += "_balanced"
+  if st.stream_k:
+    name += "_streamk"
   if st.ordered:
     name += "_ordered"
   if st.options.has_window_start:
@@ -701,6 +643,22 @@ def _build(st: _Static, interpret: Any):
   )
 
 
+def _check_stream_k(plan: SplitPlan, config: MosaicGPUConfig, options: AttentionOptions, num_programs) -> None:
+  """Raises unless a stream-K plan and config agree: the plan's walk (`plan.make_plan(..., walked=True)`) sets the
+  persistent program count."""
+  if not plan.stream_k:
+    return
+  if plan.walk is None or config.split_plan != "stream_k" or not config.persistent:
+    raise ValueError(f"the mosaic_gpu GQA kernel walks a stream-K plan with persistent programs: it needs a config "
+                     f"with split_plan='stream_k' and persistent=True and a plan made for it (plan.make_plan(..., "
+                     f"walked=True)), got {config} and a plan {'without' if plan.walk is None else 'with'} a walk")
+  if num_programs is not None and num_programs != plan.walk.num_programs:
+    raise ValueError(f"{num_programs=} differs from the stream-K plan's {plan.walk.num_programs} programs")
+  if options.has_window_start:
+    raise NotImplementedError("mosaic_gpu: split_plan='stream_k' with window_start (the plan is made from the "
+                              "lengths alone); use split_plan='per_sequence'")
+
+
 def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
                     config: MosaicGPUConfig, plan: SplitPlan, k_scale=None, v_scale=None,
                     num_programs: int | None = None, tile_math: TileMath = TileMath(), interpret: Any = False,
@@ -718,7 +676,8 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   window_start: int32 [B], given exactly when options.has_window_start: keys before it are invisible.
   options: scale, softcap, window; config: a complete `MosaicGPUConfig`; plan: its `SplitPlan` (batch slot i takes
     sequence plan.order[i] when given);
-    num_programs: a persistent config's (default: the SM count); interpret: False, True or InterpretGPUParams.
+    num_programs: a persistent config's (default: the SM count; a stream-K plan's walk sets it); interpret: False,
+    True or InterpretGPUParams.
 
   Returns (out [B, Hkv, num_splits, R, D] f32, each split's normalised output; lse [B, Hkv, num_splits, R]
   f32, natural log, -inf with out 0 where the split saw no key).
@@ -735,8 +694,7 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
                    v_tokens_last=v_tokens_last)
   mgpu_config.check_config(config, rows=R, head_dim=D, dtype=k.dtype, page_size=page_size, num_splits=plan.num_splits,
                            **quantized)
-  if plan.stream_k:
-    raise ValueError(f"the mosaic_gpu GQA kernel takes no stream-K plan, got {plan}")
+  _check_stream_k(plan, config, options, num_programs)
   plan.check(block_kv=config.block_kv, batch=B)
   if block_tables is None:
     kv_tiling = tiling.KVTiling(config.block_kv, D, k.dtype)
@@ -754,8 +712,10 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
       num_splits=plan.num_splits, capacity=kv_tiling.capacity(k.shape), options=options,
       tiling=kv_tiling, smem=smem, batch=B, num_kv_heads=Hkv, pipeline_qk=config.pipeline_qk,
       tile_math=tile_math, q_dtype=jnp.dtype(q.dtype), k_scale=k_kind, v_scale=v_kind,
-      balanced=plan.balanced, ordered=plan.ordered)
-  if config.persistent:
+      balanced=plan.balanced, ordered=plan.ordered, stream_k=plan.stream_k)
+  if plan.stream_k:
+    st = dataclasses.replace(st, num_programs=plan.walk.num_programs)
+  elif config.persistent:
     if num_programs is None:
       num_programs = runtime.num_sms()
     if num_programs < 1:

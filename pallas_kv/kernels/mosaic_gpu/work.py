@@ -1,0 +1,158 @@
+"""The work items of the Mosaic GPU GQA kernel: what each program streams, in which order.
+
+An item is one (sequence, kv head [x row block], split) and its tile range. Without a persistent grid a program
+has one, its grid position. A persistent program loops over items program, program + P, ... Under the stream-K
+plan it walks its equal share of the batch's tiles instead (`plan.StreamKWalk`): each item is a segment, the
+part of one sequence's tiles that falls in the share, written to that sequence's piece slot. The producer and
+every consumer walk the same items, so the ring runs on across them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kv.kernels import plan as split_plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Sequences:
+  """The per-sequence refs: lengths int32 [B] and, where the call has them, window starts int32 [B] and the
+  sequence order (batch slot -> sequence) int32 [B]."""
+  lengths: Any
+  starts: Any = None
+  order: Any = None
+
+  def bounds(self, b, st):
+    """(length, window start or None) of sequence b, clamped into [0, capacity]."""
+    start = None if self.starts is None else jnp.clip(self.starts[b], 0, st.capacity)
+    return jnp.clip(self.lengths[b], 0, st.capacity), start
+
+
+@dataclasses.dataclass(frozen=True)
+class WalkRefs:
+  """A stream-K plan's vectors as the kernel reads them (`plan.StreamKWalk`): offsets int32 [B + 1], programs
+  int32 [P, 4] (share [lo, hi), flat sequences [first, end)), share int32 [1]."""
+  offsets: Any
+  programs: Any
+  share: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+  """One work item: a (batch, kv head [x row block], split) and its tile ranges. fill_from: under stream-K, the
+  first piece slot past the sequence's pieces when this segment is its last (else the slot count), else None."""
+  b: Any
+  head: Any
+  row_block: Any
+  length: Any
+  start: Any
+  splits: list[Any]
+  ranges: list[tuple[Any, ...]]    # (t0, t1, a, c) per KV group
+  fill_from: Any = None
+
+  @property
+  def counts(self) -> list[Any]:
+    return [t1 - t0 for t0, t1, _, _ in self.ranges]   # counts[0] >= counts[1]
+
+
+def _tile_window(st) -> dict:
+  return dict(block_kv=st.tiling.block_kv, num_queries=st.num_queries, window=st.options.window)
+
+
+def _head_of(head_block, st):
+  """(kv head, row block) of a head block."""
+  if st.num_row_blocks == 1:
+    return head_block, 0
+  return lax.div(head_block, jnp.int32(st.num_row_blocks)), lax.rem(head_block, jnp.int32(st.num_row_blocks))
+
+
+def item_of(b, head_block, program_split, sequences: Sequences, st, tiles_per_split) -> Item:
+  """The item of batch slot b, a head block and a split program (kv_groups splits)."""
+  if sequences.order is not None:   # clamped: a runtime value never addresses past the batch
+    b = jnp.clip(sequences.order[b], 0, st.batch - 1)
+  head, row_block = _head_of(head_block, st)
+  length, start = sequences.bounds(b, st)
+  splits = [program_split * st.kv_groups + g for g in range(st.kv_groups)]
+  ranges = [split_plan.split_tile_range(length, split, num_splits=st.num_splits, tiles_per_split=tiles_per_split,
+                                        start=start, **_tile_window(st)) for split in splits]
+  return Item(b=b, head=head, row_block=row_block, length=length, start=start, splits=splits, ranges=ranges)
+
+
+def segment_of(flat, program, lo, hi, share, sequences: Sequences, walk: WalkRefs, st) -> Item:
+  """Stream-K: the part of flat sequence `flat` (head block flat // B, sequence flat % B) that falls in this
+  program's share [lo, hi) of the tiles laid end to end, and its piece slot."""
+  head_block, b = lax.div(flat, jnp.int32(st.batch)), lax.rem(flat, jnp.int32(st.batch))
+  head, row_block = _head_of(head_block, st)
+  per_head_block = walk.offsets[st.batch]
+  seq_start = head_block * per_head_block + walk.offsets[b]
+  seq_end = head_block * per_head_block + walk.offsets[b + 1]
+  length, start = sequences.bounds(b, st)
+  first_tile, end_tile = split_plan.visible_tiles(length, start=start, **_tile_window(st))
+  seg_lo = jnp.maximum(lo, seq_start)
+  seg_hi = jnp.maximum(jnp.minimum(hi, seq_end), seg_lo)
+  # Clamped to the sequence's own tiles: a plan made for other lengths never reads past them.
+  t0 = jnp.minimum(first_tile + (seg_lo - seq_start), end_tile)
+  t1 = jnp.minimum(t0 + (seg_hi - seg_lo), end_tile)
+  a, c = split_plan.unmasked_tiles(length, t0, t1, start=start, **_tile_window(st))
+  # Piece j of a sequence is written by the j-th program its tiles meet; an empty sequence's one item by slot 0.
+  slot = jnp.where(seq_end > seq_start, program - lax.div(seq_start, share), 0)
+  slot = jnp.clip(slot, 0, st.num_splits - 1)
+  fill_from = jnp.where(seq_end <= hi, slot + 1, st.num_splits)
+  return Item(b=b, head=head, row_block=row_block, length=length, start=start, splits=[slot],
+              ranges=[(t0, t1, a, c)], fill_from=fill_from)
+
+
+def for_each_item(body, sequences: Sequences, st, tiles_per_split=None, walk: WalkRefs | None = None):
+  """Calls body(item, steps_before) -> its step count for each of this program's work items; the ring steps
+  (KV group 0's tiles) run on across items. Returns the program's total step count."""
+  if not st.persistent:
+    item = item_of(lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("split"), sequences, st,
+                   tiles_per_split)
+    return body(item, jnp.int32(0))
+  program = lax.axis_index("program")
+  if st.stream_k:
+    lo, hi, first, end = (walk.programs[program, i] for i in range(4))
+    share = jnp.maximum(walk.share[0], 1)
+    first = jnp.clip(first, 0, st.num_kv_heads * st.num_row_blocks * st.batch)
+    end = jnp.clip(end, first, st.num_kv_heads * st.num_row_blocks * st.batch)
+
+    def segment(k, steps_before):
+      item = segment_of(first + k, program, lo, hi, share, sequences, walk, st)
+      return steps_before + body(item, steps_before)
+
+    return lax.fori_loop(0, end - first, segment, jnp.int32(0))
+
+  num_heads, num_split_programs, _ = st.grid_shape
+  # Items program, program + P, ...; the grid has P <= num_items programs.
+  mine = (st.num_items - program + st.num_programs - 1) // st.num_programs
+
+  def one(k, steps_before):
+    w = program + k * st.num_programs
+    head_block = lax.rem(w, jnp.int32(num_heads))
+    rest = lax.div(w, jnp.int32(num_heads))
+    item = item_of(lax.div(rest, jnp.int32(num_split_programs)), head_block,
+                   lax.rem(rest, jnp.int32(num_split_programs)), sequences, st, tiles_per_split)
+    return steps_before + body(item, steps_before)
+
+  return lax.fori_loop(0, mine, one, jnp.int32(0))
+
+
+def fill_unused_slots(item: Item, neg_inf, lse_ref, st) -> None:
+  """Stream-K, from the producer: lse -inf into the piece slots past a sequence's pieces, by the segment that
+  ends it, so that the merge skips them (no other program writes them). neg_inf: SMEM f32 [rows per program]
+  holding -inf, committed."""
+  if st.num_row_blocks == 1:
+    rows, first_row = st.lse_rows, 0
+  else:
+    rows, first_row = st.rows_per_program, item.row_block * st.rows_per_program
+  for slot in range(1, st.num_splits):
+    @pl.when(slot >= item.fill_from)
+    def _():
+      plgpu.copy_smem_to_gmem(neg_inf.at[pl.ds(0, rows)],
+                              lse_ref.at[item.b, item.head, slot, pl.ds(first_row, rows)])
