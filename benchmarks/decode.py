@@ -23,10 +23,11 @@ lists its fields in `config`.
                            own launch instead of a second one (one split and stream-K always do)
   --split_plan=PLAN        split_plan=PLAN on every kernel that has that plan: per_sequence and
                            balanced on all three (the split count left to the backend: for
-                           balanced, the plan's bound), stream_k on triton only (one wave of
-                           programs; `--stream_k_programs_per_sm=N` fixes num_splits to the
-                           programs of N per SM). Per-sequence is also what replaces the Triton
-                           default's stream-K plan where it would take one.
+                           balanced, the plan's bound), stream_k on the GQA kernels (triton: one
+                           wave of programs, `--stream_k_programs_per_sm=N` fixes num_splits to
+                           the programs of N per SM; mosaic_gpu: its persistent programs, the
+                           heuristic's other fields). Per-sequence is also what replaces the
+                           Triton default's stream-K plan where it would take one.
   --sequence_order=ORDER   sequence_order=ORDER on every pallas_kv backend (the config it makes
                            takes the heuristic's other fields, not the tuned file's); on triton it
                            rules out the default's stream-K plan
@@ -372,7 +373,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   flags.DEFINE_boolean("merge_in_kernel", False, "triton: TritonConfig(merge_in_kernel=True), the split merge in "
                        "the kernel's own launch; the backend fills the other fields.", **into)
   flags.DEFINE_enum("split_plan", None, list(pkv.TritonConfig.SPLIT_PLANS),
-                    "Every kernel config that has this plan (per_sequence, balanced: all; stream_k: triton) "
+                    "Every kernel config that has this plan (per_sequence, balanced: all; stream_k: the GQA kernels) "
                     "takes split_plan=PLAN, the backend filling the other fields (the split count: the plan's "
                     "own).", **into)
   flags.DEFINE_integer("stream_k_programs_per_sm", None, "--split_plan=stream_k: num_splits = the programs of this "

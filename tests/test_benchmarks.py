@@ -881,8 +881,11 @@ def test_decode_benchmark_kernel_flags_build_partial_configs():
   assert {c.split_plan for c in per_sequence.values()} == {"per_sequence"}
   assert per_sequence["triton"].block_kv == plain["triton"].block_kv
   assert decode_bench.KernelFlags(split_plan="stream_k", stream_k_programs_per_sm=3).configs(case) == {
-      "triton": pkv.TritonConfig(split_plan="stream_k", num_splits=runtime.num_sms() * 3 // 8)}
-  assert resolved(split_plan="stream_k") == {"triton": plain["triton"]}   # the backend's own program count
+      "triton": pkv.TritonConfig(split_plan="stream_k", num_splits=runtime.num_sms() * 3 // 8),
+      "mosaic_gpu": pkv.MosaicGPUConfig(split_plan="stream_k")}   # the programs per SM are Triton's
+  streamed = resolved(split_plan="stream_k")
+  assert streamed["triton"] == plain["triton"]   # the backend's own program count
+  assert streamed["mosaic_gpu"].split_plan == "stream_k" and streamed["mosaic_gpu"].persistent
   retiled = resolved(triton_block_kv=32)["triton"]
   assert retiled.block_kv == 32 and retiled.num_splits == plain["triton"].num_splits
   staged = resolved(triton_num_stages=5 - plain["triton"].num_stages)["triton"]

@@ -68,6 +68,10 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...] | None]] = {
     "tc2+pqk+persistent": ({"tile_consumers": 2, "pipeline_qk": True, "persistent": True}, None),
     "pqk+persistent+lf": ({"pipeline_qk": True, "persistent": True, "sequence_order": "longest_first"}, None),
     "longest_first": ({"sequence_order": "longest_first"}, None),
+    # Stream-K: the persistent programs walk equal shares of the batch's tiles (pieces: the heuristic's).
+    "stream_k": ({"split_plan": "stream_k"}, None),
+    "sk+pqk": ({"split_plan": "stream_k", "pipeline_qk": True}, None),
+    "sk+tc2+pqk": ({"split_plan": "stream_k", "tile_consumers": 2, "pipeline_qk": True}, None),
     "splits_x2": ({"splits_factor": 2}, ("B1 T32768", "B8 T8192")),
     "baseline_again": ({}, None),
 }
@@ -122,7 +126,8 @@ SMOKE_SHAPES = ((1, 128, None), (1, 128, 16))
 SMOKE_PROBE_SHAPES = ("B1 T128",)
 # In --smoke, the paged shape runs only these (interpret mode is slow; the tests cover the rest).
 SMOKE_PAGED_VARIANTS = ("baseline", "pqk+persistent")
-SMOKE_SKIPPED_VARIANTS = ("splits_x2", "baseline_again")   # same code paths as others
+# Same code paths as others; stream-K's heuristic walk at B1 has 63 programs, slow to interpret (tests cover it).
+SMOKE_SKIPPED_VARIANTS = ("splits_x2", "baseline_again", "stream_k", "sk+pqk", "sk+tc2+pqk")
 # --warmup, --iters, --repeats on a GPU unless given (--smoke runs each call once, untimed).
 GPU_TIMING = {"warmup": 2, "iters": 20, "repeats": 5}
 # The fields of a timing.Timing that rows carry.
