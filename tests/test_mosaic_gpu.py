@@ -57,10 +57,15 @@ STREAM_K = _config(split_plan="stream_k", persistent=True, num_splits=3, tile_co
                    pipeline_qk=True)
 
 
+# A persistent program of one consumer over two items: the second item's q rows copied into the second buffer
+# while the first streams.
+PREFETCHED_Q = _config(persistent=True, pipeline_qk=True, num_splits=2)
+
+
 @pytest.mark.parametrize("page_size,config,num_programs", [
     (None, BASE, None), (16, BASE, None), pytest.param(2, BASE, None, marks=pytest.mark.slow),
-    (None, TWO_TILE_CONSUMERS, 1), (None, STREAM_K, None)],
-    ids=["dense", "page16", "page2", "two-tile-consumers", "stream-k"])
+    (None, TWO_TILE_CONSUMERS, 1), (None, STREAM_K, None), (None, PREFETCHED_Q, 1)],
+    ids=["dense", "page16", "page2", "two-tile-consumers", "stream-k", "prefetched-q"])
 def test_race_detection_finds_none(page_size, config, num_programs):
   # 5 tiles through a 2-slot ring: every slot is refilled (pages of 16: 4 copies a tile; of 2: 32).
   case = make_case(9, batch=1, seq_len=320, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
@@ -189,6 +194,13 @@ def test_pipeline_options_through_the_api_interpret(interpret_mode):
                  pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, split_plan="stream_k")):
     out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL, config=config)
     check_against_reference(case, out)
+  # A stream-K plan made once (as `DecodeAttention.plan_step` does) carries its walk into the call.
+  config = pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, split_plan="stream_k")
+  made = pkv.plan_splits(pkv.decode_attention, case.q, case.k, case.v, case.lengths, impl=IMPL, config=config)
+  assert made.walk is not None and made.walk.num_programs == 1
+  planned = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL, config=config,
+                                 plan=made)
+  check_against_reference(case, planned)
 
 
 @pytest.mark.parametrize("fields", [pytest.param(dict(), marks=pytest.mark.slow),
@@ -335,6 +347,8 @@ def test_pipeline_options_lower_for_cuda(fields, case, page_size):
   assert ("_balanced" in module) == (config.split_plan == "balanced")
   assert ("_ordered" in module) == (config.sequence_order != "given")
   assert ("_streamk" in module) == (config.split_plan == "stream_k")
+  # q reaches the kernel padded from 4 rows to a swizzle tile's 8, not to wgmma's 64 (16x its bytes).
+  assert f"tensor<{case[0]}x8x8x128xbf16>" in module and f"tensor<{case[0]}x8x64x128xbf16>" not in module
 
 
 def _kernel_variants():

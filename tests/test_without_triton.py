@@ -46,6 +46,8 @@ _SCRIPT = textwrap.dedent("""
     calls = {
         "decode": (lambda q, k, l: pkv.decode_attention(q, k, k, l), (q, k, lengths)),
         "paged": (lambda q, k, t, l: pkv.paged_decode_attention(q, k, k, t, l, window_start=l), (q, pages, tables, lengths)),
+        "stream-K": (lambda q, k, l: pkv.decode_attention(q, k, k, l, config=pkv.MosaicGPUConfig(split_plan="stream_k")),
+                     (q, k, lengths)),
         "int8": (lambda q, k, l: pkv.decode_attention(q, k, k, l, k_scale=0.5, v_scale=0.5), (q, k8, lengths)),
         "int8 tokens last": (lambda q, k, v, l, s: pkv.decode_attention(q, k, v, l, k_scale=s, v_scale=s,
                                                                        v_tokens_last=True), (q, k8, v8, lengths, token)),
@@ -69,5 +71,5 @@ def test_without_pallas_triton_every_op_lowers_on_mosaic_gpu():
                           timeout=600)
   assert result.returncode == 0, result.stderr[-4000:]
   assert [line for line in result.stdout.splitlines() if line.startswith("lowered")] == [
-      "lowered decode", "lowered paged", "lowered int8", "lowered int8 tokens last", "lowered fp8 tokens last",
-      "lowered mla"]
+      "lowered decode", "lowered paged", "lowered stream-K", "lowered int8", "lowered int8 tokens last",
+      "lowered fp8 tokens last", "lowered mla"]

@@ -73,6 +73,10 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...] | None]] = {
     "sk+pqk": ({"split_plan": "stream_k", "pipeline_qk": True}, None),
     "sk+tc2+pqk": ({"split_plan": "stream_k", "tile_consumers": 2, "pipeline_qk": True}, None),
     "splits_x2": ({"splits_factor": 2}, ("B1 T32768", "B8 T8192")),
+    # Twice the work items at the same bytes: the time it adds over pqk+persistent, per extra item a program
+    # streams, is what an item boundary costs (q's load, the first score, the partial's store).
+    "pqk+persistent+splits_x2": ({"pipeline_qk": True, "persistent": True, "splits_factor": 2},
+                                 ("B32 T4096", "B64 T2048", "B128 T4096")),
     "baseline_again": ({}, None),
 }
 PROBE_SHAPES = ("B128 T4096", "B1 T32768")
@@ -127,7 +131,8 @@ SMOKE_PROBE_SHAPES = ("B1 T128",)
 # In --smoke, the paged shape runs only these (interpret mode is slow; the tests cover the rest).
 SMOKE_PAGED_VARIANTS = ("baseline", "pqk+persistent")
 # Same code paths as others; stream-K's heuristic walk at B1 has 63 programs, slow to interpret (tests cover it).
-SMOKE_SKIPPED_VARIANTS = ("splits_x2", "baseline_again", "stream_k", "sk+pqk", "sk+tc2+pqk")
+SMOKE_SKIPPED_VARIANTS = ("splits_x2", "baseline_again", "stream_k", "sk+pqk", "sk+tc2+pqk",
+                          "pqk+persistent+splits_x2")
 # --warmup, --iters, --repeats on a GPU unless given (--smoke runs each call once, untimed).
 GPU_TIMING = {"warmup": 2, "iters": 20, "repeats": 5}
 # The fields of a timing.Timing that rows carry.

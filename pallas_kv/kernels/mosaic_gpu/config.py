@@ -196,8 +196,10 @@ def quantized_call_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str 
 class DecodeSmem:
   """The SMEM layout of one GQA program; the single source for scratch and for the fit check.
 
-  q_smem       [row_wgs, 64, D] q_dtype, swizzled            packed queries (wgmma A); fp8 operands: [row_wgs, 2,
-               64, D] e4m3, Q's two terms, and q_factors [row_wgs, 64] f32, their rows' factors
+  q_smem       [q_buffers, row_wgs, 64, D] q_dtype, swizzled    packed queries (wgmma A); fp8 operands:
+               [q_buffers, row_wgs, 2, 64, D] e4m3, Q's two terms, and q_factors [q_buffers, row_wgs, 64] f32, their
+               rows' factors. Persistent, where they fit: two buffers, the next item's rows copied while this
+               one streams
   union        streaming | (out [num_wgs, 64, D] f32, lse [num_wgs, 64] f32) after the loop; separate_out
                (persistent): side by side, as the rings stream on during the stores
    streaming   g{g}_k, g{g}_v [stages / kv_groups, bkv, D] dtype   rings of KV group g (v_tokens_last: V's
@@ -235,6 +237,7 @@ class DecodeSmem:
   v_tokens_last: bool = False
   tile_consumers: int = 1
   stream_k: bool = False
+  q_buffers: int = 1        # 2: a persistent program copies the next item's q rows while it streams
 
   def __post_init__(self):
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -278,6 +281,8 @@ class DecodeSmem:
                tile_consumers=config.tile_consumers or 1, stream_k=config.split_plan == "stream_k")
     if smem.ring_spec().splits_rows and not interpret:
       smem = dataclasses.replace(smem, tile_aliases=True)
+    if config.persistent and dataclasses.replace(smem, q_buffers=2).fits:   # never at the cost of a stage
+      smem = dataclasses.replace(smem, q_buffers=2)
     return smem
 
   @property
@@ -397,7 +402,8 @@ class DecodeSmem:
         q_smem=plgpu.SMEM(self._q_shape, self._q_smem_dtype,
                           transforms=tiling.smem_transforms(self._q_smem_dtype, self.head_dim)),
         **buffers,
-        q_barrier=plgpu.Barrier(num_arrivals=2 if self.fp8_operands else 1, num_barriers=self.row_wgs),
+        q_barrier=plgpu.Barrier(num_arrivals=3 if self.fp8_operands else 1,   # fp8: Q's two terms, the factors
+                                num_barriers=self.q_buffers * self.row_wgs),
         consumers_done=plgpu.Barrier(num_arrivals=self.num_wgs),
         **barriers)
     if self.tile_consumers == 2:
@@ -409,7 +415,7 @@ class DecodeSmem:
     if self.stage_p:
       scratch["p_smem"] = plgpu.SMEM(self._p_shape, self.q_dtype)
     if self.fp8_operands:
-      scratch["q_factors"] = plgpu.SMEM((self.row_wgs, ROWS_PER_WG), jnp.float32)
+      scratch["q_factors"] = plgpu.SMEM((self.q_buffers, self.row_wgs, ROWS_PER_WG), jnp.float32)
       # Separate refs: a statically indexed tile does not lower inside wgmma's run_state.
       scratch["p_terms"] = tuple(
           plgpu.SMEM((ROWS_PER_WG, self.block_kv), FP8_OPERAND_DTYPE,
@@ -434,7 +440,9 @@ class DecodeSmem:
   @property
   def _q_shape(self) -> tuple[int, ...]:
     terms = (2,) if self.fp8_operands else ()
-    return (self.row_wgs, *terms, ROWS_PER_WG, self.head_dim)
+    return (self.q_buffers, self.row_wgs, *terms, ROWS_PER_WG, self.head_dim)
+
+
 
   @property
   def _q_smem_dtype(self):
@@ -450,11 +458,12 @@ class DecodeSmem:
     outputs = align(self.num_wgs * ROWS_PER_WG * self.head_dim * 4) + self.num_wgs * ROWS_PER_WG * 4
     q = math.prod(self._q_shape) * self._q_smem_dtype.itemsize
     barriers = (sum(spec.barrier_bytes for spec in specs)
-                + (self.row_wgs + 1 + (2 if self.tile_consumers == 2 else 0)) * pipeline.BARRIER_BYTES)
+                + (self.q_buffers * self.row_wgs + 1 + 2 * (self.tile_consumers == 2)) * pipeline.BARRIER_BYTES)
     p = math.prod(self._p_shape) * self.q_dtype.itemsize if self.stage_p else 0
     fill = align(LSE_FILL_ROWS * 4) if self.stream_k else 0
     if self.fp8_operands:
-      p = align(self.row_wgs * ROWS_PER_WG * 4) + 2 * self.num_wgs * align(ROWS_PER_WG * self.block_kv)
+      factors = align(self.q_buffers * self.row_wgs * ROWS_PER_WG * 4)
+      p = factors + 2 * self.num_wgs * align(ROWS_PER_WG * self.block_kv)
     streaming = rings + dequantized
     streaming = streaming + align(outputs) if self.separate_out else max(streaming, outputs)
     return (align(q) + align(streaming) + align(p) + fill

@@ -40,6 +40,10 @@ PRODUCER_REGISTERS = 40     # the producer only issues TMA: give its registers t
 CONVERTER_REGISTERS = 128   # the converter holds one [bkv, 128] tile as float32 with its scales
 # TMA stores need 16-byte rows: the lse output is padded to a multiple of 4 float32 rows.
 _LSE_ROW_MULTIPLE = 4
+# q's rows are copied whole swizzle tiles at a time (8 rows): q is padded to this many rows, not to wgmma's 64 (its
+# other rows in SMEM are never written; each row's scores, softmax and output are its own, and those rows' are
+# never stored), so that padding does not multiply q's bytes (16x at four packed rows).
+_Q_ROW_MULTIPLE = 8
 
 
 def _consumer_registers(num_wgs: int, converter: bool = False) -> int:
@@ -117,6 +121,7 @@ class _Static:
   out_rows: int
   lse_rows: int
   num_splits: int       # partials per (batch, head): grid splits x kv_groups
+  q_rows: int           # q's rows in GMEM, padded (to _Q_ROW_MULTIPLE with one row block, else whole blocks)
   capacity: int
   options: AttentionOptions
   tiling: tiling.KVTiling
@@ -382,8 +387,7 @@ def _kernel(q_ref,
     @pl.when(wg == w)
     def _consumer():
       plgpu.set_max_registers(_consumer_registers(st.smem.num_wgs, bool(converted)), action="increase")
-      q_tile = q_smem.at[rw]
-      q_barrier = scratch["q_barrier"].at[rw]
+      queries = _Queries(q_smem, scratch.get("q_factors"), scratch["q_barrier"], q_ref, q_factors_ref, rw=rw, st=st)
       p_smem = scratch["p_smem"].at[w] if st.smem.stage_p else None
       partner = None
       if st.smem.tile_consumers == 2:
@@ -392,18 +396,12 @@ def _kernel(q_ref,
       def consume(item: Item, steps_before):
         row0 = item.row_block * st.rows_per_program + rw * ROWS_PER_WG
         if g == 0 and turn == 0:   # one load per row warpgroup; the other consumers wait on its barrier
-          rows = pl.ds(row0, ROWS_PER_WG)
-          if fp8:
-            plgpu.copy_gmem_to_smem(q_ref.at[item.b, item.head, :, rows], q_tile, q_barrier)
-            plgpu.copy_gmem_to_smem(q_factors_ref.at[item.b, item.head, rows], scratch["q_factors"].at[rw],
-                                    q_barrier)
-          else:
-            plgpu.copy_gmem_to_smem(q_ref.at[item.b, item.head, rows], q_tile, q_barrier)
+          queries.load_for(item)
         k_head_scale = k_scale_ref[item.head] if st.k_scale == "head" else None
         v_head_scale = v_scale_ref[item.head] if st.v_scale == "head" else None
-        plgpu.barrier_wait(q_barrier)
+        q_tile = queries.wait(item)
         if fp8:
-          tiles = fp8_operands.Fp8Tiles(q_tile, scratch["q_factors"].at[rw], rings[g]["k"], rings[g]["v"],
+          tiles = fp8_operands.Fp8Tiles(q_tile, queries.factors_of(item), rings[g]["k"], rings[g]["v"],
                                         rings[g].get("ks"), rings[g].get("vs"), scratch["p_terms"][2 * w:2 * w + 2])
           t0, t1, a, c = item.ranges[g]
           carry = fp8_operands.consume(tiles, length=item.length, row0=row0, t0=t0, t1=t1, a=a, c=c,
@@ -422,6 +420,57 @@ def _kernel(q_ref,
       for_each_item(consume)
       if st.persistent:
         plgpu.wait_smem_to_gmem(0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Queries:
+  """One row warpgroup's q rows in SMEM (wgmma's A, [64, D]; fp8 operands: Q's two terms and the rows' factors),
+  copied by one of its consumers. A persistent program has two buffers and copies the next item's rows at the
+  start of this one, so they land while it streams: that buffer's last item ended before this one began (a
+  partner's with it: `_Partner`)."""
+  smem: Any           # [buffers, row_wgs, (2,) 64, D]
+  factors: Any        # [buffers, row_wgs, 64] f32, or None
+  barriers: Any       # [buffers * row_wgs]
+  q_ref: Any
+  factors_ref: Any
+  rw: int
+  st: _Static
+
+  def _buffer(self, item: Item):
+    return 0 if self.st.smem.q_buffers == 1 else lax.rem(item.index, 2)
+
+  def _copy(self, b, head, row_block, buffer):
+    """Starts the copy of q's rows of (b, head, row block) into `buffer`: q's real rows only (padded to a
+    swizzle tile, `_Q_ROW_MULTIPLE`) with one row block; the rows past them in SMEM stay as they were."""
+    st = self.st
+    n = min(ROWS_PER_WG, st.q_rows - self.rw * ROWS_PER_WG) if st.num_row_blocks == 1 else ROWS_PER_WG
+    rows, first = pl.ds(row_block * st.rows_per_program + self.rw * ROWS_PER_WG, n), pl.ds(0, n)
+    barrier = self.barriers.at[buffer * st.row_wgs + self.rw]
+    if self.factors is None:
+      plgpu.copy_gmem_to_smem(self.q_ref.at[b, head, rows], self.smem.at[buffer, self.rw, first], barrier)
+      return
+    for term in range(2):   # each term's rows are one contiguous box
+      plgpu.copy_gmem_to_smem(self.q_ref.at[b, head, term, rows], self.smem.at[buffer, self.rw, term, first], barrier)
+    plgpu.copy_gmem_to_smem(self.factors_ref.at[b, head, rows], self.factors.at[buffer, self.rw, first], barrier)
+
+  def load_for(self, item: Item):
+    """The copies this item needs started: its own (unless the item before started it) and the next item's."""
+    if self.st.smem.q_buffers == 1:
+      self._copy(item.b, item.head, item.row_block, 0)
+      return
+    buffer = self._buffer(item)
+    pl.when(item.index == 0)(lambda: self._copy(item.b, item.head, item.row_block, buffer))
+    b, head, row_block, any_next = item.following
+    pl.when(any_next)(lambda: self._copy(b, head, row_block, 1 - buffer))
+
+  def wait(self, item: Item):
+    """The item's q tile [(2,) 64, D], once landed."""
+    buffer = self._buffer(item)
+    plgpu.barrier_wait(self.barriers.at[buffer * self.st.row_wgs + self.rw])
+    return self.smem.at[buffer, self.rw]
+
+  def factors_of(self, item: Item):
+    return self.factors.at[self._buffer(item), self.rw]
 
 
 def _tile_feeds(rings, streaming, w: int, head, st: _Static, converted=None):
@@ -598,32 +647,15 @@ def _build(st: _Static, interpret: Any):
   kind = "paged" if st.tiling.paged else "dense"
   name = (f"pallas_kv_decode_{kind}_r{st.rows}_d{D}_bkv{st.tiling.block_kv}"
           f"_st{st.smem.num_stages}_sp{st.num_splits}_g{st.kv_groups}")
-  if st.tiling.paged:
-    name += f"_ps{st.tiling.page_size}"
-  if st.pipeline_qk:
-    name += "_pqk"
-  if st.persistent:
-    name += f"_persist{st.num_programs}"
-  if st.quantized:
-    name += f"_{st.tiling.dtype.name}_k{st.k_scale or 'none'}_v{st.v_scale or 'none'}"
-  if st.smem.converter:
-    name += "_cvt"
-  if st.smem.v_tokens_last:
-    name += "_vlast"
-  if st.smem.fp8_operands:
-    name += "_fp8mma"
-  if st.smem.tile_consumers == 2:
-    name += "_tc2"
-  if st.tile_math.name:
-    name += f"_{st.tile_math.name}"
-  if st.balanced:
-    name += "_balanced"
-  if st.stream_k:
-    name += "_streamk"
-  if st.ordered:
-    name += "_ordered"
-  if st.options.has_window_start:
-    name += "_wstart"
+  suffixes = [  # (whether it applies, its part of the name), in name order
+      (st.tiling.paged, f"_ps{st.tiling.page_size}"), (st.pipeline_qk, "_pqk"),
+      (st.persistent, f"_persist{st.num_programs}"), (st.smem.q_buffers == 2, "_q2"),
+      (st.quantized, f"_{st.tiling.dtype.name}_k{st.k_scale or 'none'}_v{st.v_scale or 'none'}"),
+      (st.smem.converter, "_cvt"), (st.smem.v_tokens_last, "_vlast"), (st.smem.fp8_operands, "_fp8mma"),
+      (st.smem.tile_consumers == 2, "_tc2"), (st.tile_math.name, f"_{st.tile_math.name}"),
+      (st.balanced, "_balanced"), (st.stream_k, "_streamk"), (st.ordered, "_ordered"),
+      (st.options.has_window_start, "_wstart")]
+  name += "".join(part for applies, part in suffixes if applies)
   if st.persistent:
     grid, grid_names = (st.num_programs,), ("program",)
   else:
@@ -704,12 +736,13 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   row_wgs, num_row_blocks = mgpu_config.row_blocking(R)
   rows_padded = row_wgs * ROWS_PER_WG * num_row_blocks
   out_rows = R if num_row_blocks == 1 else rows_padded
+  q_rows = split_plan.round_up(R, _Q_ROW_MULTIPLE) if num_row_blocks == 1 else rows_padded
   smem = mgpu_config.DecodeSmem.for_call(config, rows=R, head_dim=D, dtype=k.dtype, page_size=page_size,
                                          interpret=bool(interpret), **quantized)
   st = _Static(
       num_queries=num_queries, group=R // num_queries, rows=R, num_row_blocks=num_row_blocks,
       out_rows=out_rows, lse_rows=split_plan.round_up(out_rows, _LSE_ROW_MULTIPLE),
-      num_splits=plan.num_splits, capacity=kv_tiling.capacity(k.shape), options=options,
+      num_splits=plan.num_splits, q_rows=q_rows, capacity=kv_tiling.capacity(k.shape), options=options,
       tiling=kv_tiling, smem=smem, batch=B, num_kv_heads=Hkv, pipeline_qk=config.pipeline_qk,
       tile_math=tile_math, q_dtype=jnp.dtype(q.dtype), k_scale=k_kind, v_scale=v_kind,
       balanced=plan.balanced, ordered=plan.ordered, stream_k=plan.stream_k)
@@ -726,8 +759,8 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
     interpret = plgpu.InterpretGPUParams()
   elif interpret is False:
     interpret = None
-  if rows_padded != R:
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, rows_padded - R), (0, 0)))
+  if q_rows != R:
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, q_rows - R), (0, 0)))
   if (window_start is not None) != options.has_window_start:
     raise ValueError(f"window_start is given exactly when options.has_window_start; got "
                      f"{options.has_window_start=} and window_start {'None' if window_start is None else 'given'}")

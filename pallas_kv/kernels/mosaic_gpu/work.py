@@ -55,6 +55,8 @@ class Item:
   splits: list[Any]
   ranges: list[tuple[Any, ...]]    # (t0, t1, a, c) per KV group
   fill_from: Any = None
+  index: Any = 0            # the item's place in its program's loop
+  following: tuple[Any, ...] | None = None   # persistent: (b, head, row block, whether any) of the next item
 
   @property
   def counts(self) -> list[Any]:
@@ -72,10 +74,16 @@ def _head_of(head_block, st):
   return lax.div(head_block, jnp.int32(st.num_row_blocks)), lax.rem(head_block, jnp.int32(st.num_row_blocks))
 
 
+def _sequence_of(b, sequences: Sequences, st):
+  """The sequence batch slot b takes."""
+  if sequences.order is None:
+    return b
+  return jnp.clip(sequences.order[b], 0, st.batch - 1)   # clamped: a runtime value never addresses past the batch
+
+
 def item_of(b, head_block, program_split, sequences: Sequences, st, tiles_per_split) -> Item:
   """The item of batch slot b, a head block and a split program (kv_groups splits)."""
-  if sequences.order is not None:   # clamped: a runtime value never addresses past the batch
-    b = jnp.clip(sequences.order[b], 0, st.batch - 1)
+  b = _sequence_of(b, sequences, st)
   head, row_block = _head_of(head_block, st)
   length, start = sequences.bounds(b, st)
   splits = [program_split * st.kv_groups + g for g in range(st.kv_groups)]
@@ -124,6 +132,9 @@ def for_each_item(body, sequences: Sequences, st, tiles_per_split=None, walk: Wa
 
     def segment(k, steps_before):
       item = segment_of(first + k, program, lo, hi, share, sequences, walk, st)
+      after = first + k + 1
+      head_block, b = lax.div(after, jnp.int32(st.batch)), lax.rem(after, jnp.int32(st.batch))
+      item = dataclasses.replace(item, index=k, following=(b, *_head_of(head_block, st), after < end))
       return steps_before + body(item, steps_before)
 
     return lax.fori_loop(0, end - first, segment, jnp.int32(0))
@@ -132,13 +143,18 @@ def for_each_item(body, sequences: Sequences, st, tiles_per_split=None, walk: Wa
   # Items program, program + P, ...; the grid has P <= num_items programs.
   mine = (st.num_items - program + st.num_programs - 1) // st.num_programs
 
+  def position(w):
+    """(batch slot, head block, split program) of item w."""
+    rest = lax.div(w, jnp.int32(num_heads))
+    return (lax.div(rest, jnp.int32(num_split_programs)), lax.rem(w, jnp.int32(num_heads)),
+            lax.rem(rest, jnp.int32(num_split_programs)))
+
   def one(k, steps_before):
     w = program + k * st.num_programs
-    head_block = lax.rem(w, jnp.int32(num_heads))
-    rest = lax.div(w, jnp.int32(num_heads))
-    item = item_of(lax.div(rest, jnp.int32(num_split_programs)), head_block,
-                   lax.rem(rest, jnp.int32(num_split_programs)), sequences, st, tiles_per_split)
-    return steps_before + body(item, steps_before)
+    item = item_of(*position(w), sequences, st, tiles_per_split)
+    b, head_block, _ = position(jnp.minimum(w + st.num_programs, st.num_items - 1))
+    following = (_sequence_of(b, sequences, st), *_head_of(head_block, st), k + 1 < mine)
+    return steps_before + body(dataclasses.replace(item, index=k, following=following), steps_before)
 
   return lax.fori_loop(0, mine, one, jnp.int32(0))
 
