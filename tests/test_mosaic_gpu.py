@@ -117,10 +117,12 @@ def test_gpu_auto_runs_mla_here_and_untuned_gqa_on_triton():
     (dict(tile_consumers=2, pipeline_qk=True, persistent=True), None),
     (dict(tile_consumers=2), 16),
     (dict(sequence_order="longest_first", pipeline_qk=True, persistent=True), 16),
-], ids=["tc2-pqk-persistent", "tc2-page16", "longest-first-persistent-page16"])
+    (dict(split_plan="stream_k", pipeline_qk=True), None),
+    (dict(split_plan="stream_k", tile_consumers=2, pipeline_qk=True), 16),
+], ids=["tc2-pqk-persistent", "tc2-page16", "longest-first-persistent-page16", "stream-k-pqk", "stream-k-tc2-page16"])
 def test_gpu_tile_consumers_and_sequence_order_on_a_ragged_batch(fields, page_size):
-  # Persistent programs over items of every length (one of 8192 tokens, an empty one); longest first gives the
-  # bits of batch order.
+  # Persistent programs over items of every length (one of 8192 tokens, an empty one), or walking equal shares
+  # of them (stream-K: the long one cut into pieces); longest first gives the bits of batch order.
   rng = np.random.default_rng(8)
   lengths = rng.integers(1, 4096, size=24)
   lengths[5], lengths[17] = 8192, 0
