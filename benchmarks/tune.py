@@ -78,7 +78,11 @@ def candidate_space(backend: str, space: str, *, one_byte: bool = False) -> list
     grid = dict(block_kv=(64, 128), num_stages=(2, 3, 4), split_scale=(0.5, 1, 2), pipeline_qk=(False, True),
                 kv_groups=(1, 2), tile_consumers=(1, 2))
   names = list(grid)
-  return [dict(zip(names, values)) for values in itertools.product(*grid.values())]
+  candidates = [dict(zip(names, values)) for values in itertools.product(*grid.values())]
+  if backend == "mosaic_gpu":
+    # The stream-K walk (persistent programs, equal shares) with the consumer overlap, one or two tile consumers.
+    candidates += [dict(split_plan="stream_k", pipeline_qk=True, tile_consumers=n) for n in (1, 2)]
+  return candidates
 
 
 BACKENDS = {"mosaic_gpu": (pkv.MosaicGPUConfig, mosaic_gpu_config), "triton": (pkv.TritonConfig, triton_config)}

@@ -168,3 +168,23 @@ def test_auto_picks_the_backend_the_tuned_file_measured_faster(tmp_path, monkeyp
   finally:
     tuned.clear_cache()
   assert name == (faster or "triton")  # no tuned times: the preference order, Triton first
+
+
+def test_mosaic_fast_space_has_the_stream_k_walk_and_a_tuned_entry_keeps_it(tmp_path, monkeypatch):
+  """The tuner's Mosaic GPU fast space times the stream-K walk; an entry that won with it is looked up as the
+  walk, with the piece cap left to the heuristic at another batch."""
+  from benchmarks import tune
+  walks = [c for c in tune.candidate_space("mosaic_gpu", "fast") if c.get("split_plan") == "stream_k"]
+  assert len(walks) == 2
+  problem = _problem(64, 8192)
+  configs = [tune.make_config("mosaic_gpu", problem, fields, "bfloat16") for fields in walks]
+  assert all(c is not None and c.persistent and c.split_plan == "stream_k" for c in configs)
+  tuned.write(tmp_path / f"{tuned.device_slug(DEVICE)}.json", DEVICE,
+              [dict(backend="mosaic_gpu", key=tuned.shape_key("decode", problem, "bfloat16"), config=configs[0])])
+  monkeypatch.setenv(tuned.TUNED_DIR_ENV_VAR, str(tmp_path))
+  tuned.clear_cache()
+  try:
+    found = mgpu_config.resolve_config(_problem(16, 8192), None, device_kind=DEVICE, num_sms=132)
+  finally:
+    tuned.clear_cache()
+  assert found.split_plan == "stream_k" and found.persistent and found.num_splits == 4
