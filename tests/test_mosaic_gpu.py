@@ -5,6 +5,7 @@ experimental variants' tests are in test_experimental_mosaic_gpu.py."""
 
 import dataclasses
 import functools
+import re
 import types
 
 import jax
@@ -349,8 +350,11 @@ def test_pipeline_options_lower_for_cuda(fields, case, page_size):
   assert ("_balanced" in module) == (config.split_plan == "balanced")
   assert ("_ordered" in module) == (config.sequence_order != "given")
   assert ("_streamk" in module) == (config.split_plan == "stream_k")
-  # q reaches the kernel padded from 4 rows to a swizzle tile's 8, not to wgmma's 64 (16x its bytes).
-  assert f"tensor<{case[0]}x8x8x128xbf16>" in module and f"tensor<{case[0]}x8x64x128xbf16>" not in module
+  # q reaches the kernel unpadded (TMA fills the rows past it), and one split is stored as the output (with one
+  # tile consumer), so neither a pad nor a cast is an op of its own around the kernel.
+  assert "stablehlo.pad" not in module
+  if config.num_splits == 1 and config.split_plan != "stream_k" and config.tile_consumers == 1:
+    assert not re.search(r"stablehlo\.convert .*-> tensor<[0-9x]*bf16>", module)
 
 
 def _kernel_variants():

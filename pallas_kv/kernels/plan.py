@@ -238,21 +238,28 @@ def stream_k_walk(lengths, *, block_kv: int, num_queries: int, window: int | Non
   """The `StreamKWalk` of lengths int32 [B] (clamped to the capacity) for num_programs programs."""
   if max_pieces < 2:
     raise ValueError(f"a stream-K walk cuts a sequence into at most max_pieces >= 2 pieces, got {max_pieces}")
+  # Masked sums and broadcasts only: jnp.cumsum lowers to a scan whose fallback is a while loop (a launch a
+  # step on a GPU), and gathers or scatters would each be a launch of their own.
   first, end = visible_tiles(lengths, block_kv=block_kv, num_queries=num_queries, window=window)
   tiles = jnp.maximum(end - first, 0).astype(jnp.int32)
   batch = lengths.shape[0]
-  offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(tiles, dtype=jnp.int32)])
-  total = head_blocks * offsets[batch]
+  index = jnp.arange(batch + 1, dtype=jnp.int32)
+  offsets = jnp.sum(jnp.where(index[:batch, None] < index[None, :], tiles[:, None], 0), axis=0, dtype=jnp.int32)
+  per_head_block = jnp.sum(tiles)
+  total = head_blocks * per_head_block
   share = jnp.maximum(jnp.maximum(cdiv(total, num_programs), cdiv(jnp.max(tiles), max_pieces - 1)), 1)
-  lo = jnp.minimum(jnp.arange(num_programs, dtype=jnp.int32) * share, total)
+  program = jnp.arange(num_programs, dtype=jnp.int32)
+  lo = jnp.minimum(program * share, total)
   hi = jnp.minimum(lo + share, total)
-  flat = jnp.arange(head_blocks * batch, dtype=jnp.int32)
-  seq_start = (flat // batch) * offsets[batch] + offsets[flat % batch]
-  seq_end = seq_start + tiles[flat % batch]
+  # Flat sequence h * B + b starts at h * N + offsets[b].
+  head_start = jnp.arange(head_blocks, dtype=jnp.int32)[:, None] * per_head_block
+  seq_start = (head_start + offsets[None, :batch]).reshape(-1)
+  seq_end = (head_start + offsets[None, 1:]).reshape(-1)
   # Visited by program p: the sequences its share meets and the empty ones starting in it (prefix counts, as
   # both ends are nondecreasing in the flat order).
-  first_seq = jnp.sum((seq_start[None] < lo[:, None]) & (seq_end[None] <= lo[:, None]), axis=1)
-  end_seq = jnp.sum(seq_start[None] < hi[:, None], axis=1).at[-1].set(head_blocks * batch)
+  first_seq = jnp.sum((seq_start[None] < lo[:, None]) & (seq_end[None] <= lo[:, None]), axis=1, dtype=jnp.int32)
+  end_seq = jnp.sum(seq_start[None] < hi[:, None], axis=1, dtype=jnp.int32)
+  end_seq = jnp.where(program == num_programs - 1, head_blocks * batch, end_seq)
   programs = jnp.stack([lo, hi, first_seq, end_seq], axis=1).astype(jnp.int32)
   return StreamKWalk(offsets=offsets, programs=programs, share=share.astype(jnp.int32).reshape(1))
 

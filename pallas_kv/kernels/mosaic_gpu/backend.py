@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kv import runtime
@@ -58,11 +59,16 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config, sp
     return _run_mla(q, k, lengths, block_tables, problem=problem, options=options, config=config,
                     split_plan=split_plan, return_lse=return_lse, kv_scale=k_scale)
 
+  # One split without sinks is the output: stored in q's dtype, so that no cast follows the kernel (two tile
+  # consumers hand a partial over through the float32 staging, so they keep it).
+  direct = split_plan.num_splits == 1 and sinks is None and config.tile_consumers == 1
+  out_dtype = q.dtype if direct else jnp.float32
+
   def partials(rows, lengths, block_tables, k_scale, v_scale):
     return mgpu_decode.decode_partials(rows, k, v, lengths, block_tables, num_queries=problem.num_queries,
                                        options=options, config=config, plan=split_plan, k_scale=k_scale,
                                        v_scale=v_scale, interpret=interpret_params(), window_start=window_start,
-                                       v_tokens_last=problem.v_tokens_last)
+                                       v_tokens_last=problem.v_tokens_last, out_dtype=out_dtype)
 
   return frame.run(partials, q, k, lengths, block_tables, problem=problem, sinks=sinks, return_lse=return_lse,
                    k_scale=k_scale, v_scale=v_scale, merge=fused_merge())

@@ -200,7 +200,7 @@ class DecodeSmem:
                [q_buffers, row_wgs, 2, 64, D] e4m3, Q's two terms, and q_factors [q_buffers, row_wgs, 64] f32, their
                rows' factors. Persistent, where they fit: two buffers, the next item's rows copied while this
                one streams
-  union        streaming | (out [num_wgs, 64, D] f32, lse [num_wgs, 64] f32) after the loop; separate_out
+  union        streaming | (out [num_wgs, 64, D] out_dtype, lse [num_wgs, 64] f32) after the loop; separate_out
                (persistent): side by side, as the rings stream on during the stores
    streaming   g{g}_k, g{g}_v [stages / kv_groups, bkv, D] dtype   rings of KV group g (v_tokens_last: V's
                slots [D, bkv])
@@ -238,6 +238,7 @@ class DecodeSmem:
   tile_consumers: int = 1
   stream_k: bool = False
   q_buffers: int = 1        # 2: a persistent program copies the next item's q rows while it streams
+  out_dtype: Any = jnp.float32   # the partials' (q's 16-bit dtype where one split is the output, one tile consumer)
 
   def __post_init__(self):
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -247,11 +248,14 @@ class DecodeSmem:
     if self.tile_consumers == 2 and (self.converter or self.row_wgs != 1 or self.kv_groups != 1):
       raise ValueError(f"tile_consumers=2 needs one row warpgroup (<= {ROWS_PER_WG} packed rows), kv_groups=1 and "
                        f"no converter, got {self.row_wgs=} {self.kv_groups=} {self.converter=}")
+    if self.out_dtype != jnp.float32 and self.tile_consumers == 2:
+      raise ValueError("two tile consumers hand a partial over in the float32 staging: out_dtype must be float32")
     if self.fp8_operands and self.pipeline_qk:
       raise ValueError("pipeline_qk=True has no schedule for fp8 wgmma operands (an fp8 cache with v tokens last)")
     if self.q_dtype is None:
       object.__setattr__(self, "q_dtype", self.dtype if self.dtype.itemsize > 1 else jnp.dtype(jnp.bfloat16))
     object.__setattr__(self, "q_dtype", jnp.dtype(self.q_dtype))
+    object.__setattr__(self, "out_dtype", jnp.dtype(self.out_dtype))
     if self.num_stages % self.kv_groups:
       raise ValueError(f"{self.num_stages=} must be a multiple of {self.kv_groups=}")
     if self.token_scales and not self.quantized:
@@ -267,9 +271,10 @@ class DecodeSmem:
   @classmethod
   def for_call(cls, config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: Any, page_size: int | None,
                interpret: bool = False, q_dtype: Any = None, k_scale_kind: str | None = None,
-               v_scale_kind: str | None = None, num_kv_heads: int = 1, v_tokens_last: bool = False) -> "DecodeSmem":
+               v_scale_kind: str | None = None, num_kv_heads: int = 1, v_tokens_last: bool = False,
+               out_dtype: Any = jnp.float32) -> "DecodeSmem":
     """The layout a config needs for `rows` packed rows (before padding) of a cache of `dtype` (in interpret
-    mode: P staged in SMEM, no tile aliases)."""
+    mode: P staged in SMEM, no tile aliases), its partials stored as out_dtype."""
     row_wgs, _ = row_blocking(rows)
     token_scales = tuple(role for role, kind in (("k", k_scale_kind), ("v", v_scale_kind)) if kind == "token")
     smem = cls(head_dim=head_dim, dtype=dtype, block_kv=config.block_kv, num_stages=config.num_stages,
@@ -278,7 +283,8 @@ class DecodeSmem:
                separate_out=config.persistent, q_dtype=q_dtype, token_scales=token_scales,
                scale_width=tiling.token_scale_width(num_kv_heads) or tiling.SCALE_ROW,
                pipeline_qk=config.pipeline_qk, converter=converter(config), v_tokens_last=v_tokens_last,
-               tile_consumers=config.tile_consumers or 1, stream_k=config.split_plan == "stream_k")
+               tile_consumers=config.tile_consumers or 1, stream_k=config.split_plan == "stream_k",
+               out_dtype=out_dtype)
     if smem.ring_spec().splits_rows and not interpret:
       smem = dataclasses.replace(smem, tile_aliases=True)
     if config.persistent and dataclasses.replace(smem, q_buffers=2).fits:   # never at the cost of a stage
@@ -390,7 +396,7 @@ class DecodeSmem:
       barriers[f"{name}_produced"], barriers[f"{name}_consumed"] = spec.barrier_types()
     if self.quantized:
       streaming["dequantized"] = self.dequantized_types() * self.num_wgs
-    out_stage = (plgpu.SMEM((self.num_wgs, ROWS_PER_WG, self.head_dim), jnp.float32),
+    out_stage = (plgpu.SMEM((self.num_wgs, ROWS_PER_WG, self.head_dim), self.out_dtype),
                  plgpu.SMEM((self.num_wgs, ROWS_PER_WG), jnp.float32))
     # Same names, so same order and offsets as the rings they alias.
     tiles = [{name: spec.tiles_type() for name, spec in self._all_ring_specs().items()}] if self.tile_aliases else []
@@ -455,7 +461,8 @@ class DecodeSmem:
     specs = self._all_ring_specs().values()
     rings = sum(align(spec.buffer_bytes) for spec in specs)
     dequantized = self.num_wgs * self.dequant_tiles * align(self._dequantized_tile_bytes)
-    outputs = align(self.num_wgs * ROWS_PER_WG * self.head_dim * 4) + self.num_wgs * ROWS_PER_WG * 4
+    outputs = (align(self.num_wgs * ROWS_PER_WG * self.head_dim * self.out_dtype.itemsize)
+               + self.num_wgs * ROWS_PER_WG * 4)
     q = math.prod(self._q_shape) * self._q_smem_dtype.itemsize
     barriers = (sum(spec.barrier_bytes for spec in specs)
                 + (self.q_buffers * self.row_wgs + 1 + 2 * (self.tile_consumers == 2)) * pipeline.BARRIER_BYTES)

@@ -40,9 +40,10 @@ PRODUCER_REGISTERS = 40     # the producer only issues TMA: give its registers t
 CONVERTER_REGISTERS = 128   # the converter holds one [bkv, 128] tile as float32 with its scales
 # TMA stores need 16-byte rows: the lse output is padded to a multiple of 4 float32 rows.
 _LSE_ROW_MULTIPLE = 4
-# q's rows are copied whole swizzle tiles at a time (8 rows): q is padded to this many rows, not to wgmma's 64 (its
-# other rows in SMEM are never written; each row's scores, softmax and output are its own, and those rows' are
-# never stored), so that padding does not multiply q's bytes (16x at four packed rows).
+# q's rows are copied in whole swizzle tiles (8 rows): a copy's rows past q's are filled with zeros by TMA (and by
+# GPU interpret mode), so q is not padded before the kernel (a launch of its own, and 16x q's bytes at four packed
+# rows padded to wgmma's 64). The rows of the SMEM tile past the copy are never written: each row's scores,
+# softmax and output are its own, and those rows' are never stored.
 _Q_ROW_MULTIPLE = 8
 
 
@@ -121,7 +122,6 @@ class _Static:
   out_rows: int
   lse_rows: int
   num_splits: int       # partials per (batch, head): grid splits x kv_groups
-  q_rows: int           # q's rows in GMEM, padded (to _Q_ROW_MULTIPLE with one row block, else whole blocks)
   capacity: int
   options: AttentionOptions
   tiling: tiling.KVTiling
@@ -440,10 +440,12 @@ class _Queries:
     return 0 if self.st.smem.q_buffers == 1 else lax.rem(item.index, 2)
 
   def _copy(self, b, head, row_block, buffer):
-    """Starts the copy of q's rows of (b, head, row block) into `buffer`: q's real rows only (padded to a
-    swizzle tile, `_Q_ROW_MULTIPLE`) with one row block; the rows past them in SMEM stay as they were."""
+    """Starts the copy of q's rows of (b, head, row block) into `buffer`: with one row block, q's rows rounded up to
+    a swizzle tile (`_Q_ROW_MULTIPLE`); the rows past them in SMEM stay as they were."""
     st = self.st
-    n = min(ROWS_PER_WG, st.q_rows - self.rw * ROWS_PER_WG) if st.num_row_blocks == 1 else ROWS_PER_WG
+    n = ROWS_PER_WG
+    if st.num_row_blocks == 1:
+      n = min(ROWS_PER_WG, split_plan.round_up(st.rows - self.rw * ROWS_PER_WG, _Q_ROW_MULTIPLE))
     rows, first = pl.ds(row_block * st.rows_per_program + self.rw * ROWS_PER_WG, n), pl.ds(0, n)
     barrier = self.barriers.at[buffer * st.row_wgs + self.rw]
     if self.factors is None:
@@ -618,7 +620,7 @@ def _write_partials(carry, out_smem, lse_smem, out_ref, lse_ref, consumers_done,
   if st.persistent:
     # The staging is this warpgroup's own: wait only until the previous item's stores have read it.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  out_smem[...] = out
+  out_smem[...] = out.astype(out_smem.dtype)
   lse_smem[...] = lse
   plgpu.commit_smem()
   if st.num_row_blocks == 1:
@@ -639,8 +641,7 @@ def _write_partials(carry, out_smem, lse_smem, out_ref, lse_ref, consumers_done,
 def _build(st: _Static, interpret: Any):
   D = st.tiling.head_dim
   out_type = (
-      jax.ShapeDtypeStruct((st.batch, st.num_kv_heads, st.num_splits, st.out_rows, D),
-                           jnp.float32),
+      jax.ShapeDtypeStruct((st.batch, st.num_kv_heads, st.num_splits, st.out_rows, D), st.smem.out_dtype),
       jax.ShapeDtypeStruct((st.batch, st.num_kv_heads, st.num_splits, st.lse_rows), jnp.float32),
   )
   scratch = st.smem.scratch_types()
@@ -694,7 +695,7 @@ def _check_stream_k(plan: SplitPlan, config: MosaicGPUConfig, options: Attention
 def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
                     config: MosaicGPUConfig, plan: SplitPlan, k_scale=None, v_scale=None,
                     num_programs: int | None = None, tile_math: TileMath = TileMath(), interpret: Any = False,
-                    window_start=None, v_tokens_last: bool = False):
+                    window_start=None, v_tokens_last: bool = False, out_dtype: Any = jnp.float32):
   """Split-K partials of decode attention over a contiguous or paged KV cache.
 
   q: [B, Hkv, R, D] bf16 / fp16, R = S * G packed rows (S = num_queries): row r = s * G + g is new token
@@ -711,7 +712,10 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
     num_programs: a persistent config's (default: the SM count; a stream-K plan's walk sets it); interpret: False,
     True or InterpretGPUParams.
 
-  Returns (out [B, Hkv, num_splits, R, D] f32, each split's normalised output; lse [B, Hkv, num_splits, R]
+  out_dtype: the partials' dtype: float32, or with one split (which is then the output) and one tile consumer,
+    q's 16-bit dtype, so that no cast follows the kernel.
+
+  Returns (out [B, Hkv, num_splits, R, D] out_dtype, each split's normalised output; lse [B, Hkv, num_splits, R]
   f32, natural log, -inf with out 0 where the split saw no key).
   """
   frame.check_packed_args(q, k, v, lengths, block_tables, num_queries=num_queries, k_scale=k_scale,
@@ -736,13 +740,15 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   row_wgs, num_row_blocks = mgpu_config.row_blocking(R)
   rows_padded = row_wgs * ROWS_PER_WG * num_row_blocks
   out_rows = R if num_row_blocks == 1 else rows_padded
-  q_rows = split_plan.round_up(R, _Q_ROW_MULTIPLE) if num_row_blocks == 1 else rows_padded
+  if jnp.dtype(out_dtype) != jnp.float32 and (plan.num_splits != 1 or jnp.dtype(out_dtype) not in frame.KV_DTYPES):
+    raise ValueError(f"out_dtype={jnp.dtype(out_dtype).name}: partials are float32, or 16-bit where one split is "
+                     f"the output; this plan has {plan.num_splits} splits")
   smem = mgpu_config.DecodeSmem.for_call(config, rows=R, head_dim=D, dtype=k.dtype, page_size=page_size,
-                                         interpret=bool(interpret), **quantized)
+                                         interpret=bool(interpret), out_dtype=out_dtype, **quantized)
   st = _Static(
       num_queries=num_queries, group=R // num_queries, rows=R, num_row_blocks=num_row_blocks,
       out_rows=out_rows, lse_rows=split_plan.round_up(out_rows, _LSE_ROW_MULTIPLE),
-      num_splits=plan.num_splits, q_rows=q_rows, capacity=kv_tiling.capacity(k.shape), options=options,
+      num_splits=plan.num_splits, capacity=kv_tiling.capacity(k.shape), options=options,
       tiling=kv_tiling, smem=smem, batch=B, num_kv_heads=Hkv, pipeline_qk=config.pipeline_qk,
       tile_math=tile_math, q_dtype=jnp.dtype(q.dtype), k_scale=k_kind, v_scale=v_kind,
       balanced=plan.balanced, ordered=plan.ordered, stream_k=plan.stream_k)
@@ -759,8 +765,6 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
     interpret = plgpu.InterpretGPUParams()
   elif interpret is False:
     interpret = None
-  if q_rows != R:
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, q_rows - R), (0, 0)))
   if (window_start is not None) != options.has_window_start:
     raise ValueError(f"window_start is given exactly when options.has_window_start; got "
                      f"{options.has_window_start=} and window_start {'None' if window_start is None else 'given'}")
