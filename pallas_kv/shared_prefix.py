@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kv.cache import UNALLOCATED
-from pallas_kv.kernels import online_softmax
+from pallas_kv import online_softmax
 
 
 @jax.tree_util.register_dataclass

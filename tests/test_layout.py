@@ -14,8 +14,8 @@ BENCHMARKS = REPO / "benchmarks"
 # never: no module of a layer needs another of the same layer).
 LAYERS = [
     {"validation", "config", "runtime"},
-    # the online softmax's math imports nothing of the package: shared_prefix merges its passes with it
-    {"tuned", "cache", "kernels.online_softmax"},
+    # the online softmax's math imports nothing of the package: the kernels and shared_prefix's merge use it
+    {"tuned", "cache", "online_softmax"},
     {"xla", "batching", "varlen", "shared_prefix", "kernels.plan", "kernels.frame"},
     # the Mosaic GPU GQA kernel's work items (which tiles each program streams, the stream-K walk's segments)
     {"kernels.mosaic_gpu.pipeline", "kernels.mosaic_gpu.tiling", "kernels.mosaic_gpu.work",

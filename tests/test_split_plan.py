@@ -41,7 +41,8 @@ def _walk_segments(lengths, *, block_kv, num_queries, window, head_blocks, num_p
   segments = []
   for p, (lo, hi, first, end) in enumerate(np.asarray(walk.programs)):
     for flat in range(first, end):
-      item = work.segment_of(jnp.int32(flat), p, lo, hi, walk.share[0], sequences, refs, st)
+      item = work.segment_of(jnp.int32(flat), p, lo, hi, walk.share[0], walk.offsets[len(lengths)], sequences, refs,
+                             st)
       t0, t1, _, _ = item.ranges[0]
       segments.append((p, int(item.head), int(item.b), int(t0), int(t1), int(item.splits[0]), int(item.fill_from)))
   return segments, int(walk.share[0])

@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kv.kernels import online_softmax
+from pallas_kv import online_softmax
 
 ROWS = 64                         # rows per program: the WGMMA register layout's
 MIN_COLUMNS, MAX_COLUMNS = 8, 64  # a column block: 16 to 128 bytes of each 16-bit row

@@ -24,7 +24,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kv import runtime
 from pallas_kv.config import AttentionOptions
 from pallas_kv.config import MosaicGPUConfig
-from pallas_kv.kernels import online_softmax
+from pallas_kv import online_softmax
 from pallas_kv.kernels import frame
 from pallas_kv.kernels import plan as split_plan
 from pallas_kv.kernels.plan import SplitPlan

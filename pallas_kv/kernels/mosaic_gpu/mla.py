@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kv.config import MosaicMLAConfig
-from pallas_kv.kernels import online_softmax
+from pallas_kv import online_softmax
 from pallas_kv.kernels import frame
 from pallas_kv.kernels import plan as split_plan
 from pallas_kv.kernels.plan import SplitPlan

@@ -12,7 +12,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kv.kernels import online_softmax
+from pallas_kv import online_softmax
 from pallas_kv.kernels.mosaic_gpu import pipeline
 from pallas_kv.kernels.mosaic_gpu import tiling
 from pallas_kv.kernels.mosaic_gpu.mla_config import Codegen, MlaSmem

@@ -92,12 +92,12 @@ def item_of(b, head_block, program_split, sequences: Sequences, st, tiles_per_sp
   return Item(b=b, head=head, row_block=row_block, length=length, start=start, splits=splits, ranges=ranges)
 
 
-def segment_of(flat, program, lo, hi, share, sequences: Sequences, walk: WalkRefs, st) -> Item:
+def segment_of(flat, program, lo, hi, share, per_head_block, sequences: Sequences, walk: WalkRefs, st) -> Item:
   """Stream-K: the part of flat sequence `flat` (head block flat // B, sequence flat % B) that falls in this
-  program's share [lo, hi) of the tiles laid end to end, and its piece slot."""
+  program's share [lo, hi) of the tiles laid end to end (per_head_block = walk.offsets[B] tiles a head block),
+  and its piece slot."""
   head_block, b = lax.div(flat, jnp.int32(st.batch)), lax.rem(flat, jnp.int32(st.batch))
   head, row_block = _head_of(head_block, st)
-  per_head_block = walk.offsets[st.batch]
   seq_start = head_block * per_head_block + walk.offsets[b]
   seq_end = head_block * per_head_block + walk.offsets[b + 1]
   length, start = sequences.bounds(b, st)
@@ -127,11 +127,12 @@ def for_each_item(body, sequences: Sequences, st, tiles_per_split=None, walk: Wa
   if st.stream_k:
     lo, hi, first, end = (walk.programs[program, i] for i in range(4))
     share = jnp.maximum(walk.share[0], 1)
+    per_head_block = walk.offsets[st.batch]   # loaded once, not per segment
     first = jnp.clip(first, 0, st.num_kv_heads * st.num_row_blocks * st.batch)
     end = jnp.clip(end, first, st.num_kv_heads * st.num_row_blocks * st.batch)
 
     def segment(k, steps_before):
-      item = segment_of(first + k, program, lo, hi, share, sequences, walk, st)
+      item = segment_of(first + k, program, lo, hi, share, per_head_block, sequences, walk, st)
       after = first + k + 1
       head_block, b = lax.div(after, jnp.int32(st.batch)), lax.rem(after, jnp.int32(st.batch))
       item = dataclasses.replace(item, index=k, following=(b, *_head_of(head_block, st), after < end))

@@ -18,7 +18,7 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kv.config import AttentionOptions
 from pallas_kv.config import TritonConfig
-from pallas_kv.kernels import online_softmax
+from pallas_kv import online_softmax
 from pallas_kv.kernels import frame
 from pallas_kv.kernels import plan as split_plan
 from pallas_kv.kernels.plan import SplitPlan

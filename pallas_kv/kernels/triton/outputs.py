@@ -9,7 +9,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kv.kernels import online_softmax
+from pallas_kv import online_softmax
 from pallas_kv.kernels.triton.tiles import Static
 from pallas_kv.kernels.triton.tiles import load_rows
 from pallas_kv.kernels.triton.tiles import real_rows

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kv.kernels import online_softmax
+from pallas_kv import online_softmax
 from pallas_kv.kernels import plan as split_plan
 from pallas_kv.kernels.triton.stream_k_plan import StreamKLayout
 from pallas_kv.kernels.triton.stream_k_plan import pick

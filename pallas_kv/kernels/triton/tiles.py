@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kv.config import AttentionOptions
-from pallas_kv.kernels import online_softmax
+from pallas_kv import online_softmax
 from pallas_kv.kernels.triton import config as triton_config
 
 # 4 one-byte values in $2 -> float16 pairs $0 (values 0, 1), $1 (2, 3). int8: (s ^ 0x80) under the float16
