@@ -85,11 +85,12 @@ def test_race_detection_finds_none(page_size, config, num_programs):
 
 # ---------------------------------------------------------------- CUDA lowering (CPU)
 
-@pytest.mark.parametrize("num_queries,head_dim,group", [(1, 64, 16), (1, 256, 4), (16, 128, 4), (5, 128, 16)])
+@pytest.mark.parametrize("num_queries,head_dim,group",
+                         [(1, 64, 16), (1, 256, 4), (16, 128, 4), (5, 128, 16), (3, 128, 4), (7, 128, 12)])
 def test_other_shapes_lower_for_cuda(num_queries, head_dim, group):
   # The heuristic's config at head dims and row counts the sweeps (test_kernels.py) do not hold,
   # with softcap, window and sinks: D 64, D 256, 64 rows of 16 new tokens, 80 rows (two row
-  # warpgroups).
+  # warpgroups), 12 and 84 rows (q's TMA box needs its rows below or a multiple of a swizzle tile).
   q = jax.ShapeDtypeStruct((2, num_queries, 2 * group, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 4096, 2, head_dim), jnp.bfloat16)
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)

@@ -768,6 +768,8 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   if (window_start is not None) != options.has_window_start:
     raise ValueError(f"window_start is given exactly when options.has_window_start; got "
                      f"{options.has_window_start=} and window_start {'None' if window_start is None else 'given'}")
+  if R > _Q_ROW_MULTIPLE and R % _Q_ROW_MULTIPLE:   # a swizzled TMA box needs q's rows below or a multiple of 8
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, split_plan.round_up(R, _Q_ROW_MULTIPLE) - R), (0, 0)))
   if smem.fp8_operands:   # Q as two e4m3 terms and their rows' factors (a head's k_scale folded in)
     q, q_factors = fp8_operands.split_rows(q, k_scale if k_kind == "head" else None)
     args = [q, k, v, lengths, q_factors]
