@@ -2,6 +2,7 @@ r"""Autotuner: times kernel configs per shape on this GPU and writes the winners
 
   python -m benchmarks tune --flagfile=configs/gqa_h200.flags --backend=mosaic_gpu
   python -m benchmarks tune --flagfile=configs/paged16_h200.flags --backend=mosaic_gpu --space=full
+  python -m benchmarks tune --flagfile=configs/gqa_h200.flags --backend=mosaic_gpu,triton --space=tuned
 
 Shapes come from the same flags as benchmarks.decode (--op, --cases, heads, dtype, ...).
 Every candidate is checked against the float32 reference before it is timed (on input sets that
@@ -11,6 +12,10 @@ fails, does not fit or raises is skipped. Candidates are fields of the backend's
 complete config that won. Winners are merged into
 `pallas_kv/tuned/<device kind>.json` (or --out), keyed so that nearby shapes find them
 (`pallas_kv.tuned`). `--smoke` tunes a tiny case in interpret mode on a CPU (tests).
+
+`auto` takes, per shape, the backend whose entry measured fastest (`tuned.fastest_backend`), so both backends'
+times should come from one run: `--backend=mosaic_gpu,triton` tunes each shape on both, back to back, and
+`--space=tuned` re-times only the config each backend runs now (`resolve_config` with no config given).
 """
 
 from __future__ import annotations
@@ -48,8 +53,12 @@ def define_flags() -> None:
   """The shape flags of benchmarks.decode (`cli.define_sweep_flags`) and the tuner's own."""
   cli.define_sweep_flags()
   flags.adopt_module_key_flags(cli)
-  flags.DEFINE_enum("backend", "mosaic_gpu", list(BACKENDS), "backend to tune")
-  flags.DEFINE_enum("space", "fast", ["smoke", "fast", "full"], "candidate space")
+  flags.DEFINE_list("backend", ["mosaic_gpu"], f"backends to tune ({', '.join(BACKENDS)}); several: each "
+                    "shape on each, back to back")
+  flags.register_validator("backend", lambda names: bool(names) and set(names) <= set(BACKENDS),
+                           f"--backend takes one or more of {', '.join(BACKENDS)}")
+  flags.DEFINE_enum("space", "fast", ["smoke", TUNED, "fast", "full"],
+                    f"candidate space; {TUNED}: the config each backend runs now, re-timed")
   flags.DEFINE_string("out", None, "tuned file to merge into (default: the device kind's file)")
   flags.DEFINE_bool("smoke", False, "tiny case in interpret mode (CPU)")
 
@@ -59,6 +68,8 @@ def candidate_space(backend: str, space: str, *, one_byte: bool = False) -> list
   one-byte values; split_scale scales the heuristic's split count."""
   if space == "smoke":
     return [dict(block_kv=64, num_stages=2), dict(block_kv=64, num_stages=3)]
+  if space == TUNED:
+    return [TUNED]
   if backend == "triton" and space == "fast" and one_byte:   # 12 candidates, for v stored tokens last
     # 128-token tiles won at every batch and 256-token ones came within 2% at B128 (RESULTS.md, seventh set).
     tiles = [dict(block_kv=128, num_stages=n) for n in (2, 3, 4)] + [dict(block_kv=256, num_stages=2)]
@@ -86,11 +97,14 @@ def candidate_space(backend: str, space: str, *, one_byte: bool = False) -> list
 
 
 BACKENDS = {"mosaic_gpu": (pkv.MosaicGPUConfig, mosaic_gpu_config), "triton": (pkv.TritonConfig, triton_config)}
+# The candidate that stands for the config a call with no config resolves to now (tuned entry, else heuristic).
+TUNED = "tuned"
 
 
-def make_config(backend: str, problem, fields: dict, dtype) -> KernelConfig | None:
+def make_config(backend: str, problem, fields: dict | str, dtype) -> KernelConfig | None:
   """The complete config (the backend's type) that a candidate's fields resolve to, with its split
-  count scaled by split_scale, or None if it is invalid for this problem.
+  count scaled by split_scale, or None if it is invalid for this problem; `TUNED`: the config a call
+  with no config runs.
 
   The backend fills what the candidate leaves out (`resolve_config`: its heuristic, around the
   given fields). Triton candidates take per-sequence splits unless they name a plan: the tuner
@@ -98,6 +112,8 @@ def make_config(backend: str, problem, fields: dict, dtype) -> KernelConfig | No
   choice where it pays (`triton_config.stream_k_pays`, which a lookup still applies).
   """
   config_type, module = BACKENDS[backend]
+  if fields == TUNED:
+    return module.resolve_config(problem, None, dtype=dtype)
   fields = dict(fields)
   scale = fields.pop("split_scale", 1)
   if backend == "triton":
@@ -181,8 +197,10 @@ def merge(path: pathlib.Path, device_kind: str, new_entries: Sequence[dict]) -> 
   tuned.write(path, device_kind, kept + list(new_entries), jax_version=jax.__version__)
 
 
-def run(sweep: cases.Sweep, backend: str, space: str, out: pathlib.Path | None = None,
+def run(sweep: cases.Sweep, backends: str | Sequence[str], space: str, out: pathlib.Path | None = None,
         device_kind: str | None = None) -> list[dict]:
+  """Tunes every case of the sweep on each backend in turn (the same inputs) and merges the winners."""
+  backends = (backends,) if isinstance(backends, str) else tuple(backends)
   device_kind = device_kind or runtime.device_kind()
   out = out or tuned.tuned_dir() / f"{tuned.device_slug(device_kind)}.json"
   entries = []
@@ -190,10 +208,12 @@ def run(sweep: cases.Sweep, backend: str, space: str, out: pathlib.Path | None =
   for batch, seq_len in sweep.cases:
     key, case_key = jax.random.split(key)
     case = cases.Case.from_sweep(sweep, batch, seq_len)
-    print(f"== {case.describe()}  backend={backend}", flush=True)
     one_byte = jnp.dtype(case.kv_dtype or case.dtype).itemsize == 1
-    entry = tune_case(case, sweep, backend, candidate_space(backend, space, one_byte=one_byte), case_key)
-    if entry is not None:
+    for backend in backends:
+      print(f"== {case.describe()}  backend={backend}", flush=True)
+      entry = tune_case(case, sweep, backend, candidate_space(backend, space, one_byte=one_byte), case_key)
+      if entry is None:
+        continue
       entries.append(entry)
       print(f"  best: {entry['config'].given()}  {entry['time_us']:.1f} us  {entry['tbps']:.2f} TB/s", flush=True)
       merge(out, device_kind, [entry])  # after every shape: a run cut short keeps what it finished

@@ -86,6 +86,24 @@ def test_tuner_times_a_one_byte_cache_as_created(tmp_path):
   assert entry["rel_err"] < 1e-2 and entry["config"].block_kv == 128
 
 
+def test_tuner_retimes_what_each_backend_runs_in_one_run(tmp_path):
+  """--backend=mosaic_gpu,triton --space=tuned: each shape timed on both backends back to back, one candidate
+  each, the config a call with no config resolves to; both entries share the shape's key (what `auto` compares)."""
+  from benchmarks import cases
+  from benchmarks import tune
+  sweep = cases.Sweep(op="decode", impls=("xla",), cases=((1, 128),), num_heads=4, num_kv_heads=2, head_dim=64,
+                      iters=1, repeats=1, warmup=0)
+  out = tmp_path / "cpu.json"
+  with pkv.interpret():
+    entries = tune.run(sweep, ("mosaic_gpu", "triton"), tune.TUNED, out=out, device_kind="cpu")
+  assert [e["backend"] for e in entries] == ["mosaic_gpu", "triton"]
+  assert entries[0]["key"] == entries[1]["key"] and all(e["candidates"] == 1 for e in entries)
+  problem = validation.Problem(**{**_problem(1, 128, heads=(4, 2)).__dict__, "head_dim": 64})
+  assert entries[0]["config"] == mgpu_config.resolve_config(problem, None, device_kind="cpu")
+  written = json.loads(out.read_text())["entries"]
+  assert {e["backend"] for e in written} == {"mosaic_gpu", "triton"} and all(e["time_us"] > 0 for e in written)
+
+
 def _keeps(resolved, config) -> bool:
   """resolved is complete and holds every field config fixes."""
   return resolved.complete and all(getattr(resolved, name) == value for name, value in config.given().items())
