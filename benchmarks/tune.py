@@ -15,7 +15,9 @@ complete config that won. Winners are merged into
 
 `auto` takes, per shape, the backend whose entry measured fastest (`tuned.fastest_backend`), so both backends'
 times should come from one run: `--backend=mosaic_gpu,triton` tunes each shape on both, back to back, and
-`--space=tuned` re-times only the config each backend runs now (`resolve_config` with no config given).
+`--space=tuned` re-times only the config each backend runs now (`resolve_config` with no config given), and
+`--space=plans` that config and the stream-K walk. Candidates are scored on full and ragged lengths
+(`--score_ragged`, on by default): serving batches are ragged.
 """
 
 from __future__ import annotations
@@ -57,8 +59,11 @@ def define_flags() -> None:
                     "shape on each, back to back")
   flags.register_validator("backend", lambda names: bool(names) and set(names) <= set(BACKENDS),
                            f"--backend takes one or more of {', '.join(BACKENDS)}")
-  flags.DEFINE_enum("space", "fast", ["smoke", TUNED, "fast", "full"],
-                    f"candidate space; {TUNED}: the config each backend runs now, re-timed")
+  flags.DEFINE_enum("space", "fast", ["smoke", TUNED, PLANS, "fast", "full"],
+                    f"candidate space; {TUNED}: the config each backend runs now, re-timed; {PLANS}: that and the "
+                    "stream-K walk")
+  flags.DEFINE_bool("score_ragged", True, "time each candidate on ragged lengths too (uniform in [S, T]) and "
+                    "keep the least total time: serving batches are ragged")
   flags.DEFINE_string("out", None, "tuned file to merge into (default: the device kind's file)")
   flags.DEFINE_bool("smoke", False, "tiny case in interpret mode (CPU)")
 
@@ -70,6 +75,9 @@ def candidate_space(backend: str, space: str, *, one_byte: bool = False) -> list
     return [dict(block_kv=64, num_stages=2), dict(block_kv=64, num_stages=3)]
   if space == TUNED:
     return [TUNED]
+  if space == PLANS:   # the config a call runs now, and the stream-K walk of equal shares beside it
+    return [TUNED, dict(split_plan="stream_k", pipeline_qk=True) if backend == "mosaic_gpu" else
+            dict(split_plan="stream_k")]
   if backend == "triton" and space == "fast" and one_byte:   # 12 candidates, for v stored tokens last
     # 128-token tiles won at every batch and 256-token ones came within 2% at B128 (RESULTS.md, seventh set).
     tiles = [dict(block_kv=128, num_stages=n) for n in (2, 3, 4)] + [dict(block_kv=256, num_stages=2)]
@@ -99,6 +107,7 @@ def candidate_space(backend: str, space: str, *, one_byte: bool = False) -> list
 BACKENDS = {"mosaic_gpu": (pkv.MosaicGPUConfig, mosaic_gpu_config), "triton": (pkv.TritonConfig, triton_config)}
 # The candidate that stands for the config a call with no config resolves to now (tuned entry, else heuristic).
 TUNED = "tuned"
+PLANS = "plans"
 
 
 def make_config(backend: str, problem, fields: dict | str, dtype) -> KernelConfig | None:
@@ -142,23 +151,44 @@ def _problem(case: cases.Case, args: tuple, tokens_last: bool):
 
 
 
-def tune_case(case: cases.Case, sweep: cases.Sweep, backend: str, candidates: Iterable[dict], key) -> dict | None:
-  """Times every valid candidate on one case; returns the winning entry (or None): its config the
-  complete config that was timed (`tuned.write` writes its fields)."""
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+  """One batch of the case the candidates are timed on: its rotating input sets, reference and bytes."""
+  name: str            # "full" or "ragged"
+  input_sets: list
+  ref: np.ndarray
+  kv_bytes: float
+
+
+def _batch(case: cases.Case, sweep: cases.Sweep, key, tokens_last: bool) -> _Batch:
   lengths = cases.make_lengths(case, key)
-  attended_keys = case.attended_keys(lengths)
-  kv_bytes = case.costs(attended_keys)["kv_bytes"]
+  kv_bytes = case.costs(case.attended_keys(lengths))["kv_bytes"]
   # Calls rotate among input sets that together overflow L2, as in benchmarks.decode: a small
   # case timed on one set reads its cache from L2 and would crown the wrong config.
   num_sets = timing.num_rotating_sets(case.rotation_bytes(kv_bytes), sweep.rotate_bytes)
   input_sets = cases.make_input_sets(case, key, lengths, num_sets)
   ref, _ = cases.reference_output(case, input_sets[0])
+  if tokens_last:
+    input_sets = [cases.with_v_tokens_last(args) for args in input_sets]
+  return _Batch("ragged" if case.ragged else "full", input_sets, ref, kv_bytes)
+
+
+def tune_case(case: cases.Case, sweep: cases.Sweep, backend: str, candidates: Iterable[dict], key, *,
+              score_ragged: bool = False) -> dict | None:
+  """Times every valid candidate on one case; returns the winning entry (or None): its config the
+  complete config that was timed (`tuned.write` writes its fields).
+
+  score_ragged (a case of full lengths): each candidate is also timed on the same shape with lengths uniform in
+  [S, T], as serving batches are, and the winner is the least total time; the entry holds both
+  (`ragged_time_us`), which `tuned.fastest_backend` compares.
+  """
   cache_dtype = case.kv_dtype or case.dtype   # tuned entries are keyed by the cache's dtype and v's layout
   # The layout a cache of this dtype is created in (one-byte caches: v tokens last), which is what calls read.
   tokens_last = pkv_cache.default_v_tokens_last(cache_dtype)
-  if tokens_last:
-    input_sets = [cases.with_v_tokens_last(args) for args in input_sets]
-  args = input_sets[0]
+  batches = [_batch(case, sweep, key, tokens_last)]
+  if score_ragged and not case.ragged:
+    batches.append(_batch(dataclasses.replace(case, ragged=True), sweep, key, tokens_last))
+  args = batches[0].input_sets[0]
   problem = _problem(case, args, tokens_last)
   op = {"decode": pkv.decode_attention, "paged": pkv.paged_decode_attention}[case.op]
   op = functools.partial(op, v_tokens_last=True) if tokens_last else op
@@ -170,21 +200,27 @@ def tune_case(case: cases.Case, sweep: cases.Sweep, backend: str, candidates: It
     seen.add(config)
     fn = jax.jit(peers.with_options(functools.partial(op, impl=backend, config=config), cases.op_spec(case)))
     try:
-      err = cases.relative_error(np.asarray(fn(*args), np.float32), ref)
-      if not err <= cases.TOLERANCE[case.dtype]:
-        print(f"  {config.given()}: rel err {err:.2e} fails the check; skipped", flush=True)
+      errs = [cases.relative_error(np.asarray(fn(*batch.input_sets[0]), np.float32), batch.ref) for batch in batches]
+      if not max(errs) <= cases.TOLERANCE[case.dtype]:
+        print(f"  {config.given()}: rel err {max(errs):.2e} fails the check; skipped", flush=True)
         continue
-      t = timing.time_jax(fn, input_sets, warmup=sweep.warmup, iters=sweep.iters, repeats=sweep.repeats)
+      seconds = [timing.time_jax(fn, batch.input_sets, warmup=sweep.warmup, iters=sweep.iters,
+                                 repeats=sweep.repeats).median_s for batch in batches]
     except (ValueError, NotImplementedError) as e:
       print(f"  {config.given()}: {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
       continue
-    results.append((t.median_s, config, err))
-    print(f"  {t.median_s * 1e6:9.1f} us  err {err:.1e}  {config.given()}", flush=True)
+    results.append((sum(seconds), seconds, config, max(errs)))
+    times = "  ".join(f"{batch.name} {t * 1e6:8.1f} us" for batch, t in zip(batches, seconds))
+    print(f"  {times}  err {max(errs):.1e}  {config.given()}", flush=True)
   if not results:
     return None
-  seconds, best, err = min(results, key=lambda r: r[0])
-  return dict(backend=backend, key=tuned.shape_key(case.op, problem, cache_dtype), config=best,
-              time_us=seconds * 1e6, tbps=kv_bytes / seconds / 1e12, rel_err=err, candidates=len(results))
+  _, seconds, best, err = min(results, key=lambda r: r[0])
+  entry = dict(backend=backend, key=tuned.shape_key(case.op, problem, cache_dtype), config=best,
+               time_us=seconds[0] * 1e6, tbps=batches[0].kv_bytes / seconds[0] / 1e12, rel_err=err,
+               candidates=len(results))
+  if len(batches) == 2:
+    entry["ragged_time_us"] = seconds[1] * 1e6
+  return entry
 
 
 def merge(path: pathlib.Path, device_kind: str, new_entries: Sequence[dict]) -> None:
@@ -198,7 +234,7 @@ def merge(path: pathlib.Path, device_kind: str, new_entries: Sequence[dict]) -> 
 
 
 def run(sweep: cases.Sweep, backends: str | Sequence[str], space: str, out: pathlib.Path | None = None,
-        device_kind: str | None = None) -> list[dict]:
+        device_kind: str | None = None, score_ragged: bool = False) -> list[dict]:
   """Tunes every case of the sweep on each backend in turn (the same inputs) and merges the winners."""
   backends = (backends,) if isinstance(backends, str) else tuple(backends)
   device_kind = device_kind or runtime.device_kind()
@@ -211,7 +247,8 @@ def run(sweep: cases.Sweep, backends: str | Sequence[str], space: str, out: path
     one_byte = jnp.dtype(case.kv_dtype or case.dtype).itemsize == 1
     for backend in backends:
       print(f"== {case.describe()}  backend={backend}", flush=True)
-      entry = tune_case(case, sweep, backend, candidate_space(backend, space, one_byte=one_byte), case_key)
+      entry = tune_case(case, sweep, backend, candidate_space(backend, space, one_byte=one_byte), case_key,
+                        score_ragged=score_ragged)
       if entry is None:
         continue
       entries.append(entry)
@@ -230,7 +267,7 @@ def main(argv):
     with pkv.interpret():
       run(sweep, FLAGS.backend, "smoke", out)
     return
-  run(cli.sweep_from_flags(), FLAGS.backend, FLAGS.space, out)
+  run(cli.sweep_from_flags(), FLAGS.backend, FLAGS.space, out, score_ragged=FLAGS.score_ragged)
 
 
 if __name__ == "__main__":

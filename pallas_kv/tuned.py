@@ -105,13 +105,16 @@ def tuned_config(backend: str, problem, dtype, device_kind: str | None = None):
 
 
 def fastest_backend(backends, key: dict, device_kind: str) -> str | None:
-  """Among backends tuned on the same nearest shape, the one that measured fastest (else None)."""
+  """Among backends tuned on the same nearest shape, the one that measured fastest (else None): the least time
+  at full lengths plus, where every entry has one, on ragged lengths (`ragged_time_us`); a tie goes to
+  Mosaic GPU, the backend jax keeps (Pallas Triton is deprecated)."""
   found = {b: nearest_entry(b, key, device_kind) for b in backends}
-  timed = [(f[0]["time_us"], b, json.dumps(f[0]["key"], sort_keys=True)) for b, f in found.items()
-           if f is not None and "time_us" in f[0]]
-  if len(timed) < 2 or len({shape for _, _, shape in timed}) != 1:
+  entries = {b: f[0] for b, f in found.items() if f is not None and "time_us" in f[0]}
+  if len(entries) < 2 or len({json.dumps(e["key"], sort_keys=True) for e in entries.values()}) != 1:
     return None  # nothing to compare, or tuned on different shapes
-  return min(timed)[1]
+  ragged = all("ragged_time_us" in e for e in entries.values())
+  total = {b: e["time_us"] + (e["ragged_time_us"] if ragged else 0.0) for b, e in entries.items()}
+  return min(total, key=lambda b: (total[b], b != "mosaic_gpu"))
 
 
 def write(path, device_kind: str, entries: list[dict], **metadata) -> None:

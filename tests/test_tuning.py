@@ -188,6 +188,25 @@ def test_auto_picks_the_backend_the_tuned_file_measured_faster(tmp_path, monkeyp
   assert name == (faster or "triton")  # no tuned times: the preference order, Triton first
 
 
+@pytest.mark.parametrize("ragged_us,expected", [(None, "mosaic_gpu"), ((310.0, 300.0), "triton"),
+                                               ((310.0, 305.0), "mosaic_gpu")])
+def test_fastest_backend_counts_the_ragged_batch_and_a_tie_goes_to_mosaic_gpu(tmp_path, monkeypatch, ragged_us,
+                                                                             expected):
+  """Mosaic GPU 5 µs faster at full lengths (100 / 105 µs): it wins on that alone, loses where its ragged time is
+  10 µs slower, and a tie in the total (5 µs slower ragged) goes to it."""
+  monkeypatch.setenv(tuned.TUNED_DIR_ENV_VAR, str(tmp_path))
+  key = tuned.shape_key("decode", _problem(16, 32768), "bfloat16")
+  entries = [dict(backend="mosaic_gpu", key=key, config={}, time_us=100.0),
+             dict(backend="triton", key=key, config={}, time_us=105.0)]
+  for entry, t in zip(entries, ragged_us or ()):
+    entry["ragged_time_us"] = t
+  tuned.write(tmp_path / f"{tuned.device_slug(DEVICE)}.json", DEVICE, entries)
+  try:
+    assert tuned.fastest_backend(("triton", "mosaic_gpu"), key, DEVICE) == expected
+  finally:
+    tuned.clear_cache()
+
+
 def test_mosaic_fast_space_has_the_stream_k_walk_and_a_tuned_entry_keeps_it(tmp_path, monkeypatch):
   """The tuner's Mosaic GPU fast space times the stream-K walk; an entry that won with it is looked up as the
   walk, with the piece cap left to the heuristic at another batch."""
