@@ -228,8 +228,8 @@ def merge(path: pathlib.Path, device_kind: str, new_entries: Sequence[dict]) -> 
   old = []
   if path.exists():
     old = json.loads(path.read_text())["entries"]
-  replaced = {(e["backend"], json.dumps(e["key"], sort_keys=True)) for e in new_entries}
-  kept = [e for e in old if (e["backend"], json.dumps(e["key"], sort_keys=True)) not in replaced]
+  replaced = {(e["backend"], tuned.key_id(e["key"])) for e in new_entries}
+  kept = [e for e in old if (e["backend"], tuned.key_id(e["key"])) not in replaced]
   tuned.write(path, device_kind, kept + list(new_entries), jax_version=jax.__version__)
 
 

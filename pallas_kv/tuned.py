@@ -53,6 +53,11 @@ def _field(key: dict, name: str):
   return key.get(name, _DEFAULTS.get(name))
 
 
+def key_id(key: dict) -> str:
+  """A key as one string, the fields older files leave out filled in: two entries of one shape share it."""
+  return json.dumps(_DEFAULTS | key, sort_keys=True)
+
+
 def _distance(a: dict, b: dict) -> float:
   return (abs(math.log2(a["programs"]) - math.log2(b["programs"])) +
           abs(math.log2(a["capacity"]) - math.log2(b["capacity"])))
@@ -110,7 +115,7 @@ def fastest_backend(backends, key: dict, device_kind: str) -> str | None:
   Mosaic GPU, the backend jax keeps (Pallas Triton is deprecated)."""
   found = {b: nearest_entry(b, key, device_kind) for b in backends}
   entries = {b: f[0] for b, f in found.items() if f is not None and "time_us" in f[0]}
-  if len(entries) < 2 or len({json.dumps(e["key"], sort_keys=True) for e in entries.values()}) != 1:
+  if len(entries) < 2 or len({key_id(e["key"]) for e in entries.values()}) != 1:
     return None  # nothing to compare, or tuned on different shapes
   ragged = all("ragged_time_us" in e for e in entries.values())
   total = {b: e["time_us"] + (e["ragged_time_us"] if ragged else 0.0) for b, e in entries.items()}

@@ -207,6 +207,21 @@ def test_fastest_backend_counts_the_ragged_batch_and_a_tie_goes_to_mosaic_gpu(tm
     tuned.clear_cache()
 
 
+def test_merge_replaces_an_entry_written_before_its_key_had_every_field(tmp_path):
+  """An entry of an older file (its key without v_tokens_last, then v like k) is the same shape as a new entry
+  with v_tokens_last False: the merge replaces it rather than keeping both."""
+  from benchmarks import tune
+  key = tuned.shape_key("decode", _problem(8, 8192), "bfloat16")
+  old_key = {k: v for k, v in key.items() if k != "v_tokens_last"}
+  path = tmp_path / "file.json"
+  tuned.write(path, DEVICE, [dict(backend="triton", key=old_key, config={}, time_us=90.0),
+                             dict(backend="mosaic_gpu", key=old_key, config={}, time_us=80.0)])
+  tune.merge(path, DEVICE, [dict(backend="triton", key=key, config={}, time_us=70.0)])
+  entries = json.loads(path.read_text())["entries"]
+  assert sorted((e["backend"], e["time_us"]) for e in entries) == [("mosaic_gpu", 80.0), ("triton", 70.0)]
+  assert tuned.key_id(old_key) == tuned.key_id(key)
+
+
 def test_mosaic_fast_space_has_the_stream_k_walk_and_a_tuned_entry_keeps_it(tmp_path, monkeypatch):
   """The tuner's Mosaic GPU fast space times the stream-K walk; an entry that won with it is looked up as the
   walk, with the piece cap left to the heuristic at another batch."""
