@@ -14,7 +14,9 @@ input sets rotated to overflow L2):
                their spread is the noise. Every op row is checked against the float32 reference.
   probe rows   the kernel alone (`decode_partials`, no combine) at B=128 and B=1: `kernel` is
                the baseline kernel, `probe:*` leave out one consumer stage (results wrong by
-               design, not checked). kernel vs baseline at B=1 = the combine's share.
+               design, not checked). kernel vs baseline at B=1 = the combine's share. `plan` is
+               the split plan alone (XLA before the kernel; the stream-K walk's sums), which the
+               `kernel` row includes.
 `--shapes=16x32768,8x8192p16` runs other shapes, `--ragged` with lengths uniform in [1, T].
 `--probe_shapes='B32 T4096,B64 T2048'` moves the kernel-only rows to other shapes, `--probe_variant=pqk+persistent`
 gives them that variant's config (the tuned one at B >= 8) instead of the heuristic's.
@@ -199,14 +201,16 @@ def _op_fn(config, paged: bool):
 
 def kernel_fn(config, problem, paged: bool, probe: str | None):
   """The kernel alone on the op's arguments, with the op's plan (`backend.plan_splits`): partials, no
-  merge (a probe of PROBES: results wrong)."""
-  tile_math = mgpu_decode.TileMath() if probe is None else PROBES[probe]
+  merge (a probe of PROBES: results wrong; "plan": the plan's arrays alone)."""
+  tile_math = mgpu_decode.TileMath() if probe in (None, "plan") else PROBES[probe]
   options = AttentionOptions(scale=problem.head_dim ** -0.5)
 
   def fn(q, k, v, *rest):
     block_tables, lengths = (rest[0], rest[1]) if paged else (None, rest[0])
     rows = frame.pack_queries(q[:, None], problem.num_kv_heads).astype(k.dtype)
     plan = mgpu_backend.plan_splits("paged" if paged else "decode", problem, options, config, lengths)
+    if probe == "plan":
+      return plan.kernel_inputs() or [lengths]   # a plan with no arrays: the chain times nothing but the call
     return mgpu_decode.decode_partials(rows, k, v, lengths, block_tables, num_queries=1, options=options,
                                        config=config, plan=plan, tile_math=tile_math,
                                        interpret=mgpu_backend.interpret_params())
@@ -246,7 +250,7 @@ def run_shape(s: Settings, batch: int, seq_len: int, page_size: int | None, key,
     # Kernel-only rows go before baseline_again so that it still closes the shape.
     last = [todo.pop()] if todo and todo[-1][0] == "baseline_again" else []
     fields = dict(s.probe_fields)
-    todo += [("kernel", None, fields)] + [(f"probe:{p}", p, fields) for p in PROBES] + last
+    todo += [("kernel", None, fields), ("plan", "plan", fields)] + [(f"probe:{p}", p, fields) for p in PROBES] + last
     if load_path:
       todo += [(f"loads:{n}", "loads_only", f) for n, f in LOAD_PATH.items()]
   rows = []
