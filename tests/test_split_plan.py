@@ -34,18 +34,18 @@ def _walk_segments(lengths, *, block_kv, num_queries, window, head_blocks, num_p
   walk = plan.stream_k_walk(jnp.asarray(lengths, jnp.int32), block_kv=block_kv, num_queries=num_queries,
                             window=window, head_blocks=head_blocks, num_programs=num_programs, max_pieces=max_pieces)
   st = types.SimpleNamespace(batch=len(lengths), capacity=1 << 20, num_queries=num_queries, num_row_blocks=1,
-                             num_splits=max_pieces, tiling=types.SimpleNamespace(block_kv=block_kv),
-                             options=types.SimpleNamespace(window=window))
+                             num_kv_heads=head_blocks, num_programs=num_programs, num_splits=max_pieces,
+                             tiling=types.SimpleNamespace(block_kv=block_kv), options=types.SimpleNamespace(window=window))
   sequences = work.Sequences(jnp.asarray(lengths, jnp.int32))
-  refs = work.WalkRefs(walk.offsets, walk.programs, walk.share)
+  refs = work.WalkRefs(*walk.arrays())
   segments = []
-  for p, (lo, hi, first, end) in enumerate(np.asarray(walk.programs)):
-    for flat in range(first, end):
-      item = work.segment_of(jnp.int32(flat), p, lo, hi, walk.share[0], walk.offsets[len(lengths)], sequences, refs,
-                             st)
+  for p in range(num_programs):
+    lo, hi, first, end, share, per_head_block = refs.program(jnp.int32(p), st)
+    for flat in range(int(first), int(end)):
+      item = work.segment_of(jnp.int32(flat), p, lo, hi, share, per_head_block, sequences, refs, st)
       t0, t1, _, _ = item.ranges[0]
       segments.append((p, int(item.head), int(item.b), int(t0), int(t1), int(item.splits[0]), int(item.fill_from)))
-  return segments, int(walk.share[0])
+  return segments, int(share)
 
 
 @pytest.mark.parametrize("seed,batch,head_blocks,num_programs,max_pieces,window", [

@@ -12,6 +12,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kv import runtime
 
@@ -211,21 +212,23 @@ def fill_num_splits(problem, config, *, row_blocks: int, programs_per_sm: int = 
 class StreamKWalk:
   """A stream-K plan for persistent programs (Mosaic GPU), computed before the kernel. The batch's visible tiles
   are laid end to end once per head block (head block h's copy of sequence b at h * N + offsets[b]) and cut into
-  equal shares, one a program. offsets int32 [B + 1]: the running sum of the sequences' tiles, N = offsets[B];
-  programs int32 [P, 4]: each program's share [lo, hi) and the flat sequences h * B + b in [first, end) it visits
-  (those its share meets, and the empty ones that start in it; the last program takes the empty ones at the end);
-  share int32 [1]: tiles a share, at least the longest sequence's over (pieces - 1), so that no sequence is cut
-  into more pieces than the plan's count."""
+  equal shares of `walk_share` tiles, one a program (`share_bounds`). offsets int32 [B + 1]: the running sum of
+  the sequences' tiles, N = offsets[B]; longest int32 [B + 1]: every entry the longest sequence's tiles (the
+  other half of the reduction that builds offsets); first, end int32 [P]: the flat sequences h * B + b in
+  [first, end) that program p visits (those its share meets, and the empty ones that start in it; the kernel
+  extends the last program's end over the empty ones at the end). Two reductions in XLA, each one launch: the
+  kernel derives the shares from offsets[B] and longest[0]."""
   offsets: jax.Array
-  programs: jax.Array
-  share: jax.Array
+  longest: jax.Array
+  first: jax.Array
+  end: jax.Array
 
   @property
   def num_programs(self) -> int:
-    return self.programs.shape[0]
+    return self.first.shape[0]
 
   def arrays(self) -> tuple:
-    return (self.offsets, self.programs, self.share)
+    return (self.offsets, self.longest, self.first, self.end)
 
 
 def walk_programs(*, batch: int, head_blocks: int, max_pieces: int, num_sms: int, programs_per_sm: int = 1) -> int:
@@ -233,35 +236,55 @@ def walk_programs(*, batch: int, head_blocks: int, max_pieces: int, num_sms: int
   return max(1, min(num_sms * programs_per_sm, batch * head_blocks * max(max_pieces - 1, 1)))
 
 
+def _cdiv_nonnegative(a, b):
+  return lax.div(a + b - 1, b)   # a truncating division: no sign handling, as inside a kernel
+
+
+def walk_share(per_head_block, longest, *, head_blocks: int, num_programs: int, max_pieces: int):
+  """Tiles a share of a stream-K walk: the batch's tiles over the programs, at least the longest sequence's over
+  (max_pieces - 1) so that no sequence is cut into more pieces, and at least one. Scalars or arrays, in XLA or
+  inside a kernel."""
+  total = head_blocks * per_head_block
+  return jnp.maximum(jnp.maximum(_cdiv_nonnegative(total, jnp.int32(num_programs)),
+                                 _cdiv_nonnegative(longest, jnp.int32(max_pieces - 1))), 1)
+
+
+def share_bounds(program, share, total):
+  """[lo, hi): program's share of the total tiles."""
+  lo = jnp.minimum(program * share, total)
+  return lo, jnp.minimum(lo + share, total)
+
+
 def stream_k_walk(lengths, *, block_kv: int, num_queries: int, window: int | None, head_blocks: int,
                   num_programs: int, max_pieces: int) -> StreamKWalk:
   """The `StreamKWalk` of lengths int32 [B] (clamped to the capacity) for num_programs programs."""
   if max_pieces < 2:
     raise ValueError(f"a stream-K walk cuts a sequence into at most max_pieces >= 2 pieces, got {max_pieces}")
-  # Masked sums and broadcasts only: jnp.cumsum lowers to a scan whose fallback is a while loop (a launch a
-  # step on a GPU), and gathers or scatters would each be a launch of their own.
+  # Two variadic reductions and broadcasts only, so that XLA launches two kernels: jnp.cumsum lowers to a scan
+  # whose fallback is a while loop (a launch a step on a GPU), and gathers or scatters would each be a launch.
   first, end = visible_tiles(lengths, block_kv=block_kv, num_queries=num_queries, window=window)
   tiles = jnp.maximum(end - first, 0).astype(jnp.int32)
   batch = lengths.shape[0]
   index = jnp.arange(batch + 1, dtype=jnp.int32)
-  offsets = jnp.sum(jnp.where(index[:batch, None] < index[None, :], tiles[:, None], 0), axis=0, dtype=jnp.int32)
-  per_head_block = jnp.sum(tiles)
-  total = head_blocks * per_head_block
-  share = jnp.maximum(jnp.maximum(cdiv(total, num_programs), cdiv(jnp.max(tiles), max_pieces - 1)), 1)
-  program = jnp.arange(num_programs, dtype=jnp.int32)
-  lo = jnp.minimum(program * share, total)
-  hi = jnp.minimum(lo + share, total)
+  column = jnp.broadcast_to(tiles[:, None], (batch, batch + 1))
+  offsets, longest = lax.reduce(
+      (jnp.where(index[:batch, None] < index[None, :], column, 0), column), (jnp.int32(0), jnp.int32(0)),
+      lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])), (0,))
+  per_head_block = offsets[batch]
+  share = walk_share(per_head_block, longest[0], head_blocks=head_blocks, num_programs=num_programs,
+                     max_pieces=max_pieces)
+  lo, hi = share_bounds(jnp.arange(num_programs, dtype=jnp.int32), share, head_blocks * per_head_block)
   # Flat sequence h * B + b starts at h * N + offsets[b].
   head_start = jnp.arange(head_blocks, dtype=jnp.int32)[:, None] * per_head_block
   seq_start = (head_start + offsets[None, :batch]).reshape(-1)
   seq_end = (head_start + offsets[None, 1:]).reshape(-1)
   # Visited by program p: the sequences its share meets and the empty ones starting in it (prefix counts, as
   # both ends are nondecreasing in the flat order).
-  first_seq = jnp.sum((seq_start[None] < lo[:, None]) & (seq_end[None] <= lo[:, None]), axis=1, dtype=jnp.int32)
-  end_seq = jnp.sum(seq_start[None] < hi[:, None], axis=1, dtype=jnp.int32)
-  end_seq = jnp.where(program == num_programs - 1, head_blocks * batch, end_seq)
-  programs = jnp.stack([lo, hi, first_seq, end_seq], axis=1).astype(jnp.int32)
-  return StreamKWalk(offsets=offsets, programs=programs, share=share.astype(jnp.int32).reshape(1))
+  before = (seq_start[None] < lo[:, None]) & (seq_end[None] <= lo[:, None])
+  started = seq_start[None] < hi[:, None]
+  first_seq, end_seq = lax.reduce((before.astype(jnp.int32), started.astype(jnp.int32)), (jnp.int32(0), jnp.int32(0)),
+                                  lambda a, b: (a[0] + b[0], a[1] + b[1]), (1,))
+  return StreamKWalk(offsets=offsets, longest=longest, first=first_seq, end=end_seq)
 
 
 @jax.tree_util.register_dataclass
@@ -303,8 +326,9 @@ class SplitPlan:
       raise ValueError(f"the plan was made for {self.block_kv}-token tiles; the kernel streams {block_kv}")
     vectors = [("tiles_per_split", self.tiles_per_split, (1,)), ("order", self.order, (batch,))]
     if self.walk is not None:
-      vectors += [("walk.offsets", self.walk.offsets, (batch + 1,)), ("walk.share", self.walk.share, (1,)),
-                  ("walk.programs", self.walk.programs, (self.walk.num_programs, 4))]
+      programs = (self.walk.num_programs,)
+      vectors += [("walk.offsets", self.walk.offsets, (batch + 1,)), ("walk.longest", self.walk.longest, (batch + 1,)),
+                  ("walk.first", self.walk.first, programs), ("walk.end", self.walk.end, programs)]
     for name, value, shape in vectors:
       if value is not None and (value.shape != shape or value.dtype != jnp.int32):
         raise ValueError(f"SplitPlan.{name} must be int32 {list(shape)}, got {value.shape} {value.dtype}")

@@ -284,7 +284,7 @@ def _kernel(q_ref,
   starts_ref = refs.pop(0) if st.options.has_window_start else None
   sequences = work.Sequences(lengths_ref, starts_ref, refs.pop(0) if st.ordered else None)
   tiles_per_split = refs.pop(0)[0] if st.balanced else None
-  walk = work.WalkRefs(*(refs.pop(0) for _ in range(3))) if st.stream_k else None
+  walk = work.WalkRefs(*(refs.pop(0) for _ in range(4))) if st.stream_k else None
   for_each_item = functools.partial(work.for_each_item, sequences=sequences, st=st, tiles_per_split=tiles_per_split,
                                     walk=walk)
   block_tables_ref = refs.pop(0) if st.tiling.paged else None

@@ -36,11 +36,26 @@ class Sequences:
 
 @dataclasses.dataclass(frozen=True)
 class WalkRefs:
-  """A stream-K plan's vectors as the kernel reads them (`plan.StreamKWalk`): offsets int32 [B + 1], programs
-  int32 [P, 4] (share [lo, hi), flat sequences [first, end)), share int32 [1]."""
+  """A stream-K plan's vectors as the kernel reads them (`plan.StreamKWalk`): offsets and longest int32 [B + 1],
+  each program's flat sequences [first, end) int32 [P]."""
   offsets: Any
-  programs: Any
-  share: Any
+  longest: Any
+  first: Any
+  end: Any
+
+  def program(self, program, st):
+    """(lo, hi, first, end, share, per_head_block): the program's share [lo, hi) of the tiles, the flat sequences
+    it visits and its share's size (`plan.walk_share`, as the plan computed it), from four scalar loads."""
+    head_blocks = st.num_kv_heads * st.num_row_blocks
+    flat_sequences = head_blocks * st.batch
+    per_head_block = self.offsets[st.batch]
+    share = split_plan.walk_share(per_head_block, self.longest[0], head_blocks=head_blocks,
+                                  num_programs=st.num_programs, max_pieces=st.num_splits)
+    lo, hi = split_plan.share_bounds(program, share, head_blocks * per_head_block)
+    first = jnp.clip(self.first[program], 0, flat_sequences)
+    # The last program also takes the empty sequences after the last tile.
+    end = jnp.where(program == st.num_programs - 1, flat_sequences, jnp.clip(self.end[program], first, flat_sequences))
+    return lo, hi, first, end, share, per_head_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,11 +140,7 @@ def for_each_item(body, sequences: Sequences, st, tiles_per_split=None, walk: Wa
     return body(item, jnp.int32(0))
   program = lax.axis_index("program")
   if st.stream_k:
-    lo, hi, first, end = (walk.programs[program, i] for i in range(4))
-    share = jnp.maximum(walk.share[0], 1)
-    per_head_block = walk.offsets[st.batch]   # loaded once, not per segment
-    first = jnp.clip(first, 0, st.num_kv_heads * st.num_row_blocks * st.batch)
-    end = jnp.clip(end, first, st.num_kv_heads * st.num_row_blocks * st.batch)
+    lo, hi, first, end, share, per_head_block = walk.program(program, st)   # loaded once, not per segment
 
     def segment(k, steps_before):
       item = segment_of(first + k, program, lo, hi, share, per_head_block, sequences, walk, st)
