@@ -34,6 +34,7 @@ declare -A PARTS=(
   [paged_one_byte]="decode:paged64_int8 decode:paged64_int8_tiles"   # Triton's paged tiles, int8 page 64
   [tune]="tune:tune"                      # Mosaic GPU entries of the tuned file
   [tune_triton]="tune:tune_triton"
+  [tune_both]="tune:tune_both tune:tune_both_models"   # both backends, one run, full + ragged
   [scaling8k]="scaling:scaling8k"         # several GPUs
   [scaling32k]="scaling:scaling32k"
 )
