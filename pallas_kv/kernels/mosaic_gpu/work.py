@@ -96,26 +96,41 @@ def _sequence_of(b, sequences: Sequences, st):
   return jnp.clip(sequences.order[b], 0, st.batch - 1)   # clamped: a runtime value never addresses past the batch
 
 
-def item_of(b, head_block, program_split, sequences: Sequences, st, tiles_per_split) -> Item:
-  """The item of batch slot b, a head block and a split program (kv_groups splits)."""
-  b = _sequence_of(b, sequences, st)
+def _loads_of_slot(slot, sequences: Sequences, st):
+  """(sequence, length, window start or None) of batch slot `slot`: an item's scalar loads from GMEM, which a
+  persistent program issues an item ahead so that their latency is off the consumers' path."""
+  b = _sequence_of(slot, sequences, st)
+  return (b, *sequences.bounds(b, st))
+
+
+def item_of(b, head_block, program_split, sequences: Sequences, st, tiles_per_split, loaded=None) -> Item:
+  """The item of batch slot b, a head block and a split program (kv_groups splits); loaded: slot b's
+  `_loads_of_slot`, if already issued."""
+  b, length, start = loaded if loaded is not None else _loads_of_slot(b, sequences, st)
   head, row_block = _head_of(head_block, st)
-  length, start = sequences.bounds(b, st)
   splits = [program_split * st.kv_groups + g for g in range(st.kv_groups)]
   ranges = [split_plan.split_tile_range(length, split, num_splits=st.num_splits, tiles_per_split=tiles_per_split,
                                         start=start, **_tile_window(st)) for split in splits]
   return Item(b=b, head=head, row_block=row_block, length=length, start=start, splits=splits, ranges=ranges)
 
 
-def segment_of(flat, program, lo, hi, share, per_head_block, sequences: Sequences, walk: WalkRefs, st) -> Item:
+def _loads_of_flat(flat, sequences: Sequences, walk: WalkRefs, st):
+  """Stream-K: (offsets[b], offsets[b + 1], length, window start or None) of flat sequence `flat`, its sequence
+  b = flat % B: a segment's scalar loads, issued a segment ahead by `for_each_item`."""
+  b = lax.rem(flat, jnp.int32(st.batch))
+  return (walk.offsets[b], walk.offsets[b + 1], *sequences.bounds(b, st))
+
+
+def segment_of(flat, program, lo, hi, share, per_head_block, sequences: Sequences, walk: WalkRefs, st,
+               loaded=None) -> Item:
   """Stream-K: the part of flat sequence `flat` (head block flat // B, sequence flat % B) that falls in this
   program's share [lo, hi) of the tiles laid end to end (per_head_block = walk.offsets[B] tiles a head block),
-  and its piece slot."""
+  and its piece slot; loaded: its `_loads_of_flat`, if already issued."""
   head_block, b = lax.div(flat, jnp.int32(st.batch)), lax.rem(flat, jnp.int32(st.batch))
   head, row_block = _head_of(head_block, st)
-  seq_start = head_block * per_head_block + walk.offsets[b]
-  seq_end = head_block * per_head_block + walk.offsets[b + 1]
-  length, start = sequences.bounds(b, st)
+  offset, next_offset, length, start = loaded if loaded is not None else _loads_of_flat(flat, sequences, walk, st)
+  seq_start = head_block * per_head_block + offset
+  seq_end = head_block * per_head_block + next_offset
   first_tile, end_tile = split_plan.visible_tiles(length, start=start, **_tile_window(st))
   seg_lo = jnp.maximum(lo, seq_start)
   seg_hi = jnp.maximum(jnp.minimum(hi, seq_end), seg_lo)
@@ -142,14 +157,20 @@ def for_each_item(body, sequences: Sequences, st, tiles_per_split=None, walk: Wa
   if st.stream_k:
     lo, hi, first, end, share, per_head_block = walk.program(program, st)   # loaded once, not per segment
 
-    def segment(k, steps_before):
-      item = segment_of(first + k, program, lo, hi, share, per_head_block, sequences, walk, st)
+    last = jnp.maximum(end - 1, first)
+
+    def segment(k, carry):
+      steps_before, loaded = carry
       after = first + k + 1
+      # The next segment's loads, issued now: their latency overlaps this segment's tiles.
+      loaded_next = _loads_of_flat(jnp.minimum(after, last), sequences, walk, st)
+      item = segment_of(first + k, program, lo, hi, share, per_head_block, sequences, walk, st, loaded=loaded)
       head_block, b = lax.div(after, jnp.int32(st.batch)), lax.rem(after, jnp.int32(st.batch))
       item = dataclasses.replace(item, index=k, following=(b, *_head_of(head_block, st), after < end))
-      return steps_before + body(item, steps_before)
+      return steps_before + body(item, steps_before), loaded_next
 
-    return lax.fori_loop(0, end - first, segment, jnp.int32(0))
+    first_loads = _loads_of_flat(first, sequences, walk, st)
+    return lax.fori_loop(0, end - first, segment, (jnp.int32(0), first_loads))[0]
 
   num_heads, num_split_programs, _ = st.grid_shape
   # Items program, program + P, ...; the grid has P <= num_items programs.
@@ -161,14 +182,18 @@ def for_each_item(body, sequences: Sequences, st, tiles_per_split=None, walk: Wa
     return (lax.div(rest, jnp.int32(num_split_programs)), lax.rem(w, jnp.int32(num_heads)),
             lax.rem(rest, jnp.int32(num_split_programs)))
 
-  def one(k, steps_before):
+  def one(k, carry):
+    steps_before, loaded = carry
     w = program + k * st.num_programs
-    item = item_of(*position(w), sequences, st, tiles_per_split)
-    b, head_block, _ = position(jnp.minimum(w + st.num_programs, st.num_items - 1))
-    following = (_sequence_of(b, sequences, st), *_head_of(head_block, st), k + 1 < mine)
-    return steps_before + body(dataclasses.replace(item, index=k, following=following), steps_before)
+    slot, head_block, _ = position(jnp.minimum(w + st.num_programs, st.num_items - 1))
+    # The next item's loads, issued now: their latency overlaps this item's tiles.
+    loaded_next = _loads_of_slot(slot, sequences, st)
+    item = item_of(*position(w), sequences, st, tiles_per_split, loaded=loaded)
+    following = (loaded_next[0], *_head_of(head_block, st), k + 1 < mine)
+    return steps_before + body(dataclasses.replace(item, index=k, following=following), steps_before), loaded_next
 
-  return lax.fori_loop(0, mine, one, jnp.int32(0))
+  first_loads = _loads_of_slot(position(program)[0], sequences, st)
+  return lax.fori_loop(0, mine, one, (jnp.int32(0), first_loads))[0]
 
 
 def fill_unused_slots(item: Item, neg_inf, lse_ref, st) -> None:
