@@ -98,7 +98,7 @@ def _sequence_of(b, sequences: Sequences, st):
 
 def _loads_of_slot(slot, sequences: Sequences, st):
   """(sequence, length, window start or None) of batch slot `slot`: an item's scalar loads from GMEM, which a
-  persistent program issues an item ahead so that their latency is off the consumers' path."""
+  persistent program issues ahead so that their latency is off the consumers' path (`for_each_item`)."""
   b = _sequence_of(slot, sequences, st)
   return (b, *sequences.bounds(b, st))
 
@@ -182,18 +182,24 @@ def for_each_item(body, sequences: Sequences, st, tiles_per_split=None, walk: Wa
     return (lax.div(rest, jnp.int32(num_split_programs)), lax.rem(w, jnp.int32(num_heads)),
             lax.rem(rest, jnp.int32(num_split_programs)))
 
-  def one(k, carry):
-    steps_before, loaded = carry
-    w = program + k * st.num_programs
-    slot, head_block, _ = position(jnp.minimum(w + st.num_programs, st.num_items - 1))
-    # The next item's loads, issued now: their latency overlaps this item's tiles.
-    loaded_next = _loads_of_slot(slot, sequences, st)
-    item = item_of(*position(w), sequences, st, tiles_per_split, loaded=loaded)
-    following = (loaded_next[0], *_head_of(head_block, st), k + 1 < mine)
-    return steps_before + body(dataclasses.replace(item, index=k, following=following), steps_before), loaded_next
+  def slot_of(k):   # batch slot of the program's k-th item (clamped past its last)
+    return position(jnp.minimum(program + k * st.num_programs, st.num_items - 1))[0]
 
-  first_loads = _loads_of_slot(position(program)[0], sequences, st)
-  return lax.fori_loop(0, mine, one, (jnp.int32(0), first_loads))[0]
+  def one(k, carry):
+    steps_before, loaded, next_b = carry
+    w = program + k * st.num_programs
+    # Loads issued now, their latency overlapping this item's tiles: the next item's bounds (its sequence came
+    # with the item before) and, with a sequence order, the sequence of the item after it.
+    loaded_next = (next_b, *sequences.bounds(next_b, st))
+    after_next_b = _sequence_of(slot_of(k + 2), sequences, st)
+    item = item_of(*position(w), sequences, st, tiles_per_split, loaded=loaded)
+    _, head_block, _ = position(jnp.minimum(w + st.num_programs, st.num_items - 1))
+    following = (next_b, *_head_of(head_block, st), k + 1 < mine)
+    steps = steps_before + body(dataclasses.replace(item, index=k, following=following), steps_before)
+    return steps, loaded_next, after_next_b
+
+  first = (jnp.int32(0), _loads_of_slot(slot_of(0), sequences, st), _sequence_of(slot_of(1), sequences, st))
+  return lax.fori_loop(0, mine, one, first)[0]
 
 
 def fill_unused_slots(item: Item, neg_inf, lse_ref, st) -> None:
