@@ -28,9 +28,8 @@ declare -A PARTS=(
             serving:smollm2_system_prompt"   # forked prompts, a cached system prompt
   [vmap]="vmap:vmap"
   [step]="step:step"
-  [mosaic_sk_parts]="tools.kernel_variants:mosaic_stream_k_parts"   # stream-K: op, kernel, plan
   [mosaic_levers]="tools.kernel_variants:mosaic_tile_consumers tools.kernel_variants:mosaic_ragged_order
-                   decode:rows_ragged_longest_first"   # Mosaic GPU's levers; run rows_ragged beside it
+                   decode:rows_ragged_longest_first tools.kernel_variants:mosaic_stream_k_parts"   # beside rows_ragged
   [paged_one_byte]="decode:paged64_int8 decode:paged64_int8_tiles"   # Triton's paged tiles, int8 page 64
   [tune]="tune:tune"                      # Mosaic GPU entries of the tuned file
   [tune_triton]="tune:tune_triton"
