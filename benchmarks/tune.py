@@ -16,7 +16,7 @@ complete config that won. Winners are merged into
 `auto` takes, per shape, the backend whose entry measured fastest (`tuned.fastest_backend`), so both backends'
 times should come from one run: `--backend=mosaic_gpu,triton` tunes each shape on both, back to back, and
 `--space=tuned` re-times only the config each backend runs now (`resolve_config` with no config given), and
-`--space=plans` that config and the stream-K walk. Candidates are scored on full and ragged lengths
+`--space=plans` that config, that config with the sequences longest first, and the stream-K walk. Candidates are scored on full and ragged lengths
 (`--score_ragged`, on by default): serving batches are ragged.
 """
 
@@ -60,8 +60,8 @@ def define_flags() -> None:
   flags.register_validator("backend", lambda names: bool(names) and set(names) <= set(BACKENDS),
                            f"--backend takes one or more of {', '.join(BACKENDS)}")
   flags.DEFINE_enum("space", "fast", ["smoke", TUNED, PLANS, "fast", "full"],
-                    f"candidate space; {TUNED}: the config each backend runs now, re-timed; {PLANS}: that and the "
-                    "stream-K walk")
+                    f"candidate space; {TUNED}: the config each backend runs now, re-timed; {PLANS}: that, that "
+                    "with the sequences longest first, and the stream-K walk")
   flags.DEFINE_bool("score_ragged", True, "time each candidate on ragged lengths too (uniform in [S, T]) and "
                     "keep the least total time: serving batches are ragged")
   flags.DEFINE_string("out", None, "tuned file to merge into (default: the device kind's file)")
@@ -75,9 +75,9 @@ def candidate_space(backend: str, space: str, *, one_byte: bool = False) -> list
     return [dict(block_kv=64, num_stages=2), dict(block_kv=64, num_stages=3)]
   if space == TUNED:
     return [TUNED]
-  if space == PLANS:   # the config a call runs now, and the stream-K walk of equal shares beside it
-    return [TUNED, dict(split_plan="stream_k", pipeline_qk=True) if backend == "mosaic_gpu" else
-            dict(split_plan="stream_k")]
+  if space == PLANS:   # the config a call runs now, that with the sequences longest first, and the stream-K walk
+    return [TUNED, dict(over=TUNED, sequence_order="longest_first"),
+            dict(split_plan="stream_k", pipeline_qk=True) if backend == "mosaic_gpu" else dict(split_plan="stream_k")]
   if backend == "triton" and space == "fast" and one_byte:   # 12 candidates, for v stored tokens last
     # 128-token tiles won at every batch and 256-token ones came within 2% at B128 (RESULTS.md, seventh set).
     tiles = [dict(block_kv=128, num_stages=n) for n in (2, 3, 4)] + [dict(block_kv=256, num_stages=2)]
@@ -113,7 +113,7 @@ PLANS = "plans"
 def make_config(backend: str, problem, fields: dict | str, dtype) -> KernelConfig | None:
   """The complete config (the backend's type) that a candidate's fields resolve to, with its split
   count scaled by split_scale, or None if it is invalid for this problem; `TUNED`: the config a call
-  with no config runs.
+  with no config runs (`over=TUNED` among the fields: that config with the other fields replaced).
 
   The backend fills what the candidate leaves out (`resolve_config`: its heuristic, around the
   given fields). Triton candidates take per-sequence splits unless they name a plan: the tuner
@@ -121,17 +121,19 @@ def make_config(backend: str, problem, fields: dict | str, dtype) -> KernelConfi
   choice where it pays (`triton_config.stream_k_pays`, which a lookup still applies).
   """
   config_type, module = BACKENDS[backend]
-  if fields == TUNED:
-    return module.resolve_config(problem, None, dtype=dtype)
-  fields = dict(fields)
+  fields = {"over": TUNED} if fields == TUNED else dict(fields)
+  over_tuned = fields.pop("over", None) == TUNED
   scale = fields.pop("split_scale", 1)
-  if backend == "triton":
+  if backend == "triton" and not over_tuned:
     fields.setdefault("split_plan", "per_sequence")
   names = {f.name for f in dataclasses.fields(config_type)}
   fields = {k: v for k, v in fields.items() if k in names}  # fields this backend's kernel does not take
   try:
-    resolved = module.resolve_config(problem, config_type(**fields), dtype=dtype)
-    config = dataclasses.replace(resolved, num_splits=max(1, int(round(resolved.num_splits * scale))))
+    if over_tuned:   # the config a call runs now, these fields replaced
+      config = dataclasses.replace(module.resolve_config(problem, None, dtype=dtype), **fields)
+    else:
+      resolved = module.resolve_config(problem, config_type(**fields), dtype=dtype)
+      config = dataclasses.replace(resolved, num_splits=max(1, int(round(resolved.num_splits * scale))))
     if backend == "mosaic_gpu":
       mosaic_gpu_config.check_config(config, rows=problem.num_queries * problem.group_size,
                                      head_dim=problem.head_dim, dtype=dtype, page_size=problem.page_size,

@@ -1,9 +1,11 @@
 """Tuned configs: the file round-trips, lookups find near shapes, the backends' config choice uses them."""
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +104,23 @@ def test_tuner_retimes_what_each_backend_runs_in_one_run(tmp_path):
   assert entries[0]["config"] == mgpu_config.resolve_config(problem, None, device_kind="cpu")
   written = json.loads(out.read_text())["entries"]
   assert {e["backend"] for e in written} == {"mosaic_gpu", "triton"} and all(e["time_us"] > 0 for e in written)
+
+
+def test_plans_space_is_the_current_config_longest_first_and_the_walk():
+  """--space=plans: the config a call runs now, that config with the sequences longest first (its other fields
+  kept), and the stream-K walk; a candidate the backend refuses (Triton's walk takes no order) is skipped."""
+  from benchmarks import tune
+  problem = _problem(16, 32768)
+  current = mgpu_config.resolve_config(problem, None)
+  tuned_now, longest_first, walk = (tune.make_config("mosaic_gpu", problem, c, "bfloat16")
+                                    for c in tune.candidate_space("mosaic_gpu", tune.PLANS))
+  assert tuned_now == current and longest_first == dataclasses.replace(current, sequence_order="longest_first")
+  assert walk.split_plan == "stream_k" and walk.pipeline_qk and walk.persistent
+  triton_walk = pkv.TritonConfig(block_kv=64, num_stages=3, split_plan="stream_k", num_splits=33, num_warps=4,
+                                 sequence_order="given", merge_in_kernel=False)
+  with mock.patch.object(tune.BACKENDS["triton"][1], "resolve_config", return_value=triton_walk):
+    assert tune.make_config("triton", problem, dict(over=tune.TUNED, sequence_order="longest_first"),
+                            "bfloat16") is None
 
 
 def _keeps(resolved, config) -> bool:
