@@ -16,8 +16,8 @@ complete config that won. Winners are merged into
 `auto` takes, per shape, the backend whose entry measured fastest (`tuned.fastest_backend`), so both backends'
 times should come from one run: `--backend=mosaic_gpu,triton` tunes each shape on both, back to back, and
 `--space=tuned` re-times only the config each backend runs now (`resolve_config` with no config given), and
-`--space=plans` that config, that config with the sequences longest first, and the stream-K walk. Candidates are scored on full and ragged lengths
-(`--score_ragged`, on by default): serving batches are ragged.
+`--space=plans` that config, that config with the sequences longest first, and the stream-K walk. Candidates
+are scored on full and ragged lengths (`--score_ragged`, on by default): serving batches are ragged.
 """
 
 from __future__ import annotations
@@ -175,21 +175,29 @@ def _batch(case: cases.Case, sweep: cases.Sweep, key, tokens_last: bool) -> _Bat
   return _Batch("ragged" if case.ragged else "full", input_sets, ref, kv_bytes)
 
 
+def case_batches(case: cases.Case, sweep: cases.Sweep, key, *, score_ragged: bool = False) -> list[_Batch]:
+  """The batches a case's candidates are timed on: its own lengths and, with score_ragged (a case of full
+  lengths), the same shape with lengths uniform in [S, T]. Built once a case, whatever the backends."""
+  # The layout a cache of this dtype is created in (one-byte caches: v tokens last), which is what calls read.
+  tokens_last = pkv_cache.default_v_tokens_last(case.kv_dtype or case.dtype)
+  batches = [_batch(case, sweep, key, tokens_last)]
+  if score_ragged and not case.ragged:
+    batches.append(_batch(dataclasses.replace(case, ragged=True), sweep, key, tokens_last))
+  return batches
+
+
 def tune_case(case: cases.Case, sweep: cases.Sweep, backend: str, candidates: Iterable[dict], key, *,
-              score_ragged: bool = False) -> dict | None:
+              score_ragged: bool = False, batches: list[_Batch] | None = None) -> dict | None:
   """Times every valid candidate on one case; returns the winning entry (or None): its config the
   complete config that was timed (`tuned.write` writes its fields).
 
   score_ragged (a case of full lengths): each candidate is also timed on the same shape with lengths uniform in
   [S, T], as serving batches are, and the winner is the least total time; the entry holds both
-  (`ragged_time_us`), which `tuned.fastest_backend` compares.
+  (`ragged_time_us`), which `tuned.fastest_backend` compares. batches: `case_batches`, if already built.
   """
   cache_dtype = case.kv_dtype or case.dtype   # tuned entries are keyed by the cache's dtype and v's layout
-  # The layout a cache of this dtype is created in (one-byte caches: v tokens last), which is what calls read.
-  tokens_last = pkv_cache.default_v_tokens_last(cache_dtype)
-  batches = [_batch(case, sweep, key, tokens_last)]
-  if score_ragged and not case.ragged:
-    batches.append(_batch(dataclasses.replace(case, ragged=True), sweep, key, tokens_last))
+  tokens_last = pkv_cache.default_v_tokens_last(cache_dtype)   # as `case_batches` laid the inputs out
+  batches = batches or case_batches(case, sweep, key, score_ragged=score_ragged)
   args = batches[0].input_sets[0]
   problem = _problem(case, args, tokens_last)
   op = {"decode": pkv.decode_attention, "paged": pkv.paged_decode_attention}[case.op]
@@ -247,10 +255,11 @@ def run(sweep: cases.Sweep, backends: str | Sequence[str], space: str, out: path
     key, case_key = jax.random.split(key)
     case = cases.Case.from_sweep(sweep, batch, seq_len)
     one_byte = jnp.dtype(case.kv_dtype or case.dtype).itemsize == 1
+    batches = case_batches(case, sweep, case_key, score_ragged=score_ragged)   # inputs and reference, once
     for backend in backends:
       print(f"== {case.describe()}  backend={backend}", flush=True)
       entry = tune_case(case, sweep, backend, candidate_space(backend, space, one_byte=one_byte), case_key,
-                        score_ragged=score_ragged)
+                        batches=batches)
       if entry is None:
         continue
       entries.append(entry)

@@ -448,8 +448,6 @@ class DecodeSmem:
     terms = (2,) if self.fp8_operands else ()
     return (self.q_buffers, self.row_wgs, *terms, ROWS_PER_WG, self.head_dim)
 
-
-
   @property
   def _q_smem_dtype(self):
     return jnp.dtype(FP8_OPERAND_DTYPE) if self.fp8_operands else self.q_dtype
