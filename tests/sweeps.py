@@ -5,6 +5,8 @@ shapes between them (`configs/gqa_h200_heldout.flags`)."""
 
 from __future__ import annotations
 
+import json
+
 import os
 
 import jax
@@ -72,15 +74,22 @@ def shape_id(heads, case, page_size) -> str:
   return f"h{heads[0]}-{heads[1]}-b{case[0]}-t{case[1]}-page{page_size}"
 
 
-def shipped_tuned_h200_configs(backend: str, path: str = GQA_SWEEP):
-  """[(case, config)]: the distinct configs the package's H200 tuned file gives `backend` at the
-  dense 32/8 shapes of a sweep (None where it has no entry near enough)."""
+def shipped_device_kinds() -> list[str]:
+  """The device kinds of the tuned files shipped with the package (pallas_kv/tuned/*.json)."""
+  from pallas_kv import tuned
+  return sorted(json.loads(path.read_text())["device_kind"] for path in tuned.tuned_dir().glob("*.json"))
+
+
+def shipped_tuned_configs(backend: str, path: str = GQA_SWEEP):
+  """[(case, config)]: the distinct configs the package's tuned files (every device kind shipped) give `backend`
+  at the dense 32/8 shapes of a sweep (None where a file has no entry near enough)."""
   from pallas_kv import tuned
   seen, found = set(), []
-  for case in sweep_cases(path):
-    _, problem = problem_args(sweep_heads()[0], case, None)
-    config = tuned.tuned_config(backend, problem, "bfloat16", "NVIDIA H200")
-    if config not in seen:
-      seen.add(config)
-      found.append((case, config))
+  for device_kind in shipped_device_kinds():
+    for case in sweep_cases(path):
+      _, problem = problem_args(sweep_heads()[0], case, None)
+      config = tuned.tuned_config(backend, problem, "bfloat16", device_kind)
+      if config not in seen:
+        seen.add(config)
+        found.append((case, config))
   return found
