@@ -594,8 +594,8 @@ class _Partner:
 
   def merged_with(self, out, lse):
     plgpu.barrier_wait(self.staged)
-    other_out = plgpu.load(self.out, (), layout=plgpu.Layout.WGMMA)
-    other_lse = plgpu.load(self.lse, (), layout=plgpu.Layout.WGMMA.reduce(1))
+    other_out = plgpu.load(self.out, layout=plgpu.Layout.WGMMA)
+    other_lse = plgpu.load(self.lse, layout=plgpu.Layout.WGMMA.reduce(1))
     plgpu.barrier_arrive(self.read)
     return online_softmax.merge_pair(out, lse, other_out, other_lse)
 
