@@ -224,8 +224,8 @@ class _DequantizedTiles:
                                                 tokens_axis=1 if self.tokens_last else 0)
     # One proxy fence covers both TMA's refill of the slots read above and wgmma's reads of the stores.
     self.ring.release(step, read_by_registers=True)
-    if scale_ring is not None:
-      scale_ring.release(step)   # its reads came before that fence
+    # The scales' reads came before that fence: here, or into P (tokens last: `column_scales`, in the softmax).
+    pipeline.release_after_commit((self.scale_ring,), step)
     return self.tile(step)
 
   def tile(self, step):
@@ -233,7 +233,8 @@ class _DequantizedTiles:
     return self.dequantized.transpose((1, 0)) if self.tokens_last else self.dequantized
 
   def column_scales(self, step):
-    """Tokens last: step's per-token scales [bkv] (WGMMA columns) for P; else None (fetch applies them)."""
+    """Tokens last: step's per-token scales [bkv] (WGMMA columns) for P, their slot freed by the same step's fetch;
+    else None (fetch applies them)."""
     if not self.tokens_last or self.scale_ring is None:
       return None
     return fp8_operands.column_scales(self.scale_ring, step)

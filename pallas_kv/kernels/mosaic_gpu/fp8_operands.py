@@ -55,10 +55,9 @@ class Fp8Tiles:
 
 
 def column_scales(ring: pipeline.Ring, step):
-  """Step's per-token scales [bkv] as WGMMA columns; the slot is released."""
-  scales = plgpu.load(ring.wait(step), layout=plgpu.Layout.WGMMA.reduce(0))
-  ring.release(step, read_by_registers=True)
-  return scales
+  """Step's per-token scales [bkv] as WGMMA columns. The slot stays held: the caller frees it after its next
+  `plgpu.commit_smem` (`pipeline.release_after_commit`), not with a fence of its own."""
+  return plgpu.load(ring.wait(step), layout=plgpu.Layout.WGMMA.reduce(0))
 
 
 def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math, start=None, interpret=False):
@@ -130,6 +129,8 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
     p_hi[...] = hi
     p_lo[...] = (p - hi.astype(jnp.float32)).astype(p_lo.dtype)
     plgpu.commit_smem()
+    # Both scale slots were read (into S and P) before that commit, in every warp.
+    pipeline.release_after_commit((tiles.k_scales, tiles.v_scales), i)
     return pv(acc, i, tile, masked), m_new, l_new, c_i
 
   acc = plgpu.layout_cast(jnp.zeros((ROWS, st.tiling.head_dim), jnp.float32), plgpu.Layout.WGMMA)

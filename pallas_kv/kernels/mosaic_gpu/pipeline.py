@@ -204,7 +204,9 @@ class Ring:
 
   def release(self, step, *, part=None, read_by_registers: bool = False):
     """Frees step's slot (part). TMA refills it through the async proxy, as wgmma reads it; a consumer
-    that loaded it into registers passes read_by_registers=True to fence those reads first."""
+    that loaded it into registers passes read_by_registers=True to fence those reads first, or releases it
+    plainly after a later `plgpu.commit_smem` of its own (a fence and a warpgroup barrier) that every read of
+    the slot came before (`release_after_commit`)."""
     poison = self.poison_released and self.spec.num_consumers == 1
     if poison:
       slot = self.slot(step, part)
@@ -212,3 +214,12 @@ class Ring:
     if read_by_registers or poison:
       plgpu.commit_smem()
     plgpu.barrier_arrive(self._barrier(self.consumed, step, part))
+
+
+def release_after_commit(rings: Sequence[Ring | None], step) -> None:
+  """Frees step's slots of rings read into registers, without a fence or a warpgroup barrier of their own: call
+  it after a `plgpu.commit_smem` that follows every read of them (each warp's loads done, as their values were
+  used before it), so that TMA's refill cannot overtake a read. Saves that commit per slot and tile."""
+  for ring in rings:
+    if ring is not None:
+      ring.release(step)
