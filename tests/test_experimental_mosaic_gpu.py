@@ -1,6 +1,7 @@
-"""The Mosaic GPU GQA kernel's experimental variant (`pallas_kv.experimental.MosaicGPUVariantConfig`):
-the converter warpgroup, which widens one-byte K / V tiles for the consumers (FA3's fp8 path).
-Numerics in GPU interpret mode, race detection, its checks, CUDA lowering and the GPU run."""
+"""The Mosaic GPU GQA kernel's experimental variants (`pallas_kv.experimental.MosaicGPUVariantConfig`):
+the converter warpgroup, which widens one-byte K / V tiles for the consumers (FA3's fp8 path), and explicit
+barriers (no automatic warpgroup barrier around each SMEM store). Numerics in GPU interpret mode, race
+detection, their checks, CUDA lowering and the GPU run."""
 
 import dataclasses
 import functools
@@ -147,3 +148,99 @@ def test_gpu_converter_warpgroup_matches_reference(kv_dtype, kind, page_size):
     out = pkv.paged_decode_attention(q, k_pages, v_pages, tables, case.lengths, k_scale=k_scale, v_scale=v_scale,
                                      impl="mosaic_gpu", config=config)
   assert_matches_reference(out, case.reference()[0][:, 0], case.q.dtype)
+
+
+# ---------------------------------------------------------------- explicit barriers
+
+def explicit(**fields) -> MosaicGPUVariantConfig:
+  return complete(MosaicGPUVariantConfig, explicit_barriers=True, **fields)
+
+
+def _tokens_last_call(case, config, interpret: bool):
+  """decode_attention over the case's cache with V stored tokens last ([B, Hkv, D, T])."""
+  v = jnp.transpose(case.v, (0, 2, 3, 1))
+  with pkv.interpret(interpret):
+    return pkv.decode_attention(case.q[:, 0], case.k, v, case.lengths, k_scale=case.k_scale, v_scale=case.v_scale,
+                                v_tokens_last=True, impl="mosaic_gpu", config=config)
+
+
+@pytest.mark.parametrize("seed,kv_dtype,page_size,fields", [
+    (40, INT8, None, dict(num_splits=2)),
+    (41, INT8, 32, dict(pipeline_qk=True, persistent=True, num_splits=2)),
+    (42, E4M3, None, dict(tile_consumers=2, num_stages=4, persistent=True, num_splits=2)),
+], ids=["int8-widened", "int8-pqk-persistent-page32", "e4m3-widened-tc2-persistent"])
+def test_explicit_barriers_match_reference_interpret(seed, kv_dtype, page_size, fields):
+  # The widening consumers' stores, the persistent programs' output staging and two consumers' hand-over,
+  # over a masked last tile and an empty sequence (interpret mode runs the code; the barriers it needs on a GPU
+  # are the GPU test's to check).
+  case = make_quant_case(seed, kv_dtype=kv_dtype, k_kind="token", v_kind="token", batch=2, seq_len=192,
+                         num_heads=4, num_kv_heads=1, page_size=page_size, lengths=[150, 0])
+  out, _ = check_case(case, explicit(**fields), num_programs=1 if fields.get("persistent") else None)
+  np.testing.assert_array_equal(np.asarray(out[1], np.float32), 0.0)
+
+
+def test_explicit_barriers_fp8_operands_match_reference_interpret():
+  # fp8 tiles read by wgmma as stored, P staged in SMEM as two e4m3 terms each tile (the stores this variant
+  # frees of their barriers).
+  case = make_quant_case(43, kv_dtype=E4M3, k_kind="token", v_kind="token", batch=2, seq_len=192, num_heads=4,
+                         num_kv_heads=1, lengths=[150, 77])
+  out = _tokens_last_call(case, explicit(num_splits=2), True)
+  assert_matches_reference(out, case.reference()[0][:, 0], case.q.dtype)
+
+
+def test_explicit_barriers_are_checked():
+  check = functools.partial(mgpu_config.check_config, rows=4, page_size=None, num_splits=1, head_dim=128, dtype=INT8)
+  with pytest.raises(ValueError, match="explicit_barriers=True has no converter"):
+    check(complete(MosaicGPUVariantConfig, explicit_barriers=True, convert_warpgroup=True))
+  assert mgpu_config.explicit_barriers(explicit()) and not mgpu_config.explicit_barriers(complete())
+
+
+def _lowered_text(monkeypatch, fn, *args) -> str:
+  """The Mosaic GPU module of fn(*args) lowered for CUDA, as text after Mosaic GPU's own lowering (the custom
+  call holds it as bytecode)."""
+  from jax.experimental.mosaic.gpu import core as mgpu_core
+  texts, lower = [], mgpu_core.lower_mgpu_module
+
+  def keep(module, *a, **k):
+    lower(module, *a, **k)
+    texts.append(str(module))
+
+  monkeypatch.setattr(mgpu_core, "lower_mgpu_module", keep)
+  lower_for_cuda(fn, *args)
+  assert len(texts) == 1
+  return texts[0]
+
+
+@pytest.mark.parametrize("kv_dtype", [E4M3, INT8], ids=["e4m3-fp8-operands", "int8-widened"])
+def test_explicit_barriers_lower_with_fewer_warpgroup_barriers(monkeypatch, kv_dtype):
+  # B32 T4096 heads 32/8 D128, V tokens last: the variant lowers for CUDA (layout inference included) and its
+  # consumers' loops hold fewer warpgroup barriers (bar.sync) than the shipped kernel's.
+  q = jax.ShapeDtypeStruct((32, 32, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((32, 4096, 8, 128), kv_dtype)
+  v = jax.ShapeDtypeStruct((32, 8, 128, 4096), kv_dtype)
+  lengths = jax.ShapeDtypeStruct((32,), jnp.int32)
+  scales = jax.ShapeDtypeStruct((32, 4096, 8), jnp.float32)
+  counts = {}
+  for name, config in (("auto", complete(num_splits=1)), ("explicit", explicit(num_splits=1))):
+    fn = functools.partial(pkv.decode_attention, v_tokens_last=True, impl="mosaic_gpu", config=config)
+    text = _lowered_text(monkeypatch, lambda q, k, v, n, ks, vs: fn(q, k, v, n, k_scale=ks, v_scale=vs),
+                         q, k, v, lengths, scales, scales)
+    counts[name] = text.count("bar.sync")
+  # fp8: P's two stores a tile lose the barriers before and after them (38 -> 7 in the whole module, two
+  # consumers of three tile loops each); int8: the widened tiles' stores keep one, before (29 -> 14).
+  assert counts["explicit"] <= counts["auto"] // 2, counts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype,fields", [(E4M3, dict(num_splits=4)), (INT8, dict(num_splits=4)),
+                                             (INT8, dict(pipeline_qk=True, persistent=True, num_splits=2))],
+                         ids=["e4m3-fp8-operands", "int8-widened", "int8-pqk-persistent"])
+def test_gpu_explicit_barriers_match_reference_and_rerun_bit_identical(kv_dtype, fields):
+  # A race between a warp's SMEM stores and another warp's reads would show as a wrong or a varying result.
+  case = make_quant_case(44, kv_dtype=kv_dtype, k_kind="token", v_kind="token", batch=8, seq_len=2048,
+                         num_heads=32, num_kv_heads=8, head_dim=128, lengths=[2048, 1000, 0, 77, 2047, 1, 640, 1500])
+  config = MosaicGPUVariantConfig(block_kv=64, num_stages=4, explicit_barriers=True, **fields)
+  first = _tokens_last_call(case, config, False)
+  assert_matches_reference(first, case.reference()[0][:, 0], case.q.dtype)
+  for _ in range(3):
+    np.testing.assert_array_equal(np.asarray(_tokens_last_call(case, config, False)), np.asarray(first))

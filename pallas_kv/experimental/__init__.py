@@ -1,4 +1,5 @@
-"""Kernel variants that lost to the shipped kernels, kept runnable for experiments (docs/decisions.md).
+"""Kernel variants not shipped, kept runnable for experiments: those that lost to the shipped kernels
+(docs/decisions.md) and candidates not yet measured on a GPU (said so in their docstrings).
 
 Each is a config subclass naming a variant that the production kernel runs behind a seam (the MLA kernel's
 `mla_config.variant_schedule`, the GQA kernel's `converter`); pass one to an op with impl "mosaic_gpu". `auto`
@@ -21,10 +22,14 @@ class MosaicGPUVariantConfig(MosaicGPUConfig):
   consumers widens each K / V tile (and applies its per-token scales) into a ring of q-dtype
   tiles (FA3's fp8 path). Measured slower than the consumers' own widening: the one converter is
   the bound (docs/decisions.md#mosaic-converter-warpgroup). Needs kv_groups=1, no persistent grid,
-  head_dim <= 128."""
+  head_dim <= 128.
+  explicit_barriers: Mosaic GPU's automatic warpgroup barriers around every SMEM store turned off
+  (`CompilerParams.unsafe_no_auto_barriers`); the kernel syncs where its stores need it. Removes four of a one-byte
+  tile's barriers (P's two fp8 terms). A candidate, not yet measured on a GPU; no converter."""
   convert_warpgroup: bool = False
+  explicit_barriers: bool = False
 
-  BOOL_FIELDS: ClassVar[tuple[str, ...]] = MosaicGPUConfig.BOOL_FIELDS + ("convert_warpgroup",)
+  BOOL_FIELDS: ClassVar[tuple[str, ...]] = MosaicGPUConfig.BOOL_FIELDS + ("convert_warpgroup", "explicit_barriers")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

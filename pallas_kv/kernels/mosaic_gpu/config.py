@@ -495,6 +495,12 @@ def converter(config) -> bool:
   return bool(getattr(config, "convert_warpgroup", False))
 
 
+def explicit_barriers(config) -> bool:
+  """Whether the kernel runs without Mosaic GPU's automatic barriers around SMEM stores
+  (`experimental.MosaicGPUVariantConfig`)."""
+  return bool(getattr(config, "explicit_barriers", False))
+
+
 def check_tokens_last_fields(config: MosaicGPUConfig, page_size: int | None) -> None:
   """Raises where a (partial) config's fields cannot read v stored tokens last."""
   if converter(config):
@@ -533,6 +539,8 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
                        f"{config.num_stages=} {config.pipeline_qk=}")
     if converter(config):
       raise ValueError("tile_consumers=2 has no converter warpgroup (convert_warpgroup=True)")
+  if converter(config) and explicit_barriers(config):
+    raise ValueError("explicit_barriers=True has no converter warpgroup (convert_warpgroup=True)")
   if converter(config):
     if jnp.dtype(dtype).itemsize != 1:
       raise ValueError(f"convert_warpgroup=True converts one-byte caches; the cache is {jnp.dtype(dtype).name}")

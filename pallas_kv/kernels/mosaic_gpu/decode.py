@@ -137,6 +137,7 @@ class _Static:
   balanced: bool = False
   ordered: bool = False   # the batch slots take the sequences of the plan's order
   stream_k: bool = False  # the persistent programs walk the plan's equal shares of the tiles (`work`)
+  explicit_barriers: bool = False   # no automatic barriers around SMEM stores: the kernel syncs where needed
 
   @property
   def quantized(self) -> bool:
@@ -216,9 +217,12 @@ class _DequantizedTiles:
   scale_ring: pipeline.Ring | None = None
   head: Any = None
   tokens_last: bool = False
+  explicit_barriers: bool = False
 
   def fetch(self, step, valid_rows=None, first_row=None):
     scale_ring = None if self.tokens_last else self.scale_ring
+    if self.explicit_barriers:   # every warp's wgmma over the previous tile (wgmma's B: all rows) is done
+      plgpu.commit_smem()
     self.dequantized[...] = _dequantized_values(self.ring, scale_ring, step, valid_rows, self.head,
                                                 self.tile_math, self.dequantized.dtype, first_row,
                                                 tokens_axis=1 if self.tokens_last else 0)
@@ -484,8 +488,8 @@ def _tile_feeds(rings, streaming, w: int, head, st: _Static, converted=None):
     return _RingTiles(rings["k"]), _RingTiles(rings["v"], tokens_last=tokens_last)
   n = st.smem.dequant_tiles
   mine = streaming["dequantized"][w * n:(w + 1) * n]
-  return tuple(_DequantizedTiles(rings[role], dequantized, st.tile_math, scale_ring=rings.get(f"{role}s"),
-                                 head=head, tokens_last=tokens_last and role == "v")
+  return tuple(_DequantizedTiles(rings[role], dequantized, st.tile_math, scale_ring=rings.get(f"{role}s"), head=head,
+                                 tokens_last=tokens_last and role == "v", explicit_barriers=st.explicit_barriers)
                for role, dequantized in (("k", mine[0]), ("v", mine[-1])))
 
 
@@ -621,6 +625,8 @@ def _write_partials(carry, out_smem, lse_smem, out_ref, lse_ref, consumers_done,
   if st.persistent:
     # The staging is this warpgroup's own: wait only until the previous item's stores have read it.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    if st.explicit_barriers:   # the store's issuing thread waited: the other warps wait for it
+      plgpu.commit_smem()
   out_smem[...] = out.astype(out_smem.dtype)
   lse_smem[...] = lse
   plgpu.commit_smem()
@@ -655,7 +661,7 @@ def _build(st: _Static, interpret: Any):
       (st.quantized, f"_{st.tiling.dtype.name}_k{st.k_scale or 'none'}_v{st.v_scale or 'none'}"),
       (st.smem.converter, "_cvt"), (st.smem.v_tokens_last, "_vlast"), (st.smem.fp8_operands, "_fp8mma"),
       (st.smem.tile_consumers == 2, "_tc2"), (st.tile_math.name, f"_{st.tile_math.name}"),
-      (st.balanced, "_balanced"), (st.stream_k, "_streamk"), (st.ordered, "_ordered"),
+      (st.balanced, "_balanced"), (st.stream_k, "_streamk"), (st.ordered, "_ordered"), (st.explicit_barriers, "_eb"),
       (st.options.has_window_start, "_wstart")]
   name += "".join(part for applies, part in suffixes if applies)
   if st.persistent:
@@ -671,7 +677,7 @@ def _build(st: _Static, interpret: Any):
       grid_names=grid_names,
       num_threads=st.smem.num_threads,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=st.explicit_barriers),
       interpret=interpret,
       kernel_name=name,
   )
@@ -752,7 +758,8 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
       num_splits=plan.num_splits, capacity=kv_tiling.capacity(k.shape), options=options,
       tiling=kv_tiling, smem=smem, batch=B, num_kv_heads=Hkv, pipeline_qk=config.pipeline_qk,
       tile_math=tile_math, q_dtype=jnp.dtype(q.dtype), k_scale=k_kind, v_scale=v_kind,
-      balanced=plan.balanced, ordered=plan.ordered, stream_k=plan.stream_k)
+      balanced=plan.balanced, ordered=plan.ordered, stream_k=plan.stream_k,
+      explicit_barriers=mgpu_config.explicit_barriers(config))
   if plan.stream_k:
     st = dataclasses.replace(st, num_programs=plan.walk.num_programs)
   elif config.persistent:
