@@ -119,9 +119,11 @@ KERNEL = "kernel"
 KERNEL_SCHEDULES = {"": {}, "_smemp": VARIANTS[P_IN_SMEM], "_alt": VARIANTS[ALTERNATE],
                     "_altrh": VARIANTS[ALTERNATE_HALVES], "_rh": VARIANTS[RING_HALVES]}
 # Codegen's fields changed from its default (registers as (producer, consumer)); `_spt` the
-# ring's slots made opaque per tile (Codegen.slots_per_tile, read by the alternate scorers).
+# ring's slots made opaque per tile (Codegen.slots_per_tile, read by the alternate scorers); `_eb` no automatic
+# barrier around each SMEM store (Codegen.explicit_barriers; the shipped schedule only).
 KERNEL_CODEGEN = {"": {}, "_r232": dict(registers=(40, 232)), "_heldq": dict(q_per_tile=False),
-                  "_r232_heldq": dict(registers=(40, 232), q_per_tile=False), "_spt": dict(slots_per_tile=True)}
+                  "_r232_heldq": dict(registers=(40, 232), q_per_tile=False), "_spt": dict(slots_per_tile=True),
+                  "_eb": dict(explicit_barriers=True)}
 PROBE_STAGES = {"_no_qk": frozenset({"qk"}), "_no_softmax": frozenset({"softmax"}), "_no_pv": frozenset({"pv"}),
                 "_loads_only": frozenset({"qk", "softmax", "pv"}), "_no_loads": frozenset({"loads"}),
                 "_late_waits": frozenset({"waits"}), "_one_loader": frozenset({"second_loads"})}

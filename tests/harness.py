@@ -208,6 +208,22 @@ def lower_for_cuda(fn, *args):
                                  *shape_dtype_structs(*args))
 
 
+def mosaic_text_for_cuda(monkeypatch, fn, *args) -> str:
+  """The one Mosaic GPU kernel of jit(fn)(*args) lowered for CUDA, as text after Mosaic GPU's own lowering (the
+  custom call holds it as bytecode): what its instructions are (e.g. how many warpgroup barriers, `bar.sync`)."""
+  from jax.experimental.mosaic.gpu import core as mgpu_core
+  texts, lower = [], mgpu_core.lower_mgpu_module
+
+  def keep(module, *a, **k):
+    lower(module, *a, **k)
+    texts.append(str(module))
+
+  monkeypatch.setattr(mgpu_core, "lower_mgpu_module", keep)
+  lower_for_cuda(fn, *args)
+  assert len(texts) == 1, f"{len(texts)} Mosaic GPU kernels"
+  return texts[0]
+
+
 def gpu_available() -> bool:
   try:
     return bool(jax.devices("gpu"))

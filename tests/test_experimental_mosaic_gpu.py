@@ -13,7 +13,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import pallas_kv as pkv
-from harness import assert_matches_reference, lower_for_cuda
+from harness import assert_matches_reference, lower_for_cuda, mosaic_text_for_cuda
 from pallas_kv.experimental import MosaicGPUVariantConfig
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from test_mosaic_gpu_quantized import E4M3, E5M2, INT8, check_case, complete, make_quant_case, run_partials
@@ -195,22 +195,6 @@ def test_explicit_barriers_are_checked():
   assert mgpu_config.explicit_barriers(explicit()) and not mgpu_config.explicit_barriers(complete())
 
 
-def _lowered_text(monkeypatch, fn, *args) -> str:
-  """The Mosaic GPU module of fn(*args) lowered for CUDA, as text after Mosaic GPU's own lowering (the custom
-  call holds it as bytecode)."""
-  from jax.experimental.mosaic.gpu import core as mgpu_core
-  texts, lower = [], mgpu_core.lower_mgpu_module
-
-  def keep(module, *a, **k):
-    lower(module, *a, **k)
-    texts.append(str(module))
-
-  monkeypatch.setattr(mgpu_core, "lower_mgpu_module", keep)
-  lower_for_cuda(fn, *args)
-  assert len(texts) == 1
-  return texts[0]
-
-
 @pytest.mark.parametrize("kv_dtype", [E4M3, INT8], ids=["e4m3-fp8-operands", "int8-widened"])
 def test_explicit_barriers_lower_with_fewer_warpgroup_barriers(monkeypatch, kv_dtype):
   # B32 T4096 heads 32/8 D128, V tokens last: the variant lowers for CUDA (layout inference included) and its
@@ -223,7 +207,7 @@ def test_explicit_barriers_lower_with_fewer_warpgroup_barriers(monkeypatch, kv_d
   counts = {}
   for name, config in (("auto", complete(num_splits=1)), ("explicit", explicit(num_splits=1))):
     fn = functools.partial(pkv.decode_attention, v_tokens_last=True, impl="mosaic_gpu", config=config)
-    text = _lowered_text(monkeypatch, lambda q, k, v, n, ks, vs: fn(q, k, v, n, k_scale=ks, v_scale=vs),
+    text = mosaic_text_for_cuda(monkeypatch, lambda q, k, v, n, ks, vs: fn(q, k, v, n, k_scale=ks, v_scale=vs),
                          q, k, v, lengths, scales, scales)
     counts[name] = text.count("bar.sync")
   # fp8: P's two stores a tile lose the barriers before and after them (38 -> 7 in the whole module, two

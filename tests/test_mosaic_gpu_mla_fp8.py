@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import pallas_kv as pkv
-from harness import assert_lse_matches, assert_matches_reference, lower_for_cuda, paginate, relative_error
+from harness import assert_lse_matches, assert_matches_reference, lower_for_cuda, mosaic_text_for_cuda
+from harness import paginate, relative_error
 from pallas_kv import cache as kv_cache
 from pallas_kv.kernels.mosaic_gpu import mla_config
 from pallas_kv.kernels.mosaic_gpu import mla_tiles
@@ -102,7 +103,9 @@ def test_fp8_mla_garbage_past_lengths_never_reaches_an_output(interpret_mode):
   _check(case, out)
 
 
-def test_fp8_mla_race_detection_finds_none():
+@pytest.mark.parametrize("codegen", [mla_config.Codegen(), mla_config.Codegen(explicit_barriers=True)],
+                         ids=["shipped", "explicit-barriers"])
+def test_fp8_mla_race_detection_finds_none(codegen):
   # The partner widens the scorer's value columns for each tile (values_ready / values_free) while the scorer
   # scores it: 5 tiles through a 2-slot ring, pages of 32, a masked last tile, per-token scales.
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
@@ -113,7 +116,7 @@ def test_fp8_mla_race_detection_finds_none():
   out, lse = mgpu_mla.mla_partials(q.astype(jnp.float16), pages, lengths, tables, num_queries=1,
                                    v_head_dim=SMALL_V, scale=0.1, config=_config(1), kv_scale=kv_scale,
                                    plan=pkv.SplitPlan(kind="per_sequence", num_splits=1, block_kv=64),
-                                   interpret=plgpu.InterpretGPUParams(detect_races=True))
+                                   codegen=codegen, interpret=plgpu.InterpretGPUParams(detect_races=True))
   jax.block_until_ready(out)
   assert not gpu_callbacks.get_races().races_found
   ref = pkv.mla_decode_attention_reference(q.astype(jnp.float32), widened, tables, lengths, v_head_dim=SMALL_V,
@@ -209,7 +212,76 @@ def test_fp8_mla_lowers_for_cuda(shape):
   assert ("_ks" in module) == (scales == "token")
 
 
+def _kernel_launch(dtype, codegen, *, batch=64, seq_len=4096, num_heads=128, page_size=64):
+  """(the MLA kernel's launch, one split, on a bf16 or fp8 pool of DeepSeek-V3 shapes; its ShapeDtypeStructs)."""
+  from pallas_kv.kernels.mosaic_gpu import mla as mgpu_mla
+  pages = batch * seq_len // page_size
+  fp8 = jnp.dtype(dtype).itemsize == 1
+  args = [jax.ShapeDtypeStruct((batch, num_heads, QK), jnp.float16 if fp8 else jnp.bfloat16),
+          jax.ShapeDtypeStruct((pages, page_size, QK), dtype), jax.ShapeDtypeStruct((batch,), jnp.int32),
+          jax.ShapeDtypeStruct((batch, seq_len // page_size), jnp.int32)]
+  if fp8:
+    args.append(jax.ShapeDtypeStruct((pages, page_size), jnp.float32))
+  plan = pkv.SplitPlan(kind="per_sequence", num_splits=1, block_kv=64)
+  fn = lambda q, kv, lengths, tables, kv_scale=None: mgpu_mla.mla_partials(
+      q, kv, lengths, tables, num_queries=1, v_head_dim=V, scale=0.1, config=_config(1), plan=plan,
+      kv_scale=kv_scale, codegen=codegen)[0]
+  return fn, args
+
+
+@pytest.mark.parametrize("dtype", [FP8, jnp.bfloat16], ids=["fp8", "bf16"])
+def test_mla_explicit_barriers_lower_with_fewer_warpgroup_barriers(monkeypatch, dtype):
+  # Codegen(explicit_barriers=True): no automatic barrier around each SMEM store (P's hand-over, the fp8 widening)
+  # in the kernel lowered for CUDA (layout inference included); the shipped schedule's own syncs stay.
+  counts = {}
+  for name, codegen in (("auto", mla_config.Codegen()), ("explicit", mla_config.Codegen(explicit_barriers=True))):
+    fn, args = _kernel_launch(dtype, codegen)
+    counts[name] = mosaic_text_for_cuda(monkeypatch, fn, *args).count("bar.sync")
+  assert counts["explicit"] <= counts["auto"] // 2, counts
+
+
+def test_mla_explicit_barriers_refuse_an_experimental_schedule():
+  from pallas_kv.experimental import MLAVariantConfig
+  from pallas_kv.kernels.mosaic_gpu import mla as mgpu_mla
+  q = jnp.ones((1, 4, SMALL_QK), jnp.bfloat16)
+  pages = jnp.ones((4, 64, SMALL_QK), jnp.bfloat16)
+  config = MLAVariantConfig(block_kv=64, num_stages=2, num_splits=1, split_plan="per_sequence",
+                            sequence_order="given", alternate_scores=True)
+  with pytest.raises(ValueError, match=r"explicit_barriers=True\) syncs the shipped schedule"):
+    mgpu_mla.mla_partials(q, pages, jnp.asarray([100], jnp.int32), jnp.arange(4, dtype=jnp.int32)[None],
+                          num_queries=1, v_head_dim=SMALL_V, scale=0.1, config=config,
+                          plan=pkv.SplitPlan(kind="per_sequence", num_splits=1, block_kv=64),
+                          codegen=mla_config.Codegen(explicit_barriers=True), interpret=True)
+  assert mla_config.Codegen(explicit_barriers=True).name == "_eb"
+
+
 # ---------------------------------------------------------------- on the GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", ["token", None], ids=["fp8-token", "bf16"])
+def test_gpu_mla_explicit_barriers_match_reference_and_rerun_bit_identical(scales):
+  # A race between a warp's SMEM stores and another warp's reads would show as a wrong or a varying result.
+  from pallas_kv import runtime
+  from pallas_kv.kernels.mosaic_gpu import mla as mgpu_mla
+  if not runtime.is_hopper_or_newer():
+    pytest.skip("needs a Hopper GPU (compute capability 9.0+)")
+  case = _case(7, batch=8, seq_len=4096, num_heads=128, num_queries=None, page_size=64, scales="token",
+               lengths=[4096, 1, 3000, 64, 65, 4000, 2048, 999], qk_dim=QK)
+  q, pages, tables, lengths, kv_scale, widened = case
+  if scales is None:   # the same values in a bf16 pool
+    pages, kv_scale = widened.astype(jnp.bfloat16), None
+    widened = pages.astype(jnp.float32)
+  rows = q.astype(jnp.float16) if scales else q
+  run = jax.jit(lambda rows, pages, lengths, tables, kv_scale: mgpu_mla.mla_partials(
+      rows, pages, lengths, tables, num_queries=1, v_head_dim=V, scale=QK ** -0.5, config=_config(1),
+      plan=pkv.SplitPlan(kind="per_sequence", num_splits=1, block_kv=64), kv_scale=kv_scale,
+      codegen=mla_config.Codegen(explicit_barriers=True))[0])
+  first = run(rows, pages, lengths, tables, kv_scale)
+  ref = pkv.mla_decode_attention_reference(q.astype(jnp.float32), widened, tables, lengths, v_head_dim=V)
+  assert_matches_reference(first[:, 0], ref, jnp.bfloat16)
+  for _ in range(3):
+    np.testing.assert_array_equal(np.asarray(run(rows, pages, lengths, tables, kv_scale)), np.asarray(first))
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,seq_len,num_heads,num_queries,page_size,scales", [

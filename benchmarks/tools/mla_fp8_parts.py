@@ -6,7 +6,8 @@ over its fp8 copy (a scale per token), with Q as two fp8 terms or one, and with 
 Impls: `bf16`, `fp8` (the shipped kernel: Q as two fp8 terms), `fp8_q1` (one term: fp8's error, half Q K^T's
 MMA work), `fp8_scalar` (one scale for the pool: no scale ring, S and P unscaled in the kernel), and probes
 whose results are wrong by design (unchecked): `bf16_no_qk`, `fp8_no_qk` (Q K^T left out), `fp8_no_widen` (the
-partner hands the value tiles over without widening them). Each checked impl's relative error is given against
+partner hands the value tiles over without widening them), `bf16_eb` and `fp8_eb` (compiled without the automatic
+barriers around SMEM stores). Each checked impl's relative error is given against
 bf16_einsum over the bf16 pool and over the fp8 pool widened exactly.
 """
 
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+import pallas_kv as pkv
 from benchmarks import cases
 from benchmarks import mla as bench
 from benchmarks import timing
@@ -31,10 +33,11 @@ _IMPLS = flags.DEFINE_list("impl", ["bf16", "fp8", "fp8_q1", "fp8_scalar", "bf16
                            "impls")
 _JSON = flags.DEFINE_string("json", None, "write the rows here")
 
-# impl: (pool: bf16, fp8 with a scale per token or one scalar; Q's fp8 terms; the stages left out)
+# impl: (pool: bf16, fp8 with a scale per token or one scalar; Q's fp8 terms; the stages left out); `_eb`: compiled
+# without the automatic barriers around SMEM stores (`mla_config.Codegen.explicit_barriers`)
 IMPLS = {"bf16": ("bf16", 2, ()), "fp8": ("token", 2, ()), "fp8_q1": ("token", 1, ()),
          "fp8_scalar": ("scalar", 2, ()), "bf16_no_qk": ("bf16", 2, ("qk",)), "fp8_no_qk": ("token", 2, ("qk",)),
-         "fp8_no_widen": ("token", 2, ("widen",))}
+         "fp8_no_widen": ("token", 2, ("widen",)), "bf16_eb": ("bf16", 2, ()), "fp8_eb": ("token", 2, ())}
 
 
 def probe_math(skip: tuple[str, ...]):
@@ -60,8 +63,9 @@ def probe_math(skip: tuple[str, ...]):
 
 def launch(row: bench.Row, impl: str):
   """The jitted kernel launch of impl on (q, pages, tables, lengths[, kv_scale]): out [B, (S,) Hq, Dv]."""
-  from pallas_kv.kernels.mosaic_gpu import backend, mla as mgpu_mla   # pylint: disable=g-import-not-at-top
+  from pallas_kv.kernels.mosaic_gpu import backend, mla as mgpu_mla, mla_config   # pylint: disable=g-import-not-at-top
   pool, terms, skip = IMPLS[impl]
+  codegen = mla_config.Codegen(explicit_barriers=impl.endswith("_eb"))
   config, plan = bench.kernel_config({}, 1)
   math = probe_math(skip)
 
@@ -71,7 +75,8 @@ def launch(row: bench.Row, impl: str):
       rows = rows.astype(jnp.float16)   # the op's compute dtype over a one-byte pool
     out, _ = mgpu_mla.mla_partials(rows, pages, lengths, tables, num_queries=row.num_queries, v_head_dim=row.v_dim,
                                    scale=row.qk_dim ** -0.5, config=config, plan=plan, kv_scale=kv_scale,
-                                   query_terms=terms, tile_math=math, interpret=backend.interpret_params())
+                                   query_terms=terms, tile_math=math, codegen=codegen,
+                                   interpret=backend.interpret_params())
     return out[:, 0].reshape(*q.shape[:-1], row.v_dim).astype(q.dtype)
 
   return jax.jit(run)
@@ -126,7 +131,8 @@ def main(argv) -> None:
   unknown = [i for i in _IMPLS.value if i not in IMPLS]
   if unknown:
     raise app.UsageError(f"--impl: unknown {unknown}; choose from {','.join(IMPLS)}")
-  results = [r for name in names for r in run_row(bench.ALL_ROWS[name], _IMPLS.value, cpu=cpu)]
+  with pkv.interpret(cpu):   # on a CPU the kernels run in GPU interpret mode
+    results = [r for name in names for r in run_row(bench.ALL_ROWS[name], _IMPLS.value, cpu=cpu)]
   for r in results:
     errors = "probe (unchecked)" if r["probe"] else (
         f"err vs bf16 pool {r['err_vs_bf16_pool']:.2e}"

@@ -240,6 +240,8 @@ def partner_one_byte_tiles(program: Program):
 
     st.tile_math.widen(slot, p.widened, SCORER, st, valid_rows)
     plgpu.barrier_arrive(p.values_ready)
+    if st.codegen.explicit_barriers:   # every warp's last P V over its own half (wgmma's B: all rows) is done
+      plgpu.commit_smem()
     st.tile_math.widen(slot, p.widened, PARTNER, st, valid_rows)
     p.ring.release(i, read_by_registers=True)
     alpha = p.shared.receive()
@@ -354,7 +356,8 @@ def _build(st: Static, interpret: Any):
       grid_names=("batch", "split", "rows"),
       num_threads=VALUE_WGS + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=st.smem.reduction_scratch_bytes),
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=st.smem.reduction_scratch_bytes,
+                                           unsafe_no_auto_barriers=st.codegen.explicit_barriers),
       interpret=interpret,
       kernel_name=name,
   )
@@ -403,6 +406,9 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
                kv_dtype=kv_pages.dtype)
   if plan.stream_k:
     raise ValueError("the MLA kernel takes the per-sequence or balanced plan, not stream-K")
+  if codegen.explicit_barriers and variant_schedule(config) is not None:
+    raise ValueError("Codegen(explicit_barriers=True) syncs the shipped schedule's stores only, not an experimental "
+                     "schedule's")
   plan.check(block_kv=config.block_kv, batch=B)
   kv_tiling = tiling.KVTiling(config.block_kv, D, kv_pages.dtype, page_size=page_size,
                               num_pages=kv_pages.shape[0], max_pages=block_tables.shape[1])

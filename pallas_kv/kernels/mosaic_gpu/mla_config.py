@@ -61,14 +61,19 @@ class Codegen:
   q_per_tile: Q's SMEM index is a zero loaded each tile, so Q K^T's wgmma descriptors are rebuilt per tile
     instead of hoisted out of the loop, where they spill (docs/decisions.md#mla-q-per-tile).
   slots_per_tile: the same for ring steps, for experimental schedules (docs/decisions.md#mla-slots-per-tile).
+  explicit_barriers: Mosaic GPU's automatic warpgroup barriers around every SMEM store off
+    (`CompilerParams.unsafe_no_auto_barriers`); the shipped schedule syncs where its stores need it: P's hand-over
+    loses four a tile, an fp8 cache's widening sixteen. A candidate, not yet measured on a GPU.
   """
   registers: RegisterSplit = RegisterSplit()
   q_per_tile: bool = True
   slots_per_tile: bool = False
+  explicit_barriers: bool = False
 
   @property
   def name(self) -> str:
-    return f"{self.registers.name}{'' if self.q_per_tile else '_heldq'}{'_spt' if self.slots_per_tile else ''}"
+    return (f"{self.registers.name}{'' if self.q_per_tile else '_heldq'}{'_spt' if self.slots_per_tile else ''}"
+            f"{'_eb' if self.explicit_barriers else ''}")
 
 
 def variant_schedule(config):
