@@ -16,7 +16,8 @@ complete config that won. Winners are merged into
 `auto` takes, per shape, the backend whose entry measured fastest (`tuned.fastest_backend`), so both backends'
 times should come from one run: `--backend=mosaic_gpu,triton` tunes each shape on both, back to back, and
 `--space=tuned` re-times only the config each backend runs now (`resolve_config` with no config given), and
-`--space=plans` that config, that config with the sequences longest first, and the stream-K walk. Candidates
+`--space=plans` that config, that config with the sequences longest first, and the stream-K walk (Mosaic GPU: also
+that config's persistent programs, longest first). Candidates
 are scored on full and ragged lengths (`--score_ragged`, on by default): serving batches are ragged.
 """
 
@@ -61,7 +62,8 @@ def define_flags() -> None:
                            f"--backend takes one or more of {', '.join(BACKENDS)}")
   flags.DEFINE_enum("space", "fast", ["smoke", TUNED, PLANS, "fast", "full"],
                     f"candidate space; {TUNED}: the config each backend runs now, re-timed; {PLANS}: that, that "
-                    "with the sequences longest first, and the stream-K walk")
+                    "with the sequences longest first, and the stream-K walk (Mosaic GPU: and persistent programs "
+                    "longest first)")
   flags.DEFINE_bool("score_ragged", True, "time each candidate on ragged lengths too (uniform in [S, T]) and "
                     "keep the least total time: serving batches are ragged")
   flags.DEFINE_string("out", None, "tuned file to merge into (default: the device kind's file)")
@@ -76,8 +78,11 @@ def candidate_space(backend: str, space: str, *, one_byte: bool = False) -> list
   if space == TUNED:
     return [TUNED]
   if space == PLANS:   # the config a call runs now, that with the sequences longest first, and the stream-K walk
-    return [TUNED, dict(over=TUNED, sequence_order="longest_first"),
-            dict(split_plan="stream_k", pipeline_qk=True) if backend == "mosaic_gpu" else dict(split_plan="stream_k")]
+    plans = [TUNED, dict(over=TUNED, sequence_order="longest_first"),
+             dict(split_plan="stream_k", pipeline_qk=True) if backend == "mosaic_gpu" else dict(split_plan="stream_k")]
+    if backend == "mosaic_gpu":   # persistent programs longest first: its best ragged B128 (thirtieth set)
+      plans.append(dict(over=TUNED, pipeline_qk=True, persistent=True, sequence_order="longest_first"))
+    return plans
   if backend == "triton" and space == "fast" and one_byte:   # 12 candidates, for v stored tokens last
     # 128-token tiles won at every batch and 256-token ones came within 2% at B128 (RESULTS.md, seventh set).
     tiles = [dict(block_kv=128, num_stages=n) for n in (2, 3, 4)] + [dict(block_kv=256, num_stages=2)]

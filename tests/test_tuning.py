@@ -108,14 +108,17 @@ def test_tuner_retimes_what_each_backend_runs_in_one_run(tmp_path):
 
 def test_plans_space_is_the_current_config_longest_first_and_the_walk():
   """--space=plans: the config a call runs now, that config with the sequences longest first (its other fields
-  kept), and the stream-K walk; a candidate the backend refuses (Triton's walk takes no order) is skipped."""
+  kept), and the stream-K walk; Mosaic GPU also the current config's persistent programs longest first; a
+  candidate the backend refuses (Triton's walk takes no order) is skipped."""
   from benchmarks import tune
   problem = _problem(16, 32768)
   current = mgpu_config.resolve_config(problem, None)
-  tuned_now, longest_first, walk = (tune.make_config("mosaic_gpu", problem, c, "bfloat16")
-                                    for c in tune.candidate_space("mosaic_gpu", tune.PLANS))
+  tuned_now, longest_first, walk, persistent = (tune.make_config("mosaic_gpu", problem, c, "bfloat16")
+                                                for c in tune.candidate_space("mosaic_gpu", tune.PLANS))
   assert tuned_now == current and longest_first == dataclasses.replace(current, sequence_order="longest_first")
   assert walk.split_plan == "stream_k" and walk.pipeline_qk and walk.persistent
+  assert persistent == dataclasses.replace(current, pipeline_qk=True, persistent=True, sequence_order="longest_first")
+  assert len(tune.candidate_space("triton", tune.PLANS)) == 3
   triton_walk = pkv.TritonConfig(block_kv=64, num_stages=3, split_plan="stream_k", num_splits=33, num_warps=4,
                                  sequence_order="given", merge_in_kernel=False)
   with mock.patch.object(tune.BACKENDS["triton"][1], "resolve_config", return_value=triton_walk):
