@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
 # The H200 measurement suite: named parts, each a list of runs ROUTINE:NAME, that is
 #   python3 -m benchmarks ROUTINE --flagfile=configs/suite/NAME.flags --json=$OUT/NAME.json
-# (NAME.flags says what it measures and which RESULTS.md set used it). A part fits one ~10-minute
-# command. From the repository root, with the machine's own python3 (jax with CUDA):
-#   bash benchmarks/h200_suite.sh PART|NAME ...     e.g. gqa rows, or one run: mla_rows_b128
+# (NAME.flags says what it measures and which RESULTS.md set used it). A part fits one ~10-minute command,
+# run from the repository root with the GPU machine's python3: bash benchmarks/h200_suite.sh PART|NAME ...
 # Output: NAME.json (tune: the tuned file, copied) and NAME.log in $OUT, else bench_out/.
 # SUITE_FLAGS="--cases=64x8192 ..." goes after every run's flagfile, so its values win.
-# SMOLLM2_GGUF=PATH: the GGUF file of the smollm2 part (the GPU machine has no network).
-# GPU tests, fuzzing and compute-sanitizer are checks, not parts: README.md, "Tests".
+# SMOLLM2_GGUF=PATH: the smollm2 part's GGUF file. GPU tests and fuzzing are checks, not parts: README.md "Tests".
 set -uo pipefail
 declare -A PARTS=(
   [gqa]="decode:gqa"                      # the GQA sweep, every impl
@@ -31,6 +29,8 @@ declare -A PARTS=(
   [mosaic_levers]="tools.kernel_variants:mosaic_tile_consumers tools.kernel_variants:mosaic_ragged_order
                    decode:rows_ragged_longest_first tools.kernel_variants:mosaic_stream_k_parts"   # beside rows_ragged
   [paged_one_byte]="decode:paged64_int8 decode:paged64_int8_tiles"   # Triton's paged tiles, int8 page 64
+  [one_byte_barriers]="tools.mosaic_one_byte:barriers_fp8 tools.mosaic_one_byte:barriers_int8
+                       tools.mla_fp8_parts:barriers_mla"   # scale slots freed at a commit; explicit barriers
   [tune]="tune:tune"                      # Mosaic GPU entries of the tuned file
   [tune_triton]="tune:tune_triton"
   [tune_both]="tune:tune_both tune:tune_both_models"   # both backends, one run, full + ragged

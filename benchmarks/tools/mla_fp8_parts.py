@@ -28,10 +28,6 @@ from benchmarks import cases
 from benchmarks import mla as bench
 from benchmarks import timing
 
-_ROWS = flags.DEFINE_list("rows", None, "benchmarks.mla rows; default: GPU h128_b64_t4096, h16_b64_t8192; CPU tiny_cpu")
-_IMPLS = flags.DEFINE_list("impl", ["bf16", "fp8", "fp8_q1", "fp8_scalar", "bf16_no_qk", "fp8_no_qk", "fp8_no_widen"],
-                           "impls")
-_JSON = flags.DEFINE_string("json", None, "write the rows here")
 
 # impl: (pool: bf16, fp8 with a scale per token or one scalar; Q's fp8 terms; the stages left out); `_eb`: compiled
 # without the automatic barriers around SMEM stores (`mla_config.Codegen.explicit_barriers`)
@@ -124,24 +120,33 @@ def quantize(pages, kind: str):
   return kv_cache.quantize(pages, jnp.float8_e4m3fn, scale)[0], scale
 
 
+def define_flags() -> None:
+  flags.DEFINE_list("rows", None, "benchmarks.mla rows; default: GPU h128_b64_t4096, h16_b64_t8192; CPU tiny_cpu")
+  flags.DEFINE_list("impl", ["bf16", "fp8", "fp8_q1", "fp8_scalar", "bf16_no_qk", "fp8_no_qk", "fp8_no_widen"],
+                    "impls")
+  flags.DEFINE_string("json", None, "write the rows here")
+
+
 def main(argv) -> None:
   del argv
   cpu = cases.default_is_cpu()
-  names = _ROWS.value or (["tiny_cpu"] if cpu else ["h128_b64_t4096", "h16_b64_t8192"])
-  unknown = [i for i in _IMPLS.value if i not in IMPLS]
+  fv = flags.FLAGS
+  names = fv.rows or (["tiny_cpu"] if cpu else ["h128_b64_t4096", "h16_b64_t8192"])
+  unknown = [i for i in fv.impl if i not in IMPLS]
   if unknown:
     raise app.UsageError(f"--impl: unknown {unknown}; choose from {','.join(IMPLS)}")
   with pkv.interpret(cpu):   # on a CPU the kernels run in GPU interpret mode
-    results = [r for name in names for r in run_row(bench.ALL_ROWS[name], _IMPLS.value, cpu=cpu)]
+    results = [r for name in names for r in run_row(bench.ALL_ROWS[name], fv.impl, cpu=cpu)]
   for r in results:
     errors = "probe (unchecked)" if r["probe"] else (
         f"err vs bf16 pool {r['err_vs_bf16_pool']:.2e}"
         + (f", vs widened fp8 pool {r['err_vs_widened']:.2e}" if r["err_vs_widened"] is not None else ""))
     print(f"{r['row']:<18} {r['impl']:<14} {r['us']:9.1f} us  {errors}")
-  if _JSON.value:
-    with open(_JSON.value, "w") as f:
+  if fv.json:
+    with open(fv.json, "w") as f:
       json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

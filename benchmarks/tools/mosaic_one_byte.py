@@ -25,11 +25,6 @@ from pallas_kv.experimental import MosaicGPUVariantConfig
 from benchmarks import cases
 from benchmarks import timing
 
-_KV_DTYPE = flags.DEFINE_string("kv_dtype", "float8_e4m3fn", "the cache's one-byte dtype")
-_SHAPE = flags.DEFINE_string("shape", None, "BxT; default 32x4096 on a GPU, 2x256 on a CPU")
-_JSON = flags.DEFINE_string("json", None, "write the rows here")
-_ONLY = flags.DEFINE_list("only", None,
-                          "variant names to run; default all on a GPU, the two per-token defaults on a CPU")
 
 M = pkv.MosaicGPUConfig
 # (name, impl, scale kind, Mosaic GPU config or None)
@@ -85,15 +80,24 @@ def rows(batch: int, seq_len: int, head_dim: int, kv_dtype, *, cpu: bool, only=N
   return results
 
 
+def define_flags() -> None:
+  flags.DEFINE_string("kv_dtype", "float8_e4m3fn", "the cache's one-byte dtype")
+  flags.DEFINE_string("shape", None, "BxT; default 32x4096 on a GPU, 2x256 on a CPU")
+  flags.DEFINE_string("json", None, "write the rows here")
+  flags.DEFINE_list("only", None, "variant names to run; default all on a GPU, the two per-token defaults on a CPU")
+
+
 def main(argv):
   del argv
   cpu = jax.default_backend() == "cpu"
-  batch, seq_len = (int(n) for n in (_SHAPE.value or ("2x256" if cpu else "32x4096")).split("x"))
-  results = rows(batch, seq_len, 64 if cpu else 128, jnp.dtype(_KV_DTYPE.value), cpu=cpu, only=_ONLY.value)
-  if _JSON.value:
-    with open(_JSON.value, "w") as f:
+  fv = flags.FLAGS
+  batch, seq_len = (int(n) for n in (fv.shape or ("2x256" if cpu else "32x4096")).split("x"))
+  results = rows(batch, seq_len, 64 if cpu else 128, jnp.dtype(fv.kv_dtype), cpu=cpu, only=fv.only)
+  if fv.json:
+    with open(fv.json, "w") as f:
       json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
