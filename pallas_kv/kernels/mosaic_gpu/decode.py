@@ -625,8 +625,8 @@ def _write_partials(carry, out_smem, lse_smem, out_ref, lse_ref, consumers_done,
   if st.persistent:
     # The staging is this warpgroup's own: wait only until the previous item's stores have read it.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    if st.explicit_barriers:   # the store's issuing thread waited: the other warps wait for it
-      plgpu.commit_smem()
+  if st.explicit_barriers:   # every warp past its reads of the staging: the last tiles' wgmma, the last store's TMA
+    plgpu.commit_smem()
   out_smem[...] = out.astype(out_smem.dtype)
   lse_smem[...] = lse
   plgpu.commit_smem()
