@@ -40,10 +40,9 @@ PRODUCER_REGISTERS = 40     # the producer only issues TMA: give its registers t
 CONVERTER_REGISTERS = 128   # the converter holds one [bkv, 128] tile as float32 with its scales
 # TMA stores need 16-byte rows: the lse output is padded to a multiple of 4 float32 rows.
 _LSE_ROW_MULTIPLE = 4
-# q's rows are copied in whole swizzle tiles (8 rows): a copy's rows past q's are filled with zeros by TMA (and by
-# GPU interpret mode), so q is not padded before the kernel (a launch of its own, and 16x q's bytes at four packed
-# rows padded to wgmma's 64). The rows of the SMEM tile past the copy are never written: each row's scores,
-# softmax and output are its own, and those rows' are never stored.
+# q's rows are copied in whole swizzle tiles (8 rows), those past q's filled with zeros by TMA (and by GPU interpret
+# mode), so q is not padded before the kernel (a launch, and 16x q's bytes at 4 rows padded to wgmma's 64). The SMEM
+# tile's rows past the copy are never written: each row's scores, softmax and output are its own, never stored.
 _Q_ROW_MULTIPLE = 8
 
 
@@ -83,19 +82,21 @@ class TileMath:
       p = jnp.where(p > 0, p * lax.broadcast_in_dim(v_scales, p.shape, [1]), 0.0)
     return acc, m_new, l_new, p.astype(st.q_dtype)
 
-  def probabilities(self, s, acc, m_i, l_i, *, tile, length, row0, masked: bool, st: "_Static", k_scale=None,
-                    start=None):
+  def probabilities(self, s, acc, m_i, l_i, **where):
     """`softmax` with P f32, no V scale folded in."""
-    scale = st.options.scale if k_scale is None else k_scale * st.options.scale
-    s = online_softmax.log2_logits(s, scale=scale, softcap=st.options.softcap)
+    return online_softmax.softmax_step(self.logits(s, **where), acc, m_i, l_i)
+
+  def logits(self, s, *, tile, length, row0, masked: bool, st: "_Static", k_scale=None, start=None):
+    """Raw scores s [64, bkv] f32 as log2-unit logits, -inf where a row does not see the key (masked tiles)."""
+    s = online_softmax.log2_logits(s, scale=st.options.scale * (1 if k_scale is None else k_scale),
+                                   softcap=st.options.softcap)
     if masked:
       rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA) + row0
       cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
       ok = online_softmax.visible(rows, cols, tile_start=tile * st.tiling.block_kv, length=length,
-                                  num_queries=st.num_queries, group=st.group, window=st.options.window,
-                                  start=start)
+                                  num_queries=st.num_queries, group=st.group, window=st.options.window, start=start)
       s = jnp.where(ok, s, -jnp.inf)
-    return online_softmax.softmax_step(s, acc, m_i, l_i)
+    return s
 
   def pv(self, acc, p16, v_tile, p_smem=None):
     if p_smem is None:

@@ -4,8 +4,9 @@ Both products then have K-major fp8 operands (K [bkv, D], V [D, bkv]), so nothin
   Q K^T  Q as two e4m3 terms (hi + lo, each row scaled to 448: `split_rows`; ~8 significant bits, bf16's), two
          wgmmas over the K slot; S's rows times their factors, its columns times the keys' per-token scales.
   P V    P times the values' per-token scales, over c (each row's running max of the scales it has seen), times
-         448, as two e4m3 terms staged in SMEM, two wgmmas over the V slot read transposed. acc is kept in units of
-         c / 448: where c grows, acc is rescaled by c_old / c_new, as the softmax rescales it by alpha.
+         448, as two e4m3 terms staged in SMEM, two wgmmas over the V slot read transposed. 1 / c rides in the
+         softmax's shift: exp2(s - m - log2 c) = P / c, so that acc and the row sum l are kept in units of 1 / c (acc
+         also of 448) and one rescale a tile, exp2 of the shift's change, covers both m's growth and c's.
 Rows past a length are masked in S; V's columns there are zeroed in the slot (0 x NaN is NaN in P V).
 """
 
@@ -19,6 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kv import online_softmax
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import mla_tiles
 from pallas_kv.kernels.mosaic_gpu import pipeline
@@ -113,17 +115,25 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
     return acc
 
   def step(tile, carry, *, masked: bool):
-    acc, m_i, l_i, c_i = carry
+    acc, m_i, l_i, c_i = carry   # m: the logits' running max; c: the V scales'; acc and l in units of 1 / c
     i = step0 + tile - t0
-    acc, m_new, l_new, p = tile_math.probabilities(scores(i), acc, m_i, l_i, tile=tile, length=length, row0=row0,
-                                                   masked=masked, st=st, start=start)
-    if tiles.v_scales is not None:
-      v_scales = columns(column_scales(tiles.v_scales, i), p.shape)
-      p = jnp.where(p > 0, p * v_scales, 0.0)   # a masked key's p stays 0 whatever scale lies past the length
-      c_new = jnp.maximum(c_i, jnp.max(jnp.where(p > 0, v_scales, 0.0), axis=1))
-      acc = acc * rows(c_i / c_new, acc.shape)
-      c_i = c_new
-    p = p * rows(FP8_MAX / c_i, p.shape)
+    s = tile_math.logits(scores(i), tile=tile, length=length, row0=row0, masked=masked, st=st, start=start)
+    if tiles.v_scales is None:
+      alpha, m_new, l_new, p = online_softmax.rescale_step(s, m_i, l_i)
+      c_new = c_i
+    else:
+      v_scales = columns(column_scales(tiles.v_scales, i), s.shape)
+      # Past the length a scale may be inf: a masked key's scale counts for nothing and its P stays 0.
+      seen = jnp.where(s > -jnp.inf, v_scales, 0.0) if masked else v_scales
+      m_new = jnp.maximum(m_i, s.max(axis=1))
+      c_new = jnp.maximum(c_i, seen.max(axis=1))
+      shift = jnp.where(m_new == -jnp.inf, 0.0, m_new + jnp.log2(c_new))   # 0 for a row that has seen no key
+      alpha = jnp.exp2(m_i + jnp.log2(c_i) - shift)
+      p = jnp.exp2(s - rows(shift, s.shape))
+      l_new = l_i * alpha + p.sum(axis=1)
+      p = jnp.where(s > -jnp.inf, p * v_scales, 0.0) if masked else p * v_scales
+    acc = acc * rows(alpha, acc.shape)
+    p = p * FP8_MAX
     p_hi, p_lo = tiles.p_terms
     hi = p.astype(p_hi.dtype)
     p_hi[...] = hi
@@ -131,7 +141,7 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
     plgpu.commit_smem()
     # Both scale slots were read (into S and P) before that commit, in every warp.
     pipeline.release_after_commit((tiles.k_scales, tiles.v_scales), i)
-    return pv(acc, i, tile, masked), m_new, l_new, c_i
+    return pv(acc, i, tile, masked), m_new, l_new, c_new
 
   acc = plgpu.layout_cast(jnp.zeros((ROWS, st.tiling.head_dim), jnp.float32), plgpu.Layout.WGMMA)
   m_i = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), wgmma_rows)
@@ -143,4 +153,6 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
   carry = lax.fori_loop(a, c, lambda t, x: step(t, x, masked=False), carry)
   carry = lax.fori_loop(c, t1, lambda t, x: step(t, x, masked=True), carry)
   acc, m_i, l_i, c_i = carry
-  return acc * rows(c_i / FP8_MAX, acc.shape), m_i, l_i
+  if tiles.v_scales is not None:   # the shift's units: lse = (m + log2 c) ln 2 + ln(l / c); acc / l as it is
+    m_i = m_i + jnp.log2(c_i)
+  return acc * (1 / FP8_MAX), m_i, l_i
