@@ -210,9 +210,10 @@ def score_one_byte_tiles(program: Program, scores: Scores):
     key_scales = None
     if p.scale_ring is not None:
       key_scales = plgpu.load(p.scale_ring.wait(i), layout=plgpu.Layout.WGMMA.reduce(0))
-    alpha, m_new, l_new, prob = st.tile_math.softmax(scaled_scores(s, row_factor, key_scales), m_i, l_i, tile=tile,
-                                                     length=p.length, row0=p.row0, masked=masked, st=st)
-    p16 = scaled_probabilities(prob, key_scales).astype(st.smem.dtype)
+    alpha, m_new, l_new, prob = st.tile_math.softmax(scaled_scores(s, key_scales), m_i, l_i, tile=tile,
+                                                     length=p.length, row0=p.row0, masked=masked, st=st,
+                                                     row_factor=row_factor)
+    p16 = scaled_probabilities(prob, key_scales, masked=masked).astype(st.smem.dtype)
     acc = acc * online_softmax.per_row(alpha, acc.shape)
     plgpu.barrier_wait(p.values_ready)
     acc = publish_and_add_pv(p, acc, p16, alpha, p.widened[SCORER], tile)

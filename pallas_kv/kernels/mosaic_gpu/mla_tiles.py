@@ -47,10 +47,14 @@ class TileMath:
   def pv(self, acc_ref, p_tile, v_tile):
     plgpu.wgmma(acc_ref, p_tile, v_tile)
 
-  def softmax(self, s, m_i, l_i, *, tile, length, row0, masked: bool, st: "Static"):
-    """(alpha, m, l, p f32) from raw scores s [64, bkv] f32 (rows as N: S^T [bkv, N])."""
+  def softmax(self, s, m_i, l_i, *, tile, length, row0, masked: bool, st: "Static", row_factor=None):
+    """(alpha, m, l, p f32) from raw scores s [64, bkv] f32 (rows as N: S^T [bkv, N]); row_factor: each row's
+    factor ([64], WGMMA rows: an fp8 Q's), folded into the softmax's scale, or None."""
     rows_axis = 1 if st.rows_as_n else 0
-    s = online_softmax.log2_logits(s, scale=st.scale, softcap=None)
+    if row_factor is None:
+      s = online_softmax.log2_logits(s, scale=st.scale, softcap=None)
+    else:   # one multiply per score for both
+      s = s * online_softmax.per_row(row_factor * (st.scale * online_softmax.LOG2E), s.shape, rows_axis)
     if masked:
       rows = plgpu.broadcasted_iota(jnp.int32, s.shape, rows_axis, layout=plgpu.Layout.WGMMA) + row0
       cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1 - rows_axis, layout=plgpu.Layout.WGMMA)
@@ -218,18 +222,18 @@ def widen_values(slot, widened, w: int, st: Static, valid_rows=None):
   plgpu.commit_smem()
 
 
-def scaled_scores(s, row_factor, key_scales=None):
-  """Raw fp8 scores s [64, bkv] f32 times each row's factor ([64], WGMMA rows) and each key's scale ([bkv], WGMMA
-  columns; given)."""
-  s = s * lax.broadcast_in_dim(row_factor, s.shape, [0])
+def scaled_scores(s, key_scales=None):
+  """Raw fp8 scores s [64, bkv] f32 times each key's scale ([bkv], WGMMA columns; given). Each row's factor goes
+  into the softmax's scale (`TileMath.softmax`)."""
   if key_scales is not None:
     s = s * lax.broadcast_in_dim(key_scales, s.shape, [1])
   return s
 
 
-def scaled_probabilities(prob, key_scales=None):
-  """P with each key's scale folded in (P V then reads the unscaled widened values); a masked key's p is 0 and
-  stays 0 whatever scale lies past the length."""
+def scaled_probabilities(prob, key_scales=None, *, masked: bool = True):
+  """P with each key's scale folded in (P V then reads the unscaled widened values); in a masked tile a masked
+  key's p is 0 and stays 0 whatever scale lies past the length."""
   if key_scales is None:
     return prob
-  return jnp.where(prob > 0, prob * lax.broadcast_in_dim(key_scales, prob.shape, [1]), 0.0)
+  scaled = prob * lax.broadcast_in_dim(key_scales, prob.shape, [1])
+  return jnp.where(prob > 0, scaled, 0.0) if masked else scaled
