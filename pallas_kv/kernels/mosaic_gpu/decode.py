@@ -381,8 +381,8 @@ def _kernel(q_ref,
     if st.persistent:
       for ring in rings[0].values():
         ring.drain(total)
-    if st.stream_k:
-      plgpu.wait_smem_to_gmem(0)
+    if st.stream_k:   # exits once its stores have read SMEM: the launch ends after their writes land
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   # One traced body per consumer warpgroup, so that its ring and rows are static.
   fp8 = st.smem.fp8_operands   # wgmma reads the fp8 tiles as stored (`fp8_operands.consume`)
@@ -425,7 +425,7 @@ def _kernel(q_ref,
 
       for_each_item(consume)
       if st.persistent:
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -642,8 +642,8 @@ def _write_partials(carry, out_smem, lse_smem, out_ref, lse_ref, consumers_done,
   else:
     plgpu.copy_smem_to_gmem(out_smem, out_ref.at[b, head, split, pl.ds(row0, ROWS_PER_WG)])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, head, split, pl.ds(row0, ROWS_PER_WG)])
-  if not st.persistent:
-    plgpu.wait_smem_to_gmem(0)
+  if not st.persistent:   # the program ends: SMEM read is enough, the launch ends after the writes land
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _build(st: _Static, interpret: Any):

@@ -58,7 +58,7 @@ class ProgramOutput:
       plgpu.copy_smem_to_gmem(self.out_smem.at[half], destination.at[pl.ds(self.row0, ROWS), rows])
     if lse is not None:
       plgpu.copy_smem_to_gmem(*self.lse_copy())
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the program ends: the launch ends after the writes land
 
   def meet_and_store(self, half: int, out, lse=None, *, row_sums=(), lse_of_max=None):
     """`meet`, then `store`: out normalised with its lse, or raw with row_sums (SMEM rows the consumers
@@ -79,4 +79,4 @@ class ProgramOutput:
     self.lse_smem[...] = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), vector)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(*self.lse_copy())
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
