@@ -59,11 +59,15 @@ def softmax_step(s, acc, m_i, l_i):
   return acc * per_row(alpha, acc.shape), m_new, l_new, p
 
 
-def finalize(acc, m_i, l_i, *, rows_axis: int = 0):
-  """(acc / l, natural-log lse) of acc [rows, Dv] ([Dv, rows] with rows_axis=1); 0 and -inf for keyless rows."""
+def finalize(acc, m_i, l_i, *, rows_axis: int = 0, reciprocal: bool = False):
+  """(acc / l, natural-log lse) of acc [rows, Dv] ([Dv, rows] with rows_axis=1); 0 and -inf for keyless rows.
+  reciprocal: acc times each row's 1 / l (Mosaic GPU lowers a division to a full divide per element)."""
   has_keys = l_i > 0
   l_safe = jnp.where(has_keys, l_i, 1.0)
-  out = acc / per_row(l_safe, acc.shape, rows_axis)
+  if reciprocal:
+    out = acc * per_row(1.0 / l_safe, acc.shape, rows_axis)
+  else:
+    out = acc / per_row(l_safe, acc.shape, rows_axis)
   lse = jnp.where(has_keys, m_i * LN2 + jnp.log(l_safe), -jnp.inf)
   return out, lse
 

@@ -611,7 +611,7 @@ def _write_partials(carry, out_smem, lse_smem, out_ref, lse_ref, consumers_done,
                     turn: int = 0):
   """Normalises and stores one warpgroup's partial through out_smem [64, D], lse_smem [64] (f32). Two tile
   consumers: the second (turn 1) hands its partial over through `partner`, the first merges and stores."""
-  out, lse = online_softmax.finalize(*carry)
+  out, lse = online_softmax.finalize(*carry, reciprocal=True)
   if v_scale is not None:
     out = out * v_scale
   if not st.persistent and st.smem.num_wgs > 1:

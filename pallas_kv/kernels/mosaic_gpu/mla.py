@@ -172,7 +172,7 @@ def scorer_and_partner(program: Program, score, partner):
     def _():
       plgpu.barrier_wait(p.p_free)   # the partner's last P V: observe every phase of the barrier
 
-    out, lse = online_softmax.finalize(acc, m_i, l_i)
+    out, lse = online_softmax.finalize(acc, m_i, l_i, reciprocal=True)
     p.row_smem[1] = l_i
     p.output.meet_and_store(0, out, lse)
 

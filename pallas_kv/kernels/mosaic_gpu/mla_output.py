@@ -67,9 +67,9 @@ class ProgramOutput:
     if row_sums:
       l = sum(plgpu.load(part, layout=plgpu.Layout.WGMMA.reduce(1)) for part in row_sums)
       if lse_of_max is not None:
-        out, lse = online_softmax.finalize(out, lse_of_max, l)
+        out, lse = online_softmax.finalize(out, lse_of_max, l, reciprocal=True)
       else:
-        out = out / online_softmax.per_row(jnp.where(l > 0, l, 1.0), out.shape)
+        out = out * online_softmax.per_row(1.0 / jnp.where(l > 0, l, 1.0), out.shape)   # one divide a row
     self.store(half, out, lse)
 
   def store_no_keys(self):
