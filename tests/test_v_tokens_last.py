@@ -153,6 +153,27 @@ def test_mosaic_gpu_tokens_last_lowers_for_cuda(monkeypatch, kv_dtype, scale_kin
   assert "_vlast" in module
 
 
+def test_mosaic_gpu_lowered_tile_loops_hold_no_extra_syncs_or_divides(monkeypatch):
+  # B32 T4096 heads 32/8 D128, fp8 tokens last, the shipped kernel lowered for CUDA: per-token scales cost the
+  # tile loops no warpgroup barrier or proxy fence beyond a head scale's (their slots are freed after P's commit),
+  # and each item's output is normalised by one divide a row, not one an element.
+  from harness import mosaic_text_for_cuda, tile_loop_counts
+  q = jax.ShapeDtypeStruct((32, 32, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((32, 4096, 8, 128), jnp.float8_e4m3fn)
+  v = jax.ShapeDtypeStruct((32, 8, 128, 4096), jnp.float8_e4m3fn)
+  lengths = jax.ShapeDtypeStruct((32,), jnp.int32)
+  counts = {}
+  for kind, shape in (("token", (32, 4096, 8)), ("head", (8,))):
+    scales = jax.ShapeDtypeStruct(shape, jnp.float32)
+    fn = lambda q, k, v, n, ks, vs: pkv.decode_attention(q, k, v, n, k_scale=ks, v_scale=vs, v_tokens_last=True,
+                                                         impl="mosaic_gpu")
+    text = mosaic_text_for_cuda(monkeypatch, fn, q, k, v, lengths, scales, scales)
+    counts[kind] = tile_loop_counts(text, ("bar.sync", "fence.proxy")) | {"divf": text.count("arith.divf")}
+  assert counts["token"]["bar.sync"] == counts["head"]["bar.sync"] > 0, counts
+  assert counts["token"]["fence.proxy"] == counts["head"]["fence.proxy"] > 0, counts
+  assert counts["head"]["divf"] <= 4, counts   # two consumers' two rows: 1 / l and the V scales' c
+
+
 def test_xla_gives_the_same_values_and_gradients():
   case = make_case(5, batch=2, seq_len=32, num_heads=4, num_kv_heads=2, head_dim=32, dtype=jnp.float32)
   f = lambda v, last: pkv.decode_attention(case.q, case.k, v, case.lengths, impl="xla", v_tokens_last=last).sum()
