@@ -40,15 +40,18 @@ def visible(rows, cols, *, tile_start, length, num_queries: int, group: int, win
   return ok
 
 
-def rescale_step(s, m_i, l_i, tile_max=None, *, rows_axis: int = 0):
+def rescale_step(s, m_i, l_i, tile_max=None, *, rows_axis: int = 0, log2_units=None):
   """One tile of the online softmax, leaving the accumulator to the caller: s [rows, bkv] float32 log2-unit
   logits (-inf where masked; [bkv, rows] with rows_axis=1); m_i, l_i [rows] running max and sum; tile_max: the
-  tile's row max when s is part of it. Returns (alpha [rows], the accumulator's rescale; m_new; l_new; p)."""
+  tile's row max when s is part of it; log2_units: (before, now) [rows], log2 of a growing per-row c that P is
+  divided by (P / c: l and the accumulator kept in units of 1 / c), or None. Returns (alpha [rows], the
+  accumulator's rescale; m_new; l_new; p)."""
   keys_axis = 1 - rows_axis
   m_new = jnp.maximum(m_i, s.max(axis=keys_axis) if tile_max is None else tile_max)
+  m_old, shift = (m_i, m_new) if log2_units is None else (m_i + log2_units[0], m_new + log2_units[1])
   # A row with no key yet keeps m = -inf: shift by 0 so that exp2 gives 0, not NaN.
-  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-  alpha = jnp.exp2(m_i - m_use)
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, shift)
+  alpha = jnp.exp2(m_old - m_use)
   p = jnp.exp2(s - per_row(m_use, s.shape, rows_axis))
   return alpha, m_new, l_i * alpha + p.sum(axis=keys_axis), p
 

@@ -125,12 +125,9 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
       v_scales = columns(column_scales(tiles.v_scales, i), s.shape)
       # Past the length a scale may be inf: a masked key's scale counts for nothing and its P stays 0.
       seen = jnp.where(s > -jnp.inf, v_scales, 0.0) if masked else v_scales
-      m_new = jnp.maximum(m_i, s.max(axis=1))
       c_new = jnp.maximum(c_i, seen.max(axis=1))
-      shift = jnp.where(m_new == -jnp.inf, 0.0, m_new + jnp.log2(c_new))   # 0 for a row that has seen no key
-      alpha = jnp.exp2(m_i + jnp.log2(c_i) - shift)
-      p = jnp.exp2(s - rows(shift, s.shape))
-      l_new = l_i * alpha + p.sum(axis=1)
+      alpha, m_new, l_new, p = online_softmax.rescale_step(s, m_i, l_i,
+                                                           log2_units=(jnp.log2(c_i), jnp.log2(c_new)))
       p = jnp.where(s > -jnp.inf, p * v_scales, 0.0) if masked else p * v_scales
     acc = acc * rows(alpha, acc.shape)
     p = p * FP8_MAX
