@@ -232,7 +232,7 @@ def _plan(op: str, impl: str, config, problem, options, q, k, lengths):
   if backend is None or _empty_call(problem):
     return name, backend, None, None
   config = backend.resolve_config(op, problem, config, dtype=k.dtype)
-  return name, backend, config, backend.plan_splits(op, problem, options, config, lengths)
+  return name, backend, config, backend.plan_splits(op, problem, options, config, lengths, ahead=True)
 
 
 def _run(op: str, impl: str, config, problem, options, q, k, v, lengths, block_tables, *, sinks, k_scale, v_scale,

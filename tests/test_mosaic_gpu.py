@@ -35,14 +35,14 @@ def _config(**fields) -> pkv.MosaicGPUConfig:
   return dataclasses.replace(BASE, **fields)
 
 
-def _plan(config, lengths=None, *, num_kv_heads: int = 1, num_sms: int = 132) -> pkv.SplitPlan:
+def _plan(config, lengths=None, *, num_kv_heads: int = 1, num_sms: int = 132, ahead: bool = False) -> pkv.SplitPlan:
   """The plan of a complete config (its own split count): per sequence, or a stream-K walk of `lengths` over
-  kv heads of one row block each."""
+  kv heads of one row block each (ahead: its vectors made in XLA; else each program plans its share)."""
   if config.split_plan != "stream_k":
     return pkv.SplitPlan(kind="per_sequence", num_splits=config.num_splits, block_kv=config.block_kv)
   problem = types.SimpleNamespace(batch=lengths.shape[0], num_kv_heads=num_kv_heads, num_queries=1, capacity=1 << 20)
   return split_plan.make_plan(lengths, problem=problem, config=config, window=None, row_blocks=1, num_sms=num_sms,
-                              walked=True)
+                              walked=True, ahead=ahead)
 
 
 # ---------------------------------------------------------------- interpret mode (CPU)
@@ -141,14 +141,16 @@ def test_gpu_tile_consumers_and_sequence_order_on_a_ragged_batch(fields, page_si
 
 # ---------------------------------------------------------------- pipeline options (interpret)
 
-def _partials_case(case, config, num_programs=None):
-  """decode_partials + the split merge for a [B, Hq, D] case (dense, or paged when case.page_size)."""
+def _partials_case(case, config, num_programs=None, ahead=False):
+  """decode_partials + the split merge for a [B, Hq, D] case (dense, or paged when case.page_size); ahead: a
+  stream-K walk's vectors made in XLA, not planned by the programs."""
   rows = frame.pack_queries(case.q[:, None], case.k.shape[2])
   args = ((rows, case.k_pages, case.v_pages, case.lengths, case.block_tables) if case.page_size
           else (rows, case.k, case.v, case.lengths))
+  plan = _plan(config, case.lengths, num_kv_heads=case.k.shape[2], ahead=ahead)
   out, lse = mgpu_decode.decode_partials(*args, num_queries=1, options=AttentionOptions(scale=case.q.shape[-1] ** -0.5),
-                                         config=config, plan=_plan(config, case.lengths, num_kv_heads=case.k.shape[2]),
-                                         num_programs=num_programs, interpret=plgpu.InterpretGPUParams())
+                                         config=config, plan=plan, num_programs=num_programs,
+                                         interpret=plgpu.InterpretGPUParams())
   out, lse = frame.merge_splits(out, lse)
   return frame.unpack_rows(out, 1)[:, 0].astype(case.q.dtype), frame.unpack_rows(lse, 1)[:, 0]
 
@@ -185,7 +187,12 @@ def test_stream_k_interpret(page_size, fields):
   case = make_case(43, batch=6, seq_len=256, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
                    page_size=page_size, lengths=[250, 30, 0, 256, 5, 130])
   config = _config(split_plan="stream_k", persistent=True, num_splits=3, **dict(fields))
-  check_against_reference(case, _partials_case(case, config))
+  out, lse = _partials_case(case, config)
+  check_against_reference(case, (out, lse))
+  # The walk planned by each program visits the tiles in the same segments as the XLA walk: the same bits.
+  ahead_out, ahead_lse = _partials_case(case, config, ahead=True)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ahead_out, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(ahead_lse))
 
 
 def test_pipeline_options_through_the_api_interpret(interpret_mode):
@@ -201,7 +208,7 @@ def test_pipeline_options_through_the_api_interpret(interpret_mode):
   # A stream-K plan made once (as `DecodeAttention.plan_step` does) carries its walk into the call.
   config = pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, split_plan="stream_k")
   made = pkv.plan_splits(pkv.decode_attention, case.q, case.k, case.v, case.lengths, impl=IMPL, config=config)
-  assert made.walk is not None and made.walk.num_programs == 1
+  assert made.walk is not None and made.walk.num_programs == 1 and len(made.kernel_inputs()) == 4
   planned = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL, config=config,
                                  plan=made)
   check_against_reference(case, planned)

@@ -27,32 +27,39 @@ CONFIG_TYPE = {"triton": pkv.TritonConfig, "mosaic_gpu": pkv.MosaicGPUConfig}
 
 # ---------------------------------------------------------------- the plan itself
 
-def _walk_segments(lengths, *, block_kv, num_queries, window, head_blocks, num_programs, max_pieces):
-  """Every program's segments as the Mosaic GPU kernel finds them (`work.segment_of`, run outside a kernel):
-  (program, head block, sequence, t0, t1, slot, fill_from), and the plan's share."""
+def _walk_segments(lengths, *, block_kv, num_queries, window, head_blocks, num_programs, max_pieces, ahead):
+  """Every program's segments as the Mosaic GPU kernel finds them (`work.for_each_item`'s walk, run outside a
+  kernel): (program, head block, sequence, t0, t1, slot, fill_from), and the plan's share. ahead: the walk's
+  vectors made in XLA (`plan.stream_k_walk`), else each program's share planned from the lengths."""
   from pallas_kv.kernels.mosaic_gpu import work
-  walk = plan.stream_k_walk(jnp.asarray(lengths, jnp.int32), block_kv=block_kv, num_queries=num_queries,
-                            window=window, head_blocks=head_blocks, num_programs=num_programs, max_pieces=max_pieces)
   st = types.SimpleNamespace(batch=len(lengths), capacity=1 << 20, num_queries=num_queries, num_row_blocks=1,
                              num_kv_heads=head_blocks, num_programs=num_programs, num_splits=max_pieces,
                              tiling=types.SimpleNamespace(block_kv=block_kv), options=types.SimpleNamespace(window=window))
   sequences = work.Sequences(jnp.asarray(lengths, jnp.int32))
-  refs = work.WalkRefs(*walk.arrays())
+  refs = work.WalkRefs()
+  if ahead:
+    refs = work.WalkRefs(*plan.stream_k_walk(jnp.asarray(lengths, jnp.int32), block_kv=block_kv,
+                                             num_queries=num_queries, window=window, head_blocks=head_blocks,
+                                             num_programs=num_programs, max_pieces=max_pieces).arrays())
   segments = []
   for p in range(num_programs):
-    lo, hi, first, end, share, per_head_block = refs.program(jnp.int32(p), st)
-    for flat in range(int(first), int(end)):
-      item = work.segment_of(jnp.int32(flat), p, lo, hi, share, per_head_block, sequences, refs, st)
+    share = refs.program(jnp.int32(p), sequences, st)
+    offset = share.first_offset
+    for flat in range(int(share.first), int(share.end)):
+      item, offset = work.segment_of(jnp.int32(flat), offset, p, share, st,
+                                     work._loads_of_flat(jnp.int32(flat), sequences, st))
+      offset = 0 if (flat + 1) % len(lengths) == 0 else offset
       t0, t1, _, _ = item.ranges[0]
       segments.append((p, int(item.head), int(item.b), int(t0), int(t1), int(item.splits[0]), int(item.fill_from)))
-  return segments, int(share)
+  return segments, int(share.size)
 
 
+@pytest.mark.parametrize("ahead", [True, False], ids=["xla-walk", "kernel-walk"])
 @pytest.mark.parametrize("seed,batch,head_blocks,num_programs,max_pieces,window", [
     (0, 7, 3, 10, 2, None), (1, 5, 2, 24, 3, None), (2, 1, 1, 6, 4, None), (3, 9, 2, 132, 5, 300),
     (4, 6, 1, 4, 2, None)])
 def test_stream_k_walk_covers_each_tile_once_in_capped_pieces(seed, batch, head_blocks, num_programs, max_pieces,
-                                                              window):
+                                                              window, ahead):
   # What the kernel relies on: every visible tile of every (head block, sequence) lies in exactly one segment,
   # a sequence's pieces take slots 0, 1, ... below max_pieces in program order, the segment that ends it (and
   # only that one) names its piece count as fill_from, and every sequence, empty ones included, is visited.
@@ -63,7 +70,8 @@ def test_stream_k_walk_covers_each_tile_once_in_capped_pieces(seed, batch, head_
   if seed == 4:
     lengths[:] = 0   # nothing to stream: the last program writes every empty sequence
   segments, share = _walk_segments(lengths, block_kv=block_kv, num_queries=num_queries, window=window,
-                                   head_blocks=head_blocks, num_programs=num_programs, max_pieces=max_pieces)
+                                   head_blocks=head_blocks, num_programs=num_programs, max_pieces=max_pieces,
+                                   ahead=ahead)
   per_program = {}
   for h in range(head_blocks):
     for b, length in enumerate(lengths):
@@ -540,5 +548,24 @@ def test_mosaic_stream_k_resolves_to_persistent_programs(batch, pieces):
   made = plan.make_plan(jnp.full((batch,), 4000, jnp.int32), problem=problem, config=config, window=None,
                         row_blocks=1, num_sms=132, walked=True)
   assert made.walk.num_programs == min(132, batch * 8 * (pieces - 1))
+  # A call's own plan leaves the walk to its programs: no vector, so no launch before the kernel. A plan made
+  # ahead for several calls (`plan_splits`) computes the walk's vectors once, in XLA.
+  assert made.walk.in_kernel and made.kernel_inputs() == ()
+  ahead = plan.make_plan(jnp.full((batch,), 4000, jnp.int32), problem=problem, config=config, window=None,
+                         row_blocks=1, num_sms=132, walked=True, ahead=True)
+  assert ahead.walk.num_programs == made.walk.num_programs and len(ahead.kernel_inputs()) == 4
+
+
+def test_a_batch_past_the_kernel_walk_limit_walks_vectors_made_in_xla():
+  # The programs' own planning is unrolled over the batch; past MAX_KERNEL_WALK_BATCH the call makes the vectors.
+  batch = plan.MAX_KERNEL_WALK_BATCH + 1
+  _, problem = sweeps.problem_args((32, 8), (batch, 1024), None)
+  config = mgpu_config.resolve_config(problem, pkv.MosaicGPUConfig(split_plan="stream_k"), num_sms=132)
+  lengths = jnp.full((batch,), 1000, jnp.int32)
+  made = plan.make_plan(lengths, problem=problem, config=config, window=None, row_blocks=1, num_sms=132, walked=True)
+  assert not made.walk.in_kernel and len(made.kernel_inputs()) == 4
+  smaller = dataclasses.replace(problem, batch=plan.MAX_KERNEL_WALK_BATCH)
+  assert plan.make_plan(lengths[:-1], problem=smaller, config=config, window=None, row_blocks=1, num_sms=132,
+                        walked=True).walk.in_kernel
   assert plan.make_plan(jnp.full((batch,), 4000, jnp.int32), problem=problem, config=config, window=None,
                         row_blocks=1, num_sms=132).walk is None   # Triton plans stream-K in its kernel

@@ -74,6 +74,9 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...] | None]] = {
     "stream_k": ({"split_plan": "stream_k"}, None),
     "sk+pqk": ({"split_plan": "stream_k", "pipeline_qk": True}, None),
     "sk+tc2+pqk": ({"split_plan": "stream_k", "tile_consumers": 2, "pipeline_qk": True}, None),
+    # sk+pqk with its walk made ahead in XLA inside the timed step (`pallas_kv.plan_splits`), as before the kernel
+    # planned its own walk: two launches before the kernel.
+    "sk+pqk+ahead": ({"split_plan": "stream_k", "pipeline_qk": True, "plan_ahead": True}, None),
     "splits_x2": ({"splits_factor": 2}, ("B1 T32768", "B8 T8192")),
     # Twice the work items at the same bytes: the time it adds over pqk+persistent, per extra item a program
     # streams, is what an item boundary costs (q's load, the first score, the partial's store).
@@ -133,7 +136,7 @@ SMOKE_PROBE_SHAPES = ("B1 T128",)
 # In --smoke, the paged shape runs only these (interpret mode is slow; the tests cover the rest).
 SMOKE_PAGED_VARIANTS = ("baseline", "pqk+persistent")
 # Same code paths as others; stream-K's heuristic walk at B1 has 63 programs, slow to interpret (tests cover it).
-SMOKE_SKIPPED_VARIANTS = ("splits_x2", "baseline_again", "stream_k", "sk+pqk", "sk+tc2+pqk",
+SMOKE_SKIPPED_VARIANTS = ("splits_x2", "baseline_again", "stream_k", "sk+pqk", "sk+tc2+pqk", "sk+pqk+ahead",
                           "pqk+persistent+splits_x2")
 # --warmup, --iters, --repeats on a GPU unless given (--smoke runs each call once, untimed).
 GPU_TIMING = {"warmup": 2, "iters": 20, "repeats": 5}
@@ -187,6 +190,7 @@ def _config(fields: dict[str, Any], args: tuple, paged: bool) -> pkv.MosaicGPUCo
   the split count the heuristic's times splits_factor (even with two KV groups)."""
   fields = dict(fields)
   factor = fields.pop("splits_factor", 1)
+  fields.pop("plan_ahead", None)
   config = mgpu_config.resolve_config(_problem(args, paged), pkv.MosaicGPUConfig(**fields), dtype=args[1].dtype)
   splits = config.num_splits * factor
   if config.kv_groups == 2:
@@ -194,21 +198,27 @@ def _config(fields: dict[str, Any], args: tuple, paged: bool) -> pkv.MosaicGPUCo
   return dataclasses.replace(config, num_splits=splits)
 
 
-def _op_fn(config, paged: bool):
-  op = pkv.paged_decode_attention if paged else pkv.decode_attention
-  return jax.jit(functools.partial(op, impl="mosaic_gpu", config=config))
+def _op_fn(config, paged: bool, plan_ahead: bool = False):
+  """The op under jit; plan_ahead: its plan made by `pallas_kv.plan_splits` in the same step."""
+  op = functools.partial(pkv.paged_decode_attention if paged else pkv.decode_attention, impl="mosaic_gpu",
+                         config=config)
+  if not plan_ahead:
+    return jax.jit(op)
+  return jax.jit(lambda *args: op(*args, plan=pkv.plan_splits(op.func, *args, **op.keywords)))
 
 
 def kernel_fn(config, problem, paged: bool, probe: str | None):
   """The kernel alone on the op's arguments, with the op's plan (`backend.plan_splits`): partials, no
-  merge (a probe of PROBES: results wrong; "plan": the plan's arrays alone)."""
+  merge (a probe of PROBES: results wrong; "plan": the arrays of the plan made ahead, which for stream-K are the
+  XLA walk a call's own plan leaves to its kernel)."""
   tile_math = mgpu_decode.TileMath() if probe in (None, "plan") else PROBES[probe]
   options = AttentionOptions(scale=problem.head_dim ** -0.5)
 
   def fn(q, k, v, *rest):
     block_tables, lengths = (rest[0], rest[1]) if paged else (None, rest[0])
     rows = frame.pack_queries(q[:, None], problem.num_kv_heads).astype(k.dtype)
-    plan = mgpu_backend.plan_splits("paged" if paged else "decode", problem, options, config, lengths)
+    plan = mgpu_backend.plan_splits("paged" if paged else "decode", problem, options, config, lengths,
+                                    ahead=probe == "plan")
     if probe == "plan":
       return plan.kernel_inputs() or [lengths]   # a plan with no arrays: the chain times nothing but the call
     return mgpu_decode.decode_partials(rows, k, v, lengths, block_tables, num_queries=1, options=options,
@@ -265,7 +275,7 @@ def run_shape(s: Settings, batch: int, seq_len: int, page_size: int | None, key,
       config = _config(fields, input_sets[0], paged)
       row["config"] = dataclasses.asdict(config)
       if row["kind"] == "op":
-        fn = _op_fn(config, paged)
+        fn = _op_fn(config, paged, fields.get("plan_ahead", False))
         out = np.asarray(jnp.asarray(fn(*input_sets[0]), jnp.float32))
         row["rel_err"] = cases.relative_error(out, ref)
         row["check_ok"] = bool(row["rel_err"] <= cases.TOLERANCE["bfloat16"])

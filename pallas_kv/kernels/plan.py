@@ -4,7 +4,8 @@
   "per_sequence"  each sequence's visible tiles in num_splits equal shares: batch-invariant for a fixed count;
   "balanced"      one tile count per split for the whole batch, for ragged batches (opt-in: see
                   docs/decisions.md#balanced-plan-opt-in);
-  "stream_k"      (Triton) num_splits programs per (kv head, row block) share the batch's tiles end to end."""
+  "stream_k"      programs share the batch's tiles laid end to end: Triton's num_splits programs per (kv head,
+                  row block), planned inside its kernel; Mosaic GPU's persistent programs (`StreamKWalk`)."""
 
 from __future__ import annotations
 
@@ -207,28 +208,37 @@ def fill_num_splits(problem, config, *, row_blocks: int, programs_per_sm: int = 
   return dataclasses.replace(config, num_splits=splits * splits_per_program)
 
 
+# A call that plans for itself lets each persistent program derive its own share from the lengths (`kernel_walk`,
+# unrolled over the batch) up to this batch; larger batches, and plans made ahead, walk vectors computed in XLA.
+MAX_KERNEL_WALK_BATCH = 128
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StreamKWalk:
-  """A stream-K plan for persistent programs (Mosaic GPU), computed before the kernel. The batch's visible tiles
-  are laid end to end once per head block (head block h's copy of sequence b at h * N + offsets[b]) and cut into
-  equal shares of `walk_share` tiles, one a program (`share_bounds`). offsets int32 [B + 1]: the running sum of
-  the sequences' tiles, N = offsets[B]; longest int32 [B + 1]: every entry the longest sequence's tiles (the
-  other half of the reduction that builds offsets); first, end int32 [P]: the flat sequences h * B + b in
-  [first, end) that program p visits (those its share meets, and the empty ones that start in it; the kernel
-  extends the last program's end over the empty ones at the end). Two reductions in XLA, each one launch: the
-  kernel derives the shares from offsets[B] and longest[0]."""
-  offsets: jax.Array
-  longest: jax.Array
-  first: jax.Array
-  end: jax.Array
+  """A stream-K plan for persistent programs (Mosaic GPU). The batch's visible tiles are laid end to end once per
+  head block (head block h's copy of sequence b at h * N + offsets[b]) and cut into equal shares of `walk_share`
+  tiles, one a program (`share_bounds`).
+
+  Made by the call itself (batch <= MAX_KERNEL_WALK_BATCH) it holds no vectors: each program computes its share
+  from the lengths (`kernel_walk`), and nothing launches before the kernel. Made ahead (`pallas_kv.plan_splits`,
+  shared by a model's layers) it holds the vectors of `stream_k_walk`, two reductions in XLA: offsets int32
+  [B + 1], the running sum of the sequences' tiles, N = offsets[B]; longest int32 [B + 1], every entry the
+  longest sequence's tiles; first, end int32 [P]: the flat sequences h * B + b in [first, end) that program p
+  visits (those its share meets, and the empty ones that start in it; the kernel extends the last program's
+  end over the empty ones at the end)."""
+  num_programs: int = dataclasses.field(metadata=dict(static=True))
+  offsets: jax.Array | None = None
+  longest: jax.Array | None = None
+  first: jax.Array | None = None
+  end: jax.Array | None = None
 
   @property
-  def num_programs(self) -> int:
-    return self.first.shape[0]
+  def in_kernel(self) -> bool:
+    return self.offsets is None
 
   def arrays(self) -> tuple:
-    return (self.offsets, self.longest, self.first, self.end)
+    return () if self.in_kernel else (self.offsets, self.longest, self.first, self.end)
 
 
 def walk_programs(*, batch: int, head_blocks: int, max_pieces: int, num_sms: int, programs_per_sm: int = 1) -> int:
@@ -253,6 +263,48 @@ def share_bounds(program, share, total):
   """[lo, hi): program's share of the total tiles."""
   lo = jnp.minimum(program * share, total)
   return lo, jnp.minimum(lo + share, total)
+
+
+def kernel_walk(tiles, program, *, head_blocks: int, num_programs: int, max_pieces: int):
+  """One program's stream-K walk from each sequence's visible tile count (a list of B int32 scalars, unrolled:
+  inside a kernel, no prefix sum but adds). Returns (lo, hi, first, end, first_offset, share, per_head_block):
+  its share [lo, hi) of the tiles, the flat sequences [first, end) it visits, where flat sequence `first`
+  starts in its head block (offsets[first % B]), the share's size and N.
+
+  A sequence is visited by the programs whose shares meet it; an empty one by exactly one. The flat sequences
+  starting before x = h * N + r (0 <= r < N) are counted as h * B + #{b: offsets[b] < r}: consecutive programs'
+  ranges meet (end of p = that count at hi, first of p + 1 = that count at its lo, less one where a sequence
+  straddles lo), so every sequence lies in one range or, straddling a bound, in both ranges beside it."""
+  batch = len(tiles)
+  offsets = [jnp.int32(0)]
+  longest = jnp.int32(0)
+  for count in tiles:
+    offsets.append(offsets[-1] + count)
+    longest = jnp.maximum(longest, count)
+  per_head_block = offsets[batch]
+  share = walk_share(per_head_block, longest, head_blocks=head_blocks, num_programs=num_programs,
+                     max_pieces=max_pieces)
+  lo, hi = share_bounds(program, share, head_blocks * per_head_block)
+  nonzero = jnp.maximum(per_head_block, 1)   # N = 0: every bound is 0, h = r = 0
+
+  def starting_before(x):
+    """(h * B + #{b: offsets[b] < r}, r, and per b whether offsets[b] < r) for x = h * N + r."""
+    h = lax.div(x, nonzero)
+    r = x - h * per_head_block
+    below = [offset < r for offset in offsets[:batch]]
+    return h * batch + sum(flag.astype(jnp.int32) for flag in below), r, below
+
+  count_lo, r_lo, below_lo = starting_before(lo)
+  end = starting_before(hi)[0]
+  # offsets[c] and offsets[c - 1] for c = #{b: offsets[b] < r_lo} (0 when c = 0): sequence c - 1 straddles lo
+  # when it ends past it.
+  last_start, next_start = jnp.int32(0), jnp.int32(0)
+  for b, flag in enumerate(below_lo):
+    last_start = jnp.where(flag, offsets[b], last_start)
+    next_start = jnp.where(flag, offsets[b + 1], next_start)
+  straddles = next_start > r_lo
+  first = count_lo - straddles.astype(jnp.int32)
+  return lo, hi, first, end, jnp.where(straddles, last_start, next_start), share, per_head_block
 
 
 def stream_k_walk(lengths, *, block_kv: int, num_queries: int, window: int | None, head_blocks: int,
@@ -284,7 +336,7 @@ def stream_k_walk(lengths, *, block_kv: int, num_queries: int, window: int | Non
   started = seq_start[None] < hi[:, None]
   first_seq, end_seq = lax.reduce((before.astype(jnp.int32), started.astype(jnp.int32)), (jnp.int32(0), jnp.int32(0)),
                                   lambda a, b: (a[0] + b[0], a[1] + b[1]), (1,))
-  return StreamKWalk(offsets=offsets, longest=longest, first=first_seq, end=end_seq)
+  return StreamKWalk(num_programs=num_programs, offsets=offsets, longest=longest, first=first_seq, end=end_seq)
 
 
 @jax.tree_util.register_dataclass
@@ -325,7 +377,7 @@ class SplitPlan:
     if self.block_kv != block_kv:
       raise ValueError(f"the plan was made for {self.block_kv}-token tiles; the kernel streams {block_kv}")
     vectors = [("tiles_per_split", self.tiles_per_split, (1,)), ("order", self.order, (batch,))]
-    if self.walk is not None:
+    if self.walk is not None and not self.walk.in_kernel:
       programs = (self.walk.num_programs,)
       vectors += [("walk.offsets", self.walk.offsets, (batch + 1,)), ("walk.longest", self.walk.longest, (batch + 1,)),
                   ("walk.first", self.walk.first, programs), ("walk.end", self.walk.end, programs)]
@@ -347,18 +399,24 @@ class SplitPlan:
 
 
 def make_plan(lengths, *, problem, config, window: int | None, row_blocks: int, programs_per_sm: int = 1,
-              num_sms: int | None = None, walked: bool = False) -> SplitPlan:
+              num_sms: int | None = None, walked: bool = False, ahead: bool = False) -> SplitPlan:
   """The plan of a resolved config; one without runtime vectors traces nothing, so no op precedes the kernel.
-  walked: a stream-K plan is walked by persistent programs (`stream_k_walk`), else planned in the kernel."""
+  walked: a stream-K plan is walked by persistent programs (`StreamKWalk`), else planned in the kernel (Triton).
+  ahead: made once for several calls (`pallas_kv.plan_splits`): a walk's vectors are computed here, in XLA, not by
+  each call's programs."""
   order_of = ORDER_FUNCTIONS.get(getattr(config, "sequence_order", None) or "given")
   walk = walked and is_stream_k(config)
-  if config.split_plan != "balanced" and order_of is None and not walk:
-    return SplitPlan(kind=config.split_plan, num_splits=config.num_splits, block_kv=config.block_kv)
-  lengths = jnp.clip(lengths.astype(jnp.int32), 0, problem.capacity)
   if walk:
     head_blocks = problem.num_kv_heads * row_blocks
     programs = walk_programs(batch=problem.batch, head_blocks=head_blocks, max_pieces=config.num_splits,
                              num_sms=num_sms or runtime.num_sms(), programs_per_sm=programs_per_sm)
+    if not ahead and problem.batch <= MAX_KERNEL_WALK_BATCH:
+      return SplitPlan(kind="stream_k", num_splits=config.num_splits, block_kv=config.block_kv,
+                       walk=StreamKWalk(num_programs=programs))
+  if config.split_plan != "balanced" and order_of is None and not walk:
+    return SplitPlan(kind=config.split_plan, num_splits=config.num_splits, block_kv=config.block_kv)
+  lengths = jnp.clip(lengths.astype(jnp.int32), 0, problem.capacity)
+  if walk:
     return SplitPlan(kind="stream_k", num_splits=config.num_splits, block_kv=config.block_kv,
                      walk=stream_k_walk(lengths, block_kv=config.block_kv, num_queries=problem.num_queries,
                                         window=window, head_blocks=head_blocks, num_programs=programs,

@@ -41,14 +41,14 @@ def resolve_config(op: str, problem, config, *, dtype):
   return mgpu_config.resolve_config(problem, config, dtype=dtype)
 
 
-def plan_splits(op: str, problem, options, config, lengths) -> plan.SplitPlan:
-  """The call's split plan for a complete config."""
+def plan_splits(op: str, problem, options, config, lengths, *, ahead: bool = False) -> plan.SplitPlan:
+  """The call's split plan for a complete config; ahead: made once for several calls (`plan.make_plan`)."""
   if op == "mla":
     return plan.make_plan(lengths, problem=problem, config=config, window=None,
                           row_blocks=mla_config.row_blocks(problem.num_queries * problem.num_heads))
   _, row_blocks = mgpu_config.row_blocking(problem.num_queries * problem.group_size)
   return plan.make_plan(lengths, problem=problem, config=config, window=options.window, row_blocks=row_blocks,
-                        walked=True)
+                        walked=True, ahead=ahead)
 
 
 def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config, split_plan: plan.SplitPlan, sinks,

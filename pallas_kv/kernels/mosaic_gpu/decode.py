@@ -138,6 +138,7 @@ class _Static:
   balanced: bool = False
   ordered: bool = False   # the batch slots take the sequences of the plan's order
   stream_k: bool = False  # the persistent programs walk the plan's equal shares of the tiles (`work`)
+  walk_vectors: int = 0   # stream-K: the walk's vectors passed in (4, a plan made ahead), or 0: planned inside
   explicit_barriers: bool = False   # no automatic barriers around SMEM stores: the kernel syncs where needed
 
   @property
@@ -290,7 +291,7 @@ def _kernel(q_ref,
   starts_ref = refs.pop(0) if st.options.has_window_start else None
   sequences = work.Sequences(lengths_ref, starts_ref, refs.pop(0) if st.ordered else None)
   tiles_per_split = refs.pop(0)[0] if st.balanced else None
-  walk = work.WalkRefs(*(refs.pop(0) for _ in range(4))) if st.stream_k else None
+  walk = work.WalkRefs(*(refs.pop(0) for _ in range(st.walk_vectors))) if st.stream_k else None
   for_each_item = functools.partial(work.for_each_item, sequences=sequences, st=st, tiles_per_split=tiles_per_split,
                                     walk=walk)
   block_tables_ref = refs.pop(0) if st.tiling.paged else None
@@ -662,7 +663,8 @@ def _build(st: _Static, interpret: Any):
       (st.quantized, f"_{st.tiling.dtype.name}_k{st.k_scale or 'none'}_v{st.v_scale or 'none'}"),
       (st.smem.converter, "_cvt"), (st.smem.v_tokens_last, "_vlast"), (st.smem.fp8_operands, "_fp8mma"),
       (st.smem.tile_consumers == 2, "_tc2"), (st.tile_math.name, f"_{st.tile_math.name}"),
-      (st.balanced, "_balanced"), (st.stream_k, "_streamk"), (st.ordered, "_ordered"), (st.explicit_barriers, "_eb"),
+      (st.balanced, "_balanced"), (st.stream_k, "_streamk" if st.walk_vectors else "_streamk_kwalk"),
+      (st.ordered, "_ordered"), (st.explicit_barriers, "_eb"),
       (st.options.has_window_start, "_wstart")]
   name += "".join(part for applies, part in suffixes if applies)
   if st.persistent:
@@ -682,22 +684,6 @@ def _build(st: _Static, interpret: Any):
       interpret=interpret,
       kernel_name=name,
   )
-
-
-def _check_stream_k(plan: SplitPlan, config: MosaicGPUConfig, options: AttentionOptions, num_programs) -> None:
-  """Raises unless a stream-K plan and config agree: the plan's walk (`plan.make_plan(..., walked=True)`) sets the
-  persistent program count."""
-  if not plan.stream_k:
-    return
-  if plan.walk is None or config.split_plan != "stream_k" or not config.persistent:
-    raise ValueError(f"the mosaic_gpu GQA kernel walks a stream-K plan with persistent programs: it needs a config "
-                     f"with split_plan='stream_k' and persistent=True and a plan made for it (plan.make_plan(..., "
-                     f"walked=True)), got {config} and a plan {'without' if plan.walk is None else 'with'} a walk")
-  if num_programs is not None and num_programs != plan.walk.num_programs:
-    raise ValueError(f"{num_programs=} differs from the stream-K plan's {plan.walk.num_programs} programs")
-  if options.has_window_start:
-    raise NotImplementedError("mosaic_gpu: split_plan='stream_k' with window_start (the plan is made from the "
-                              "lengths alone); use split_plan='per_sequence'")
 
 
 def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
@@ -738,7 +724,7 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
                    v_tokens_last=v_tokens_last)
   mgpu_config.check_config(config, rows=R, head_dim=D, dtype=k.dtype, page_size=page_size, num_splits=plan.num_splits,
                            **quantized)
-  _check_stream_k(plan, config, options, num_programs)
+  work.check_stream_k(plan, config, options, num_programs)
   plan.check(block_kv=config.block_kv, batch=B)
   if block_tables is None:
     kv_tiling = tiling.KVTiling(config.block_kv, D, k.dtype)
@@ -762,7 +748,7 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
       balanced=plan.balanced, ordered=plan.ordered, stream_k=plan.stream_k,
       explicit_barriers=mgpu_config.explicit_barriers(config))
   if plan.stream_k:
-    st = dataclasses.replace(st, num_programs=plan.walk.num_programs)
+    st = dataclasses.replace(st, num_programs=plan.walk.num_programs, walk_vectors=len(plan.walk.arrays()))
   elif config.persistent:
     if num_programs is None:
       num_programs = runtime.num_sms()

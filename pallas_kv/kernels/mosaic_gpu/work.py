@@ -10,7 +10,7 @@ every consumer walk the same items, so the ring runs on across them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -34,28 +34,48 @@ class Sequences:
     return jnp.clip(self.lengths[b], 0, st.capacity), start
 
 
-@dataclasses.dataclass(frozen=True)
-class WalkRefs:
-  """A stream-K plan's vectors as the kernel reads them (`plan.StreamKWalk`): offsets and longest int32 [B + 1],
-  each program's flat sequences [first, end) int32 [P]."""
-  offsets: Any
-  longest: Any
+class Share(NamedTuple):
+  """A stream-K program's share [lo, hi) of the tiles laid end to end (`size` tiles at most; per_head_block: N,
+  the tiles of a head block) and the flat sequences [first, end) it visits; flat sequence `first` starts at first_offset in its
+  head block."""
+  lo: Any
+  hi: Any
   first: Any
   end: Any
+  first_offset: Any
+  size: Any
+  per_head_block: Any
 
-  def program(self, program, st):
-    """(lo, hi, first, end, share, per_head_block): the program's share [lo, hi) of the tiles, the flat sequences
-    it visits and its share's size (`plan.walk_share`, as the plan computed it), from four scalar loads."""
+
+@dataclasses.dataclass(frozen=True)
+class WalkRefs:
+  """A stream-K plan's vectors as the kernel reads them (`plan.StreamKWalk` made ahead): offsets and longest int32
+  [B + 1], each program's flat sequences [first, end) int32 [P]; all None where the kernel plans the walk."""
+  offsets: Any = None
+  longest: Any = None
+  first: Any = None
+  end: Any = None
+
+  def program(self, program, sequences: "Sequences", st) -> Share:
+    """The program's `Share`: from five scalar loads of the plan's vectors, or computed from the B lengths
+    (`plan.kernel_walk`). Either way a sequence's start is then carried along the walk, not loaded."""
     head_blocks = st.num_kv_heads * st.num_row_blocks
     flat_sequences = head_blocks * st.batch
-    per_head_block = self.offsets[st.batch]
-    share = split_plan.walk_share(per_head_block, self.longest[0], head_blocks=head_blocks,
-                                  num_programs=st.num_programs, max_pieces=st.num_splits)
-    lo, hi = split_plan.share_bounds(program, share, head_blocks * per_head_block)
-    first = jnp.clip(self.first[program], 0, flat_sequences)
+    if self.offsets is None:
+      tiles = [_sequence_tiles(*sequences.bounds(b, st), st) for b in range(st.batch)]
+      lo, hi, first, end, first_offset, share, per_head_block = split_plan.kernel_walk(
+          tiles, program, head_blocks=head_blocks, num_programs=st.num_programs, max_pieces=st.num_splits)
+    else:
+      per_head_block = self.offsets[st.batch]
+      share = split_plan.walk_share(per_head_block, self.longest[0], head_blocks=head_blocks,
+                                    num_programs=st.num_programs, max_pieces=st.num_splits)
+      lo, hi = split_plan.share_bounds(program, share, head_blocks * per_head_block)
+      first, end = self.first[program], self.end[program]
+      first_offset = self.offsets[lax.rem(jnp.clip(first, 0, flat_sequences - 1), jnp.int32(st.batch))]
+    first = jnp.clip(first, 0, flat_sequences)
     # The last program also takes the empty sequences after the last tile.
-    end = jnp.where(program == st.num_programs - 1, flat_sequences, jnp.clip(self.end[program], first, flat_sequences))
-    return lo, hi, first, end, share, per_head_block
+    end = jnp.where(program == st.num_programs - 1, flat_sequences, jnp.clip(end, first, flat_sequences))
+    return Share(lo, hi, first, end, first_offset, share, per_head_block)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,36 +134,41 @@ def item_of(b, head_block, program_split, sequences: Sequences, st, tiles_per_sp
   return Item(b=b, head=head, row_block=row_block, length=length, start=start, splits=splits, ranges=ranges)
 
 
-def _loads_of_flat(flat, sequences: Sequences, walk: WalkRefs, st):
-  """Stream-K: (offsets[b], offsets[b + 1], length, window start or None) of flat sequence `flat`, its sequence
-  b = flat % B: a segment's scalar loads, issued a segment ahead by `for_each_item`."""
-  b = lax.rem(flat, jnp.int32(st.batch))
-  return (walk.offsets[b], walk.offsets[b + 1], *sequences.bounds(b, st))
+def _sequence_tiles(length, start, st):
+  """The visible tile count of a sequence of this length and window start: its length in the walk."""
+  first_tile, end_tile = split_plan.visible_tiles(length, start=start, **_tile_window(st))
+  return jnp.maximum(end_tile - first_tile, 0)
 
 
-def segment_of(flat, program, lo, hi, share, per_head_block, sequences: Sequences, walk: WalkRefs, st,
-               loaded=None) -> Item:
-  """Stream-K: the part of flat sequence `flat` (head block flat // B, sequence flat % B) that falls in this
-  program's share [lo, hi) of the tiles laid end to end (per_head_block = walk.offsets[B] tiles a head block),
-  and its piece slot; loaded: its `_loads_of_flat`, if already issued."""
+def _loads_of_flat(flat, sequences: Sequences, st):
+  """Stream-K: (length, window start or None) of flat sequence `flat`, its sequence b = flat % B: a segment's
+  scalar loads, issued a segment ahead by `for_each_item`."""
+  return sequences.bounds(lax.rem(flat, jnp.int32(st.batch)), st)
+
+
+def segment_of(flat, offset, program, share: Share, st, loaded) -> tuple[Item, Any]:
+  """Stream-K: the part of flat sequence `flat` (head block flat // B, sequence flat % B), which starts at `offset`
+  in its head block, that falls in this program's share; and the offset where the next sequence of the head
+  block starts. loaded: its `_loads_of_flat`."""
   head_block, b = lax.div(flat, jnp.int32(st.batch)), lax.rem(flat, jnp.int32(st.batch))
   head, row_block = _head_of(head_block, st)
-  offset, next_offset, length, start = loaded if loaded is not None else _loads_of_flat(flat, sequences, walk, st)
-  seq_start = head_block * per_head_block + offset
-  seq_end = head_block * per_head_block + next_offset
+  length, start = loaded
   first_tile, end_tile = split_plan.visible_tiles(length, start=start, **_tile_window(st))
-  seg_lo = jnp.maximum(lo, seq_start)
-  seg_hi = jnp.maximum(jnp.minimum(hi, seq_end), seg_lo)
+  seq_start = head_block * share.per_head_block + offset
+  seq_end = seq_start + jnp.maximum(end_tile - first_tile, 0)
+  seg_lo = jnp.maximum(share.lo, seq_start)
+  seg_hi = jnp.maximum(jnp.minimum(share.hi, seq_end), seg_lo)
   # Clamped to the sequence's own tiles: a plan made for other lengths never reads past them.
   t0 = jnp.minimum(first_tile + (seg_lo - seq_start), end_tile)
   t1 = jnp.minimum(t0 + (seg_hi - seg_lo), end_tile)
   a, c = split_plan.unmasked_tiles(length, t0, t1, start=start, **_tile_window(st))
   # Piece j of a sequence is written by the j-th program its tiles meet; an empty sequence's one item by slot 0.
-  slot = jnp.where(seq_end > seq_start, program - lax.div(seq_start, share), 0)
+  slot = jnp.where(seq_end > seq_start, program - lax.div(seq_start, share.size), 0)
   slot = jnp.clip(slot, 0, st.num_splits - 1)
-  fill_from = jnp.where(seq_end <= hi, slot + 1, st.num_splits)
-  return Item(b=b, head=head, row_block=row_block, length=length, start=start, splits=[slot],
+  fill_from = jnp.where(seq_end <= share.hi, slot + 1, st.num_splits)
+  item = Item(b=b, head=head, row_block=row_block, length=length, start=start, splits=[slot],
               ranges=[(t0, t1, a, c)], fill_from=fill_from)
+  return item, seq_end - head_block * share.per_head_block
 
 
 def for_each_item(body, sequences: Sequences, st, tiles_per_split=None, walk: WalkRefs | None = None):
@@ -155,22 +180,22 @@ def for_each_item(body, sequences: Sequences, st, tiles_per_split=None, walk: Wa
     return body(item, jnp.int32(0))
   program = lax.axis_index("program")
   if st.stream_k:
-    lo, hi, first, end, share, per_head_block = walk.program(program, st)   # loaded once, not per segment
-
-    last = jnp.maximum(end - 1, first)
+    share = walk.program(program, sequences, st)   # once, not per segment
+    last = jnp.maximum(share.end - 1, share.first)
 
     def segment(k, carry):
-      steps_before, loaded = carry
-      after = first + k + 1
+      steps_before, loaded, offset = carry
+      after = share.first + k + 1
       # The next segment's loads, issued now: their latency overlaps this segment's tiles.
-      loaded_next = _loads_of_flat(jnp.minimum(after, last), sequences, walk, st)
-      item = segment_of(first + k, program, lo, hi, share, per_head_block, sequences, walk, st, loaded=loaded)
+      loaded_next = _loads_of_flat(jnp.minimum(after, last), sequences, st)
+      item, next_offset = segment_of(share.first + k, offset, program, share, st, loaded)
       head_block, b = lax.div(after, jnp.int32(st.batch)), lax.rem(after, jnp.int32(st.batch))
-      item = dataclasses.replace(item, index=k, following=(b, *_head_of(head_block, st), after < end))
-      return steps_before + body(item, steps_before), loaded_next
+      item = dataclasses.replace(item, index=k, following=(b, *_head_of(head_block, st), after < share.end))
+      next_offset = jnp.where(b == 0, 0, next_offset)   # a head block's first sequence starts at 0
+      return steps_before + body(item, steps_before), loaded_next, next_offset
 
-    first_loads = _loads_of_flat(first, sequences, walk, st)
-    return lax.fori_loop(0, end - first, segment, (jnp.int32(0), first_loads))[0]
+    first_loads = _loads_of_flat(share.first, sequences, st)
+    return lax.fori_loop(0, share.end - share.first, segment, (jnp.int32(0), first_loads, share.first_offset))[0]
 
   num_heads, num_split_programs, _ = st.grid_shape
   # Items program, program + P, ...; the grid has P <= num_items programs.
@@ -215,3 +240,19 @@ def fill_unused_slots(item: Item, neg_inf, lse_ref, st) -> None:
     def _():
       plgpu.copy_smem_to_gmem(neg_inf.at[pl.ds(0, rows)],
                               lse_ref.at[item.b, item.head, slot, pl.ds(first_row, rows)])
+
+
+def check_stream_k(plan, config, options, num_programs) -> None:
+  """Raises unless a stream-K plan and config agree: the plan's walk (`plan.make_plan(..., walked=True)`) sets the
+  persistent program count. plan: a `plan.SplitPlan`; config: a `MosaicGPUConfig`; options: `AttentionOptions`."""
+  if not plan.stream_k:
+    return
+  if plan.walk is None or config.split_plan != "stream_k" or not config.persistent:
+    raise ValueError(f"the mosaic_gpu GQA kernel walks a stream-K plan with persistent programs: it needs a config "
+                     f"with split_plan='stream_k' and persistent=True and a plan made for it (plan.make_plan(..., "
+                     f"walked=True)), got {config} and a plan {'without' if plan.walk is None else 'with'} a walk")
+  if num_programs is not None and num_programs != plan.walk.num_programs:
+    raise ValueError(f"{num_programs=} differs from the stream-K plan's {plan.walk.num_programs} programs")
+  if options.has_window_start:
+    raise NotImplementedError("mosaic_gpu: split_plan='stream_k' with window_start (the plan is made from the "
+                              "lengths alone); use split_plan='per_sequence'")

@@ -23,8 +23,8 @@ def resolve_config(op: str, problem, config, *, dtype) -> TritonConfig:
   return triton_config.resolve_config(problem, config, dtype=dtype)
 
 
-def plan_splits(op: str, problem, options, config: TritonConfig, lengths) -> plan.SplitPlan:
-  del op
+def plan_splits(op: str, problem, options, config: TritonConfig, lengths, *, ahead: bool = False) -> plan.SplitPlan:
+  del op, ahead   # the same plan either way: Triton plans stream-K inside its kernel
   _, row_blocks = triton_config.row_blocking(problem.num_queries * problem.group_size, problem.head_dim)
   return plan.make_plan(lengths, problem=problem, config=config, window=options.window, row_blocks=row_blocks,
                         programs_per_sm=triton_config.programs_per_sm(config, problem))
