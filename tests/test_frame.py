@@ -75,3 +75,14 @@ def test_packed_args_are_checked():
     frame.check_packed_args(q, kv, kv, lengths.astype(jnp.float32), None, num_queries=1)
   with pytest.raises(ValueError, match="block_tables"):
     frame.check_packed_args(q, kv, kv, lengths, jnp.zeros((3, 4), jnp.int32), num_queries=1)
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_merge_is_one_reduction(with_sinks):
+  # In XLA one launch: a variadic reduction over the splits, no separate max, sum or contraction.
+  import jax
+  out = jnp.zeros((2, 3, 4, 5, 8), jnp.float32)
+  lse = jnp.zeros((2, 3, 4, 5), jnp.float32)
+  sinks = jnp.zeros((3, 5), jnp.float32) if with_sinks else None
+  text = jax.jit(frame.merge_splits).lower(out, lse, sinks).as_text()
+  assert text.count("stablehlo.reduce") == 1 and "dot_general" not in text, text

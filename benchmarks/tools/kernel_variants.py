@@ -15,8 +15,9 @@ input sets rotated to overflow L2):
   probe rows   the kernel alone (`decode_partials`, no combine) at B=128 and B=1: `kernel` is
                the baseline kernel, `probe:*` leave out one consumer stage (results wrong by
                design, not checked). kernel vs baseline at B=1 = the combine's share. `plan` is
-               the split plan alone (XLA before the kernel; the stream-K walk's sums), which the
-               `kernel` row includes.
+               the plan made ahead alone (XLA; for stream-K the walk's sums, which a call's own plan
+               leaves to its programs). `kernel+xla_merge` adds the XLA merge (`frame.merge_splits`),
+               the op's merge where Pallas Triton is gone.
 `--shapes=16x32768,8x8192p16` runs other shapes, `--ragged` with lengths uniform in [1, T].
 `--probe_shapes='B32 T4096,B64 T2048'` moves the kernel-only rows to other shapes, `--probe_variant=pqk+persistent`
 gives them that variant's config (the tuned one at B >= 8) instead of the heuristic's.
@@ -210,8 +211,9 @@ def _op_fn(config, paged: bool, plan_ahead: bool = False):
 def kernel_fn(config, problem, paged: bool, probe: str | None):
   """The kernel alone on the op's arguments, with the op's plan (`backend.plan_splits`): partials, no
   merge (a probe of PROBES: results wrong; "plan": the arrays of the plan made ahead, which for stream-K are the
-  XLA walk a call's own plan leaves to its kernel)."""
-  tile_math = mgpu_decode.TileMath() if probe in (None, "plan") else PROBES[probe]
+  XLA walk a call's own plan leaves to its kernel; "xla_merge": the kernel and the XLA merge, `frame.merge_splits`,
+  which the op runs where Pallas Triton's merge kernel cannot be imported)."""
+  tile_math = mgpu_decode.TileMath() if probe in (None, "plan", "xla_merge") else PROBES[probe]
   options = AttentionOptions(scale=problem.head_dim ** -0.5)
 
   def fn(q, k, v, *rest):
@@ -221,9 +223,10 @@ def kernel_fn(config, problem, paged: bool, probe: str | None):
                                     ahead=probe == "plan")
     if probe == "plan":
       return plan.kernel_inputs() or [lengths]   # a plan with no arrays: the chain times nothing but the call
-    return mgpu_decode.decode_partials(rows, k, v, lengths, block_tables, num_queries=1, options=options,
-                                       config=config, plan=plan, tile_math=tile_math,
-                                       interpret=mgpu_backend.interpret_params())
+    partials = mgpu_decode.decode_partials(rows, k, v, lengths, block_tables, num_queries=1, options=options,
+                                           config=config, plan=plan, tile_math=tile_math,
+                                           interpret=mgpu_backend.interpret_params())
+    return frame.merge_splits(*partials) if probe == "xla_merge" else partials
 
   return jax.jit(fn)
 
@@ -260,7 +263,8 @@ def run_shape(s: Settings, batch: int, seq_len: int, page_size: int | None, key,
     # Kernel-only rows go before baseline_again so that it still closes the shape.
     last = [todo.pop()] if todo and todo[-1][0] == "baseline_again" else []
     fields = dict(s.probe_fields)
-    todo += [("kernel", None, fields), ("plan", "plan", fields)] + [(f"probe:{p}", p, fields) for p in PROBES] + last
+    todo += [("kernel", None, fields), ("kernel+xla_merge", "xla_merge", fields), ("plan", "plan", fields)]
+    todo += [(f"probe:{p}", p, fields) for p in PROBES] + last
     if load_path:
       todo += [(f"loads:{n}", "loads_only", f) for n, f in LOAD_PATH.items()]
   rows = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kv import validation
 
@@ -51,26 +52,44 @@ def unpack_rows(x, num_queries: int):
   return x.reshape(b, num_queries, hkv * g, *rest)
 
 
+def _merged_pair(a, b):
+  """The reduction step of `merge_splits`: two (log of the weight, the weighted mean of the outputs, log of the
+  real keys' weight) merged into one. A weight of 0 (log -inf) takes no part, and two give -inf and zeros."""
+  (weight_a, mean_a, keys_a), (weight_b, mean_b, keys_b) = a, b
+
+  def log_add(x, y):
+    hi, lo = jnp.maximum(x, y), jnp.minimum(x, y)
+    return jnp.where(lo == -jnp.inf, hi, hi + jnp.log1p(jnp.exp(lo - hi)))
+
+  weight = log_add(weight_a, weight_b)
+  share_a = jnp.where(weight_a == -jnp.inf, 0.0, jnp.exp(weight_a - weight))
+  share_b = jnp.where(weight_b == -jnp.inf, 0.0, jnp.exp(weight_b - weight))
+  return weight, share_a * mean_a + share_b * mean_b, log_add(keys_a, keys_b)
+
+
 def merge_splits(out, lse, sinks=None):
   """Merges split-K partials: out [B, Hkv, splits, R, Dv] float32 or 16-bit, each split's normalised output
   (ignored where the split saw no key, but one split without sinks is returned as is); lse [B, Hkv, splits, R]
   float32, -inf where empty; sinks: optional [Hkv, R] float32. Returns (out [B, Hkv, R, Dv] float32,
-  lse [B, Hkv, R] float32 over the real keys, -inf where none)."""
+  lse [B, Hkv, R] float32 over the real keys, -inf where none).
+
+  One variadic reduction over the splits (in XLA one launch, where a max, a sum and a contraction were several):
+  each split weighs exp(lse); a sink joins as a split with no output and no keys that weighs exp(sink)."""
   if out.shape[2] == 1 and sinks is None:
     return out[:, :, 0], lse[:, :, 0]
-  out = out.astype(jnp.float32)
-  total = jnp.max(lse, axis=2)
-  shift = jnp.where(jnp.isfinite(total), total, 0.0)
-  weights = jnp.exp(lse - shift[:, :, None])
-  norm = jnp.sum(weights, axis=2)
-  has_keys = norm > 0
-  lse_total = jnp.where(has_keys, jnp.log(jnp.where(has_keys, norm, 1.0)) + shift, -jnp.inf)
-  denom = norm
+  lse = lse.astype(jnp.float32)
+  means = jnp.where((lse > -jnp.inf)[..., None], out.astype(jnp.float32), 0.0)   # an empty split's is never read
+  weights, keys = lse, lse
   if sinks is not None:
-    denom = denom + jnp.exp(sinks[None].astype(jnp.float32) - shift)
-  merged = jnp.einsum("bhsr,bhsrd->bhrd", weights, jnp.where((lse > -jnp.inf)[..., None], out, 0.0))
-  merged = merged / jnp.where(has_keys, denom, 1.0)[..., None]
-  return merged, lse_total
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], (*lse.shape[:2], 1, lse.shape[3]))
+    weights = jnp.concatenate([lse, sink], axis=2)
+    keys = jnp.concatenate([lse, jnp.full_like(sink, -jnp.inf)], axis=2)
+    means = jnp.concatenate([means, jnp.zeros_like(means[:, :, :1])], axis=2)
+  per_column = lambda x: jnp.broadcast_to(x[..., None], means.shape)
+  _, merged, lse_total = lax.reduce((per_column(weights), means, per_column(keys)),
+                                    (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(-jnp.inf)),
+                                    _merged_pair, (2,))
+  return merged, lse_total[..., 0]
 
 
 def scale_kind(scale, k_shape) -> str | None:
