@@ -6,7 +6,6 @@ shapes between them (`configs/gqa_h200_heldout.flags`)."""
 from __future__ import annotations
 
 import json
-
 import os
 
 import jax

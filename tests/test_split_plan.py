@@ -48,7 +48,6 @@ def _walk_segments(lengths, *, block_kv, num_queries, window, head_blocks, num_p
     for flat in range(int(share.first), int(share.end)):
       item, offset = work.segment_of(jnp.int32(flat), offset, p, share, st,
                                      work._loads_of_flat(jnp.int32(flat), sequences, st))
-      offset = 0 if (flat + 1) % len(lengths) == 0 else offset
       t0, t1, _, _ = item.ranges[0]
       segments.append((p, int(item.head), int(item.b), int(t0), int(t1), int(item.splits[0]), int(item.fill_from)))
   return segments, int(share.size)

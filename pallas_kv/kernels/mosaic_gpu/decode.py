@@ -77,9 +77,7 @@ class TileMath:
     the sequence's window start or None; v_scales: the tile's per-token V scales [bkv] (WGMMA columns) or None."""
     acc, m_new, l_new, p = self.probabilities(s, acc, m_i, l_i, tile=tile, length=length, row0=row0, masked=masked,
                                               st=st, k_scale=k_scale, start=start)
-    if v_scales is not None:   # a masked key's p is 0 and stays 0 whatever scale lies past the length
-      scaled = p * lax.broadcast_in_dim(v_scales, p.shape, [1])
-      p = jnp.where(p > 0, scaled, 0.0) if masked else scaled
+    p = online_softmax.times_key_scales(p, v_scales, masked=masked)
     return acc, m_new, l_new, p.astype(st.q_dtype)
 
   def probabilities(self, s, acc, m_i, l_i, **where):

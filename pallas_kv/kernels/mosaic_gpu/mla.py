@@ -39,7 +39,7 @@ from pallas_kv.kernels.mosaic_gpu.mla_config import ROWS, VALUE_WGS, Codegen, Ml
 from pallas_kv.kernels.mosaic_gpu.mla_config import variant_schedule
 from pallas_kv.kernels.mosaic_gpu.mla_output import ProgramOutput
 from pallas_kv.kernels.mosaic_gpu.mla_tiles import Scores, SharedP, Static, TileMath, add_pv, start_state, zero_row
-from pallas_kv.kernels.mosaic_gpu.mla_tiles import scaled_probabilities, scaled_scores, split_query
+from pallas_kv.kernels.mosaic_gpu.mla_tiles import scaled_scores, split_query
 
 SCORER, PARTNER, PRODUCER = 0, 1, 2
 LSE_ROW_MULTIPLE = 4   # TMA stores need 16-byte rows: the lse output is padded to 4 float32 rows
@@ -213,7 +213,8 @@ def score_one_byte_tiles(program: Program, scores: Scores):
     alpha, m_new, l_new, prob = st.tile_math.softmax(scaled_scores(s, key_scales), m_i, l_i, tile=tile,
                                                      length=p.length, row0=p.row0, masked=masked, st=st,
                                                      row_factor=row_factor)
-    p16 = scaled_probabilities(prob, key_scales, masked=masked).astype(st.smem.dtype)
+    # P V reads the unscaled widened values: each key's scale goes into P.
+    p16 = online_softmax.times_key_scales(prob, key_scales, masked=masked).astype(st.smem.dtype)
     acc = acc * online_softmax.per_row(alpha, acc.shape)
     plgpu.barrier_wait(p.values_ready)
     acc = publish_and_add_pv(p, acc, p16, alpha, p.widened[SCORER], tile)

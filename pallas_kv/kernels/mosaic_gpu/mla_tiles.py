@@ -228,12 +228,3 @@ def scaled_scores(s, key_scales=None):
   if key_scales is not None:
     s = s * lax.broadcast_in_dim(key_scales, s.shape, [1])
   return s
-
-
-def scaled_probabilities(prob, key_scales=None, *, masked: bool = True):
-  """P with each key's scale folded in (P V then reads the unscaled widened values); in a masked tile a masked
-  key's p is 0 and stays 0 whatever scale lies past the length."""
-  if key_scales is None:
-    return prob
-  scaled = prob * lax.broadcast_in_dim(key_scales, prob.shape, [1])
-  return jnp.where(prob > 0, scaled, 0.0) if masked else scaled

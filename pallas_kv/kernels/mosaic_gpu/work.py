@@ -148,8 +148,8 @@ def _loads_of_flat(flat, sequences: Sequences, st):
 
 def segment_of(flat, offset, program, share: Share, st, loaded) -> tuple[Item, Any]:
   """Stream-K: the part of flat sequence `flat` (head block flat // B, sequence flat % B), which starts at `offset`
-  in its head block, that falls in this program's share; and the offset where the next sequence of the head
-  block starts. loaded: its `_loads_of_flat`."""
+  in its head block, that falls in this program's share; and where flat sequence flat + 1 starts in its head block
+  (0 past the last sequence: a head block starts afresh). loaded: its `_loads_of_flat`."""
   head_block, b = lax.div(flat, jnp.int32(st.batch)), lax.rem(flat, jnp.int32(st.batch))
   head, row_block = _head_of(head_block, st)
   length, start = loaded
@@ -168,7 +168,7 @@ def segment_of(flat, offset, program, share: Share, st, loaded) -> tuple[Item, A
   fill_from = jnp.where(seq_end <= share.hi, slot + 1, st.num_splits)
   item = Item(b=b, head=head, row_block=row_block, length=length, start=start, splits=[slot],
               ranges=[(t0, t1, a, c)], fill_from=fill_from)
-  return item, seq_end - head_block * share.per_head_block
+  return item, jnp.where(b == st.batch - 1, 0, seq_end - head_block * share.per_head_block)
 
 
 def for_each_item(body, sequences: Sequences, st, tiles_per_split=None, walk: WalkRefs | None = None):
@@ -191,7 +191,6 @@ def for_each_item(body, sequences: Sequences, st, tiles_per_split=None, walk: Wa
       item, next_offset = segment_of(share.first + k, offset, program, share, st, loaded)
       head_block, b = lax.div(after, jnp.int32(st.batch)), lax.rem(after, jnp.int32(st.batch))
       item = dataclasses.replace(item, index=k, following=(b, *_head_of(head_block, st), after < share.end))
-      next_offset = jnp.where(b == 0, 0, next_offset)   # a head block's first sequence starts at 0
       return steps_before + body(item, steps_before), loaded_next, next_offset
 
     first_loads = _loads_of_flat(share.first, sequences, st)
