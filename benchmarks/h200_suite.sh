@@ -3,8 +3,7 @@
 #   python3 -m benchmarks ROUTINE --flagfile=configs/suite/NAME.flags --json=$OUT/NAME.json
 # (NAME.flags says what it measures and which RESULTS.md set used it). A part fits one ~10-minute command,
 # run from the repository root with the GPU machine's python3: bash benchmarks/h200_suite.sh PART|NAME ...
-# Output: NAME.json (tune: the tuned file, copied) and NAME.log in $OUT, else bench_out/.
-# SUITE_FLAGS="--cases=64x8192 ..." goes after every run's flagfile, so its values win.
+# Output: NAME.json, NAME.log (tune: the tuned file) in $OUT or bench_out/; SUITE_FLAGS follow each flagfile: they win.
 # SMOLLM2_GGUF=PATH: the smollm2 part's GGUF file. GPU tests and fuzzing are checks, not parts: README.md "Tests".
 set -uo pipefail
 declare -A PARTS=(
@@ -26,6 +25,7 @@ declare -A PARTS=(
             serving:smollm2_system_prompt"   # forked prompts, a cached system prompt
   [vmap]="vmap:vmap"
   [step]="step:step"
+  [trace]="tools.kernel_trace:trace_stream_k"   # each warpgroup's time inside the kernel, per region
   [mosaic_levers]="tools.kernel_variants:mosaic_tile_consumers tools.kernel_variants:mosaic_ragged_order
                    decode:rows_ragged_longest_first tools.kernel_variants:mosaic_stream_k_parts"   # beside rows_ragged
   [paged_one_byte]="decode:paged64_int8 decode:paged64_int8_tiles"   # Triton's paged tiles, int8 page 64

@@ -199,6 +199,14 @@ def _config(fields: dict[str, Any], args: tuple, paged: bool) -> pkv.MosaicGPUCo
   return dataclasses.replace(config, num_splits=splits)
 
 
+def dense_kernel_case(s: Settings, fields: dict[str, Any], batch: int, seq_len: int, key):
+  """(complete config, problem, kernel_fn's arguments) of a variant's fields at a dense shape."""
+  case = _case(s, batch, seq_len, None)
+  key_len, key_in = jax.random.split(key)
+  args = cases.make_inputs(case, key_in, cases.make_lengths(case, key_len))
+  return _config(fields, args, False), _problem(args, False), args
+
+
 def _op_fn(config, paged: bool, plan_ahead: bool = False):
   """The op under jit; plan_ahead: its plan made by `pallas_kv.plan_splits` in the same step."""
   op = functools.partial(pkv.paged_decode_attention if paged else pkv.decode_attention, impl="mosaic_gpu",

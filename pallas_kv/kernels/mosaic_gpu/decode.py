@@ -33,6 +33,8 @@ from pallas_kv.kernels.mosaic_gpu import fp8_operands
 from pallas_kv.kernels.mosaic_gpu import pipeline
 from pallas_kv.kernels.mosaic_gpu import tiling
 from pallas_kv.kernels.mosaic_gpu import work
+from pallas_kv.kernels.mosaic_gpu import trace as mgpu_trace
+from pallas_kv.kernels.mosaic_gpu.trace import region
 from pallas_kv.kernels.mosaic_gpu.work import Item
 
 ROWS_PER_WG = mgpu_config.ROWS_PER_WG
@@ -138,6 +140,7 @@ class _Static:
   stream_k: bool = False  # the persistent programs walk the plan's equal shares of the tiles (`work`)
   walk_vectors: int = 0   # stream-K: the walk's vectors passed in (4, a plan made ahead), or 0: planned inside
   explicit_barriers: bool = False   # no automatic barriers around SMEM stores: the kernel syncs where needed
+  trace: mgpu_trace.KernelTrace | None = None   # a timeline of the call from inside (a diagnostic)
 
   @property
   def quantized(self) -> bool:
@@ -404,7 +407,8 @@ def _kernel(q_ref,
           queries.load_for(item)
         k_head_scale = k_scale_ref[item.head] if st.k_scale == "head" else None
         v_head_scale = v_scale_ref[item.head] if st.v_scale == "head" else None
-        q_tile = queries.wait(item)
+        with region("wait_q"):
+          q_tile = queries.wait(item)
         if fp8:
           tiles = fp8_operands.Fp8Tiles(q_tile, queries.factors_of(item), rings[g]["k"], rings[g]["v"],
                                         rings[g].get("ks"), rings[g].get("vs"), scratch["p_terms"][2 * w:2 * w + 2])
@@ -416,10 +420,11 @@ def _kernel(q_ref,
           k_tiles, v_tiles = _tile_feeds(rings[g], streaming, w, item.head, st, converted)
           carry = _consume(q_tile, k_tiles, v_tiles, p_smem, item.length, row0, *item.ranges[g],
                            steps_before, st, k_scale=k_head_scale, start=item.start, turn=turn)
-        _write_partials(carry, out_smem.at[w], lse_smem.at[w], out_ref, lse_ref,
-                        scratch["consumers_done"], b=item.b, head=item.head,
-                        split=item.splits[g], rw=rw, row0=row0, st=st, v_scale=v_head_scale,
-                        partner=partner, turn=turn)
+        with region("write_out"):
+          _write_partials(carry, out_smem.at[w], lse_smem.at[w], out_ref, lse_ref,
+                          scratch["consumers_done"], b=item.b, head=item.head,
+                          split=item.splits[g], rw=rw, row0=row0, st=st, v_scale=v_head_scale,
+                          partner=partner, turn=turn)
         return item.counts[g]
 
       for_each_item(consume)
@@ -678,7 +683,8 @@ def _build(st: _Static, interpret: Any):
       grid_names=grid_names,
       num_threads=st.smem.num_threads,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=st.explicit_barriers),
+      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=st.explicit_barriers,
+                                           **(st.trace.compiler_params() if st.trace else {})),
       interpret=interpret,
       kernel_name=name,
   )
@@ -706,6 +712,7 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
 
   out_dtype: the partials' dtype: float32, or with one split (which is then the output) and one tile consumer,
     q's 16-bit dtype, so that no cast follows the kernel.
+  Inside `trace.tracing(...)` the kernel also writes its timeline from inside (a diagnostic; GPU only).
 
   Returns (out [B, Hkv, num_splits, R, D] out_dtype, each split's normalised output; lse [B, Hkv, num_splits, R]
   f32, natural log, -inf with out 0 where the split saw no key).
@@ -744,7 +751,7 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
       tiling=kv_tiling, smem=smem, batch=B, num_kv_heads=Hkv, pipeline_qk=config.pipeline_qk,
       tile_math=tile_math, q_dtype=jnp.dtype(q.dtype), k_scale=k_kind, v_scale=v_kind,
       balanced=plan.balanced, ordered=plan.ordered, stream_k=plan.stream_k,
-      explicit_barriers=mgpu_config.explicit_barriers(config))
+      explicit_barriers=mgpu_config.explicit_barriers(config), trace=mgpu_trace.active())
   if plan.stream_k:
     st = dataclasses.replace(st, num_programs=plan.walk.num_programs, walk_vectors=len(plan.walk.arrays()))
   elif config.persistent:

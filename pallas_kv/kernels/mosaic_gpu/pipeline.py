@@ -25,6 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kv.kernels.mosaic_gpu.trace import region
+
 # Mosaic GPU aligns every SMEM allocation to this many bytes.
 SMEM_ALIGNMENT = 1024
 BARRIER_BYTES = 8
@@ -141,9 +143,10 @@ class Ring:
     return barriers.at[self._slot(step) * self.spec.num_parts + (part or 0)]
 
   def acquire(self, step, part=None):
-    @pl.when(step >= self.spec.num_stages)
-    def _():
-      plgpu.barrier_wait(self._barrier(self.consumed, step, part))
+    with region("wait_free"):
+      @pl.when(step >= self.spec.num_stages)
+      def _():
+        plgpu.barrier_wait(self._barrier(self.consumed, step, part))
 
   def commit(self, step, sources: Sequence[Any], part=None):
     """Starts the TMA copies of `sources` (GMEM views stacked along rows) into step's slot (part)."""
@@ -195,7 +198,8 @@ class Ring:
         plgpu.barrier_wait(self._barrier(self.consumed, step, part))
 
   def wait(self, step, part=None):
-    plgpu.barrier_wait(self._barrier(self.produced, step, part))
+    with region("wait_tile"):
+      plgpu.barrier_wait(self._barrier(self.produced, step, part))
     return self.slot(step, part)
 
   def slot(self, step, part=None):

@@ -1,0 +1,232 @@
+r"""Where the Mosaic GPU GQA kernel's time goes, seen from inside: Mosaic GPU's on-device profiler
+(`pallas_kv.kernels.mosaic_gpu.trace`) records each warpgroup's entries into and exits from the kernel's regions
+with the SM clock.
+
+  python -m benchmarks tools.kernel_trace --variants=pqk+persistent,sk+pqk --shapes=32x4096 --json=$OUT/trace.json
+  python -m benchmarks tools.kernel_trace --summarize=DIR      # any machine: the table of traces written before
+
+Each (variant of `kernel_variants.VARIANTS`, shape BxT) runs the op (`decode_attention`, impl mosaic_gpu; heads
+32/8, D 128; a bf16 cache at full lengths or `--ragged`, or `--kv_dtype` one-byte) once untraced, then once
+traced: its GQA kernel's trace (Perfetto JSON, ui.perfetto.dev; the merge launch is not in it) and what it needs
+to be read (`meta.json`) land in --out/VARIANT_BxT_DTYPE/ (default: beside --json, its name without .json
+and `_traces`); --json gets the table's rows. The table: per warpgroup role (consumer N,
+producer), the mean over programs of the span (first entry to last exit, thousands of SM cycles: ~2 per µs at
+the H100's and H200's boost clock), the share of it inside each region (a region inside one of its own name
+counted once), the items a program took and its first tile's wait (the ring's fill). `truncated`: a program's
+warpgroup visited regions past --visits (SMEM left over by the kernel bounds it); its later visits are missing.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import glob
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kv as pkv
+from benchmarks.tools import kernel_variants
+from benchmarks.tools import mosaic_one_byte
+from pallas_kv import validation
+from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
+from pallas_kv.kernels.mosaic_gpu import trace as kernel_trace
+from pallas_kv.kernels.mosaic_gpu.trace import KernelTrace
+
+FLAGS = flags.FLAGS
+REGIONS = ("item", "wait_free", "wait_tile", "wait_q", "write_out")
+SMEM_MARGIN_BYTES = 2048   # left free beside the kernel's own SMEM and the trace's buffer
+
+
+def role(warpgroup: int, consumers: int) -> str:
+  """The kernel's warpgroups: consumers first, then the TMA producer, then a converter (if any)."""
+  if warpgroup < consumers:
+    return f"consumer {warpgroup}"
+  return "producer" if warpgroup == consumers else "converter"
+
+
+def program_summary(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
+  """One warpgroup's events ({"name", "ph": "B" / "E", "ts"}, in order; ts in µs as the trace writes it, i.e.
+  thousands of SM cycles after the program's start): its span, time in each region (outermost visits of a
+  name), visits per region and the first visit's time (all in thousands of cycles)."""
+  stack: list[tuple[str, float]] = []
+  inside: dict[str, float] = collections.defaultdict(float)
+  visits: dict[str, int] = collections.defaultdict(int)
+  first: dict[str, float] = {}
+  for event in events:
+    if event["ph"] == "B":
+      stack.append((event["name"], event["ts"]))
+      continue
+    name, start = stack.pop()
+    if any(open_name == name for open_name, _ in stack):
+      continue
+    inside[name] += event["ts"] - start
+    visits[name] += 1
+    first.setdefault(name, event["ts"] - start)
+  span = events[-1]["ts"] - events[0]["ts"] if events else 0.0
+  return {"span": span, "inside": dict(inside), "visits": dict(visits), "first": first, "events": len(events)}
+
+
+def summarize(trace: dict[str, Any], meta: dict[str, Any]) -> list[dict[str, Any]]:
+  """One row per warpgroup role: means over the programs of `program_summary`'s figures, each region's time as a
+  share of the span."""
+  per_trace: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
+  for event in trace["traceEvents"]:
+    per_trace[event["tid"] - 1].append(event)
+  by_role: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+  for index, events in sorted(per_trace.items()):
+    warpgroup = index % meta["warpgroups"]
+    by_role[role(warpgroup, meta["consumers"])].append(program_summary(events))
+  rows = []
+  for name, programs in sorted(by_role.items()):
+    spans = np.array([p["span"] for p in programs])
+    row = {"variant": meta["variant"], "shape": meta["shape"], "role": name, "programs": len(programs),
+           "span_kcycles": float(spans.mean()),
+           "items": float(np.mean([p["visits"].get("item", 0) for p in programs])),
+           "first_wait_tile_kcycles": float(np.mean([p["first"].get("wait_tile", 0.0) for p in programs])),
+           "truncated": sum(p["events"] >= 2 * (meta["visits"] - 1) for p in programs)}
+    for region in REGIONS:
+      share = [p["inside"].get(region, 0.0) / p["span"] for p in programs if p["span"] > 0]
+      row[f"{region}_share"] = float(np.mean(share)) if share else 0.0
+    rows.append(row)
+  return rows
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+  header = ["variant", "shape", "role", "programs", "span", "items", "1st wait"] + list(REGIONS) + ["truncated"]
+  lines = ["  ".join(header)]
+  for r in rows:
+    if "role" not in r:
+      lines.append(f"{r['variant']}  {r['shape']}  {r['status']}")
+      continue
+    cells = [r["variant"], r["shape"], r["role"], str(r["programs"]), f"{r['span_kcycles']:.1f}", f"{r['items']:.2f}",
+             f"{r['first_wait_tile_kcycles']:.2f}"] + [f"{100 * r[f'{x}_share']:.1f}%" for x in REGIONS]
+    lines.append("  ".join(cells + [str(r["truncated"])]))
+  return "\n".join(lines) + "\n(span and 1st wait: thousands of SM cycles; region columns: share of the span)"
+
+
+def read_traces(directory: str) -> list[dict[str, Any]]:
+  """`summarize` of every traced run under directory (its VARIANT_SHAPE folders: meta.json and one trace)."""
+  rows = []
+  for meta_path in sorted(glob.glob(os.path.join(directory, "*", "meta.json"))):
+    with open(meta_path) as f:
+      meta = json.load(f)
+    traces = sorted(glob.glob(os.path.join(os.path.dirname(meta_path), "*-trace.json")))
+    if not traces:
+      rows.append({"variant": meta["variant"], "shape": meta["shape"], "status": "no trace written"})
+      continue
+    with open(traces[0]) as f:
+      rows += summarize(json.load(f), meta)
+  return rows
+
+
+def trace_visits(smem: mgpu_config.DecodeSmem, wanted: int) -> int:
+  """The visits per warpgroup that the SMEM the kernel leaves holds, at most `wanted`."""
+  free = mgpu_config.SMEM_CAPACITY_BYTES - SMEM_MARGIN_BYTES - smem.nbytes
+  visits = min(wanted, free // kernel_trace.smem_bytes(1, smem.num_threads))
+  if visits < 16:
+    raise ValueError(f"{free} bytes of SMEM left beside the kernel: too few for a trace")
+  return int(visits)
+
+
+def op_case(variant: str, batch: int, seq_len: int, kv_dtype: str, s: kernel_variants.Settings, key):
+  """(complete config, its `DecodeSmem`, the op under that config, its arguments) of a variant at a dense shape:
+  bf16, or a one-byte cache stored as the library stores it (V tokens last, per-token scales)."""
+  fields = dict(kernel_variants.VARIANTS[variant][0])
+  rows = s.num_heads // s.num_kv_heads
+  if jnp.dtype(kv_dtype) == jnp.bfloat16:
+    config, _, args = kernel_variants.dense_kernel_case(s, fields, batch, seq_len, key)
+    keywords, quantized = {}, {}
+  else:
+    x = mosaic_one_byte.inputs(batch, seq_len, s.head_dim, jnp.dtype(kv_dtype))
+    args = (x["q"], x["k"], x["v"], x["lengths"])
+    keywords = dict(k_scale=x["scales"]["token"], v_scale=x["scales"]["token"], v_tokens_last=True)
+    problem = validation.validate_dense(*args, v_tokens_last=True)
+    partial = pkv.MosaicGPUConfig(**{k: v for k, v in fields.items() if k not in ("splits_factor", "plan_ahead")})
+    config = mgpu_config.resolve_config(problem, partial, dtype=args[1].dtype)
+    quantized = dict(q_dtype=args[0].dtype, k_scale_kind="token", v_scale_kind="token",
+                     num_kv_heads=s.num_kv_heads, v_tokens_last=True)
+  smem = mgpu_config.DecodeSmem.for_call(config, rows=rows, head_dim=s.head_dim, dtype=args[1].dtype, page_size=None,
+                                         **quantized)
+  op = functools.partial(pkv.decode_attention, impl="mosaic_gpu", config=config, **keywords)
+  return config, smem, op, args
+
+
+def trace_run(variant: str, batch: int, seq_len: int, kv_dtype: str, s: kernel_variants.Settings, out: str,
+              wanted_visits: int, key) -> dict[str, Any]:
+  """Runs the op of one (variant, shape, cache dtype) untraced, then traced (a fresh jit inside
+  `trace.tracing`) into out/VARIANT_BxT_DTYPE/; returns its meta.json."""
+  config, smem, op, args = op_case(variant, batch, seq_len, kv_dtype, s, key)
+  visits = trace_visits(smem, wanted_visits)
+  name = f"{variant}_{batch}x{seq_len}_{jnp.dtype(kv_dtype).name}".replace("+", "_")
+  directory = os.path.join(out, name)
+  os.makedirs(directory, exist_ok=True)
+  jax.block_until_ready(jax.jit(op)(*args))   # compiled, and the data's first touch done
+  with kernel_trace.tracing(KernelTrace(directory, visits)):
+    jax.block_until_ready(jax.jit(op)(*args))
+  jax.effects_barrier()   # the trace is written by a host callback after the kernel
+  meta = {"variant": variant, "shape": kernel_variants.shape_name(batch, seq_len, None),
+          "kv_dtype": jnp.dtype(kv_dtype).name, "warpgroups": smem.num_threads, "consumers": smem.num_wgs,
+          "visits": visits, "config": dataclasses.asdict(config), "device": str(jax.devices()[0].device_kind)}
+  with open(os.path.join(directory, "meta.json"), "w") as f:
+    json.dump(meta, f, indent=1)
+  return meta
+
+
+def define_flags() -> None:
+  flags.DEFINE_list("variants", ["pqk+persistent", "sk+pqk"], f"Of {', '.join(kernel_variants.VARIANTS)}.")
+  flags.DEFINE_list("shapes", ["32x4096"], "BxT shapes (dense).")
+  flags.DEFINE_boolean("ragged", False, "Lengths uniform in [1, T] instead of full (bfloat16 only).")
+  flags.DEFINE_enum("kv_dtype", "bfloat16", ["bfloat16", "int8", "float8_e4m3fn"],
+                    "The cache: one-byte ones with V tokens last and per-token scales, as the library stores them.")
+  flags.DEFINE_integer("visits", 1024, "Region visits recorded per warpgroup, at most (SMEM bounds it).")
+  flags.DEFINE_string("out", None, "Folder of the traces (default: beside --json, else bench_out/kernel_trace).")
+  flags.DEFINE_string("json", None, "Where the table's rows go as JSON.")
+  flags.DEFINE_string("summarize", None, "Only print the table of the traces already under this folder.")
+
+
+def main(argv: Sequence[str]) -> int:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  if FLAGS.summarize:
+    print(format_table(read_traces(FLAGS.summarize)))
+    return 0
+  if jax.default_backend() != "gpu":
+    raise app.UsageError("needs a GPU (the profiler runs in the compiled kernel); --summarize reads traces anywhere")
+  unknown = set(FLAGS.variants) - set(kernel_variants.VARIANTS)
+  if unknown:
+    raise app.UsageError(f"--variants: unknown {sorted(unknown)}; choose from {list(kernel_variants.VARIANTS)}")
+  s = kernel_variants.Settings(smoke=False, num_heads=32, num_kv_heads=8, head_dim=128, warmup=0, iters=1,
+                               repeats=1, rotate_bytes=0.0, budget_s=0.0, ragged=FLAGS.ragged)
+  out = FLAGS.out or (FLAGS.json.removesuffix(".json") + "_traces" if FLAGS.json else "bench_out/kernel_trace")
+  failed = 0
+  for shape in FLAGS.shapes:
+    batch, seq_len, page_size = kernel_variants.parse_shape(shape)
+    if page_size is not None:
+      raise app.UsageError(f"--shapes: {shape}: dense shapes only")
+    for variant in FLAGS.variants:
+      try:
+        meta = trace_run(variant, batch, seq_len, FLAGS.kv_dtype, s, out, FLAGS.visits, jax.random.key(0))
+        print(f"{variant} {shape}: traced, {meta['visits']} visits per warpgroup", flush=True)
+      except Exception as e:  # pylint: disable=broad-except
+        failed += 1
+        print(f"{variant} {shape}: {type(e).__name__}: {str(e).strip()[:300]}", flush=True)
+  rows = read_traces(out)
+  if FLAGS.json:
+    with open(FLAGS.json, "w") as f:
+      json.dump(rows, f, indent=1)
+  print(format_table(rows), flush=True)
+  return int(failed > 0)
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

@@ -1,0 +1,147 @@
+"""The Mosaic GPU kernel's timeline from inside (`kernels/mosaic_gpu/trace.py`, `benchmarks.tools.kernel_trace`):
+the kernel lowers with the profiler on and without any trace of it off; the summary reads a trace right."""
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import jax
+import pytest
+
+import pallas_kv as pkv
+from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
+from pallas_kv.kernels.mosaic_gpu import trace as mgpu_trace
+from pallas_kv.kernels.mosaic_gpu.trace import KernelTrace
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks.tools import kernel_trace  # noqa: E402
+from benchmarks.tools import kernel_variants  # noqa: E402
+import sweeps  # noqa: E402
+from harness import lower_for_cuda  # noqa: E402
+
+# The profiler writes two int32 (a name and the SM clock) at each region entry and exit.
+CLOCK_READ = "%clock"
+
+
+def _mosaic_text(monkeypatch, fn, *args) -> str:
+  """The Mosaic GPU module of jit(fn) lowered for CUDA. A traced call's host callback (which writes the trace)
+  lowers only beside a GPU backend: past the kernel, that error is expected here."""
+  from jax.experimental.mosaic.gpu import core as mgpu_core  # pylint: disable=g-import-not-at-top
+  texts, lower = [], mgpu_core.lower_mgpu_module
+
+  def keep(module, *a, **k):
+    lower(module, *a, **k)
+    texts.append(str(module))
+
+  monkeypatch.setattr(mgpu_core, "lower_mgpu_module", keep)
+  try:
+    lower_for_cuda(fn, *args)
+  except ValueError as e:
+    if not texts or "platform" not in str(e):
+      raise
+  assert len(texts) == 1
+  return texts[0]
+
+
+@pytest.mark.parametrize("fields", [{"split_plan": "stream_k", "pipeline_qk": True},
+                                    {"pipeline_qk": True, "persistent": True}])
+def test_the_kernel_lowers_with_its_trace_and_without(monkeypatch, fields):
+  args, problem = sweeps.problem_args((32, 8), (32, 4096), None)
+  config = mgpu_config.resolve_config(problem, pkv.MosaicGPUConfig(**fields), num_sms=132)
+  fn = kernel_variants.kernel_fn(config, problem, False, None)
+  plain = _mosaic_text(monkeypatch, fn, *args)
+  with mgpu_trace.tracing(KernelTrace("unused", visits=256)):   # the same jitted function, traced again inside
+    assert mgpu_trace.active() == KernelTrace("unused", visits=256)
+    traced = _mosaic_text(monkeypatch, fn, *args)
+  assert mgpu_trace.active() is None
+  assert CLOCK_READ not in plain
+  # Every region's entry and exit: item (producer, consumer), wait_free, wait_tile, wait_q and write_out.
+  assert traced.count(CLOCK_READ) >= 2 * 6
+
+
+def test_a_one_byte_op_is_traced_in_the_smem_its_kernel_leaves(monkeypatch):
+  s = kernel_variants.Settings(smoke=False, num_heads=32, num_kv_heads=8, head_dim=128, warmup=0, iters=1,
+                               repeats=1, rotate_bytes=0.0, budget_s=0.0)
+  config, smem, op, args = kernel_trace.op_case("persistent", 32, 4096, "float8_e4m3fn", s, jax.random.key(0))
+  assert smem.fp8_operands and config.persistent
+  visits = kernel_trace.trace_visits(smem, wanted=10**6)
+  assert smem.nbytes + KernelTrace("folder", visits).smem_bytes(smem.num_threads) <= mgpu_config.SMEM_CAPACITY_BYTES
+  with mgpu_trace.tracing(KernelTrace("unused", visits=visits)):
+    assert _mosaic_text(monkeypatch, op, *args).count(CLOCK_READ) >= 2 * 6
+
+
+def test_a_trace_needs_a_folder_and_room():
+  with pytest.raises(ValueError, match="directory"):
+    KernelTrace("")
+  with pytest.raises(ValueError, match="visits"):
+    KernelTrace("folder", visits=2)
+  with pytest.raises(TypeError, match="KernelTrace"):
+    with mgpu_trace.tracing("folder"):
+      pass
+  assert KernelTrace("folder", visits=100).smem_bytes(3) == 100 * 16 * 3
+  _, problem = sweeps.problem_args((32, 8), (32, 4096), None)
+  config = mgpu_config.resolve_config(problem, pkv.MosaicGPUConfig(split_plan="stream_k"), num_sms=132)
+  smem = mgpu_config.DecodeSmem.for_call(config, rows=4, head_dim=128, dtype="bfloat16", page_size=None)
+  visits = kernel_trace.trace_visits(smem, wanted=10**6)
+  assert smem.nbytes + KernelTrace("folder", visits).smem_bytes(smem.num_threads) <= mgpu_config.SMEM_CAPACITY_BYTES
+  assert kernel_trace.trace_visits(smem, wanted=40) == 40
+  full = types.SimpleNamespace(nbytes=mgpu_config.SMEM_CAPACITY_BYTES - 4096, num_threads=2)   # 2 KiB past the margin
+  assert kernel_trace.trace_visits(full, wanted=10**6) == 2048 // (16 * 2)
+  no_room = types.SimpleNamespace(nbytes=mgpu_config.SMEM_CAPACITY_BYTES - 2048, num_threads=2)
+  with pytest.raises(ValueError, match="too few"):
+    kernel_trace.trace_visits(no_room, wanted=40)
+
+
+def _events(tid, spans):
+  """Perfetto events of one warpgroup: spans (name, start, end) in thousands of cycles, properly nested."""
+  marks = [(start, 1, "B", name) for name, start, end in spans] + [(end, 0, "E", name) for name, start, end in spans]
+  return [{"name": name, "ph": ph, "ts": ts, "pid": 1, "tid": tid} for ts, _, ph, name in sorted(marks)]
+
+
+def test_the_summary_splits_each_role_s_span_into_its_regions(tmp_path):
+  # Two programs of two warpgroups (a consumer, the producer): trace index = program * 2 + warpgroup, tid = it + 1.
+  consumer = [("item", 0, 10), ("wait_tile", 0, 2), ("wait_tile", 4, 5), ("write_out", 9, 10)]
+  nested = [("item", 0, 20), ("wait_tile", 0, 4), ("wait_tile", 1, 3)]   # a region inside its own name: once
+  producer = [("item", 0, 8), ("wait_free", 1, 3)]
+  events = _events(1, consumer) + _events(2, producer) + _events(3, nested) + _events(4, producer)
+  meta = {"variant": "v", "shape": "B1 T1", "warpgroups": 2, "consumers": 1, "visits": 100}
+  rows = {row["role"]: row for row in kernel_trace.summarize({"traceEvents": events}, meta)}
+  assert set(rows) == {"consumer 0", "producer"}
+  c, p = rows["consumer 0"], rows["producer"]
+  assert c["programs"] == 2 and c["span_kcycles"] == pytest.approx(15.0) and c["items"] == 1
+  assert c["wait_tile_share"] == pytest.approx((3 / 10 + 4 / 20) / 2)
+  assert c["write_out_share"] == pytest.approx((1 / 10 + 0) / 2)
+  assert c["first_wait_tile_kcycles"] == pytest.approx((2 + 4) / 2)
+  assert p["wait_free_share"] == pytest.approx(2 / 8) and p["item_share"] == pytest.approx(1.0)
+  assert c["truncated"] == 0
+  # Read back from a folder as the GPU run leaves it; a run that wrote no trace says so.
+  for name, trace in (("v_1x1", {"traceEvents": events}), ("w_1x1", None)):
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "meta.json").write_text(json.dumps({**meta, "variant": name[0]}))
+    if trace:
+      (folder / "kernel-1-trace.json").write_text(json.dumps(trace))
+  rows = kernel_trace.read_traces(str(tmp_path))
+  assert [r.get("status") for r in rows] == [None, None, "no trace written"]
+  table = kernel_trace.format_table(rows)
+  assert "consumer 0" in table and "no trace written" in table and " 15.0 " in table
+
+
+def test_the_tool_summarizes_anywhere_and_traces_only_on_a_gpu(tmp_path):
+  if jax.default_backend() == "gpu":
+    pytest.skip("this checks the CPU's refusal to trace")
+  folder = tmp_path / "v_1x1"
+  folder.mkdir()
+  (folder / "meta.json").write_text(json.dumps({"variant": "v", "shape": "B1 T1", "warpgroups": 2, "consumers": 1,
+                                                "visits": 100}))
+  (folder / "k-1-trace.json").write_text(json.dumps({"traceEvents": _events(1, [("item", 0, 4)])}))
+  run = lambda *flags: subprocess.run([sys.executable, "-m", "benchmarks", "tools.kernel_trace", *flags], cwd=REPO,
+                                      capture_output=True, text=True, timeout=300)
+  summary = run(f"--summarize={tmp_path}")
+  assert summary.returncode == 0 and "consumer 0" in summary.stdout, summary.stderr[-2000:]
+  refused = run(f"--out={tmp_path}")
+  assert refused.returncode != 0 and "needs a GPU" in refused.stderr + refused.stdout
