@@ -25,7 +25,7 @@ declare -A PARTS=(
             serving:smollm2_system_prompt"   # forked prompts, a cached system prompt
   [vmap]="vmap:vmap"
   [step]="step:step"
-  [trace]="tools.kernel_trace:trace_stream_k"   # each warpgroup's time inside the kernel, per region
+  [trace]="tools.kernel_trace:trace_stream_k tools.kernel_trace:trace_fp8"   # warpgroups' time in the kernel
   [mosaic_levers]="tools.kernel_variants:mosaic_tile_consumers tools.kernel_variants:mosaic_ragged_order
                    decode:rows_ragged_longest_first tools.kernel_variants:mosaic_stream_k_parts"   # beside rows_ragged
   [paged_one_byte]="decode:paged64_int8 decode:paged64_int8_tiles"   # Triton's paged tiles, int8 page 64

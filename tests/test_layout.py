@@ -16,7 +16,8 @@ LAYERS = [
     {"validation", "config", "runtime"},
     # the online softmax's math imports nothing of the package: the kernels and shared_prefix's merge use it
     {"tuned", "cache", "online_softmax"},
-    {"xla", "batching", "varlen", "shared_prefix", "kernels.plan", "kernels.frame"},
+    # the Mosaic GPU kernels' named regions and their on-device trace (a diagnostic, importing nothing here)
+    {"xla", "batching", "varlen", "shared_prefix", "kernels.plan", "kernels.frame", "kernels.mosaic_gpu.trace"},
     # the Mosaic GPU GQA kernel's work items (which tiles each program streams, the stream-K walk's segments)
     {"kernels.mosaic_gpu.pipeline", "kernels.mosaic_gpu.tiling", "kernels.mosaic_gpu.work",
      "kernels.triton.stream_k_plan"},

@@ -513,10 +513,12 @@ def _consume(q_tile, k_tiles, v_tiles, p_smem, length, row0, t0, t1, a, c, step0
   wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
   s_type = plgpu.ACC((ROWS_PER_WG, st.tiling.block_kv), jnp.float32)
 
+  @region("softmax")
   def softmax(s, i, tile, acc, m_i, l_i, masked: bool):
     return math_.softmax(s, acc, m_i, l_i, tile=tile, length=length, row0=row0, masked=masked, st=st,
                          k_scale=k_scale, start=start, v_scales=v_tiles.column_scales(i))
 
+  @region("pv")
   def pv(acc, p16, i, tile, masked: bool):
     valid_rows = length - tile * st.tiling.block_kv if masked else None
     first_row = _first_row(start, tile, st) if masked else None
@@ -536,6 +538,7 @@ def _consume(q_tile, k_tiles, v_tiles, p_smem, length, row0, t0, t1, a, c, step0
       i = step0 + tile - t0
       k_tile = k_tiles.fetch(i)
 
+      @region("qk")
       def qk(s_ref):
         math_.qk(s_ref, q_tile, k_tile)
         return s_ref[...]

@@ -24,6 +24,7 @@ from pallas_kv import online_softmax
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import mla_tiles
 from pallas_kv.kernels.mosaic_gpu import pipeline
+from pallas_kv.kernels.mosaic_gpu.trace import region
 from pallas_kv.kernels.mosaic_gpu import tiling
 
 FP8_MAX = mla_tiles.FP8_MAX
@@ -73,6 +74,7 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
   def scores(i):
     k_t = tiles.k_ring.wait(i).transpose((1, 0))
 
+    @region("qk")
     def qk(s_ref):
       for term in range(2):
         plgpu.wgmma(s_ref, tiles.q_terms.at[term], k_t)
@@ -97,6 +99,7 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
         tiling.zero_columns_past(v_slot, valid, first_column=first)
     return v_slot.transpose((1, 0))
 
+  @region("pv")
   def pv(acc, i, tile, masked: bool):
     v_t = values(i, tile, masked)
 
@@ -114,10 +117,9 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
     tiles.v_ring.release(i)
     return acc
 
-  def step(tile, carry, *, masked: bool):
-    acc, m_i, l_i, c_i = carry   # m: the logits' running max; c: the V scales'; acc and l in units of 1 / c
-    i = step0 + tile - t0
-    s = tile_math.logits(scores(i), tile=tile, length=length, row0=row0, masked=masked, st=st, start=start)
+  @region("softmax")
+  def softmax(s, i, acc, m_i, l_i, c_i, *, masked: bool):
+    """The online softmax's step, its P stored as two e4m3 terms for P V; (acc, m, l, c) after it."""
     if tiles.v_scales is None:
       alpha, m_new, l_new, p = online_softmax.rescale_step(s, m_i, l_i)
       c_new = c_i
@@ -138,6 +140,13 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
     plgpu.commit_smem()
     # Both scale slots were read (into S and P) before that commit, in every warp.
     pipeline.release_after_commit((tiles.k_scales, tiles.v_scales), i)
+    return acc, m_new, l_new, c_new
+
+  def step(tile, carry, *, masked: bool):
+    acc, m_i, l_i, c_i = carry   # m: the logits' running max; c: the V scales'; acc and l in units of 1 / c
+    i = step0 + tile - t0
+    s = tile_math.logits(scores(i), tile=tile, length=length, row0=row0, masked=masked, st=st, start=start)
+    acc, m_new, l_new, c_new = softmax(s, i, acc, m_i, l_i, c_i, masked=masked)
     return pv(acc, i, tile, masked), m_new, l_new, c_new
 
   acc = plgpu.layout_cast(jnp.zeros((ROWS, st.tiling.head_dim), jnp.float32), plgpu.Layout.WGMMA)
