@@ -145,3 +145,5 @@ def test_the_tool_summarizes_anywhere_and_traces_only_on_a_gpu(tmp_path):
   assert summary.returncode == 0 and "consumer 0" in summary.stdout, summary.stderr[-2000:]
   refused = run(f"--out={tmp_path}")
   assert refused.returncode != 0 and "needs a GPU" in refused.stderr + refused.stdout
+  ragged_one_byte = run("--ragged", "--kv_dtype=int8")
+  assert ragged_one_byte.returncode != 0 and "a bfloat16 cache only" in ragged_one_byte.stderr + ragged_one_byte.stdout

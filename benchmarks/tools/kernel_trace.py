@@ -199,6 +199,8 @@ def main(argv: Sequence[str]) -> int:
   if FLAGS.summarize:
     print(format_table(read_traces(FLAGS.summarize)))
     return 0
+  if FLAGS.ragged and FLAGS.kv_dtype != "bfloat16":
+    raise app.UsageError("--ragged: a bfloat16 cache only (one-byte caches are traced at full lengths)")
   if jax.default_backend() != "gpu":
     raise app.UsageError("needs a GPU (the profiler runs in the compiled kernel); --summarize reads traces anywhere")
   unknown = set(FLAGS.variants) - set(kernel_variants.VARIANTS)
