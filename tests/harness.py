@@ -208,9 +208,11 @@ def lower_for_cuda(fn, *args):
                                  *shape_dtype_structs(*args))
 
 
-def mosaic_text_for_cuda(monkeypatch, fn, *args) -> str:
+def mosaic_text_for_cuda(monkeypatch, fn, *args, host_callbacks: bool = False) -> str:
   """The one Mosaic GPU kernel of jit(fn)(*args) lowered for CUDA, as text after Mosaic GPU's own lowering (the
-  custom call holds it as bytecode): what its instructions are (e.g. how many warpgroup barriers, `bar.sync`)."""
+  custom call holds it as bytecode): what its instructions are (e.g. how many warpgroup barriers, `bar.sync`).
+  host_callbacks: fn holds one after the kernel (a traced kernel's, which writes its trace); that lowers only beside
+  a GPU backend, so its error past the kernel is expected here."""
   from jax.experimental.mosaic.gpu import core as mgpu_core
   texts, lower = [], mgpu_core.lower_mgpu_module
 
@@ -219,7 +221,11 @@ def mosaic_text_for_cuda(monkeypatch, fn, *args) -> str:
     texts.append(str(module))
 
   monkeypatch.setattr(mgpu_core, "lower_mgpu_module", keep)
-  lower_for_cuda(fn, *args)
+  try:
+    lower_for_cuda(fn, *args)
+  except ValueError as e:
+    if not (host_callbacks and texts and "platform" in str(e)):
+      raise
   assert len(texts) == 1, f"{len(texts)} Mosaic GPU kernels"
   return texts[0]
 

@@ -21,30 +21,14 @@ sys.path.insert(0, REPO)
 from benchmarks.tools import kernel_trace  # noqa: E402
 from benchmarks.tools import kernel_variants  # noqa: E402
 import sweeps  # noqa: E402
-from harness import lower_for_cuda  # noqa: E402
+from harness import mosaic_text_for_cuda  # noqa: E402
 
 # The profiler writes two int32 (a name and the SM clock) at each region entry and exit.
 CLOCK_READ = "%clock"
 
 
 def _mosaic_text(monkeypatch, fn, *args) -> str:
-  """The Mosaic GPU module of jit(fn) lowered for CUDA. A traced call's host callback (which writes the trace)
-  lowers only beside a GPU backend: past the kernel, that error is expected here."""
-  from jax.experimental.mosaic.gpu import core as mgpu_core  # pylint: disable=g-import-not-at-top
-  texts, lower = [], mgpu_core.lower_mgpu_module
-
-  def keep(module, *a, **k):
-    lower(module, *a, **k)
-    texts.append(str(module))
-
-  monkeypatch.setattr(mgpu_core, "lower_mgpu_module", keep)
-  try:
-    lower_for_cuda(fn, *args)
-  except ValueError as e:
-    if not texts or "platform" not in str(e):
-      raise
-  assert len(texts) == 1
-  return texts[0]
+  return mosaic_text_for_cuda(monkeypatch, fn, *args, host_callbacks=True)
 
 
 @pytest.mark.parametrize("fields", [{"split_plan": "stream_k", "pipeline_qk": True},

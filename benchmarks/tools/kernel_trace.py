@@ -131,7 +131,7 @@ def read_traces(directory: str) -> list[dict[str, Any]]:
 def trace_visits(smem: mgpu_config.DecodeSmem, wanted: int) -> int:
   """The visits per warpgroup that the SMEM the kernel leaves holds, at most `wanted`."""
   free = mgpu_config.SMEM_CAPACITY_BYTES - SMEM_MARGIN_BYTES - smem.nbytes
-  visits = min(wanted, free // kernel_trace.smem_bytes(1, smem.num_threads))
+  visits = min(wanted, free // (kernel_trace.BYTES_PER_VISIT * smem.num_threads))
   if visits < 16:
     raise ValueError(f"{free} bytes of SMEM left beside the kernel: too few for a trace")
   return int(visits)

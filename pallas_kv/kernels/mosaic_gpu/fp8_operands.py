@@ -124,13 +124,14 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
       alpha, m_new, l_new, p = online_softmax.rescale_step(s, m_i, l_i)
       c_new = c_i
     else:
-      v_scales = columns(column_scales(tiles.v_scales, i), s.shape)
+      key_scales = column_scales(tiles.v_scales, i)
+      v_scales = columns(key_scales, s.shape)
       # Past the length a scale may be inf: a masked key's scale counts for nothing and its P stays 0.
       seen = jnp.where(s > -jnp.inf, v_scales, 0.0) if masked else v_scales
       c_new = jnp.maximum(c_i, seen.max(axis=1))
       alpha, m_new, l_new, p = online_softmax.rescale_step(s, m_i, l_i,
                                                            log2_units=(jnp.log2(c_i), jnp.log2(c_new)))
-      p = jnp.where(s > -jnp.inf, p * v_scales, 0.0) if masked else p * v_scales
+      p = online_softmax.times_key_scales(p, key_scales, masked=masked)
     acc = acc * rows(alpha, acc.shape)
     p = p * FP8_MAX
     p_hi, p_lo = tiles.p_terms

@@ -37,12 +37,8 @@ class KernelTrace:
     return dict(profile_space=self.visits, profile_dir=self.directory, profile_bounds_check=True)
 
   def smem_bytes(self, num_warpgroups: int) -> int:
-    return smem_bytes(self.visits, num_warpgroups)
-
-
-def smem_bytes(visits: int, num_warpgroups: int) -> int:
-  """The trace buffer's SMEM in a program of num_warpgroups warpgroups."""
-  return visits * BYTES_PER_VISIT * num_warpgroups
+    """The trace buffer's SMEM in a program of num_warpgroups warpgroups."""
+    return self.visits * BYTES_PER_VISIT * num_warpgroups
 
 
 def region(name: str):

@@ -172,18 +172,10 @@ def segment_of(flat, offset, program, share: Share, st, loaded) -> tuple[Item, A
   return item, jnp.where(b == st.batch - 1, 0, seq_end - head_block * share.per_head_block)
 
 
-def _item_region(body):
-  """body, each call the region `item` of the kernel's trace (`trace.KernelTrace`)."""
-  def item_body(item, steps_before):
-    with region("item"):
-      return body(item, steps_before)
-  return item_body
-
-
 def for_each_item(body, sequences: Sequences, st, tiles_per_split=None, walk: WalkRefs | None = None):
   """Calls body(item, steps_before) -> its step count for each of this program's work items; the ring steps
   (KV group 0's tiles) run on across items. Returns the program's total step count."""
-  body = _item_region(body)
+  body = region("item")(body)   # each item a region of the kernel's trace (`trace.KernelTrace`)
   if not st.persistent:
     item = item_of(lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("split"), sequences, st,
                    tiles_per_split)
