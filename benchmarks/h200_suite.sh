@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# The H200 measurement suite: named parts, each a list of runs ROUTINE:NAME, that is
-#   python3 -m benchmarks ROUTINE --flagfile=configs/suite/NAME.flags --json=$OUT/NAME.json
-# (NAME.flags says what it measures and which RESULTS.md set used it). A part fits one ~10-minute command,
-# run from the repository root with the GPU machine's python3: bash benchmarks/h200_suite.sh PART|NAME ...
-# Output: NAME.json, NAME.log (tune: the tuned file) in $OUT or bench_out/; SUITE_FLAGS follow each flagfile: they win.
-# SMOLLM2_GGUF=PATH: the smollm2 part's GGUF file. GPU tests and fuzzing are checks, not parts: README.md "Tests".
+# The H200 measurement suite: named parts, each a list of runs ROUTINE:NAME, that is `python3 -m benchmarks ROUTINE
+# --flagfile=configs/suite/NAME.flags --json=$OUT/NAME.json` (NAME.flags says what it measures and which RESULTS.md
+# set used it). A part fits one ~10-minute command: bash benchmarks/h200_suite.sh PART|NAME ... (repository root).
+# Output: NAME.json, NAME.log (tune: the tuned file) in $OUT or bench_out/; SUITE_FLAGS follow each flagfile: they win;
+# SMOLLM2_GGUF=PATH: the smollm2 part's GGUF file. GPU tests and fuzzing are checks, not parts (README.md "Tests").
 set -uo pipefail
 declare -A PARTS=(
   [gqa]="decode:gqa"                      # the GQA sweep, every impl
@@ -31,6 +30,7 @@ declare -A PARTS=(
   [paged_one_byte]="decode:paged64_int8 decode:paged64_int8_tiles"   # Triton's paged tiles, int8 page 64
   [one_byte_barriers]="tools.mosaic_one_byte:barriers_fp8 tools.mosaic_one_byte:barriers_int8
                        tools.mla_fp8_parts:barriers_mla"   # scale slots freed at a commit; explicit barriers
+  [one_byte_groups]="tools.mosaic_one_byte:groups3_fp8 tools.mosaic_one_byte:groups3_int8"   # three consumers
   [tune]="tune:tune"                      # Mosaic GPU entries of the tuned file
   [tune_triton]="tune:tune_triton"
   [tune_both]="tune:tune_both tune:tune_both_models"   # both backends, one run, full + ragged

@@ -135,8 +135,8 @@ class TritonConfig(KernelConfig):
 class MosaicGPUConfig(KernelConfig):
   """The Mosaic GPU GQA kernel (`pallas_kv.kernels.mosaic_gpu.decode`); block_kv >= 64 (wgmma K).
 
-  kv_groups: 1, or 2 consumer warpgroups per program that each stream one split's tiles from
-    their own ring (needs <= 64 packed rows and even num_splits and num_stages).
+  kv_groups: 1, or 2 or 3 consumer warpgroups per program that each stream one split's tiles from
+    their own ring (needs <= 64 packed rows, and num_splits and num_stages multiples of kv_groups).
   pipeline_qk: issue tile i+1's Q K^T before tile i's softmax (FA3's intra-warpgroup overlap).
   persistent: one program per SM looping over the work items, its ring streaming across them.
   tile_consumers: 1, or 2 consumer warpgroups that take turns on the tiles of each work item (even ring
@@ -159,14 +159,14 @@ class MosaicGPUConfig(KernelConfig):
   SPLIT_PLANS: ClassVar[tuple[str, ...]] = ("per_sequence", "balanced", "stream_k")
   BLOCK_KVS: ClassVar[tuple[int, ...]] = (64, 128, 256)
   BOOL_FIELDS: ClassVar[tuple[str, ...]] = ("pipeline_qk", "persistent")
-  CHOICES: ClassVar[dict[str, tuple]] = {"kv_groups": (1, 2), "tile_consumers": (1, 2),
+  CHOICES: ClassVar[dict[str, tuple]] = {"kv_groups": (1, 2, 3), "tile_consumers": (1, 2),
                                          "sequence_order": SEQUENCE_ORDERS}
 
   def __post_init__(self):
     super().__post_init__()
-    if self.persistent and self.kv_groups == 2:
+    if self.persistent and (self.kv_groups or 1) > 1:
       raise ValueError(f"persistent=True needs kv_groups=1, got {self.kv_groups=}")
-    if self.tile_consumers == 2 and self.kv_groups == 2:
+    if self.tile_consumers == 2 and (self.kv_groups or 1) > 1:
       raise ValueError(f"tile_consumers=2 needs kv_groups=1, got {self.kv_groups=}")
     if self.split_plan == "stream_k":
       wrong = {name: value for name, value, ok in (("persistent", self.persistent, (None, True)),

@@ -196,12 +196,13 @@ def test_stream_k_interpret(page_size, fields):
 
 
 def test_pipeline_options_through_the_api_interpret(interpret_mode):
-  # Partial configs: the backend fills the rest (heuristic), the op plans the splits; two KV
+  # Partial configs: the backend fills the rest (heuristic), the op plans the splits; two or three KV
   # groups stream a split each.
   case = make_case(41, batch=1, seq_len=192, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
                    lengths=[150])
   for config in (pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, pipeline_qk=True, persistent=True),
                  pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, kv_groups=2),
+                 pkv.MosaicGPUConfig(kv_groups=3),   # the heuristic's ring rounded to three groups' slots
                  pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, split_plan="stream_k")):
     out = pkv.decode_attention(case.q, case.k, case.v, case.lengths, return_lse=True, impl=IMPL, config=config)
     check_against_reference(case, out)
@@ -233,7 +234,9 @@ def test_sequence_order_moves_only_the_schedule_interpret(interpret_mode, fields
 
 def test_configs_and_plans_are_validated():
   with pytest.raises(ValueError, match="kv_groups"):
-    pkv.MosaicGPUConfig(kv_groups=3)
+    pkv.MosaicGPUConfig(kv_groups=4)
+  with pytest.raises(ValueError, match="persistent=True needs kv_groups=1"):
+    pkv.MosaicGPUConfig(persistent=True, kv_groups=3)
   with pytest.raises(ValueError, match="persistent"):
     pkv.MosaicGPUConfig(persistent=True, kv_groups=2)
   with pytest.raises(ValueError, match="tile_consumers=2 needs kv_groups=1"):
@@ -257,10 +260,14 @@ def test_configs_and_plans_are_validated():
     check(_config(num_stages=1, pipeline_qk=True), rows=4, num_splits=1)
   with pytest.raises(NotImplementedError, match="kv_groups=2 needs <= 64 packed rows"):
     check(_config(num_splits=2, kv_groups=2), rows=65, num_splits=2)
-  with pytest.raises(ValueError, match="even num_splits"):   # the plan's split count is the one checked
+  with pytest.raises(ValueError, match="num_splits a multiple of 2"):   # the plan's split count is the one checked
     check(_config(num_splits=2, kv_groups=2), rows=4, num_splits=3)
-  with pytest.raises(ValueError, match="even num_stages"):
+  with pytest.raises(ValueError, match="num_stages a multiple of 2"):
     check(_config(num_stages=3, num_splits=2, kv_groups=2), rows=4, num_splits=2)
+  with pytest.raises(ValueError, match="kv_groups=3 needs num_splits a multiple of 3, got 4"):
+    check(_config(num_stages=3, num_splits=3, kv_groups=3), rows=4, num_splits=4)
+  with pytest.raises(ValueError, match="kv_groups=3 needs num_stages a multiple of 3, got config.num_stages=4"):
+    check(_config(num_stages=4, num_splits=3, kv_groups=3), rows=4, num_splits=3)
   with pytest.raises(ValueError, match="SMEM"):
     check(_config(block_kv=256, num_stages=8), rows=128, num_splits=1)
   with pytest.raises(NotImplementedError, match="tile_consumers=2 needs <= 64 packed rows"):

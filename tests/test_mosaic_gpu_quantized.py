@@ -187,8 +187,9 @@ def test_quantized_eight_kv_heads_pick_their_scale_group_interpret():
     (None, dict(pipeline_qk=True, num_splits=2), None),
     (32, dict(pipeline_qk=True, persistent=True, num_splits=2), 3),
     (None, dict(kv_groups=2, num_splits=2), None),
+    (None, dict(kv_groups=3, num_stages=3, num_splits=3), None),
     (32, dict(tile_consumers=2, num_stages=4, pipeline_qk=True, persistent=True, num_splits=2), 3),
-], ids=["pqk", "pqk-persistent3-page32", "kv_groups2", "tile_consumers2-pqk-persistent3-page32"])
+], ids=["pqk", "pqk-persistent3-page32", "kv_groups2", "kv_groups3", "tile_consumers2-pqk-persistent3-page32"])
 def test_quantized_pipeline_options_interpret(page_size, fields, num_programs):
   case = make_quant_case(6, kv_dtype=E4M3, k_kind="token", v_kind="head", batch=2, num_heads=4, num_kv_heads=1,
                          page_size=page_size, lengths=[201, 0])

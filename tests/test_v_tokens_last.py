@@ -73,12 +73,14 @@ MOSAIC = pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, split_plan
     (jnp.bfloat16, None, None, 2, {}),
     (jnp.int8, "token", None, None, {}),
     (jnp.float8_e4m3fn, "head", 64, None, dict(kv_groups=2)),
+    (jnp.float8_e4m3fn, "token", None, None, dict(kv_groups=3, num_stages=3, num_splits=3)),
     pytest.param(jnp.int8, "token", 128, None, dict(pipeline_qk=True, num_splits=1), marks=pytest.mark.slow),
     pytest.param(jnp.float16, None, 64, None, dict(pipeline_qk=True), marks=pytest.mark.slow),
     pytest.param(jnp.float8_e5m2, "token", None, 3, dict(persistent=True), marks=pytest.mark.slow),
     pytest.param(jnp.int8, "token", 64, None, dict(tile_consumers=2, num_stages=4, pipeline_qk=True, persistent=True),
                  marks=pytest.mark.slow),
-], ids=["bf16-dense-s2", "int8-token-dense", "e4m3-head-page64-groups2", "int8-token-page128-pqk",
+], ids=["bf16-dense-s2", "int8-token-dense", "e4m3-head-page64-groups2", "e4m3-token-dense-groups3",
+        "int8-token-page128-pqk",
         "fp16-page64-pqk", "e5m2-token-dense-s3-persistent", "int8-token-page64-tile-consumers2"])
 def test_mosaic_gpu_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, num_queries, fields):
   case = make_case(8, batch=3, seq_len=256, num_heads=8, num_kv_heads=4, head_dim=64, num_queries=num_queries,
@@ -128,8 +130,9 @@ def test_mosaic_gpu_tokens_last_race_detection_finds_none(kv_dtype):
 slow = lambda *values: pytest.param(*values, marks=pytest.mark.slow)
 MOSAIC_LOWERINGS = [
     ("bfloat16", None, None, {}, 128), ("int8", "token", None, {}, 128), ("float8_e4m3fn", "token", 64, {}, 128),
-    ("int8", "head", 128, dict(pipeline_qk=True, persistent=True), 128), slow("bfloat16", None, None,
-                                                                              dict(block_kv=128), 128),
+    ("int8", "head", 128, dict(pipeline_qk=True, persistent=True), 128), ("float8_e4m3fn", "token", None,
+                                                                           dict(kv_groups=3), 128),
+    slow("bfloat16", None, None, dict(block_kv=128), 128),
     slow("int8", "token", None, dict(kv_groups=1), 256), slow("float16", None, 64, dict(pipeline_qk=True), 64),
     slow("float8_e5m2", "head", 128, dict(block_kv=128, persistent=True), 128),
 ]
@@ -137,7 +140,7 @@ MOSAIC_LOWERINGS = [
 
 @pytest.mark.parametrize("kv_dtype, scale_kind, page_size, fields, head_dim", MOSAIC_LOWERINGS,
                          ids=["bf16", "int8-token", "e4m3-token-page64", "int8-head-page128-pqk-persistent",
-                              "bf16-bkv128", "int8-token-d256-one-group", "fp16-page64-pqk-d64",
+                              "e4m3-token-groups3", "bf16-bkv128", "int8-token-d256-one-group", "fp16-page64-pqk-d64",
                               "e5m2-head-page128-bkv128-persistent"])
 def test_mosaic_gpu_tokens_last_lowers_for_cuda(monkeypatch, kv_dtype, scale_kind, page_size, fields, head_dim):
   import sweeps

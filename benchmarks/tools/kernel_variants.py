@@ -67,6 +67,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...] | None]] = {
     "pqk+persistent": ({"pipeline_qk": True, "persistent": True}, None),
     "bkv128_st3": ({"block_kv": 128, "num_stages": 3}, None),
     "kv_groups2": ({"kv_groups": 2}, ("B1 T32768", "B8 T8192", "B8 T8192 p16")),
+    "kv_groups3": ({"kv_groups": 3}, ("B1 T32768", "B8 T8192", "B8 T8192 p16")),
     "tile_consumers2": ({"tile_consumers": 2}, None),
     "tc2+pqk+persistent": ({"tile_consumers": 2, "pipeline_qk": True, "persistent": True}, None),
     "pqk+persistent+lf": ({"pipeline_qk": True, "persistent": True, "sequence_order": "longest_first"}, None),
@@ -188,14 +189,14 @@ def _problem(args: tuple, paged: bool):
 
 def _config(fields: dict[str, Any], args: tuple, paged: bool) -> pkv.MosaicGPUConfig:
   """The complete config of a variant: its fields over the backend's choice (`resolve_config`),
-  the split count the heuristic's times splits_factor (even with two KV groups)."""
+  the split count the heuristic's times splits_factor (a multiple of the KV groups)."""
   fields = dict(fields)
   factor = fields.pop("splits_factor", 1)
   fields.pop("plan_ahead", None)
   config = mgpu_config.resolve_config(_problem(args, paged), pkv.MosaicGPUConfig(**fields), dtype=args[1].dtype)
   splits = config.num_splits * factor
-  if config.kv_groups == 2:
-    splits = max(2, splits + splits % 2)
+  groups = config.kv_groups
+  splits = max(groups, -(-splits // groups) * groups)
   return dataclasses.replace(config, num_splits=splits)
 
 

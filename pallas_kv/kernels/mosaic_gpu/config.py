@@ -513,7 +513,7 @@ def check_tokens_last_fields(config: MosaicGPUConfig, page_size: int | None) -> 
 def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: Any, page_size: int | None,
                  num_splits: int, **quantized) -> None:
   """Raises unless the kernel can run a complete config (`DecodeSmem.for_call`'s arguments) with num_splits
-  splits. kv_groups=2 runs two splits per program, sharing the slots out; pipeline_qk holds two K slots."""
+  splits. kv_groups=n runs n splits per program, sharing the slots out; pipeline_qk holds two K slots."""
   if not isinstance(config, MosaicGPUConfig) or not config.complete:
     raise ValueError(f"the mosaic_gpu GQA kernel takes a complete MosaicGPUConfig (resolve_config), got {config!r}")
   bkv = config.block_kv
@@ -522,13 +522,14 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
     reason = gqa_page_size_reason(page_size, head_dim, dtype)
   if reason:
     raise NotImplementedError(f"mosaic_gpu: {reason}")
-  if config.kv_groups == 2:
+  groups = config.kv_groups
+  if groups > 1:
     if rows > ROWS_PER_WG:
-      raise NotImplementedError(f"kv_groups=2 needs <= {ROWS_PER_WG} packed rows, got {rows}")
-    if num_splits % 2:
-      raise ValueError(f"kv_groups=2 needs an even num_splits, got {num_splits}")
-    if config.num_stages % 2:
-      raise ValueError(f"kv_groups=2 needs an even num_stages, got {config.num_stages=}")
+      raise NotImplementedError(f"kv_groups={groups} needs <= {ROWS_PER_WG} packed rows, got {rows}")
+    if num_splits % groups:
+      raise ValueError(f"kv_groups={groups} needs num_splits a multiple of {groups}, got {num_splits}")
+    if config.num_stages % groups:
+      raise ValueError(f"kv_groups={groups} needs num_stages a multiple of {groups}, got {config.num_stages=}")
   if config.tile_consumers == 2:
     if rows > ROWS_PER_WG:
       raise NotImplementedError(f"tile_consumers=2 needs <= {ROWS_PER_WG} packed rows, got {rows}")
@@ -599,10 +600,12 @@ def _needs_one_group(config: MosaicGPUConfig) -> bool:
 
 def _deepest_ring(config: MosaicGPUConfig, *, problem, rows: int, dtype: Any, stages_given: bool = False,
                   **quantized) -> MosaicGPUConfig:
-  """config with num_stages lowered (in steps of 2 where two groups or two tile consumers need an even ring, to 2
-  at least) until it fits, unless given."""
-  step = 2 if config.kv_groups == 2 or config.tile_consumers == 2 else 1
-  while not stages_given and config.num_stages > 2 and not fits_smem(
+  """config with num_stages lowered (in steps of kv_groups, or 2 where two tile consumers need an even ring, to
+  kv_groups or 2 at least) until it fits, unless given."""
+  step = config.kv_groups if config.kv_groups > 1 else 2 if config.tile_consumers == 2 else 1
+  if not stages_given:   # each group's ring gets an equal share of the stages
+    config = dataclasses.replace(config, num_stages=max(step, config.num_stages // step * step))
+  while not stages_given and config.num_stages > max(2, step) and not fits_smem(
       config, rows=rows, head_dim=problem.head_dim, dtype=dtype, page_size=problem.page_size, **quantized):
     config = dataclasses.replace(config, num_stages=config.num_stages - step)
   return config
