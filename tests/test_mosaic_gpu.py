@@ -258,6 +258,8 @@ def test_configs_and_plans_are_validated():
                               sequence_order="given"), rows=4, num_splits=1)
   with pytest.raises(ValueError, match="num_stages"):
     check(_config(num_stages=1, pipeline_qk=True), rows=4, num_splits=1)
+  with pytest.raises(ValueError, match="pipeline_qk=True needs num_stages >= 2 a KV group"):   # K held: deadlock
+    check(_config(num_stages=2, num_splits=2, kv_groups=2, pipeline_qk=True), rows=4, num_splits=2)
   with pytest.raises(NotImplementedError, match="kv_groups=2 needs <= 64 packed rows"):
     check(_config(num_splits=2, kv_groups=2), rows=65, num_splits=2)
   with pytest.raises(ValueError, match="num_splits a multiple of 2"):   # the plan's split count is the one checked

@@ -31,12 +31,13 @@ M = pkv.MosaicGPUConfig
 VARIANTS = [(f"{impl} {kind}", impl, kind, None)
             for impl in ("triton", "mosaic_gpu") for kind in ("token", "head", "none")]
 # tc2: two consumers taking turns on one split's tiles (the widening consumers only: int8, not fp8 operands);
-# groups3: three consumers, each on its own split (152 registers each, 232 with two);
+# groups3: three consumers, each on its own split (152 registers each, 232 with two); pqk: the next tile's Q K^T
+# issued before this tile's softmax;
 # sk: the stream-K walk of the persistent programs; eb: no automatic barrier around each SMEM store
 # (`experimental.MosaicGPUVariantConfig.explicit_barriers`).
 VARIANTS += [(f"mosaic_gpu {kind} {name}", "mosaic_gpu", kind, config)
              for name, config in (("groups1", M(kv_groups=1)), ("groups3", M(kv_groups=3)),
-                                  ("bkv128", M(block_kv=128)),
+                                  ("pqk", M(pipeline_qk=True)), ("bkv128", M(block_kv=128)),
                                   ("tc2", M(kv_groups=1, tile_consumers=2, persistent=True)),
                                   ("sk", M(split_plan="stream_k")),
                                   ("eb", MosaicGPUVariantConfig(explicit_barriers=True)))

@@ -250,8 +250,6 @@ class DecodeSmem:
                        f"no converter, got {self.row_wgs=} {self.kv_groups=} {self.converter=}")
     if self.out_dtype != jnp.float32 and self.tile_consumers == 2:
       raise ValueError("two tile consumers hand a partial over in the float32 staging: out_dtype must be float32")
-    if self.fp8_operands and self.pipeline_qk:
-      raise ValueError("pipeline_qk=True has no schedule for fp8 wgmma operands (an fp8 cache with v tokens last)")
     if self.q_dtype is None:
       object.__setattr__(self, "q_dtype", self.dtype if self.dtype.itemsize > 1 else jnp.dtype(jnp.bfloat16))
     object.__setattr__(self, "q_dtype", jnp.dtype(self.q_dtype))
@@ -551,8 +549,9 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
     if head_dim > 128:
       raise NotImplementedError(f"convert_warpgroup=True: head_dim={head_dim} > 128 (the converter "
                                 "holds a whole float32 tile in its registers)")
-  if config.pipeline_qk and config.num_stages < 2:
-    raise ValueError(f"pipeline_qk=True needs num_stages >= 2, got {config.num_stages=}")
+  if config.pipeline_qk and config.num_stages < 2 * config.kv_groups:   # a K slot held while the next lands
+    raise ValueError(f"pipeline_qk=True needs num_stages >= 2 a KV group, got {config.num_stages=} for "
+                     f"{config.kv_groups=}")
   if quantized.get("v_tokens_last"):
     reason = tokens_last_reason(head_dim, page_size)
     if reason:

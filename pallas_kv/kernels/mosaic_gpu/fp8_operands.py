@@ -71,21 +71,30 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
   columns = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])
   row_factors = plgpu.load(tiles.q_factors, layout=wgmma_rows)
 
-  def scores(i):
-    k_t = tiles.k_ring.wait(i).transpose((1, 0))
+  s_type = plgpu.ACC((ROWS, bkv), jnp.float32)
 
-    @region("qk")
-    def qk(s_ref):
-      for term in range(2):
-        plgpu.wgmma(s_ref, tiles.q_terms.at[term], k_t)
-      return s_ref[...]
+  def issue_qk(s_ref, k_slot):
+    """Q K^T of a landed K slot into s_ref: Q's two terms, two wgmmas (awaited by whoever reads s_ref)."""
+    k_t = k_slot.transpose((1, 0))
+    for term in range(2):
+      plgpu.wgmma(s_ref, tiles.q_terms.at[term], k_t)
 
-    s = pl.run_scoped(qk, plgpu.ACC((ROWS, bkv), jnp.float32))
-    tiles.k_ring.release(i)
+  def scaled(s, i):
+    """Raw scores of step i times their rows' factors and the keys' per-token scales."""
     s = s * rows(row_factors, s.shape)
     if tiles.k_scales is not None:
       s = s * columns(column_scales(tiles.k_scales, i), s.shape)
     return s
+
+  def scores(i):
+    @region("qk")
+    def qk(s_ref):
+      issue_qk(s_ref, tiles.k_ring.wait(i))
+      return s_ref[...]
+
+    s = pl.run_scoped(qk, s_type)
+    tiles.k_ring.release(i)
+    return scaled(s, i)
 
   def values(i, tile, masked: bool):
     """V's slot read transposed [bkv, D], its columns past the length (and before a window start) zeroed."""
@@ -143,12 +152,36 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
     pipeline.release_after_commit((tiles.k_scales, tiles.v_scales), i)
     return acc, m_new, l_new, c_new
 
+  def logits(s, tile, masked: bool):
+    return tile_math.logits(s, tile=tile, length=length, row0=row0, masked=masked, st=st, start=start)
+
   def step(tile, carry, *, masked: bool):
     acc, m_i, l_i, c_i = carry   # m: the logits' running max; c: the V scales'; acc and l in units of 1 / c
     i = step0 + tile - t0
-    s = tile_math.logits(scores(i), tile=tile, length=length, row0=row0, masked=masked, st=st, start=start)
-    acc, m_new, l_new, c_new = softmax(s, i, acc, m_i, l_i, c_i, masked=masked)
+    acc, m_new, l_new, c_new = softmax(logits(scores(i), tile, masked), i, acc, m_i, l_i, c_i, masked=masked)
     return pv(acc, i, tile, masked), m_new, l_new, c_new
+
+  def pipelined_step(tile, carry, *, masked: bool):
+    """As `step`, with the next tile's Q K^T issued first, so that its wgmmas run during this tile's softmax (FA3's
+    overlap in one warpgroup); carry holds this tile's raw scores. K slot i is held until the step ends, so that the
+    last step re-scores its own slot rather than branch around the wgmma (each landed slot is waited for once)."""
+    acc, m_i, l_i, c_i, s_raw = carry
+    i = step0 + tile - t0
+    has_next = tile + 1 < t1
+
+    @pl.when(has_next)
+    def _():
+      tiles.k_ring.wait(i + 1)
+
+    def body(s_ref):
+      issue_qk(s_ref, tiles.k_ring.slot(jnp.where(has_next, i + 1, i)))
+      acc_new, m_new, l_new, c_new = softmax(logits(scaled(s_raw, i), tile, masked), i, acc, m_i, l_i, c_i,
+                                             masked=masked)
+      return pv(acc_new, i, tile, masked), m_new, l_new, c_new, s_ref[...]
+
+    carry = pl.run_scoped(body, s_type)
+    tiles.k_ring.release(i)
+    return carry
 
   acc = plgpu.layout_cast(jnp.zeros((ROWS, st.tiling.head_dim), jnp.float32), plgpu.Layout.WGMMA)
   m_i = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), wgmma_rows)
@@ -156,10 +189,18 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
   c_i = plgpu.layout_cast(jnp.full((ROWS,), 1.0 if tiles.v_scales is None else _MIN_VALUE_SCALE, jnp.float32),
                           wgmma_rows)
   carry = (acc, m_i, l_i, c_i)
+  if st.pipeline_qk:
+    def score_first(s_ref):
+      @pl.when(t1 > t0)
+      def _():
+        issue_qk(s_ref, tiles.k_ring.wait(step0))
+      return s_ref[...]
+
+    carry, step = (*carry, pl.run_scoped(score_first, s_type)), pipelined_step
   carry = lax.fori_loop(t0, a, lambda t, x: step(t, x, masked=True), carry)
   carry = lax.fori_loop(a, c, lambda t, x: step(t, x, masked=False), carry)
   carry = lax.fori_loop(c, t1, lambda t, x: step(t, x, masked=True), carry)
-  acc, m_i, l_i, c_i = carry
+  acc, m_i, l_i, c_i = carry[:4]
   if tiles.v_scales is not None:   # the shift's units: lse = (m + log2 c) ln 2 + ln(l / c); acc / l as it is
     m_i = m_i + jnp.log2(c_i)
   return acc * (1 / FP8_MAX), m_i, l_i
