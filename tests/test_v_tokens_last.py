@@ -383,9 +383,9 @@ def test_triton_lowers_for_cuda(page_size):
 _GPU_DTYPES = (jnp.int8, jnp.float8_e4m3fn, jnp.bfloat16)
 
 
-def _check_on_gpu(impl: str, kv_dtype, page_size, seed: int):
+def _check_on_gpu(impl: str, kv_dtype, page_size, seed: int, config=None):
   """impl reading v tokens last against xla reading it like k, heads 32/8 D 128, B4 T4096, 2 new tokens; per-token
-  scales for a one-byte cache; poisoned slots past the lengths."""
+  scales for a one-byte cache; poisoned slots past the lengths. config: a partial config of impl, or None."""
   case = make_case(seed, batch=4, seq_len=4096, num_heads=32, num_kv_heads=8, head_dim=128, num_queries=2,
                    dtype=jnp.float16 if jnp.dtype(kv_dtype).itemsize == 1 else jnp.bfloat16, kv_dtype=kv_dtype,
                    page_size=page_size)
@@ -396,10 +396,16 @@ def _check_on_gpu(impl: str, kv_dtype, page_size, seed: int):
   scales = dict(k_scale=_scales(rng, kind, token_shape), v_scale=_scales(rng, kind, token_shape))
   paged = page_size is not None
   ref, ref_lse = _run(case, paged=paged, v_tokens_last=False, impl="xla", **scales)
-  out, lse = jax.jit(lambda: _run(case, paged=paged, v_tokens_last=True, impl=impl, **scales))()
+  out, lse = jax.jit(lambda: _run(case, paged=paged, v_tokens_last=True, impl=impl, config=config, **scales))()
   assert np.isfinite(np.asarray(out, np.float32)).all()
   assert_matches_reference(out, ref, case.q.dtype)
   assert_lse_matches(lse, ref_lse, case.q.dtype)
+
+
+@pytest.mark.gpu   # the consumers' variants over fp8 operands: three of them a program; Q K^T pipelined
+@pytest.mark.parametrize("fields", [dict(kv_groups=3), dict(pipeline_qk=True)], ids=["groups3", "pqk"])
+def test_gpu_mosaic_gpu_fp8_consumer_variants_match(fields):
+  _check_on_gpu("mosaic_gpu", jnp.float8_e4m3fn, None, seed=17, config=pkv.MosaicGPUConfig(**fields))
 
 
 @pytest.mark.gpu   # the GPU tier: each dtype once, each page size once
