@@ -30,14 +30,15 @@ declare -A PARTS=(
   [paged_one_byte]="decode:paged64_int8 decode:paged64_int8_tiles"   # Triton's paged tiles, int8 page 64
   [one_byte_barriers]="tools.mosaic_one_byte:barriers_fp8 tools.mosaic_one_byte:barriers_int8
                        tools.mla_fp8_parts:barriers_mla"   # scale slots freed at a commit; explicit barriers
-  [one_byte_chains]="tools.mosaic_one_byte:chains_fp8 tools.mosaic_one_byte:chains_int8"   # 3 consumers; pqk
+  [one_byte_chains]="tools.mosaic_one_byte:chains_fp8 tools.mosaic_one_byte:chains_int8
+                     tools.mosaic_one_byte:tiles_fp8"   # 3 consumers; pqk; 128-token tiles
   [tune]="tune:tune"                      # Mosaic GPU entries of the tuned file
   [tune_triton]="tune:tune_triton"
   [tune_both]="tune:tune_both tune:tune_both_models"   # both backends, one run, full + ragged
   [scaling8k]="scaling:scaling8k"         # several GPUs
   [scaling32k]="scaling:scaling32k"
 )
-out="${OUT:-bench_out}"
+out="${OUT:-bench_out}" status=0
 mkdir -p "$out"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 quiet() { grep -v -e '^[IW][0-9]' -e 'Warning'; }
@@ -50,7 +51,6 @@ run() {   # ROUTINE NAME
   python3 -m benchmarks "$routine" "${args[@]}" ${SUITE_FLAGS:-} 2>&1 | quiet | tee "$out/$name.log" || status=1
   [[ $routine != tune ]] || cp pallas_kv/tuned/*.json "$out/"
 }
-status=0
 for arg in "$@"; do
   runs=${PARTS[$arg]:-$(printf '%s\n' ${PARTS[@]} | grep -m1 ":$arg\$")}
   [[ -n $runs ]] || { echo "unknown part or run: $arg; parts:" $(printf '%s\n' "${!PARTS[@]}" | sort)

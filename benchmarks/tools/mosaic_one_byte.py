@@ -38,7 +38,7 @@ VARIANTS = [(f"{impl} {kind}", impl, kind, None)
 VARIANTS += [(f"mosaic_gpu {kind} {name}", "mosaic_gpu", kind, config)
              for name, config in (("groups1", M(kv_groups=1)), ("groups3", M(kv_groups=3)),
                                   ("pqk", M(pipeline_qk=True)), ("groups3 pqk", M(kv_groups=3, pipeline_qk=True)),
-                                  ("bkv128", M(block_kv=128)),
+                                  ("bkv128", M(block_kv=128)), ("bkv128 groups1", M(block_kv=128, kv_groups=1)),
                                   ("tc2", M(kv_groups=1, tile_consumers=2, persistent=True)),
                                   ("sk", M(split_plan="stream_k")),
                                   ("eb", MosaicGPUVariantConfig(explicit_barriers=True)))
