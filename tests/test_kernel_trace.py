@@ -131,3 +131,15 @@ def test_the_tool_summarizes_anywhere_and_traces_only_on_a_gpu(tmp_path):
   assert refused.returncode != 0 and "needs a GPU" in refused.stderr + refused.stdout
   ragged_one_byte = run("--ragged", "--kv_dtype=int8")
   assert ragged_one_byte.returncode != 0 and "a bfloat16 cache only" in ragged_one_byte.stderr + ragged_one_byte.stdout
+
+
+@pytest.mark.gpu   # the profiler's own trace, then the op's: tells a profiler that writes nothing from the op's tracing
+def test_gpu_traces_are_written(tmp_path):
+  assert kernel_trace.profiler_writes(str(tmp_path / "profiler"))
+  s = kernel_variants.Settings(smoke=False, num_heads=32, num_kv_heads=8, head_dim=128, warmup=0, iters=1,
+                               repeats=1, rotate_bytes=0.0, budget_s=0.0, ragged=False)
+  kernel_trace.trace_run("baseline", 4, 1024, "bfloat16", s, str(tmp_path / "op"), 256, jax.random.key(0))
+  rows = kernel_trace.read_traces(str(tmp_path / "op"))
+  assert rows and all("status" not in row for row in rows), rows
+  consumer = next(row for row in rows if row["role"].startswith("consumer"))
+  assert consumer["items"] >= 1 and consumer["span_kcycles"] > 0, consumer

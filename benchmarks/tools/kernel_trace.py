@@ -128,6 +128,23 @@ def read_traces(directory: str) -> list[dict[str, Any]]:
   return rows
 
 
+def profiler_writes(directory: str) -> bool:
+  """Whether Mosaic GPU's profiler writes a trace on this machine at all: a one-region kernel, traced into
+  directory (the check the tool runs when a traced op wrote none, to tell the profiler from the op's tracing)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu   # imported here: CPU-only runs of the tool need none
+  os.makedirs(directory, exist_ok=True)
+
+  def body(x_ref, out_ref):
+    with jax.named_scope("add"):
+      out_ref[...] = x_ref[...] + 1.0
+
+  kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128,), jnp.float32),
+                        compiler_params=plgpu.CompilerParams(**KernelTrace(directory, 16).compiler_params()))
+  jax.block_until_ready(jax.jit(kernel)(jnp.arange(128, dtype=jnp.float32)))
+  jax.effects_barrier()
+  return bool(glob.glob(os.path.join(directory, "*-trace.json")))
+
+
 def trace_visits(smem: mgpu_config.DecodeSmem, wanted: int) -> int:
   """The visits per warpgroup that the SMEM the kernel leaves holds, at most `wanted`."""
   free = mgpu_config.SMEM_CAPACITY_BYTES - SMEM_MARGIN_BYTES - smem.nbytes
@@ -222,6 +239,10 @@ def main(argv: Sequence[str]) -> int:
         failed += 1
         print(f"{variant} {shape}: {type(e).__name__}: {str(e).strip()[:300]}", flush=True)
   rows = read_traces(out)
+  if any(row.get("status") == "no trace written" for row in rows):
+    works = profiler_writes(os.path.join(out, "profiler_check"))
+    print("no trace from a traced op; Mosaic GPU's profiler " + ("writes a one-region kernel's trace: the op's "
+          "tracing is at fault" if works else "writes none even for a one-region kernel"), flush=True)
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
       json.dump(rows, f, indent=1)
