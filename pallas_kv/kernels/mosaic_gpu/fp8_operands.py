@@ -7,7 +7,8 @@ Both products then have K-major fp8 operands (K [bkv, D], V [D, bkv]), so nothin
          448, as two e4m3 terms staged in SMEM, two wgmmas over the V slot read transposed. 1 / c rides in the
          softmax's shift: exp2(s - m - log2 c) = P / c, so that acc and the row sum l are kept in units of 1 / c (acc
          also of 448) and one rescale a tile, exp2 of the shift's change, covers both m's growth and c's.
-Rows past a length are masked in S; V's columns there are zeroed in the slot (0 x NaN is NaN in P V).
+Rows past a length are masked in S; V's columns there are zeroed in the slot (0 x NaN is NaN in P V). With
+pipeline_qk the next tile's Q K^T is issued before this tile's softmax, as in the 16-bit consumer.
 """
 
 from __future__ import annotations
