@@ -48,8 +48,7 @@ def test_the_kernel_lowers_with_its_trace_and_without(monkeypatch, fields):
 
 
 def test_a_one_byte_op_is_traced_in_the_smem_its_kernel_leaves(monkeypatch):
-  s = kernel_variants.Settings(smoke=False, num_heads=32, num_kv_heads=8, head_dim=128, warmup=0, iters=1,
-                               repeats=1, rotate_bytes=0.0, budget_s=0.0)
+  s = kernel_trace.settings()
   config, smem, op, args = kernel_trace.op_case("persistent", 32, 4096, "float8_e4m3fn", s, jax.random.key(0))
   assert smem.fp8_operands and config.persistent
   visits = kernel_trace.trace_visits(smem, wanted=10**6)
@@ -136,8 +135,7 @@ def test_the_tool_summarizes_anywhere_and_traces_only_on_a_gpu(tmp_path):
 @pytest.mark.gpu   # the profiler's own trace, then the op's: tells a profiler that writes nothing from the op's tracing
 def test_gpu_traces_are_written(tmp_path):
   assert kernel_trace.profiler_writes(str(tmp_path / "profiler"))
-  s = kernel_variants.Settings(smoke=False, num_heads=32, num_kv_heads=8, head_dim=128, warmup=0, iters=1,
-                               repeats=1, rotate_bytes=0.0, budget_s=0.0, ragged=False)
+  s = kernel_trace.settings()
   kernel_trace.trace_run("baseline", 4, 1024, "bfloat16", s, str(tmp_path / "op"), 256, jax.random.key(0))
   rows = kernel_trace.read_traces(str(tmp_path / "op"))
   assert rows and all("status" not in row for row in rows), rows

@@ -177,6 +177,12 @@ def op_case(variant: str, batch: int, seq_len: int, kv_dtype: str, s: kernel_var
   return config, smem, op, args
 
 
+def settings(ragged: bool = False) -> kernel_variants.Settings:
+  """The shapes' heads and head dim, traced once each (no timing)."""
+  return kernel_variants.Settings(smoke=False, num_heads=32, num_kv_heads=8, head_dim=128, warmup=0, iters=1,
+                                  repeats=1, rotate_bytes=0.0, budget_s=0.0, ragged=ragged)
+
+
 def trace_run(variant: str, batch: int, seq_len: int, kv_dtype: str, s: kernel_variants.Settings, out: str,
               wanted_visits: int, key) -> dict[str, Any]:
   """Runs the op of one (variant, shape, cache dtype) untraced, then traced (a fresh jit inside
@@ -223,8 +229,7 @@ def main(argv: Sequence[str]) -> int:
   unknown = set(FLAGS.variants) - set(kernel_variants.VARIANTS)
   if unknown:
     raise app.UsageError(f"--variants: unknown {sorted(unknown)}; choose from {list(kernel_variants.VARIANTS)}")
-  s = kernel_variants.Settings(smoke=False, num_heads=32, num_kv_heads=8, head_dim=128, warmup=0, iters=1,
-                               repeats=1, rotate_bytes=0.0, budget_s=0.0, ragged=FLAGS.ragged)
+  s = settings(ragged=FLAGS.ragged)
   out = FLAGS.out or (FLAGS.json.removesuffix(".json") + "_traces" if FLAGS.json else "bench_out/kernel_trace")
   failed = 0
   for shape in FLAGS.shapes:

@@ -52,6 +52,7 @@ from benchmarks import timing
 from pallas_kv import validation
 from pallas_kv.config import AttentionOptions
 from pallas_kv.kernels import frame
+from pallas_kv.kernels import plan as split_plan
 from pallas_kv.kernels.mosaic_gpu import backend as mgpu_backend
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
@@ -196,7 +197,7 @@ def _config(fields: dict[str, Any], args: tuple, paged: bool) -> pkv.MosaicGPUCo
   config = mgpu_config.resolve_config(_problem(args, paged), pkv.MosaicGPUConfig(**fields), dtype=args[1].dtype)
   splits = config.num_splits * factor
   groups = config.kv_groups
-  splits = max(groups, -(-splits // groups) * groups)
+  splits = max(groups, split_plan.round_up(splits, groups))
   return dataclasses.replace(config, num_splits=splits)
 
 

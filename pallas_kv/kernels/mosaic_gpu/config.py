@@ -601,10 +601,12 @@ def _deepest_ring(config: MosaicGPUConfig, *, problem, rows: int, dtype: Any, st
                   **quantized) -> MosaicGPUConfig:
   """config with num_stages lowered (in steps of kv_groups, or 2 where two tile consumers need an even ring, to
   kv_groups or 2 at least) until it fits, unless given."""
+  if stages_given:
+    return config
   step = config.kv_groups if config.kv_groups > 1 else 2 if config.tile_consumers == 2 else 1
-  if not stages_given:   # each group's ring gets an equal share of the stages
-    config = dataclasses.replace(config, num_stages=max(step, config.num_stages // step * step))
-  while not stages_given and config.num_stages > max(2, step) and not fits_smem(
+  # Each group's ring gets an equal share of the stages.
+  config = dataclasses.replace(config, num_stages=max(step, config.num_stages // step * step))
+  while config.num_stages > max(2, step) and not fits_smem(
       config, rows=rows, head_dim=problem.head_dim, dtype=dtype, page_size=problem.page_size, **quantized):
     config = dataclasses.replace(config, num_stages=config.num_stages - step)
   return config

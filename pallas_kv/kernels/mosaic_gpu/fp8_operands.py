@@ -189,18 +189,18 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
   l_i = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), wgmma_rows)
   c_i = plgpu.layout_cast(jnp.full((ROWS,), 1.0 if tiles.v_scales is None else _MIN_VALUE_SCALE, jnp.float32),
                           wgmma_rows)
-  carry = (acc, m_i, l_i, c_i)
-  if st.pipeline_qk:
+  carry, tile_step = (acc, m_i, l_i, c_i), step
+  if st.pipeline_qk:   # the first tile's raw scores join the carry
     def score_first(s_ref):
       @pl.when(t1 > t0)
       def _():
         issue_qk(s_ref, tiles.k_ring.wait(step0))
       return s_ref[...]
 
-    carry, step = (*carry, pl.run_scoped(score_first, s_type)), pipelined_step
-  carry = lax.fori_loop(t0, a, lambda t, x: step(t, x, masked=True), carry)
-  carry = lax.fori_loop(a, c, lambda t, x: step(t, x, masked=False), carry)
-  carry = lax.fori_loop(c, t1, lambda t, x: step(t, x, masked=True), carry)
+    carry, tile_step = (*carry, pl.run_scoped(score_first, s_type)), pipelined_step
+  carry = lax.fori_loop(t0, a, lambda t, x: tile_step(t, x, masked=True), carry)
+  carry = lax.fori_loop(a, c, lambda t, x: tile_step(t, x, masked=False), carry)
+  carry = lax.fori_loop(c, t1, lambda t, x: tile_step(t, x, masked=True), carry)
   acc, m_i, l_i, c_i = carry[:4]
   if tiles.v_scales is not None:   # the shift's units: lse = (m + log2 c) ln 2 + ln(l / c); acc / l as it is
     m_i = m_i + jnp.log2(c_i)
