@@ -31,7 +31,7 @@ declare -A PARTS=(
   [one_byte_barriers]="tools.mosaic_one_byte:barriers_fp8 tools.mosaic_one_byte:barriers_int8
                        tools.mla_fp8_parts:barriers_mla"   # scale slots freed at a commit; explicit barriers
   [one_byte_chains]="tools.mosaic_one_byte:chains_fp8 tools.mosaic_one_byte:chains_int8
-                     tools.mosaic_one_byte:tiles_fp8"   # 3 consumers; pqk; 128-token tiles
+                     tools.mosaic_one_byte:tiles_fp8 tools.mosaic_one_byte:asn_fp8"   # +pqk, 128 tokens, rows as N
   [tune]="tune:tune"                      # Mosaic GPU entries of the tuned file
   [tune_triton]="tune:tune_triton"
   [tune_both]="tune:tune_both tune:tune_both_models"   # both backends, one run, full + ragged

@@ -138,6 +138,9 @@ class MosaicGPUConfig(KernelConfig):
   kv_groups: 1, or 2 or 3 consumer warpgroups per program that each stream one split's tiles from
     their own ring (needs <= 64 packed rows, and num_splits and num_stages multiples of kv_groups).
   pipeline_qk: issue tile i+1's Q K^T before tile i's softmax (FA3's intra-warpgroup overlap).
+  queries_as_n: an fp8 cache with V stored tokens last: the packed rows (<= 16) as wgmma's N, S^T = K Q^T, so
+    that the softmax covers 16 query columns instead of 64 rows, most of them padding (needs one consumer: kv_groups
+    1, tile_consumers 1, and pipeline_qk off).
   persistent: one program per SM looping over the work items, its ring streaming across them.
   tile_consumers: 1, or 2 consumer warpgroups that take turns on the tiles of each work item (even ring
     steps and odd), each with its own softmax state, merged in the kernel: two tiles' math in flight per
@@ -152,13 +155,14 @@ class MosaicGPUConfig(KernelConfig):
   kv_groups: int | None = None
   pipeline_qk: bool | None = None
   persistent: bool | None = None
+  queries_as_n: bool | None = None
   tile_consumers: int | None = None
   sequence_order: str | None = None
 
   backend: ClassVar[str] = "mosaic_gpu"
   SPLIT_PLANS: ClassVar[tuple[str, ...]] = ("per_sequence", "balanced", "stream_k")
   BLOCK_KVS: ClassVar[tuple[int, ...]] = (64, 128, 256)
-  BOOL_FIELDS: ClassVar[tuple[str, ...]] = ("pipeline_qk", "persistent")
+  BOOL_FIELDS: ClassVar[tuple[str, ...]] = ("pipeline_qk", "persistent", "queries_as_n")
   CHOICES: ClassVar[dict[str, tuple]] = {"kv_groups": (1, 2, 3), "tile_consumers": (1, 2),
                                          "sequence_order": SEQUENCE_ORDERS}
 

@@ -75,13 +75,15 @@ MOSAIC = pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, split_plan
     (jnp.float8_e4m3fn, "head", 64, None, dict(kv_groups=2)),
     (jnp.float8_e4m3fn, "token", None, None, dict(kv_groups=3, num_stages=3, num_splits=3)),
     (jnp.float8_e4m3fn, "token", None, None, dict(kv_groups=2, num_stages=4, pipeline_qk=True)),
+    (jnp.float8_e4m3fn, "token", None, 2, dict(queries_as_n=True)),
+    (jnp.float8_e5m2, "head", 64, None, dict(queries_as_n=True, num_stages=3)),
     pytest.param(jnp.int8, "token", 128, None, dict(pipeline_qk=True, num_splits=1), marks=pytest.mark.slow),
     pytest.param(jnp.float16, None, 64, None, dict(pipeline_qk=True), marks=pytest.mark.slow),
     pytest.param(jnp.float8_e5m2, "token", None, 3, dict(persistent=True), marks=pytest.mark.slow),
     pytest.param(jnp.int8, "token", 64, None, dict(tile_consumers=2, num_stages=4, pipeline_qk=True, persistent=True),
                  marks=pytest.mark.slow),
 ], ids=["bf16-dense-s2", "int8-token-dense", "e4m3-head-page64-groups2", "e4m3-token-dense-groups3",
-        "e4m3-token-dense-groups2-pqk",
+        "e4m3-token-dense-groups2-pqk", "e4m3-token-dense-s2-queries-as-n", "e5m2-head-page64-queries-as-n",
         "int8-token-page128-pqk",
         "fp16-page64-pqk", "e5m2-token-dense-s3-persistent", "int8-token-page64-tile-consumers2"])
 def test_mosaic_gpu_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, num_queries, fields):
@@ -105,20 +107,22 @@ def test_mosaic_gpu_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, 
   assert_lse_matches(lse, ref_lse, case.q.dtype)
 
 
-@pytest.mark.parametrize("kv_dtype, pipeline_qk", [(jnp.int8, False), (jnp.float8_e4m3fn, False),
-                                                   (jnp.float8_e4m3fn, True)],
-                         ids=["int8-widened", "e4m3-fp8-operands", "e4m3-fp8-operands-pqk"])
-def test_mosaic_gpu_tokens_last_race_detection_finds_none(kv_dtype, pipeline_qk):
+@pytest.mark.parametrize("kv_dtype, fields", [(jnp.int8, {}), (jnp.float8_e4m3fn, {}),
+                                              (jnp.float8_e4m3fn, dict(pipeline_qk=True)),
+                                              (jnp.float8_e4m3fn, dict(queries_as_n=True))],
+                         ids=["int8-widened", "e4m3-fp8-operands", "e4m3-fp8-operands-pqk", "e4m3-queries-as-n"])
+def test_mosaic_gpu_tokens_last_race_detection_finds_none(kv_dtype, fields):
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
   # 5 tiles through a 2-slot ring: V and its scale slots refilled after register reads, the widened V tile (int8)
-  # or P's fp8 terms and the zeroed V columns (e4m3) rewritten after wgmma read them.
+  # or P's fp8 terms and the zeroed V columns (e4m3; queries as N: P^T and the V slot widened) rewritten after
+  # wgmma read them.
   case = make_case(10, batch=1, seq_len=320, num_heads=4, num_kv_heads=1, head_dim=64, dtype=jnp.float16,
                    kv_dtype=kv_dtype, lengths=[300])
   from pallas_kv.config import AttentionOptions
   from pallas_kv.kernels import frame
   from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
   scales = _scales(np.random.default_rng(1), "token", case.k.shape[:3])
-  config = dataclasses.replace(MOSAIC, num_splits=1, pipeline_qk=pipeline_qk)   # pqk: a K slot held a tile longer
+  config = dataclasses.replace(MOSAIC, num_splits=1, **fields)   # pqk: a K slot held a tile longer
   out, _ = mgpu_decode.decode_partials(
       frame.pack_queries(case.q[:, None], 1), case.k, tokens_last(case.v), case.lengths, num_queries=1,
       options=AttentionOptions(scale=0.1), config=config, plan=pkv.SplitPlan(kind="per_sequence", num_splits=1,
@@ -137,6 +141,8 @@ MOSAIC_LOWERINGS = [
     ("int8", "head", 128, dict(pipeline_qk=True, persistent=True), 128), ("float8_e4m3fn", "token", None,
                                                                            dict(kv_groups=3), 128),
     ("float8_e4m3fn", "token", None, dict(pipeline_qk=True), 128),
+    ("float8_e4m3fn", "token", None, dict(queries_as_n=True), 128),
+    slow("float8_e4m3fn", "head", 128, dict(queries_as_n=True, block_kv=128), 128),
     slow("bfloat16", None, None, dict(block_kv=128), 128),
     slow("int8", "token", None, dict(kv_groups=1), 256), slow("float16", None, 64, dict(pipeline_qk=True), 64),
     slow("float8_e5m2", "head", 128, dict(block_kv=128, persistent=True), 128),
@@ -145,7 +151,8 @@ MOSAIC_LOWERINGS = [
 
 @pytest.mark.parametrize("kv_dtype, scale_kind, page_size, fields, head_dim", MOSAIC_LOWERINGS,
                          ids=["bf16", "int8-token", "e4m3-token-page64", "int8-head-page128-pqk-persistent",
-                              "e4m3-token-groups3", "e4m3-token-pqk", "bf16-bkv128", "int8-token-d256-one-group", "fp16-page64-pqk-d64",
+                              "e4m3-token-groups3", "e4m3-token-pqk", "e4m3-token-queries-as-n",
+                              "e4m3-head-page128-bkv128-queries-as-n", "bf16-bkv128", "int8-token-d256-one-group", "fp16-page64-pqk-d64",
                               "e5m2-head-page128-bkv128-persistent"])
 def test_mosaic_gpu_tokens_last_lowers_for_cuda(monkeypatch, kv_dtype, scale_kind, page_size, fields, head_dim):
   import sweeps
@@ -402,8 +409,9 @@ def _check_on_gpu(impl: str, kv_dtype, page_size, seed: int, config=None):
   assert_lse_matches(lse, ref_lse, case.q.dtype)
 
 
-@pytest.mark.gpu   # the consumers' variants over fp8 operands: three of them a program; Q K^T pipelined
-@pytest.mark.parametrize("fields", [dict(kv_groups=3), dict(pipeline_qk=True)], ids=["groups3", "pqk"])
+@pytest.mark.gpu   # the consumers' variants over fp8 operands: three of them a program; Q K^T pipelined; rows as N
+@pytest.mark.parametrize("fields", [dict(kv_groups=3), dict(pipeline_qk=True), dict(queries_as_n=True)],
+                         ids=["groups3", "pqk", "queries-as-n"])
 def test_gpu_mosaic_gpu_fp8_consumer_variants_match(fields):
   _check_on_gpu("mosaic_gpu", jnp.float8_e4m3fn, None, seed=17, config=pkv.MosaicGPUConfig(**fields))
 

@@ -120,6 +120,10 @@ MLA_V_DIM_MULTIPLE = 128
 MLA_ONE_BYTE_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 FP8_DTYPES = MLA_ONE_BYTE_DTYPES
 FP8_OPERAND_DTYPE = jnp.float8_e4m3fn   # Q's and P's terms on fp8 wgmma
+# queries_as_n: the packed rows as wgmma N, padded to 16 columns; wgmma takes one swizzle for both operands, so the
+# V slot widened [D, bkv] f16 follows P^T's rows of 16 f16 (32 bytes).
+AS_N_COLUMNS = 16
+AS_N_SWIZZLE = AS_N_COLUMNS * 2
 
 
 def mla_reason(qk_dim: int, v_dim: int, kv_dtype) -> str | None:
@@ -237,6 +241,7 @@ class DecodeSmem:
   v_tokens_last: bool = False
   tile_consumers: int = 1
   stream_k: bool = False
+  queries_as_n: bool = False   # fp8 operands: the rows as wgmma N (`fp8_operands.consume_as_n`)
   q_buffers: int = 1        # 2: a persistent program copies the next item's q rows while it streams
   out_dtype: Any = jnp.float32   # the partials' (q's 16-bit dtype where one split is the output, one tile consumer)
 
@@ -282,7 +287,7 @@ class DecodeSmem:
                scale_width=tiling.token_scale_width(num_kv_heads) or tiling.SCALE_ROW,
                pipeline_qk=config.pipeline_qk, converter=converter(config), v_tokens_last=v_tokens_last,
                tile_consumers=config.tile_consumers or 1, stream_k=config.split_plan == "stream_k",
-               out_dtype=out_dtype)
+               out_dtype=out_dtype, queries_as_n=bool(config.queries_as_n))
     if smem.ring_spec().splits_rows and not interpret:
       smem = dataclasses.replace(smem, tile_aliases=True)
     if config.persistent and dataclasses.replace(smem, q_buffers=2).fits:   # never at the cost of a stage
@@ -420,6 +425,14 @@ class DecodeSmem:
       scratch["p_smem"] = plgpu.SMEM(self._p_shape, self.q_dtype)
     if self.fp8_operands:
       scratch["q_factors"] = plgpu.SMEM((self.q_buffers, self.row_wgs, ROWS_PER_WG), jnp.float32)
+    if self.queries_as_n:   # P^T and the V slot widened, both swizzled as P^T's rows (AS_N_SWIZZLE)
+      transforms = tiling.smem_transforms(jnp.float16, self.block_kv, max_swizzle=AS_N_SWIZZLE)
+      scratch["p_t"] = tuple(plgpu.SMEM((self.block_kv, AS_N_COLUMNS), jnp.float16,
+                                        transforms=tiling.smem_transforms(jnp.float16, AS_N_COLUMNS))
+                             for _ in range(self.num_wgs))
+      scratch["v_wide"] = tuple(plgpu.SMEM((self.head_dim, self.block_kv), jnp.float16, transforms=transforms)
+                                for _ in range(self.num_wgs))
+    elif self.fp8_operands:
       # Separate refs: a statically indexed tile does not lower inside wgmma's run_state.
       scratch["p_terms"] = tuple(
           plgpu.SMEM((ROWS_PER_WG, self.block_kv), FP8_OPERAND_DTYPE,
@@ -467,6 +480,9 @@ class DecodeSmem:
     if self.fp8_operands:
       factors = align(self.q_buffers * self.row_wgs * ROWS_PER_WG * 4)
       p = factors + 2 * self.num_wgs * align(ROWS_PER_WG * self.block_kv)
+    if self.queries_as_n:
+      p_t, v_wide = align(self.block_kv * AS_N_COLUMNS * 2), align(self.head_dim * self.block_kv * 2)
+      p = factors + self.num_wgs * (p_t + v_wide)
     streaming = rings + dequantized
     streaming = streaming + align(outputs) if self.separate_out else max(streaming, outputs)
     return (align(q) + align(streaming) + align(p) + fill
@@ -549,6 +565,14 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
     if head_dim > 128:
       raise NotImplementedError(f"convert_warpgroup=True: head_dim={head_dim} > 128 (the converter "
                                 "holds a whole float32 tile in its registers)")
+  if config.queries_as_n:
+    one_consumer = config.kv_groups == 1 and config.tile_consumers == 1 and not config.pipeline_qk
+    fp8_tokens_last = jnp.dtype(dtype) in FP8_DTYPES and quantized.get("v_tokens_last") and not converter(config)
+    if not (one_consumer and fp8_tokens_last and rows <= AS_N_COLUMNS):
+      raise ValueError(f"queries_as_n=True needs an fp8 cache with v_tokens_last, <= {AS_N_COLUMNS} packed rows and "
+                       f"one consumer (kv_groups 1, tile_consumers 1, pipeline_qk False), got {jnp.dtype(dtype).name} "
+                       f"v_tokens_last={bool(quantized.get('v_tokens_last'))} {rows=} {config.kv_groups=} "
+                       f"{config.tile_consumers=} {config.pipeline_qk=}")
   if config.pipeline_qk and config.num_stages < 2 * config.kv_groups:   # a K slot held while the next lands
     raise ValueError(f"pipeline_qk=True needs num_stages >= 2 a KV group, got {config.num_stages=} for "
                      f"{config.kv_groups=}")
@@ -566,7 +590,7 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
 
 
 DEFAULT = MosaicGPUConfig(block_kv=64, num_stages=4, split_plan="per_sequence", kv_groups=1, pipeline_qk=False,
-                          persistent=False, tile_consumers=1, sequence_order="given")
+                          persistent=False, tile_consumers=1, sequence_order="given", queries_as_n=False)
 
 
 def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig | None = None) -> MosaicGPUConfig:
@@ -594,7 +618,7 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig
 def _needs_one_group(config: MosaicGPUConfig) -> bool:
   """Whether the fields a config fixes rule out kv_groups=2 (`check_config`)."""
   return bool(config.persistent or converter(config) or plan.has_odd_split_count(config) or (config.num_stages or 2) % 2
-              or config.tile_consumers == 2 or plan.is_stream_k(config))
+              or config.tile_consumers == 2 or plan.is_stream_k(config) or config.queries_as_n)
 
 
 def _deepest_ring(config: MosaicGPUConfig, *, problem, rows: int, dtype: Any, stages_given: bool = False,

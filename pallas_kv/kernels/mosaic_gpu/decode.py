@@ -298,9 +298,7 @@ def _kernel(q_ref,
   block_tables_ref = refs.pop(0) if st.tiling.paged else None
   k_scale_ref = refs.pop(0) if st.k_scale else None
   v_scale_ref = refs.pop(0) if st.v_scale else None
-  (out_ref,
-   lse_ref,
-   ) = refs
+  out_ref, lse_ref = refs
   q_smem = scratch["q_smem"]
   streaming, (out_smem, lse_smem), tiles = st.smem.buffers(scratch)
   rings = []
@@ -405,17 +403,22 @@ def _kernel(q_ref,
         row0 = item.row_block * st.rows_per_program + rw * ROWS_PER_WG
         if g == 0 and turn == 0:   # one load per row warpgroup; the other consumers wait on its barrier
           queries.load_for(item)
+        t0, t1, a, c = item.ranges[g]
         k_head_scale = k_scale_ref[item.head] if st.k_scale == "head" else None
         v_head_scale = v_scale_ref[item.head] if st.v_scale == "head" else None
         with region("wait_q"):
           q_tile = queries.wait(item)
-        if fp8:
-          tiles = fp8_operands.Fp8Tiles(q_tile, queries.factors_of(item), rings[g]["k"], rings[g]["v"],
-                                        rings[g].get("ks"), rings[g].get("vs"), scratch["p_terms"][2 * w:2 * w + 2])
-          t0, t1, a, c = item.ranges[g]
-          carry = fp8_operands.consume(tiles, length=item.length, row0=row0, t0=t0, t1=t1, a=a, c=c,
-                                       step0=steps_before, st=st, tile_math=st.tile_math, start=item.start,
-                                       interpret=st.smem.stage_p)
+        fp8_where = dict(length=item.length, row0=row0, t0=t0, t1=t1, a=a, c=c, step0=steps_before, st=st,
+                         start=item.start, interpret=st.smem.stage_p)
+        fp8_rings = (rings[g]["k"], rings[g]["v"], rings[g].get("ks"), rings[g].get("vs"))
+        if st.smem.queries_as_n:
+          tiles = fp8_operands.AsNTiles(q_tile, queries.factors_of(item), *fp8_rings, scratch["p_t"][w],
+                                        scratch["v_wide"][w])
+          carry = fp8_operands.consume_as_n(tiles, **fp8_where)
+        elif fp8:
+          tiles = fp8_operands.Fp8Tiles(q_tile, queries.factors_of(item), *fp8_rings,
+                                        scratch["p_terms"][2 * w:2 * w + 2])
+          carry = fp8_operands.consume(tiles, tile_math=st.tile_math, **fp8_where)
         else:
           k_tiles, v_tiles = _tile_feeds(rings[g], streaming, w, item.head, st, converted)
           carry = _consume(q_tile, k_tiles, v_tiles, p_smem, item.length, row0, *item.ranges[g],
@@ -618,7 +621,7 @@ def _write_partials(carry, out_smem, lse_smem, out_ref, lse_ref, consumers_done,
                     turn: int = 0):
   """Normalises and stores one warpgroup's partial through out_smem [64, D], lse_smem [64] (f32). Two tile
   consumers: the second (turn 1) hands its partial over through `partner`, the first merges and stores."""
-  out, lse = online_softmax.finalize(*carry, reciprocal=True)
+  out, lse = online_softmax.finalize(*carry, reciprocal=True, rows_axis=int(st.smem.queries_as_n))
   if v_scale is not None:
     out = out * v_scale
   if not st.persistent and st.smem.num_wgs > 1:
@@ -635,8 +638,10 @@ def _write_partials(carry, out_smem, lse_smem, out_ref, lse_ref, consumers_done,
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   if st.explicit_barriers:   # every warp past its reads of the staging: the last tiles' wgmma, the last store's TMA
     plgpu.commit_smem()
-  out_smem[...] = out.astype(out_smem.dtype)
-  lse_smem[...] = lse
+  if st.smem.queries_as_n:
+    fp8_operands.store_as_n(out, lse, out_smem, lse_smem)
+  else:
+    out_smem[...], lse_smem[...] = out.astype(out_smem.dtype), lse
   plgpu.commit_smem()
   if st.num_row_blocks == 1:
     # Static row counts: write only the real rows (lse rows padded to 16 bytes for TMA).

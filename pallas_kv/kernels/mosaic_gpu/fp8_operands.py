@@ -205,3 +205,134 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
   if tiles.v_scales is not None:   # the shift's units: lse = (m + log2 c) ln 2 + ln(l / c); acc / l as it is
     m_i = m_i + jnp.log2(c_i)
   return acc * (1 / FP8_MAX), m_i, l_i
+
+
+# Queries as wgmma N (`queries_as_n`): a GQA group of <= 16 packed rows fills N = 16, not M = 64, so the softmax's
+# per-score work covers 16 columns of S^T [bkv, 16] instead of 64 rows of S, three quarters of them padding.
+QUERY_COLUMNS = mgpu_config.AS_N_COLUMNS
+
+
+@dataclasses.dataclass(frozen=True)
+class AsNTiles:
+  """One consumer's refs for `consume_as_n`: Q's terms [2, 64, D] (its first 16 rows read) and their factors [64],
+  the K and V rings and their per-token scale rings (None: no per-token scale), P^T [bkv, 16] f16 and the V slot
+  widened to f16 [D, bkv] (SMEM, swizzled as `config.AS_N_SWIZZLE`)."""
+  q_terms: Any
+  q_factors: Any
+  k_ring: pipeline.Ring
+  v_ring: pipeline.Ring
+  k_scales: pipeline.Ring | None
+  v_scales: pipeline.Ring | None
+  p_t: Any
+  v_wide: Any
+
+
+def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, start=None, interpret=False):
+  """(acc^T [D, 16], m [16], l [16]) over tiles [t0, t1) ([a, c) unmasked), the queries as N:
+  S^T = K Q^T (K [bkv, D] as A, Q's two e4m3 terms as B, both K-major as fp8 wgmma needs), the online softmax down
+  the columns (rows_axis=1), P^T stored f16, and O^T += V^T P^T over the V slot widened to f16 (exact): V stored
+  tokens last is V^T already, the A operand. Vectors over the queries take the WGMMA columns' layout."""
+  bkv, d = st.tiling.block_kv, st.tiling.head_dim
+  n = QUERY_COLUMNS
+  cols = plgpu.Layout.WGMMA.reduce(0)
+  tokens = plgpu.Layout.WGMMA.reduce(1)
+  per_query = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])
+  per_token = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
+  query_factors = plgpu.load(tiles.q_factors.at[pl.ds(0, n)], layout=cols)
+
+  def scores(i, tile, masked: bool):
+    @region("qk")
+    def qk(s_ref):
+      k_slot = tiles.k_ring.wait(i)
+      for term in range(2):
+        plgpu.wgmma(s_ref, k_slot, tiles.q_terms.at[term, pl.ds(0, n)].transpose((1, 0)))
+      return s_ref[...]
+
+    s = pl.run_scoped(qk, plgpu.ACC((bkv, n), jnp.float32))
+    tiles.k_ring.release(i)
+    s = s * per_query(query_factors, s.shape)
+    if tiles.k_scales is not None:
+      s = s * per_token(plgpu.load(tiles.k_scales.wait(i), layout=tokens), s.shape)
+    s = online_softmax.log2_logits(s, scale=st.options.scale, softcap=st.options.softcap)
+    if masked:
+      keys = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+      rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA) + row0
+      ok = online_softmax.visible(rows, keys, tile_start=tile * bkv, length=length, num_queries=st.num_queries,
+                                  group=st.group, window=st.options.window, start=start)
+      s = jnp.where(ok, s, -jnp.inf)   # also drops NaN scores of keys past the length
+    return s
+
+  def widen_values(i, tile, masked: bool):
+    """The V slot [D, bkv] as f16 into v_wide, its columns past the length (or before a window start) zeroed."""
+    v_slot = tiles.v_ring.wait(i)
+    for r in range(0, d, ROWS):
+      values = plgpu.load(v_slot.at[pl.ds(r, ROWS)], layout=plgpu.Layout.WGMMA_8BIT).astype(jnp.float16)
+      if masked:
+        first = None if start is None else start - tile * bkv
+        values = tiling.rows_below(values, length - tile * bkv, plgpu.Layout.WGMMA_8BIT, first, axis=1)
+      tiles.v_wide.at[pl.ds(r, ROWS)][...] = values
+
+  @region("softmax")
+  def softmax(s, i, acc, m_i, l_i, c_i, *, masked: bool):
+    if tiles.v_scales is None:
+      alpha, m_new, l_new, p = online_softmax.rescale_step(s, m_i, l_i, rows_axis=1)
+      c_new = c_i
+    else:
+      key_scales = plgpu.load(tiles.v_scales.wait(i), layout=tokens)
+      v_scales = per_token(key_scales, s.shape)
+      seen = jnp.where(s > -jnp.inf, v_scales, 0.0) if masked else v_scales
+      c_new = jnp.maximum(c_i, seen.max(axis=0))
+      alpha, m_new, l_new, p = online_softmax.rescale_step(s, m_i, l_i, rows_axis=1,
+                                                           log2_units=(jnp.log2(c_i), jnp.log2(c_new)))
+      scaled = p * v_scales
+      p = jnp.where(p > 0, scaled, 0.0) if masked else scaled
+    tiles.p_t[...] = p.astype(tiles.p_t.dtype)
+    return acc * per_query(alpha, acc.shape), m_new, l_new, c_new
+
+  @region("pv")
+  def pv(acc, i):
+    plgpu.commit_smem()   # P^T and V widened: generic-proxy stores that wgmma reads
+    # The scale slots and the V slot were read (into S, P and v_wide) before that commit, in every warp.
+    pipeline.release_after_commit((tiles.k_scales, tiles.v_scales, tiles.v_ring), i)
+
+    def mma(acc_ref):
+      plgpu.wgmma(acc_ref, tiles.v_wide, tiles.p_t)
+
+    if interpret:   # GPU interpret mode runs no pl.run_state
+      def staged(acc_ref):
+        mma(acc_ref)
+        return acc_ref[...]
+      acc = acc + pl.run_scoped(staged, plgpu.ACC(acc.shape, jnp.float32))
+    else:
+      acc = pl.run_state(mma)(plgpu.ACC.init(acc))
+    return acc
+
+  def step(tile, carry, *, masked: bool):
+    acc, m_i, l_i, c_i = carry
+    i = step0 + tile - t0
+    s = scores(i, tile, masked)
+    widen_values(i, tile, masked)
+    acc, m_new, l_new, c_new = softmax(s, i, acc, m_i, l_i, c_i, masked=masked)
+    return pv(acc, i), m_new, l_new, c_new
+
+  acc = plgpu.layout_cast(jnp.zeros((d, n), jnp.float32), plgpu.Layout.WGMMA)
+  m_i = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), cols)
+  l_i = plgpu.layout_cast(jnp.zeros((n,), jnp.float32), cols)
+  c_i = plgpu.layout_cast(jnp.full((n,), 1.0 if tiles.v_scales is None else _MIN_VALUE_SCALE, jnp.float32), cols)
+  carry = (acc, m_i, l_i, c_i)
+  carry = lax.fori_loop(t0, a, lambda t, x: step(t, x, masked=True), carry)
+  carry = lax.fori_loop(a, c, lambda t, x: step(t, x, masked=False), carry)
+  carry = lax.fori_loop(c, t1, lambda t, x: step(t, x, masked=True), carry)
+  acc, m_i, l_i, c_i = carry
+  if tiles.v_scales is not None:
+    m_i = m_i + jnp.log2(c_i)
+  return acc, m_i, l_i
+
+
+def store_as_n(out, lse, out_smem, lse_smem):
+  """A `consume_as_n` partial, normalised (out^T [D, 16], lse [16]), into the staging out_smem [64, D] (its first
+  16 rows, written through a transposed view) and lse_smem [64]."""
+  n = QUERY_COLUMNS
+  out = plgpu.layout_cast(out.astype(out_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+  out_smem.at[pl.ds(0, n)].transpose((1, 0))[...] = out
+  lse_smem.at[pl.ds(0, n)][...] = lse
