@@ -139,8 +139,8 @@ class MosaicGPUConfig(KernelConfig):
     their own ring (needs <= 64 packed rows, and num_splits and num_stages multiples of kv_groups).
   pipeline_qk: issue tile i+1's Q K^T before tile i's softmax (FA3's intra-warpgroup overlap).
   queries_as_n: an fp8 cache with V stored tokens last: the packed rows (<= 16) as wgmma's N, S^T = K Q^T, so
-    that the softmax covers 16 query columns instead of 64 rows, most of them padding (needs one consumer: kv_groups
-    1, tile_consumers 1, and pipeline_qk off).
+    that the softmax covers 16 query columns instead of 64 rows, most of them padding (one consumer a program:
+    kv_groups 1, tile_consumers 1).
   persistent: one program per SM looping over the work items, its ring streaming across them.
   tile_consumers: 1, or 2 consumer warpgroups that take turns on the tiles of each work item (even ring
     steps and odd), each with its own softmax state, merged in the kernel: two tiles' math in flight per

@@ -34,7 +34,8 @@ VARIANTS = [(f"{impl} {kind}", impl, kind, None)
 # groups3: three consumers, each on its own split (152 registers each, 232 with two); pqk: the next tile's Q K^T
 # issued before this tile's softmax;
 # sk: the stream-K walk of the persistent programs; eb: no automatic barrier around each SMEM store
-# (`experimental.MosaicGPUVariantConfig.explicit_barriers`); asn: the queries as wgmma N (fp8, one consumer).
+# (`experimental.MosaicGPUVariantConfig.explicit_barriers`); asn: the queries as wgmma N (fp8, one consumer;
+# asn128: on 128-token tiles).
 VARIANTS += [(f"mosaic_gpu {kind} {name}", "mosaic_gpu", kind, config)
              for name, config in (("groups1", M(kv_groups=1)), ("groups3", M(kv_groups=3)),
                                   ("pqk", M(pipeline_qk=True)), ("groups3 pqk", M(kv_groups=3, pipeline_qk=True)),
@@ -42,7 +43,9 @@ VARIANTS += [(f"mosaic_gpu {kind} {name}", "mosaic_gpu", kind, config)
                                   ("tc2", M(kv_groups=1, tile_consumers=2, persistent=True)),
                                   ("sk", M(split_plan="stream_k")),
                                   ("eb", MosaicGPUVariantConfig(explicit_barriers=True)),
-                                  ("asn", M(queries_as_n=True)), ("asn bkv128", M(queries_as_n=True, block_kv=128)))
+                                  ("asn", M(queries_as_n=True)), ("asn128", M(queries_as_n=True, block_kv=128)),
+                                  ("asn pqk", M(queries_as_n=True, pipeline_qk=True)),
+                                  ("asn128 pqk", M(queries_as_n=True, block_kv=128, pipeline_qk=True)))
              for kind in ("token", "none")]
 
 

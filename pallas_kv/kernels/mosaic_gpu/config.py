@@ -566,13 +566,12 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
       raise NotImplementedError(f"convert_warpgroup=True: head_dim={head_dim} > 128 (the converter "
                                 "holds a whole float32 tile in its registers)")
   if config.queries_as_n:
-    one_consumer = config.kv_groups == 1 and config.tile_consumers == 1 and not config.pipeline_qk
     fp8_tokens_last = jnp.dtype(dtype) in FP8_DTYPES and quantized.get("v_tokens_last") and not converter(config)
-    if not (one_consumer and fp8_tokens_last and rows <= AS_N_COLUMNS):
+    if not (config.kv_groups == 1 and config.tile_consumers == 1 and fp8_tokens_last and rows <= AS_N_COLUMNS):
       raise ValueError(f"queries_as_n=True needs an fp8 cache with v_tokens_last, <= {AS_N_COLUMNS} packed rows and "
-                       f"one consumer (kv_groups 1, tile_consumers 1, pipeline_qk False), got {jnp.dtype(dtype).name} "
+                       f"one consumer (kv_groups 1, tile_consumers 1), got {jnp.dtype(dtype).name} "
                        f"v_tokens_last={bool(quantized.get('v_tokens_last'))} {rows=} {config.kv_groups=} "
-                       f"{config.tile_consumers=} {config.pipeline_qk=}")
+                       f"{config.tile_consumers=}")
   if config.pipeline_qk and config.num_stages < 2 * config.kv_groups:   # a K slot held while the next lands
     raise ValueError(f"pipeline_qk=True needs num_stages >= 2 a KV group, got {config.num_stages=} for "
                      f"{config.kv_groups=}")

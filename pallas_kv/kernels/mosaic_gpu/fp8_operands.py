@@ -231,7 +231,12 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
   """(acc^T [D, 16], m [16], l [16]) over tiles [t0, t1) ([a, c) unmasked), the queries as N:
   S^T = K Q^T (K [bkv, D] as A, Q's two e4m3 terms as B, both K-major as fp8 wgmma needs), the online softmax down
   the columns (rows_axis=1), P^T stored f16, and O^T += V^T P^T over the V slot widened to f16 (exact): V stored
-  tokens last is V^T already, the A operand. Vectors over the queries take the WGMMA columns' layout."""
+  tokens last is V^T already, the A operand. Vectors over the queries take the WGMMA columns' layout.
+
+  The keys are wgmma's M, so a reduction over them crosses warps (a warpgroup barrier and an SMEM round trip, through
+  a scratch Mosaic GPU places at the same SMEM for every warpgroup: hence one consumer a program). One a tile: the
+  running max, of the logits plus log2 of each key's V scale, so that P times the V scales needs no second max to
+  stay <= 1. The row sums are kept per score and summed once at the end."""
   bkv, d = st.tiling.block_kv, st.tiling.head_dim
   n = QUERY_COLUMNS
   cols = plgpu.Layout.WGMMA.reduce(0)
@@ -240,27 +245,41 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
   per_token = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
   query_factors = plgpu.load(tiles.q_factors.at[pl.ds(0, n)], layout=cols)
 
+  s_type = plgpu.ACC((bkv, n), jnp.float32)
+
+  def issue_qk(s_ref, k_slot):
+    """S^T of a landed K slot into s_ref: Q's two terms, two wgmmas (awaited by whoever reads s_ref)."""
+    for term in range(2):
+      plgpu.wgmma(s_ref, k_slot, tiles.q_terms.at[term, pl.ds(0, n)].transpose((1, 0)))
+
   def scores(i, tile, masked: bool):
     @region("qk")
     def qk(s_ref):
-      k_slot = tiles.k_ring.wait(i)
-      for term in range(2):
-        plgpu.wgmma(s_ref, k_slot, tiles.q_terms.at[term, pl.ds(0, n)].transpose((1, 0)))
+      issue_qk(s_ref, tiles.k_ring.wait(i))
       return s_ref[...]
 
-    s = pl.run_scoped(qk, plgpu.ACC((bkv, n), jnp.float32))
+    s = pl.run_scoped(qk, s_type)
     tiles.k_ring.release(i)
+    return scaled(s, i, tile, masked)
+
+  def scaled(s, i, tile, masked: bool):
+    """(z, 1 / the keys' V scales or None) of step i's raw S^T: z the log2-unit logits plus log2 of each key's V
+    scale (the logits without V scales), -inf where a query does not see the key (masked tiles)."""
     s = s * per_query(query_factors, s.shape)
     if tiles.k_scales is not None:
       s = s * per_token(plgpu.load(tiles.k_scales.wait(i), layout=tokens), s.shape)
     s = online_softmax.log2_logits(s, scale=st.options.scale, softcap=st.options.softcap)
+    inverse = None
+    if tiles.v_scales is not None:
+      value_scales = plgpu.load(tiles.v_scales.wait(i), layout=tokens)
+      s, inverse = s + per_token(jnp.log2(value_scales), s.shape), 1.0 / value_scales
     if masked:
       keys = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
       rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA) + row0
       ok = online_softmax.visible(rows, keys, tile_start=tile * bkv, length=length, num_queries=st.num_queries,
                                   group=st.group, window=st.options.window, start=start)
-      s = jnp.where(ok, s, -jnp.inf)   # also drops NaN scores of keys past the length
-    return s
+      s = jnp.where(ok, s, -jnp.inf)   # also drops NaN scores (and V scales) of keys past the length
+    return s, inverse
 
   def widen_values(i, tile, masked: bool):
     """The V slot [D, bkv] as f16 into v_wide, its columns past the length (or before a window start) zeroed."""
@@ -273,21 +292,20 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
       tiles.v_wide.at[pl.ds(r, ROWS)][...] = values
 
   @region("softmax")
-  def softmax(s, i, acc, m_i, l_i, c_i, *, masked: bool):
-    if tiles.v_scales is None:
-      alpha, m_new, l_new, p = online_softmax.rescale_step(s, m_i, l_i, rows_axis=1)
-      c_new = c_i
-    else:
-      key_scales = plgpu.load(tiles.v_scales.wait(i), layout=tokens)
-      v_scales = per_token(key_scales, s.shape)
-      seen = jnp.where(s > -jnp.inf, v_scales, 0.0) if masked else v_scales
-      c_new = jnp.maximum(c_i, seen.max(axis=0))
-      alpha, m_new, l_new, p = online_softmax.rescale_step(s, m_i, l_i, rows_axis=1,
-                                                           log2_units=(jnp.log2(c_i), jnp.log2(c_new)))
-      scaled = p * v_scales
-      p = jnp.where(p > 0, scaled, 0.0) if masked else scaled
+  def softmax(z, inverse, acc, m_i, l_part, *, masked: bool):
+    """One tile of the online softmax down the columns of z (`scaled`), P^T stored for P V; (acc, m, l_part) after
+    it. The running max m is z's, so that P^T = exp2(z - m), each key's P times its V scale, stays <= 1 (f16) with
+    one reduction a tile; l_part adds P^T / V scale = exp2(logit - m), the row sums' terms, per score."""
+    m_new = jnp.maximum(m_i, z.max(axis=0))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # a query with no key yet: exp2 gives 0, not NaN
+    alpha = jnp.exp2(m_i - m_use)
+    p = jnp.exp2(z - per_query(m_use, z.shape))
+    terms = p
+    if inverse is not None:
+      terms = p * per_token(inverse, z.shape)
+      terms = jnp.where(p > 0, terms, 0.0) if masked else terms   # 1 / a scale past the length may be NaN
     tiles.p_t[...] = p.astype(tiles.p_t.dtype)
-    return acc * per_query(alpha, acc.shape), m_new, l_new, c_new
+    return acc * per_query(alpha, acc.shape), m_new, l_part * per_query(alpha, z.shape) + terms
 
   @region("pv")
   def pv(acc, i):
@@ -307,26 +325,52 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
       acc = pl.run_state(mma)(plgpu.ACC.init(acc))
     return acc
 
-  def step(tile, carry, *, masked: bool):
-    acc, m_i, l_i, c_i = carry
-    i = step0 + tile - t0
-    s = scores(i, tile, masked)
+  def tile_math(z_and_inverse, i, tile, carry, masked: bool):
     widen_values(i, tile, masked)
-    acc, m_new, l_new, c_new = softmax(s, i, acc, m_i, l_i, c_i, masked=masked)
-    return pv(acc, i), m_new, l_new, c_new
+    acc, m_new, l_part = softmax(*z_and_inverse, *carry, masked=masked)
+    return pv(acc, i), m_new, l_part
+
+  def step(tile, carry, *, masked: bool):
+    i = step0 + tile - t0
+    return tile_math(scores(i, tile, masked), i, tile, carry, masked)
+
+  def pipelined_step(tile, carry, *, masked: bool):
+    """As `step`, with the next tile's S^T issued first, so that its wgmmas run during this tile's widening and
+    softmax; carry holds this tile's raw S^T. K slot i is held until the step ends, so that the last step re-scores
+    its own slot rather than branch around the wgmma (each landed slot is waited for once)."""
+    *state, s_raw = carry
+    i = step0 + tile - t0
+    has_next = tile + 1 < t1
+
+    @pl.when(has_next)
+    def _():
+      tiles.k_ring.wait(i + 1)
+
+    def body(s_ref):
+      issue_qk(s_ref, tiles.k_ring.slot(jnp.where(has_next, i + 1, i)))
+      return *tile_math(scaled(s_raw, i, tile, masked), i, tile, state, masked), s_ref[...]
+
+    carry = pl.run_scoped(body, s_type)
+    tiles.k_ring.release(i)
+    return carry
 
   acc = plgpu.layout_cast(jnp.zeros((d, n), jnp.float32), plgpu.Layout.WGMMA)
   m_i = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), cols)
-  l_i = plgpu.layout_cast(jnp.zeros((n,), jnp.float32), cols)
-  c_i = plgpu.layout_cast(jnp.full((n,), 1.0 if tiles.v_scales is None else _MIN_VALUE_SCALE, jnp.float32), cols)
-  carry = (acc, m_i, l_i, c_i)
-  carry = lax.fori_loop(t0, a, lambda t, x: step(t, x, masked=True), carry)
-  carry = lax.fori_loop(a, c, lambda t, x: step(t, x, masked=False), carry)
-  carry = lax.fori_loop(c, t1, lambda t, x: step(t, x, masked=True), carry)
-  acc, m_i, l_i, c_i = carry
-  if tiles.v_scales is not None:
-    m_i = m_i + jnp.log2(c_i)
-  return acc, m_i, l_i
+  l_part = plgpu.layout_cast(jnp.zeros((bkv, n), jnp.float32), plgpu.Layout.WGMMA)   # summed at the end
+  carry, tile_step = (acc, m_i, l_part), step
+  if st.pipeline_qk:   # the first tile's raw S^T joins the carry
+    def score_first(s_ref):
+      @pl.when(t1 > t0)
+      def _():
+        issue_qk(s_ref, tiles.k_ring.wait(step0))
+      return s_ref[...]
+
+    carry, tile_step = (*carry, pl.run_scoped(score_first, s_type)), pipelined_step
+  carry = lax.fori_loop(t0, a, lambda t, x: tile_step(t, x, masked=True), carry)
+  carry = lax.fori_loop(a, c, lambda t, x: tile_step(t, x, masked=False), carry)
+  carry = lax.fori_loop(c, t1, lambda t, x: tile_step(t, x, masked=True), carry)
+  acc, m_i, l_part = carry[:3]
+  return acc, m_i, l_part.sum(axis=0)
 
 
 def store_as_n(out, lse, out_smem, lse_smem):
