@@ -30,8 +30,8 @@ declare -A PARTS=(
   [paged_one_byte]="decode:paged64_int8 decode:paged64_int8_tiles"   # Triton's paged tiles, int8 page 64
   [one_byte_barriers]="tools.mosaic_one_byte:barriers_fp8 tools.mosaic_one_byte:barriers_int8
                        tools.mla_fp8_parts:barriers_mla"   # scale slots freed at a commit; explicit barriers
-  [one_byte_chains]="tools.mosaic_one_byte:chains_fp8 tools.mosaic_one_byte:chains_int8
-                     tools.mosaic_one_byte:tiles_fp8 tools.mosaic_one_byte:asn_fp8"   # +pqk, 128 tokens, rows as N
+  [one_byte_chains]="tools.mosaic_one_byte:chains_fp8 tools.mosaic_one_byte:chains_int8 tools.mosaic_one_byte:tiles_fp8
+                     tools.mosaic_one_byte:asn_fp8 tools.mosaic_one_byte:asn_vreg tools.mosaic_one_byte:asn_b1_fp8"
   [tune]="tune:tune"                      # Mosaic GPU entries of the tuned file
   [tune_triton]="tune:tune_triton"
   [tune_both]="tune:tune_both tune:tune_both_models"   # both backends, one run, full + ragged

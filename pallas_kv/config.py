@@ -155,7 +155,7 @@ class MosaicGPUConfig(KernelConfig):
   kv_groups: int | None = None
   pipeline_qk: bool | None = None
   persistent: bool | None = None
-  queries_as_n: bool | None = None
+  queries_as_n: bool = False   # a variant the heuristic never takes: off unless asked for
   tile_consumers: int | None = None
   sequence_order: str | None = None
 

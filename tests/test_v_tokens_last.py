@@ -269,6 +269,60 @@ def _cache_pair(paged: bool, dtype, scales):
   return [dataclasses.replace(c, block_tables=tables) for c in caches]
 
 
+def test_queries_as_n_keeps_keys_of_zero_value_scale_interpret():
+  # A key whose V scale is 0 (an all-zero V row) adds 0 to the output but its weight to the row sum: the queries-as-N
+  # consumer shifts its logits by log2 of the V scales, floored, so that such a key is neither dropped nor NaN.
+  case = make_case(11, batch=2, seq_len=192, num_heads=16, num_kv_heads=4, head_dim=64, dtype=jnp.float16,
+                   kv_dtype=jnp.float8_e4m3fn)
+  rng = np.random.default_rng(3)
+  scales = _scales(rng, "token", case.k.shape[:3])
+  v_scale = jnp.where(jnp.asarray(rng.random(scales.shape) < 0.3), 0.0, scales)
+  ref, ref_lse = _run(case, paged=False, v_tokens_last=False, impl="xla", k_scale=scales, v_scale=v_scale)
+  config = dataclasses.replace(MOSAIC, queries_as_n=True, num_splits=1)
+  with pkv.interpret():
+    out, lse = _run(case, paged=False, v_tokens_last=True, impl="mosaic_gpu", config=config, k_scale=scales,
+                    v_scale=v_scale)
+  assert_matches_reference(out, ref, case.q.dtype)
+  assert_lse_matches(lse, ref_lse, case.q.dtype)
+
+
+def test_queries_as_n_is_checked():
+  # The queries as wgmma N: an fp8 cache with V tokens last, <= 16 packed rows, one consumer a program.
+  from pallas_kv import experimental
+  fp8 = make_case(7, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.float16,
+                  kv_dtype=jnp.float8_e4m3fn)
+  wide = make_case(7, batch=2, seq_len=64, num_heads=34, num_kv_heads=2, head_dim=64, dtype=jnp.float16,
+                   kv_dtype=jnp.float8_e4m3fn)
+  int8 = make_case(7, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.float16,
+                   kv_dtype=jnp.int8)
+  as_n = pkv.MosaicGPUConfig(queries_as_n=True)
+  checks = [(fp8, True, dataclasses.replace(as_n, kv_groups=2),
+             r"queries_as_n=True needs .* <= 16 packed rows.*rows=2 config.kv_groups=2"),
+            (fp8, False, as_n, r"v_tokens_last=False"),
+            (wide, True, dataclasses.replace(as_n, kv_groups=1), r"rows=17"),
+            (int8, True, dataclasses.replace(as_n, kv_groups=1), r"got int8"),
+            (fp8, True, experimental.MosaicGPUVariantConfig(values_in_registers=True), "needs queries_as_n=True")]
+  for case, last, config, message in checks:
+    with pytest.raises(ValueError, match=message), pkv.interpret():
+      pkv.decode_attention(case.q, case.k, tokens_last(case.v) if last else case.v, case.lengths, v_tokens_last=last,
+                           impl="mosaic_gpu", config=config)
+
+
+def test_mosaic_gpu_values_in_registers_lowers_for_cuda(monkeypatch):
+  # The register-operand P V of the queries-as-N consumer: interpret mode runs no register wgmma operand, so its
+  # lowering (layout inference included) is what the CPU checks; its numerics are a GPU test's.
+  import sweeps
+  from test_mosaic_gpu_quantized import lower, lowering_args
+  from pallas_kv import experimental
+  from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
+  _, problem = sweeps.problem_args((32, 8), (32, 4096), None)
+  problem = dataclasses.replace(problem, head_dim=128, v_tokens_last=True)
+  given = experimental.MosaicGPUVariantConfig(queries_as_n=True, block_kv=128, values_in_registers=True)
+  config = mgpu_config.resolve_config(problem, given, dtype="float8_e4m3fn", num_sms=132)
+  args = lowering_args("float8_e4m3fn", "token", "token", None, head_dim=128, v_tokens_last=True)
+  assert "_asn" in lower(monkeypatch, config, args)
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_caches_store_v_tokens_last_on_append(paged):
   like_k, last = _cache_pair(paged, jnp.int8, "token")   # values and per-token scales both written
@@ -417,10 +471,12 @@ def _check_on_gpu(impl: str, kv_dtype, page_size, seed: int, config=None):
 
 @pytest.mark.gpu   # the consumers' variants over fp8 operands: three of them a program; Q K^T pipelined; rows as N
 @pytest.mark.parametrize("fields", [dict(kv_groups=3), dict(pipeline_qk=True), dict(queries_as_n=True),
-                                    dict(queries_as_n=True, block_kv=128, pipeline_qk=True)],
-                         ids=["groups3", "pqk", "queries-as-n", "queries-as-n-bkv128-pqk"])
+                                    dict(queries_as_n=True, block_kv=128, pipeline_qk=True),
+                                    dict(queries_as_n=True, block_kv=128, values_in_registers=True)],
+                         ids=["groups3", "pqk", "queries-as-n", "queries-as-n-bkv128-pqk", "queries-as-n-vreg"])
 def test_gpu_mosaic_gpu_fp8_consumer_variants_match(fields):
-  _check_on_gpu("mosaic_gpu", jnp.float8_e4m3fn, None, seed=17, config=pkv.MosaicGPUConfig(**fields))
+  from pallas_kv.experimental import MosaicGPUVariantConfig   # values_in_registers: interpret mode cannot run it
+  _check_on_gpu("mosaic_gpu", jnp.float8_e4m3fn, None, seed=17, config=MosaicGPUVariantConfig(**fields))
 
 
 @pytest.mark.gpu   # the GPU tier: each dtype once, each page size once

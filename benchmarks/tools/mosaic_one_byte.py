@@ -35,7 +35,7 @@ VARIANTS = [(f"{impl} {kind}", impl, kind, None)
 # issued before this tile's softmax;
 # sk: the stream-K walk of the persistent programs; eb: no automatic barrier around each SMEM store
 # (`experimental.MosaicGPUVariantConfig.explicit_barriers`); asn: the queries as wgmma N (fp8, one consumer;
-# asn128: on 128-token tiles).
+# asn128: on 128-token tiles; vreg: V widened in registers, P V's A operand).
 VARIANTS += [(f"mosaic_gpu {kind} {name}", "mosaic_gpu", kind, config)
              for name, config in (("groups1", M(kv_groups=1)), ("groups3", M(kv_groups=3)),
                                   ("pqk", M(pipeline_qk=True)), ("groups3 pqk", M(kv_groups=3, pipeline_qk=True)),
@@ -45,7 +45,10 @@ VARIANTS += [(f"mosaic_gpu {kind} {name}", "mosaic_gpu", kind, config)
                                   ("eb", MosaicGPUVariantConfig(explicit_barriers=True)),
                                   ("asn", M(queries_as_n=True)), ("asn128", M(queries_as_n=True, block_kv=128)),
                                   ("asn pqk", M(queries_as_n=True, pipeline_qk=True)),
-                                  ("asn128 pqk", M(queries_as_n=True, block_kv=128, pipeline_qk=True)))
+                                  ("asn128 pqk", M(queries_as_n=True, block_kv=128, pipeline_qk=True)),
+                                  ("asn128 vreg", MosaicGPUVariantConfig(queries_as_n=True, block_kv=128,
+                                                                         values_in_registers=True)),
+                                  ("asn vreg", MosaicGPUVariantConfig(queries_as_n=True, values_in_registers=True)))
              for kind in ("token", "none")]
 
 

@@ -26,11 +26,15 @@ class MosaicGPUVariantConfig(MosaicGPUConfig):
   explicit_barriers: Mosaic GPU's automatic warpgroup barriers around every SMEM store turned off
   (`CompilerParams.unsafe_no_auto_barriers`); the kernel syncs where its stores need it. Removes four of a one-byte
   tile's barriers (P's two fp8 terms). Measured 2.3% faster with per-token fp8 scales, 0.2% without (H100, B32
-  T4096; benchmarks/RESULTS.md, thirty-second set): not shipped; no converter."""
+  T4096; benchmarks/RESULTS.md, thirty-second set): not shipped; no converter.
+  values_in_registers: with queries_as_n, the V tile widened to f16 in registers, wgmma's A operand of O^T = V^T P^T,
+  instead of stored to SMEM and read from there (not in interpret mode, which runs no register operand)."""
   convert_warpgroup: bool = False
   explicit_barriers: bool = False
+  values_in_registers: bool = False
 
-  BOOL_FIELDS: ClassVar[tuple[str, ...]] = MosaicGPUConfig.BOOL_FIELDS + ("convert_warpgroup", "explicit_barriers")
+  BOOL_FIELDS: ClassVar[tuple[str, ...]] = MosaicGPUConfig.BOOL_FIELDS + ("convert_warpgroup", "explicit_barriers",
+                                                                          "values_in_registers")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -242,6 +242,7 @@ class DecodeSmem:
   tile_consumers: int = 1
   stream_k: bool = False
   queries_as_n: bool = False   # fp8 operands: the rows as wgmma N (`fp8_operands.consume_as_n`)
+  values_in_registers: bool = False   # queries_as_n: V widened in registers, no v_wide (experimental)
   q_buffers: int = 1        # 2: a persistent program copies the next item's q rows while it streams
   out_dtype: Any = jnp.float32   # the partials' (q's 16-bit dtype where one split is the output, one tile consumer)
 
@@ -287,7 +288,8 @@ class DecodeSmem:
                scale_width=tiling.token_scale_width(num_kv_heads) or tiling.SCALE_ROW,
                pipeline_qk=config.pipeline_qk, converter=converter(config), v_tokens_last=v_tokens_last,
                tile_consumers=config.tile_consumers or 1, stream_k=config.split_plan == "stream_k",
-               out_dtype=out_dtype, queries_as_n=bool(config.queries_as_n))
+               out_dtype=out_dtype, queries_as_n=bool(config.queries_as_n),
+               values_in_registers=bool(getattr(config, "values_in_registers", False)) and not interpret)
     if smem.ring_spec().splits_rows and not interpret:
       smem = dataclasses.replace(smem, tile_aliases=True)
     if config.persistent and dataclasses.replace(smem, q_buffers=2).fits:   # never at the cost of a stage
@@ -425,12 +427,13 @@ class DecodeSmem:
       scratch["p_smem"] = plgpu.SMEM(self._p_shape, self.q_dtype)
     if self.fp8_operands:
       scratch["q_factors"] = plgpu.SMEM((self.q_buffers, self.row_wgs, ROWS_PER_WG), jnp.float32)
-    if self.queries_as_n:   # P^T and the V slot widened, both swizzled as P^T's rows (AS_N_SWIZZLE)
+    if self.queries_as_n and self.fp8_operands:   # P^T and the V slot widened, both swizzled as P^T's rows (AS_N_SWIZZLE)
       transforms = tiling.smem_transforms(jnp.float16, self.block_kv, max_swizzle=AS_N_SWIZZLE)
       scratch["p_t"] = tuple(plgpu.SMEM((self.block_kv, AS_N_COLUMNS), jnp.float16,
                                         transforms=tiling.smem_transforms(jnp.float16, AS_N_COLUMNS))
                              for _ in range(self.num_wgs))
-      scratch["v_wide"] = tuple(plgpu.SMEM((self.head_dim, self.block_kv), jnp.float16, transforms=transforms)
+      scratch["v_wide"] = tuple(None if self.values_in_registers else
+                                plgpu.SMEM((self.head_dim, self.block_kv), jnp.float16, transforms=transforms)
                                 for _ in range(self.num_wgs))
     elif self.fp8_operands:
       # Separate refs: a statically indexed tile does not lower inside wgmma's run_state.
@@ -480,8 +483,9 @@ class DecodeSmem:
     if self.fp8_operands:
       factors = align(self.q_buffers * self.row_wgs * ROWS_PER_WG * 4)
       p = factors + 2 * self.num_wgs * align(ROWS_PER_WG * self.block_kv)
-    if self.queries_as_n:
-      p_t, v_wide = align(self.block_kv * AS_N_COLUMNS * 2), align(self.head_dim * self.block_kv * 2)
+    if self.queries_as_n and self.fp8_operands:   # (check_config refuses queries_as_n over other caches)
+      p_t = align(self.block_kv * AS_N_COLUMNS * 2)
+      v_wide = 0 if self.values_in_registers else align(self.head_dim * self.block_kv * 2)
       p = factors + self.num_wgs * (p_t + v_wide)
     streaming = rings + dequantized
     streaming = streaming + align(outputs) if self.separate_out else max(streaming, outputs)
@@ -565,6 +569,8 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
     if head_dim > 128:
       raise NotImplementedError(f"convert_warpgroup=True: head_dim={head_dim} > 128 (the converter "
                                 "holds a whole float32 tile in its registers)")
+  if getattr(config, "values_in_registers", False) and not config.queries_as_n:
+    raise ValueError("values_in_registers=True widens V for the queries_as_n consumer: it needs queries_as_n=True")
   if config.queries_as_n:
     fp8_tokens_last = jnp.dtype(dtype) in FP8_DTYPES and quantized.get("v_tokens_last") and not converter(config)
     if not (config.kv_groups == 1 and config.tile_consumers == 1 and fp8_tokens_last and rows <= AS_N_COLUMNS):

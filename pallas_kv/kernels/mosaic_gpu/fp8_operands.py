@@ -210,13 +210,17 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
 # Queries as wgmma N (`queries_as_n`): a GQA group of <= 16 packed rows fills N = 16, not M = 64, so the softmax's
 # per-score work covers 16 columns of S^T [bkv, 16] instead of 64 rows of S, three quarters of them padding.
 QUERY_COLUMNS = mgpu_config.AS_N_COLUMNS
+# The floor of a V scale in the logits' shift (a key's scale may be 0: its V is then 0, its P still counts in l):
+# the row sums' terms, P^T over the scale, stay <= 2^24; a key floored adds 2^-24 V of its weight, not 0.
+_VALUE_SCALE_FLOOR = 2.0 ** -24
 
 
 @dataclasses.dataclass(frozen=True)
 class AsNTiles:
   """One consumer's refs for `consume_as_n`: Q's terms [2, 64, D] (its first 16 rows read) and their factors [64],
   the K and V rings and their per-token scale rings (None: no per-token scale), P^T [bkv, 16] f16 and the V slot
-  widened to f16 [D, bkv] (SMEM, swizzled as `config.AS_N_SWIZZLE`)."""
+  widened to f16 [D, bkv] (SMEM, swizzled as `config.AS_N_SWIZZLE`; None: widened in registers instead,
+  `DecodeSmem.values_in_registers`)."""
   q_terms: Any
   q_factors: Any
   k_ring: pipeline.Ring
@@ -271,7 +275,7 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
     s = online_softmax.log2_logits(s, scale=st.options.scale, softcap=st.options.softcap)
     inverse = None
     if tiles.v_scales is not None:
-      value_scales = plgpu.load(tiles.v_scales.wait(i), layout=tokens)
+      value_scales = jnp.maximum(plgpu.load(tiles.v_scales.wait(i), layout=tokens), _VALUE_SCALE_FLOOR)
       s, inverse = s + per_token(jnp.log2(value_scales), s.shape), 1.0 / value_scales
     if masked:
       keys = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
@@ -281,15 +285,28 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
       s = jnp.where(ok, s, -jnp.inf)   # also drops NaN scores (and V scales) of keys past the length
     return s, inverse
 
+  in_registers = tiles.v_wide is None
+
   def widen_values(i, tile, masked: bool):
-    """The V slot [D, bkv] as f16 into v_wide, its columns past the length (or before a window start) zeroed."""
+    """The V slot [D, bkv] as f16, its columns past the length (or before a window start) zeroed: into v_wide, or
+    (in_registers) as 64-row register chunks in the WGMMA layout, the A operands of P V."""
     v_slot = tiles.v_ring.wait(i)
+    layout = plgpu.Layout.WGMMA if in_registers else plgpu.Layout.WGMMA_8BIT
+    chunks = []
     for r in range(0, d, ROWS):
-      values = plgpu.load(v_slot.at[pl.ds(r, ROWS)], layout=plgpu.Layout.WGMMA_8BIT).astype(jnp.float16)
+      if in_registers:   # one shuffle from the upcast layout to wgmma's A fragment
+        values = plgpu.load(v_slot.at[pl.ds(r, ROWS)], layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
+        values = plgpu.layout_cast(values, layout)
+      else:
+        values = plgpu.load(v_slot.at[pl.ds(r, ROWS)], layout=layout).astype(jnp.float16)
       if masked:
         first = None if start is None else start - tile * bkv
-        values = tiling.rows_below(values, length - tile * bkv, plgpu.Layout.WGMMA_8BIT, first, axis=1)
-      tiles.v_wide.at[pl.ds(r, ROWS)][...] = values
+        values = tiling.rows_below(values, length - tile * bkv, layout, first, axis=1)
+      if in_registers:
+        chunks.append(values)
+      else:
+        tiles.v_wide.at[pl.ds(r, ROWS)][...] = values
+    return chunks
 
   @region("softmax")
   def softmax(z, inverse, acc, m_i, l_part, *, masked: bool):
@@ -308,13 +325,16 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
     return acc * per_query(alpha, acc.shape), m_new, l_part * per_query(alpha, z.shape) + terms
 
   @region("pv")
-  def pv(acc, i):
+  def pv(acc, i, chunks):
     plgpu.commit_smem()   # P^T and V widened: generic-proxy stores that wgmma reads
     # The scale slots and the V slot were read (into S, P and v_wide) before that commit, in every warp.
     pipeline.release_after_commit((tiles.k_scales, tiles.v_scales, tiles.v_ring), i)
 
     def mma(acc_ref):
-      plgpu.wgmma(acc_ref, tiles.v_wide, tiles.p_t)
+      if not in_registers:
+        plgpu.wgmma(acc_ref, tiles.v_wide, tiles.p_t)
+      for r, values in zip(range(0, d, ROWS), chunks):
+        plgpu.wgmma(acc_ref.at[pl.ds(r, ROWS)], values, tiles.p_t)
 
     if interpret:   # GPU interpret mode runs no pl.run_state
       def staged(acc_ref):
@@ -326,9 +346,9 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
     return acc
 
   def tile_math(z_and_inverse, i, tile, carry, masked: bool):
-    widen_values(i, tile, masked)
+    chunks = widen_values(i, tile, masked)
     acc, m_new, l_part = softmax(*z_and_inverse, *carry, masked=masked)
-    return pv(acc, i), m_new, l_part
+    return pv(acc, i, chunks), m_new, l_part
 
   def step(tile, carry, *, masked: bool):
     i = step0 + tile - t0
