@@ -47,14 +47,32 @@ def test_the_kernel_lowers_with_its_trace_and_without(monkeypatch, fields):
   assert traced.count(CLOCK_READ) >= 2 * 6
 
 
-def test_a_one_byte_op_is_traced_in_the_smem_its_kernel_leaves(monkeypatch):
+@pytest.mark.parametrize("variant", ["persistent", "queries_as_n128"])
+def test_a_one_byte_op_is_traced_in_the_smem_its_kernel_leaves(monkeypatch, variant):
   s = kernel_trace.settings()
-  config, smem, op, args = kernel_trace.op_case("persistent", 32, 4096, "float8_e4m3fn", s, jax.random.key(0))
-  assert smem.fp8_operands and config.persistent
+  config, smem, op, args = kernel_trace.op_case(variant, 32, 4096, "float8_e4m3fn", s, jax.random.key(0))
+  assert smem.fp8_operands and (config.persistent if variant == "persistent" else smem.queries_as_n)
   visits = kernel_trace.trace_visits(smem, wanted=10**6)
   assert smem.nbytes + KernelTrace("folder", visits).smem_bytes(smem.num_threads) <= mgpu_config.SMEM_CAPACITY_BYTES
   with mgpu_trace.tracing(KernelTrace("unused", visits=visits)):
     assert _mosaic_text(monkeypatch, op, *args).count(CLOCK_READ) >= 2 * 6
+
+
+def test_tracing_retraces_a_function_jit_ran_before():
+  # Every jax.jit of one function shares a dispatch cache keyed on jit-key config states: a trace-context state alone
+  # lets a call inside `tracing` rerun the executable compiled outside it, with no profiler (found on an H100: the
+  # tool's op, run untraced first, wrote no trace).
+  seen = []
+
+  def f(x):
+    seen.append(mgpu_trace.active())
+    return x + 1
+
+  jax.jit(f)(1.0)
+  with mgpu_trace.tracing(KernelTrace("traces", 16)):
+    jax.jit(f)(1.0)
+  jax.jit(f)(1.0)
+  assert seen == [None, KernelTrace("traces", 16)]
 
 
 def test_a_trace_needs_a_folder_and_room():

@@ -69,6 +69,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...] | None]] = {
     "bkv128_st3": ({"block_kv": 128, "num_stages": 3}, None),
     "kv_groups2": ({"kv_groups": 2}, ("B1 T32768", "B8 T8192", "B8 T8192 p16")),
     "kv_groups3": ({"kv_groups": 3}, ("B1 T32768", "B8 T8192", "B8 T8192 p16")),
+    "queries_as_n128": ({"queries_as_n": True, "block_kv": 128}, ()),   # fp8 only: traced (`kernel_trace`), not here
     "tile_consumers2": ({"tile_consumers": 2}, None),
     "tc2+pqk+persistent": ({"tile_consumers": 2, "pipeline_qk": True, "persistent": True}, None),
     "pqk+persistent+lf": ({"pipeline_qk": True, "persistent": True, "sequence_order": "longest_first"}, None),
@@ -140,7 +141,7 @@ SMOKE_PROBE_SHAPES = ("B1 T128",)
 SMOKE_PAGED_VARIANTS = ("baseline", "pqk+persistent")
 # Same code paths as others; stream-K's heuristic walk at B1 has 63 programs, slow to interpret (tests cover it).
 SMOKE_SKIPPED_VARIANTS = ("splits_x2", "baseline_again", "stream_k", "sk+pqk", "sk+tc2+pqk", "sk+pqk+ahead",
-                          "pqk+persistent+splits_x2")
+                          "pqk+persistent+splits_x2", "queries_as_n128")
 # --warmup, --iters, --repeats on a GPU unless given (--smoke runs each call once, untimed).
 GPU_TIMING = {"warmup": 2, "iters": 20, "repeats": 5}
 # The fields of a timing.Timing that rows carry.

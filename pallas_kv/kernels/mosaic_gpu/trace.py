@@ -46,10 +46,17 @@ def region(name: str):
   return jax.named_scope(name)
 
 
-# A jax config state, as `pallas_kv.interpret()` is: part of the trace context that jit's caches key on, so a
-# function traced outside `tracing` is traced again inside it, its kernels with the profiler on.
-_ACTIVE = jax_config.optional_string_state(
-    name="pallas_kv_kernel_trace", default=None, include_in_trace_context=True,
+def _check_fields(value):
+  if value is not None and not isinstance(value, str):
+    raise ValueError(f"pallas_kv_kernel_trace takes a KernelTrace's fields as JSON or None, got {value!r}")
+
+
+# A jax config state, as `pallas_kv.interpret()` is: part of the trace context and of the key of jit's dispatch
+# cache (which every jax.jit of one function shares), so that a function run outside `tracing` is traced again
+# inside it, its kernels with the profiler on, rather than rerun as compiled.
+_ACTIVE = jax_config.string_or_object_state(
+    name="pallas_kv_kernel_trace", default=None, validator=_check_fields, include_in_jit_key=True,
+    include_in_trace_context=True,
     help="pallas_kv's Mosaic GPU GQA kernels record their timelines: a KernelTrace's fields as JSON.")
 
 
