@@ -78,6 +78,7 @@ MOSAIC = pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, split_plan
     (jnp.float8_e4m3fn, "token", None, 2, dict(queries_as_n=True)),
     (jnp.float8_e5m2, "head", 64, None, dict(queries_as_n=True, num_stages=3)),
     (jnp.float8_e4m3fn, "token", None, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True)),
+    (jnp.float8_e4m3fn, "token", None, None, dict(queries_as_n=True, split_plan="stream_k", persistent=True)),
     pytest.param(jnp.int8, "token", 128, None, dict(pipeline_qk=True, num_splits=1), marks=pytest.mark.slow),
     pytest.param(jnp.float16, None, 64, None, dict(pipeline_qk=True), marks=pytest.mark.slow),
     pytest.param(jnp.float8_e5m2, "token", None, 3, dict(persistent=True), marks=pytest.mark.slow),
@@ -85,7 +86,7 @@ MOSAIC = pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, split_plan
                  marks=pytest.mark.slow),
 ], ids=["bf16-dense-s2", "int8-token-dense", "e4m3-head-page64-groups2", "e4m3-token-dense-groups3",
         "e4m3-token-dense-groups2-pqk", "e4m3-token-dense-s2-queries-as-n", "e5m2-head-page64-queries-as-n",
-        "e4m3-token-dense-queries-as-n-pqk",
+        "e4m3-token-dense-queries-as-n-pqk", "e4m3-token-dense-queries-as-n-stream-k",
         "int8-token-page128-pqk",
         "fp16-page64-pqk", "e5m2-token-dense-s3-persistent", "int8-token-page64-tile-consumers2"])
 def test_mosaic_gpu_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, num_queries, fields):
@@ -148,6 +149,7 @@ MOSAIC_LOWERINGS = [
     ("float8_e4m3fn", "token", None, dict(queries_as_n=True), 128),
     ("float8_e4m3fn", "token", None, dict(queries_as_n=True, block_kv=128, pipeline_qk=True), 128),
     slow("float8_e4m3fn", "head", 128, dict(queries_as_n=True, block_kv=128), 128),
+    slow("float8_e4m3fn", "token", None, dict(queries_as_n=True, split_plan="stream_k"), 128),
     slow("bfloat16", None, None, dict(block_kv=128), 128),
     slow("int8", "token", None, dict(kv_groups=1), 256), slow("float16", None, 64, dict(pipeline_qk=True), 64),
     slow("float8_e5m2", "head", 128, dict(block_kv=128, persistent=True), 128),
@@ -158,7 +160,8 @@ MOSAIC_LOWERINGS = [
                          ids=["bf16", "int8-token", "e4m3-token-page64", "int8-head-page128-pqk-persistent",
                               "e4m3-token-groups3", "e4m3-token-pqk", "e4m3-token-queries-as-n",
                               "e4m3-token-bkv128-pqk-queries-as-n",
-                              "e4m3-head-page128-bkv128-queries-as-n", "bf16-bkv128", "int8-token-d256-one-group", "fp16-page64-pqk-d64",
+                              "e4m3-head-page128-bkv128-queries-as-n", "e4m3-token-stream-k-queries-as-n",
+                              "bf16-bkv128", "int8-token-d256-one-group", "fp16-page64-pqk-d64",
                               "e5m2-head-page128-bkv128-persistent"])
 def test_mosaic_gpu_tokens_last_lowers_for_cuda(monkeypatch, kv_dtype, scale_kind, page_size, fields, head_dim):
   import sweeps
