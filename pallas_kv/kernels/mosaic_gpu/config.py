@@ -427,7 +427,7 @@ class DecodeSmem:
       scratch["p_smem"] = plgpu.SMEM(self._p_shape, self.q_dtype)
     if self.fp8_operands:
       scratch["q_factors"] = plgpu.SMEM((self.q_buffers, self.row_wgs, ROWS_PER_WG), jnp.float32)
-    if self.queries_as_n and self.fp8_operands:   # P^T and the V slot widened, both swizzled as P^T's rows (AS_N_SWIZZLE)
+    if self.queries_as_n and self.fp8_operands:   # P^T and V widened, both swizzled as P^T's rows (AS_N_SWIZZLE)
       transforms = tiling.smem_transforms(jnp.float16, self.block_kv, max_swizzle=AS_N_SWIZZLE)
       scratch["p_t"] = tuple(plgpu.SMEM((self.block_kv, AS_N_COLUMNS), jnp.float16,
                                         transforms=tiling.smem_transforms(jnp.float16, AS_N_COLUMNS))
