@@ -9,6 +9,9 @@ Both products then have K-major fp8 operands (K [bkv, D], V [D, bkv]), so nothin
          also of 448) and one rescale a tile, exp2 of the shift's change, covers both m's growth and c's.
 Rows past a length are masked in S; V's columns there are zeroed in the slot (0 x NaN is NaN in P V). With
 pipeline_qk the next tile's Q K^T is issued before this tile's softmax, as in the 16-bit consumer.
+
+`consume_as_n` (queries_as_n) turns the products around for <= 16 packed rows: S^T = K Q^T, the queries as wgmma's N,
+so that the softmax works on 16 columns rather than 64 rows, and O^T = V^T P^T over V widened to f16.
 """
 
 from __future__ import annotations
