@@ -67,6 +67,59 @@ def column_scales(ring: pipeline.Ring, step):
   return plgpu.load(ring.wait(step), layout=plgpu.Layout.WGMMA.reduce(0))
 
 
+def accumulate(acc, mma, *, interpret=False):
+  """acc plus what mma(acc_ref) issues into a wgmma accumulator, awaited. GPU interpret mode runs no pl.run_state:
+  there the products go into a scoped accumulator of their own, added after."""
+  if not interpret:
+    return pl.run_state(mma)(plgpu.ACC.init(acc))
+
+  def staged(acc_ref):
+    mma(acc_ref)
+    return acc_ref[...]
+  return acc + pl.run_scoped(staged, plgpu.ACC(acc.shape, jnp.float32))
+
+
+def run_tiles(carry, step, pipelined, *, issue_qk, k_ring: pipeline.Ring, s_type, pipeline_qk: bool, t0, t1, a, c,
+              step0):
+  """The carry after tiles [t0, t1), [a, c) unmasked: step(tile, i, carry, masked) scores ring step i itself.
+  With pipeline_qk, pipelined(tile, i, s_raw, carry, masked) takes this tile's raw scores from the carry while the
+  next tile's Q K^T (issue_qk into a scoped s_type accumulator) runs during its softmax, FA3's overlap in one
+  warpgroup. K slot i is held until the step ends, so that the last step re-scores its own slot rather than branch
+  around the wgmma (each landed slot is waited for once)."""
+  def pipelined_step(tile, carry, *, masked: bool):
+    *state, s_raw = carry
+    i = step0 + tile - t0
+    has_next = tile + 1 < t1
+
+    @pl.when(has_next)
+    def _():
+      k_ring.wait(i + 1)
+
+    def body(s_ref):
+      issue_qk(s_ref, k_ring.slot(jnp.where(has_next, i + 1, i)))
+      return *pipelined(tile, i, s_raw, tuple(state), masked), s_ref[...]
+
+    carry = pl.run_scoped(body, s_type)
+    k_ring.release(i)
+    return carry
+
+  def tile_step(tile, carry, *, masked: bool):
+    return step(tile, step0 + tile - t0, carry, masked)
+
+  if pipeline_qk:   # the first tile's raw scores join the carry
+    def score_first(s_ref):
+      @pl.when(t1 > t0)
+      def _():
+        issue_qk(s_ref, k_ring.wait(step0))
+      return s_ref[...]
+
+    carry, tile_step = (*carry, pl.run_scoped(score_first, s_type)), pipelined_step
+  carry = lax.fori_loop(t0, a, lambda t, x: tile_step(t, x, masked=True), carry)
+  carry = lax.fori_loop(a, c, lambda t, x: tile_step(t, x, masked=False), carry)
+  carry = lax.fori_loop(c, t1, lambda t, x: tile_step(t, x, masked=True), carry)
+  return carry[:-1] if pipeline_qk else carry
+
+
 def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math, start=None, interpret=False):
   """(acc, m, l) over tiles [t0, t1), [a, c) unmasked, as the 16-bit consumer's (`decode._consume`)."""
   bkv = st.tiling.block_kv
@@ -120,13 +173,7 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
       for term in range(2):
         plgpu.wgmma(acc_ref, tiles.p_terms[term], v_t)
 
-    if interpret:   # GPU interpret mode runs no pl.run_state
-      def staged(acc_ref):
-        mma(acc_ref)
-        return acc_ref[...]
-      acc = acc + pl.run_scoped(staged, plgpu.ACC(acc.shape, jnp.float32))
-    else:
-      acc = pl.run_state(mma)(plgpu.ACC.init(acc))
+    acc = accumulate(acc, mma, interpret=interpret)
     tiles.v_ring.release(i)
     return acc
 
@@ -159,52 +206,22 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
   def logits(s, tile, masked: bool):
     return tile_math.logits(s, tile=tile, length=length, row0=row0, masked=masked, st=st, start=start)
 
-  def step(tile, carry, *, masked: bool):
-    acc, m_i, l_i, c_i = carry   # m: the logits' running max; c: the V scales'; acc and l in units of 1 / c
-    i = step0 + tile - t0
-    acc, m_new, l_new, c_new = softmax(logits(scores(i), tile, masked), i, acc, m_i, l_i, c_i, masked=masked)
+  def tile_step_math(s, i, tile, carry, masked: bool):
+    """One tile from its scores: carry (acc, m, l, c); m: the logits' running max; c: the V scales'; acc and l in
+    units of 1 / c."""
+    acc, m_new, l_new, c_new = softmax(logits(s, tile, masked), i, *carry, masked=masked)
     return pv(acc, i, tile, masked), m_new, l_new, c_new
-
-  def pipelined_step(tile, carry, *, masked: bool):
-    """As `step`, with the next tile's Q K^T issued first, so that its wgmmas run during this tile's softmax (FA3's
-    overlap in one warpgroup); carry holds this tile's raw scores. K slot i is held until the step ends, so that the
-    last step re-scores its own slot rather than branch around the wgmma (each landed slot is waited for once)."""
-    acc, m_i, l_i, c_i, s_raw = carry
-    i = step0 + tile - t0
-    has_next = tile + 1 < t1
-
-    @pl.when(has_next)
-    def _():
-      tiles.k_ring.wait(i + 1)
-
-    def body(s_ref):
-      issue_qk(s_ref, tiles.k_ring.slot(jnp.where(has_next, i + 1, i)))
-      acc_new, m_new, l_new, c_new = softmax(logits(scaled(s_raw, i), tile, masked), i, acc, m_i, l_i, c_i,
-                                             masked=masked)
-      return pv(acc_new, i, tile, masked), m_new, l_new, c_new, s_ref[...]
-
-    carry = pl.run_scoped(body, s_type)
-    tiles.k_ring.release(i)
-    return carry
 
   acc = plgpu.layout_cast(jnp.zeros((ROWS, st.tiling.head_dim), jnp.float32), plgpu.Layout.WGMMA)
   m_i = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), wgmma_rows)
   l_i = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), wgmma_rows)
   c_i = plgpu.layout_cast(jnp.full((ROWS,), 1.0 if tiles.v_scales is None else _MIN_VALUE_SCALE, jnp.float32),
                           wgmma_rows)
-  carry, tile_step = (acc, m_i, l_i, c_i), step
-  if st.pipeline_qk:   # the first tile's raw scores join the carry
-    def score_first(s_ref):
-      @pl.when(t1 > t0)
-      def _():
-        issue_qk(s_ref, tiles.k_ring.wait(step0))
-      return s_ref[...]
-
-    carry, tile_step = (*carry, pl.run_scoped(score_first, s_type)), pipelined_step
-  carry = lax.fori_loop(t0, a, lambda t, x: tile_step(t, x, masked=True), carry)
-  carry = lax.fori_loop(a, c, lambda t, x: tile_step(t, x, masked=False), carry)
-  carry = lax.fori_loop(c, t1, lambda t, x: tile_step(t, x, masked=True), carry)
-  acc, m_i, l_i, c_i = carry[:4]
+  acc, m_i, l_i, c_i = run_tiles(
+      (acc, m_i, l_i, c_i), lambda tile, i, carry, masked: tile_step_math(scores(i), i, tile, carry, masked),
+      lambda tile, i, s_raw, carry, masked: tile_step_math(scaled(s_raw, i), i, tile, carry, masked),
+      issue_qk=issue_qk, k_ring=tiles.k_ring, s_type=s_type, pipeline_qk=st.pipeline_qk, t0=t0, t1=t1, a=a, c=c,
+      step0=step0)
   if tiles.v_scales is not None:   # the shift's units: lse = (m + log2 c) ln 2 + ln(l / c); acc / l as it is
     m_i = m_i + jnp.log2(c_i)
   return acc * (1 / FP8_MAX), m_i, l_i
@@ -339,60 +356,21 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
       for r, values in zip(range(0, d, ROWS), chunks):
         plgpu.wgmma(acc_ref.at[pl.ds(r, ROWS)], values, tiles.p_t)
 
-    if interpret:   # GPU interpret mode runs no pl.run_state
-      def staged(acc_ref):
-        mma(acc_ref)
-        return acc_ref[...]
-      acc = acc + pl.run_scoped(staged, plgpu.ACC(acc.shape, jnp.float32))
-    else:
-      acc = pl.run_state(mma)(plgpu.ACC.init(acc))
-    return acc
+    return accumulate(acc, mma, interpret=interpret)
 
   def tile_math(z_and_inverse, i, tile, carry, masked: bool):
     chunks = widen_values(i, tile, masked)
     acc, m_new, l_part = softmax(*z_and_inverse, *carry, masked=masked)
     return pv(acc, i, chunks), m_new, l_part
 
-  def step(tile, carry, *, masked: bool):
-    i = step0 + tile - t0
-    return tile_math(scores(i, tile, masked), i, tile, carry, masked)
-
-  def pipelined_step(tile, carry, *, masked: bool):
-    """As `step`, with the next tile's S^T issued first, so that its wgmmas run during this tile's widening and
-    softmax; carry holds this tile's raw S^T. K slot i is held until the step ends, so that the last step re-scores
-    its own slot rather than branch around the wgmma (each landed slot is waited for once)."""
-    *state, s_raw = carry
-    i = step0 + tile - t0
-    has_next = tile + 1 < t1
-
-    @pl.when(has_next)
-    def _():
-      tiles.k_ring.wait(i + 1)
-
-    def body(s_ref):
-      issue_qk(s_ref, tiles.k_ring.slot(jnp.where(has_next, i + 1, i)))
-      return *tile_math(scaled(s_raw, i, tile, masked), i, tile, state, masked), s_ref[...]
-
-    carry = pl.run_scoped(body, s_type)
-    tiles.k_ring.release(i)
-    return carry
-
   acc = plgpu.layout_cast(jnp.zeros((d, n), jnp.float32), plgpu.Layout.WGMMA)
   m_i = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), cols)
   l_part = plgpu.layout_cast(jnp.zeros((bkv, n), jnp.float32), plgpu.Layout.WGMMA)   # summed at the end
-  carry, tile_step = (acc, m_i, l_part), step
-  if st.pipeline_qk:   # the first tile's raw S^T joins the carry
-    def score_first(s_ref):
-      @pl.when(t1 > t0)
-      def _():
-        issue_qk(s_ref, tiles.k_ring.wait(step0))
-      return s_ref[...]
-
-    carry, tile_step = (*carry, pl.run_scoped(score_first, s_type)), pipelined_step
-  carry = lax.fori_loop(t0, a, lambda t, x: tile_step(t, x, masked=True), carry)
-  carry = lax.fori_loop(a, c, lambda t, x: tile_step(t, x, masked=False), carry)
-  carry = lax.fori_loop(c, t1, lambda t, x: tile_step(t, x, masked=True), carry)
-  acc, m_i, l_part = carry[:3]
+  acc, m_i, l_part = run_tiles(
+      (acc, m_i, l_part), lambda tile, i, carry, masked: tile_math(scores(i, tile, masked), i, tile, carry, masked),
+      lambda tile, i, s_raw, carry, masked: tile_math(scaled(s_raw, i, tile, masked), i, tile, carry, masked),
+      issue_qk=issue_qk, k_ring=tiles.k_ring, s_type=s_type, pipeline_qk=st.pipeline_qk, t0=t0, t1=t1, a=a, c=c,
+      step0=step0)
   return acc, m_i, l_part.sum(axis=0)
 
 
