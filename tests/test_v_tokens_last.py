@@ -66,7 +66,8 @@ def test_triton_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, num_
 # which fold into P (the kernel lays V's scales tokens last). Every layout the kernel takes (dense; pages of one
 # and of two tiles), every V scale kind, and the pipeline options that change who reads the V tiles.
 MOSAIC = pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, split_plan="per_sequence", kv_groups=1,
-                             pipeline_qk=False, persistent=False, tile_consumers=1, sequence_order="given")
+                             pipeline_qk=False, persistent=False, tile_consumers=1, sequence_order="given",
+                             queries_as_n=False)
 
 
 @pytest.mark.parametrize("kv_dtype, scale_kind, page_size, num_queries, fields", [
@@ -304,7 +305,8 @@ def test_queries_as_n_is_checked():
             (fp8, False, as_n, r"v_tokens_last=False"),
             (wide, True, dataclasses.replace(as_n, kv_groups=1), r"rows=17"),
             (int8, True, dataclasses.replace(as_n, kv_groups=1), r"got int8"),
-            (fp8, True, experimental.MosaicGPUVariantConfig(values_in_registers=True), "needs queries_as_n=True")]
+            (fp8, True, experimental.MosaicGPUVariantConfig(values_in_registers=True, queries_as_n=False),
+             "needs queries_as_n=True")]
   for case, last, config, message in checks:
     with pytest.raises(ValueError, match=message), pkv.interpret():
       pkv.decode_attention(case.q, case.k, tokens_last(case.v) if last else case.v, case.lengths, v_tokens_last=last,
@@ -324,6 +326,50 @@ def test_mosaic_gpu_values_in_registers_lowers_for_cuda(monkeypatch):
   config = mgpu_config.resolve_config(problem, given, dtype="float8_e4m3fn", num_sms=132)
   args = lowering_args("float8_e4m3fn", "token", "token", None, head_dim=128, v_tokens_last=True)
   assert "_asn" in lower(monkeypatch, config, args)
+
+
+@pytest.mark.parametrize("dtype,tokens_last,page_size,heads,given,as_n", [
+    ("float8_e4m3fn", True, None, (32, 8), None, True),
+    ("float8_e5m2", True, None, (32, 8), pkv.MosaicGPUConfig(pipeline_qk=True), True),
+    ("float8_e4m3fn", True, None, (64, 4), None, True),   # 16 rows: as many columns as wgmma N holds here
+    ("float8_e4m3fn", True, None, (68, 4), None, False),   # 17 rows
+    ("float8_e4m3fn", False, None, (32, 8), None, False),
+    ("int8", True, None, (32, 8), None, False),
+    ("float8_e4m3fn", True, 64, (32, 8), None, False),   # paged: not measured
+    ("float8_e4m3fn", True, None, (32, 8), pkv.MosaicGPUConfig(queries_as_n=False), False),
+    ("float8_e4m3fn", True, None, (32, 8), pkv.MosaicGPUConfig(kv_groups=2), False),
+    ("float8_e4m3fn", True, None, (32, 8), pkv.MosaicGPUConfig(block_kv=64), False),
+], ids=["e4m3", "e5m2-pqk", "rows16", "rows17", "v-like-k", "int8", "page64", "given-off", "given-groups2",
+        "given-bkv64"])
+def test_mosaic_gpu_heuristic_runs_fp8_queries_as_n(dtype, tokens_last, page_size, heads, given, as_n):
+  # A dense fp8 cache with V tokens last and <= 16 packed rows runs the queries as N on 128-token tiles (measured
+  # faster than the two-consumer kernel at B32 T4096 and B1 T32768), unless the given fields rule it out.
+  import sweeps
+  from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
+  _, problem = sweeps.problem_args(heads, (32, 4096), page_size)
+  problem = dataclasses.replace(problem, head_dim=128, v_tokens_last=tokens_last)
+  config = mgpu_config.resolve_config(problem, given, dtype=dtype, num_sms=132, device_kind="cpu")
+  assert config.queries_as_n is as_n
+  if as_n:
+    assert (config.block_kv, config.kv_groups) == (mgpu_config.AS_N_BLOCK_KV, 1)
+    mgpu_config.check_config(config, rows=heads[0] // heads[1], head_dim=128, dtype=dtype, page_size=None,
+                             num_splits=config.num_splits, k_scale_kind="token", v_scale_kind="token",
+                             num_kv_heads=heads[1], v_tokens_last=True)
+
+
+def test_mosaic_gpu_queries_as_n_reads_per_token_scales_as_stored(monkeypatch):
+  # The queries as N take each key's scale on S^T's rows, as the cache stores them ([B, T, Hkv]): the default fp8
+  # config lowers with no transpose before the kernel; keys as S's columns (queries_as_n=False) need both scales
+  # tokens last, one transpose each.
+  import sweeps
+  from test_mosaic_gpu_quantized import lower, lowering_args
+  from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
+  _, problem = sweeps.problem_args((32, 8), (32, 4096), None)
+  problem = dataclasses.replace(problem, head_dim=128, v_tokens_last=True)
+  args = lowering_args("float8_e4m3fn", "token", "token", None, head_dim=128, v_tokens_last=True)
+  for given, transposes in ((None, 0), (pkv.MosaicGPUConfig(queries_as_n=False), 2)):
+    config = mgpu_config.resolve_config(problem, given, dtype="float8_e4m3fn", num_sms=132, device_kind="cpu")
+    assert lower(monkeypatch, config, args).count("stablehlo.transpose") == transposes, config
 
 
 @pytest.mark.parametrize("paged", [False, True])

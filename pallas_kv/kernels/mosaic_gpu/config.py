@@ -124,6 +124,7 @@ FP8_OPERAND_DTYPE = jnp.float8_e4m3fn   # Q's and P's terms on fp8 wgmma
 # V slot widened [D, bkv] f16 follows P^T's rows of 16 f16 (32 bytes).
 AS_N_COLUMNS = 16
 AS_N_SWIZZLE = AS_N_COLUMNS * 2
+AS_N_BLOCK_KV = 128   # the heuristic's tile with the queries as N: 18% faster than 64 tokens at B32 T4096 (H100)
 
 
 def mla_reason(qk_dim: int, v_dim: int, kv_dtype) -> str | None:
@@ -349,8 +350,9 @@ class DecodeSmem:
   def scales_tokens_last(self, role: str) -> bool:
     """Whether role's per-token scales are laid out tokens last ([B, Hkv, T] / [P, Hkv, page_size], by
     `decode.decode_partials`): a tile's scales are then the head's own run, loaded as WGMMA columns (V's tokens
-    last; both with fp8 operands)."""
-    return (role == "v" and self.v_tokens_last) or self.fp8_operands
+    last; both with fp8 operands, where the keys are S's columns). With the queries as N the keys are S^T's rows,
+    as the scales are stored: no transpose."""
+    return not self.queries_as_n and ((role == "v" and self.v_tokens_last) or self.fp8_operands)
 
   def scale_ring_spec(self, role: str = "k") -> pipeline.RingSpec:
     one_run = self.scale_width == 1 or self.scales_tokens_last(role)
@@ -612,12 +614,25 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig
     start = dataclasses.replace(start, persistent=True)
   deepest = functools.partial(_deepest_ring, problem=problem, rows=rows, dtype=dtype,
                               stages_given=given.num_stages is not None, **quantized)
+  if _takes_queries_as_n(given, problem=problem, rows=rows, dtype=dtype):
+    as_n = dataclasses.replace(start, queries_as_n=True, block_kv=AS_N_BLOCK_KV)
+    return deepest(given.over(as_n))
+  start = dataclasses.replace(start, queries_as_n=False)
   if one_byte and given.kv_groups is None and rows <= ROWS_PER_WG and not _needs_one_group(given):
     two = deepest(given.over(dataclasses.replace(start, kv_groups=2)))
     if (two.num_stages >= 4 or given.num_stages is not None) and fits_smem(
         two, rows=rows, head_dim=problem.head_dim, dtype=dtype, page_size=problem.page_size, **quantized):
       return two
   return deepest(given.over(start))
+
+
+def _takes_queries_as_n(given: MosaicGPUConfig, *, problem, rows: int, dtype: Any) -> bool:
+  """Whether the heuristic runs the queries as wgmma N: a dense fp8 cache with V tokens last and <= 16 packed rows,
+  unless the given fields rule it out (docs/decisions.md#mosaic-queries-as-n)."""
+  return (given.queries_as_n is None and jnp.dtype(dtype) in FP8_DTYPES and rows <= AS_N_COLUMNS
+          and bool(getattr(problem, "v_tokens_last", False)) and problem.page_size is None
+          and given.block_kv in (None, AS_N_BLOCK_KV) and given.kv_groups in (None, 1)
+          and given.tile_consumers in (None, 1) and not converter(given))
 
 
 def _needs_one_group(config: MosaicGPUConfig) -> bool:

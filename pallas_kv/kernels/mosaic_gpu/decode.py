@@ -413,7 +413,7 @@ def _kernel(q_ref,
         fp8_rings = (rings[g]["k"], rings[g]["v"], rings[g].get("ks"), rings[g].get("vs"))
         if st.smem.queries_as_n:
           tiles = fp8_operands.AsNTiles(q_tile, queries.factors_of(item), *fp8_rings, scratch["p_t"][w],
-                                        scratch["v_wide"][w])
+                                        scratch["v_wide"][w], item.head)
           carry = fp8_operands.consume_as_n(tiles, **fp8_where)
         elif fp8:
           tiles = fp8_operands.Fp8Tiles(q_tile, queries.factors_of(item), *fp8_rings,

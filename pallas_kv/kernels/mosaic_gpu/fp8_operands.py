@@ -249,6 +249,7 @@ class AsNTiles:
   v_scales: pipeline.Ring | None
   p_t: Any
   v_wide: Any
+  head: Any   # the kv head: its column of the per-token scale slots [bkv, SCALE_ROW] (scales as stored)
 
 
 def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, start=None, interpret=False):
@@ -286,16 +287,20 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
     tiles.k_ring.release(i)
     return scaled(s, i, tile, masked)
 
+  def key_scales(ring, i):
+    """Step i's per-token scales of this head as a vector over the keys (S^T's rows), from the slot as stored."""
+    return plgpu.layout_cast(tiling.load_token_scales(ring.wait(i), head=tiles.head), tokens)
+
   def scaled(s, i, tile, masked: bool):
     """(z, 1 / the keys' V scales or None) of step i's raw S^T: z the log2-unit logits plus log2 of each key's V
     scale (the logits without V scales), -inf where a query does not see the key (masked tiles)."""
     s = s * per_query(query_factors, s.shape)
     if tiles.k_scales is not None:
-      s = s * per_token(plgpu.load(tiles.k_scales.wait(i), layout=tokens), s.shape)
+      s = s * per_token(key_scales(tiles.k_scales, i), s.shape)
     s = online_softmax.log2_logits(s, scale=st.options.scale, softcap=st.options.softcap)
     inverse = None
     if tiles.v_scales is not None:
-      value_scales = jnp.maximum(plgpu.load(tiles.v_scales.wait(i), layout=tokens), _VALUE_SCALE_FLOOR)
+      value_scales = jnp.maximum(key_scales(tiles.v_scales, i), _VALUE_SCALE_FLOOR)
       s, inverse = s + per_token(jnp.log2(value_scales), s.shape), 1.0 / value_scales
     if masked:
       keys = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
