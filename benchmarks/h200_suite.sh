@@ -31,12 +31,12 @@ declare -A PARTS=(
   [one_byte_barriers]="tools.mosaic_one_byte:barriers_fp8 tools.mosaic_one_byte:barriers_int8
                        tools.mla_fp8_parts:barriers_mla"   # scale slots freed at a commit; explicit barriers
   [one_byte_chains]="tools.mosaic_one_byte:chains_fp8 tools.mosaic_one_byte:chains_int8 tools.mosaic_one_byte:tiles_fp8
-                     tools.mosaic_one_byte:asn_fp8 tools.mosaic_one_byte:asn_vreg tools.mosaic_one_byte:asn_b1_fp8"
+                     tools.mosaic_one_byte:asn_fp8 tools.mosaic_one_byte:asn_vreg tools.mosaic_one_byte:asn_b1_fp8
+                     tools.mosaic_one_byte:asn_int8"
   [tune]="tune:tune"                      # Mosaic GPU entries of the tuned file
   [tune_triton]="tune:tune_triton"
   [tune_both]="tune:tune_both tune:tune_both_models"   # both backends, one run, full + ragged
-  [scaling8k]="scaling:scaling8k"         # several GPUs
-  [scaling32k]="scaling:scaling32k"
+  [scaling]="scaling:scaling8k scaling:scaling32k"   # several GPUs
 )
 out="${OUT:-bench_out}" status=0
 mkdir -p "$out"

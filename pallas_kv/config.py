@@ -138,9 +138,10 @@ class MosaicGPUConfig(KernelConfig):
   kv_groups: 1, or 2 or 3 consumer warpgroups per program that each stream one split's tiles from
     their own ring (needs <= 64 packed rows, and num_splits and num_stages multiples of kv_groups).
   pipeline_qk: issue tile i+1's Q K^T before tile i's softmax (FA3's intra-warpgroup overlap).
-  queries_as_n: an fp8 cache with V stored tokens last: the packed rows (<= 16) as wgmma's N, S^T = K Q^T, so
-    that the softmax covers 16 query columns instead of 64 rows, most of them padding (one consumer a program:
-    kv_groups 1, tile_consumers 1). The default takes it, on 128-token tiles, for dense caches that allow it.
+  queries_as_n: an fp8 or int8 cache with V stored tokens last: the packed rows (<= 16) as wgmma's N,
+    S^T = K Q^T, so that the softmax covers 16 query columns instead of 64 rows, most of them padding (one
+    consumer a program: kv_groups 1, tile_consumers 1); int8 is read as stored (Q as two int8 terms, s8 wgmma).
+    The default takes it, on 128-token tiles, for dense fp8 caches that allow it.
   persistent: one program per SM looping over the work items, its ring streaming across them.
   tile_consumers: 1, or 2 consumer warpgroups that take turns on the tiles of each work item (even ring
     steps and odd), each with its own softmax state, merged in the kernel: two tiles' math in flight per

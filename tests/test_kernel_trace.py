@@ -51,7 +51,7 @@ def test_the_kernel_lowers_with_its_trace_and_without(monkeypatch, fields):
 def test_a_one_byte_op_is_traced_in_the_smem_its_kernel_leaves(monkeypatch, variant):
   s = kernel_trace.settings()
   config, smem, op, args = kernel_trace.op_case(variant, 32, 4096, "float8_e4m3fn", s, jax.random.key(0))
-  assert smem.fp8_operands and (config.persistent if variant == "persistent" else smem.queries_as_n)
+  assert smem.one_byte_operands and (config.persistent if variant == "persistent" else smem.queries_as_n)
   visits = kernel_trace.trace_visits(smem, wanted=10**6)
   assert smem.nbytes + KernelTrace("folder", visits).smem_bytes(smem.num_threads) <= mgpu_config.SMEM_CAPACITY_BYTES
   with mgpu_trace.tracing(KernelTrace("unused", visits=visits)):

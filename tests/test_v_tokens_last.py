@@ -80,6 +80,8 @@ MOSAIC = pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, split_plan
     (jnp.float8_e5m2, "head", 64, None, dict(queries_as_n=True, num_stages=3)),
     (jnp.float8_e4m3fn, "token", None, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True)),
     (jnp.float8_e4m3fn, "token", None, None, dict(queries_as_n=True, split_plan="stream_k", persistent=True)),
+    (jnp.int8, "token", None, 2, dict(queries_as_n=True)),
+    (jnp.int8, "head", 64, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True)),
     pytest.param(jnp.int8, "token", 128, None, dict(pipeline_qk=True, num_splits=1), marks=pytest.mark.slow),
     pytest.param(jnp.float16, None, 64, None, dict(pipeline_qk=True), marks=pytest.mark.slow),
     pytest.param(jnp.float8_e5m2, "token", None, 3, dict(persistent=True), marks=pytest.mark.slow),
@@ -88,7 +90,7 @@ MOSAIC = pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, split_plan
 ], ids=["bf16-dense-s2", "int8-token-dense", "e4m3-head-page64-groups2", "e4m3-token-dense-groups3",
         "e4m3-token-dense-groups2-pqk", "e4m3-token-dense-s2-queries-as-n", "e5m2-head-page64-queries-as-n",
         "e4m3-token-dense-queries-as-n-pqk", "e4m3-token-dense-queries-as-n-stream-k",
-        "int8-token-page128-pqk",
+        "int8-token-dense-s2-queries-as-n", "int8-head-page64-queries-as-n-pqk", "int8-token-page128-pqk",
         "fp16-page64-pqk", "e5m2-token-dense-s3-persistent", "int8-token-page64-tile-consumers2"])
 def test_mosaic_gpu_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, num_queries, fields):
   case = make_case(8, batch=3, seq_len=256, num_heads=8, num_kv_heads=4, head_dim=64, num_queries=num_queries,
@@ -114,9 +116,10 @@ def test_mosaic_gpu_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, 
 @pytest.mark.parametrize("kv_dtype, fields", [(jnp.int8, {}), (jnp.float8_e4m3fn, {}),
                                               (jnp.float8_e4m3fn, dict(pipeline_qk=True)),
                                               (jnp.float8_e4m3fn, dict(queries_as_n=True)),
-                                              (jnp.float8_e4m3fn, dict(queries_as_n=True, pipeline_qk=True))],
+                                              (jnp.float8_e4m3fn, dict(queries_as_n=True, pipeline_qk=True)),
+                                              (jnp.int8, dict(queries_as_n=True))],
                          ids=["int8-widened", "e4m3-fp8-operands", "e4m3-fp8-operands-pqk", "e4m3-queries-as-n",
-                              "e4m3-queries-as-n-pqk"])
+                              "e4m3-queries-as-n-pqk", "int8-queries-as-n"])
 def test_mosaic_gpu_tokens_last_race_detection_finds_none(kv_dtype, fields):
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
   # 5 tiles through a 2-slot ring: V and its scale slots refilled after register reads, the widened V tile (int8)
@@ -149,6 +152,7 @@ MOSAIC_LOWERINGS = [
     ("float8_e4m3fn", "token", None, dict(pipeline_qk=True), 128),
     ("float8_e4m3fn", "token", None, dict(queries_as_n=True), 128),
     ("float8_e4m3fn", "token", None, dict(queries_as_n=True, block_kv=128, pipeline_qk=True), 128),
+    ("int8", "token", None, dict(queries_as_n=True, block_kv=128), 128),
     slow("float8_e4m3fn", "head", 128, dict(queries_as_n=True, block_kv=128), 128),
     slow("float8_e4m3fn", "token", None, dict(queries_as_n=True, split_plan="stream_k"), 128),
     slow("bfloat16", None, None, dict(block_kv=128), 128),
@@ -160,7 +164,7 @@ MOSAIC_LOWERINGS = [
 @pytest.mark.parametrize("kv_dtype, scale_kind, page_size, fields, head_dim", MOSAIC_LOWERINGS,
                          ids=["bf16", "int8-token", "e4m3-token-page64", "int8-head-page128-pqk-persistent",
                               "e4m3-token-groups3", "e4m3-token-pqk", "e4m3-token-queries-as-n",
-                              "e4m3-token-bkv128-pqk-queries-as-n",
+                              "e4m3-token-bkv128-pqk-queries-as-n", "int8-token-bkv128-queries-as-n",
                               "e4m3-head-page128-bkv128-queries-as-n", "e4m3-token-stream-k-queries-as-n",
                               "bf16-bkv128", "int8-token-d256-one-group", "fp16-page64-pqk-d64",
                               "e5m2-head-page128-bkv128-persistent"])
@@ -291,20 +295,20 @@ def test_queries_as_n_keeps_keys_of_zero_value_scale_interpret():
 
 
 def test_queries_as_n_is_checked():
-  # The queries as wgmma N: an fp8 cache with V tokens last, <= 16 packed rows, one consumer a program.
+  # The queries as wgmma N: an fp8 or int8 cache with V tokens last, <= 16 packed rows, one consumer a program.
   from pallas_kv import experimental
   fp8 = make_case(7, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.float16,
                   kv_dtype=jnp.float8_e4m3fn)
   wide = make_case(7, batch=2, seq_len=64, num_heads=34, num_kv_heads=2, head_dim=64, dtype=jnp.float16,
                    kv_dtype=jnp.float8_e4m3fn)
-  int8 = make_case(7, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.float16,
-                   kv_dtype=jnp.int8)
+  bf16 = make_case(7, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
+                   kv_dtype=jnp.bfloat16)
   as_n = pkv.MosaicGPUConfig(queries_as_n=True)
   checks = [(fp8, True, dataclasses.replace(as_n, kv_groups=2),
              r"queries_as_n=True needs .* <= 16 packed rows.*rows=2 config.kv_groups=2"),
             (fp8, False, as_n, r"v_tokens_last=False"),
             (wide, True, dataclasses.replace(as_n, kv_groups=1), r"rows=17"),
-            (int8, True, dataclasses.replace(as_n, kv_groups=1), r"got int8"),
+            (bf16, True, dataclasses.replace(as_n, kv_groups=1), r"got bfloat16"),
             (fp8, True, experimental.MosaicGPUVariantConfig(values_in_registers=True, queries_as_n=False),
              "needs queries_as_n=True")]
   for case, last, config, message in checks:
@@ -355,6 +359,21 @@ def test_mosaic_gpu_heuristic_runs_fp8_queries_as_n(dtype, tokens_last, page_siz
     mgpu_config.check_config(config, rows=heads[0] // heads[1], head_dim=128, dtype=dtype, page_size=None,
                              num_splits=config.num_splits, k_scale_kind="token", v_scale_kind="token",
                              num_kv_heads=heads[1], v_tokens_last=True)
+
+
+def test_int8_query_terms_keep_fifteen_bits():
+  # Q over an int8 cache as two int8 terms: q = factor (hi + lo / 254) within factor / 508, each term in int8's
+  # range; a row of zeros stays zeros (factor 1, not 0 / 0).
+  from pallas_kv.kernels.mosaic_gpu import fp8_operands
+  q = np.random.default_rng(3).standard_normal((2, 5, 64)).astype(np.float32) * np.float32(30.0)
+  q[1, 2] = 0.0
+  terms, factor = fp8_operands.split_int8(jnp.asarray(q))
+  assert terms.dtype == jnp.int8 and terms.shape == (2, 2, 5, 64)
+  hi, lo = (np.asarray(terms[:, t], np.float32) for t in range(2))
+  rebuilt = np.asarray(factor)[..., None] * (hi + lo / fp8_operands.INT8_LOW_SCALE)
+  assert np.all(np.abs(rebuilt - q) <= np.asarray(factor)[..., None] / (2 * fp8_operands.INT8_LOW_SCALE) * 1.001)
+  assert np.abs(hi).max() == 127 and np.abs(lo).max() <= 127 and np.abs(lo).max() > 64
+  assert np.all(rebuilt[1, 2] == 0) and np.isfinite(np.asarray(factor)).all()
 
 
 def test_mosaic_gpu_queries_as_n_reads_per_token_scales_as_stored(monkeypatch):
@@ -526,6 +545,13 @@ def _check_on_gpu(impl: str, kv_dtype, page_size, seed: int, config=None):
 def test_gpu_mosaic_gpu_fp8_consumer_variants_match(fields):
   from pallas_kv.experimental import MosaicGPUVariantConfig   # values_in_registers: interpret mode cannot run it
   _check_on_gpu("mosaic_gpu", jnp.float8_e4m3fn, None, seed=17, config=MosaicGPUVariantConfig(**fields))
+
+
+@pytest.mark.gpu   # int8 read as stored (s8 wgmma), the queries as N, dense and paged
+@pytest.mark.parametrize("page_size", [None, 128])
+def test_gpu_mosaic_gpu_int8_queries_as_n_matches(page_size):
+  _check_on_gpu("mosaic_gpu", jnp.int8, page_size, seed=19, config=pkv.MosaicGPUConfig(queries_as_n=True,
+                                                                                        block_kv=128))
 
 
 @pytest.mark.gpu   # the GPU tier: each dtype once, each page size once

@@ -120,6 +120,7 @@ MLA_V_DIM_MULTIPLE = 128
 MLA_ONE_BYTE_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 FP8_DTYPES = MLA_ONE_BYTE_DTYPES
 FP8_OPERAND_DTYPE = jnp.float8_e4m3fn   # Q's and P's terms on fp8 wgmma
+INT8_DTYPE = jnp.dtype(jnp.int8)
 # queries_as_n: the packed rows as wgmma N, padded to 16 columns; wgmma takes one swizzle for both operands, so the
 # V slot widened [D, bkv] f16 follows P^T's rows of 16 f16 (32 bytes).
 AS_N_COLUMNS = 16
@@ -242,14 +243,14 @@ class DecodeSmem:
   v_tokens_last: bool = False
   tile_consumers: int = 1
   stream_k: bool = False
-  queries_as_n: bool = False   # fp8 operands: the rows as wgmma N (`fp8_operands.consume_as_n`)
+  queries_as_n: bool = False   # one-byte operands: the rows as wgmma N (`fp8_operands.consume_as_n`)
   values_in_registers: bool = False   # queries_as_n: V widened in registers, no v_wide (experimental)
   q_buffers: int = 1        # 2: a persistent program copies the next item's q rows while it streams
   out_dtype: Any = jnp.float32   # the partials' (q's 16-bit dtype where one split is the output, one tile consumer)
 
   def __post_init__(self):
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
-    if self.tile_consumers == 2 and self.fp8_operands:
+    if self.tile_consumers == 2 and self.one_byte_operands:
       raise NotImplementedError("tile_consumers=2 has no schedule for fp8 wgmma operands (an fp8 cache with v "
                                 "tokens last); use tile_consumers=1")
     if self.tile_consumers == 2 and (self.converter or self.row_wgs != 1 or self.kv_groups != 1):
@@ -302,10 +303,17 @@ class DecodeSmem:
     return self.row_wgs * self.kv_groups * self.tile_consumers
 
   @property
-  def fp8_operands(self) -> bool:
-    """Whether wgmma reads the fp8 tiles as they are (`fp8_operands`): an fp8 cache with V stored tokens last, so
-    that both of its operands are K-major."""
-    return self.v_tokens_last and self.dtype in FP8_DTYPES and not self.converter
+  def one_byte_operands(self) -> bool:
+    """Whether wgmma reads the one-byte tiles as they are (`fp8_operands`): V stored tokens last, so that both of
+    its operands are K-major, over an fp8 cache, or an int8 one with the queries as N (s8 wgmma for Q K^T)."""
+    if not self.v_tokens_last or self.converter:
+      return False
+    return self.dtype in FP8_DTYPES or (self.queries_as_n and self.dtype == INT8_DTYPE)
+
+  @property
+  def operand_dtype(self):
+    """Q's terms (and P's, keys as S's columns) on wgmma: int8 over an int8 cache, else e4m3."""
+    return INT8_DTYPE if self.dtype == INT8_DTYPE else jnp.dtype(FP8_OPERAND_DTYPE)
 
   @property
   def num_threads(self) -> int:
@@ -320,7 +328,7 @@ class DecodeSmem:
   def dequant_tiles(self) -> int:
     """Per consumer: K and V take turns in one, unless pipeline_qk still reads K while V is converted or V's
     tiles are laid out tokens last."""
-    if not self.quantized or self.converter or self.fp8_operands:
+    if not self.quantized or self.converter or self.one_byte_operands:
       return 0
     return 2 if self.pipeline_qk or self.v_tokens_last else 1
 
@@ -352,7 +360,7 @@ class DecodeSmem:
     `decode.decode_partials`): a tile's scales are then the head's own run, loaded as WGMMA columns (V's tokens
     last; both with fp8 operands, where the keys are S's columns). With the queries as N the keys are S^T's rows,
     as the scales are stored: no transpose."""
-    return not self.queries_as_n and ((role == "v" and self.v_tokens_last) or self.fp8_operands)
+    return not self.queries_as_n and ((role == "v" and self.v_tokens_last) or self.one_byte_operands)
 
   def scale_ring_spec(self, role: str = "k") -> pipeline.RingSpec:
     one_run = self.scale_width == 1 or self.scales_tokens_last(role)
@@ -415,7 +423,7 @@ class DecodeSmem:
         q_smem=plgpu.SMEM(self._q_shape, self._q_smem_dtype,
                           transforms=tiling.smem_transforms(self._q_smem_dtype, self.head_dim)),
         **buffers,
-        q_barrier=plgpu.Barrier(num_arrivals=3 if self.fp8_operands else 1,   # fp8: Q's two terms, the factors
+        q_barrier=plgpu.Barrier(num_arrivals=3 if self.one_byte_operands else 1,   # Q's two terms, the factors
                                 num_barriers=self.q_buffers * self.row_wgs),
         consumers_done=plgpu.Barrier(num_arrivals=self.num_wgs),
         **barriers)
@@ -427,9 +435,9 @@ class DecodeSmem:
       scratch["lse_fill"] = plgpu.SMEM((LSE_FILL_ROWS,), jnp.float32)
     if self.stage_p:
       scratch["p_smem"] = plgpu.SMEM(self._p_shape, self.q_dtype)
-    if self.fp8_operands:
+    if self.one_byte_operands:
       scratch["q_factors"] = plgpu.SMEM((self.q_buffers, self.row_wgs, ROWS_PER_WG), jnp.float32)
-    if self.queries_as_n and self.fp8_operands:   # P^T and V widened, both swizzled as P^T's rows (AS_N_SWIZZLE)
+    if self.queries_as_n and self.one_byte_operands:   # P^T and V widened, both swizzled as P^T's rows (AS_N_SWIZZLE)
       transforms = tiling.smem_transforms(jnp.float16, self.block_kv, max_swizzle=AS_N_SWIZZLE)
       scratch["p_t"] = tuple(plgpu.SMEM((self.block_kv, AS_N_COLUMNS), jnp.float16,
                                         transforms=tiling.smem_transforms(jnp.float16, AS_N_COLUMNS))
@@ -437,7 +445,7 @@ class DecodeSmem:
       scratch["v_wide"] = tuple(None if self.values_in_registers else
                                 plgpu.SMEM((self.head_dim, self.block_kv), jnp.float16, transforms=transforms)
                                 for _ in range(self.num_wgs))
-    elif self.fp8_operands:
+    elif self.one_byte_operands:   # (fp8: an int8 cache takes these operands with the queries as N only)
       # Separate refs: a statically indexed tile does not lower inside wgmma's run_state.
       scratch["p_terms"] = tuple(
           plgpu.SMEM((ROWS_PER_WG, self.block_kv), FP8_OPERAND_DTYPE,
@@ -461,12 +469,12 @@ class DecodeSmem:
 
   @property
   def _q_shape(self) -> tuple[int, ...]:
-    terms = (2,) if self.fp8_operands else ()
+    terms = (2,) if self.one_byte_operands else ()
     return (self.q_buffers, self.row_wgs, *terms, ROWS_PER_WG, self.head_dim)
 
   @property
   def _q_smem_dtype(self):
-    return jnp.dtype(FP8_OPERAND_DTYPE) if self.fp8_operands else self.q_dtype
+    return self.operand_dtype if self.one_byte_operands else self.q_dtype
 
   @property
   def nbytes(self) -> int:
@@ -482,10 +490,10 @@ class DecodeSmem:
                 + (self.q_buffers * self.row_wgs + 1 + 2 * (self.tile_consumers == 2)) * pipeline.BARRIER_BYTES)
     p = math.prod(self._p_shape) * self.q_dtype.itemsize if self.stage_p else 0
     fill = align(LSE_FILL_ROWS * 4) if self.stream_k else 0
-    if self.fp8_operands:
+    if self.one_byte_operands:
       factors = align(self.q_buffers * self.row_wgs * ROWS_PER_WG * 4)
       p = factors + 2 * self.num_wgs * align(ROWS_PER_WG * self.block_kv)
-    if self.queries_as_n and self.fp8_operands:   # (check_config refuses queries_as_n over other caches)
+    if self.queries_as_n and self.one_byte_operands:   # (check_config refuses queries_as_n over other caches)
       p_t = align(self.block_kv * AS_N_COLUMNS * 2)
       v_wide = 0 if self.values_in_registers else align(self.head_dim * self.block_kv * 2)
       p = factors + self.num_wgs * (p_t + v_wide)
@@ -574,10 +582,11 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
   if getattr(config, "values_in_registers", False) and not config.queries_as_n:
     raise ValueError("values_in_registers=True widens V for the queries_as_n consumer: it needs queries_as_n=True")
   if config.queries_as_n:
-    fp8_tokens_last = jnp.dtype(dtype) in FP8_DTYPES and quantized.get("v_tokens_last") and not converter(config)
-    if not (config.kv_groups == 1 and config.tile_consumers == 1 and fp8_tokens_last and rows <= AS_N_COLUMNS):
-      raise ValueError(f"queries_as_n=True needs an fp8 cache with v_tokens_last, <= {AS_N_COLUMNS} packed rows and "
-                       f"one consumer (kv_groups 1, tile_consumers 1), got {jnp.dtype(dtype).name} "
+    one_byte = jnp.dtype(dtype) in FP8_DTYPES or jnp.dtype(dtype) == INT8_DTYPE
+    tokens_last = one_byte and quantized.get("v_tokens_last") and not converter(config)
+    if not (config.kv_groups == 1 and config.tile_consumers == 1 and tokens_last and rows <= AS_N_COLUMNS):
+      raise ValueError(f"queries_as_n=True needs an fp8 or int8 cache with v_tokens_last, <= {AS_N_COLUMNS} packed "
+                       f"rows and one consumer (kv_groups 1, tile_consumers 1), got {jnp.dtype(dtype).name} "
                        f"v_tokens_last={bool(quantized.get('v_tokens_last'))} {rows=} {config.kv_groups=} "
                        f"{config.tile_consumers=}")
   if config.pipeline_qk and config.num_stages < 2 * config.kv_groups:   # a K slot held while the next lands

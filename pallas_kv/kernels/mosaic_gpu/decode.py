@@ -288,7 +288,7 @@ def _kernel(q_ref,
             lengths_ref,
             *refs, st: _Static, **scratch):
   refs = list(refs)
-  q_factors_ref = refs.pop(0) if st.smem.fp8_operands else None
+  q_factors_ref = refs.pop(0) if st.smem.one_byte_operands else None
   starts_ref = refs.pop(0) if st.options.has_window_start else None
   sequences = work.Sequences(lengths_ref, starts_ref, refs.pop(0) if st.ordered else None)
   tiles_per_split = refs.pop(0)[0] if st.balanced else None
@@ -385,7 +385,7 @@ def _kernel(q_ref,
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   # One traced body per consumer warpgroup, so that its ring and rows are static.
-  fp8 = st.smem.fp8_operands   # wgmma reads the fp8 tiles as stored (`fp8_operands.consume`)
+  as_stored = st.smem.one_byte_operands   # wgmma reads the one-byte tiles as stored (`fp8_operands`)
   for w in range(st.smem.num_wgs):
     turn, w_in_turn = divmod(w, st.row_wgs * st.kv_groups)   # which ring steps' parity (tile_consumers=2)
     g, rw = divmod(w_in_turn, st.row_wgs)   # KV group, row warpgroup
@@ -415,7 +415,7 @@ def _kernel(q_ref,
           tiles = fp8_operands.AsNTiles(q_tile, queries.factors_of(item), *fp8_rings, scratch["p_t"][w],
                                         scratch["v_wide"][w], item.head)
           carry = fp8_operands.consume_as_n(tiles, **fp8_where)
-        elif fp8:
+        elif as_stored:
           tiles = fp8_operands.Fp8Tiles(q_tile, queries.factors_of(item), *fp8_rings,
                                         scratch["p_terms"][2 * w:2 * w + 2])
           carry = fp8_operands.consume(tiles, tile_math=st.tile_math, **fp8_where)
@@ -437,7 +437,7 @@ def _kernel(q_ref,
 
 @dataclasses.dataclass(frozen=True)
 class _Queries:
-  """One row warpgroup's q rows in SMEM (wgmma's A, [64, D]; fp8 operands: Q's two terms and the rows' factors),
+  """One row warpgroup's q rows in SMEM (wgmma's A, [64, D]; one-byte operands: Q's two terms and the rows' factors),
   copied by one of its consumers. A persistent program has two buffers and copies the next item's rows at the
   start of this one, so they land while it streams: that buffer's last item ended before this one began (a
   partner's with it: `_Partner`)."""
@@ -672,7 +672,7 @@ def _build(st: _Static, interpret: Any):
       (st.tiling.paged, f"_ps{st.tiling.page_size}"), (st.pipeline_qk, "_pqk"),
       (st.persistent, f"_persist{st.num_programs}"), (st.smem.q_buffers == 2, "_q2"),
       (st.quantized, f"_{st.tiling.dtype.name}_k{st.k_scale or 'none'}_v{st.v_scale or 'none'}"),
-      (st.smem.converter, "_cvt"), (st.smem.v_tokens_last, "_vlast"), (st.smem.fp8_operands, "_fp8mma"),
+      (st.smem.converter, "_cvt"), (st.smem.v_tokens_last, "_vlast"), (st.smem.one_byte_operands, "_stored"),
       (st.smem.queries_as_n, "_asn" + "_vreg" * st.smem.values_in_registers), (st.smem.tile_consumers == 2, "_tc2"),
       (st.tile_math.name, f"_{st.tile_math.name}"),
       (st.balanced, "_balanced"), (st.stream_k, "_streamk" if st.walk_vectors else "_streamk_kwalk"),
@@ -778,8 +778,8 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
                      f"{options.has_window_start=} and window_start {'None' if window_start is None else 'given'}")
   if R > _Q_ROW_MULTIPLE and R % _Q_ROW_MULTIPLE:   # a swizzled TMA box needs q's rows below or a multiple of 8
     q = jnp.pad(q, ((0, 0), (0, 0), (0, split_plan.round_up(R, _Q_ROW_MULTIPLE) - R), (0, 0)))
-  if smem.fp8_operands:   # Q as two e4m3 terms and their rows' factors (a head's k_scale folded in)
-    q, q_factors = fp8_operands.split_rows(q, k_scale if k_kind == "head" else None)
+  if smem.one_byte_operands:   # Q as two one-byte terms and their rows' factors (a head's k_scale folded in)
+    q, q_factors = fp8_operands.split_rows(q, k_scale if k_kind == "head" else None, dtype=smem.operand_dtype)
     args = [q, k, v, lengths, q_factors]
   else:
     args = [q, k, v, lengths]

@@ -11,7 +11,9 @@ Rows past a length are masked in S; V's columns there are zeroed in the slot (0 
 pipeline_qk the next tile's Q K^T is issued before this tile's softmax, as in the 16-bit consumer.
 
 `consume_as_n` (queries_as_n) turns the products around for <= 16 packed rows: S^T = K Q^T, the queries as wgmma's N,
-so that the softmax works on 16 columns rather than 64 rows, and O^T = V^T P^T over V widened to f16.
+so that the softmax works on 16 columns rather than 64 rows, and O^T = V^T P^T over V widened to f16. It also reads
+an int8 cache as stored: Q as two int8 terms (hi + lo / 254, each row scaled to 127: ~15 bits), S^T of each term
+exact in s32 (s8 wgmma), combined in f32.
 """
 
 from __future__ import annotations
@@ -37,15 +39,35 @@ _MIN_VALUE_SCALE = 1e-30
 ROWS = mgpu_config.ROWS_PER_WG   # wgmma M: a consumer's packed query rows
 
 
-def split_rows(q, k_head_scale=None):
-  """q [B, Hkv, R, D] as two e4m3 terms [B, Hkv, 2, R, D] and each row's factor [B, Hkv, R] f32 (1 over its
-  scale, times the head's k_scale if given), by which S's rows are multiplied (`mla_tiles.split_query`)."""
+def split_rows(q, k_head_scale=None, dtype=mgpu_config.FP8_OPERAND_DTYPE):
+  """q [B, Hkv, R, D] as two terms [B, Hkv, 2, R, D] of dtype (e4m3: `mla_tiles.split_query`; int8:
+  `split_int8`) and each row's factor [B, Hkv, R] f32 (times the head's k_scale if given), by which S's rows are
+  multiplied."""
   b, hkv, r, d = q.shape
-  terms, factors = mla_tiles.split_query(q.reshape(b * hkv, r, d), 1.0)
+  split = split_int8 if jnp.dtype(dtype) == jnp.int8 else lambda x: mla_tiles.split_query(x, 1.0)
+  terms, factors = split(q.reshape(b * hkv, r, d))
   terms, factors = terms.reshape(b, hkv, 2, r, d), factors.reshape(b, hkv, r)
   if k_head_scale is not None:
     factors = factors * k_head_scale.astype(jnp.float32)[None, :, None]
   return terms, factors
+
+
+# An int8 Q row is hi + lo / INT8_LOW_SCALE in units of its scale: lo, hi's rounding error (<= 1/2) times 254, fits
+# int8; the two terms keep ~15 significant bits.
+INT8_MAX = 127
+INT8_LOW_SCALE = 2 * INT8_MAX
+
+
+def split_int8(q):
+  """q [N, R, D] as two int8 terms [N, 2, R, D] (hi, lo) and each row's factor [N, R] f32, q's row max over 127:
+  q = factor (hi + lo / INT8_LOW_SCALE) to within factor / (2 INT8_LOW_SCALE)."""
+  q = q.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(q), axis=-1)
+  factor = jnp.where(amax > 0, amax, 1.0) / INT8_MAX
+  units = q / factor[..., None]
+  hi = jnp.round(units)
+  lo = jnp.round((units - hi) * INT8_LOW_SCALE)
+  return jnp.stack([hi, lo], axis=1).astype(jnp.int8), factor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,7 +276,7 @@ class AsNTiles:
 
 def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, start=None, interpret=False):
   """(acc^T [D, 16], m [16], l [16]) over tiles [t0, t1) ([a, c) unmasked), the queries as N:
-  S^T = K Q^T (K [bkv, D] as A, Q's two e4m3 terms as B, both K-major as fp8 wgmma needs), the online softmax down
+  S^T = K Q^T (K [bkv, D] as A, Q's two one-byte terms as B, both K-major as such wgmma needs), the online softmax down
   the columns (rows_axis=1), P^T stored f16, and O^T += V^T P^T over the V slot widened to f16 (exact): V stored
   tokens last is V^T already, the A operand. Vectors over the queries take the WGMMA columns' layout.
 
@@ -270,12 +292,15 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
   per_token = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
   query_factors = plgpu.load(tiles.q_factors.at[pl.ds(0, n)], layout=cols)
 
-  s_type = plgpu.ACC((bkv, n), jnp.float32)
+  # int8: each term's S^T in its own n columns, exact in s32, combined in scaled (the terms' units differ).
+  int8 = tiles.q_terms.dtype == jnp.int8
+  s_type = plgpu.ACC((bkv, 2 * n), jnp.int32) if int8 else plgpu.ACC((bkv, n), jnp.float32)
 
   def issue_qk(s_ref, k_slot):
     """S^T of a landed K slot into s_ref: Q's two terms, two wgmmas (awaited by whoever reads s_ref)."""
     for term in range(2):
-      plgpu.wgmma(s_ref, k_slot, tiles.q_terms.at[term, pl.ds(0, n)].transpose((1, 0)))
+      target = s_ref.at[:, pl.ds(term * n, n)] if int8 else s_ref
+      plgpu.wgmma(target, k_slot, tiles.q_terms.at[term, pl.ds(0, n)].transpose((1, 0)))
 
   def scores(i, tile, masked: bool):
     @region("qk")
@@ -294,6 +319,8 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
   def scaled(s, i, tile, masked: bool):
     """(z, 1 / the keys' V scales or None) of step i's raw S^T: z the log2-unit logits plus log2 of each key's V
     scale (the logits without V scales), -inf where a query does not see the key (masked tiles)."""
+    if int8:
+      s = s[:, :n].astype(jnp.float32) + s[:, n:].astype(jnp.float32) * (1.0 / INT8_LOW_SCALE)
     s = s * per_query(query_factors, s.shape)
     if tiles.k_scales is not None:
       s = s * per_token(key_scales(tiles.k_scales, i), s.shape)
