@@ -361,6 +361,26 @@ def test_mosaic_gpu_heuristic_runs_fp8_queries_as_n(dtype, tokens_last, page_siz
                              num_kv_heads=heads[1], v_tokens_last=True)
 
 
+@pytest.mark.parametrize("kv_dtype", [jnp.float8_e4m3fn, jnp.int8])
+def test_mosaic_gpu_queries_as_n_takes_every_attention_option_interpret(kv_dtype):
+  # The queries-as-N consumer (fp8's default, int8's when asked) under a sliding window, a per-sequence window start,
+  # a softcap and sinks, two new tokens each, against xla on the same cache; lengths that end inside a tile. Logits
+  # of ~1 (K scales x30) and sinks near them: leaving out any one option moves xla's output 12-46% (fp8), past
+  # the 1e-2 tolerance.
+  case = make_case(12, batch=2, seq_len=256, num_heads=8, num_kv_heads=4, head_dim=64, num_queries=2,
+                   dtype=jnp.float16, kv_dtype=kv_dtype, lengths=[200, 77])
+  rng = np.random.default_rng(13)
+  scales = dict(k_scale=30 * _scales(rng, "token", case.k.shape[:3]), v_scale=_scales(rng, "token", case.k.shape[:3]))
+  options = dict(window=48, softcap=1.0, sinks=jnp.asarray(rng.standard_normal(8) + 2.0, jnp.float32),
+                 window_start=jnp.asarray([120, 30], jnp.int32), **scales)
+  ref, ref_lse = _run(case, paged=False, v_tokens_last=False, impl="xla", **options)
+  config = pkv.MosaicGPUConfig(queries_as_n=True, num_stages=2)
+  with pkv.interpret():
+    out, lse = _run(case, paged=False, v_tokens_last=True, impl="mosaic_gpu", config=config, **options)
+  assert_matches_reference(out, ref, case.q.dtype)
+  assert_lse_matches(lse, ref_lse, case.q.dtype)
+
+
 def test_int8_query_terms_keep_fifteen_bits():
   # Q over an int8 cache as two int8 terms: q = factor (hi + lo / 254) within factor / 508, each term in int8's
   # range; a row of zeros stays zeros (factor 1, not 0 / 0).
