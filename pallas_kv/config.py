@@ -141,7 +141,7 @@ class MosaicGPUConfig(KernelConfig):
   queries_as_n: an fp8 or int8 cache with V stored tokens last: the packed rows (<= 16) as wgmma's N,
     S^T = K Q^T, so that the softmax covers 16 query columns instead of 64 rows, most of them padding (one
     consumer a program: kv_groups 1, tile_consumers 1); int8 is read as stored (Q as two int8 terms, s8 wgmma).
-    The default takes it, on 128-token tiles, for dense fp8 caches that allow it.
+    It runs 128-token tiles where the pages allow; the default takes it for dense fp8 caches that allow it.
   persistent: one program per SM looping over the work items, its ring streaming across them.
   tile_consumers: 1, or 2 consumer warpgroups that take turns on the tiles of each work item (even ring
     steps and odd), each with its own softmax state, merged in the kernel: two tiles' math in flight per

@@ -343,8 +343,9 @@ def test_mosaic_gpu_values_in_registers_lowers_for_cuda(monkeypatch):
     ("float8_e4m3fn", True, None, (32, 8), pkv.MosaicGPUConfig(queries_as_n=False), False),
     ("float8_e4m3fn", True, None, (32, 8), pkv.MosaicGPUConfig(kv_groups=2), False),
     ("float8_e4m3fn", True, None, (32, 8), pkv.MosaicGPUConfig(block_kv=64), False),
+    ("int8", True, None, (32, 8), pkv.MosaicGPUConfig(queries_as_n=True), True),   # asked for: its tiles too
 ], ids=["e4m3", "e5m2-pqk", "rows16", "rows17", "v-like-k", "int8", "page64", "given-off", "given-groups2",
-        "given-bkv64"])
+        "given-bkv64", "int8-given-on"])
 def test_mosaic_gpu_heuristic_runs_fp8_queries_as_n(dtype, tokens_last, page_size, heads, given, as_n):
   # A dense fp8 cache with V tokens last and <= 16 packed rows runs the queries as N on 128-token tiles (measured
   # faster than the two-consumer kernel at B32 T4096 and B1 T32768), unless the given fields rule it out.

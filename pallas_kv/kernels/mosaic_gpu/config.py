@@ -612,7 +612,9 @@ DEFAULT = MosaicGPUConfig(block_kv=64, num_stages=4, split_plan="per_sequence", 
 def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig | None = None) -> MosaicGPUConfig:
   """The tile and the deepest ring that fits a cache of `dtype`, around the fields `given` fixes. A one-byte
   cache doubles the stages (as many bytes in flight) and, where the rows fit one warpgroup, takes two
-  consumers: widening the tiles, not HBM, bounds it (docs/decisions.md#mosaic-one-byte-two-consumers)."""
+  consumers: widening the tiles, not HBM, bounds it (docs/decisions.md#mosaic-one-byte-two-consumers). The
+  queries as N (asked for, or `_takes_queries_as_n`) take 128-token tiles where the pages allow them
+  (docs/decisions.md#mosaic-queries-as-n)."""
   given = MosaicGPUConfig() if given is None else given
   rows = problem.num_queries * problem.group_size
   one_byte = jnp.dtype(dtype).itemsize == 1
@@ -623,10 +625,10 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig
     start = dataclasses.replace(start, persistent=True)
   deepest = functools.partial(_deepest_ring, problem=problem, rows=rows, dtype=dtype,
                               stages_given=given.num_stages is not None, **quantized)
-  if _takes_queries_as_n(given, problem=problem, rows=rows, dtype=dtype):
-    as_n = dataclasses.replace(start, queries_as_n=True, block_kv=AS_N_BLOCK_KV)
+  if given.queries_as_n or _takes_queries_as_n(given, problem=problem, rows=rows, dtype=dtype):
+    fits_page = problem.page_size is None or problem.page_size % AS_N_BLOCK_KV == 0   # tokens-last tiles: one page
+    as_n = dataclasses.replace(start, queries_as_n=True, block_kv=AS_N_BLOCK_KV if fits_page else start.block_kv)
     return deepest(given.over(as_n))
-  start = dataclasses.replace(start, queries_as_n=False)
   if one_byte and given.kv_groups is None and rows <= ROWS_PER_WG and not _needs_one_group(given):
     two = deepest(given.over(dataclasses.replace(start, kv_groups=2)))
     if (two.num_stages >= 4 or given.num_stages is not None) and fits_smem(
