@@ -70,6 +70,14 @@ MOSAIC = pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, split_plan
                              queries_as_n=False)
 
 
+def _mosaic(**fields):
+  """MOSAIC with fields, as the experimental variant config where one of them is its own (values_as_stored)."""
+  from pallas_kv import experimental
+  if "values_as_stored" in fields:
+    return experimental.MosaicGPUVariantConfig(**{**MOSAIC.given(), **fields})
+  return dataclasses.replace(MOSAIC, **fields)
+
+
 @pytest.mark.parametrize("kv_dtype, scale_kind, page_size, num_queries, fields", [
     (jnp.bfloat16, None, None, 2, {}),
     (jnp.int8, "token", None, None, {}),
@@ -82,6 +90,8 @@ MOSAIC = pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, split_plan
     (jnp.float8_e4m3fn, "token", None, None, dict(queries_as_n=True, split_plan="stream_k", persistent=True)),
     (jnp.int8, "token", None, 2, dict(queries_as_n=True)),
     (jnp.int8, "head", 64, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True)),
+    (jnp.float8_e4m3fn, "token", None, 2, dict(queries_as_n=True, values_as_stored=True)),
+    (jnp.float8_e5m2, "head", 64, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True, values_as_stored=True)),
     pytest.param(jnp.int8, "token", 128, None, dict(pipeline_qk=True, num_splits=1), marks=pytest.mark.slow),
     pytest.param(jnp.float16, None, 64, None, dict(pipeline_qk=True), marks=pytest.mark.slow),
     pytest.param(jnp.float8_e5m2, "token", None, 3, dict(persistent=True), marks=pytest.mark.slow),
@@ -90,7 +100,9 @@ MOSAIC = pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=2, split_plan
 ], ids=["bf16-dense-s2", "int8-token-dense", "e4m3-head-page64-groups2", "e4m3-token-dense-groups3",
         "e4m3-token-dense-groups2-pqk", "e4m3-token-dense-s2-queries-as-n", "e5m2-head-page64-queries-as-n",
         "e4m3-token-dense-queries-as-n-pqk", "e4m3-token-dense-queries-as-n-stream-k",
-        "int8-token-dense-s2-queries-as-n", "int8-head-page64-queries-as-n-pqk", "int8-token-page128-pqk",
+        "int8-token-dense-s2-queries-as-n", "int8-head-page64-queries-as-n-pqk",
+        "e4m3-token-dense-s2-queries-as-n-values-as-stored", "e5m2-head-page64-queries-as-n-pqk-values-as-stored",
+        "int8-token-page128-pqk",
         "fp16-page64-pqk", "e5m2-token-dense-s3-persistent", "int8-token-page64-tile-consumers2"])
 def test_mosaic_gpu_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, num_queries, fields):
   case = make_case(8, batch=3, seq_len=256, num_heads=8, num_kv_heads=4, head_dim=64, num_queries=num_queries,
@@ -105,7 +117,7 @@ def test_mosaic_gpu_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, 
     past = np.arange(case.k.shape[1])[None, :] >= np.asarray(case.lengths)[:, None]
     scales["v_scale"] = jnp.where(past[..., None], jnp.nan, scales["v_scale"])
   ref, ref_lse = _run(case, paged=paged, v_tokens_last=False, impl="xla", **scales)
-  config = dataclasses.replace(MOSAIC, **fields)
+  config = _mosaic(**fields)
   with pkv.interpret():
     out, lse = _run(case, paged=paged, v_tokens_last=True, impl="mosaic_gpu", config=config, **scales)
   assert np.isfinite(np.asarray(out, np.float32)).all()
@@ -117,9 +129,10 @@ def test_mosaic_gpu_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, 
                                               (jnp.float8_e4m3fn, dict(pipeline_qk=True)),
                                               (jnp.float8_e4m3fn, dict(queries_as_n=True)),
                                               (jnp.float8_e4m3fn, dict(queries_as_n=True, pipeline_qk=True)),
-                                              (jnp.int8, dict(queries_as_n=True))],
+                                              (jnp.int8, dict(queries_as_n=True)),
+                                              (jnp.float8_e4m3fn, dict(queries_as_n=True, values_as_stored=True))],
                          ids=["int8-widened", "e4m3-fp8-operands", "e4m3-fp8-operands-pqk", "e4m3-queries-as-n",
-                              "e4m3-queries-as-n-pqk", "int8-queries-as-n"])
+                              "e4m3-queries-as-n-pqk", "int8-queries-as-n", "e4m3-queries-as-n-values-as-stored"])
 def test_mosaic_gpu_tokens_last_race_detection_finds_none(kv_dtype, fields):
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
   # 5 tiles through a 2-slot ring: V and its scale slots refilled after register reads, the widened V tile (int8)
@@ -131,7 +144,7 @@ def test_mosaic_gpu_tokens_last_race_detection_finds_none(kv_dtype, fields):
   from pallas_kv.kernels import frame
   from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
   scales = _scales(np.random.default_rng(1), "token", case.k.shape[:3])
-  config = dataclasses.replace(MOSAIC, num_splits=1, **fields)   # pqk: a K slot held a tile longer
+  config = _mosaic(**{"num_splits": 1, **fields})   # pqk: a K slot held a tile longer
   out, _ = mgpu_decode.decode_partials(
       frame.pack_queries(case.q[:, None], 1), case.k, tokens_last(case.v), case.lengths, num_queries=1,
       options=AttentionOptions(scale=0.1), config=config, plan=pkv.SplitPlan(kind="per_sequence", num_splits=1,
@@ -303,6 +316,8 @@ def test_queries_as_n_is_checked():
                    kv_dtype=jnp.float8_e4m3fn)
   bf16 = make_case(7, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
                    kv_dtype=jnp.bfloat16)
+  int8 = make_case(7, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.float16,
+                   kv_dtype=jnp.int8)
   as_n = pkv.MosaicGPUConfig(queries_as_n=True)
   checks = [(fp8, True, dataclasses.replace(as_n, kv_groups=2),
              r"queries_as_n=True needs .* <= 16 packed rows.*rows=2 config.kv_groups=2"),
@@ -310,23 +325,27 @@ def test_queries_as_n_is_checked():
             (wide, True, dataclasses.replace(as_n, kv_groups=1), r"rows=17"),
             (bf16, True, dataclasses.replace(as_n, kv_groups=1), r"got bfloat16"),
             (fp8, True, experimental.MosaicGPUVariantConfig(values_in_registers=True, queries_as_n=False),
-             "needs queries_as_n=True")]
+             "needs queries_as_n=True"),
+            (int8, True, experimental.MosaicGPUVariantConfig(values_as_stored=True, queries_as_n=True),
+             "values_as_stored=True .* an fp8 cache")]
   for case, last, config, message in checks:
     with pytest.raises(ValueError, match=message), pkv.interpret():
       pkv.decode_attention(case.q, case.k, tokens_last(case.v) if last else case.v, case.lengths, v_tokens_last=last,
                            impl="mosaic_gpu", config=config)
 
 
-def test_mosaic_gpu_values_in_registers_lowers_for_cuda(monkeypatch):
+@pytest.mark.parametrize("values", ["values_in_registers", "values_as_stored"])
+def test_mosaic_gpu_values_variants_lower_for_cuda(monkeypatch, values):
   # The register-operand P V of the queries-as-N consumer: interpret mode runs no register wgmma operand, so its
-  # lowering (layout inference included) is what the CPU checks; its numerics are a GPU test's.
+  # lowering (layout inference included) is what the CPU checks; its numerics are a GPU test's. V as stored (P^T as
+  # e4m3 terms stored transposed through f16): lowered here, its numerics in interpret mode above.
   import sweeps
   from test_mosaic_gpu_quantized import lower, lowering_args
   from pallas_kv import experimental
   from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
   _, problem = sweeps.problem_args((32, 8), (32, 4096), None)
   problem = dataclasses.replace(problem, head_dim=128, v_tokens_last=True)
-  given = experimental.MosaicGPUVariantConfig(queries_as_n=True, block_kv=128, values_in_registers=True)
+  given = experimental.MosaicGPUVariantConfig(queries_as_n=True, block_kv=128, **{values: True})
   config = mgpu_config.resolve_config(problem, given, dtype="float8_e4m3fn", num_sms=132)
   args = lowering_args("float8_e4m3fn", "token", "token", None, head_dim=128, v_tokens_last=True)
   assert "_asn" in lower(monkeypatch, config, args)
@@ -561,8 +580,10 @@ def _check_on_gpu(impl: str, kv_dtype, page_size, seed: int, config=None):
 @pytest.mark.gpu   # the consumers' variants over fp8 operands: three of them a program; Q K^T pipelined; rows as N
 @pytest.mark.parametrize("fields", [dict(kv_groups=3), dict(pipeline_qk=True), dict(queries_as_n=True),
                                     dict(queries_as_n=True, block_kv=128, pipeline_qk=True),
-                                    dict(queries_as_n=True, block_kv=128, values_in_registers=True)],
-                         ids=["groups3", "pqk", "queries-as-n", "queries-as-n-bkv128-pqk", "queries-as-n-vreg"])
+                                    dict(queries_as_n=True, block_kv=128, values_in_registers=True),
+                                    dict(queries_as_n=True, block_kv=128, values_as_stored=True)],
+                         ids=["groups3", "pqk", "queries-as-n", "queries-as-n-bkv128-pqk", "queries-as-n-vreg",
+                              "queries-as-n-values-as-stored"])
 def test_gpu_mosaic_gpu_fp8_consumer_variants_match(fields):
   from pallas_kv.experimental import MosaicGPUVariantConfig   # values_in_registers: interpret mode cannot run it
   _check_on_gpu("mosaic_gpu", jnp.float8_e4m3fn, None, seed=17, config=MosaicGPUVariantConfig(**fields))

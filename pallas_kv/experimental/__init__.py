@@ -28,13 +28,16 @@ class MosaicGPUVariantConfig(MosaicGPUConfig):
   tile's barriers (P's two fp8 terms). Measured 2.3% faster with per-token fp8 scales, 0.2% without (H100, B32
   T4096; benchmarks/RESULTS.md, thirty-second set): not shipped; no converter.
   values_in_registers: with queries_as_n, the V tile widened to f16 in registers, wgmma's A operand of O^T = V^T P^T,
-  instead of stored to SMEM and read from there (not in interpret mode, which runs no register operand)."""
+  instead of stored to SMEM and read from there (not in interpret mode, which runs no register operand).
+  values_as_stored: with queries_as_n over an fp8 cache, V not widened at all: fp8 wgmma reads the V slot as stored
+  (A, K-major), P^T as two e4m3 terms (B); fewer instructions a tile, P with bf16's error instead of f16's."""
   convert_warpgroup: bool = False
   explicit_barriers: bool = False
   values_in_registers: bool = False
+  values_as_stored: bool = False
 
   BOOL_FIELDS: ClassVar[tuple[str, ...]] = MosaicGPUConfig.BOOL_FIELDS + ("convert_warpgroup", "explicit_barriers",
-                                                                          "values_in_registers")
+                                                                          "values_in_registers", "values_as_stored")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -245,6 +245,7 @@ class DecodeSmem:
   stream_k: bool = False
   queries_as_n: bool = False   # one-byte operands: the rows as wgmma N (`fp8_operands.consume_as_n`)
   values_in_registers: bool = False   # queries_as_n: V widened in registers, no v_wide (experimental)
+  values_as_stored: bool = False   # queries_as_n over fp8: V as stored, P^T two e4m3 terms (experimental)
   q_buffers: int = 1        # 2: a persistent program copies the next item's q rows while it streams
   out_dtype: Any = jnp.float32   # the partials' (q's 16-bit dtype where one split is the output, one tile consumer)
 
@@ -291,7 +292,8 @@ class DecodeSmem:
                pipeline_qk=config.pipeline_qk, converter=converter(config), v_tokens_last=v_tokens_last,
                tile_consumers=config.tile_consumers or 1, stream_k=config.split_plan == "stream_k",
                out_dtype=out_dtype, queries_as_n=bool(config.queries_as_n),
-               values_in_registers=bool(getattr(config, "values_in_registers", False)) and not interpret)
+               values_in_registers=bool(getattr(config, "values_in_registers", False)) and not interpret,
+               values_as_stored=bool(getattr(config, "values_as_stored", False)))
     if smem.ring_spec().splits_rows and not interpret:
       smem = dataclasses.replace(smem, tile_aliases=True)
     if config.persistent and dataclasses.replace(smem, q_buffers=2).fits:   # never at the cost of a stage
@@ -442,9 +444,13 @@ class DecodeSmem:
       scratch["p_t"] = tuple(plgpu.SMEM((self.block_kv, AS_N_COLUMNS), jnp.float16,
                                         transforms=tiling.smem_transforms(jnp.float16, AS_N_COLUMNS))
                              for _ in range(self.num_wgs))
-      scratch["v_wide"] = tuple(None if self.values_in_registers else
+      scratch["v_wide"] = tuple(None if self.values_in_registers or self.values_as_stored else
                                 plgpu.SMEM((self.head_dim, self.block_kv), jnp.float16, transforms=transforms)
                                 for _ in range(self.num_wgs))
+      if self.values_as_stored:   # P as two e4m3 terms [16, bkv] (wgmma's K-major B), swizzled as V's slot
+        scratch["p_t"] = tuple(plgpu.SMEM((2, AS_N_COLUMNS, self.block_kv), FP8_OPERAND_DTYPE,
+                                          transforms=tiling.smem_transforms(FP8_OPERAND_DTYPE, self.block_kv))
+                               for _ in range(self.num_wgs))
     elif self.one_byte_operands:   # (fp8: an int8 cache takes these operands with the queries as N only)
       # Separate refs: a statically indexed tile does not lower inside wgmma's run_state.
       scratch["p_terms"] = tuple(
@@ -494,8 +500,8 @@ class DecodeSmem:
       factors = align(self.q_buffers * self.row_wgs * ROWS_PER_WG * 4)
       p = factors + 2 * self.num_wgs * align(ROWS_PER_WG * self.block_kv)
     if self.queries_as_n and self.one_byte_operands:   # (check_config refuses queries_as_n over other caches)
-      p_t = align(self.block_kv * AS_N_COLUMNS * 2)
-      v_wide = 0 if self.values_in_registers else align(self.head_dim * self.block_kv * 2)
+      p_t = align(self.block_kv * AS_N_COLUMNS * 2)   # f16 P^T, or P's two e4m3 terms: as many bytes
+      v_wide = 0 if self.values_in_registers or self.values_as_stored else align(self.head_dim * self.block_kv * 2)
       p = factors + self.num_wgs * (p_t + v_wide)
     streaming = rings + dequantized
     streaming = streaming + align(outputs) if self.separate_out else max(streaming, outputs)
@@ -581,6 +587,11 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
                                 "holds a whole float32 tile in its registers)")
   if getattr(config, "values_in_registers", False) and not config.queries_as_n:
     raise ValueError("values_in_registers=True widens V for the queries_as_n consumer: it needs queries_as_n=True")
+  if getattr(config, "values_as_stored", False) and not (
+      config.queries_as_n and jnp.dtype(dtype) in FP8_DTYPES and not getattr(config, "values_in_registers", False)):
+    raise ValueError(f"values_as_stored=True reads fp8 V as stored for the queries_as_n consumer: it needs "
+                     f"queries_as_n=True, an fp8 cache and values_in_registers=False, got {config.queries_as_n=} "
+                     f"{jnp.dtype(dtype).name}")
   if config.queries_as_n:
     one_byte = jnp.dtype(dtype) in FP8_DTYPES or jnp.dtype(dtype) == INT8_DTYPE
     tokens_last = one_byte and quantized.get("v_tokens_last") and not converter(config)

@@ -673,8 +673,8 @@ def _build(st: _Static, interpret: Any):
       (st.persistent, f"_persist{st.num_programs}"), (st.smem.q_buffers == 2, "_q2"),
       (st.quantized, f"_{st.tiling.dtype.name}_k{st.k_scale or 'none'}_v{st.v_scale or 'none'}"),
       (st.smem.converter, "_cvt"), (st.smem.v_tokens_last, "_vlast"), (st.smem.one_byte_operands, "_stored"),
-      (st.smem.queries_as_n, "_asn" + "_vreg" * st.smem.values_in_registers), (st.smem.tile_consumers == 2, "_tc2"),
-      (st.tile_math.name, f"_{st.tile_math.name}"),
+      (st.smem.queries_as_n, "_asn" + "_vreg" * st.smem.values_in_registers + "_v8" * st.smem.values_as_stored),
+      (st.smem.tile_consumers == 2, "_tc2"), (st.tile_math.name, f"_{st.tile_math.name}"),
       (st.balanced, "_balanced"), (st.stream_k, "_streamk" if st.walk_vectors else "_streamk_kwalk"),
       (st.ordered, "_ordered"), (st.explicit_barriers, "_eb"), (st.options.has_window_start, "_wstart")]
   name += "".join(part for applies, part in suffixes if applies)

@@ -34,6 +34,7 @@ from pallas_kv.kernels.mosaic_gpu.trace import region
 from pallas_kv.kernels.mosaic_gpu import tiling
 
 FP8_MAX = mla_tiles.FP8_MAX
+FP8_OPERAND = mgpu_config.FP8_OPERAND_DTYPE
 # The floor of a row's running value scale: a row that has seen no key keeps P = 0 and acc = 0, never 0 / 0.
 _MIN_VALUE_SCALE = 1e-30
 ROWS = mgpu_config.ROWS_PER_WG   # wgmma M: a consumer's packed query rows
@@ -337,12 +338,22 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
       s = jnp.where(ok, s, -jnp.inf)   # also drops NaN scores (and V scales) of keys past the length
     return s, inverse
 
-  in_registers = tiles.v_wide is None
+  as_stored = st.smem.values_as_stored   # V read by fp8 wgmma as stored, P^T as two e4m3 terms
+  in_registers = tiles.v_wide is None and not as_stored
 
   def widen_values(i, tile, masked: bool):
     """The V slot [D, bkv] as f16, its columns past the length (or before a window start) zeroed: into v_wide, or
-    (in_registers) as 64-row register chunks in the WGMMA layout, the A operands of P V."""
+    (in_registers) as 64-row register chunks in the WGMMA layout, the A operands of P V; as_stored: the slot
+    itself, those columns zeroed in place."""
     v_slot = tiles.v_ring.wait(i)
+    if as_stored:
+      if masked:
+        valid, first = length - tile * bkv, None if start is None else start - tile * bkv
+
+        @pl.when(valid < bkv if first is None else (valid < bkv) | (first > 0))
+        def _():
+          tiling.zero_columns_past(v_slot, valid, first_column=first)
+      return [v_slot]
     layout = plgpu.Layout.WGMMA if in_registers else plgpu.Layout.WGMMA_8BIT
     chunks = []
     for r in range(0, d, ROWS):
@@ -373,22 +384,37 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
     if inverse is not None:
       terms = p * per_token(inverse, z.shape)
       terms = jnp.where(p > 0, terms, 0.0) if masked else terms   # 1 / a scale past the length may be NaN
-    tiles.p_t[...] = p.astype(tiles.p_t.dtype)
+    if as_stored:   # P^T times FP8_MAX as two e4m3 terms, each stored as P [16, bkv] (f16 takes the transpose)
+      wide = p * FP8_MAX
+      hi = wide.astype(FP8_OPERAND)
+      for term, x in enumerate((hi.astype(jnp.float16), (wide - hi.astype(jnp.float32)).astype(jnp.float16))):
+        x = plgpu.layout_cast(x, plgpu.Layout.WGMMA_TRANSPOSED).astype(FP8_OPERAND)
+        tiles.p_t.at[term].transpose((1, 0))[...] = x
+    else:
+      tiles.p_t[...] = p.astype(tiles.p_t.dtype)
     return acc * per_query(alpha, acc.shape), m_new, l_part * per_query(alpha, z.shape) + terms
 
   @region("pv")
   def pv(acc, i, chunks):
     plgpu.commit_smem()   # P^T and V widened: generic-proxy stores that wgmma reads
-    # The scale slots and the V slot were read (into S, P and v_wide) before that commit, in every warp.
-    pipeline.release_after_commit((tiles.k_scales, tiles.v_scales, tiles.v_ring), i)
+    # The scale slots and the V slot were read (into S, P and v_wide) before that commit, in every warp; as_stored,
+    # wgmma reads the V slot after it: freed once the products are done.
+    pipeline.release_after_commit((tiles.k_scales, tiles.v_scales) + (() if as_stored else (tiles.v_ring,)), i)
 
     def mma(acc_ref):
-      if not in_registers:
+      if as_stored:
+        for term in range(2):
+          plgpu.wgmma(acc_ref, chunks[0], tiles.p_t.at[term].transpose((1, 0)))
+      elif not in_registers:
         plgpu.wgmma(acc_ref, tiles.v_wide, tiles.p_t)
-      for r, values in zip(range(0, d, ROWS), chunks):
-        plgpu.wgmma(acc_ref.at[pl.ds(r, ROWS)], values, tiles.p_t)
+      else:
+        for r, values in zip(range(0, d, ROWS), chunks):
+          plgpu.wgmma(acc_ref.at[pl.ds(r, ROWS)], values, tiles.p_t)
 
-    return accumulate(acc, mma, interpret=interpret)
+    acc = accumulate(acc, mma, interpret=interpret)
+    if as_stored:
+      tiles.v_ring.release(i)
+    return acc
 
   def tile_math(z_and_inverse, i, tile, carry, masked: bool):
     chunks = widen_values(i, tile, masked)
@@ -403,7 +429,7 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
       lambda tile, i, s_raw, carry, masked: tile_math(scaled(s_raw, i, tile, masked), i, tile, carry, masked),
       issue_qk=issue_qk, k_ring=tiles.k_ring, s_type=s_type, pipeline_qk=st.pipeline_qk, t0=t0, t1=t1, a=a, c=c,
       step0=step0)
-  return acc, m_i, l_part.sum(axis=0)
+  return acc * (1.0 / FP8_MAX) if as_stored else acc, m_i, l_part.sum(axis=0)
 
 
 def store_as_n(out, lse, out_smem, lse_smem):
