@@ -441,16 +441,16 @@ class DecodeSmem:
       scratch["q_factors"] = plgpu.SMEM((self.q_buffers, self.row_wgs, ROWS_PER_WG), jnp.float32)
     if self.queries_as_n and self.one_byte_operands:   # P^T and V widened, both swizzled as P^T's rows (AS_N_SWIZZLE)
       transforms = tiling.smem_transforms(jnp.float16, self.block_kv, max_swizzle=AS_N_SWIZZLE)
-      scratch["p_t"] = tuple(plgpu.SMEM((self.block_kv, AS_N_COLUMNS), jnp.float16,
-                                        transforms=tiling.smem_transforms(jnp.float16, AS_N_COLUMNS))
-                             for _ in range(self.num_wgs))
+      if self.values_as_stored:   # P as two e4m3 terms [16, bkv] (wgmma's K-major B), swizzled as V's slot
+        p_t = plgpu.SMEM((2, AS_N_COLUMNS, self.block_kv), FP8_OPERAND_DTYPE,
+                         transforms=tiling.smem_transforms(FP8_OPERAND_DTYPE, self.block_kv))
+      else:
+        p_t = plgpu.SMEM((self.block_kv, AS_N_COLUMNS), jnp.float16,
+                         transforms=tiling.smem_transforms(jnp.float16, AS_N_COLUMNS))
+      scratch["p_t"] = (p_t,) * self.num_wgs
       scratch["v_wide"] = tuple(None if self.values_in_registers or self.values_as_stored else
                                 plgpu.SMEM((self.head_dim, self.block_kv), jnp.float16, transforms=transforms)
                                 for _ in range(self.num_wgs))
-      if self.values_as_stored:   # P as two e4m3 terms [16, bkv] (wgmma's K-major B), swizzled as V's slot
-        scratch["p_t"] = tuple(plgpu.SMEM((2, AS_N_COLUMNS, self.block_kv), FP8_OPERAND_DTYPE,
-                                          transforms=tiling.smem_transforms(FP8_OPERAND_DTYPE, self.block_kv))
-                               for _ in range(self.num_wgs))
     elif self.one_byte_operands:   # (fp8: an int8 cache takes these operands with the queries as N only)
       # Separate refs: a statically indexed tile does not lower inside wgmma's run_state.
       scratch["p_terms"] = tuple(
@@ -593,7 +593,7 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
                      f"queries_as_n=True, an fp8 cache and values_in_registers=False, got {config.queries_as_n=} "
                      f"{jnp.dtype(dtype).name}")
   if config.queries_as_n:
-    one_byte = jnp.dtype(dtype) in FP8_DTYPES or jnp.dtype(dtype) == INT8_DTYPE
+    one_byte = jnp.dtype(dtype) in frame.QUANTIZED_DTYPES
     tokens_last = one_byte and quantized.get("v_tokens_last") and not converter(config)
     if not (config.kv_groups == 1 and config.tile_consumers == 1 and tokens_last and rows <= AS_N_COLUMNS):
       raise ValueError(f"queries_as_n=True needs an fp8 or int8 cache with v_tokens_last, <= {AS_N_COLUMNS} packed "

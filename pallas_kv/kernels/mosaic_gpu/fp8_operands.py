@@ -90,6 +90,16 @@ def column_scales(ring: pipeline.Ring, step):
   return plgpu.load(ring.wait(step), layout=plgpu.Layout.WGMMA.reduce(0))
 
 
+def zero_values_past(v_slot, *, length, start, tile, bkv):
+  """V's slot [D, bkv] of a masked tile with its columns past the length (and before a window start) zeroed in
+  place, where the tile has such columns: a key that P weighs 0 must not bring NaN (0 x NaN) into P V."""
+  valid, first = length - tile * bkv, None if start is None else start - tile * bkv
+
+  @pl.when(valid < bkv if first is None else (valid < bkv) | (first > 0))
+  def _():   # every consumer of the slot writes the same values
+    tiling.zero_columns_past(v_slot, valid, first_column=first)
+
+
 def accumulate(acc, mma, *, interpret=False):
   """acc plus what mma(acc_ref) issues into a wgmma accumulator, awaited. GPU interpret mode runs no pl.run_state:
   there the products go into a scoped accumulator of their own, added after."""
@@ -180,12 +190,7 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
     """V's slot read transposed [bkv, D], its columns past the length (and before a window start) zeroed."""
     v_slot = tiles.v_ring.wait(i)
     if masked:
-      valid, first = length - tile * bkv, None if start is None else start - tile * bkv
-      partial = valid < bkv if first is None else (valid < bkv) | (first > 0)
-
-      @pl.when(partial)
-      def _():   # every consumer of the slot writes the same values
-        tiling.zero_columns_past(v_slot, valid, first_column=first)
+      zero_values_past(v_slot, length=length, start=start, tile=tile, bkv=bkv)
     return v_slot.transpose((1, 0))
 
   @region("pv")
@@ -348,11 +353,7 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
     v_slot = tiles.v_ring.wait(i)
     if as_stored:
       if masked:
-        valid, first = length - tile * bkv, None if start is None else start - tile * bkv
-
-        @pl.when(valid < bkv if first is None else (valid < bkv) | (first > 0))
-        def _():
-          tiling.zero_columns_past(v_slot, valid, first_column=first)
+        zero_values_past(v_slot, length=length, start=start, tile=tile, bkv=bkv)
       return [v_slot]
     layout = plgpu.Layout.WGMMA if in_registers else plgpu.Layout.WGMMA_8BIT
     chunks = []
