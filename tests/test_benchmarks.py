@@ -255,6 +255,8 @@ for path in paths:
   kv_bytes[path] = []
   if routine == "mla":
     assert set(flags.FLAGS.rows) <= set(module.ALL_ROWS), flags.FLAGS.rows
+  if routine == "tools.mosaic_one_byte":
+    assert set(flags.FLAGS.only or ()) <= module.ROW_NAMES, set(flags.FLAGS.only) - module.ROW_NAMES
   if routine in ("decode", "tune"):
     from benchmarks import cases, cli, timing
     sweep = cli.sweep_from_flags()

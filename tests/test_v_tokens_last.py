@@ -92,6 +92,8 @@ def _mosaic(**fields):
     (jnp.int8, "head", 64, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True)),
     (jnp.float8_e4m3fn, "token", None, 2, dict(queries_as_n=True, values_as_stored=True)),
     (jnp.float8_e5m2, "head", 64, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True, values_as_stored=True)),
+    (jnp.float8_e4m3fn, "token", None, None, dict(queries_as_n=True, values_as_stored=True, block_kv=256,
+                                                  num_stages=2)),
     pytest.param(jnp.int8, "token", 128, None, dict(pipeline_qk=True, num_splits=1), marks=pytest.mark.slow),
     pytest.param(jnp.float16, None, 64, None, dict(pipeline_qk=True), marks=pytest.mark.slow),
     pytest.param(jnp.float8_e5m2, "token", None, 3, dict(persistent=True), marks=pytest.mark.slow),
@@ -102,6 +104,7 @@ def _mosaic(**fields):
         "e4m3-token-dense-queries-as-n-pqk", "e4m3-token-dense-queries-as-n-stream-k",
         "int8-token-dense-s2-queries-as-n", "int8-head-page64-queries-as-n-pqk",
         "e4m3-token-dense-s2-queries-as-n-values-as-stored", "e5m2-head-page64-queries-as-n-pqk-values-as-stored",
+        "e4m3-token-dense-queries-as-n-bkv256-values-as-stored",
         "int8-token-page128-pqk",
         "fp16-page64-pqk", "e5m2-token-dense-s3-persistent", "int8-token-page64-tile-consumers2"])
 def test_mosaic_gpu_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, num_queries, fields):
@@ -351,6 +354,25 @@ def test_mosaic_gpu_values_variants_lower_for_cuda(monkeypatch, values):
   assert "_asn" in lower(monkeypatch, config, args)
 
 
+@pytest.mark.parametrize("config", [pkv.MosaicGPUConfig(queries_as_n=True, block_kv=128),
+                                    pkv.MosaicGPUConfig(queries_as_n=False, kv_groups=2)], ids=["queries-as-n", "groups2"])
+def test_loads_only_probe_leaves_the_fp8_consumers_no_math(monkeypatch, config):
+  # The benchmark probe that times the load path alone (`TileMath.loads_only`): the kernel still waits on every slot,
+  # and its consumers issue no wgmma and no exp2; the same kernel without the probe issues both.
+  from harness import mosaic_text_for_cuda
+  from benchmarks.tools import mosaic_one_byte
+  q = jax.ShapeDtypeStruct((2, 32, 128), jnp.float16)
+  k = jax.ShapeDtypeStruct((2, 1024, 8, 128), jnp.float8_e4m3fn)
+  v = jax.ShapeDtypeStruct((2, 8, 128, 1024), jnp.float8_e4m3fn)
+  lengths, scales = jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((2, 1024, 8), jnp.float32)
+  texts = {probe: mosaic_text_for_cuda(monkeypatch, mosaic_one_byte.kernel_only(config, probe), q, k, v, lengths,
+                                       scales) for probe in ("kernel", "loads")}
+  assert "probe_loads_only" in texts["loads"] and "probe_loads_only" not in texts["kernel"]
+  for op in ("wgmma.mma_async", "ex2.approx"):
+    assert op in texts["kernel"] and op not in texts["loads"], op
+  assert texts["loads"].count("mbarrier.try_wait") >= 4   # K, V and their scale slots
+
+
 @pytest.mark.parametrize("dtype,tokens_last,page_size,heads,given,as_n", [
     ("float8_e4m3fn", True, None, (32, 8), None, True),
     ("float8_e5m2", True, None, (32, 8), pkv.MosaicGPUConfig(pipeline_qk=True), True),
@@ -581,9 +603,10 @@ def _check_on_gpu(impl: str, kv_dtype, page_size, seed: int, config=None):
 @pytest.mark.parametrize("fields", [dict(kv_groups=3), dict(pipeline_qk=True), dict(queries_as_n=True),
                                     dict(queries_as_n=True, block_kv=128, pipeline_qk=True),
                                     dict(queries_as_n=True, block_kv=128, values_in_registers=True),
-                                    dict(queries_as_n=True, block_kv=128, values_as_stored=True)],
+                                    dict(queries_as_n=True, block_kv=128, values_as_stored=True),
+                                    dict(queries_as_n=True, block_kv=256, values_as_stored=True)],
                          ids=["groups3", "pqk", "queries-as-n", "queries-as-n-bkv128-pqk", "queries-as-n-vreg",
-                              "queries-as-n-values-as-stored"])
+                              "queries-as-n-values-as-stored", "queries-as-n-bkv256-values-as-stored"])
 def test_gpu_mosaic_gpu_fp8_consumer_variants_match(fields):
   from pallas_kv.experimental import MosaicGPUVariantConfig   # values_in_registers: interpret mode cannot run it
   _check_on_gpu("mosaic_gpu", jnp.float8_e4m3fn, None, seed=17, config=MosaicGPUVariantConfig(**fields))

@@ -116,7 +116,9 @@ class ProbeMath(mgpu_decode.TileMath):
 
 
 # Each leaves out consumer stages so that a kernel-only row tells where the time goes.
-PROBES = {name: ProbeMath(name=f"probe_{name}", skip=frozenset(skip)) for name, skip in (
+# loads_only also reaches the fp8-operand consumers, which have no per-stage hooks (`TileMath.loads_only`).
+PROBES = {name: ProbeMath(name=f"probe_{name}", skip=frozenset(skip), loads_only=name == "loads_only")
+          for name, skip in (
     ("no_qk", {"qk"}), ("no_softmax", {"softmax"}), ("no_pv", {"pv"}), ("loads_only", {"qk", "softmax", "pv"}))}
 # --load_path: the `loads_only` probe (the kernel's TMA ring with no math) under other ring
 # shapes, on PROBE_SHAPES. The full kernel reads within ~2% of its loads-only rate at B=128

@@ -6,7 +6,8 @@ r"""Mosaic GPU against Triton over a one-byte cache with v stored tokens last: s
 Heads 32/8, head_dim 128 (CPU: 64), fp16 queries, full lengths; each row times `pallas_kv.decode_attention(...,
 v_tokens_last=True)` (benchmarks/timing.py chain difference) with per-token scales ("token"), one per kv head
 ("head") or none, on the backend's config or a partial MosaicGPUConfig. An fp8 cache runs Mosaic GPU's fp8 wgmma
-operands, an int8 one its widening consumers. err: against `xla` on the same inputs.
+operands, an int8 one its widening consumers. err: against `xla` on the same inputs. Rows "kernel ..." and
+"loads ..." (KERNEL_ROWS) time the kernel alone, the latter with no math: the load path's own time.
 """
 
 from __future__ import annotations
@@ -22,9 +23,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kv as pkv
+from pallas_kv import validation
+from pallas_kv.config import AttentionOptions
 from pallas_kv.experimental import MosaicGPUVariantConfig
+from pallas_kv.kernels import frame
+from pallas_kv.kernels.mosaic_gpu import backend as mgpu_backend
+from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
 from benchmarks import cases
 from benchmarks import timing
+from benchmarks.tools import kernel_variants
 
 
 M = pkv.MosaicGPUConfig
@@ -58,8 +65,19 @@ VARIANTS += [(f"mosaic_gpu {kind} {name}", "mosaic_gpu", kind,
                                   ("asn128 v8", MosaicGPUVariantConfig(queries_as_n=True, block_kv=128,
                                                                        values_as_stored=True)),
                                   ("asn v8", MosaicGPUVariantConfig(queries_as_n=True, block_kv=64,
-                                                                    values_as_stored=True)))
+                                                                    values_as_stored=True)),
+                                  ("asn256 v8", MosaicGPUVariantConfig(queries_as_n=True, block_kv=256,
+                                                                       values_as_stored=True)))
              for kind in ("token", "none")]
+# Kernel-only rows (`decode_partials` on the op's config and plan, no merge; results not checked): "kernel" with its
+# math, "loads" the `loads_only` probe (each slot waited for and freed, no math): what the load path alone takes.
+KERNEL_ROWS = [(f"{probe} {kind} {name}", kind, config, probe)
+               for probe in ("kernel", "loads") for kind in ("token", "none")
+               for name, config in (("asn128", M(queries_as_n=True, block_kv=128)),
+                                    ("asn256 v8", MosaicGPUVariantConfig(queries_as_n=True, block_kv=256,
+                                                                         values_as_stored=True)),
+                                    ("groups2", M(kv_groups=2, queries_as_n=False)))]
+ROW_NAMES = frozenset(v[0] for v in VARIANTS) | frozenset(r[0] for r in KERNEL_ROWS)   # what --only may name
 
 
 def inputs(batch: int, seq_len: int, head_dim: int, kv_dtype, seed: int = 0) -> dict[str, Any]:
@@ -74,29 +92,55 @@ def inputs(batch: int, seq_len: int, head_dim: int, kv_dtype, seed: int = 0) -> 
               scales=dict(token=scales((batch, seq_len, 8)), head=scales((8,)), none=None))
 
 
+def kernel_only(config, probe: str):
+  """The Mosaic GPU kernel alone on the op's complete config and plan (partials, no merge); probe "loads": with the
+  `loads_only` probe's tile math."""
+  tile_math = kernel_variants.PROBES["loads_only"] if probe == "loads" else mgpu_decode.TileMath()
+
+  def fn(q, k, v, lengths, scale):
+    problem = validation.validate_dense(q, k, v, lengths, True)
+    options = AttentionOptions(scale=q.shape[-1] ** -0.5)
+    full = mgpu_backend.resolve_config("decode", problem, config, dtype=k.dtype)
+    plan = mgpu_backend.plan_splits("decode", problem, options, full, lengths)
+    return mgpu_decode.decode_partials(frame.pack_queries(q[:, None], problem.num_kv_heads), k, v, lengths,
+                                       num_queries=1, options=options, config=full, plan=plan, k_scale=scale,
+                                       v_scale=scale, tile_math=tile_math, interpret=mgpu_backend.interpret_params(),
+                                       v_tokens_last=True)
+  return jax.jit(fn)
+
+
 def rows(batch: int, seq_len: int, head_dim: int, kv_dtype, *, cpu: bool, only=None) -> list[dict[str, Any]]:
   only = only or ([v[0] for v in VARIANTS] if not cpu else ["triton token", "mosaic_gpu token"])
+  todo = [(name, impl, kind, config, None) for name, impl, kind, config in VARIANTS]
+  todo += [(name, "mosaic_gpu", kind, config, probe) for name, kind, config, probe in KERNEL_ROWS]
+  unknown = set(only) - ROW_NAMES
+  if unknown:
+    raise ValueError(f"--only names no row: {sorted(unknown)}")
   x = inputs(batch, seq_len, head_dim, kv_dtype)
   op = lambda impl, config=None: jax.jit(lambda q, k, v, lengths, scale: pkv.decode_attention(
       q, k, v, lengths, k_scale=scale, v_scale=scale, impl=impl, config=config, v_tokens_last=True))
   refs = {kind: op("xla")(x["q"], x["k"], x["v"], x["lengths"], scale) for kind, scale in x["scales"].items()}
   results = []
-  for name, impl, kind, config in VARIANTS:
+  for name, impl, kind, config, probe in todo:
     if name not in only:
       continue
     args = (x["q"], x["k"], x["v"], x["lengths"], x["scales"][kind])
     row = dict(name=name, impl=impl, scale=kind, config=None if config is None else config.given(),
-               batch=batch, seq_len=seq_len, kv_dtype=jnp.dtype(kv_dtype).name)
+               batch=batch, seq_len=seq_len, kv_dtype=jnp.dtype(kv_dtype).name, kernel_only=probe)
     try:
       with pkv.interpret(cpu):
-        fn = op(impl, config)
-        row["err"] = cases.relative_error(fn(*args), refs[kind])
+        if probe is None:
+          fn = op(impl, config)
+          row["err"] = cases.relative_error(fn(*args), refs[kind])
+        else:
+          fn = kernel_only(config, probe)
+          jax.block_until_ready(fn(*args))
         t = timing.time_jax(fn, [args], warmup=0 if cpu else 2, iters=1 if cpu else 20, repeats=1 if cpu else 5)
       row["us"] = t.median_s * 1e6
     except Exception as e:   # a config that does not fit says so in its row
       row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    print(f"{name:32s} " + (f"{row['us']:8.1f} us  err {row['err']:.1e}" if "us" in row else row["error"]),
-          flush=True)
+    err = f"  err {row['err']:.1e}" if "err" in row else "  (kernel only)"
+    print(f"{name:32s} " + (f"{row['us']:8.1f} us{err}" if "us" in row else row["error"]), flush=True)
     results.append(row)
   return results
 

@@ -27,7 +27,6 @@ from pallas_kv.config import MosaicGPUConfig
 from pallas_kv import online_softmax
 from pallas_kv.kernels import frame
 from pallas_kv.kernels import plan as split_plan
-from pallas_kv.kernels.plan import SplitPlan
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import fp8_operands
 from pallas_kv.kernels.mosaic_gpu import pipeline
@@ -57,8 +56,10 @@ def _consumer_registers(num_wgs: int, converter: bool = False) -> int:
 @dataclasses.dataclass(frozen=True)
 class TileMath:
   """A consumer's work on each KV tile: Q K^T, the masked online softmax, P V, one-byte tiles' widening.
-  Measurement probes subclass it to leave a stage out; `name` goes into the kernel name."""
+  Measurement probes subclass it to leave a stage out (loads_only: the fp8-operand consumers only wait for and free
+  each slot); `name` goes into the kernel name."""
   name: str = ""
+  loads_only: bool = False
 
   def dequantize(self, tile, dtype, token_scales=None):
     """A one-byte tile [bkv, D] in registers widened to `dtype`, row t times token_scales[t] if given
@@ -699,7 +700,7 @@ def _build(st: _Static, interpret: Any):
 
 
 def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
-                    config: MosaicGPUConfig, plan: SplitPlan, k_scale=None, v_scale=None,
+                    config: MosaicGPUConfig, plan: split_plan.SplitPlan, k_scale=None, v_scale=None,
                     num_programs: int | None = None, tile_math: TileMath = TileMath(), interpret: Any = False,
                     window_start=None, v_tokens_last: bool = False, out_dtype: Any = jnp.float32):
   """Split-K partials of decode attention over a contiguous or paged KV cache.

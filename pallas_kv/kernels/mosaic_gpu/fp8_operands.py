@@ -112,6 +112,20 @@ def accumulate(acc, mma, *, interpret=False):
   return acc + pl.run_scoped(staged, plgpu.ACC(acc.shape, jnp.float32))
 
 
+def loads_only_step(tiles):
+  """A measurement probe's tile step (`TileMath.loads_only`): each ring's slot waited for and freed, no math, so that
+  a kernel-only timing is the load path's own (results wrong by design)."""
+  rings = [ring for ring in (tiles.k_ring, tiles.v_ring, tiles.k_scales, tiles.v_scales) if ring is not None]
+
+  def step(tile, i, carry, masked: bool):
+    del tile, masked
+    for ring in rings:
+      ring.wait(i)
+      ring.release(i)
+    return carry
+  return step
+
+
 def run_tiles(carry, step, pipelined, *, issue_qk, k_ring: pipeline.Ring, s_type, pipeline_qk: bool, t0, t1, a, c,
               step0):
   """The carry after tiles [t0, t1), [a, c) unmasked: step(tile, i, carry, masked) scores ring step i itself.
@@ -245,11 +259,13 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
   l_i = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), wgmma_rows)
   c_i = plgpu.layout_cast(jnp.full((ROWS,), 1.0 if tiles.v_scales is None else _MIN_VALUE_SCALE, jnp.float32),
                           wgmma_rows)
+  step = lambda tile, i, carry, masked: tile_step_math(scores(i), i, tile, carry, masked)
+  probe = st.tile_math.loads_only
   acc, m_i, l_i, c_i = run_tiles(
-      (acc, m_i, l_i, c_i), lambda tile, i, carry, masked: tile_step_math(scores(i), i, tile, carry, masked),
+      (acc, m_i, l_i, c_i), loads_only_step(tiles) if probe else step,
       lambda tile, i, s_raw, carry, masked: tile_step_math(scaled(s_raw, i), i, tile, carry, masked),
-      issue_qk=issue_qk, k_ring=tiles.k_ring, s_type=s_type, pipeline_qk=st.pipeline_qk, t0=t0, t1=t1, a=a, c=c,
-      step0=step0)
+      issue_qk=issue_qk, k_ring=tiles.k_ring, s_type=s_type, pipeline_qk=st.pipeline_qk and not probe, t0=t0, t1=t1,
+      a=a, c=c, step0=step0)
   if tiles.v_scales is not None:   # the shift's units: lse = (m + log2 c) ln 2 + ln(l / c); acc / l as it is
     m_i = m_i + jnp.log2(c_i)
   return acc * (1 / FP8_MAX), m_i, l_i
@@ -425,11 +441,13 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
   acc = plgpu.layout_cast(jnp.zeros((d, n), jnp.float32), plgpu.Layout.WGMMA)
   m_i = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), cols)
   l_part = plgpu.layout_cast(jnp.zeros((bkv, n), jnp.float32), plgpu.Layout.WGMMA)   # summed at the end
+  step = lambda tile, i, carry, masked: tile_math(scores(i, tile, masked), i, tile, carry, masked)
+  probe = st.tile_math.loads_only
   acc, m_i, l_part = run_tiles(
-      (acc, m_i, l_part), lambda tile, i, carry, masked: tile_math(scores(i, tile, masked), i, tile, carry, masked),
+      (acc, m_i, l_part), loads_only_step(tiles) if probe else step,
       lambda tile, i, s_raw, carry, masked: tile_math(scaled(s_raw, i, tile, masked), i, tile, carry, masked),
-      issue_qk=issue_qk, k_ring=tiles.k_ring, s_type=s_type, pipeline_qk=st.pipeline_qk, t0=t0, t1=t1, a=a, c=c,
-      step0=step0)
+      issue_qk=issue_qk, k_ring=tiles.k_ring, s_type=s_type, pipeline_qk=st.pipeline_qk and not probe, t0=t0, t1=t1,
+      a=a, c=c, step0=step0)
   return acc * (1.0 / FP8_MAX) if as_stored else acc, m_i, l_part.sum(axis=0)
 
 
