@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The H200 measurement suite: named parts, each a list of runs ROUTINE:NAME, that is `python3 -m benchmarks ROUTINE
-# --flagfile=configs/suite/NAME.flags --json=$OUT/NAME.json` (NAME.flags says what it measures and which RESULTS.md
-# set used it). A part fits one ~10-minute command: bash benchmarks/h200_suite.sh PART|NAME ... (repository root).
-# Output: NAME.json, NAME.log (tune: the tuned file) in $OUT or bench_out/; SUITE_FLAGS follow each flagfile: they win;
-# SMOLLM2_GGUF=PATH: the smollm2 part's GGUF file. GPU tests and fuzzing are checks, not parts (README.md "Tests").
+# --flagfile=configs/suite/NAME.flags --json=$OUT/NAME.json` (NAME.flags says what it measures). A part fits one
+# ~10-minute command: bash benchmarks/h200_suite.sh PART|NAME ... (repository root). Output: NAME.json, NAME.log (tune:
+# the tuned file) in $OUT or bench_out/; SUITE_FLAGS follow each flagfile (they win); SMOLLM2_GGUF=PATH: smollm2's GGUF.
 set -uo pipefail
 declare -A PARTS=(
   [gqa]="decode:gqa"                      # the GQA sweep, every impl
@@ -27,7 +26,8 @@ declare -A PARTS=(
   [trace]="tools.kernel_trace:trace_stream_k tools.kernel_trace:trace_fp8"   # warpgroups' time in the kernel
   [mosaic_levers]="tools.kernel_variants:mosaic_tile_consumers tools.kernel_variants:mosaic_ragged_order
                    decode:rows_ragged_longest_first tools.kernel_variants:mosaic_stream_k_parts"   # beside rows_ragged
-  [paged_one_byte]="decode:paged64_int8 decode:paged64_int8_tiles"   # Triton's paged tiles, int8 page 64
+  [paged_one_byte]="decode:paged64_int8 decode:paged64_int8_tiles tools.mosaic_one_byte:asn_paged_fp8
+                    tools.mosaic_one_byte:asn_paged_int8"   # int8 page 64 tiles; queries as N over pages
   [one_byte_barriers]="tools.mosaic_one_byte:barriers_fp8 tools.mosaic_one_byte:barriers_int8
                        tools.mla_fp8_parts:barriers_mla"   # scale slots freed at a commit; explicit barriers
   [one_byte_chains]="tools.mosaic_one_byte:chains_fp8 tools.mosaic_one_byte:chains_int8 tools.mosaic_one_byte:tiles_fp8

@@ -1044,6 +1044,32 @@ def test_mosaic_one_byte_tool_checks_and_times_its_rows_here():
                               only=["mosaic_gpu token", "mosaic_gpu none bkv128"])
   assert [r["name"] for r in rows] == ["mosaic_gpu token", "mosaic_gpu none bkv128"]
   assert all(r["err"] < 1e-2 and r["us"] > 0 for r in rows), rows
+  rows = mosaic_one_byte.rows(1, 128, 64, jnp.dtype(jnp.float8_e4m3fn), cpu=True, only=["mosaic_gpu token asn"],
+                              page_size=64)
+  assert rows[0]["page_size"] == 64 and rows[0]["err"] < 1e-2 and rows[0]["us"] > 0, rows
+
+
+def test_mosaic_one_byte_tool_pages_hold_the_dense_cache():
+  # --page_size: the same cache in shuffled pages gives the same attention (xla over both).
+  from benchmarks.tools import mosaic_one_byte
+  import jax.numpy as jnp
+  import pallas_kv as pkv
+  x = mosaic_one_byte.inputs(2, 256, 64, jnp.dtype(jnp.float8_e4m3fn))
+  p = mosaic_one_byte.paged(x, 64)
+  assert p["block_tables"].shape == (2, 4) and sorted(np.ravel(p["block_tables"])) == list(range(8))
+  assert (np.ravel(p["block_tables"]) != np.arange(8)).any()   # shuffled
+  for kind in ("token", "head"):
+    scales = dict(k_scale=x["scales"][kind], v_scale=x["scales"][kind])
+    dense = pkv.decode_attention(x["q"], x["k"], x["v"], x["lengths"], impl="xla", v_tokens_last=True, **scales)
+    scales = dict(k_scale=p["scales"][kind], v_scale=p["scales"][kind])
+    pages = pkv.paged_decode_attention(x["q"], p["k"], p["v"], p["block_tables"], x["lengths"], impl="xla",
+                                       v_tokens_last=True, **scales)
+    np.testing.assert_allclose(np.asarray(pages, np.float32), np.asarray(dense, np.float32), rtol=2e-3, atol=2e-3)
+  with pytest.raises(ValueError, match="--only names no row"):
+    mosaic_one_byte.rows(1, 128, 64, jnp.dtype(jnp.float8_e4m3fn), cpu=True, only=["mosaic_gpu token nosuch"])
+  with pytest.raises(ValueError, match="dense cache"):
+    mosaic_one_byte.rows(1, 128, 64, jnp.dtype(jnp.float8_e4m3fn), cpu=True, only=["loads token asn128"],
+                         page_size=64)
 
 
 def test_host_dispatch_tool_times_each_cache_dtype_beside_a_trivial_jit(tmp_path):

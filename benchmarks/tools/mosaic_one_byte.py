@@ -8,6 +8,7 @@ v_tokens_last=True)` (benchmarks/timing.py chain difference) with per-token scal
 ("head") or none, on the backend's config or a partial MosaicGPUConfig. An fp8 cache runs Mosaic GPU's fp8 wgmma
 operands, an int8 one its widening consumers. err: against `xla` on the same inputs. Rows "kernel ..." and
 "loads ..." (KERNEL_ROWS) time the kernel alone, the latter with no math: the load path's own time.
+`--page_size=64` runs the op rows over a paged cache instead (`paged_decode_attention`, pages shuffled).
 """
 
 from __future__ import annotations
@@ -92,6 +93,24 @@ def inputs(batch: int, seq_len: int, head_dim: int, kv_dtype, seed: int = 0) -> 
               scales=dict(token=scales((batch, seq_len, 8)), head=scales((8,)), none=None))
 
 
+def paged(x: dict[str, Any], page_size: int, seed: int = 0) -> dict[str, Any]:
+  """`inputs` as a paged cache: pages of page_size tokens in shuffled order ([P, page, 8, D]; V [P, 8, D, page]),
+  block_tables [B, T / page], per-token scales [P, page, 8]."""
+  batch, seq_len, heads, head_dim = x["k"].shape
+  per_seq = seq_len // page_size
+  order = np.random.default_rng(seed).permutation(batch * per_seq)   # page j of sequence b lives at order[b, j]
+
+  def placed(blocks):   # [B * per_seq, ...] in sequence order -> the pool, page order[i] holding block i
+    return blocks.at[order].set(blocks)
+
+  v = x["v"].reshape(batch, heads, head_dim, per_seq, page_size).transpose(0, 3, 1, 2, 4)
+  token = x["scales"]["token"].reshape(batch * per_seq, page_size, heads)
+  return dict(x, k=placed(x["k"].reshape(batch * per_seq, page_size, heads, head_dim)),
+              v=placed(v.reshape(batch * per_seq, heads, head_dim, page_size)),
+              block_tables=jnp.asarray(order.reshape(batch, per_seq), jnp.int32),
+              scales=dict(x["scales"], token=placed(token)))
+
+
 def kernel_only(config, probe: str):
   """The Mosaic GPU kernel alone on the op's complete config and plan (partials, no merge); probe "loads": with the
   `loads_only` probe's tile math."""
@@ -109,24 +128,36 @@ def kernel_only(config, probe: str):
   return jax.jit(fn)
 
 
-def rows(batch: int, seq_len: int, head_dim: int, kv_dtype, *, cpu: bool, only=None) -> list[dict[str, Any]]:
+def rows(batch: int, seq_len: int, head_dim: int, kv_dtype, *, cpu: bool, only=None,
+         page_size: int | None = None) -> list[dict[str, Any]]:
+  """The rows named in `only` (default: every op row on a GPU); page_size: over a paged cache (op rows only)."""
   only = only or ([v[0] for v in VARIANTS] if not cpu else ["triton token", "mosaic_gpu token"])
   todo = [(name, impl, kind, config, None) for name, impl, kind, config in VARIANTS]
   todo += [(name, "mosaic_gpu", kind, config, probe) for name, kind, config, probe in KERNEL_ROWS]
   unknown = set(only) - ROW_NAMES
   if unknown:
     raise ValueError(f"--only names no row: {sorted(unknown)}")
+  if page_size is not None and set(only) & {r[0] for r in KERNEL_ROWS}:
+    raise ValueError("the kernel-only rows run over a dense cache: leave --page_size out for them")
   x = inputs(batch, seq_len, head_dim, kv_dtype)
-  op = lambda impl, config=None: jax.jit(lambda q, k, v, lengths, scale: pkv.decode_attention(
-      q, k, v, lengths, k_scale=scale, v_scale=scale, impl=impl, config=config, v_tokens_last=True))
-  refs = {kind: op("xla")(x["q"], x["k"], x["v"], x["lengths"], scale) for kind, scale in x["scales"].items()}
+  if page_size is None:
+    cache = lambda: (x["k"], x["v"], x["lengths"])
+    attention = pkv.decode_attention
+  else:
+    x = paged(x, page_size)
+    cache = lambda: (x["k"], x["v"], x["block_tables"], x["lengths"])
+    attention = pkv.paged_decode_attention
+  op = lambda impl, config=None: jax.jit(lambda q, *rest: attention(
+      q, *rest[:-1], k_scale=rest[-1], v_scale=rest[-1], impl=impl, config=config, v_tokens_last=True))
+  refs = {kind: op("xla")(x["q"], *cache(), scale) for kind, scale in x["scales"].items()}
   results = []
   for name, impl, kind, config, probe in todo:
     if name not in only:
       continue
-    args = (x["q"], x["k"], x["v"], x["lengths"], x["scales"][kind])
+    args = (x["q"], *cache(), x["scales"][kind])
     row = dict(name=name, impl=impl, scale=kind, config=None if config is None else config.given(),
-               batch=batch, seq_len=seq_len, kv_dtype=jnp.dtype(kv_dtype).name, kernel_only=probe)
+               batch=batch, seq_len=seq_len, page_size=page_size, kv_dtype=jnp.dtype(kv_dtype).name,
+               kernel_only=probe)
     try:
       with pkv.interpret(cpu):
         if probe is None:
@@ -150,6 +181,7 @@ def define_flags() -> None:
   flags.DEFINE_string("shape", None, "BxT; default 32x4096 on a GPU, 2x256 on a CPU")
   flags.DEFINE_string("json", None, "write the rows here")
   flags.DEFINE_list("only", None, "variant names to run; default all on a GPU, the two per-token defaults on a CPU")
+  flags.DEFINE_integer("page_size", None, "run the op rows over a paged cache of these pages (shuffled)")
 
 
 def main(argv):
@@ -157,7 +189,8 @@ def main(argv):
   cpu = jax.default_backend() == "cpu"
   fv = flags.FLAGS
   batch, seq_len = (int(n) for n in (fv.shape or ("2x256" if cpu else "32x4096")).split("x"))
-  results = rows(batch, seq_len, 64 if cpu else 128, jnp.dtype(fv.kv_dtype), cpu=cpu, only=fv.only)
+  results = rows(batch, seq_len, 64 if cpu else 128, jnp.dtype(fv.kv_dtype), cpu=cpu, only=fv.only,
+                 page_size=fv.page_size)
   if fv.json:
     with open(fv.json, "w") as f:
       json.dump(results, f, indent=1)
