@@ -27,7 +27,7 @@ declare -A PARTS=(
   [mosaic_levers]="tools.kernel_variants:mosaic_tile_consumers tools.kernel_variants:mosaic_ragged_order
                    decode:rows_ragged_longest_first tools.kernel_variants:mosaic_stream_k_parts"   # beside rows_ragged
   [paged_one_byte]="decode:paged64_int8 decode:paged64_int8_tiles tools.mosaic_one_byte:asn_paged_fp8
-                    tools.mosaic_one_byte:asn_paged_int8"   # int8 page 64 tiles; queries as N over pages
+                    tools.mosaic_one_byte:asn_paged_int8 tools.mosaic_one_byte:asn_paged16_fp8"   # pages 64, 16
   [one_byte_barriers]="tools.mosaic_one_byte:barriers_fp8 tools.mosaic_one_byte:barriers_int8
                        tools.mla_fp8_parts:barriers_mla"   # scale slots freed at a commit; explicit barriers
   [one_byte_chains]="tools.mosaic_one_byte:chains_fp8 tools.mosaic_one_byte:chains_int8 tools.mosaic_one_byte:tiles_fp8

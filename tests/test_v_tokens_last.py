@@ -94,6 +94,8 @@ def _mosaic(**fields):
     (jnp.float8_e5m2, "head", 64, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True, values_as_stored=True)),
     (jnp.float8_e4m3fn, "token", None, None, dict(queries_as_n=True, values_as_stored=True, block_kv=256,
                                                   num_stages=2)),
+    (jnp.float8_e4m3fn, "token", 16, 2, dict(queries_as_n=True, block_kv=128, num_stages=2)),
+    (jnp.int8, "head", 32, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True)),
     pytest.param(jnp.int8, "token", 128, None, dict(pipeline_qk=True, num_splits=1), marks=pytest.mark.slow),
     pytest.param(jnp.float16, None, 64, None, dict(pipeline_qk=True), marks=pytest.mark.slow),
     pytest.param(jnp.float8_e5m2, "token", None, 3, dict(persistent=True), marks=pytest.mark.slow),
@@ -104,7 +106,8 @@ def _mosaic(**fields):
         "e4m3-token-dense-queries-as-n-pqk", "e4m3-token-dense-queries-as-n-stream-k",
         "int8-token-dense-s2-queries-as-n", "int8-head-page64-queries-as-n-pqk",
         "e4m3-token-dense-s2-queries-as-n-values-as-stored", "e5m2-head-page64-queries-as-n-pqk-values-as-stored",
-        "e4m3-token-dense-queries-as-n-bkv256-values-as-stored",
+        "e4m3-token-dense-queries-as-n-bkv256-values-as-stored", "e4m3-token-page16-s2-queries-as-n-bkv128",
+        "int8-head-page32-queries-as-n-pqk",
         "int8-token-page128-pqk",
         "fp16-page64-pqk", "e5m2-token-dense-s3-persistent", "int8-token-page64-tile-consumers2"])
 def test_mosaic_gpu_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, num_queries, fields):
@@ -157,6 +160,27 @@ def test_mosaic_gpu_tokens_last_race_detection_finds_none(kv_dtype, fields):
   assert not gpu_callbacks.get_races().races_found
 
 
+@pytest.mark.parametrize("kv_dtype", [jnp.float8_e4m3fn, jnp.int8])
+def test_mosaic_gpu_small_value_pages_race_detection_finds_none(kv_dtype):
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
+  # V tokens last in pages of 16, a 64-token tile four page copies: 5 tiles through a 2-slot ring, each page's run
+  # widened into v_wide after its copy landed and refilled after the widening read it.
+  case = make_case(12, batch=1, seq_len=320, num_heads=4, num_kv_heads=4, head_dim=64, dtype=jnp.float16,
+                   kv_dtype=kv_dtype, lengths=[300], page_size=16)
+  from pallas_kv.config import AttentionOptions
+  from pallas_kv.kernels import frame
+  from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
+  scales = _scales(np.random.default_rng(2), "token", case.k_pages.shape[:3])
+  config = _mosaic(num_splits=1, queries_as_n=True)
+  out, _ = mgpu_decode.decode_partials(
+      frame.pack_queries(case.q[:, None], 4), case.k_pages, tokens_last(case.v_pages), case.lengths,
+      case.block_tables, num_queries=1, options=AttentionOptions(scale=0.1), config=config,
+      plan=pkv.SplitPlan(kind="per_sequence", num_splits=1, block_kv=64), k_scale=scales, v_scale=scales,
+      v_tokens_last=True, interpret=plgpu.InterpretGPUParams(detect_races=True))
+  jax.block_until_ready(out)
+  assert not gpu_callbacks.get_races().races_found
+
+
 # B=32 T=4096 heads 32/8 D=128 unless noted: the heuristic's configs (one-byte: two KV groups, 8 stages) and the
 # options that change the V tiles' readers, lowered for CUDA (layout inference included) with the SMEM the fit
 # counts checked against what Mosaic GPU lays out.
@@ -169,6 +193,7 @@ MOSAIC_LOWERINGS = [
     ("float8_e4m3fn", "token", None, dict(queries_as_n=True), 128),
     ("float8_e4m3fn", "token", None, dict(queries_as_n=True, block_kv=128, pipeline_qk=True), 128),
     ("int8", "token", None, dict(queries_as_n=True, block_kv=128), 128),
+    ("float8_e4m3fn", "token", 16, {}, 128), ("int8", "token", 32, {}, 128),   # V widened a page at a time
     slow("float8_e4m3fn", "head", 128, dict(queries_as_n=True, block_kv=128), 128),
     slow("float8_e4m3fn", "token", None, dict(queries_as_n=True, split_plan="stream_k"), 128),
     slow("bfloat16", None, None, dict(block_kv=128), 128),
@@ -181,6 +206,7 @@ MOSAIC_LOWERINGS = [
                          ids=["bf16", "int8-token", "e4m3-token-page64", "int8-head-page128-pqk-persistent",
                               "e4m3-token-groups3", "e4m3-token-pqk", "e4m3-token-queries-as-n",
                               "e4m3-token-bkv128-pqk-queries-as-n", "int8-token-bkv128-queries-as-n",
+                              "e4m3-token-page16", "int8-token-page32",
                               "e4m3-head-page128-bkv128-queries-as-n", "e4m3-token-stream-k-queries-as-n",
                               "bf16-bkv128", "int8-token-d256-one-group", "fp16-page64-pqk-d64",
                               "e5m2-head-page128-bkv128-persistent"])
@@ -257,10 +283,22 @@ def test_shapes_and_backends_are_checked():
                                v_tokens_last=True)
   with pytest.raises(ValueError, match="v_tokens_last must be a bool"):
     pkv.decode_attention(case.q, case.k, case.v, case.lengths, v_tokens_last="yes")
-  # Mosaic GPU's V tiles [D, bkv]: D in 64-row blocks, one page's copy a tile.
-  with pytest.raises(NotImplementedError, match="v_tokens_last needs pages of a multiple of 64 tokens.*got 16"):
+  # Mosaic GPU's V tiles [D, bkv]: D in 64-row blocks, one page's copy a tile; from pages of 16 or 32 a page at a
+  # time, one-byte caches with <= 16 packed rows only (the queries-as-N consumer).
+  with pytest.raises(NotImplementedError, match="v_tokens_last needs pages of a multiple of 64 tokens.*got pages of "
+                                                "16 tokens, a 16-bit cache"):
     pkv.paged_decode_attention(case.q, case.k_pages, tokens_last(case.v_pages), case.block_tables, case.lengths,
                                v_tokens_last=True, impl="mosaic_gpu")
+  wide = make_case(7, batch=2, seq_len=32, num_heads=34, num_kv_heads=2, head_dim=64, dtype=jnp.float16,
+                   kv_dtype=jnp.int8, page_size=16)
+  with pytest.raises(NotImplementedError, match="one-byte cache with <= 16 packed rows.*and 17 packed rows"):
+    pkv.paged_decode_attention(wide.q, wide.k_pages, tokens_last(wide.v_pages), wide.block_tables, wide.lengths,
+                               v_tokens_last=True, impl="mosaic_gpu")
+  small = make_case(7, batch=2, seq_len=32, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.float16,
+                    kv_dtype=jnp.float8_e4m3fn, page_size=16)
+  with pytest.raises(ValueError, match=r"pages of 16 tokens is widened a page at a time.*'queries_as_n': False"):
+    pkv.paged_decode_attention(small.q, small.k_pages, tokens_last(small.v_pages), small.block_tables, small.lengths,
+                               v_tokens_last=True, impl="mosaic_gpu", config=pkv.MosaicGPUConfig(queries_as_n=False))
   narrow = make_case(7, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=96, dtype=jnp.bfloat16)
   with pytest.raises(NotImplementedError, match="v_tokens_last needs head_dim a multiple of 64.*got 96"):
     pkv.decode_attention(narrow.q, narrow.k, tokens_last(narrow.v), narrow.lengths, v_tokens_last=True,
@@ -385,8 +423,10 @@ def test_loads_only_probe_leaves_the_fp8_consumers_no_math(monkeypatch, config):
     ("float8_e4m3fn", True, None, (32, 8), pkv.MosaicGPUConfig(kv_groups=2), False),
     ("float8_e4m3fn", True, None, (32, 8), pkv.MosaicGPUConfig(block_kv=64), False),
     ("int8", True, None, (32, 8), pkv.MosaicGPUConfig(queries_as_n=True), True),   # asked for: its tiles too
+    ("float8_e4m3fn", True, 16, (32, 8), None, True),   # pages smaller than a tile: the one consumer that reads them
+    ("int8", True, 32, (32, 8), None, True),
 ], ids=["e4m3", "e5m2-pqk", "rows16", "rows17", "v-like-k", "int8", "page64", "given-off", "given-groups2",
-        "given-bkv64", "int8-given-on"])
+        "given-bkv64", "int8-given-on", "e4m3-page16", "int8-page32"])
 def test_mosaic_gpu_heuristic_runs_fp8_queries_as_n(dtype, tokens_last, page_size, heads, given, as_n):
   # A dense fp8 cache with V tokens last and <= 16 packed rows runs the queries as N on 128-token tiles (measured
   # faster than the two-consumer kernel at B32 T4096 and B1 T32768), unless the given fields rule it out.
@@ -398,7 +438,7 @@ def test_mosaic_gpu_heuristic_runs_fp8_queries_as_n(dtype, tokens_last, page_siz
   assert config.queries_as_n is as_n
   if as_n:
     assert (config.block_kv, config.kv_groups) == (mgpu_config.AS_N_BLOCK_KV, 1)
-    mgpu_config.check_config(config, rows=heads[0] // heads[1], head_dim=128, dtype=dtype, page_size=None,
+    mgpu_config.check_config(config, rows=heads[0] // heads[1], head_dim=128, dtype=dtype, page_size=page_size,
                              num_splits=config.num_splits, k_scale_kind="token", v_scale_kind="token",
                              num_kv_heads=heads[1], v_tokens_last=True)
 
@@ -627,9 +667,15 @@ def test_gpu_triton_matches_v_like_k(kv_dtype, page_size):
   _check_on_gpu("triton", kv_dtype, page_size, seed=11)
 
 
-@pytest.mark.gpu   # the GPU tier: each dtype once, dense and pages of 64 (the smallest Mosaic GPU takes)
+@pytest.mark.gpu   # the GPU tier: each dtype once, dense and pages of 64
 @pytest.mark.parametrize("kv_dtype,page_size", tiered(
     [(d, page) for d in _GPU_DTYPES for page in (None, 64)],
     every_tier=list(zip(_GPU_DTYPES, (None, 64, None)))))
 def test_gpu_mosaic_gpu_matches_v_like_k(kv_dtype, page_size):
   _check_on_gpu("mosaic_gpu", kv_dtype, page_size, seed=13)   # the heuristic's config
+
+
+@pytest.mark.gpu   # V in pages smaller than a tile, widened a page at a time (the queries as N)
+@pytest.mark.parametrize("kv_dtype,page_size", [(jnp.float8_e4m3fn, 16), (jnp.int8, 32)])
+def test_gpu_mosaic_gpu_small_value_pages_match(kv_dtype, page_size):
+  _check_on_gpu("mosaic_gpu", kv_dtype, page_size, seed=23)   # the heuristic's config

@@ -1,7 +1,7 @@
 """pallas_kv without Pallas Triton (deprecated in jax 0.11, to be removed): in a fresh interpreter where
 `jax.experimental.pallas.triton` cannot be imported, the library imports, "auto" never picks Triton, and
 every op lowers for CUDA on Mosaic GPU with no Triton call in the module (one-byte caches in their default layout,
-v tokens last, too)."""
+v tokens last, too, dense and in pages of 16)."""
 
 import os
 import subprocess
@@ -41,6 +41,8 @@ _SCRIPT = textwrap.dedent("""
     kf8, token = SDS((B, T, 8, 128), jnp.float8_e4m3fn), SDS((B, T, 8), jnp.float32)
     pages = SDS((P, 16, 8, 128), jnp.bfloat16)
     tables, lengths = SDS((B, T // 16), jnp.int32), SDS((B,), jnp.int32)
+    pages8, vpages8 = SDS((P, 16, 8, 128), jnp.int8), SDS((P, 8, 128, 16), jnp.int8)   # PagedKVCache's int8 default
+    page_token = SDS((P, 16, 8), jnp.float32)
     latent, q_mla = SDS((P, 64, 576), jnp.bfloat16), SDS((B, 1, 128, 576), jnp.bfloat16)
     mla_tables = SDS((B, T // 64), jnp.int32)
     calls = {
@@ -53,6 +55,8 @@ _SCRIPT = textwrap.dedent("""
                                                                        v_tokens_last=True), (q, k8, v8, lengths, token)),
         "fp8 tokens last": (lambda q, k, v, l, s: pkv.decode_attention(q, k, v, l, k_scale=s, v_scale=s,
                                                                       v_tokens_last=True), (q, kf8, vf8, lengths, token)),
+        "paged int8 tokens last": (lambda q, k, v, t, l, s: pkv.paged_decode_attention(
+            q, k, v, t, l, k_scale=s, v_scale=s, v_tokens_last=True), (q, pages8, vpages8, tables, lengths, page_token)),
         "mla": (lambda q, kv, t, l: pkv.mla_decode_attention(q, kv, t, l), (q_mla, latent, mla_tables, lengths)),
     }
     for name, (fn, args) in calls.items():
@@ -72,4 +76,4 @@ def test_without_pallas_triton_every_op_lowers_on_mosaic_gpu():
   assert result.returncode == 0, result.stderr[-4000:]
   assert [line for line in result.stdout.splitlines() if line.startswith("lowered")] == [
       "lowered decode", "lowered paged", "lowered stream-K", "lowered int8", "lowered int8 tokens last",
-      "lowered fp8 tokens last", "lowered mla"]
+      "lowered fp8 tokens last", "lowered paged int8 tokens last", "lowered mla"]

@@ -85,16 +85,24 @@ def head_dim_reason(head_dim: int, dtype: Any = "bfloat16") -> str | None:
   return None
 
 
-def tokens_last_reason(head_dim: int, page_size: int | None) -> str | None:
-  """Why the GQA kernel cannot read v stored tokens last ([B, Hkv, D, T] / [P, Hkv, D, page_size]), or None. Its V
-  tiles are [D, block_kv], zeroed and widened 64 rows (a WGMMA register block) at a time, one TMA copy each."""
+def tokens_last_reason(head_dim: int, page_size: int | None, *, dtype: Any = None, rows: int | None = None
+                       ) -> str | None:
+  """Why the GQA kernel cannot read v stored tokens last ([B, Hkv, D, T] / [P, Hkv, D, page_size]) of a `dtype`
+  cache for `rows` packed rows, or None. Its V tiles are [D, block_kv], zeroed and widened 64 rows (a WGMMA register
+  block) at a time, one TMA copy each; or, from pages smaller than a tile, one [D, page_size] copy a page
+  (`value_pages`), which the queries-as-N consumer widens a page at a time (one-byte caches, <= 16 rows)."""
   if head_dim % ROWS_PER_WG:
     return (f"v_tokens_last needs head_dim a multiple of {ROWS_PER_WG} on Mosaic GPU (V tiles [D, block_kv] are "
             f"held {ROWS_PER_WG} rows at a time), got {head_dim}")
-  if page_size is not None and page_size % MIN_BLOCK_KV:
-    return (f"v_tokens_last needs pages of a multiple of {MIN_BLOCK_KV} tokens on Mosaic GPU (a page holds whole "
-            f"[D, block_kv] V tiles), got {page_size}")
-  return None
+  if page_size is None or page_size % MIN_BLOCK_KV == 0:
+    return None
+  one_byte = dtype is not None and jnp.dtype(dtype).itemsize == 1
+  if page_size in SMALL_VALUE_PAGES and one_byte and rows is not None and rows <= AS_N_COLUMNS:
+    return None
+  return (f"v_tokens_last needs pages of a multiple of {MIN_BLOCK_KV} tokens on Mosaic GPU (a page holds whole "
+          f"[D, block_kv] V tiles), or pages of {' or '.join(map(str, SMALL_VALUE_PAGES))} tokens of a one-byte "
+          f"cache with <= {AS_N_COLUMNS} packed rows (widened a page at a time with the queries as N); got pages of "
+          f"{page_size} tokens, {'a one-byte' if one_byte else 'a 16-bit'} cache and {rows} packed rows")
 
 
 def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
@@ -106,7 +114,8 @@ def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
   if reason is None:
     reason = head_dim_reason(problem.head_dim, dtypes[1])
   if reason is None and problem.v_tokens_last:
-    reason = tokens_last_reason(problem.head_dim, problem.page_size)
+    reason = tokens_last_reason(problem.head_dim, problem.page_size, dtype=dtypes[1],
+                                rows=problem.num_queries * problem.group_size)
   if reason is None and problem.page_size is not None:
     reason = gqa_page_size_reason(problem.page_size, problem.head_dim, dtypes[1])
   if reason is None and jnp.dtype(dtypes[1]) in frame.QUANTIZED_DTYPES:
@@ -126,6 +135,9 @@ INT8_DTYPE = jnp.dtype(jnp.int8)
 AS_N_COLUMNS = 16
 AS_N_SWIZZLE = AS_N_COLUMNS * 2
 AS_N_BLOCK_KV = 128   # the heuristic's tile with the queries as N: 18% faster than 64 tokens at B32 T4096 (H100)
+# Pages of V tokens last smaller than a tile, copied a page at a time: [D, page_size] one-byte runs of 16 or 32
+# bytes a row (TMA's least is 16), widened by the queries-as-N consumer.
+SMALL_VALUE_PAGES = (16, 32)
 
 
 def mla_reason(qk_dim: int, v_dim: int, kv_dtype) -> str | None:
@@ -271,9 +283,13 @@ class DecodeSmem:
       raise ValueError(f"a converter warpgroup needs a one-byte cache, got dtype {self.dtype.name}")
     if self.tile_aliases and self.quantized:
       raise ValueError(f"tile aliases (copies of fewer rows than a tile) need a 16-bit cache, got {self.dtype.name}")
-    if self.v_tokens_last and (self.converter or self.copies_per_tile != 1):
-      raise ValueError(f"v_tokens_last copies a whole [D, block_kv] tile from one page (block_kv must divide "
-                       f"page_size) and has no converter, got {self.copies_per_tile=} {self.converter=}")
+    if self.v_tokens_last and self.converter:
+      raise ValueError("v_tokens_last has no converter warpgroup")
+    if self.value_pages > 1 and not (self.queries_as_n and self.quantized and not self.values_in_registers
+                                     and not self.values_as_stored):
+      raise ValueError(f"V tokens last in pages smaller than a tile ({self.value_pages} a tile) is widened a page at a "
+                       f"time by the queries-as-N consumer over a one-byte cache, got {self.queries_as_n=} "
+                       f"{self.dtype.name} {self.values_in_registers=} {self.values_as_stored=}")
 
   @classmethod
   def for_call(cls, config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: Any, page_size: int | None,
@@ -340,6 +356,12 @@ class DecodeSmem:
       return (self.head_dim, self.block_kv)
     return (self.block_kv, self.head_dim)
 
+  @property
+  def value_pages(self) -> int:
+    """Pages a V tile stored tokens last spans: 1, or (pages smaller than a tile) a slot [pages, D, page_size] of
+    one untiled [D, page_size] run a page, as a run of 16 or 32 bytes a row fits no swizzled tile."""
+    return self.copies_per_tile if self.v_tokens_last else 1
+
   def dequantized_types(self) -> tuple[Any, ...]:
     """One consumer's widened tiles: K's first, V's last (one tile where they take turns)."""
     roles = {0: (), 1: ("k",), 2: ("k", "v")}[self.dequant_tiles]
@@ -352,9 +374,11 @@ class DecodeSmem:
 
   def ring_spec(self, role: str = "k") -> pipeline.RingSpec:
     shape = self.tile_shape(role)
+    transforms = tiling.smem_transforms(self.dtype, shape[1])
+    if role == "v" and self.value_pages > 1:
+      shape, transforms = (self.value_pages, self.head_dim, self.block_kv // self.value_pages), ()
     return pipeline.RingSpec(
-        num_stages=self.num_stages // self.kv_groups, block_shape=shape,
-        dtype=self.dtype, transforms=tiling.smem_transforms(self.dtype, shape[1]),
+        num_stages=self.num_stages // self.kv_groups, block_shape=shape, dtype=self.dtype, transforms=transforms,
         copies_per_slot=self.copies_per_tile, num_consumers=self._tma_ring_readers)
 
   def scales_tokens_last(self, role: str) -> bool:
@@ -539,7 +563,16 @@ def check_tokens_last_fields(config: MosaicGPUConfig, page_size: int | None) -> 
   """Raises where a (partial) config's fields cannot read v stored tokens last."""
   if converter(config):
     raise ValueError("convert_warpgroup=True converts tiles of v laid out like k; v_tokens_last has no converter")
-  if page_size is not None and config.block_kv is not None and page_size % config.block_kv:
+  if page_size in SMALL_VALUE_PAGES:
+    ruled_out = {name: value for name, value, ok in (
+        ("queries_as_n", config.queries_as_n, (None, True)), ("kv_groups", config.kv_groups, (None, 1)),
+        ("tile_consumers", config.tile_consumers, (None, 1)),
+        ("values_in_registers", getattr(config, "values_in_registers", False), (False,)),
+        ("values_as_stored", getattr(config, "values_as_stored", False), (False,))) if value not in ok}
+    if ruled_out:
+      raise ValueError(f"v_tokens_last in pages of {page_size} tokens is widened a page at a time by the queries-as-N "
+                       f"consumer (queries_as_n True, one consumer, V widened in SMEM), got {ruled_out}")
+  elif page_size is not None and config.block_kv is not None and page_size % config.block_kv:
     raise ValueError(f"v_tokens_last copies a [D, block_kv] tile from one page: block_kv={config.block_kv} must "
                      f"divide page_size {page_size}")
 
@@ -604,7 +637,7 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
     raise ValueError(f"pipeline_qk=True needs num_stages >= 2 a KV group, got {config.num_stages=} for "
                      f"{config.kv_groups=}")
   if quantized.get("v_tokens_last"):
-    reason = tokens_last_reason(head_dim, page_size)
+    reason = tokens_last_reason(head_dim, page_size, dtype=dtype, rows=rows)
     if reason:
       raise NotImplementedError(f"mosaic_gpu: {reason}")
     check_tokens_last_fields(config, page_size)
@@ -636,8 +669,10 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig
     start = dataclasses.replace(start, persistent=True)
   deepest = functools.partial(_deepest_ring, problem=problem, rows=rows, dtype=dtype,
                               stages_given=given.num_stages is not None, **quantized)
-  if given.queries_as_n or _takes_queries_as_n(given, problem=problem, rows=rows, dtype=dtype):
-    fits_page = problem.page_size is None or problem.page_size % AS_N_BLOCK_KV == 0   # tokens-last tiles: one page
+  small_pages = quantized["v_tokens_last"] and problem.page_size in SMALL_VALUE_PAGES   # read by nothing else
+  if given.queries_as_n or small_pages or _takes_queries_as_n(given, problem=problem, rows=rows, dtype=dtype):
+    # A tokens-last V tile comes from one page, or a page at a time from pages smaller than a tile.
+    fits_page = problem.page_size is None or problem.page_size % AS_N_BLOCK_KV == 0 or small_pages
     as_n = dataclasses.replace(start, queries_as_n=True, block_kv=AS_N_BLOCK_KV if fits_page else start.block_kv)
     return deepest(given.over(as_n))
   if one_byte and given.kv_groups is None and rows <= ROWS_PER_WG and not _needs_one_group(given):

@@ -371,21 +371,28 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
       if masked:
         zero_values_past(v_slot, length=length, start=start, tile=tile, bkv=bkv)
       return [v_slot]
-    layout = plgpu.Layout.WGMMA if in_registers else plgpu.Layout.WGMMA_8BIT
+    if len(v_slot.shape) == 3:   # [pages, D, page_size] from pages smaller than a tile (`DecodeSmem.value_pages`)
+      pages, _, width = v_slot.shape
+      runs = [(lambda r, j=j: v_slot.at[j, pl.ds(r, ROWS)], j * width, width) for j in range(pages)]
+      layout = plgpu.Layout.WGMMA   # an untiled run of 16 or 32 one-byte columns
+    else:
+      runs = [(lambda r: v_slot.at[pl.ds(r, ROWS)], 0, bkv)]
+      layout = plgpu.Layout.WGMMA if in_registers else plgpu.Layout.WGMMA_8BIT
     chunks = []
     for r in range(0, d, ROWS):
-      if in_registers:   # one shuffle from the upcast layout to wgmma's A fragment
-        values = plgpu.load(v_slot.at[pl.ds(r, ROWS)], layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
-        values = plgpu.layout_cast(values, layout)
-      else:
-        values = plgpu.load(v_slot.at[pl.ds(r, ROWS)], layout=layout).astype(jnp.float16)
-      if masked:
-        first = None if start is None else start - tile * bkv
-        values = tiling.rows_below(values, length - tile * bkv, layout, first, axis=1)
-      if in_registers:
-        chunks.append(values)
-      else:
-        tiles.v_wide.at[pl.ds(r, ROWS)][...] = values
+      for source, column, width in runs:
+        if in_registers:   # one shuffle from the upcast layout to wgmma's A fragment
+          values = plgpu.load(source(r), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
+          values = plgpu.layout_cast(values, layout)
+        else:
+          values = plgpu.load(source(r), layout=layout).astype(jnp.float16)
+        if masked:
+          first = None if start is None else start - tile * bkv - column
+          values = tiling.rows_below(values, length - tile * bkv - column, layout, first, axis=1)
+        if in_registers:
+          chunks.append(values)
+        else:
+          tiles.v_wide.at[pl.ds(r, ROWS), pl.ds(column, width)][...] = values
     return chunks
 
   @region("softmax")

@@ -5,7 +5,7 @@ wgmma (K read transposed), and where their tokens live (`KVTiling`):
   paged       kv [P, page_size, Hkv, D]  token t of b is kv[table[b, t // page_size], t % page_size, h]
 
 v stored tokens last ([B, Hkv, D, T] / [P, Hkv, D, page_size]) is tiled [D, block_kv] instead, read transposed by
-P V's wgmma as K is by Q K^T.
+P V's wgmma as K is by Q K^T; from pages smaller than a tile, [pages, D, page_size] untiled, a page a copy.
 
 A paged tile is one TMA copy per run of tokens that one page holds (gcd(page_size, block_kv) tokens); a run of
 fewer than 8 rows lands one swizzle column tile at a time (`pipeline.RingSpec.splits_rows`). Per-token scales come
@@ -182,12 +182,15 @@ class KVTiling:
     return [kv_ref.at[index, pl.ds(row, rows), head] for index, row in locations]
 
   def tokens_last_sources(self, v_ref, locations, *, head) -> list[Any]:
-    """GMEM views [D, block_kv] of a v stored tokens last (v_ref [B, Hkv, D, T] / [P, Hkv, D, page_size]) at
-    `locations`: one per tile, as a page holds whole tiles (`config.tokens_last_reason`)."""
-    if self.copies_per_tile != 1:
-      raise ValueError(f"v stored tokens last is copied a whole tile at a time; pages of {self.page_size} tokens "
-                       f"hold parts of {self.block_kv}-token tiles")
-    return [v_ref.at[index, head, :, pl.ds(row, self.block_kv)] for index, row in locations]
+    """GMEM views of a v stored tokens last (v_ref [B, Hkv, D, T] / [P, Hkv, D, page_size]) at `locations`: one
+    [D, block_kv] tile, or from pages smaller than a tile [1, D, page_size] a page, stacked along the slot's first
+    axis (`DecodeSmem.value_pages`)."""
+    if self.copies_per_tile == 1:
+      return [v_ref.at[index, head, :, pl.ds(row, self.block_kv)] for index, row in locations]
+    if self.block_kv % self.page_size:
+      raise ValueError(f"v stored tokens last in pages of {self.page_size} tokens cannot fill {self.block_kv}-token "
+                       f"tiles a whole page at a time")
+    return [v_ref.at[pl.ds(index, 1), head] for index, _ in locations]
 
   def tokens_last_scale_sources(self, scale_ref, locations, *, head) -> list[Any]:
     """GMEM views [block_kv] of per-token scales laid out tokens last (scale_ref [B, Hkv, T] / [P, Hkv, page_size]
