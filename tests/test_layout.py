@@ -30,6 +30,8 @@ LAYERS = [
     # the Triton stream-K kernel body, which the decode kernel dispatches to; the GQA kernel's fp8-operand
     # consumer (Q's terms split as MLA's are)
     {"kernels.triton.stream_k", "kernels.mosaic_gpu.fp8_operands"},
+    # the GQA kernel's one-byte tile feeds (widening into a consumer's tile or the converter's ring)
+    {"kernels.mosaic_gpu.tile_feeds"},
     {"kernels.mosaic_gpu.decode", "kernels.mosaic_gpu.mla", "kernels.triton.decode"},
     # the merge launches: the Triton one takes the Triton decode module's compiler params
     {"kernels.triton.merge"},

@@ -5,7 +5,7 @@ One program per (kv head x row block, split, sequence) streams its split's tiles
 packed query rows (or, with kv_groups=2, one of two splits; with tile_consumers=2, every other tile of the item,
 merged with its partner's at the item's end) and runs Q K^T, the online softmax and P V (`TileMath`).
 Hopper has no mixed-type wgmma: consumers widen one-byte tiles (times per-token scales) into SMEM tiles of q's
-dtype (`_DequantizedTiles`). Each split writes its normalised partial and natural-log LSE.
+dtype (`tile_feeds.DequantizedTiles`). Each split writes its normalised partial and natural-log LSE.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pallas_kv.kernels import plan as split_plan
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import fp8_operands
 from pallas_kv.kernels.mosaic_gpu import pipeline
+from pallas_kv.kernels.mosaic_gpu import tile_feeds
 from pallas_kv.kernels.mosaic_gpu import tiling
 from pallas_kv.kernels.mosaic_gpu import work
 from pallas_kv.kernels.mosaic_gpu import trace as mgpu_trace
@@ -173,111 +174,6 @@ class _Static:
     return math.prod(self.grid_shape)
 
 
-@dataclasses.dataclass(frozen=True)
-class _RingTiles:
-  """Tiles wgmma reads from their ring slots: fetch(step, valid_rows, first_row) waits and zeroes rows (tokens)
-  past valid_rows and before first_row (unless the filler did: zero_rows=False); tile(step) returns a fetched
-  tile; done(step) frees its slot. tokens_last: slots [D, bkv] of v stored tokens last, handed to wgmma
-  transposed."""
-  ring: pipeline.Ring
-  zero_rows: bool = True
-  tokens_last: bool = False
-
-  def fetch(self, step, valid_rows=None, first_row=None):
-    tile = self.ring.wait(step)
-    if valid_rows is not None and self.zero_rows:
-      partial = valid_rows < self.ring.spec.block_shape[1 if self.tokens_last else 0]
-      if first_row is not None:
-        partial = partial | (first_row > 0)
-
-      @pl.when(partial)
-      def _():
-        # Every consumer of the slot writes the same values: a harmless race.
-        if self.tokens_last:
-          tiling.zero_columns_past(tile, valid_rows, first_column=first_row)
-        else:
-          tiling.zero_rows_past(tile, valid_rows, first_row=first_row)
-    return self.tile(step)
-
-  def tile(self, step):
-    tile = self.ring.slot(step)
-    return tile.transpose((1, 0)) if self.tokens_last else tile
-
-  def column_scales(self, step):
-    del step   # 16-bit tiles have no scales
-
-  def done(self, step):
-    self.ring.release(step)
-
-
-@dataclasses.dataclass(frozen=True)
-class _DequantizedTiles:
-  """One-byte tiles behind `_RingTiles`' interface: fetch widens the slot into this consumer's dequantized
-  tile and frees the slot; the caller waits for wgmma's reads of that tile before the next fetch.
-  tokens_last: V's tiles [D, bkv], widened without their per-token scales, which P takes (`column_scales`)."""
-  ring: pipeline.Ring
-  dequantized: Any
-  tile_math: TileMath
-  scale_ring: pipeline.Ring | None = None
-  head: Any = None
-  tokens_last: bool = False
-  explicit_barriers: bool = False
-
-  def fetch(self, step, valid_rows=None, first_row=None):
-    scale_ring = None if self.tokens_last else self.scale_ring
-    if self.explicit_barriers:   # every warp's wgmma over the previous tile (wgmma's B: all rows) is done
-      plgpu.commit_smem()
-    self.dequantized[...] = _dequantized_values(self.ring, scale_ring, step, valid_rows, self.head,
-                                                self.tile_math, self.dequantized.dtype, first_row,
-                                                tokens_axis=1 if self.tokens_last else 0)
-    # One proxy fence covers both TMA's refill of the slots read above and wgmma's reads of the stores.
-    self.ring.release(step, read_by_registers=True)
-    # The scales' reads came before that fence: here, or into P (tokens last: `column_scales`, in the softmax).
-    pipeline.release_after_commit((self.scale_ring,), step)
-    return self.tile(step)
-
-  def tile(self, step):
-    del step
-    return self.dequantized.transpose((1, 0)) if self.tokens_last else self.dequantized
-
-  def column_scales(self, step):
-    """Tokens last: step's per-token scales [bkv] (WGMMA columns) for P, their slot freed by the same step's fetch;
-    else None (fetch applies them)."""
-    if not self.tokens_last or self.scale_ring is None:
-      return None
-    return fp8_operands.column_scales(self.scale_ring, step)
-
-  def done(self, step):
-    del step
-
-
-def _dequantized_values(ring: pipeline.Ring, scale_ring, step, valid_rows, head, tile_math: TileMath, dtype,
-                        first_row=None, tokens_axis: int = 0):
-  """Step's one-byte tile widened in registers, tokens (rows; columns with tokens_axis=1) past valid_rows (and
-  before first_row) zeroed; the slots stay held."""
-  values = plgpu.load(ring.wait(step), layout=plgpu.Layout.WGMMA_8BIT)
-  token_scales = None
-  if scale_ring is not None:
-    token_scales = tiling.load_token_scales(scale_ring.wait(step), head=head)
-  values = tile_math.dequantize(values, dtype, token_scales)
-  if valid_rows is not None:   # after the scales: a scale past the length may be inf as well
-    values = tiling.rows_below(values, valid_rows, plgpu.Layout.WGMMA_8BIT, first_row, axis=tokens_axis)
-  return values
-
-
-def _convert_tile(ring: pipeline.Ring, scale_ring, out_ring: pipeline.Ring, step, valid_rows, head, st: _Static,
-                  first_row=None):
-  """The converter: step's widened tile into out_ring's slot of the same step."""
-  values = _dequantized_values(ring, scale_ring, step, valid_rows, head, st.tile_math, st.q_dtype, first_row)
-  # The one-byte slots go back first, so that TMA refills them while this tile is stored.
-  ring.release(step, read_by_registers=True)
-  if scale_ring is not None:
-    scale_ring.release(step)
-  out_ring.acquire(step)
-  out_ring.slot(step)[...] = values
-  out_ring.commit_stores(step)
-
-
 def _first_row(start, tile, st: "_Static"):
   """The first row of `tile` at or after a window start (the rows before it are zeroed), or None without one."""
   return None if start is None else start - tile * st.tiling.block_kv
@@ -328,8 +224,8 @@ def _kernel(q_ref,
             # V's rows past the length are zeroed here (0 x NaN is NaN in P V); K's are masked.
             valid_rows = item.length - (t0 + step) * st.tiling.block_kv if role == "v" else None
             first_row = _first_row(item.start, t0 + step, st) if role == "v" else None
-            _convert_tile(rings[0][role], rings[0].get(f"{role}s"), converted[role], steps_before + step,
-                          valid_rows, item.head, st, first_row)
+            tile_feeds.convert_tile(rings[0][role], rings[0].get(f"{role}s"), converted[role], steps_before + step,
+                                    valid_rows, item.head, st.tile_math, st.q_dtype, first_row)
 
         for ring in converted.values():   # one item (no persistent grid with a converter)
           ring.drain(count)
@@ -490,15 +386,17 @@ class _Queries:
 
 
 def _tile_feeds(rings, streaming, w: int, head, st: _Static, converted=None):
+  """A consumer's K and V feeds (`tile_feeds`): converted tiles, 16-bit slots, or its own widened tiles."""
   if converted:
-    return _RingTiles(converted["k"]), _RingTiles(converted["v"], zero_rows=False)
+    return tile_feeds.RingTiles(converted["k"]), tile_feeds.RingTiles(converted["v"], zero_rows=False)
   tokens_last = st.smem.v_tokens_last
   if not st.quantized:
-    return _RingTiles(rings["k"]), _RingTiles(rings["v"], tokens_last=tokens_last)
+    return tile_feeds.RingTiles(rings["k"]), tile_feeds.RingTiles(rings["v"], tokens_last=tokens_last)
   n = st.smem.dequant_tiles
   mine = streaming["dequantized"][w * n:(w + 1) * n]
-  return tuple(_DequantizedTiles(rings[role], dequantized, st.tile_math, scale_ring=rings.get(f"{role}s"), head=head,
-                                 tokens_last=tokens_last and role == "v", explicit_barriers=st.explicit_barriers)
+  return tuple(tile_feeds.DequantizedTiles(rings[role], dequantized, st.tile_math, scale_ring=rings.get(f"{role}s"),
+                                           head=head, tokens_last=tokens_last and role == "v",
+                                           explicit_barriers=st.explicit_barriers)
                for role, dequantized in (("k", mine[0]), ("v", mine[-1])))
 
 
