@@ -22,9 +22,17 @@ def per_row(x, shape, rows_axis: int = 0):
 
 def log2_logits(s, *, scale: float, softcap: float | None):
   """scale * s, then softcap * tanh(. / softcap) if softcap; in log2 units (times log2 e)."""
-  if softcap is not None:
-    return jnp.tanh(s * (scale / softcap)) * (softcap * LOG2E)
-  return s * (scale * LOG2E)
+  return log2_logits_prescaled(s * logit_factor(scale, softcap), softcap=softcap)
+
+
+def logit_factor(scale: float, softcap: float | None) -> float:
+  """What `log2_logits` multiplies s by first (a kernel may fold it into a factor it applies anyway)."""
+  return scale / softcap if softcap is not None else scale * LOG2E
+
+
+def log2_logits_prescaled(t, *, softcap: float | None):
+  """`log2_logits` of s, given t = s * logit_factor(scale, softcap)."""
+  return jnp.tanh(t) * (softcap * LOG2E) if softcap is not None else t
 
 
 def visible(rows, cols, *, tile_start, length, num_queries: int, group: int, window: int | None, start=None):

@@ -312,7 +312,9 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
   tokens = plgpu.Layout.WGMMA.reduce(1)
   per_query = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])
   per_token = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
-  query_factors = plgpu.load(tiles.q_factors.at[pl.ds(0, n)], layout=cols)
+  # Each query's factor, times the logits' own (`online_softmax.logit_factor`): one multiply a score fewer.
+  query_factors = (plgpu.load(tiles.q_factors.at[pl.ds(0, n)], layout=cols)
+                   * online_softmax.logit_factor(st.options.scale, st.options.softcap))
 
   # int8: each term's S^T in its own n columns, exact in s32, combined in scaled (the terms' units differ).
   int8 = tiles.q_terms.dtype == jnp.int8
@@ -346,7 +348,7 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
     s = s * per_query(query_factors, s.shape)
     if tiles.k_scales is not None:
       s = s * per_token(key_scales(tiles.k_scales, i), s.shape)
-    s = online_softmax.log2_logits(s, scale=st.options.scale, softcap=st.options.softcap)
+    s = online_softmax.log2_logits_prescaled(s, softcap=st.options.softcap)
     inverse = None
     if tiles.v_scales is not None:
       value_scales = jnp.maximum(key_scales(tiles.v_scales, i), _VALUE_SCALE_FLOOR)
