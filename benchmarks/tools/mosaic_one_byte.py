@@ -141,20 +141,23 @@ def rows(batch: int, seq_len: int, head_dim: int, kv_dtype, *, cpu: bool, only=N
     raise ValueError("the kernel-only rows run over a dense cache: leave --page_size out for them")
   x = inputs(batch, seq_len, head_dim, kv_dtype)
   if page_size is None:
-    cache = lambda: (x["k"], x["v"], x["lengths"])
-    attention = pkv.decode_attention
+    cache, attention = (x["k"], x["v"], x["lengths"]), pkv.decode_attention
   else:
     x = paged(x, page_size)
-    cache = lambda: (x["k"], x["v"], x["block_tables"], x["lengths"])
-    attention = pkv.paged_decode_attention
-  op = lambda impl, config=None: jax.jit(lambda q, *rest: attention(
-      q, *rest[:-1], k_scale=rest[-1], v_scale=rest[-1], impl=impl, config=config, v_tokens_last=True))
-  refs = {kind: op("xla")(x["q"], *cache(), scale) for kind, scale in x["scales"].items()}
+    cache, attention = (x["k"], x["v"], x["block_tables"], x["lengths"]), pkv.paged_decode_attention
+
+  def op(impl, config=None):   # (q, *cache, scale) -> the attention over that cache
+    def call(q, *cache_and_scale):
+      *kv, scale = cache_and_scale
+      return attention(q, *kv, k_scale=scale, v_scale=scale, impl=impl, config=config, v_tokens_last=True)
+    return jax.jit(call)
+
+  refs = {kind: op("xla")(x["q"], *cache, scale) for kind, scale in x["scales"].items()}
   results = []
   for name, impl, kind, config, probe in todo:
     if name not in only:
       continue
-    args = (x["q"], *cache(), x["scales"][kind])
+    args = (x["q"], *cache, x["scales"][kind])
     row = dict(name=name, impl=impl, scale=kind, config=None if config is None else config.given(),
                batch=batch, seq_len=seq_len, page_size=page_size, kv_dtype=jnp.dtype(kv_dtype).name,
                kernel_only=probe)

@@ -373,21 +373,23 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
       if masked:
         zero_values_past(v_slot, length=length, start=start, tile=tile, bkv=bkv)
       return [v_slot]
-    if len(v_slot.shape) == 3:   # [pages, D, page_size] from pages smaller than a tile (`DecodeSmem.value_pages`)
+    # (run [D, width], its first column in the tile): the slot, or from pages smaller than a tile each page's run of
+    # the slot [pages, D, page_size] (`DecodeSmem.value_pages`), untiled: 16 or 32 one-byte columns.
+    if len(v_slot.shape) == 3:
       pages, _, width = v_slot.shape
-      runs = [(lambda r, j=j: v_slot.at[j, pl.ds(r, ROWS)], j * width, width) for j in range(pages)]
-      layout = plgpu.Layout.WGMMA   # an untiled run of 16 or 32 one-byte columns
+      runs, layout = [(v_slot.at[j], j * width) for j in range(pages)], plgpu.Layout.WGMMA
     else:
-      runs = [(lambda r: v_slot.at[pl.ds(r, ROWS)], 0, bkv)]
+      width, runs = bkv, [(v_slot, 0)]
       layout = plgpu.Layout.WGMMA if in_registers else plgpu.Layout.WGMMA_8BIT
     chunks = []
     for r in range(0, d, ROWS):
-      for source, column, width in runs:
+      for run, column in runs:
+        source = run.at[pl.ds(r, ROWS)]
         if in_registers:   # one shuffle from the upcast layout to wgmma's A fragment
-          values = plgpu.load(source(r), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
+          values = plgpu.load(source, layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
           values = plgpu.layout_cast(values, layout)
         else:
-          values = plgpu.load(source(r), layout=layout).astype(jnp.float16)
+          values = plgpu.load(source, layout=layout).astype(jnp.float16)
         if masked:
           first = None if start is None else start - tile * bkv - column
           values = tiling.rows_below(values, length - tile * bkv - column, layout, first, axis=1)
