@@ -160,6 +160,28 @@ def test_mosaic_gpu_tokens_last_race_detection_finds_none(kv_dtype, fields):
   assert not gpu_callbacks.get_races().races_found
 
 
+def test_mosaic_gpu_small_value_pages_widen_with_the_dense_kernels_barriers(monkeypatch):
+  # Pages of 16: a V tile is 8 page runs; they are widened, joined in registers and stored 64 rows at a time, so the
+  # tile loops hold as many warpgroup barriers as the dense kernel's (a store a run put two around each: 4x more).
+  from harness import mosaic_text_for_cuda, tile_loop_counts
+  B, T, P = 2, 1024, 128
+  q = jax.ShapeDtypeStruct((B, 32, 128), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((B,), jnp.int32)
+  dense = (jax.ShapeDtypeStruct((B, T, 8, 128), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((B, 8, 128, T),
+           jnp.float8_e4m3fn), jax.ShapeDtypeStruct((B, T, 8), jnp.float32))
+  paged = (jax.ShapeDtypeStruct((P, 16, 8, 128), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((P, 8, 128, 16),
+           jnp.float8_e4m3fn), jax.ShapeDtypeStruct((P, 16, 8), jnp.float32))
+  tables = jax.ShapeDtypeStruct((B, T // 16), jnp.int32)
+  on_dense = lambda q, k, v, n, s: pkv.decode_attention(q, k, v, n, k_scale=s, v_scale=s, v_tokens_last=True,
+                                                        impl="mosaic_gpu")
+  on_pages = lambda q, k, v, t, n, s: pkv.paged_decode_attention(q, k, v, t, n, k_scale=s, v_scale=s,
+                                                                 v_tokens_last=True, impl="mosaic_gpu")
+  counts = {name: tile_loop_counts(mosaic_text_for_cuda(monkeypatch, fn, *args), ("bar.sync",))
+            for name, fn, args in (("dense", on_dense, (q, dense[0], dense[1], lengths, dense[2])),
+                                   ("pages", on_pages, (q, paged[0], paged[1], tables, lengths, paged[2])))}
+  assert counts["pages"]["bar.sync"] == counts["dense"]["bar.sync"] > 0, counts
+
+
 @pytest.mark.parametrize("kv_dtype", [jnp.float8_e4m3fn, jnp.int8])
 def test_mosaic_gpu_small_value_pages_race_detection_finds_none(kv_dtype):
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11

@@ -373,30 +373,25 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
       if masked:
         zero_values_past(v_slot, length=length, start=start, tile=tile, bkv=bkv)
       return [v_slot]
-    # (run [D, width], its first column in the tile): the slot, or from pages smaller than a tile each page's run of
-    # the slot [pages, D, page_size] (`DecodeSmem.value_pages`), untiled: 16 or 32 one-byte columns.
-    if len(v_slot.shape) == 3:
-      pages, _, width = v_slot.shape
-      runs, layout = [(v_slot.at[j], j * width) for j in range(pages)], plgpu.Layout.WGMMA
-    else:
-      width, runs = bkv, [(v_slot, 0)]
-      layout = plgpu.Layout.WGMMA if in_registers else plgpu.Layout.WGMMA_8BIT
+    page_runs = len(v_slot.shape) == 3   # [pages, D, page_size] from pages smaller than a tile (`value_pages`)
+    layout = plgpu.Layout.WGMMA if in_registers or page_runs else plgpu.Layout.WGMMA_8BIT
     chunks = []
     for r in range(0, d, ROWS):
-      for run, column in runs:
-        source = run.at[pl.ds(r, ROWS)]
-        if in_registers:   # one shuffle from the upcast layout to wgmma's A fragment
-          values = plgpu.load(source, layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
-          values = plgpu.layout_cast(values, layout)
-        else:
-          values = plgpu.load(source, layout=layout).astype(jnp.float16)
-        if masked:
-          first = None if start is None else start - tile * bkv - column
-          values = tiling.rows_below(values, length - tile * bkv - column, layout, first, axis=1)
-        if in_registers:
-          chunks.append(values)
-        else:
-          tiles.v_wide.at[pl.ds(r, ROWS), pl.ds(column, width)][...] = values
+      if page_runs:   # each page's untiled run of 16 or 32 columns widened, joined: one store a row block
+        values = jnp.concatenate([plgpu.load(v_slot.at[j, pl.ds(r, ROWS)], layout=layout).astype(jnp.float16)
+                                  for j in range(v_slot.shape[0])], axis=1)
+      elif in_registers:   # one shuffle from the upcast layout to wgmma's A fragment
+        values = plgpu.load(v_slot.at[pl.ds(r, ROWS)], layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
+        values = plgpu.layout_cast(values, layout)
+      else:
+        values = plgpu.load(v_slot.at[pl.ds(r, ROWS)], layout=layout).astype(jnp.float16)
+      if masked:
+        first = None if start is None else start - tile * bkv
+        values = tiling.rows_below(values, length - tile * bkv, layout, first, axis=1)
+      if in_registers:
+        chunks.append(values)
+      else:
+        tiles.v_wide.at[pl.ds(r, ROWS)][...] = values
     return chunks
 
   @region("softmax")
