@@ -370,6 +370,22 @@ def test_queries_as_n_keeps_keys_of_zero_value_scale_interpret():
   assert_lse_matches(lse, ref_lse, case.q.dtype)
 
 
+@pytest.mark.parametrize("kv_dtype, page_size", [(jnp.float8_e4m3fn, None), (jnp.int8, 16)])
+def test_queries_as_n_widens_every_row_block_of_a_value_tile_interpret(kv_dtype, page_size):
+  # head_dim 128: a V tile is two 64-row blocks, widened apart and joined into one store (from pages of 16, each
+  # block joined from eight page runs first). The heuristic's config.
+  case = make_case(14, batch=2, seq_len=256, num_heads=16, num_kv_heads=4, head_dim=128, dtype=jnp.float16,
+                   kv_dtype=kv_dtype, page_size=page_size)
+  case = poison_unread_slots(case, dense=page_size is None)
+  paged = page_size is not None
+  scales = _scales(np.random.default_rng(5), "token", (case.k_pages if paged else case.k).shape[:3])
+  ref, ref_lse = _run(case, paged=paged, v_tokens_last=False, impl="xla", k_scale=scales, v_scale=scales)
+  with pkv.interpret():
+    out, lse = _run(case, paged=paged, v_tokens_last=True, impl="mosaic_gpu", k_scale=scales, v_scale=scales)
+  assert_matches_reference(out, ref, case.q.dtype)
+  assert_lse_matches(lse, ref_lse, case.q.dtype)
+
+
 def test_queries_as_n_is_checked():
   # The queries as wgmma N: an fp8 or int8 cache with V tokens last, <= 16 packed rows, one consumer a program.
   from pallas_kv import experimental

@@ -388,10 +388,9 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
       if masked:
         first = None if start is None else start - tile * bkv
         values = tiling.rows_below(values, length - tile * bkv, layout, first, axis=1)
-      if in_registers:
-        chunks.append(values)
-      else:
-        tiles.v_wide.at[pl.ds(r, ROWS)][...] = values
+      chunks.append(values)
+    if not in_registers:   # one store (and one pair of automatic barriers) for the whole tile
+      tiles.v_wide[...] = jnp.concatenate(chunks, axis=0) if len(chunks) > 1 else chunks[0]
     return chunks
 
   @region("softmax")
