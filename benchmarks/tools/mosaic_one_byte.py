@@ -45,7 +45,7 @@ VARIANTS = [(f"{impl} {kind}", impl, kind, None)
 # sk: the stream-K walk of the persistent programs; eb: no automatic barrier around each SMEM store
 # (`experimental.MosaicGPUVariantConfig.explicit_barriers`); asn: the queries as wgmma N (fp8, one consumer;
 # asn128: on 128-token tiles; vreg: V widened in registers, P V's A operand; v8: V as stored, P^T as two e4m3
-# terms, fp8 only). The default over fp8 is asn128; the
+# terms, fp8 only; sk: the stream-K walk of persistent programs). The default over fp8 is asn128; the
 # other named variants keep the keys as S's columns (queries_as_n=False), groups2 being the earlier default.
 VARIANTS += [(f"mosaic_gpu {kind} {name}", "mosaic_gpu", kind,
               config if name.startswith("asn") else dataclasses.replace(config, queries_as_n=False))
@@ -68,7 +68,8 @@ VARIANTS += [(f"mosaic_gpu {kind} {name}", "mosaic_gpu", kind,
                                   ("asn v8", MosaicGPUVariantConfig(queries_as_n=True, block_kv=64,
                                                                     values_as_stored=True)),
                                   ("asn256 v8", MosaicGPUVariantConfig(queries_as_n=True, block_kv=256,
-                                                                       values_as_stored=True)))
+                                                                       values_as_stored=True)),
+                                  ("asn128 sk", M(queries_as_n=True, block_kv=128, split_plan="stream_k")))
              for kind in ("token", "none")]
 # Kernel-only rows (`decode_partials` on the op's config and plan, no merge; results not checked): "kernel" with its
 # math, "loads" the `loads_only` probe (each slot waited for and freed, no math): what the load path alone takes.
