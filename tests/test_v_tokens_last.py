@@ -95,6 +95,8 @@ def _mosaic(**fields):
     (jnp.float8_e4m3fn, "token", None, None, dict(queries_as_n=True, values_as_stored=True, block_kv=256,
                                                   num_stages=2)),
     (jnp.float8_e4m3fn, "token", 16, 2, dict(queries_as_n=True, block_kv=128, num_stages=2)),
+    (jnp.int8, "token", None, 2, dict(queries_as_n=True, values_as_stored=True)),
+    (jnp.int8, "head", 64, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True, values_as_stored=True)),
     (jnp.int8, "head", 32, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True)),
     pytest.param(jnp.int8, "token", 128, None, dict(pipeline_qk=True, num_splits=1), marks=pytest.mark.slow),
     pytest.param(jnp.float16, None, 64, None, dict(pipeline_qk=True), marks=pytest.mark.slow),
@@ -107,6 +109,7 @@ def _mosaic(**fields):
         "int8-token-dense-s2-queries-as-n", "int8-head-page64-queries-as-n-pqk",
         "e4m3-token-dense-s2-queries-as-n-values-as-stored", "e5m2-head-page64-queries-as-n-pqk-values-as-stored",
         "e4m3-token-dense-queries-as-n-bkv256-values-as-stored", "e4m3-token-page16-s2-queries-as-n-bkv128",
+        "int8-token-dense-s2-queries-as-n-values-as-stored", "int8-head-page64-queries-as-n-pqk-values-as-stored",
         "int8-head-page32-queries-as-n-pqk",
         "int8-token-page128-pqk",
         "fp16-page64-pqk", "e5m2-token-dense-s3-persistent", "int8-token-page64-tile-consumers2"])
@@ -136,9 +139,11 @@ def test_mosaic_gpu_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, 
                                               (jnp.float8_e4m3fn, dict(queries_as_n=True)),
                                               (jnp.float8_e4m3fn, dict(queries_as_n=True, pipeline_qk=True)),
                                               (jnp.int8, dict(queries_as_n=True)),
-                                              (jnp.float8_e4m3fn, dict(queries_as_n=True, values_as_stored=True))],
+                                              (jnp.float8_e4m3fn, dict(queries_as_n=True, values_as_stored=True)),
+                                              (jnp.int8, dict(queries_as_n=True, values_as_stored=True))],
                          ids=["int8-widened", "e4m3-fp8-operands", "e4m3-fp8-operands-pqk", "e4m3-queries-as-n",
-                              "e4m3-queries-as-n-pqk", "int8-queries-as-n", "e4m3-queries-as-n-values-as-stored"])
+                              "e4m3-queries-as-n-pqk", "int8-queries-as-n", "e4m3-queries-as-n-values-as-stored",
+                              "int8-queries-as-n-values-as-stored"])
 def test_mosaic_gpu_tokens_last_race_detection_finds_none(kv_dtype, fields):
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
   # 5 tiles through a 2-slot ring: V and its scale slots refilled after register reads, the widened V tile (int8)
@@ -405,19 +410,22 @@ def test_queries_as_n_is_checked():
             (bf16, True, dataclasses.replace(as_n, kv_groups=1), r"got bfloat16"),
             (fp8, True, experimental.MosaicGPUVariantConfig(values_in_registers=True, queries_as_n=False),
              "needs queries_as_n=True"),
-            (int8, True, experimental.MosaicGPUVariantConfig(values_as_stored=True, queries_as_n=True),
-             "values_as_stored=True .* an fp8 cache")]
+            (bf16, True, experimental.MosaicGPUVariantConfig(values_as_stored=True, queries_as_n=True),
+             "values_as_stored=True .* an fp8 or int8 cache.*bfloat16"),
+            (int8, True, experimental.MosaicGPUVariantConfig(values_as_stored=True, queries_as_n=False),
+             "values_as_stored=True .*needs queries_as_n=True")]
   for case, last, config, message in checks:
     with pytest.raises(ValueError, match=message), pkv.interpret():
       pkv.decode_attention(case.q, case.k, tokens_last(case.v) if last else case.v, case.lengths, v_tokens_last=last,
                            impl="mosaic_gpu", config=config)
 
 
-@pytest.mark.parametrize("values", ["values_in_registers", "values_as_stored"])
-def test_mosaic_gpu_values_variants_lower_for_cuda(monkeypatch, values):
+@pytest.mark.parametrize("values, kv_dtype", [("values_in_registers", "float8_e4m3fn"),
+                                              ("values_as_stored", "float8_e4m3fn"), ("values_as_stored", "int8")])
+def test_mosaic_gpu_values_variants_lower_for_cuda(monkeypatch, values, kv_dtype):
   # The register-operand P V of the queries-as-N consumer: interpret mode runs no register wgmma operand, so its
   # lowering (layout inference included) is what the CPU checks; its numerics are a GPU test's. V as stored (P^T as
-  # e4m3 terms stored transposed through f16): lowered here, its numerics in interpret mode above.
+  # e4m3 or int8 terms stored transposed through f16): lowered here, its numerics in interpret mode above.
   import sweeps
   from test_mosaic_gpu_quantized import lower, lowering_args
   from pallas_kv import experimental
@@ -425,8 +433,8 @@ def test_mosaic_gpu_values_variants_lower_for_cuda(monkeypatch, values):
   _, problem = sweeps.problem_args((32, 8), (32, 4096), None)
   problem = dataclasses.replace(problem, head_dim=128, v_tokens_last=True)
   given = experimental.MosaicGPUVariantConfig(queries_as_n=True, block_kv=128, **{values: True})
-  config = mgpu_config.resolve_config(problem, given, dtype="float8_e4m3fn", num_sms=132)
-  args = lowering_args("float8_e4m3fn", "token", "token", None, head_dim=128, v_tokens_last=True)
+  config = mgpu_config.resolve_config(problem, given, dtype=kv_dtype, num_sms=132)
+  args = lowering_args(kv_dtype, "token", "token", None, head_dim=128, v_tokens_last=True)
   assert "_asn" in lower(monkeypatch, config, args)
 
 
@@ -690,11 +698,12 @@ def test_gpu_mosaic_gpu_fp8_consumer_variants_match(fields):
   _check_on_gpu("mosaic_gpu", jnp.float8_e4m3fn, None, seed=17, config=MosaicGPUVariantConfig(**fields))
 
 
-@pytest.mark.gpu   # int8 read as stored (s8 wgmma), the queries as N, dense and paged
-@pytest.mark.parametrize("page_size", [None, 128])
-def test_gpu_mosaic_gpu_int8_queries_as_n_matches(page_size):
-  _check_on_gpu("mosaic_gpu", jnp.int8, page_size, seed=19, config=pkv.MosaicGPUConfig(queries_as_n=True,
-                                                                                        block_kv=128))
+@pytest.mark.gpu   # int8 read as stored (s8 wgmma), the queries as N, dense and paged; V as stored too (P V on s8)
+@pytest.mark.parametrize("page_size, values_as_stored", [(None, False), (128, False), (None, True)])
+def test_gpu_mosaic_gpu_int8_queries_as_n_matches(page_size, values_as_stored):
+  from pallas_kv.experimental import MosaicGPUVariantConfig
+  config = MosaicGPUVariantConfig(queries_as_n=True, block_kv=128, values_as_stored=values_as_stored)
+  _check_on_gpu("mosaic_gpu", jnp.int8, page_size, seed=19, config=config)
 
 
 @pytest.mark.gpu   # the GPU tier: each dtype once, each page size once

@@ -44,8 +44,8 @@ VARIANTS = [(f"{impl} {kind}", impl, kind, None)
 # issued before this tile's softmax;
 # sk: the stream-K walk of the persistent programs; eb: no automatic barrier around each SMEM store
 # (`experimental.MosaicGPUVariantConfig.explicit_barriers`); asn: the queries as wgmma N (fp8, one consumer;
-# asn128: on 128-token tiles; vreg: V widened in registers, P V's A operand; v8: V as stored, P^T as two e4m3
-# terms, fp8 only; sk: the stream-K walk of persistent programs). The default over fp8 is asn128; the
+# asn128: on 128-token tiles; vreg: V widened in registers, P V's A operand; v8: V as stored, P^T as two one-byte
+# terms; sk: the stream-K walk of persistent programs). The default over fp8 is asn128; the
 # other named variants keep the keys as S's columns (queries_as_n=False), groups2 being the earlier default.
 VARIANTS += [(f"mosaic_gpu {kind} {name}", "mosaic_gpu", kind,
               config if name.startswith("asn") else dataclasses.replace(config, queries_as_n=False))

@@ -257,7 +257,7 @@ class DecodeSmem:
   stream_k: bool = False
   queries_as_n: bool = False   # one-byte operands: the rows as wgmma N (`fp8_operands.consume_as_n`)
   values_in_registers: bool = False   # queries_as_n: V widened in registers, no v_wide (experimental)
-  values_as_stored: bool = False   # queries_as_n over fp8: V as stored, P^T two e4m3 terms (experimental)
+  values_as_stored: bool = False   # queries_as_n: V as stored, P^T as two one-byte terms (experimental)
   q_buffers: int = 1        # 2: a persistent program copies the next item's q rows while it streams
   out_dtype: Any = jnp.float32   # the partials' (q's 16-bit dtype where one split is the output, one tile consumer)
 
@@ -465,9 +465,9 @@ class DecodeSmem:
       scratch["q_factors"] = plgpu.SMEM((self.q_buffers, self.row_wgs, ROWS_PER_WG), jnp.float32)
     if self.queries_as_n and self.one_byte_operands:   # P^T and V widened, both swizzled as P^T's rows (AS_N_SWIZZLE)
       transforms = tiling.smem_transforms(jnp.float16, self.block_kv, max_swizzle=AS_N_SWIZZLE)
-      if self.values_as_stored:   # P as two e4m3 terms [16, bkv] (wgmma's K-major B), swizzled as V's slot
-        p_t = plgpu.SMEM((2, AS_N_COLUMNS, self.block_kv), FP8_OPERAND_DTYPE,
-                         transforms=tiling.smem_transforms(FP8_OPERAND_DTYPE, self.block_kv))
+      if self.values_as_stored:   # P as two one-byte terms [16, bkv] (wgmma's K-major B), swizzled as V's slot
+        p_t = plgpu.SMEM((2, AS_N_COLUMNS, self.block_kv), self.operand_dtype,
+                         transforms=tiling.smem_transforms(self.operand_dtype, self.block_kv))
       else:
         p_t = plgpu.SMEM((self.block_kv, AS_N_COLUMNS), jnp.float16,
                          transforms=tiling.smem_transforms(jnp.float16, AS_N_COLUMNS))
@@ -620,13 +620,13 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
                                 "holds a whole float32 tile in its registers)")
   if getattr(config, "values_in_registers", False) and not config.queries_as_n:
     raise ValueError("values_in_registers=True widens V for the queries_as_n consumer: it needs queries_as_n=True")
+  one_byte = jnp.dtype(dtype) in frame.QUANTIZED_DTYPES
   if getattr(config, "values_as_stored", False) and not (
-      config.queries_as_n and jnp.dtype(dtype) in FP8_DTYPES and not getattr(config, "values_in_registers", False)):
-    raise ValueError(f"values_as_stored=True reads fp8 V as stored for the queries_as_n consumer: it needs "
-                     f"queries_as_n=True, an fp8 cache and values_in_registers=False, got {config.queries_as_n=} "
-                     f"{jnp.dtype(dtype).name}")
+      config.queries_as_n and one_byte and not getattr(config, "values_in_registers", False)):
+    raise ValueError(f"values_as_stored=True reads one-byte V as stored for the queries_as_n consumer: it needs "
+                     f"queries_as_n=True, an fp8 or int8 cache and values_in_registers=False, got "
+                     f"{config.queries_as_n=} {jnp.dtype(dtype).name}")
   if config.queries_as_n:
-    one_byte = jnp.dtype(dtype) in frame.QUANTIZED_DTYPES
     tokens_last = one_byte and quantized.get("v_tokens_last") and not converter(config)
     if not (config.kv_groups == 1 and config.tile_consumers == 1 and tokens_last and rows <= AS_N_COLUMNS):
       raise ValueError(f"queries_as_n=True needs an fp8 or int8 cache with v_tokens_last, <= {AS_N_COLUMNS} packed "

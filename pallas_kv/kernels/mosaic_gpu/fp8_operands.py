@@ -112,6 +112,19 @@ def accumulate(acc, mma, *, interpret=False):
   return acc + pl.run_scoped(staged, plgpu.ACC(acc.shape, jnp.float32))
 
 
+def probability_terms(p, *, int8: bool):
+  """P f32 in [0, 1] as two one-byte terms (hi, lo), each as values its dtype holds exactly (converted by the caller):
+  fp8: P FP8_MAX = hi + lo (hi in e4m3 already; ~8 significant bits together, bf16's); int8: P INT8_MAX = hi + lo /
+  INT8_MAX (f32 integers; hi the floor, so both terms are >= 0: within 1 / INT8_MAX^2 of P)."""
+  if int8:
+    wide = p * INT8_MAX
+    hi = wide.astype(jnp.int32).astype(jnp.float32)
+    return hi, ((wide - hi) * INT8_MAX).astype(jnp.int32).astype(jnp.float32)
+  wide = p * FP8_MAX
+  hi = wide.astype(FP8_OPERAND)
+  return hi, wide - hi.astype(jnp.float32)
+
+
 def loads_only_step(tiles):
   """A measurement probe's tile step (`TileMath.loads_only`): each ring's slot waited for and freed, no math, so that
   a kernel-only timing is the load path's own (results wrong by design)."""
@@ -361,7 +374,7 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
       s = jnp.where(ok, s, -jnp.inf)   # also drops NaN scores (and V scales) of keys past the length
     return s, inverse
 
-  as_stored = st.smem.values_as_stored   # V read by fp8 wgmma as stored, P^T as two e4m3 terms
+  as_stored = st.smem.values_as_stored   # V read by wgmma as stored, P^T as two one-byte terms
   in_registers = tiles.v_wide is None and not as_stored
 
   def widen_values(i, tile, masked: bool):
@@ -370,7 +383,7 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
     itself, those columns zeroed in place."""
     v_slot = tiles.v_ring.wait(i)
     if as_stored:
-      if masked:
+      if masked and not int8:   # int8 holds no NaN: a masked key's P^T of 0 gives its column exactly 0
         zero_values_past(v_slot, length=length, start=start, tile=tile, bkv=bkv)
       return [v_slot]
     page_runs = len(v_slot.shape) == 3   # [pages, D, page_size] from pages smaller than a tile (`value_pages`)
@@ -406,11 +419,9 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
     if inverse is not None:
       terms = p * per_token(inverse, z.shape)
       terms = jnp.where(p > 0, terms, 0.0) if masked else terms   # 1 / a scale past the length may be NaN
-    if as_stored:   # P^T times FP8_MAX as two e4m3 terms, each stored as P [16, bkv] (f16 takes the transpose)
-      wide = p * FP8_MAX
-      hi = wide.astype(FP8_OPERAND)
-      for term, x in enumerate((hi.astype(jnp.float16), (wide - hi.astype(jnp.float32)).astype(jnp.float16))):
-        x = plgpu.layout_cast(x, plgpu.Layout.WGMMA_TRANSPOSED).astype(FP8_OPERAND)
+    if as_stored:   # P^T as two one-byte terms, each stored as P [16, bkv] (f16 takes the transpose)
+      for term, x in enumerate(probability_terms(p, int8=int8)):
+        x = plgpu.layout_cast(x.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED).astype(tiles.p_t.dtype)
         tiles.p_t.at[term].transpose((1, 0))[...] = x
     else:
       tiles.p_t[...] = p.astype(tiles.p_t.dtype)
@@ -422,6 +433,16 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
     # The scale slots and the V slot were read (into S, P and v_wide) before that commit, in every warp; as_stored,
     # wgmma reads the V slot after it: freed once the products are done.
     pipeline.release_after_commit((tiles.k_scales, tiles.v_scales) + (() if as_stored else (tiles.v_ring,)), i)
+
+    if as_stored and int8:   # each term's products exact in s32, in their own n columns; combined in f32
+      def products(r_ref):
+        for term in range(2):
+          plgpu.wgmma(r_ref.at[:, pl.ds(term * n, n)], chunks[0], tiles.p_t.at[term].transpose((1, 0)))
+        return r_ref[...]
+
+      r = pl.run_scoped(products, plgpu.ACC((d, 2 * n), jnp.int32))
+      tiles.v_ring.release(i)
+      return acc + r[:, :n].astype(jnp.float32) + r[:, n:].astype(jnp.float32) * (1.0 / INT8_MAX)
 
     def mma(acc_ref):
       if as_stored:
@@ -453,7 +474,9 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
       lambda tile, i, s_raw, carry, masked: tile_math(scaled(s_raw, i, tile, masked), i, tile, carry, masked),
       issue_qk=issue_qk, k_ring=tiles.k_ring, s_type=s_type, pipeline_qk=st.pipeline_qk and not probe, t0=t0, t1=t1,
       a=a, c=c, step0=step0)
-  return acc * (1.0 / FP8_MAX) if as_stored else acc, m_i, l_part.sum(axis=0)
+  if as_stored:   # P's terms were in units of 1 / FP8_MAX or 1 / INT8_MAX (`probability_terms`)
+    acc = acc * (1.0 / (INT8_MAX if int8 else FP8_MAX))
+  return acc, m_i, l_part.sum(axis=0)
 
 
 def store_as_n(out, lse, out_smem, lse_smem):
