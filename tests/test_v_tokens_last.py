@@ -475,7 +475,8 @@ def test_loads_only_probe_leaves_the_fp8_consumers_no_math(monkeypatch, config):
         "given-bkv64", "int8-given-on", "e4m3-page16", "int8-page32"])
 def test_mosaic_gpu_heuristic_runs_fp8_queries_as_n(dtype, tokens_last, page_size, heads, given, as_n):
   # A dense fp8 cache with V tokens last and <= 16 packed rows runs the queries as N on 128-token tiles (measured
-  # faster than the two-consumer kernel at B32 T4096 and B1 T32768), unless the given fields rule it out.
+  # faster than the two-consumer kernel at B32 T4096 and B1 T32768), unless the given fields rule it out; pages of
+  # 16 or 32 tokens (fp8 and int8) always do, as no other consumer reads their V.
   import sweeps
   from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
   _, problem = sweeps.problem_args(heads, (32, 4096), page_size)
