@@ -13,7 +13,9 @@ pipeline_qk the next tile's Q K^T is issued before this tile's softmax, as in th
 `consume_as_n` (queries_as_n) turns the products around for <= 16 packed rows: S^T = K Q^T, the queries as wgmma's N,
 so that the softmax works on 16 columns rather than 64 rows, and O^T = V^T P^T over V widened to f16. It also reads
 an int8 cache as stored: Q as two int8 terms (hi + lo / 254, each row scaled to 127: ~15 bits), S^T of each term
-exact in s32 (s8 wgmma), combined in f32.
+exact in s32 (s8 wgmma), combined in f32. V from pages smaller than a tile arrives a page's run at a time, widened
+and joined in registers. With values_as_stored (experimental) V is not widened: P^T goes to wgmma as two one-byte
+terms (`probability_terms`).
 """
 
 from __future__ import annotations
@@ -295,9 +297,10 @@ _VALUE_SCALE_FLOOR = 2.0 ** -24
 @dataclasses.dataclass(frozen=True)
 class AsNTiles:
   """One consumer's refs for `consume_as_n`: Q's terms [2, 64, D] (its first 16 rows read) and their factors [64],
-  the K and V rings and their per-token scale rings (None: no per-token scale), P^T [bkv, 16] f16 and the V slot
-  widened to f16 [D, bkv] (SMEM, swizzled as `config.AS_N_SWIZZLE`; None: widened in registers instead,
-  `DecodeSmem.values_in_registers`)."""
+  the K and V rings (V's slot [D, bkv], or [pages, D, page_size]: `DecodeSmem.value_pages`) and their per-token scale
+  rings (None: no per-token scale), P^T [bkv, 16] f16 (values_as_stored: two one-byte terms [2, 16, bkv]) and the V
+  slot widened to f16 [D, bkv] (SMEM, swizzled as `config.AS_N_SWIZZLE`; None: widened in registers instead, or
+  not at all)."""
   q_terms: Any
   q_factors: Any
   k_ring: pipeline.Ring
