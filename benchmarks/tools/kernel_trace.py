@@ -42,7 +42,7 @@ from pallas_kv.kernels.mosaic_gpu import trace as kernel_trace
 from pallas_kv.kernels.mosaic_gpu.trace import KernelTrace
 
 FLAGS = flags.FLAGS
-REGIONS = ("item", "wait_free", "wait_tile", "wait_q", "write_out", "qk", "softmax", "pv")
+REGIONS = ("item", "wait_free", "wait_tile", "wait_q", "write_out", "qk", "softmax", "pv", "widen")
 SMEM_MARGIN_BYTES = 2048   # left free beside the kernel's own SMEM and the trace's buffer
 
 

@@ -380,6 +380,7 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
   as_stored = st.smem.values_as_stored   # V read by wgmma as stored, P^T as two one-byte terms
   in_registers = tiles.v_wide is None and not as_stored
 
+  @region("widen")
   def widen_values(i, tile, masked: bool):
     """The V slot [D, bkv] as f16, its columns past the length (or before a window start) zeroed: into v_wide, or
     (in_registers) as 64-row register chunks in the WGMMA layout, the A operands of P V; as_stored: the slot

@@ -5,7 +5,8 @@ Perfetto trace after the call. A diagnostic: off outside `tracing(...)`, and the
 Regions of the GQA kernel: `item` (a work item, producer and consumers), `wait_free` (the producer waiting for a
 ring slot), `wait_tile` (a consumer waiting for a tile to land), `wait_q` and `write_out` (a consumer waiting for
 its q rows, and storing its output at an item's end), and a tile's `qk` (without `pipeline_qk`: issued and
-awaited), `softmax` and `pv` (its wgmma's wait included)."""
+awaited), `softmax` and `pv` (its wgmma's wait included); the queries-as-N consumer's `widen` (V's slot widened, or
+zeroed past a length when read as stored). A region's time includes the regions inside it (a `wait_tile` in `qk`)."""
 
 from __future__ import annotations
 
