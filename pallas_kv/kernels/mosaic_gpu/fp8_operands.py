@@ -127,7 +127,7 @@ def probability_terms(p, *, int8: bool):
   return hi, wide - hi.astype(jnp.float32)
 
 
-def loads_only_step(tiles):
+def _loads_only_step(tiles):
   """A measurement probe's tile step (`TileMath.loads_only`): each ring's slot waited for and freed, no math, so that
   a kernel-only timing is the load path's own (results wrong by design)."""
   rings = [ring for ring in (tiles.k_ring, tiles.v_ring, tiles.k_scales, tiles.v_scales) if ring is not None]
@@ -141,13 +141,17 @@ def loads_only_step(tiles):
   return step
 
 
-def run_tiles(carry, step, pipelined, *, issue_qk, k_ring: pipeline.Ring, s_type, pipeline_qk: bool, t0, t1, a, c,
-              step0):
+def run_tiles(carry, step, pipelined, *, tiles, issue_qk, s_type, st, t0, t1, a, c, step0):
   """The carry after tiles [t0, t1), [a, c) unmasked: step(tile, i, carry, masked) scores ring step i itself.
-  With pipeline_qk, pipelined(tile, i, s_raw, carry, masked) takes this tile's raw scores from the carry while the
+  With st.pipeline_qk, pipelined(tile, i, s_raw, carry, masked) takes this tile's raw scores from the carry while the
   next tile's Q K^T (issue_qk into a scoped s_type accumulator) runs during its softmax, FA3's overlap in one
   warpgroup. K slot i is held until the step ends, so that the last step re-scores its own slot rather than branch
-  around the wgmma (each landed slot is waited for once)."""
+  around the wgmma (each landed slot is waited for once). Under a loads_only probe (`st.tile_math`) each step only
+  waits for and frees the slots of `tiles`' rings."""
+  k_ring, pipeline_qk = tiles.k_ring, st.pipeline_qk
+  if st.tile_math.loads_only:
+    step, pipeline_qk = _loads_only_step(tiles), False
+
   def pipelined_step(tile, carry, *, masked: bool):
     *state, s_raw = carry
     i = step0 + tile - t0
@@ -250,11 +254,10 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
                                                            log2_units=(jnp.log2(c_i), jnp.log2(c_new)))
       p = online_softmax.times_key_scales(p, key_scales, masked=masked)
     acc = acc * rows(alpha, acc.shape)
-    p = p * FP8_MAX
     p_hi, p_lo = tiles.p_terms
-    hi = p.astype(p_hi.dtype)
+    hi, lo = probability_terms(p, int8=False)
     p_hi[...] = hi
-    p_lo[...] = (p - hi.astype(jnp.float32)).astype(p_lo.dtype)
+    p_lo[...] = lo.astype(p_lo.dtype)
     plgpu.commit_smem()
     # Both scale slots were read (into S and P) before that commit, in every warp.
     pipeline.release_after_commit((tiles.k_scales, tiles.v_scales), i)
@@ -274,13 +277,10 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
   l_i = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), wgmma_rows)
   c_i = plgpu.layout_cast(jnp.full((ROWS,), 1.0 if tiles.v_scales is None else _MIN_VALUE_SCALE, jnp.float32),
                           wgmma_rows)
-  step = lambda tile, i, carry, masked: tile_step_math(scores(i), i, tile, carry, masked)
-  probe = st.tile_math.loads_only
   acc, m_i, l_i, c_i = run_tiles(
-      (acc, m_i, l_i, c_i), loads_only_step(tiles) if probe else step,
+      (acc, m_i, l_i, c_i), lambda tile, i, carry, masked: tile_step_math(scores(i), i, tile, carry, masked),
       lambda tile, i, s_raw, carry, masked: tile_step_math(scaled(s_raw, i), i, tile, carry, masked),
-      issue_qk=issue_qk, k_ring=tiles.k_ring, s_type=s_type, pipeline_qk=st.pipeline_qk and not probe, t0=t0, t1=t1,
-      a=a, c=c, step0=step0)
+      tiles=tiles, issue_qk=issue_qk, s_type=s_type, st=st, t0=t0, t1=t1, a=a, c=c, step0=step0)
   if tiles.v_scales is not None:   # the shift's units: lse = (m + log2 c) ln 2 + ln(l / c); acc / l as it is
     m_i = m_i + jnp.log2(c_i)
   return acc * (1 / FP8_MAX), m_i, l_i
@@ -438,15 +438,10 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
     # wgmma reads the V slot after it: freed once the products are done.
     pipeline.release_after_commit((tiles.k_scales, tiles.v_scales) + (() if as_stored else (tiles.v_ring,)), i)
 
-    if as_stored and int8:   # each term's products exact in s32, in their own n columns; combined in f32
-      def products(r_ref):
-        for term in range(2):
-          plgpu.wgmma(r_ref.at[:, pl.ds(term * n, n)], chunks[0], tiles.p_t.at[term].transpose((1, 0)))
-        return r_ref[...]
-
-      r = pl.run_scoped(products, plgpu.ACC((d, 2 * n), jnp.int32))
-      tiles.v_ring.release(i)
-      return acc + r[:, :n].astype(jnp.float32) + r[:, n:].astype(jnp.float32) * (1.0 / INT8_MAX)
+    def int8_products(r_ref):   # each term's products exact in s32, in their own n columns
+      for term in range(2):
+        plgpu.wgmma(r_ref.at[:, pl.ds(term * n, n)], chunks[0], tiles.p_t.at[term].transpose((1, 0)))
+      return r_ref[...]
 
     def mma(acc_ref):
       if as_stored:
@@ -458,7 +453,11 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
         for r, values in zip(range(0, d, ROWS), chunks):
           plgpu.wgmma(acc_ref.at[pl.ds(r, ROWS)], values, tiles.p_t)
 
-    acc = accumulate(acc, mma, interpret=interpret)
+    if as_stored and int8:   # the terms combined in f32
+      r = pl.run_scoped(int8_products, plgpu.ACC((d, 2 * n), jnp.int32))
+      acc = acc + r[:, :n].astype(jnp.float32) + r[:, n:].astype(jnp.float32) * (1.0 / INT8_MAX)
+    else:
+      acc = accumulate(acc, mma, interpret=interpret)
     if as_stored:
       tiles.v_ring.release(i)
     return acc
@@ -471,13 +470,10 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
   acc = plgpu.layout_cast(jnp.zeros((d, n), jnp.float32), plgpu.Layout.WGMMA)
   m_i = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), cols)
   l_part = plgpu.layout_cast(jnp.zeros((bkv, n), jnp.float32), plgpu.Layout.WGMMA)   # summed at the end
-  step = lambda tile, i, carry, masked: tile_math(scores(i, tile, masked), i, tile, carry, masked)
-  probe = st.tile_math.loads_only
   acc, m_i, l_part = run_tiles(
-      (acc, m_i, l_part), loads_only_step(tiles) if probe else step,
+      (acc, m_i, l_part), lambda tile, i, carry, masked: tile_math(scores(i, tile, masked), i, tile, carry, masked),
       lambda tile, i, s_raw, carry, masked: tile_math(scaled(s_raw, i, tile, masked), i, tile, carry, masked),
-      issue_qk=issue_qk, k_ring=tiles.k_ring, s_type=s_type, pipeline_qk=st.pipeline_qk and not probe, t0=t0, t1=t1,
-      a=a, c=c, step0=step0)
+      tiles=tiles, issue_qk=issue_qk, s_type=s_type, st=st, t0=t0, t1=t1, a=a, c=c, step0=step0)
   if as_stored:   # P's terms were in units of 1 / FP8_MAX or 1 / INT8_MAX (`probability_terms`)
     acc = acc * (1.0 / (INT8_MAX if int8 else FP8_MAX))
   return acc, m_i, l_part.sum(axis=0)
