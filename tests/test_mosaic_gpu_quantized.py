@@ -165,6 +165,46 @@ def test_quantized_single_kv_head_per_token_scales_interpret():
   check_case(case, complete(num_splits=2))
 
 
+# Per-token scales of 2 or 3 kv heads: a token's group of scales is under one 16-byte TMA row, so the call lays
+# them out by head ([B, Hkv, T]) and each tile's scales of a head are one run. Each consumer that reads them:
+# the widening kernel (rows), the queries as N (S^T's rows), fp8 operands (S's columns); dense and over pages
+# of 32 (a page's run a copy, 128 bytes). The last three read V stored tokens last; groups of 2 and 3.
+@pytest.mark.parametrize("kv_dtype,num_kv_heads,page_size,fields", [
+    (INT8, 2, None, {}),
+    (E4M3, 3, 32, dict(queries_as_n=True)),
+    (INT8, 2, 32, dict(queries_as_n=True, block_kv=128)),
+    (E4M3, 2, None, dict(num_splits=2)),
+], ids=["int8-hkv2-dense-widening", "e4m3-hkv3-page32-queries-as-n", "int8-hkv2-page32-queries-as-n-bkv128",
+        "e4m3-hkv2-dense-fp8-operands"])
+def test_per_token_scales_of_kv_heads_not_a_multiple_of_4_interpret(kv_dtype, num_kv_heads, page_size, fields):
+  # Groups of 3 over 3 kv heads (SmolLM2-135M): 3 rows of Q factors a head, padded to 16 bytes.
+  num_queries = 1 if num_kv_heads == 3 else 2
+  case = make_quant_case(21, kv_dtype=kv_dtype, k_kind="token", v_kind="token", batch=2, num_heads=3 * num_kv_heads,
+                         num_kv_heads=num_kv_heads, num_queries=num_queries, page_size=page_size, lengths=[256, 99])
+  config = complete(**fields)
+  v_tokens_last = kv_dtype == E4M3 or config.queries_as_n
+  smem = mgpu_config.DecodeSmem.for_call(config, rows=3 * num_queries, head_dim=64, dtype=kv_dtype,
+                                         page_size=page_size, k_scale_kind="token", v_scale_kind="token",
+                                         num_kv_heads=num_kv_heads, v_tokens_last=v_tokens_last)
+  assert smem.scales_by_head and smem.scale_ring_spec("k").block_shape == (config.block_kv,)
+  rows = frame.pack_queries(case.q, num_kv_heads)
+  if page_size is None:
+    args, k_scale, v_scale = (rows, case.k, case.v, case.lengths), case.k_scale, case.v_scale
+  else:
+    k_pages, v_pages, tables, k_scale, v_scale = case.paged
+    args = (rows, k_pages, v_pages, case.lengths, tables)
+  if v_tokens_last:   # [B, T, Hkv, D] / [P, page_size, Hkv, D] -> tokens last
+    args = args[:2] + (jnp.transpose(args[2], (0, 2, 3, 1)),) + args[3:]
+  plan = pkv.SplitPlan(kind="per_sequence", num_splits=config.num_splits, block_kv=config.block_kv)
+  out, lse = mgpu_decode.decode_partials(*args, num_queries=num_queries, options=AttentionOptions(scale=0.125),
+                                         config=config, plan=plan, k_scale=k_scale, v_scale=v_scale,
+                                         v_tokens_last=v_tokens_last, interpret=plgpu.InterpretGPUParams())
+  out, lse = frame.merge_splits(out, lse)
+  ref, ref_lse = case.reference(scale=0.125)
+  assert_matches_reference(frame.unpack_rows(out, num_queries), ref, case.q.dtype)
+  assert_lse_matches(frame.unpack_rows(lse, num_queries), ref_lse, case.q.dtype)
+
+
 def test_per_token_scales_of_one_kv_head_need_pages_of_32_tokens():
   # TMA writes SMEM from 128-byte boundaries: a page's run of single scales is one copy, so pages of 16 (64
   # bytes) would land misaligned; 4-head scale rows (16 bytes a token) take pages of 8.
@@ -233,7 +273,8 @@ def test_quantized_reason():
       for v_kind in SCALE_KINDS:
         for hkv in (1, 4, 8):
           assert reason(dtype, k_kind, v_kind, _problem(hkv)) is None, (dtype, k_kind, v_kind, hkv)
-  assert "per-token scales need 1 or a multiple of 4 kv heads" in reason(INT8, "token", None, _problem(2))
+  assert reason(INT8, "token", None, _problem(2)) is None   # laid out by head before the call
+  assert "pages of 16 tokens" in reason(INT8, "token", None, _problem(2, page_size=16))
   assert reason(INT8, "head", "head", _problem(2)) is None
   assert "not a one-byte type" in reason(jnp.bfloat16, "head", None, _problem(8))
   assert reason(INT8, None, None, _problem(8, head_dim=256, group=16, num_queries=8)) is None
@@ -245,8 +286,6 @@ def test_decode_partials_refuses_what_it_cannot_serve():
   call = functools.partial(mgpu_decode.decode_partials, num_queries=1, options=AttentionOptions(scale=0.1),
                            config=BASE, plan=pkv.SplitPlan(kind="per_sequence", num_splits=1, block_kv=64))
   kv8 = jnp.zeros((1, 128, 2, 64), jnp.int8)
-  with pytest.raises(NotImplementedError, match="per-token scales need 1 or a multiple of 4 kv heads.*got 2"):
-    call(q, kv8, kv8, lengths, k_scale=jnp.ones((1, 128, 2), jnp.float32))
   kv16 = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
   with pytest.raises(NotImplementedError, match="need a one-byte cache"):
     call(q, kv16, kv16, lengths, v_scale=jnp.ones((2,), jnp.float32))
@@ -401,6 +440,20 @@ def test_heuristic_configs_lower_for_cuda(monkeypatch, kv_dtype, page_size, scal
   lower(monkeypatch, config, lowering_args(kv_dtype, scale_kind, scale_kind, page_size))
 
 
+@pytest.mark.parametrize("kv_dtype,page_size,heads,head_dim", [
+    (E4M3, None, (9, 3), 64), (INT8, 64, (9, 3), 64), (E4M3, 16, (28, 4), 128)],
+    ids=["e4m3-heads9-3-d64", "int8-page64-heads9-3-d64", "e4m3-page16-heads28-4"])
+def test_default_configs_of_odd_groups_lower_for_cuda(monkeypatch, kv_dtype, page_size, heads, head_dim):
+  # The default cache (V tokens last, per-token scales) at SmolLM2-135M's heads (3 kv heads: scales laid out by
+  # head; groups of 3) and Qwen2.5-7B's (groups of 7): Q's row factors padded to 16-byte rows.
+  _, problem = sweeps.problem_args(heads, (8, 4096), page_size)
+  problem = dataclasses.replace(problem, head_dim=head_dim, v_tokens_last=True)
+  config = mgpu_config.resolve_config(problem, None, dtype=kv_dtype, num_sms=132)
+  module = lower(monkeypatch, config, lowering_args(kv_dtype, "token", "token", page_size, batch=8, heads=heads,
+                                                    head_dim=head_dim, v_tokens_last=True))
+  assert "_vlast" in module
+
+
 @pytest.mark.parametrize("fields,page_size,heads,head_dim,num_queries", [
     (dict(pipeline_qk=True), None, (32, 8), 128, None),
     (dict(pipeline_qk=True, persistent=True, num_stages=6), 16, (32, 8), 128, None),
@@ -409,8 +462,10 @@ def test_heuristic_configs_lower_for_cuda(monkeypatch, kv_dtype, page_size, scal
     (dict(), None, (32, 8), 64, None),
     (dict(), 64, (32, 8), 256, None),
     (dict(), 32, (16, 1), 128, 5),
+    (dict(), 32, (12, 2), 128, None),   # per-token scales laid out by head
+    (dict(), None, (9, 3), 64, None),
 ], ids=["pqk", "pqk-persistent-page16", "bkv128", "hkv1-page32", "d64", "d256-page64-one-group",
-        "two-row-warpgroups-page32"])
+        "two-row-warpgroups-page32", "hkv2-page32", "hkv3-d64"])
 def test_options_and_shapes_lower_for_cuda(monkeypatch, fields, page_size, heads, head_dim, num_queries):
   # K per token, V per head, int8; partial configs filled by the backend (resolve_config).
   _, problem = sweeps.problem_args(heads, (32, 4096), page_size)

@@ -667,10 +667,13 @@ def test_triton_lowers_for_cuda(page_size):
 _GPU_DTYPES = (jnp.int8, jnp.float8_e4m3fn, jnp.bfloat16)
 
 
-def _check_on_gpu(impl: str, kv_dtype, page_size, seed: int, config=None):
-  """impl reading v tokens last against xla reading it like k, heads 32/8 D 128, B4 T4096, 2 new tokens; per-token
-  scales for a one-byte cache; poisoned slots past the lengths. config: a partial config of impl, or None."""
-  case = make_case(seed, batch=4, seq_len=4096, num_heads=32, num_kv_heads=8, head_dim=128, num_queries=2,
+def _check_on_gpu(impl: str, kv_dtype, page_size, seed: int, config=None, heads=(32, 8), head_dim=128,
+                  num_queries=2):
+  """impl reading v tokens last against xla reading it like k, B4 T4096 (by default heads 32/8, D 128, 2 new
+  tokens); per-token scales for a one-byte cache; poisoned slots past the lengths. config: a partial config of
+  impl, or None."""
+  case = make_case(seed, batch=4, seq_len=4096, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
+                   num_queries=num_queries,
                    dtype=jnp.float16 if jnp.dtype(kv_dtype).itemsize == 1 else jnp.bfloat16, kv_dtype=kv_dtype,
                    page_size=page_size)
   case = poison_unread_slots(case, dense=page_size is None)
@@ -727,3 +730,11 @@ def test_gpu_mosaic_gpu_matches_v_like_k(kv_dtype, page_size):
 @pytest.mark.parametrize("kv_dtype,page_size", [(jnp.float8_e4m3fn, 16), (jnp.int8, 32)])
 def test_gpu_mosaic_gpu_small_value_pages_match(kv_dtype, page_size):
   _check_on_gpu("mosaic_gpu", kv_dtype, page_size, seed=23)   # the heuristic's config
+
+
+@pytest.mark.gpu   # per-token scales of 3 and 2 kv heads laid out by head; groups of 3 and 7 (Q factors padded)
+@pytest.mark.parametrize("kv_dtype,page_size,heads,head_dim", [
+    (jnp.float8_e4m3fn, None, (9, 3), 64), (jnp.int8, 64, (9, 3), 64), (jnp.float8_e4m3fn, 32, (14, 2), 128)],
+    ids=["e4m3-heads9-3-d64", "int8-page64-heads9-3-d64", "e4m3-page32-heads14-2"])
+def test_gpu_mosaic_gpu_odd_head_counts_match(kv_dtype, page_size, heads, head_dim):
+  _check_on_gpu("mosaic_gpu", kv_dtype, page_size, seed=29, heads=heads, head_dim=head_dim, num_queries=1)

@@ -202,11 +202,8 @@ def quantized_call_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str 
       return f"k_scale / v_scale need a one-byte cache, got {kv_dtype.name}"
     return None
   if "token" in (k_scale_kind, v_scale_kind):
-    width = tiling.token_scale_width(num_kv_heads)
-    if width is None:
-      return (f"per-token scales need 1 or a multiple of {tiling.SCALE_ROW} kv heads (TMA copies rows of 16 "
-              f"bytes), got {num_kv_heads}")
-    return token_scale_reason(page_size, width)
+    # Scales laid out by head (kv heads not 1 or a multiple of 4) are copied as one head's run, as for one kv head.
+    return token_scale_reason(page_size, tiling.token_scale_width(num_kv_heads) or 1)
   return None
 
 
@@ -249,6 +246,7 @@ class DecodeSmem:
   q_dtype: Any = None       # None: dtype, or bf16 for a one-byte cache
   token_scales: tuple[str, ...] = ()   # roles ("k", "v") with per-token scales
   scale_width: int = tiling.SCALE_ROW
+  scales_by_head: bool = False   # per-token scales laid out [B, Hkv, T] before the call (`tiling.token_scale_width`)
   pipeline_qk: bool = False
   converter: bool = False
   tile_aliases: bool = False
@@ -305,6 +303,7 @@ class DecodeSmem:
                copies_per_tile=copies_per_tile(config.block_kv, page_size), stage_p=interpret,
                separate_out=config.persistent, q_dtype=q_dtype, token_scales=token_scales,
                scale_width=tiling.token_scale_width(num_kv_heads) or tiling.SCALE_ROW,
+               scales_by_head=bool(token_scales) and tiling.token_scale_width(num_kv_heads) is None,
                pipeline_qk=config.pipeline_qk, converter=converter(config), v_tokens_last=v_tokens_last,
                tile_consumers=config.tile_consumers or 1, stream_k=config.split_plan == "stream_k",
                out_dtype=out_dtype, queries_as_n=bool(config.queries_as_n),
@@ -385,7 +384,10 @@ class DecodeSmem:
     """Whether role's per-token scales are laid out tokens last ([B, Hkv, T] / [P, Hkv, page_size], by
     `decode.decode_partials`): a tile's scales are then the head's own run, loaded as WGMMA columns (V's tokens
     last; both with fp8 operands, where the keys are S's columns). With the queries as N the keys are S^T's rows,
-    as the scales are stored: no transpose."""
+    as the scales are stored: no transpose. Scales by head are laid out so for every kernel: a tile's scales of
+    one head are one run, loaded as a vector over the keys (`tiling.load_token_scales`) or as columns."""
+    if self.scales_by_head:
+      return True
     return not self.queries_as_n and ((role == "v" and self.v_tokens_last) or self.one_byte_operands)
 
   def scale_ring_spec(self, role: str = "k") -> pipeline.RingSpec:

@@ -610,7 +610,8 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
     dtype or a one-byte type (`frame.QUANTIZED_DTYPES`). v_tokens_last: v is [B, Hkv, D, T] / [P, Hkv, D,
     page_size] (`config.tokens_last_reason`).
   k_scale, v_scale: None, [Hkv] f32, or per token with the cache's leading dims ([B, T, Hkv] /
-    [P, page_size, Hkv]; Hkv 1 or a multiple of 4): logits use k_scale_t * k_t, the output v_scale_t * v_t.
+    [P, page_size, Hkv]; other than 1 or a multiple of 4 kv heads laid out by head here, an extra pass
+    over the scales): logits use k_scale_t * k_t, the output v_scale_t * v_t.
   window_start: int32 [B], given exactly when options.has_window_start: keys before it are invisible.
   options: scale, softcap, window; config: a complete `MosaicGPUConfig`; plan: its `SplitPlan` (batch slot i takes
     sequence plan.order[i] when given);
@@ -679,6 +680,8 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
     q = jnp.pad(q, ((0, 0), (0, 0), (0, split_plan.round_up(R, _Q_ROW_MULTIPLE) - R), (0, 0)))
   if smem.one_byte_operands:   # Q as two one-byte terms and their rows' factors (a head's k_scale folded in)
     q, q_factors = fp8_operands.split_rows(q, k_scale if k_kind == "head" else None, dtype=smem.operand_dtype)
+    # TMA needs 16-byte GMEM strides: [B, Hkv, R] float32 factors padded to a multiple of 4 rows (groups of 3, 7).
+    q_factors = jnp.pad(q_factors, ((0, 0), (0, 0), (0, split_plan.round_up(q.shape[-2], 4) - q.shape[-2])))
     args = [q, k, v, lengths, q_factors]
   else:
     args = [q, k, v, lengths]

@@ -10,7 +10,7 @@ P V's wgmma as K is by Q K^T; from pages smaller than a tile, [pages, D, page_si
 A paged tile is one TMA copy per run of tokens that one page holds (gcd(page_size, block_kv) tokens); a run of
 fewer than 8 rows lands one swizzle column tile at a time (`pipeline.RingSpec.splits_rows`). Per-token scales come
 with the same copies: TMA rows are 16 bytes, so a scale tile holds the 4-head group of the program's head (one kv
-head: contiguous scales).
+head: contiguous scales; 2, 3, 5... kv heads: scales laid out by head before the call, a run a copy).
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ _SCALE_ROWS_LAYOUT = plgpu.Layout.TILED(
 
 
 def token_scale_width(num_kv_heads: int) -> int | None:
-  """Scales per token in a scale tile: 1 for one kv head, SCALE_ROW, or None where TMA cannot copy them."""
+  """Scales per token in a scale tile as stored: 1 for one kv head, SCALE_ROW, or None where TMA cannot copy a
+  token's group (a row of 2 or 3 heads' scales is under 16 bytes): the scales are then laid out by head
+  ([B, Hkv, T], `DecodeSmem.scales_by_head`)."""
   if num_kv_heads == 1:
     return 1
   return SCALE_ROW if num_kv_heads % SCALE_ROW == 0 else None
@@ -193,9 +195,9 @@ class KVTiling:
     return [v_ref.at[pl.ds(index, 1), head] for index, _ in locations]
 
   def tokens_last_scale_sources(self, scale_ref, locations, *, head) -> list[Any]:
-    """GMEM views [block_kv] of per-token scales laid out tokens last (scale_ref [B, Hkv, T] / [P, Hkv, page_size]
-    f32), beside `tokens_last_sources`."""
-    return [scale_ref.at[index, head, pl.ds(row, self.block_kv)] for index, row in locations]
+    """GMEM views [rows_per_copy] of per-token scales laid out tokens last (scale_ref [B, Hkv, T] /
+    [P, Hkv, page_size] f32), one per copy, which stacked in order are the tile's [block_kv] scales."""
+    return [scale_ref.at[index, head, pl.ds(row, self.rows_per_copy)] for index, row in locations]
 
   def scale_sources(self, scale_ref, locations, *, head, width: int, tokens_per_index: int) -> list[Any]:
     """GMEM views of the tile's per-token scales, one per copy: scale_ref [B, T, Hkv] / [P, page_size, Hkv]
