@@ -166,16 +166,18 @@ def test_quantized_single_kv_head_per_token_scales_interpret():
 
 
 # Per-token scales of 2 or 3 kv heads: a token's group of scales is under one 16-byte TMA row, so the call lays
-# them out by head ([B, Hkv, T]) and each tile's scales of a head are one run. Each consumer that reads them:
-# the widening kernel (rows), the queries as N (S^T's rows), fp8 operands (S's columns); dense and over pages
-# of 32 (a page's run a copy, 128 bytes). The last three read V stored tokens last; groups of 2 and 3.
+# them out by head ([B, Hkv, T]) and each tile's scales of a head are one run; over pages of 16 (a run of 64
+# bytes, under TMA's 128) it pads the heads to 4-head rows instead. Each consumer that reads them: the widening
+# kernel (rows), the queries as N (S^T's rows), fp8 operands (S's columns); dense and over pages of 32 (a page's
+# run a copy) and 16. All but the first read V stored tokens last; groups of 2 and 3.
 @pytest.mark.parametrize("kv_dtype,num_kv_heads,page_size,fields", [
     (INT8, 2, None, {}),
     (E4M3, 3, 32, dict(queries_as_n=True)),
     (INT8, 2, 32, dict(queries_as_n=True, block_kv=128)),
     (E4M3, 2, None, dict(num_splits=2)),
+    (E4M3, 3, 16, dict(queries_as_n=True, block_kv=128)),
 ], ids=["int8-hkv2-dense-widening", "e4m3-hkv3-page32-queries-as-n", "int8-hkv2-page32-queries-as-n-bkv128",
-        "e4m3-hkv2-dense-fp8-operands"])
+        "e4m3-hkv2-dense-fp8-operands", "e4m3-hkv3-page16-queries-as-n-padded"])
 def test_per_token_scales_of_kv_heads_not_a_multiple_of_4_interpret(kv_dtype, num_kv_heads, page_size, fields):
   # Groups of 3 over 3 kv heads (SmolLM2-135M): 3 rows of Q factors a head, padded to 16 bytes.
   num_queries = 1 if num_kv_heads == 3 else 2
@@ -186,7 +188,9 @@ def test_per_token_scales_of_kv_heads_not_a_multiple_of_4_interpret(kv_dtype, nu
   smem = mgpu_config.DecodeSmem.for_call(config, rows=3 * num_queries, head_dim=64, dtype=kv_dtype,
                                          page_size=page_size, k_scale_kind="token", v_scale_kind="token",
                                          num_kv_heads=num_kv_heads, v_tokens_last=v_tokens_last)
-  assert smem.scales_by_head and smem.scale_ring_spec("k").block_shape == (config.block_kv,)
+  by_head = page_size != 16
+  assert smem.scales_by_head == by_head
+  assert smem.scale_ring_spec("k").block_shape == ((config.block_kv,) if by_head else (config.block_kv, 4))
   rows = frame.pack_queries(case.q, num_kv_heads)
   if page_size is None:
     args, k_scale, v_scale = (rows, case.k, case.v, case.lengths), case.k_scale, case.v_scale
@@ -205,14 +209,14 @@ def test_per_token_scales_of_kv_heads_not_a_multiple_of_4_interpret(kv_dtype, nu
   assert_lse_matches(frame.unpack_rows(lse, num_queries), ref_lse, case.q.dtype)
 
 
-def test_per_token_scales_of_one_kv_head_need_pages_of_32_tokens():
-  # TMA writes SMEM from 128-byte boundaries: a page's run of single scales is one copy, so pages of 16 (64
-  # bytes) would land misaligned; 4-head scale rows (16 bytes a token) take pages of 8.
-  case = make_quant_case(9, kv_dtype=INT8, k_kind="token", v_kind="token", batch=1, seq_len=64, num_heads=4,
-                         num_kv_heads=1, page_size=16, lengths=[40])
-  with pytest.raises(NotImplementedError, match="pages of 16 tokens: TMA .* a multiple of 32 tokens"):
-    run_partials(case, complete())
-  assert mgpu_config.token_scale_reason(16, 1) and not mgpu_config.token_scale_reason(32, 1)
+def test_per_token_scales_of_one_kv_head_on_pages_of_16_are_padded_to_group_rows_interpret():
+  # TMA writes SMEM from 128-byte boundaries: a page's run of 16 single scales (64 bytes) would land misaligned,
+  # so the call pads the one head to a 4-head row (16 bytes a token), which pages of 8 take.
+  case = make_quant_case(9, kv_dtype=INT8, k_kind="token", v_kind="token", batch=1, seq_len=128, num_heads=4,
+                         num_kv_heads=1, page_size=16, lengths=[100])
+  check_case(case, complete())
+  assert mgpu_config.token_scale_width(1, 16) == 4 and mgpu_config.token_scale_width(1, 32) == 1
+  assert mgpu_config.token_scale_reason(16, 1) and not mgpu_config.token_scale_reason(8, 4)
   assert not mgpu_config.token_scale_reason(8, tiling.SCALE_ROW) and not mgpu_config.token_scale_reason(None, 1)
 
 
@@ -273,8 +277,8 @@ def test_quantized_reason():
       for v_kind in SCALE_KINDS:
         for hkv in (1, 4, 8):
           assert reason(dtype, k_kind, v_kind, _problem(hkv)) is None, (dtype, k_kind, v_kind, hkv)
-  assert reason(INT8, "token", None, _problem(2)) is None   # laid out by head before the call
-  assert "pages of 16 tokens" in reason(INT8, "token", None, _problem(2, page_size=16))
+  for page_size in (None, 16, 32):   # laid out by head or padded to 4-head rows before the call
+    assert reason(INT8, "token", None, _problem(2, page_size=page_size)) is None
   assert reason(INT8, "head", "head", _problem(2)) is None
   assert "not a one-byte type" in reason(jnp.bfloat16, "head", None, _problem(8))
   assert reason(INT8, None, None, _problem(8, head_dim=256, group=16, num_queries=8)) is None
@@ -441,11 +445,12 @@ def test_heuristic_configs_lower_for_cuda(monkeypatch, kv_dtype, page_size, scal
 
 
 @pytest.mark.parametrize("kv_dtype,page_size,heads,head_dim", [
-    (E4M3, None, (9, 3), 64), (INT8, 64, (9, 3), 64), (E4M3, 16, (28, 4), 128)],
-    ids=["e4m3-heads9-3-d64", "int8-page64-heads9-3-d64", "e4m3-page16-heads28-4"])
+    (E4M3, None, (9, 3), 64), (INT8, 64, (9, 3), 64), (INT8, 16, (9, 3), 64), (E4M3, 16, (28, 4), 128)],
+    ids=["e4m3-heads9-3-d64", "int8-page64-heads9-3-d64", "int8-page16-heads9-3-d64", "e4m3-page16-heads28-4"])
 def test_default_configs_of_odd_groups_lower_for_cuda(monkeypatch, kv_dtype, page_size, heads, head_dim):
   # The default cache (V tokens last, per-token scales) at SmolLM2-135M's heads (3 kv heads: scales laid out by
-  # head; groups of 3) and Qwen2.5-7B's (groups of 7): Q's row factors padded to 16-byte rows.
+  # head, or padded to 4-head rows over pages of 16; groups of 3) and Qwen2.5-7B's (groups of 7): Q's row factors
+  # padded to 16-byte rows.
   _, problem = sweeps.problem_args(heads, (8, 4096), page_size)
   problem = dataclasses.replace(problem, head_dim=head_dim, v_tokens_last=True)
   config = mgpu_config.resolve_config(problem, None, dtype=kv_dtype, num_sms=132)

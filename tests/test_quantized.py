@@ -175,14 +175,15 @@ def test_auto_prefers_triton_for_one_byte_caches(monkeypatch):
                          None)[0] in ("mosaic_gpu", "triton")
 
 
-def test_mosaic_gpu_refuses_per_token_scales_of_two_kv_heads_on_pages_of_16_with_reason():
-  # Scales of 2 kv heads are laid out by head, a page's run of 16 (64 bytes) a copy: TMA needs 128.
-  case = make_case(11, batch=1, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
+def test_mosaic_gpu_serves_per_token_scales_of_two_kv_heads_on_pages_of_16(interpret_mode):
+  # Scales of 2 kv heads: a token's 8 bytes are under a TMA row, and a head's run of 16 under TMA's 128-byte SMEM
+  # alignment; the call pads them to 4-head rows.
+  case = make_case(11, batch=2, seq_len=128, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
                    kv_dtype=jnp.int8, page_size=16)
-  scale = jnp.ones(case.k_pages.shape[:3], jnp.float32)
-  with pytest.raises(NotImplementedError, match="mosaic_gpu.*pages of 16 tokens.*multiple of 32"):
-    pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths, k_scale=scale,
-                               impl="mosaic_gpu")
+  scale = jnp.asarray(np.random.default_rng(3).uniform(0.01, 0.03, case.k_pages.shape[:3]), jnp.float32)
+  call = lambda impl: pkv.paged_decode_attention(case.q, case.k_pages, case.v_pages, case.block_tables,
+                                                 case.lengths, k_scale=scale, v_scale=scale, impl=impl)
+  assert_matches_reference(call("mosaic_gpu"), call("xla"), jnp.bfloat16)
 
 
 def pkv_problem(case):

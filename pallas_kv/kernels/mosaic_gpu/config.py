@@ -152,6 +152,18 @@ def mla_reason(qk_dim: int, v_dim: int, kv_dtype) -> str | None:
   return None
 
 
+def token_scale_width(num_kv_heads: int, page_size: int | None) -> int:
+  """float32 scales per token in a per-token scale slot: SCALE_ROW, each token's 4-head group (a 16-byte TMA row),
+  or 1, one head's run of tokens. Group rows are read as stored over a multiple of 4 kv heads. Otherwise a head's
+  run: as stored for one kv head, laid out by head ([B, Hkv, T], `DecodeSmem.scales_by_head`) before the call
+  for 2, 3, 5...; except over pages whose run of single scales is under TMA's 128-byte SMEM alignment (pages of
+  8 or 16): there the heads are padded to a multiple of 4 before the call and read as group rows."""
+  single_run = pipeline.TMA_SMEM_ALIGNMENT // 4   # tokens of single scales per 128 bytes
+  if num_kv_heads % tiling.SCALE_ROW == 0 or (page_size is not None and page_size % single_run):
+    return tiling.SCALE_ROW
+  return 1
+
+
 def token_scale_reason(page_size: int | None, width: int) -> str | None:
   """Why a kernel cannot copy per-token scales (`width` float32 a token) of pages of page_size tokens, or None.
   A tile's scales land one page's run a copy, and TMA writes SMEM from 128-byte boundaries: a run of 16 single
@@ -202,8 +214,7 @@ def quantized_call_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str 
       return f"k_scale / v_scale need a one-byte cache, got {kv_dtype.name}"
     return None
   if "token" in (k_scale_kind, v_scale_kind):
-    # Scales laid out by head (kv heads not 1 or a multiple of 4) are copied as one head's run, as for one kv head.
-    return token_scale_reason(page_size, tiling.token_scale_width(num_kv_heads) or 1)
+    return token_scale_reason(page_size, token_scale_width(num_kv_heads, page_size))
   return None
 
 
@@ -246,7 +257,7 @@ class DecodeSmem:
   q_dtype: Any = None       # None: dtype, or bf16 for a one-byte cache
   token_scales: tuple[str, ...] = ()   # roles ("k", "v") with per-token scales
   scale_width: int = tiling.SCALE_ROW
-  scales_by_head: bool = False   # per-token scales laid out [B, Hkv, T] before the call (`tiling.token_scale_width`)
+  scales_by_head: bool = False   # per-token scales laid out [B, Hkv, T] before the call (`token_scale_width`)
   pipeline_qk: bool = False
   converter: bool = False
   tile_aliases: bool = False
@@ -298,12 +309,12 @@ class DecodeSmem:
     mode: P staged in SMEM, no tile aliases), its partials stored as out_dtype."""
     row_wgs, _ = row_blocking(rows)
     token_scales = tuple(role for role, kind in (("k", k_scale_kind), ("v", v_scale_kind)) if kind == "token")
+    scale_width = token_scale_width(num_kv_heads, page_size)
     smem = cls(head_dim=head_dim, dtype=dtype, block_kv=config.block_kv, num_stages=config.num_stages,
                row_wgs=row_wgs, kv_groups=config.kv_groups,
                copies_per_tile=copies_per_tile(config.block_kv, page_size), stage_p=interpret,
                separate_out=config.persistent, q_dtype=q_dtype, token_scales=token_scales,
-               scale_width=tiling.token_scale_width(num_kv_heads) or tiling.SCALE_ROW,
-               scales_by_head=bool(token_scales) and tiling.token_scale_width(num_kv_heads) is None,
+               scale_width=scale_width, scales_by_head=bool(token_scales) and num_kv_heads > 1 and scale_width == 1,
                pipeline_qk=config.pipeline_qk, converter=converter(config), v_tokens_last=v_tokens_last,
                tile_consumers=config.tile_consumers or 1, stream_k=config.split_plan == "stream_k",
                out_dtype=out_dtype, queries_as_n=bool(config.queries_as_n),

@@ -610,8 +610,8 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
     dtype or a one-byte type (`frame.QUANTIZED_DTYPES`). v_tokens_last: v is [B, Hkv, D, T] / [P, Hkv, D,
     page_size] (`config.tokens_last_reason`).
   k_scale, v_scale: None, [Hkv] f32, or per token with the cache's leading dims ([B, T, Hkv] /
-    [P, page_size, Hkv]; other than 1 or a multiple of 4 kv heads laid out by head here, an extra pass
-    over the scales): logits use k_scale_t * k_t, the output v_scale_t * v_t.
+    [P, page_size, Hkv]; other than a multiple of 4 kv heads are laid out by head or padded here,
+    `config.token_scale_width`): logits use k_scale_t * k_t, the output v_scale_t * v_t.
   window_start: int32 [B], given exactly when options.has_window_start: keys before it are invisible.
   options: scale, softcap, window; config: a complete `MosaicGPUConfig`; plan: its `SplitPlan` (batch slot i takes
     sequence plan.order[i] when given);
@@ -691,8 +691,10 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
   for role, kind, scale in (("k", k_kind, k_scale), ("v", v_kind, v_scale)):
     if kind == "token" and smem.scales_tokens_last(role):
       scale = jnp.swapaxes(scale, 1, 2)   # [B, Hkv, T]: a tile's scales are one run (tiling.tokens_last_scale_sources)
-    elif kind == "token" and Hkv == 1:
-      scale = scale.reshape(-1)   # contiguous per head: copied as flat runs (tiling.scale_sources)
+    elif kind == "token" and smem.scale_width == 1:
+      scale = scale.reshape(-1)   # one kv head, contiguous: copied as flat runs (tiling.scale_sources)
+    elif kind == "token" and Hkv % tiling.SCALE_ROW:   # 4-head group rows over pages of 8 / 16 (token_scale_width)
+      scale = jnp.pad(scale, ((0, 0), (0, 0), (0, split_plan.round_up(Hkv, tiling.SCALE_ROW) - Hkv)))
     if kind is not None:
       args.append(scale)
   out, lse = _build(st, interpret)(*args)

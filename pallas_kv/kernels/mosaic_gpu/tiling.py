@@ -10,7 +10,8 @@ P V's wgmma as K is by Q K^T; from pages smaller than a tile, [pages, D, page_si
 A paged tile is one TMA copy per run of tokens that one page holds (gcd(page_size, block_kv) tokens); a run of
 fewer than 8 rows lands one swizzle column tile at a time (`pipeline.RingSpec.splits_rows`). Per-token scales come
 with the same copies: TMA rows are 16 bytes, so a scale tile holds the 4-head group of the program's head (one kv
-head: contiguous scales; 2, 3, 5... kv heads: scales laid out by head before the call, a run a copy).
+head: contiguous scales; other counts are laid out by head or padded to 4-head rows before the call,
+`config.token_scale_width`).
 """
 
 from __future__ import annotations
@@ -29,15 +30,6 @@ SCALE_ROW = 4   # float32 scales per 16-byte TMA row
 _SCALE_ROWS_LAYOUT = plgpu.Layout.TILED(
     mgpu_fa.Tiling(((64, SCALE_ROW), (16, SCALE_ROW), (8, SCALE_ROW))), warp_dims=(-6,),
     lane_dims=(-2, mgpu_fa.Replicated(4)), vector_dim=-1)
-
-
-def token_scale_width(num_kv_heads: int) -> int | None:
-  """Scales per token in a scale tile as stored: 1 for one kv head, SCALE_ROW, or None where TMA cannot copy a
-  token's group (a row of 2 or 3 heads' scales is under 16 bytes): the scales are then laid out by head
-  ([B, Hkv, T], `DecodeSmem.scales_by_head`)."""
-  if num_kv_heads == 1:
-    return 1
-  return SCALE_ROW if num_kv_heads % SCALE_ROW == 0 else None
 
 
 def load_token_scales(slot, *, head):
