@@ -157,18 +157,26 @@ def test_fp8_mla_takes_the_shipped_schedule_on_64_token_tiles():
   assert not deeper.fits
 
 
-def test_per_token_scales_on_pages_under_32_tokens_run_on_xla(monkeypatch):
-  # A tile's scales land one page's run a copy, and TMA writes SMEM from 128-byte boundaries.
+def test_per_token_scales_on_pages_of_16_are_gathered_by_sequence(interpret_mode, monkeypatch):
+  # A page's run of 16 scales (64 bytes) is under TMA's 128-byte SMEM alignment: the call gathers them by sequence
+  # ([B, T]) and copies a tile's run. Stale table entries past a length (here out of range) read clamped pages.
   from pallas_kv import api
-  case = _case(2, batch=2, seq_len=64, num_heads=4, num_queries=None, page_size=16, lengths=[40, 9], scales="token")
-  q, pages, tables, lengths, kv_scale, _ = case
-  with pytest.raises(NotImplementedError, match="per-token scales .* on pages of 16 tokens"):
-    pkv.mla_decode_attention(q, pages, tables, lengths, v_head_dim=SMALL_V, impl=IMPL, kv_scale=kv_scale)
+  case = _case(2, batch=2, seq_len=192, num_heads=4, num_queries=None, page_size=16, lengths=[150, 9],
+               scales="token")
+  q, pages, tables, lengths, kv_scale, widened = case
+  tables = tables.at[1, 4:].set(pages.shape[0] + 7)
+  _check((q, pages, tables, lengths, kv_scale, widened),
+         pkv.mla_decode_attention(q, pages, tables, lengths, v_head_dim=SMALL_V, impl=IMPL, kv_scale=kv_scale,
+                                  return_lse=True))
+  smem = mla_config.MlaSmem.for_call(_config(1), qk_dim=SMALL_QK, v_dim=SMALL_V, dtype=FP8, page_size=16,
+                                     token_scales=True)
+  assert smem.gathered_scales and smem.scale_ring_spec().copies_per_slot == 1
+  assert not mla_config.MlaSmem.for_call(_config(1), qk_dim=SMALL_QK, v_dim=SMALL_V, dtype=FP8, page_size=32,
+                                         token_scales=True).gathered_scales
   monkeypatch.setattr(api, "device_can_run", lambda name: True)   # as on a Hopper GPU
   problem = api.validation.validate_mla(q, pages, tables, lengths, SMALL_V)
-  for scale, want in ((kv_scale[..., None], "xla"), (0.5, IMPL)):
-    options = api._options(problem, None, None, None, None, scale, None)
-    assert api.choose_impl("auto", "mla", problem, options, (q.dtype, pages.dtype), None)[0] == want
+  options = api._options(problem, None, None, None, None, kv_scale[..., None], None)
+  assert api.choose_impl("auto", "mla", problem, options, (q.dtype, pages.dtype), None)[0] == IMPL
 
 
 def test_fp8_mla_kernel_refuses_a_scale_on_a_16_bit_cache():
@@ -188,6 +196,7 @@ LOWERING = [
                                                                                      scales="scalar"),
     dict(batch=8, seq_len=4096, num_heads=32, num_queries=4, page_size=32),
     dict(batch=8, seq_len=4096, num_heads=32, page_size=16, scales="scalar"),
+    dict(batch=8, seq_len=4096, page_size=16),   # per-token scales gathered by sequence
     dict(batch=4, seq_len=1024, dtype=jnp.float8_e5m2, scales=None),
 ]
 
@@ -286,7 +295,7 @@ def test_gpu_mla_explicit_barriers_match_reference_and_rerun_bit_identical(scale
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,seq_len,num_heads,num_queries,page_size,scales", [
     (1, 32768, 128, None, 64, "token"), (16, 4096, 128, 2, 64, 0.05), (64, 4096, 128, None, 32, "token"),
-    (8, 8192, 16, 4, 128, "token")])
+    (8, 8192, 16, 4, 128, "token"), (8, 4096, 128, None, 16, "token")])   # the last: scales gathered by sequence
 def test_gpu_fp8_mla_matches_reference(batch, seq_len, num_heads, num_queries, page_size, scales):
   from pallas_kv import runtime
   if not runtime.is_hopper_or_newer():

@@ -108,8 +108,7 @@ def tokens_last_reason(head_dim: int, page_size: int | None, *, dtype: Any = Non
 def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
   """Why this backend cannot serve the call, or None if it can."""
   if op == "mla":
-    return (mla_reason(problem.head_dim, problem.v_head_dim, dtypes[1]) or page_size_reason(problem.page_size)
-            or mla_scale_reason(problem.page_size, options.k_scale))
+    return mla_reason(problem.head_dim, problem.v_head_dim, dtypes[1]) or page_size_reason(problem.page_size)
   reason = frame.unsupported_reason(op, problem, options, dtypes, backend="Mosaic GPU")
   if reason is None:
     reason = head_dim_reason(problem.head_dim, dtypes[1])
@@ -173,11 +172,6 @@ def token_scale_reason(page_size: int | None, width: int) -> str | None:
     return (f"per-token scales of {width} float32 a token on pages of {page_size} tokens: TMA copies them a page "
             f"at a time into 128-byte aligned SMEM (pages of a multiple of {run} tokens)")
   return None
-
-
-def mla_scale_reason(page_size: int, kv_scale_kind: str | None) -> str | None:
-  """Why the MLA kernel cannot serve a kv_scale of this kind on pages of page_size tokens, or None."""
-  return token_scale_reason(page_size, 1) if kv_scale_kind == "token" else None
 
 
 def quantized_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str | None, problem) -> str | None:

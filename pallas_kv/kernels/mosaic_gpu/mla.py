@@ -266,7 +266,8 @@ def _kernel(q_ref,
             lengths_ref,
             block_tables_ref,
             *refs,              # [balanced plan: tiles per split, int32 [1]], [sequence order, int32 [B]],
-                                # [one-byte: row factors [B, rows] f32, [per-token scales [P * page_size] f32]],
+                                # [one-byte: row factors [B, rows] f32, [per-token scales [P * page_size]
+                                #  or gathered [B, T] f32]],
                                 # out, lse
             st: Static, q_block, union, p_smem, row_smem, produced, consumed, q_barrier, p_ready,
             p_free, max_ready, consumers_done, widened=None, values_ready=None, values_free=None, scale_slots=None,
@@ -312,8 +313,11 @@ def _kernel(q_ref,
         st.tile_math.load_tile(load, functools.partial(ring.commit_stores, step, part), row_block)
       if scale_ring is not None:
         scale_ring.acquire(step)
-        scale_ring.commit(step, st.tiling.scale_sources(scale_ref, where, head=0, width=1,
-                                                        tokens_per_index=st.tiling.page_size))
+        if st.smem.gathered_scales:   # [B, T]: the tile's run, one copy
+          sources = [scale_ref.at[b, pl.ds((t0 + step) * st.tiling.block_kv, st.tiling.block_kv)]]
+        else:
+          sources = st.tiling.scale_sources(scale_ref, where, head=0, width=1, tokens_per_index=st.tiling.page_size)
+        scale_ring.commit(step, sources)
 
     ring.drain(t1 - t0)
     if scale_ring is not None:
@@ -401,9 +405,6 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
     raise NotImplementedError(f"mosaic_gpu: {reason}")
   page_size = kv_pages.shape[1]
   token_scales = kv_scale is not None and jnp.ndim(kv_scale) >= 2   # [P, page_size(, 1)]
-  reason = mgpu_config.mla_scale_reason(page_size, "token" if token_scales else None)
-  if reason:
-    raise NotImplementedError(f"mosaic_gpu: {reason}")
   check_config(config, qk_dim=D, v_dim=v_head_dim, dtype=q.dtype, page_size=page_size, rows=R,
                kv_dtype=kv_pages.dtype)
   if plan.stream_k:
@@ -433,7 +434,12 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
   if quantized:
     factor = 1.0 if kv_scale is None or token_scales else jnp.reshape(kv_scale, ()).astype(jnp.float32)
     q, row_factor = split_query(q, factor, smem.q_terms)
-    one_byte = [row_factor] + ([jnp.reshape(kv_scale, (-1,)).astype(jnp.float32)] if token_scales else [])
+    token_scale = []
+    if token_scales:
+      token_scale = [jnp.reshape(kv_scale, (-1,)).astype(jnp.float32)]   # [P * page_size], a page's run a copy
+      if smem.gathered_scales:   # [B, max_pages * page_size]: a table's stale ids are clamped, their tokens masked
+        token_scale = [token_scale[0].reshape(-1, page_size)[block_tables].reshape(B, -1)]
+    one_byte = [row_factor] + token_scale
   out, lse = _build(st, interpret or None)(q, kv, lengths, block_tables, *tiles, *order, *one_byte)
   if st.rows_as_n:
     out = jnp.swapaxes(out, 2, 3)   # O^T [B, splits, Dv, N] -> [B, splits, N, Dv]

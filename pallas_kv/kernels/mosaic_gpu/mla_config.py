@@ -83,6 +83,13 @@ def variant_schedule(config):
   return getattr(config, "mla_schedule", None)
 
 
+def gathers_scales(page_size: int) -> bool:
+  """Whether per-token scales on pages of page_size tokens are gathered by sequence before the call, [P, page_size]
+  -> [B, T] through the block table (~1% of an fp8 latent pool's bytes): a page's run of scales is under TMA's
+  128-byte SMEM alignment (pages of 16: 64 bytes, a misaligned address on the H200), a tile's run is not."""
+  return mgpu_config.token_scale_reason(page_size, 1) is not None
+
+
 @dataclasses.dataclass(frozen=True)
 class MlaSmem:
   """The SMEM layout of one MLA program; the single source for scratch and for the fit check.
@@ -99,7 +106,8 @@ class MlaSmem:
   row_smem one more row                                 each q row's factor (1 / its fp8 scale x kv_scale)
   widened  2 x [bkv, Dv/2] dtype, swizzled              the consumers' value columns, widened by the partner
   barriers values_ready, values_free                    the scorer's half handed over
-  scales   ring [num_stages, bkv] f32                   per-token scales, when the call has them
+  scales   ring [num_stages, bkv] f32                   per-token scales, when the call has them (a page's run a
+                                                        copy; gathered by sequence, one copy a tile)
   """
   qk_dim: int
   v_dim: int
@@ -114,6 +122,7 @@ class MlaSmem:
   ring_halves: bool = False    # ring slots in two column parts: [0, Dv/2) and [Dv/2, Dqk)
   kv_dtype: Any = None         # the cache's dtype; None: dtype. One byte: Q K^T in fp8, V widened by the partner
   token_scales: bool = False   # a one-byte cache's per-token scales ride a ring of their own
+  gathered_scales: bool = False   # token_scales gathered by sequence ([B, T]) before the call (`gathers_scales`)
   query_terms: int = 2         # one-byte caches: Q's fp8 terms (1 halves Q K^T's MMA time at fp8's error)
 
   def __post_init__(self):
@@ -122,6 +131,8 @@ class MlaSmem:
     object.__setattr__(self, "kv_dtype", jnp.dtype(self.dtype if self.kv_dtype is None else self.kv_dtype))
     if self.token_scales and not self.quantized:
       raise ValueError("token_scales widen a one-byte cache")
+    if self.gathered_scales and not self.token_scales:
+      raise ValueError("gathered_scales are token_scales")
     if self.query_terms not in (1, 2):
       raise ValueError(f"query_terms={self.query_terms} must be 1 or 2")
 
@@ -186,7 +197,7 @@ class MlaSmem:
   def scale_ring_spec(self) -> pipeline.RingSpec:
     """Read by the scorer alone: the partner's P comes scaled."""
     return pipeline.RingSpec(num_stages=self.num_stages, block_shape=(self.block_kv,), dtype=jnp.float32,
-                             copies_per_slot=self.copies_per_tile, num_consumers=1)
+                             copies_per_slot=1 if self.gathered_scales else self.copies_per_tile, num_consumers=1)
 
   def widened_type(self):
     """One buffer per consumer (wgmma's operand is a whole ref, not an index into a stack)."""
@@ -265,7 +276,7 @@ class MlaSmem:
     if jnp.dtype(dtype).itemsize == 1:
       kv_dtype, dtype = dtype, frame.compute_dtype(dtype)
     return cls(qk_dim=qk_dim, v_dim=v_dim, dtype=dtype, out_dtype=dtype, kv_dtype=kv_dtype, token_scales=token_scales,
-               query_terms=query_terms,
+               gathered_scales=token_scales and gathers_scales(page_size), query_terms=query_terms,
                block_kv=config.block_kv, num_stages=config.num_stages,
                copies_per_tile=mgpu_config.copies_per_tile(config.block_kv, page_size),
                **({} if schedule is None else schedule.smem_layout(rows)))
