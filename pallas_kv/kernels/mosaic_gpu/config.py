@@ -288,6 +288,11 @@ class DecodeSmem:
       raise ValueError(f"tile aliases (copies of fewer rows than a tile) need a 16-bit cache, got {self.dtype.name}")
     if self.v_tokens_last and self.converter:
       raise ValueError("v_tokens_last has no converter warpgroup")
+    run = self.block_kv // self.copies_per_tile   # tokens a copy
+    for role in self.token_scales:   # a head's run of scales a copy: whole 128-byte SMEM runs (token_scale_width)
+      if (self.scales_tokens_last(role) or self.scale_width == 1) and run * 4 % pipeline.TMA_SMEM_ALIGNMENT:
+        raise ValueError(f"{role}'s per-token scales come a head's run of {run} tokens a copy, under TMA's "
+                         f"{pipeline.TMA_SMEM_ALIGNMENT}-byte SMEM alignment")
     if self.value_pages > 1 and not (self.queries_as_n and self.quantized and not self.values_in_registers
                                      and not self.values_as_stored):
       raise ValueError(f"V tokens last in pages smaller than a tile ({self.value_pages} a tile) is widened a page at a "
