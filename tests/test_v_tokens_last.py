@@ -732,9 +732,10 @@ def test_gpu_mosaic_gpu_small_value_pages_match(kv_dtype, page_size):
   _check_on_gpu("mosaic_gpu", kv_dtype, page_size, seed=23)   # the heuristic's config
 
 
-@pytest.mark.gpu   # per-token scales of 3 and 2 kv heads laid out by head; groups of 3 and 7 (Q factors padded)
-@pytest.mark.parametrize("kv_dtype,page_size,heads,head_dim", [
-    (jnp.float8_e4m3fn, None, (9, 3), 64), (jnp.int8, 64, (9, 3), 64), (jnp.float8_e4m3fn, 32, (14, 2), 128)],
-    ids=["e4m3-heads9-3-d64", "int8-page64-heads9-3-d64", "e4m3-page32-heads14-2"])
+@pytest.mark.gpu   # per-token scales of 3 and 2 kv heads laid out by head (padded to 4 on pages of 16); groups of 3
+@pytest.mark.parametrize("kv_dtype,page_size,heads,head_dim", [   # and 7 (Q factors padded)
+    (jnp.float8_e4m3fn, None, (9, 3), 64), (jnp.int8, 64, (9, 3), 64), (jnp.int8, 16, (9, 3), 64),
+    (jnp.float8_e4m3fn, 32, (14, 2), 128)],
+    ids=["e4m3-heads9-3-d64", "int8-page64-heads9-3-d64", "int8-page16-heads9-3-d64", "e4m3-page32-heads14-2"])
 def test_gpu_mosaic_gpu_odd_head_counts_match(kv_dtype, page_size, heads, head_dim):
   _check_on_gpu("mosaic_gpu", kv_dtype, page_size, seed=29, heads=heads, head_dim=head_dim, num_queries=1)
