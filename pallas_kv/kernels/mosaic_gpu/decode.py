@@ -40,8 +40,9 @@ from pallas_kv.kernels.mosaic_gpu.work import Item
 ROWS_PER_WG = mgpu_config.ROWS_PER_WG
 PRODUCER_REGISTERS = 40     # the producer only issues TMA: give its registers to the consumers
 CONVERTER_REGISTERS = 128   # the converter holds one [bkv, 128] tile as float32 with its scales
-# TMA stores need 16-byte rows: the lse output is padded to a multiple of 4 float32 rows.
-_LSE_ROW_MULTIPLE = 4
+# TMA needs 16-byte rows and GMEM strides: the float32 arrays the kernel copies by rows (the lse output, Q's row
+# factors) are padded to a multiple of 4.
+_F32_PER_TMA_ROW = 4
 # q's rows are copied in whole swizzle tiles (8 rows), those past q's filled with zeros by TMA (and by GPU interpret
 # mode), so q is not padded before the kernel (a launch, and 16x q's bytes at 4 rows padded to wgmma's 64). The SMEM
 # tile's rows past the copy are never written: each row's scores, softmax and output are its own, never stored.
@@ -654,7 +655,7 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
                                          interpret=bool(interpret), out_dtype=out_dtype, **quantized)
   st = _Static(
       num_queries=num_queries, group=R // num_queries, rows=R, num_row_blocks=num_row_blocks,
-      out_rows=out_rows, lse_rows=split_plan.round_up(out_rows, _LSE_ROW_MULTIPLE),
+      out_rows=out_rows, lse_rows=split_plan.round_up(out_rows, _F32_PER_TMA_ROW),
       num_splits=plan.num_splits, capacity=kv_tiling.capacity(k.shape), options=options,
       tiling=kv_tiling, smem=smem, batch=B, num_kv_heads=Hkv, pipeline_qk=config.pipeline_qk,
       tile_math=tile_math, q_dtype=jnp.dtype(q.dtype), k_scale=k_kind, v_scale=v_kind,
@@ -680,8 +681,8 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
     q = jnp.pad(q, ((0, 0), (0, 0), (0, split_plan.round_up(R, _Q_ROW_MULTIPLE) - R), (0, 0)))
   if smem.one_byte_operands:   # Q as two one-byte terms and their rows' factors (a head's k_scale folded in)
     q, q_factors = fp8_operands.split_rows(q, k_scale if k_kind == "head" else None, dtype=smem.operand_dtype)
-    # TMA needs 16-byte GMEM strides: [B, Hkv, R] float32 factors padded to a multiple of 4 rows (groups of 3, 7).
-    q_factors = jnp.pad(q_factors, ((0, 0), (0, 0), (0, split_plan.round_up(q.shape[-2], 4) - q.shape[-2])))
+    rows = q.shape[-2]   # [B, Hkv, R] factors: R of 3 or 7 (groups of 3, 7) has no 16-byte stride
+    q_factors = jnp.pad(q_factors, ((0, 0), (0, 0), (0, split_plan.round_up(rows, _F32_PER_TMA_ROW) - rows)))
     args = [q, k, v, lengths, q_factors]
   else:
     args = [q, k, v, lengths]
