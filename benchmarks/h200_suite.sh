@@ -32,14 +32,14 @@ declare -A PARTS=(
                        tools.mla_fp8_parts:barriers_mla"   # scale slots freed at a commit; explicit barriers
   [one_byte_chains]="tools.mosaic_one_byte:chains_fp8 tools.mosaic_one_byte:chains_int8 tools.mosaic_one_byte:tiles_fp8
                      tools.mosaic_one_byte:asn_fp8 tools.mosaic_one_byte:asn_vreg tools.mosaic_one_byte:asn_b1_fp8
-                     tools.mosaic_one_byte:asn_int8 decode:asn_sweep_fp8 tools.mosaic_one_byte:asn_loads"
+                     tools.mosaic_one_byte:asn_int8 decode:asn_sweep_fp8 decode:asn_sweep_int8
+                     tools.mosaic_one_byte:asn_loads"
   [tune]="tune:tune"                      # Mosaic GPU entries of the tuned file
   [tune_triton]="tune:tune_triton"
   [tune_both]="tune:tune_both tune:tune_both_models"   # both backends, one run, full + ragged
   [scaling]="scaling:scaling8k scaling:scaling32k"   # several GPUs
 )
-out="${OUT:-bench_out}" status=0
-mkdir -p "$out"
+out="${OUT:-bench_out}" status=0; mkdir -p "$out"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 quiet() { grep -v -e '^[IW][0-9]' -e 'Warning'; }
 run() {   # ROUTINE NAME

@@ -141,7 +141,11 @@ class MosaicGPUConfig(KernelConfig):
   queries_as_n: an fp8 or int8 cache with V stored tokens last: the packed rows (<= 16) as wgmma's N,
     S^T = K Q^T, so that the softmax covers 16 query columns instead of 64 rows, most of them padding (one
     consumer a program: kv_groups 1, tile_consumers 1); int8 is read as stored (Q as two int8 terms, s8 wgmma).
-    It runs 128-token tiles where the pages allow; the default takes it for dense fp8 caches that allow it.
+    It runs 128-token tiles where the pages allow; the default takes it for dense one-byte caches that allow it.
+  values_as_stored: with queries_as_n, wgmma reads the V tile as stored, no widened copy: P^T goes as two one-byte
+    terms (fp8: two e4m3 terms, P with bf16's error instead of f16's; int8: two int8 terms on s8 wgmma, P within
+    1 / 127^2). The SMEM a widened V tile took holds 256-token tiles instead: the default takes both for dense
+    caches where two stages fit (docs/decisions.md#mosaic-values-as-stored).
   persistent: one program per SM looping over the work items, its ring streaming across them.
   tile_consumers: 1, or 2 consumer warpgroups that take turns on the tiles of each work item (even ring
     steps and odd), each with its own softmax state, merged in the kernel: two tiles' math in flight per
@@ -157,13 +161,14 @@ class MosaicGPUConfig(KernelConfig):
   pipeline_qk: bool | None = None
   persistent: bool | None = None
   queries_as_n: bool | None = None
+  values_as_stored: bool | None = None
   tile_consumers: int | None = None
   sequence_order: str | None = None
 
   backend: ClassVar[str] = "mosaic_gpu"
   SPLIT_PLANS: ClassVar[tuple[str, ...]] = ("per_sequence", "balanced", "stream_k")
   BLOCK_KVS: ClassVar[tuple[int, ...]] = (64, 128, 256)
-  BOOL_FIELDS: ClassVar[tuple[str, ...]] = ("pipeline_qk", "persistent", "queries_as_n")
+  BOOL_FIELDS: ClassVar[tuple[str, ...]] = ("pipeline_qk", "persistent", "queries_as_n", "values_as_stored")
   CHOICES: ClassVar[dict[str, tuple]] = {"kv_groups": (1, 2, 3), "tile_consumers": (1, 2),
                                          "sequence_order": SEQUENCE_ORDERS}
 

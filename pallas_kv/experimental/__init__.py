@@ -29,16 +29,13 @@ class MosaicGPUVariantConfig(MosaicGPUConfig):
   T4096; benchmarks/RESULTS.md, thirty-second set): not shipped; no converter.
   values_in_registers: with queries_as_n, the V tile widened to f16 in registers, wgmma's A operand of O^T = V^T P^T,
   instead of stored to SMEM and read from there (not in interpret mode, which runs no register operand).
-  values_as_stored: with queries_as_n, V not widened at all: wgmma reads the V slot as stored (A, K-major), P^T as two
-  one-byte terms (B): over fp8 two e4m3 terms (P with bf16's error instead of f16's); over int8 two int8 terms on s8
-  wgmma (P within 1 / 127^2), each term's products exact in s32 and combined in f32. Fewer instructions a tile."""
+  (values_as_stored, V read as stored, is shipped: a field of MosaicGPUConfig.)"""
   convert_warpgroup: bool = False
   explicit_barriers: bool = False
   values_in_registers: bool = False
-  values_as_stored: bool = False
 
   BOOL_FIELDS: ClassVar[tuple[str, ...]] = MosaicGPUConfig.BOOL_FIELDS + ("convert_warpgroup", "explicit_barriers",
-                                                                          "values_in_registers", "values_as_stored")
+                                                                          "values_in_registers")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -134,6 +134,7 @@ INT8_DTYPE = jnp.dtype(jnp.int8)
 AS_N_COLUMNS = 16
 AS_N_SWIZZLE = AS_N_COLUMNS * 2
 AS_N_BLOCK_KV = 128   # the heuristic's tile with the queries as N: 18% faster than 64 tokens at B32 T4096 (H100)
+AS_STORED_BLOCK_KV = 256   # ... with V read as stored (no widened V tile): 0-14% faster than 128 widened (H100)
 # Pages of V tokens last smaller than a tile, copied a page at a time: [D, page_size] one-byte runs of 16 or 32
 # bytes a row (TMA's least is 16), widened by the queries-as-N consumer.
 SMALL_VALUE_PAGES = (16, 32)
@@ -260,7 +261,7 @@ class DecodeSmem:
   stream_k: bool = False
   queries_as_n: bool = False   # one-byte operands: the rows as wgmma N (`fp8_operands.consume_as_n`)
   values_in_registers: bool = False   # queries_as_n: V widened in registers, no v_wide (experimental)
-  values_as_stored: bool = False   # queries_as_n: V as stored, P^T as two one-byte terms (experimental)
+  values_as_stored: bool = False   # queries_as_n: V as stored, P^T as two one-byte terms
   q_buffers: int = 1        # 2: a persistent program copies the next item's q rows while it streams
   out_dtype: Any = jnp.float32   # the partials' (q's 16-bit dtype where one split is the output, one tile consumer)
 
@@ -318,7 +319,7 @@ class DecodeSmem:
                tile_consumers=config.tile_consumers or 1, stream_k=config.split_plan == "stream_k",
                out_dtype=out_dtype, queries_as_n=bool(config.queries_as_n),
                values_in_registers=bool(getattr(config, "values_in_registers", False)) and not interpret,
-               values_as_stored=bool(getattr(config, "values_as_stored", False)))
+               values_as_stored=bool(config.values_as_stored))
     if smem.ring_spec().splits_rows and not interpret:
       smem = dataclasses.replace(smem, tile_aliases=True)
     if config.persistent and dataclasses.replace(smem, q_buffers=2).fits:   # never at the cost of a stage
@@ -580,7 +581,7 @@ def check_tokens_last_fields(config: MosaicGPUConfig, page_size: int | None) -> 
         ("queries_as_n", config.queries_as_n, (None, True)), ("kv_groups", config.kv_groups, (None, 1)),
         ("tile_consumers", config.tile_consumers, (None, 1)),
         ("values_in_registers", getattr(config, "values_in_registers", False), (False,)),
-        ("values_as_stored", getattr(config, "values_as_stored", False), (False,))) if value not in ok}
+        ("values_as_stored", config.values_as_stored, (None, False))) if value not in ok}
     if ruled_out:
       raise ValueError(f"v_tokens_last in pages of {page_size} tokens is widened a page at a time by the queries-as-N "
                        f"consumer (queries_as_n True, one consumer, V widened in SMEM), got {ruled_out}")
@@ -633,7 +634,7 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
   if getattr(config, "values_in_registers", False) and not config.queries_as_n:
     raise ValueError("values_in_registers=True widens V for the queries_as_n consumer: it needs queries_as_n=True")
   one_byte = jnp.dtype(dtype) in frame.QUANTIZED_DTYPES
-  if getattr(config, "values_as_stored", False) and not (
+  if config.values_as_stored and not (
       config.queries_as_n and one_byte and not getattr(config, "values_in_registers", False)):
     raise ValueError(f"values_as_stored=True reads one-byte V as stored for the queries_as_n consumer: it needs "
                      f"queries_as_n=True, an fp8 or int8 cache and values_in_registers=False, got "
@@ -662,7 +663,8 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
 
 
 DEFAULT = MosaicGPUConfig(block_kv=64, num_stages=4, split_plan="per_sequence", kv_groups=1, pipeline_qk=False,
-                          persistent=False, tile_consumers=1, sequence_order="given", queries_as_n=False)
+                          persistent=False, tile_consumers=1, sequence_order="given", queries_as_n=False,
+                          values_as_stored=False)
 
 
 def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig | None = None) -> MosaicGPUConfig:
@@ -670,7 +672,8 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig
   cache doubles the stages (as many bytes in flight) and, where the rows fit one warpgroup, takes two
   consumers: widening the tiles, not HBM, bounds it (docs/decisions.md#mosaic-one-byte-two-consumers). The
   queries as N (asked for, or `_takes_queries_as_n`) take 128-token tiles where the pages allow them
-  (docs/decisions.md#mosaic-queries-as-n)."""
+  (docs/decisions.md#mosaic-queries-as-n), and on a dense cache 256-token tiles with V read as stored where two
+  stages fit (docs/decisions.md#mosaic-values-as-stored)."""
   given = MosaicGPUConfig() if given is None else given
   rows = problem.num_queries * problem.group_size
   one_byte = jnp.dtype(dtype).itemsize == 1
@@ -682,26 +685,43 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig
   deepest = functools.partial(_deepest_ring, problem=problem, rows=rows, dtype=dtype,
                               stages_given=given.num_stages is not None, **quantized)
   small_pages = quantized["v_tokens_last"] and problem.page_size in SMALL_VALUE_PAGES   # read by nothing else
-  if given.queries_as_n or small_pages or _takes_queries_as_n(given, problem=problem, rows=rows, dtype=dtype):
+  fits = functools.partial(fits_smem, rows=rows, head_dim=problem.head_dim, dtype=dtype,
+                           page_size=problem.page_size, **quantized)
+  taken = _takes_queries_as_n(given, problem=problem, rows=rows, dtype=dtype)
+  if given.queries_as_n or small_pages or taken:
     # A tokens-last V tile comes from one page, or a page at a time from pages smaller than a tile.
     fits_page = problem.page_size is None or problem.page_size % AS_N_BLOCK_KV == 0 or small_pages
     as_n = dataclasses.replace(start, queries_as_n=True, block_kv=AS_N_BLOCK_KV if fits_page else start.block_kv)
-    return deepest(given.over(as_n))
+    if one_byte and _reads_values_as_stored(given, problem=problem):
+      as_stored = deepest(given.over(dataclasses.replace(as_n, block_kv=AS_STORED_BLOCK_KV, values_as_stored=True)))
+      if fits(as_stored):
+        return as_stored
+    as_n = deepest(given.over(as_n))
+    if fits(as_n) or not taken:   # taken by the heuristic alone: the other consumers where it does not fit (D256)
+      return as_n
   if one_byte and given.kv_groups is None and rows <= ROWS_PER_WG and not _needs_one_group(given):
     two = deepest(given.over(dataclasses.replace(start, kv_groups=2)))
-    if (two.num_stages >= 4 or given.num_stages is not None) and fits_smem(
-        two, rows=rows, head_dim=problem.head_dim, dtype=dtype, page_size=problem.page_size, **quantized):
+    if (two.num_stages >= 4 or given.num_stages is not None) and fits(two):
       return two
   return deepest(given.over(start))
 
 
 def _takes_queries_as_n(given: MosaicGPUConfig, *, problem, rows: int, dtype: Any) -> bool:
-  """Whether the heuristic runs the queries as wgmma N: a dense fp8 cache with V tokens last and <= 16 packed rows,
-  unless the given fields rule it out (docs/decisions.md#mosaic-queries-as-n)."""
-  return (given.queries_as_n is None and jnp.dtype(dtype) in FP8_DTYPES and rows <= AS_N_COLUMNS
+  """Whether the heuristic runs the queries as wgmma N: a dense one-byte cache with V tokens last and <= 16 packed
+  rows, unless the given fields rule it out (docs/decisions.md#mosaic-queries-as-n)."""
+  return (given.queries_as_n is None and jnp.dtype(dtype) in frame.QUANTIZED_DTYPES and rows <= AS_N_COLUMNS
           and bool(getattr(problem, "v_tokens_last", False)) and problem.page_size is None
-          and given.block_kv in (None, AS_N_BLOCK_KV) and given.kv_groups in (None, 1)
+          and given.block_kv in (None, AS_N_BLOCK_KV, AS_STORED_BLOCK_KV) and given.kv_groups in (None, 1)
           and given.tile_consumers in (None, 1) and not converter(given))
+
+
+def _reads_values_as_stored(given: MosaicGPUConfig, *, problem) -> bool:
+  """Whether the queries-as-N consumer over a one-byte cache reads V as stored on 256-token tiles: a dense cache,
+  unless the given fields rule it out (docs/decisions.md#mosaic-values-as-stored). Over pages a V tile comes from one
+  page, and no measured page holds 256 tokens."""
+  return (problem.page_size is None and given.values_as_stored in (None, True)
+          and given.block_kv in (None, AS_STORED_BLOCK_KV) and not given.pipeline_qk
+          and not getattr(given, "values_in_registers", False))
 
 
 def _needs_one_group(config: MosaicGPUConfig) -> bool:
