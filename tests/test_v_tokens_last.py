@@ -485,8 +485,9 @@ WIDENED = (128, False)   # ... on 128-token tiles, V widened
 def test_mosaic_gpu_heuristic_runs_one_byte_queries_as_n(dtype, tokens_last, page_size, heads, given, as_n):
   # A dense one-byte cache with V tokens last and <= 16 packed rows runs the queries as N with V read as stored on
   # 256-token tiles (measured level to 14% faster than the queries as N on 128-token tiles over fp8, 34-41% faster
-  # than the widening kernel over int8, B1 to B128), unless the given fields rule it out; pages of 16 or 32 tokens (fp8 and int8) always
-  # run the queries as N, as no other consumer reads their V. as_n: (block_kv, values_as_stored), None: not as N.
+  # than the widening kernel over int8, B1 to B128), unless the given fields rule it out; pages of 16 or 32 tokens
+  # (fp8 and int8) always run the queries as N, as no other consumer reads their V. as_n: (block_kv,
+  # values_as_stored), None: not as N.
   import sweeps
   from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
   _, problem = sweeps.problem_args(heads, (32, 4096), page_size)
