@@ -1040,9 +1040,12 @@ def test_one_byte_operands_cost_accuracy_that_the_bf16_path_does_not():
 def test_mosaic_one_byte_tool_checks_and_times_its_rows_here():
   from benchmarks.tools import mosaic_one_byte
   import jax.numpy as jnp
+  seen = []   # the rows so far after each row: what --json writes then
   rows = mosaic_one_byte.rows(1, 128, 64, jnp.dtype(jnp.float8_e4m3fn), cpu=True,
-                              only=["mosaic_gpu token", "mosaic_gpu none bkv128"])
+                              only=["mosaic_gpu token", "mosaic_gpu none bkv128"],
+                              on_row=lambda so_far: seen.append([r["name"] for r in so_far]))
   assert [r["name"] for r in rows] == ["mosaic_gpu token", "mosaic_gpu none bkv128"]
+  assert seen == [["mosaic_gpu token"], ["mosaic_gpu token", "mosaic_gpu none bkv128"]]
   assert all(r["err"] < 1e-2 and r["us"] > 0 for r in rows), rows
   rows = mosaic_one_byte.rows(1, 128, 64, jnp.dtype(jnp.float8_e4m3fn), cpu=True, only=["mosaic_gpu token asn"],
                               page_size=64)

@@ -13,8 +13,8 @@ operands, an int8 one its widening consumers. err: against `xla` on the same inp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import dataclasses
-import json
 from typing import Any
 
 from absl import app
@@ -31,6 +31,7 @@ from pallas_kv.kernels import frame
 from pallas_kv.kernels.mosaic_gpu import backend as mgpu_backend
 from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
 from benchmarks import cases
+from benchmarks import output
 from benchmarks import timing
 from benchmarks.tools import kernel_variants
 
@@ -129,9 +130,10 @@ def kernel_only(config, probe: str):
   return jax.jit(fn)
 
 
-def rows(batch: int, seq_len: int, head_dim: int, kv_dtype, *, cpu: bool, only=None,
-         page_size: int | None = None) -> list[dict[str, Any]]:
-  """The rows named in `only` (default: every op row on a GPU); page_size: over a paged cache (op rows only)."""
+def rows(batch: int, seq_len: int, head_dim: int, kv_dtype, *, cpu: bool, only=None, page_size: int | None = None,
+         on_row: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+  """The rows named in `only` (default: every op row on a GPU); page_size: over a paged cache (op rows only);
+  on_row(rows so far) after each row, so that a command stopped at its time limit keeps what it measured."""
   only = only or ([v[0] for v in VARIANTS] if not cpu else ["triton token", "mosaic_gpu token"])
   todo = [(name, impl, kind, config, None) for name, impl, kind, config in VARIANTS]
   todo += [(name, "mosaic_gpu", kind, config, probe) for name, kind, config, probe in KERNEL_ROWS]
@@ -177,6 +179,8 @@ def rows(batch: int, seq_len: int, head_dim: int, kv_dtype, *, cpu: bool, only=N
     err = f"  err {row['err']:.1e}" if "err" in row else "  (kernel only)"
     print(f"{name:32s} " + (f"{row['us']:8.1f} us{err}" if "us" in row else row["error"]), flush=True)
     results.append(row)
+    if on_row is not None:
+      on_row(results)
   return results
 
 
@@ -193,11 +197,8 @@ def main(argv):
   cpu = jax.default_backend() == "cpu"
   fv = flags.FLAGS
   batch, seq_len = (int(n) for n in (fv.shape or ("2x256" if cpu else "32x4096")).split("x"))
-  results = rows(batch, seq_len, 64 if cpu else 128, jnp.dtype(fv.kv_dtype), cpu=cpu, only=fv.only,
-                 page_size=fv.page_size)
-  if fv.json:
-    with open(fv.json, "w") as f:
-      json.dump(results, f, indent=1)
+  rows(batch, seq_len, 64 if cpu else 128, jnp.dtype(fv.kv_dtype), cpu=cpu, only=fv.only, page_size=fv.page_size,
+       on_row=(lambda so_far: output.write_json(so_far, fv.json)) if fv.json else None)
 
 
 if __name__ == "__main__":
