@@ -692,7 +692,7 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig
     # A tokens-last V tile comes from one page, or a page at a time from pages smaller than a tile.
     fits_page = problem.page_size is None or problem.page_size % AS_N_BLOCK_KV == 0 or small_pages
     as_n = dataclasses.replace(start, queries_as_n=True, block_kv=AS_N_BLOCK_KV if fits_page else start.block_kv)
-    if one_byte and _reads_values_as_stored(given, problem=problem):
+    if _reads_values_as_stored(given, problem=problem, dtype=dtype):
       as_stored = deepest(given.over(dataclasses.replace(as_n, block_kv=AS_STORED_BLOCK_KV, values_as_stored=True)))
       if fits(as_stored):
         return as_stored
@@ -715,11 +715,12 @@ def _takes_queries_as_n(given: MosaicGPUConfig, *, problem, rows: int, dtype: An
           and given.tile_consumers in (None, 1) and not converter(given))
 
 
-def _reads_values_as_stored(given: MosaicGPUConfig, *, problem) -> bool:
-  """Whether the queries-as-N consumer over a one-byte cache reads V as stored on 256-token tiles: a dense cache,
-  unless the given fields rule it out (docs/decisions.md#mosaic-values-as-stored). Over pages a V tile comes from one
-  page, and no measured page holds 256 tokens."""
-  return (problem.page_size is None and given.values_as_stored in (None, True)
+def _reads_values_as_stored(given: MosaicGPUConfig, *, problem, dtype: Any) -> bool:
+  """Whether the queries-as-N consumer reads V as stored on 256-token tiles: a dense one-byte cache, unless the given
+  fields rule it out (docs/decisions.md#mosaic-values-as-stored). Over pages a V tile comes from one page, and no
+  measured page holds 256 tokens."""
+  return (problem.page_size is None and jnp.dtype(dtype) in frame.QUANTIZED_DTYPES
+          and given.values_as_stored in (None, True)
           and given.block_kv in (None, AS_STORED_BLOCK_KV) and not given.pipeline_qk
           and not getattr(given, "values_in_registers", False))
 

@@ -14,8 +14,8 @@ pipeline_qk the next tile's Q K^T is issued before this tile's softmax, as in th
 so that the softmax works on 16 columns rather than 64 rows, and O^T = V^T P^T over V widened to f16. It also reads
 an int8 cache as stored: Q as two int8 terms (hi + lo / 254, each row scaled to 127: ~15 bits), S^T of each term
 exact in s32 (s8 wgmma), combined in f32. V from pages smaller than a tile arrives a page's run at a time, widened
-and joined in registers. With values_as_stored (the default over dense caches) V is not widened: P^T goes to wgmma as two one-byte
-terms (`probability_terms`).
+and joined in registers. With values_as_stored (the default over dense caches) V is not widened: P^T goes to
+wgmma as two one-byte terms (`probability_terms`).
 """
 
 from __future__ import annotations
