@@ -98,6 +98,9 @@ def _mosaic(**fields):
     (jnp.int8, "token", None, 2, dict(queries_as_n=True, values_as_stored=True)),
     (jnp.int8, "head", 64, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True, values_as_stored=True)),
     (jnp.int8, "head", 32, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True)),
+    # V as stored a page at a time: a 256-token tile of four (two) page runs, one wgmma each
+    (jnp.float8_e4m3fn, "token", 64, 2, dict(queries_as_n=True, values_as_stored=True, block_kv=256, num_stages=2)),
+    (jnp.int8, "token", 128, None, dict(queries_as_n=True, values_as_stored=True, block_kv=256, num_stages=2)),
     pytest.param(jnp.int8, "token", 128, None, dict(pipeline_qk=True, num_splits=1), marks=pytest.mark.slow),
     pytest.param(jnp.float16, None, 64, None, dict(pipeline_qk=True), marks=pytest.mark.slow),
     pytest.param(jnp.float8_e5m2, "token", None, 3, dict(persistent=True), marks=pytest.mark.slow),
@@ -110,8 +113,8 @@ def _mosaic(**fields):
         "e4m3-token-dense-s2-queries-as-n-values-as-stored", "e5m2-head-page64-queries-as-n-pqk-values-as-stored",
         "e4m3-token-dense-queries-as-n-bkv256-values-as-stored", "e4m3-token-page16-s2-queries-as-n-bkv128",
         "int8-token-dense-s2-queries-as-n-values-as-stored", "int8-head-page64-queries-as-n-pqk-values-as-stored",
-        "int8-head-page32-queries-as-n-pqk",
-        "int8-token-page128-pqk",
+        "int8-head-page32-queries-as-n-pqk", "e4m3-token-page64-s2-bkv256-values-as-stored",
+        "int8-token-page128-bkv256-values-as-stored", "int8-token-page128-pqk",
         "fp16-page64-pqk", "e5m2-token-dense-s3-persistent", "int8-token-page64-tile-consumers2"])
 def test_mosaic_gpu_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, num_queries, fields):
   case = make_case(8, batch=3, seq_len=256, num_heads=8, num_kv_heads=4, head_dim=64, num_queries=num_queries,
@@ -188,22 +191,27 @@ def test_mosaic_gpu_small_value_pages_widen_with_the_dense_kernels_barriers(monk
   assert counts["pages"]["bar.sync"] == counts["dense"]["bar.sync"] > 0, counts
 
 
-@pytest.mark.parametrize("kv_dtype", [jnp.float8_e4m3fn, jnp.int8])
-def test_mosaic_gpu_small_value_pages_race_detection_finds_none(kv_dtype):
+@pytest.mark.parametrize("kv_dtype, page_size, fields", [
+    (jnp.float8_e4m3fn, 16, {}), (jnp.int8, 16, {}),
+    (jnp.float8_e4m3fn, 64, dict(block_kv=256, values_as_stored=True))],
+    ids=["e4m3-page16-widened", "int8-page16-widened", "e4m3-page64-bkv256-as-stored"])
+def test_mosaic_gpu_value_pages_race_detection_finds_none(kv_dtype, page_size, fields):
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
-  # V tokens last in pages of 16, a 64-token tile four page copies: 5 tiles through a 2-slot ring, each page's run
-  # widened into v_wide after its copy landed and refilled after the widening read it.
-  case = make_case(12, batch=1, seq_len=320, num_heads=4, num_kv_heads=4, head_dim=64, dtype=jnp.float16,
-                   kv_dtype=kv_dtype, lengths=[300], page_size=16)
+  # V tokens last in pages smaller than a tile, a tile four page copies: 5 tiles through a 2-slot ring. Pages of 16:
+  # each page's run widened into v_wide after its copy landed and refilled after the widening read it; pages of 64:
+  # each run read as stored by wgmma (its columns past the length zeroed first), with P's terms a run each.
+  block_kv = fields.get("block_kv", 64)
+  case = make_case(12, batch=1, seq_len=5 * block_kv, num_heads=4, num_kv_heads=4, head_dim=64, dtype=jnp.float16,
+                   kv_dtype=kv_dtype, lengths=[5 * block_kv - 20], page_size=page_size)
   from pallas_kv.config import AttentionOptions
   from pallas_kv.kernels import frame
   from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
   scales = _scales(np.random.default_rng(2), "token", case.k_pages.shape[:3])
-  config = _mosaic(num_splits=1, queries_as_n=True)
+  config = _mosaic(num_splits=1, queries_as_n=True, **{"block_kv": block_kv, **fields})
   out, _ = mgpu_decode.decode_partials(
       frame.pack_queries(case.q[:, None], 4), case.k_pages, tokens_last(case.v_pages), case.lengths,
       case.block_tables, num_queries=1, options=AttentionOptions(scale=0.1), config=config,
-      plan=pkv.SplitPlan(kind="per_sequence", num_splits=1, block_kv=64), k_scale=scales, v_scale=scales,
+      plan=pkv.SplitPlan(kind="per_sequence", num_splits=1, block_kv=block_kv), k_scale=scales, v_scale=scales,
       v_tokens_last=True, interpret=plgpu.InterpretGPUParams(detect_races=True))
   jax.block_until_ready(out)
   assert not gpu_callbacks.get_races().races_found
@@ -222,6 +230,8 @@ MOSAIC_LOWERINGS = [
     ("float8_e4m3fn", "token", None, dict(queries_as_n=True, block_kv=128, pipeline_qk=True), 128),
     ("int8", "token", None, dict(queries_as_n=True, block_kv=128), 128),
     ("float8_e4m3fn", "token", 16, {}, 128), ("int8", "token", 32, {}, 128),   # V widened a page at a time
+    ("float8_e4m3fn", "token", 64, dict(queries_as_n=True, values_as_stored=True, block_kv=256), 128),   # as stored
+    ("int8", "token", 64, dict(queries_as_n=True, values_as_stored=True, block_kv=256), 128),   # a page at a time
     slow("float8_e4m3fn", "head", 128, dict(queries_as_n=True, block_kv=128), 128),
     slow("float8_e4m3fn", "token", None, dict(queries_as_n=True, split_plan="stream_k"), 128),
     slow("bfloat16", None, None, dict(block_kv=128), 128),
@@ -234,7 +244,8 @@ MOSAIC_LOWERINGS = [
                          ids=["bf16", "int8-token", "e4m3-token-page64", "int8-head-page128-pqk-persistent",
                               "e4m3-token-groups3", "e4m3-token-pqk", "e4m3-token-queries-as-n",
                               "e4m3-token-bkv128-pqk-queries-as-n", "int8-token-bkv128-queries-as-n",
-                              "e4m3-token-page16", "int8-token-page32",
+                              "e4m3-token-page16", "int8-token-page32", "e4m3-token-page64-bkv256-as-stored",
+                              "int8-token-page64-bkv256-as-stored",
                               "e4m3-head-page128-bkv128-queries-as-n", "e4m3-token-stream-k-queries-as-n",
                               "bf16-bkv128", "int8-token-d256-one-group", "fp16-page64-pqk-d64",
                               "e5m2-head-page128-bkv128-persistent"])
@@ -757,6 +768,13 @@ def test_gpu_mosaic_gpu_int8_queries_as_n_matches(page_size, values_as_stored):
   from pallas_kv.experimental import MosaicGPUVariantConfig
   config = MosaicGPUVariantConfig(queries_as_n=True, block_kv=128, values_as_stored=values_as_stored)
   _check_on_gpu("mosaic_gpu", jnp.int8, page_size, seed=19, config=config)
+
+
+@pytest.mark.gpu   # V as stored a page at a time: 256-token tiles of four (two) page runs, one wgmma a run
+@pytest.mark.parametrize("kv_dtype,page_size", [(jnp.float8_e4m3fn, 64), (jnp.int8, 64), (jnp.float8_e4m3fn, 128)])
+def test_gpu_mosaic_gpu_values_as_stored_over_pages_match(kv_dtype, page_size):
+  config = pkv.MosaicGPUConfig(queries_as_n=True, block_kv=256, values_as_stored=True)
+  _check_on_gpu("mosaic_gpu", kv_dtype, page_size, seed=29, config=config)
 
 
 @pytest.mark.gpu   # the GPU tier: each dtype once, each page size once

@@ -224,7 +224,7 @@ class DecodeSmem:
   union        streaming | (out [num_wgs, 64, D] out_dtype, lse [num_wgs, 64] f32) after the loop; separate_out
                (persistent): side by side, as the rings stream on during the stores
    streaming   g{g}_k, g{g}_v [stages / kv_groups, bkv, D] dtype   rings of KV group g (v_tokens_last: V's
-               slots [D, bkv])
+               slots [D, bkv], or [pages, D, page_size] from pages smaller than a tile: `value_pages`)
                g{g}_ks, g{g}_vs [stages / kv_groups, bkv(, 4)] f32  per-token scales (v_tokens_last: V's [bkv],
                the head's own, laid out tokens last by `decode.decode_partials`)
                dequantized: num_wgs * dequant_tiles x [bkv, D] q_dtype (one-byte cache; V's [D, bkv] with
@@ -294,11 +294,13 @@ class DecodeSmem:
       if (self.scales_tokens_last(role) or self.scale_width == 1) and run * 4 % pipeline.TMA_SMEM_ALIGNMENT:
         raise ValueError(f"{role}'s per-token scales come a head's run of {run} tokens a copy, under TMA's "
                          f"{pipeline.TMA_SMEM_ALIGNMENT}-byte SMEM alignment")
-    if self.value_pages > 1 and not (self.queries_as_n and self.quantized and not self.values_in_registers
-                                     and not self.values_as_stored):
-      raise ValueError(f"V tokens last in pages smaller than a tile ({self.value_pages} a tile) is widened a page at a "
+    if self.value_pages > 1 and not (self.queries_as_n and self.quantized and not self.values_in_registers):
+      raise ValueError(f"V tokens last in pages smaller than a tile ({self.value_pages} a tile) is read a page at a "
                        f"time by the queries-as-N consumer over a one-byte cache, got {self.queries_as_n=} "
-                       f"{self.dtype.name} {self.values_in_registers=} {self.values_as_stored=}")
+                       f"{self.dtype.name} {self.values_in_registers=}")
+    if self.value_pages > 1 and self.values_as_stored and self.value_run < MIN_BLOCK_KV:
+      raise ValueError(f"V read as stored takes pages of >= {MIN_BLOCK_KV} tokens (a swizzled [D, page_size] run a "
+                       f"page), got runs of {self.value_run}")
 
   @classmethod
   def for_call(cls, config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: Any, page_size: int | None,
@@ -372,6 +374,11 @@ class DecodeSmem:
     one untiled [D, page_size] run a page, as a run of 16 or 32 bytes a row fits no swizzled tile."""
     return self.copies_per_tile if self.v_tokens_last else 1
 
+  @property
+  def value_run(self) -> int:
+    """Tokens of a V slot's run: the tile, or a page of it (`value_pages`)."""
+    return self.block_kv // self.value_pages
+
   def dequantized_types(self) -> tuple[Any, ...]:
     """One consumer's widened tiles: K's first, V's last (one tile where they take turns)."""
     roles = {0: (), 1: ("k",), 2: ("k", "v")}[self.dequant_tiles]
@@ -386,7 +393,9 @@ class DecodeSmem:
     shape = self.tile_shape(role)
     transforms = tiling.smem_transforms(self.dtype, shape[1])
     if role == "v" and self.value_pages > 1:
-      shape, transforms = (self.value_pages, self.head_dim, self.block_kv // self.value_pages), ()
+      # A page's run as stored is a wgmma operand of its own (swizzled as P's terms: `p_t`); widened, untiled.
+      shape = (self.value_pages, self.head_dim, self.value_run)
+      transforms = tiling.smem_transforms(self.dtype, self.value_run) if self.values_as_stored else ()
     return pipeline.RingSpec(
         num_stages=self.num_stages // self.kv_groups, block_shape=shape, dtype=self.dtype, transforms=transforms,
         copies_per_slot=self.copies_per_tile, num_consumers=self._tma_ring_readers)
@@ -478,9 +487,10 @@ class DecodeSmem:
       scratch["q_factors"] = plgpu.SMEM((self.q_buffers, self.row_wgs, ROWS_PER_WG), jnp.float32)
     if self.queries_as_n and self.one_byte_operands:   # P^T and V widened, both swizzled as P^T's rows (AS_N_SWIZZLE)
       transforms = tiling.smem_transforms(jnp.float16, self.block_kv, max_swizzle=AS_N_SWIZZLE)
-      if self.values_as_stored:   # P as two one-byte terms [16, bkv] (wgmma's K-major B), swizzled as V's slot
-        p_t = plgpu.SMEM((2, AS_N_COLUMNS, self.block_kv), self.operand_dtype,
-                         transforms=tiling.smem_transforms(self.operand_dtype, self.block_kv))
+      if self.values_as_stored:   # P as two one-byte terms [16, bkv] (wgmma's K-major B), swizzled as V's slot:
+        # a [16, run] block per run of V's slot (a page's, over pages smaller than the tile)
+        p_t = plgpu.SMEM((2, self.value_pages, AS_N_COLUMNS, self.value_run), self.operand_dtype,
+                         transforms=tiling.smem_transforms(self.operand_dtype, self.value_run))
       else:
         p_t = plgpu.SMEM((self.block_kv, AS_N_COLUMNS), jnp.float16,
                          transforms=tiling.smem_transforms(jnp.float16, AS_N_COLUMNS))
@@ -586,8 +596,10 @@ def check_tokens_last_fields(config: MosaicGPUConfig, page_size: int | None) -> 
       raise ValueError(f"v_tokens_last in pages of {page_size} tokens is widened a page at a time by the queries-as-N "
                        f"consumer (queries_as_n True, one consumer, V widened in SMEM), got {ruled_out}")
   elif page_size is not None and config.block_kv is not None and page_size % config.block_kv:
+    if config.values_as_stored and config.block_kv % page_size == 0:
+      return   # V read as stored a page at a time: a [D, page_size] run a page (`DecodeSmem.value_pages`)
     raise ValueError(f"v_tokens_last copies a [D, block_kv] tile from one page: block_kv={config.block_kv} must "
-                     f"divide page_size {page_size}")
+                     f"divide page_size {page_size}, or be a multiple of it with values_as_stored=True")
 
 
 def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: Any, page_size: int | None,

@@ -92,14 +92,22 @@ def column_scales(ring: pipeline.Ring, step):
   return plgpu.load(ring.wait(step), layout=plgpu.Layout.WGMMA.reduce(0))
 
 
+def value_runs(v_slot) -> list[Any]:
+  """V's slot as its runs [D, run] in token order: the slot [D, bkv], or each page of [pages, D, page_size]."""
+  return [v_slot] if len(v_slot.shape) == 2 else [v_slot.at[j] for j in range(v_slot.shape[0])]
+
+
 def zero_values_past(v_slot, *, length, start, tile, bkv):
-  """V's slot [D, bkv] of a masked tile with its columns past the length (and before a window start) zeroed in
-  place, where the tile has such columns: a key that P weighs 0 must not bring NaN (0 x NaN) into P V."""
+  """V's slot [D, bkv] (or [pages, D, page_size]) of a masked tile with its columns past the length (and before a
+  window start) zeroed in place, where the tile has such columns: a key that P weighs 0 must not bring NaN (0 x NaN)
+  into P V."""
   valid, first = length - tile * bkv, None if start is None else start - tile * bkv
 
   @pl.when(valid < bkv if first is None else (valid < bkv) | (first > 0))
   def _():   # every consumer of the slot writes the same values
-    tiling.zero_columns_past(v_slot, valid, first_column=first)
+    for j, run in enumerate(value_runs(v_slot)):
+      offset = j * run.shape[1]
+      tiling.zero_columns_past(run, valid - offset, first_column=None if first is None else first - offset)
 
 
 def accumulate(acc, mma, *, interpret=False):
@@ -298,9 +306,9 @@ _VALUE_SCALE_FLOOR = 2.0 ** -24
 class AsNTiles:
   """One consumer's refs for `consume_as_n`: Q's terms [2, 64, D] (its first 16 rows read) and their factors [64],
   the K and V rings (V's slot [D, bkv], or [pages, D, page_size]: `DecodeSmem.value_pages`) and their per-token scale
-  rings (None: no per-token scale), P^T [bkv, 16] f16 (values_as_stored: two one-byte terms [2, 16, bkv]) and the V
-  slot widened to f16 [D, bkv] (SMEM, swizzled as `config.AS_N_SWIZZLE`; None: widened in registers instead, or
-  not at all)."""
+  rings (None: no per-token scale), P^T [bkv, 16] f16 (values_as_stored: two one-byte terms [2, runs, 16, run], a
+  block for each run of V's slot: `value_runs`) and the V slot widened to f16 [D, bkv] (SMEM, swizzled as
+  `config.AS_N_SWIZZLE`; None: widened in registers instead, or not at all)."""
   q_terms: Any
   q_factors: Any
   k_ring: pipeline.Ring
@@ -423,10 +431,13 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
     if inverse is not None:
       terms = p * per_token(inverse, z.shape)
       terms = jnp.where(p > 0, terms, 0.0) if masked else terms   # 1 / a scale past the length may be NaN
-    if as_stored:   # P^T as two one-byte terms, each stored as P [16, bkv] (f16 takes the transpose)
+    if as_stored:   # P^T as two one-byte terms, each stored as P [16, run] a run of V (f16 takes the transpose)
+      run = tiles.p_t.shape[-1]
       for term, x in enumerate(probability_terms(p, int8=int8)):
-        x = plgpu.layout_cast(x.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED).astype(tiles.p_t.dtype)
-        tiles.p_t.at[term].transpose((1, 0))[...] = x
+        for j in range(tiles.p_t.shape[1]):
+          x_run = x if run == bkv else x[j * run:(j + 1) * run]
+          x_run = plgpu.layout_cast(x_run.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED)
+          tiles.p_t.at[term, j].transpose((1, 0))[...] = x_run.astype(tiles.p_t.dtype)
     else:
       tiles.p_t[...] = p.astype(tiles.p_t.dtype)
     return acc * per_query(alpha, acc.shape), m_new, l_part * per_query(alpha, z.shape) + terms
@@ -438,15 +449,20 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
     # wgmma reads the V slot after it: freed once the products are done.
     pipeline.release_after_commit((tiles.k_scales, tiles.v_scales) + (() if as_stored else (tiles.v_ring,)), i)
 
+    def stored_products(term):   # (V's run, P^T's term over it): one wgmma a run
+      return [(run, tiles.p_t.at[term, j].transpose((1, 0))) for j, run in enumerate(value_runs(chunks[0]))]
+
     def int8_products(r_ref):   # each term's products exact in s32, in their own n columns
       for term in range(2):
-        plgpu.wgmma(r_ref.at[:, pl.ds(term * n, n)], chunks[0], tiles.p_t.at[term].transpose((1, 0)))
+        for values, p_term in stored_products(term):
+          plgpu.wgmma(r_ref.at[:, pl.ds(term * n, n)], values, p_term)
       return r_ref[...]
 
     def mma(acc_ref):
       if as_stored:
         for term in range(2):
-          plgpu.wgmma(acc_ref, chunks[0], tiles.p_t.at[term].transpose((1, 0)))
+          for values, p_term in stored_products(term):
+            plgpu.wgmma(acc_ref, values, p_term)
       elif not in_registers:
         plgpu.wgmma(acc_ref, tiles.v_wide, tiles.p_t)
       else:

@@ -57,8 +57,8 @@ class RingSpec:
       raise ValueError(f"{self.copies_per_slot=} must be >= 1")
     if self.num_consumers < 1:
       raise ValueError(f"{self.num_consumers=} must be >= 1")
-    if self.splits_rows and (self.column_parts or len(self.block_shape) != 2):
-      raise ValueError(f"copies of {self.rows_per_copy} rows need a 2-D slot of one part, got {self.block_shape=} "
+    if self.splits_rows and self.column_parts:
+      raise ValueError(f"copies of {self.rows_per_copy} rows need a slot of one part, got {self.block_shape=} "
                        f"{self.column_parts=}")
     if self.splits_rows and self.rows_per_copy * self.tile[1] * jnp.dtype(self.dtype).itemsize % TMA_SMEM_ALIGNMENT:
       raise ValueError(f"copies of {self.rows_per_copy} rows of {self.tile[1]} {jnp.dtype(self.dtype).name} would "
@@ -94,8 +94,9 @@ class RingSpec:
 
   @property
   def splits_rows(self) -> bool:
-    """Whether a copy fills part of a swizzle tile's rows, and so lands one column tile at a time."""
-    return self.tile is not None and self.rows_per_copy % self.tile[0] != 0
+    """Whether a copy fills part of a swizzle tile's rows, and so lands one column tile at a time. A slot of
+    three axes [copies, rows, columns] takes a copy a leading index, whole tiles each."""
+    return self.tile is not None and len(self.block_shape) == 2 and self.rows_per_copy % self.tile[0] != 0
 
   @property
   def copies_per_source(self) -> int:
