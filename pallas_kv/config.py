@@ -144,8 +144,8 @@ class MosaicGPUConfig(KernelConfig):
     It runs 128-token tiles where the pages allow; the default takes it for dense one-byte caches that allow it.
   values_as_stored: with queries_as_n, wgmma reads the V tile as stored, no widened copy: P^T goes as two one-byte
     terms (fp8: two e4m3 terms, P with bf16's error instead of f16's; int8: two int8 terms on s8 wgmma, P within
-    1 / 127^2). The SMEM a widened V tile took holds 256-token tiles instead: the default takes both for dense
-    caches where two stages fit (docs/decisions.md#mosaic-values-as-stored). Over pages of 64 or 128 tokens a tile
+    1 / 127^2). The SMEM a widened V tile took holds 256-token tiles instead: the default takes both where two
+    stages fit, dense or paged (docs/decisions.md#mosaic-values-as-stored). Over pages of 64 or 128 tokens a tile
     spans pages, read a page at a time (one wgmma a page); pages of 16 or 32 are widened instead.
   persistent: one program per SM looping over the work items, its ring streaming across them.
   tile_consumers: 1, or 2 consumer warpgroups that take turns on the tiles of each work item (even ring

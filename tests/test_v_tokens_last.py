@@ -101,6 +101,8 @@ def _mosaic(**fields):
     # V as stored a page at a time: a 256-token tile of four (two) page runs, one wgmma each
     (jnp.float8_e4m3fn, "token", 64, 2, dict(queries_as_n=True, values_as_stored=True, block_kv=256, num_stages=2)),
     (jnp.int8, "token", 128, None, dict(queries_as_n=True, values_as_stored=True, block_kv=256, num_stages=2)),
+    (jnp.int8, "token", 64, 2, dict(queries_as_n=True, values_as_stored=True, block_kv=256, num_stages=2,
+                                    persistent=True)),   # the ring streams on across work items
     pytest.param(jnp.int8, "token", 128, None, dict(pipeline_qk=True, num_splits=1), marks=pytest.mark.slow),
     pytest.param(jnp.float16, None, 64, None, dict(pipeline_qk=True), marks=pytest.mark.slow),
     pytest.param(jnp.float8_e5m2, "token", None, 3, dict(persistent=True), marks=pytest.mark.slow),
@@ -114,7 +116,8 @@ def _mosaic(**fields):
         "e4m3-token-dense-queries-as-n-bkv256-values-as-stored", "e4m3-token-page16-s2-queries-as-n-bkv128",
         "int8-token-dense-s2-queries-as-n-values-as-stored", "int8-head-page64-queries-as-n-pqk-values-as-stored",
         "int8-head-page32-queries-as-n-pqk", "e4m3-token-page64-s2-bkv256-values-as-stored",
-        "int8-token-page128-bkv256-values-as-stored", "int8-token-page128-pqk",
+        "int8-token-page128-bkv256-values-as-stored", "int8-token-page64-s2-bkv256-values-as-stored-persistent",
+        "int8-token-page128-pqk",
         "fp16-page64-pqk", "e5m2-token-dense-s3-persistent", "int8-token-page64-tile-consumers2"])
 def test_mosaic_gpu_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, num_queries, fields):
   case = make_case(8, batch=3, seq_len=256, num_heads=8, num_kv_heads=4, head_dim=64, num_queries=num_queries,
@@ -480,7 +483,9 @@ WIDENED = (128, False)   # ... on 128-token tiles, V widened
     ("float8_e4m3fn", True, None, (68, 4), None, None),   # 17 rows
     ("float8_e4m3fn", False, None, (32, 8), None, None),
     ("int8", True, None, (32, 8), None, AS_STORED),
-    ("float8_e4m3fn", True, 64, (32, 8), None, None),   # paged: not measured
+    ("float8_e4m3fn", True, 64, (32, 8), None, AS_STORED),   # a tile of four page runs
+    ("int8", True, 128, (32, 8), None, AS_STORED),
+    ("float8_e4m3fn", True, 192, (32, 8), None, None),   # pages that 256-token tiles do not tile
     ("float8_e4m3fn", True, None, (32, 8), pkv.MosaicGPUConfig(queries_as_n=False), None),
     ("float8_e4m3fn", True, None, (32, 8), pkv.MosaicGPUConfig(kv_groups=2), None),
     ("float8_e4m3fn", True, None, (32, 8), pkv.MosaicGPUConfig(block_kv=64), None),
@@ -489,16 +494,19 @@ WIDENED = (128, False)   # ... on 128-token tiles, V widened
     ("int8", True, None, (32, 8), pkv.MosaicGPUConfig(queries_as_n=True), AS_STORED),   # asked for: its tiles too
     ("float8_e4m3fn", True, 16, (32, 8), None, WIDENED),   # pages smaller than a tile: the one consumer that reads them
     ("int8", True, 32, (32, 8), None, WIDENED),
-    ("int8", True, 256, (32, 8), pkv.MosaicGPUConfig(queries_as_n=True), WIDENED),   # pages: not measured
-], ids=["e4m3", "e5m2-pqk", "rows16", "rows17", "v-like-k", "int8", "page64", "given-off", "given-groups2",
+    ("int8", True, 256, (32, 8), pkv.MosaicGPUConfig(queries_as_n=True), AS_STORED),
+    ("int8", True, 64, (32, 8), pkv.MosaicGPUConfig(pipeline_qk=True), None),   # over pages only V as stored leads
+], ids=["e4m3", "e5m2-pqk", "rows16", "rows17", "v-like-k", "int8", "page64", "int8-page128", "page192",
+        "given-off", "given-groups2",
         "given-bkv64", "given-bkv128", "int8-given-widened", "int8-given-on", "e4m3-page16", "int8-page32",
-        "int8-page256"])
+        "int8-page256", "int8-page64-given-pqk"])
 def test_mosaic_gpu_heuristic_runs_one_byte_queries_as_n(dtype, tokens_last, page_size, heads, given, as_n):
-  # A dense one-byte cache with V tokens last and <= 16 packed rows runs the queries as N with V read as stored on
-  # 256-token tiles (measured level to 14% faster than the queries as N on 128-token tiles over fp8, 34-41% faster
-  # than the widening kernel over int8, B1 to B128), unless the given fields rule it out; pages of 16 or 32 tokens
-  # (fp8 and int8) always run the queries as N, as no other consumer reads their V. as_n: (block_kv,
-  # values_as_stored), None: not as N.
+  # A one-byte cache with V tokens last and <= 16 packed rows, dense or in pages that 256-token tiles take whole
+  # (64, 128, 256...), runs the queries as N with V read as stored on 256-token tiles (dense: measured level to 14%
+  # faster than the queries as N on 128-token tiles over fp8, 34-41% faster than the widening kernel over int8, B1 to
+  # B128; pages of 64: 15% faster than two consumers over fp8, 23-34% than the widening kernel over int8), unless the
+  # given fields rule it out; pages of 16 or 32 tokens (fp8 and int8) always run the queries as N, as no other
+  # consumer reads their V. as_n: (block_kv, values_as_stored), None: not as N.
   import sweeps
   from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
   _, problem = sweeps.problem_args(heads, (32, 4096), page_size)

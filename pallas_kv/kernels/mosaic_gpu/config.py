@@ -709,7 +709,9 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig
       if fits(as_stored):
         return as_stored
     as_n = deepest(given.over(as_n))
-    if fits(as_n) or not taken:   # taken by the heuristic alone: the other consumers where it does not fit (D256)
+    # Taken by the heuristic alone: the other consumers where it does not fit (D256), and over pages (where only V
+    # as stored was measured ahead of them).
+    if (fits(as_n) and problem.page_size is None) or not taken:
       return as_n
   if one_byte and given.kv_groups is None and rows <= ROWS_PER_WG and not _needs_one_group(given):
     two = deepest(given.over(dataclasses.replace(start, kv_groups=2)))
@@ -719,19 +721,26 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig
 
 
 def _takes_queries_as_n(given: MosaicGPUConfig, *, problem, rows: int, dtype: Any) -> bool:
-  """Whether the heuristic runs the queries as wgmma N: a dense one-byte cache with V tokens last and <= 16 packed
-  rows, unless the given fields rule it out (docs/decisions.md#mosaic-queries-as-n)."""
+  """Whether the heuristic runs the queries as wgmma N: a one-byte cache with V tokens last and <= 16 packed rows,
+  dense or in pages that V read as stored tiles (`_pages_read_as_stored`), unless the given fields rule it out
+  (docs/decisions.md#mosaic-queries-as-n, #mosaic-values-as-stored)."""
   return (given.queries_as_n is None and jnp.dtype(dtype) in frame.QUANTIZED_DTYPES and rows <= AS_N_COLUMNS
-          and bool(getattr(problem, "v_tokens_last", False)) and problem.page_size is None
+          and bool(getattr(problem, "v_tokens_last", False)) and _pages_read_as_stored(problem.page_size)
           and given.block_kv in (None, AS_N_BLOCK_KV, AS_STORED_BLOCK_KV) and given.kv_groups in (None, 1)
           and given.tile_consumers in (None, 1) and not converter(given))
 
 
+def _pages_read_as_stored(page_size: int | None) -> bool:
+  """Whether 256-token tiles with V as stored read pages of page_size tokens: dense, whole pages of >= 64 tokens a
+  tile (a page's [D, page_size] run a wgmma operand), or whole tiles a page."""
+  return (page_size is None or page_size % AS_STORED_BLOCK_KV == 0
+          or (page_size >= MIN_BLOCK_KV and AS_STORED_BLOCK_KV % page_size == 0))
+
+
 def _reads_values_as_stored(given: MosaicGPUConfig, *, problem, dtype: Any) -> bool:
-  """Whether the queries-as-N consumer reads V as stored on 256-token tiles: a dense one-byte cache, unless the given
-  fields rule it out (docs/decisions.md#mosaic-values-as-stored). Over pages a V tile comes from one page, and no
-  measured page holds 256 tokens."""
-  return (problem.page_size is None and jnp.dtype(dtype) in frame.QUANTIZED_DTYPES
+  """Whether the queries-as-N consumer reads V as stored on 256-token tiles: a one-byte cache, dense or in pages it
+  tiles, unless the given fields rule it out (docs/decisions.md#mosaic-values-as-stored)."""
+  return (_pages_read_as_stored(problem.page_size) and jnp.dtype(dtype) in frame.QUANTIZED_DTYPES
           and given.values_as_stored in (None, True)
           and given.block_kv in (None, AS_STORED_BLOCK_KV) and not given.pipeline_qk
           and not getattr(given, "values_in_registers", False))
