@@ -46,8 +46,9 @@ VARIANTS = [(f"{impl} {kind}", impl, kind, None)
 # sk: the stream-K walk of the persistent programs; eb: no automatic barrier around each SMEM store
 # (`experimental.MosaicGPUVariantConfig.explicit_barriers`); asn: the queries as wgmma N (fp8, one consumer;
 # asn128: on 128-token tiles; vreg: V widened in registers, P V's A operand; v8: V as stored, P^T as two one-byte
-# terms; sk: the stream-K walk of persistent programs). The default over fp8 is asn128; the
-# other named variants keep the keys as S's columns (queries_as_n=False), groups2 being the earlier default.
+# terms; sk: the stream-K walk of persistent programs; persist: one program an SM, its ring streaming on across the
+# work items). The default over fp8 and int8 is asn256 v8; the other named variants keep the keys as S's columns
+# (queries_as_n=False), groups2 being the earlier default.
 VARIANTS += [(f"mosaic_gpu {kind} {name}", "mosaic_gpu", kind,
               config if name.startswith("asn") else dataclasses.replace(config, queries_as_n=False))
              for name, config in (("groups1", M(kv_groups=1)), ("groups2", M(kv_groups=2)), ("groups3", M(kv_groups=3)),
@@ -70,6 +71,8 @@ VARIANTS += [(f"mosaic_gpu {kind} {name}", "mosaic_gpu", kind,
                                                                     values_as_stored=True)),
                                   ("asn256 v8", MosaicGPUVariantConfig(queries_as_n=True, block_kv=256,
                                                                        values_as_stored=True)),
+                                  ("asn256 v8 persist", M(queries_as_n=True, block_kv=256, values_as_stored=True,
+                                                          persistent=True)),
                                   ("asn128 sk", M(queries_as_n=True, block_kv=128, split_plan="stream_k")))
              for kind in ("token", "none")]
 # Kernel-only rows (`decode_partials` on the op's config and plan, no merge; results not checked): "kernel" with its
@@ -83,13 +86,13 @@ KERNEL_ROWS = [(f"{probe} {kind} {name}", kind, config, probe)
 ROW_NAMES = frozenset(v[0] for v in VARIANTS) | frozenset(r[0] for r in KERNEL_ROWS)   # what --only may name
 
 
-def inputs(batch: int, seq_len: int, head_dim: int, kv_dtype, seed: int = 0) -> dict[str, Any]:
-  """q [B, 32, D] fp16, k [B, T, 8, D] and v [B, 8, D, T] (tokens last) one-byte, full lengths, scales."""
+def inputs(batch: int, seq_len: int, head_dim: int, kv_dtype, seed: int = 0, q_dtype=jnp.float16) -> dict[str, Any]:
+  """q [B, 32, D] q_dtype, k [B, T, 8, D] and v [B, 8, D, T] (tokens last) one-byte, full lengths, scales."""
   rng = np.random.default_rng(seed)
   one_byte = lambda shape: jnp.asarray(np.clip(rng.standard_normal(shape) * 40, -127, 127) if kv_dtype == jnp.int8
                                        else rng.standard_normal(shape) * 8, kv_dtype)
   scales = lambda shape: jnp.asarray(rng.uniform(0.005, 0.02, shape), jnp.float32)
-  return dict(q=jnp.asarray(rng.standard_normal((batch, 32, head_dim)), jnp.float16),
+  return dict(q=jnp.asarray(rng.standard_normal((batch, 32, head_dim)), q_dtype),
               k=one_byte((batch, seq_len, 8, head_dim)), v=one_byte((batch, 8, head_dim, seq_len)),
               lengths=jnp.full((batch,), seq_len, jnp.int32),
               scales=dict(token=scales((batch, seq_len, 8)), head=scales((8,)), none=None))
@@ -131,7 +134,7 @@ def kernel_only(config, probe: str):
 
 
 def rows(batch: int, seq_len: int, head_dim: int, kv_dtype, *, cpu: bool, only=None, page_size: int | None = None,
-         on_row: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+         on_row: Callable[[list[dict[str, Any]]], None] | None = None, q_dtype=jnp.float16) -> list[dict[str, Any]]:
   """The rows named in `only` (default: every op row on a GPU); page_size: over a paged cache (op rows only);
   on_row(rows so far) after each row, so that a command stopped at its time limit keeps what it measured."""
   only = only or ([v[0] for v in VARIANTS] if not cpu else ["triton token", "mosaic_gpu token"])
@@ -142,7 +145,7 @@ def rows(batch: int, seq_len: int, head_dim: int, kv_dtype, *, cpu: bool, only=N
     raise ValueError(f"--only names no row: {sorted(unknown)}")
   if page_size is not None and set(only) & {r[0] for r in KERNEL_ROWS}:
     raise ValueError("the kernel-only rows run over a dense cache: leave --page_size out for them")
-  x = inputs(batch, seq_len, head_dim, kv_dtype)
+  x = inputs(batch, seq_len, head_dim, kv_dtype, q_dtype=q_dtype)
   if page_size is None:
     cache, attention = (x["k"], x["v"], x["lengths"]), pkv.decode_attention
   else:
@@ -163,6 +166,7 @@ def rows(batch: int, seq_len: int, head_dim: int, kv_dtype, *, cpu: bool, only=N
     args = (x["q"], *cache, x["scales"][kind])
     row = dict(name=name, impl=impl, scale=kind, config=None if config is None else config.given(),
                batch=batch, seq_len=seq_len, page_size=page_size, kv_dtype=jnp.dtype(kv_dtype).name,
+               q_dtype=jnp.dtype(q_dtype).name,
                kernel_only=probe)
     try:
       with pkv.interpret(cpu):
@@ -190,6 +194,7 @@ def define_flags() -> None:
   flags.DEFINE_string("json", None, "write the rows here")
   flags.DEFINE_list("only", None, "variant names to run; default all on a GPU, the two per-token defaults on a CPU")
   flags.DEFINE_integer("page_size", None, "run the op rows over a paged cache of these pages (shuffled)")
+  flags.DEFINE_enum("q_dtype", "float16", ["float16", "bfloat16"], "the queries' dtype")
 
 
 def main(argv):
@@ -198,7 +203,7 @@ def main(argv):
   fv = flags.FLAGS
   batch, seq_len = (int(n) for n in (fv.shape or ("2x256" if cpu else "32x4096")).split("x"))
   rows(batch, seq_len, 64 if cpu else 128, jnp.dtype(fv.kv_dtype), cpu=cpu, only=fv.only, page_size=fv.page_size,
-       on_row=(lambda so_far: output.write_json(so_far, fv.json)) if fv.json else None)
+       on_row=(lambda so_far: output.write_json(so_far, fv.json)) if fv.json else None, q_dtype=jnp.dtype(fv.q_dtype))
 
 
 if __name__ == "__main__":
