@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# The H200 measurement suite: named parts, each a list of runs ROUTINE:NAME, that is `python3 -m benchmarks ROUTINE
-# --flagfile=configs/suite/NAME.flags --json=$OUT/NAME.json` (NAME.flags says what it measures). A part fits one
-# ~10-minute command: bash benchmarks/h200_suite.sh PART|NAME ... (repository root). Output: NAME.json, NAME.log (tune:
-# the tuned file) in $OUT or bench_out/; SUITE_FLAGS follow each flagfile (they win); SMOLLM2_GGUF=PATH: smollm2's GGUF.
+# The H200 suite: bash benchmarks/h200_suite.sh PART|NAME ... (repository root; a part fits a ~10-minute command). A
+# run ROUTINE:NAME is `python3 -m benchmarks ROUTINE --flagfile=configs/suite/NAME.flags` (what it measures) writing
+# NAME.json, NAME.log (tune: the tuned file) to $OUT or bench_out/; SUITE_FLAGS win over it; SMOLLM2_GGUF: the GGUF.
 set -uo pipefail
 declare -A PARTS=(
   [gqa]="decode:gqa"                      # the GQA sweep, every impl
@@ -33,7 +32,8 @@ declare -A PARTS=(
   [one_byte_chains]="tools.mosaic_one_byte:chains_fp8 tools.mosaic_one_byte:chains_int8 tools.mosaic_one_byte:tiles_fp8
                      tools.mosaic_one_byte:asn_fp8 tools.mosaic_one_byte:asn_vreg tools.mosaic_one_byte:asn_b1_fp8
                      tools.mosaic_one_byte:asn_int8 decode:asn_sweep_fp8 decode:asn_sweep_int8
-                     tools.mosaic_one_byte:asn_loads tools.mosaic_one_byte:asn_persistent"
+                     tools.mosaic_one_byte:asn_loads tools.mosaic_one_byte:asn_persistent
+                     tools.mosaic_one_byte:asn_paired"
   [tune]="tune:tune"                      # Mosaic GPU entries of the tuned file
   [tune_triton]="tune:tune_triton"
   [tune_both]="tune:tune_both tune:tune_both_models"   # both backends, one run, full + ragged

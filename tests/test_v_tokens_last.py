@@ -103,6 +103,9 @@ def _mosaic(**fields):
     (jnp.int8, "token", 128, None, dict(queries_as_n=True, values_as_stored=True, block_kv=256, num_stages=2)),
     (jnp.int8, "token", 64, 2, dict(queries_as_n=True, values_as_stored=True, block_kv=256, num_stages=2,
                                     persistent=True)),   # the ring streams on across work items
+    (jnp.float8_e4m3fn, "token", None, 2, dict(queries_as_n=True, values_as_stored=True, paired_terms=True)),
+    (jnp.int8, "token", 64, None, dict(queries_as_n=True, values_as_stored=True, paired_terms=True, block_kv=256,
+                                       num_stages=2)),
     pytest.param(jnp.int8, "token", 128, None, dict(pipeline_qk=True, num_splits=1), marks=pytest.mark.slow),
     pytest.param(jnp.float16, None, 64, None, dict(pipeline_qk=True), marks=pytest.mark.slow),
     pytest.param(jnp.float8_e5m2, "token", None, 3, dict(persistent=True), marks=pytest.mark.slow),
@@ -117,6 +120,7 @@ def _mosaic(**fields):
         "int8-token-dense-s2-queries-as-n-values-as-stored", "int8-head-page64-queries-as-n-pqk-values-as-stored",
         "int8-head-page32-queries-as-n-pqk", "e4m3-token-page64-s2-bkv256-values-as-stored",
         "int8-token-page128-bkv256-values-as-stored", "int8-token-page64-s2-bkv256-values-as-stored-persistent",
+        "e4m3-token-dense-s2-paired-terms", "int8-token-page64-bkv256-paired-terms",
         "int8-token-page128-pqk",
         "fp16-page64-pqk", "e5m2-token-dense-s3-persistent", "int8-token-page64-tile-consumers2"])
 def test_mosaic_gpu_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, num_queries, fields):
@@ -146,10 +150,12 @@ def test_mosaic_gpu_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, 
                                               (jnp.float8_e4m3fn, dict(queries_as_n=True, pipeline_qk=True)),
                                               (jnp.int8, dict(queries_as_n=True)),
                                               (jnp.float8_e4m3fn, dict(queries_as_n=True, values_as_stored=True)),
-                                              (jnp.int8, dict(queries_as_n=True, values_as_stored=True))],
+                                              (jnp.int8, dict(queries_as_n=True, values_as_stored=True)),
+                                              (jnp.float8_e4m3fn, dict(queries_as_n=True, values_as_stored=True,
+                                                                       paired_terms=True))],
                          ids=["int8-widened", "e4m3-fp8-operands", "e4m3-fp8-operands-pqk", "e4m3-queries-as-n",
                               "e4m3-queries-as-n-pqk", "int8-queries-as-n", "e4m3-queries-as-n-values-as-stored",
-                              "int8-queries-as-n-values-as-stored"])
+                              "int8-queries-as-n-values-as-stored", "e4m3-paired-terms"])
 def test_mosaic_gpu_tokens_last_race_detection_finds_none(kv_dtype, fields):
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
   # 5 tiles through a 2-slot ring: V and its scale slots refilled after register reads, the widened V tile (int8)
@@ -537,6 +543,50 @@ def test_mosaic_gpu_one_byte_head_dim_256_takes_a_consumer_that_fits(kv_dtype):
                                                             impl="mosaic_gpu"), *args)
 
 
+@pytest.mark.parametrize("kv_dtype, page_size", [(jnp.float8_e4m3fn, None), (jnp.int8, 64)])
+def test_mosaic_gpu_paired_terms_give_the_two_products_sums_interpret(kv_dtype, page_size):
+  # Q's and P's two one-byte terms as one wgmma operand of 32 columns (experimental `paired_terms`) sum the same
+  # products as two wgmmas of 16: the outputs agree to f32 rounding (leaving out Q's low term moves fp8's by 8e-4,
+  # within the tolerance against xla, so this is the test that sees it). Lengths end inside the first and second
+  # tile.
+  from pallas_kv.experimental import MosaicGPUVariantConfig
+  case = make_case(31, batch=2, seq_len=512, num_heads=8, num_kv_heads=4, head_dim=64, num_queries=2,
+                   dtype=jnp.float32, kv_dtype=kv_dtype, lengths=[500, 200], page_size=page_size)
+  paged = page_size is not None
+  scales = _scales(np.random.default_rng(3), "token", (case.k_pages if paged else case.k).shape[:3])
+  outs = []
+  for paired in (False, True):
+    config = MosaicGPUVariantConfig(queries_as_n=True, values_as_stored=True, block_kv=256, num_stages=2,
+                                    num_splits=1, paired_terms=paired)
+    with pkv.interpret():
+      outs.append(_run(case, paged=paged, v_tokens_last=True, impl="mosaic_gpu", config=config, k_scale=scales,
+                       v_scale=scales))
+  (out, lse), (out_paired, lse_paired) = outs
+  np.testing.assert_allclose(np.asarray(out_paired), np.asarray(out), rtol=0, atol=1e-5 * float(jnp.abs(out).max()))
+  np.testing.assert_allclose(np.asarray(lse_paired), np.asarray(lse), rtol=0, atol=1e-5)
+  ref, _ = _run(case, paged=paged, v_tokens_last=False, impl="xla", k_scale=scales, v_scale=scales)
+  assert_matches_reference(out_paired, ref, jnp.float16)   # a one-byte cache's tolerance (that of 16-bit queries)
+
+
+@pytest.mark.parametrize("kv_dtype, page_size", [("float8_e4m3fn", None), ("int8", 64)])
+def test_mosaic_gpu_paired_terms_lower_for_cuda(kv_dtype, page_size):
+  from pallas_kv.experimental import MosaicGPUVariantConfig
+  config = MosaicGPUVariantConfig(queries_as_n=True, values_as_stored=True, paired_terms=True)
+  B, T, P = 4, 2048, 4 * 2048 // 64
+  q, lengths = jax.ShapeDtypeStruct((B, 32, 128), jnp.bfloat16), jax.ShapeDtypeStruct((B,), jnp.int32)
+  if page_size is None:
+    args = (q, jax.ShapeDtypeStruct((B, T, 8, 128), kv_dtype), jax.ShapeDtypeStruct((B, 8, 128, T), kv_dtype),
+            lengths, jax.ShapeDtypeStruct((B, T, 8), jnp.float32))
+    fn = lambda q, k, v, n, s: pkv.decode_attention(q, k, v, n, k_scale=s, v_scale=s, v_tokens_last=True,
+                                                    impl="mosaic_gpu", config=config)
+  else:
+    args = (q, jax.ShapeDtypeStruct((P, 64, 8, 128), kv_dtype), jax.ShapeDtypeStruct((P, 8, 128, 64), kv_dtype),
+            jax.ShapeDtypeStruct((B, T // 64), jnp.int32), lengths, jax.ShapeDtypeStruct((P, 64, 8), jnp.float32))
+    fn = lambda q, k, v, t, n, s: pkv.paged_decode_attention(q, k, v, t, n, k_scale=s, v_scale=s,
+                                                             v_tokens_last=True, impl="mosaic_gpu", config=config)
+  lower_for_cuda(fn, *args)
+
+
 @pytest.mark.parametrize("kv_dtype", [jnp.float8_e4m3fn, jnp.int8])
 def test_mosaic_gpu_default_reads_one_byte_values_as_stored_interpret(kv_dtype):
   # The default config of a dense one-byte cache with V tokens last: 256-token tiles, V read as stored. Two new
@@ -762,19 +812,23 @@ def _check_on_gpu(impl: str, kv_dtype, page_size, seed: int, config=None, heads=
                                     dict(queries_as_n=True, block_kv=128, pipeline_qk=True),
                                     dict(queries_as_n=True, block_kv=128, values_in_registers=True),
                                     dict(queries_as_n=True, block_kv=128, values_as_stored=True),
-                                    dict(queries_as_n=True, block_kv=256, values_as_stored=True)],
+                                    dict(queries_as_n=True, block_kv=256, values_as_stored=True),
+                                    dict(queries_as_n=True, block_kv=256, values_as_stored=True, paired_terms=True)],
                          ids=["groups3", "pqk", "queries-as-n", "queries-as-n-bkv128-pqk", "queries-as-n-vreg",
-                              "queries-as-n-values-as-stored", "queries-as-n-bkv256-values-as-stored"])
+                              "queries-as-n-values-as-stored", "queries-as-n-bkv256-values-as-stored",
+                              "queries-as-n-bkv256-paired-terms"])
 def test_gpu_mosaic_gpu_fp8_consumer_variants_match(fields):
   from pallas_kv.experimental import MosaicGPUVariantConfig   # values_in_registers: interpret mode cannot run it
   _check_on_gpu("mosaic_gpu", jnp.float8_e4m3fn, None, seed=17, config=MosaicGPUVariantConfig(**fields))
 
 
 @pytest.mark.gpu   # int8 read as stored (s8 wgmma), the queries as N, dense and paged; V as stored too (P V on s8)
-@pytest.mark.parametrize("page_size, values_as_stored", [(None, False), (128, False), (None, True)])
-def test_gpu_mosaic_gpu_int8_queries_as_n_matches(page_size, values_as_stored):
+@pytest.mark.parametrize("page_size, values_as_stored, paired", [(None, False, False), (128, False, False),
+                                                                 (None, True, False), (64, True, True)])
+def test_gpu_mosaic_gpu_int8_queries_as_n_matches(page_size, values_as_stored, paired):
   from pallas_kv.experimental import MosaicGPUVariantConfig
-  config = MosaicGPUVariantConfig(queries_as_n=True, block_kv=128, values_as_stored=values_as_stored)
+  config = MosaicGPUVariantConfig(queries_as_n=True, block_kv=256 if paired else 128,
+                                  values_as_stored=values_as_stored, paired_terms=paired)
   _check_on_gpu("mosaic_gpu", jnp.int8, page_size, seed=19, config=config)
 
 

@@ -262,6 +262,7 @@ class DecodeSmem:
   queries_as_n: bool = False   # one-byte operands: the rows as wgmma N (`fp8_operands.consume_as_n`)
   values_in_registers: bool = False   # queries_as_n: V widened in registers, no v_wide (experimental)
   values_as_stored: bool = False   # queries_as_n: V as stored, P^T as two one-byte terms
+  paired_terms: bool = False   # values_as_stored: Q's and P's two terms one wgmma B operand of 32 rows (experimental)
   q_buffers: int = 1        # 2: a persistent program copies the next item's q rows while it streams
   out_dtype: Any = jnp.float32   # the partials' (q's 16-bit dtype where one split is the output, one tile consumer)
 
@@ -298,6 +299,9 @@ class DecodeSmem:
       raise ValueError(f"V tokens last in pages smaller than a tile ({self.value_pages} a tile) is read a page at a "
                        f"time by the queries-as-N consumer over a one-byte cache, got {self.queries_as_n=} "
                        f"{self.dtype.name} {self.values_in_registers=}")
+    if self.paired_terms and not (self.values_as_stored and self.one_byte_operands):
+      raise ValueError(f"paired_terms=True pairs the one-byte terms of Q and P for the queries-as-N consumer with V "
+                       f"as stored: it needs values_as_stored=True, got {self.values_as_stored=} {self.dtype.name}")
     if self.value_pages > 1 and self.values_as_stored and self.value_run < MIN_BLOCK_KV:
       raise ValueError(f"V read as stored takes pages of >= {MIN_BLOCK_KV} tokens (a swizzled [D, page_size] run a "
                        f"page), got runs of {self.value_run}")
@@ -321,7 +325,8 @@ class DecodeSmem:
                tile_consumers=config.tile_consumers or 1, stream_k=config.split_plan == "stream_k",
                out_dtype=out_dtype, queries_as_n=bool(config.queries_as_n),
                values_in_registers=bool(getattr(config, "values_in_registers", False)) and not interpret,
-               values_as_stored=bool(config.values_as_stored))
+               values_as_stored=bool(config.values_as_stored),
+               paired_terms=bool(getattr(config, "paired_terms", False)))
     if smem.ring_spec().splits_rows and not interpret:
       smem = dataclasses.replace(smem, tile_aliases=True)
     if config.persistent and dataclasses.replace(smem, q_buffers=2).fits:   # never at the cost of a stage
@@ -488,8 +493,10 @@ class DecodeSmem:
     if self.queries_as_n and self.one_byte_operands:   # P^T and V widened, both swizzled as P^T's rows (AS_N_SWIZZLE)
       transforms = tiling.smem_transforms(jnp.float16, self.block_kv, max_swizzle=AS_N_SWIZZLE)
       if self.values_as_stored:   # P as two one-byte terms [16, bkv] (wgmma's K-major B), swizzled as V's slot:
-        # a [16, run] block per run of V's slot (a page's, over pages smaller than the tile)
-        p_t = plgpu.SMEM((2, self.value_pages, AS_N_COLUMNS, self.value_run), self.operand_dtype,
+        # a [16, run] block per run of V's slot (a page's, over pages smaller than the tile); paired: the two
+        # terms' blocks one [32, run] block a run
+        p_shape = ((self.value_pages, 2 * AS_N_COLUMNS) if self.paired_terms else (2, self.value_pages, AS_N_COLUMNS))
+        p_t = plgpu.SMEM((*p_shape, self.value_run), self.operand_dtype,
                          transforms=tiling.smem_transforms(self.operand_dtype, self.value_run))
       else:
         p_t = plgpu.SMEM((self.block_kv, AS_N_COLUMNS), jnp.float16,
@@ -522,7 +529,8 @@ class DecodeSmem:
 
   @property
   def _q_shape(self) -> tuple[int, ...]:
-    terms = (2,) if self.one_byte_operands else ()
+    # Q's two terms; paired, both in the first term's block (rows 0-15 and 16-31)
+    terms = ((1,) if self.paired_terms else (2,)) if self.one_byte_operands else ()
     return (self.q_buffers, self.row_wgs, *terms, ROWS_PER_WG, self.head_dim)
 
   @property

@@ -362,8 +362,10 @@ class _Queries:
     if self.factors is None:
       plgpu.copy_gmem_to_smem(self.q_ref.at[b, head, rows], self.smem.at[buffer, self.rw, first], barrier)
       return
-    for term in range(2):   # each term's rows are one contiguous box
-      plgpu.copy_gmem_to_smem(self.q_ref.at[b, head, term, rows], self.smem.at[buffer, self.rw, term, first], barrier)
+    for term in range(2):   # each term's rows are one contiguous box; paired, the terms' rows 16 apart in one block
+      into = (self.smem.at[buffer, self.rw, 0, pl.ds(term * fp8_operands.QUERY_COLUMNS, n)] if st.smem.paired_terms
+              else self.smem.at[buffer, self.rw, term, first])
+      plgpu.copy_gmem_to_smem(self.q_ref.at[b, head, term, rows], into, barrier)
     plgpu.copy_gmem_to_smem(self.factors_ref.at[b, head, rows], self.factors.at[buffer, self.rw, first], barrier)
 
   def load_for(self, item: Item):
@@ -573,7 +575,8 @@ def _build(st: _Static, interpret: Any):
       (st.persistent, f"_persist{st.num_programs}"), (st.smem.q_buffers == 2, "_q2"),
       (st.quantized, f"_{st.tiling.dtype.name}_k{st.k_scale or 'none'}_v{st.v_scale or 'none'}"),
       (st.smem.converter, "_cvt"), (st.smem.v_tokens_last, "_vlast"), (st.smem.one_byte_operands, "_stored"),
-      (st.smem.queries_as_n, "_asn" + "_vreg" * st.smem.values_in_registers + "_v8" * st.smem.values_as_stored),
+      (st.smem.queries_as_n, "_asn" + "_vreg" * st.smem.values_in_registers + "_v8" * st.smem.values_as_stored
+       + "_pair" * st.smem.paired_terms),
       (st.smem.tile_consumers == 2, "_tc2"), (st.tile_math.name, f"_{st.tile_math.name}"),
       (st.balanced, "_balanced"), (st.stream_k, "_streamk" if st.walk_vectors else "_streamk_kwalk"),
       (st.ordered, "_ordered"), (st.explicit_barriers, "_eb"), (st.options.has_window_start, "_wstart")]

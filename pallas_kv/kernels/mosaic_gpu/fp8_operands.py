@@ -340,12 +340,17 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
   query_factors = (plgpu.load(tiles.q_factors.at[pl.ds(0, n)], layout=cols)
                    * online_softmax.logit_factor(st.options.scale, st.options.softcap))
 
-  # int8: each term's S^T in its own n columns, exact in s32, combined in scaled (the terms' units differ).
+  # int8: each term's S^T in its own n columns, exact in s32, combined in scaled (the terms' units differ). Paired
+  # terms (Q's two in one block of 2n rows): one wgmma, each term's S^T in its own n columns too.
   int8 = tiles.q_terms.dtype == jnp.int8
-  s_type = plgpu.ACC((bkv, 2 * n), jnp.int32) if int8 else plgpu.ACC((bkv, n), jnp.float32)
+  paired = st.smem.paired_terms
+  s_type = plgpu.ACC((bkv, 2 * n) if int8 or paired else (bkv, n), jnp.int32 if int8 else jnp.float32)
 
   def issue_qk(s_ref, k_slot):
-    """S^T of a landed K slot into s_ref: Q's two terms, two wgmmas (awaited by whoever reads s_ref)."""
+    """S^T of a landed K slot into s_ref: Q's two terms, two wgmmas, or paired one (awaited by whoever reads s_ref)."""
+    if paired:
+      plgpu.wgmma(s_ref, k_slot, tiles.q_terms.at[0, pl.ds(0, 2 * n)].transpose((1, 0)))
+      return
     for term in range(2):
       target = s_ref.at[:, pl.ds(term * n, n)] if int8 else s_ref
       plgpu.wgmma(target, k_slot, tiles.q_terms.at[term, pl.ds(0, n)].transpose((1, 0)))
@@ -369,6 +374,8 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
     scale (the logits without V scales), -inf where a query does not see the key (masked tiles)."""
     if int8:
       s = s[:, :n].astype(jnp.float32) + s[:, n:].astype(jnp.float32) * (1.0 / INT8_LOW_SCALE)
+    elif paired:
+      s = s[:, :n] + s[:, n:]
     s = s * per_query(query_factors, s.shape)
     if tiles.k_scales is not None:
       s = s * per_token(key_scales(tiles.k_scales, i), s.shape)
@@ -434,10 +441,11 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
     if as_stored:   # P^T as two one-byte terms, each stored as P [16, run] a run of V (f16 takes the transpose)
       run = tiles.p_t.shape[-1]
       for term, x in enumerate(probability_terms(p, int8=int8)):
-        for j in range(tiles.p_t.shape[1]):
+        for j in range(bkv // run):
           x_run = x if run == bkv else x[j * run:(j + 1) * run]
           x_run = plgpu.layout_cast(x_run.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED)
-          tiles.p_t.at[term, j].transpose((1, 0))[...] = x_run.astype(tiles.p_t.dtype)
+          block = tiles.p_t.at[j, pl.ds(term * n, n)] if paired else tiles.p_t.at[term, j]
+          block.transpose((1, 0))[...] = x_run.astype(tiles.p_t.dtype)
     else:
       tiles.p_t[...] = p.astype(tiles.p_t.dtype)
     return acc * per_query(alpha, acc.shape), m_new, l_part * per_query(alpha, z.shape) + terms
@@ -452,10 +460,13 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
     def stored_products(term):   # (V's run, P^T's term over it): one wgmma a run
       return [(run, tiles.p_t.at[term, j].transpose((1, 0))) for j, run in enumerate(value_runs(chunks[0]))]
 
-    def int8_products(r_ref):   # each term's products exact in s32, in their own n columns
-      for term in range(2):
-        for values, p_term in stored_products(term):
-          plgpu.wgmma(r_ref.at[:, pl.ds(term * n, n)], values, p_term)
+    def term_products(r_ref):   # each term's products in their own n columns (int8: exact in s32)
+      for j, values in enumerate(value_runs(chunks[0])):
+        if paired:   # both terms one operand: one wgmma a run
+          plgpu.wgmma(r_ref, values, tiles.p_t.at[j].transpose((1, 0)))
+          continue
+        for term in range(2):
+          plgpu.wgmma(r_ref.at[:, pl.ds(term * n, n)], values, tiles.p_t.at[term, j].transpose((1, 0)))
       return r_ref[...]
 
     def mma(acc_ref):
@@ -469,9 +480,10 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
         for r, values in zip(range(0, d, ROWS), chunks):
           plgpu.wgmma(acc_ref.at[pl.ds(r, ROWS)], values, tiles.p_t)
 
-    if as_stored and int8:   # the terms combined in f32
-      r = pl.run_scoped(int8_products, plgpu.ACC((d, 2 * n), jnp.int32))
-      acc = acc + r[:, :n].astype(jnp.float32) + r[:, n:].astype(jnp.float32) * (1.0 / INT8_MAX)
+    if as_stored and (int8 or paired):   # the terms combined in f32
+      r = pl.run_scoped(term_products, plgpu.ACC((d, 2 * n), jnp.int32 if int8 else jnp.float32))
+      low = r[:, n:].astype(jnp.float32) * (1.0 / INT8_MAX) if int8 else r[:, n:]
+      acc = acc + r[:, :n].astype(jnp.float32) + low
     else:
       acc = accumulate(acc, mma, interpret=interpret)
     if as_stored:
