@@ -393,6 +393,11 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
     return s, inverse
 
   as_stored = st.smem.values_as_stored   # V read by wgmma as stored, P^T as two one-byte terms
+
+  def p_term(term: int, run: int):
+    """P^T's one-byte term over run `run` of V's slot as P [16, run_tokens] (as_stored): its own block, or paired
+    the term's rows of the run's shared block."""
+    return tiles.p_t.at[run, pl.ds(term * n, n)] if paired else tiles.p_t.at[term, run]
   in_registers = tiles.v_wide is None and not as_stored
 
   @region("widen")
@@ -444,8 +449,7 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
         for j in range(bkv // run):
           x_run = x if run == bkv else x[j * run:(j + 1) * run]
           x_run = plgpu.layout_cast(x_run.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED)
-          block = tiles.p_t.at[j, pl.ds(term * n, n)] if paired else tiles.p_t.at[term, j]
-          block.transpose((1, 0))[...] = x_run.astype(tiles.p_t.dtype)
+          p_term(term, j).transpose((1, 0))[...] = x_run.astype(tiles.p_t.dtype)
     else:
       tiles.p_t[...] = p.astype(tiles.p_t.dtype)
     return acc * per_query(alpha, acc.shape), m_new, l_part * per_query(alpha, z.shape) + terms
@@ -457,23 +461,20 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
     # wgmma reads the V slot after it: freed once the products are done.
     pipeline.release_after_commit((tiles.k_scales, tiles.v_scales) + (() if as_stored else (tiles.v_ring,)), i)
 
-    def stored_products(term):   # (V's run, P^T's term over it): one wgmma a run
-      return [(run, tiles.p_t.at[term, j].transpose((1, 0))) for j, run in enumerate(value_runs(chunks[0]))]
-
     def term_products(r_ref):   # each term's products in their own n columns (int8: exact in s32)
       for j, values in enumerate(value_runs(chunks[0])):
         if paired:   # both terms one operand: one wgmma a run
           plgpu.wgmma(r_ref, values, tiles.p_t.at[j].transpose((1, 0)))
           continue
         for term in range(2):
-          plgpu.wgmma(r_ref.at[:, pl.ds(term * n, n)], values, tiles.p_t.at[term, j].transpose((1, 0)))
+          plgpu.wgmma(r_ref.at[:, pl.ds(term * n, n)], values, p_term(term, j).transpose((1, 0)))
       return r_ref[...]
 
     def mma(acc_ref):
-      if as_stored:
+      if as_stored:   # both terms into one accumulator (fp8: the same units), one wgmma a term and run
         for term in range(2):
-          for values, p_term in stored_products(term):
-            plgpu.wgmma(acc_ref, values, p_term)
+          for j, values in enumerate(value_runs(chunks[0])):
+            plgpu.wgmma(acc_ref, values, p_term(term, j).transpose((1, 0)))
       elif not in_registers:
         plgpu.wgmma(acc_ref, tiles.v_wide, tiles.p_t)
       else:
