@@ -543,21 +543,23 @@ def test_mosaic_gpu_one_byte_head_dim_256_takes_a_consumer_that_fits(kv_dtype):
                                                             impl="mosaic_gpu"), *args)
 
 
-@pytest.mark.parametrize("kv_dtype, page_size", [(jnp.float8_e4m3fn, None), (jnp.int8, 64)])
-def test_mosaic_gpu_paired_terms_give_the_two_products_sums_interpret(kv_dtype, page_size):
-  # Q's and P's two one-byte terms as one wgmma operand of 32 columns (experimental `paired_terms`) sum the same
-  # products as two wgmmas of 16: the outputs agree to f32 rounding (leaving out Q's low term moves fp8's by 8e-4,
-  # within the tolerance against xla, so this is the test that sees it). Lengths end inside the first and second
-  # tile.
+@pytest.mark.parametrize("kv_dtype, page_size, field", [(jnp.float8_e4m3fn, None, "paired_terms"),
+                                                         (jnp.int8, 64, "paired_terms"),
+                                                         (jnp.float8_e4m3fn, 64, "f32_term_sums")])
+def test_mosaic_gpu_term_variants_give_the_two_products_sums_interpret(kv_dtype, page_size, field):
+  # Q's and P's two one-byte terms as one wgmma operand of 32 columns (experimental `paired_terms`), or each term's
+  # and each tile's products summed in f32 (`f32_term_sums`), sum the same products as the default: the outputs
+  # agree to f32 rounding (interpret mode sums wgmma in f32; leaving out Q's low term moves fp8's by 8e-4, within
+  # the tolerance against xla, so this is the test that sees it). Lengths end inside the first and second tile.
   from pallas_kv.experimental import MosaicGPUVariantConfig
   case = make_case(31, batch=2, seq_len=512, num_heads=8, num_kv_heads=4, head_dim=64, num_queries=2,
                    dtype=jnp.float32, kv_dtype=kv_dtype, lengths=[500, 200], page_size=page_size)
   paged = page_size is not None
   scales = _scales(np.random.default_rng(3), "token", (case.k_pages if paged else case.k).shape[:3])
   outs = []
-  for paired in (False, True):
+  for variant in (False, True):
     config = MosaicGPUVariantConfig(queries_as_n=True, values_as_stored=True, block_kv=256, num_stages=2,
-                                    num_splits=1, paired_terms=paired)
+                                    num_splits=1, **{field: variant})
     with pkv.interpret():
       outs.append(_run(case, paged=paged, v_tokens_last=True, impl="mosaic_gpu", config=config, k_scale=scales,
                        v_scale=scales))
@@ -568,10 +570,12 @@ def test_mosaic_gpu_paired_terms_give_the_two_products_sums_interpret(kv_dtype, 
   assert_matches_reference(out_paired, ref, jnp.float16)   # a one-byte cache's tolerance (that of 16-bit queries)
 
 
-@pytest.mark.parametrize("kv_dtype, page_size", [("float8_e4m3fn", None), ("int8", 64)])
-def test_mosaic_gpu_paired_terms_lower_for_cuda(kv_dtype, page_size):
+@pytest.mark.parametrize("kv_dtype, page_size, field", [("float8_e4m3fn", None, "paired_terms"),
+                                                         ("int8", 64, "paired_terms"),
+                                                         ("float8_e4m3fn", 64, "f32_term_sums")])
+def test_mosaic_gpu_term_variants_lower_for_cuda(kv_dtype, page_size, field):
   from pallas_kv.experimental import MosaicGPUVariantConfig
-  config = MosaicGPUVariantConfig(queries_as_n=True, values_as_stored=True, paired_terms=True)
+  config = MosaicGPUVariantConfig(queries_as_n=True, values_as_stored=True, **{field: True})
   B, T, P = 4, 2048, 4 * 2048 // 64
   q, lengths = jax.ShapeDtypeStruct((B, 32, 128), jnp.bfloat16), jax.ShapeDtypeStruct((B,), jnp.int32)
   if page_size is None:
@@ -813,10 +817,11 @@ def _check_on_gpu(impl: str, kv_dtype, page_size, seed: int, config=None, heads=
                                     dict(queries_as_n=True, block_kv=128, values_in_registers=True),
                                     dict(queries_as_n=True, block_kv=128, values_as_stored=True),
                                     dict(queries_as_n=True, block_kv=256, values_as_stored=True),
-                                    dict(queries_as_n=True, block_kv=256, values_as_stored=True, paired_terms=True)],
+                                    dict(queries_as_n=True, block_kv=256, values_as_stored=True, paired_terms=True),
+                                    dict(queries_as_n=True, block_kv=256, values_as_stored=True, f32_term_sums=True)],
                          ids=["groups3", "pqk", "queries-as-n", "queries-as-n-bkv128-pqk", "queries-as-n-vreg",
                               "queries-as-n-values-as-stored", "queries-as-n-bkv256-values-as-stored",
-                              "queries-as-n-bkv256-paired-terms"])
+                              "queries-as-n-bkv256-paired-terms", "queries-as-n-bkv256-f32-term-sums"])
 def test_gpu_mosaic_gpu_fp8_consumer_variants_match(fields):
   from pallas_kv.experimental import MosaicGPUVariantConfig   # values_in_registers: interpret mode cannot run it
   _check_on_gpu("mosaic_gpu", jnp.float8_e4m3fn, None, seed=17, config=MosaicGPUVariantConfig(**fields))

@@ -659,6 +659,11 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
     raise ValueError(f"values_as_stored=True reads one-byte V as stored for the queries_as_n consumer: it needs "
                      f"queries_as_n=True, an fp8 or int8 cache and values_in_registers=False, got "
                      f"{config.queries_as_n=} {jnp.dtype(dtype).name}")
+  fp8_as_stored = config.values_as_stored and jnp.dtype(dtype) in MLA_ONE_BYTE_DTYPES   # the fp8 dtypes
+  if getattr(config, "f32_term_sums", False) and not fp8_as_stored:
+    raise ValueError(f"f32_term_sums=True sums the fp8 terms of V read as stored in f32 (int8's are): it needs "
+                     f"values_as_stored=True and an fp8 cache, got {config.values_as_stored=} "
+                     f"{jnp.dtype(dtype).name}")
   if config.queries_as_n:
     tokens_last = one_byte and quantized.get("v_tokens_last") and not converter(config)
     if not (config.kv_groups == 1 and config.tile_consumers == 1 and tokens_last and rows <= AS_N_COLUMNS):

@@ -344,7 +344,10 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
   # terms (Q's two in one block of 2n rows): one wgmma, each term's S^T in its own n columns too.
   int8 = tiles.q_terms.dtype == jnp.int8
   paired = st.smem.paired_terms
-  s_type = plgpu.ACC((bkv, 2 * n) if int8 or paired else (bkv, n), jnp.int32 if int8 else jnp.float32)
+  # f32 sums (int8, paired, or asked for): each term's products in its own columns, each tile's P V from zero, all
+  # summed in f32; else both fp8 terms and all tiles summed inside one wgmma accumulator.
+  f32_sums = int8 or paired or st.f32_term_sums
+  s_type = plgpu.ACC((bkv, 2 * n) if f32_sums else (bkv, n), jnp.int32 if int8 else jnp.float32)
 
   def issue_qk(s_ref, k_slot):
     """S^T of a landed K slot into s_ref: Q's two terms, two wgmmas, or paired one (awaited by whoever reads s_ref)."""
@@ -352,7 +355,7 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
       plgpu.wgmma(s_ref, k_slot, tiles.q_terms.at[0, pl.ds(0, 2 * n)].transpose((1, 0)))
       return
     for term in range(2):
-      target = s_ref.at[:, pl.ds(term * n, n)] if int8 else s_ref
+      target = s_ref.at[:, pl.ds(term * n, n)] if f32_sums else s_ref
       plgpu.wgmma(target, k_slot, tiles.q_terms.at[term, pl.ds(0, n)].transpose((1, 0)))
 
   def scores(i, tile, masked: bool):
@@ -374,7 +377,7 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
     scale (the logits without V scales), -inf where a query does not see the key (masked tiles)."""
     if int8:
       s = s[:, :n].astype(jnp.float32) + s[:, n:].astype(jnp.float32) * (1.0 / INT8_LOW_SCALE)
-    elif paired:
+    elif f32_sums:
       s = s[:, :n] + s[:, n:]
     s = s * per_query(query_factors, s.shape)
     if tiles.k_scales is not None:
@@ -481,7 +484,7 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
         for r, values in zip(range(0, d, ROWS), chunks):
           plgpu.wgmma(acc_ref.at[pl.ds(r, ROWS)], values, tiles.p_t)
 
-    if as_stored and (int8 or paired):   # the terms combined in f32
+    if as_stored and f32_sums:   # the terms combined in f32
       r = pl.run_scoped(term_products, plgpu.ACC((d, 2 * n), jnp.int32 if int8 else jnp.float32))
       low = r[:, n:].astype(jnp.float32) * (1.0 / INT8_MAX) if int8 else r[:, n:]
       acc = acc + r[:, :n].astype(jnp.float32) + low
