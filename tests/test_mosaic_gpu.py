@@ -29,7 +29,7 @@ IMPL = "mosaic_gpu"
 # A complete config (what decode_partials takes): 64-token tiles through a 2-slot ring, one split.
 BASE = pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=1, split_plan="per_sequence", kv_groups=1,
                            pipeline_qk=False, persistent=False, tile_consumers=1, sequence_order="given",
-                           queries_as_n=False, values_as_stored=False)
+                           queries_as_n=False, values_as_stored=False, paired_terms=False)
 
 
 def _config(**fields) -> pkv.MosaicGPUConfig:

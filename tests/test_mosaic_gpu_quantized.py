@@ -29,7 +29,7 @@ SCALE_KINDS = (None, "head", "token")
 # group, one split.
 BASE = pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=1, split_plan="per_sequence", kv_groups=1,
                            pipeline_qk=False, persistent=False, tile_consumers=1, sequence_order="given",
-                           queries_as_n=False, values_as_stored=False)
+                           queries_as_n=False, values_as_stored=False, paired_terms=False)
 
 
 def complete(config_type=pkv.MosaicGPUConfig, **fields):

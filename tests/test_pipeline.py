@@ -203,7 +203,7 @@ def test_dense_tile_location():
 def test_smem_of_the_default_config_counts_every_buffer():
   config = pkv.MosaicGPUConfig(block_kv=64, num_stages=4, num_splits=1, split_plan="per_sequence", kv_groups=1,
                                pipeline_qk=False, persistent=False, tile_consumers=1, sequence_order="given",
-                               queries_as_n=False, values_as_stored=False)
+                               queries_as_n=False, values_as_stored=False, paired_terms=False)
   smem = mgpu_config.DecodeSmem.for_call(config, rows=4, head_dim=128, dtype=jnp.bfloat16, page_size=None)
   align = pipeline.align_up
   rings = 2 * align(4 * 64 * 128 * 2)                              # K and V rings

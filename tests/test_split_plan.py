@@ -229,7 +229,7 @@ def test_kernels_cut_the_splits_the_plan_says(impl):
     from jax.experimental.pallas import mosaic_gpu as plgpu
     interpret = plgpu.InterpretGPUParams()
     own = dict(kv_groups=1, pipeline_qk=False, persistent=False, tile_consumers=1, sequence_order="given",
-               queries_as_n=False, values_as_stored=False)
+               queries_as_n=False, values_as_stored=False, paired_terms=False)
   lse = {}
   for kind in ("per_sequence", "balanced"):
     config = CONFIG_TYPE[impl](block_kv=block_kv, num_stages=2, num_splits=2, split_plan=kind, **own)

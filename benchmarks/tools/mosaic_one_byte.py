@@ -47,9 +47,9 @@ VARIANTS = [(f"{impl} {kind}", impl, kind, None)
 # (`experimental.MosaicGPUVariantConfig.explicit_barriers`); asn: the queries as wgmma N (fp8, one consumer;
 # asn128: on 128-token tiles; vreg: V widened in registers, P V's A operand; v8: V as stored, P^T as two one-byte
 # terms; sk: the stream-K walk of persistent programs; persist: one program an SM, its ring streaming on across the
-# work items; pair: Q's and P's two terms one wgmma operand of 32 columns; f32: fp8's terms and tiles summed in
-# f32). The default over fp8 and int8 is asn256 v8; the other named variants keep the keys as S's columns
-# (queries_as_n=False), groups2 being the earlier default.
+# work items; pair: Q's and P's two terms one wgmma operand of 32 columns). The default over fp8 and int8 is
+# asn256 v8 (int8: pair; both: persist at >= 3 waves of items); the other named variants keep the keys as S's
+# columns (queries_as_n=False), groups2 being the earlier default.
 VARIANTS += [(f"mosaic_gpu {kind} {name}", "mosaic_gpu", kind,
               config if name.startswith("asn") else dataclasses.replace(config, queries_as_n=False))
              for name, config in (("groups1", M(kv_groups=1)), ("groups2", M(kv_groups=2)), ("groups3", M(kv_groups=3)),
@@ -79,8 +79,6 @@ VARIANTS += [(f"mosaic_gpu {kind} {name}", "mosaic_gpu", kind,
                                   ("asn256 v8 persist pair", MosaicGPUVariantConfig(
                                       queries_as_n=True, block_kv=256, values_as_stored=True, persistent=True,
                                       paired_terms=True)),
-                                  ("asn256 v8 f32", MosaicGPUVariantConfig(
-                                      queries_as_n=True, block_kv=256, values_as_stored=True, f32_term_sums=True)),
                                   ("asn128 sk", M(queries_as_n=True, block_kv=128, split_plan="stream_k")))
              for kind in ("token", "none")]
 # Kernel-only rows (`decode_partials` on the op's config and plan, no merge; results not checked): "kernel" with its

@@ -29,21 +29,13 @@ class MosaicGPUVariantConfig(MosaicGPUConfig):
   T4096; benchmarks/RESULTS.md, thirty-second set): not shipped; no converter.
   values_in_registers: with queries_as_n, the V tile widened to f16 in registers, wgmma's A operand of O^T = V^T P^T,
   instead of stored to SMEM and read from there (not in interpret mode, which runs no register operand).
-  (values_as_stored, V read as stored, is shipped: a field of MosaicGPUConfig.)
-  paired_terms: with queries_as_n and values_as_stored, Q's two one-byte terms are one wgmma B operand of 32
-  columns, and so are P's: one product a K tile and one a V run, where two terms of 16 columns take two, each
-  reading the same one-byte tile from SMEM as its A operand. Not measured on a GPU yet.
-  f32_term_sums: with queries_as_n and values_as_stored over fp8, Q's two terms score into their own 16 columns and
-  each tile's P V into a zeroed accumulator, summed in f32 (as int8's are), instead of both terms and every tile
-  summed in one wgmma accumulator: Hopper's fp8 wgmma keeps fewer bits than f32 when it accumulates."""
+  (values_as_stored, V read as stored, and paired_terms are shipped: fields of MosaicGPUConfig.)"""
   convert_warpgroup: bool = False
   explicit_barriers: bool = False
   values_in_registers: bool = False
-  paired_terms: bool = False
-  f32_term_sums: bool = False
 
-  BOOL_FIELDS: ClassVar[tuple[str, ...]] = MosaicGPUConfig.BOOL_FIELDS + (
-      "convert_warpgroup", "explicit_barriers", "values_in_registers", "paired_terms", "f32_term_sums")
+  BOOL_FIELDS: ClassVar[tuple[str, ...]] = MosaicGPUConfig.BOOL_FIELDS + ("convert_warpgroup", "explicit_barriers",
+                                                                          "values_in_registers")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

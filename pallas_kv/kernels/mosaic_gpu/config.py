@@ -12,6 +12,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kv import runtime
 from pallas_kv import tuned
 from pallas_kv.config import MAX_STAGES
 from pallas_kv.config import MosaicGPUConfig
@@ -262,7 +263,7 @@ class DecodeSmem:
   queries_as_n: bool = False   # one-byte operands: the rows as wgmma N (`fp8_operands.consume_as_n`)
   values_in_registers: bool = False   # queries_as_n: V widened in registers, no v_wide (experimental)
   values_as_stored: bool = False   # queries_as_n: V as stored, P^T as two one-byte terms
-  paired_terms: bool = False   # values_as_stored: Q's and P's two terms one wgmma B operand of 32 rows (experimental)
+  paired_terms: bool = False   # values_as_stored: Q's and P's two terms one wgmma B operand of 32 rows
   q_buffers: int = 1        # 2: a persistent program copies the next item's q rows while it streams
   out_dtype: Any = jnp.float32   # the partials' (q's 16-bit dtype where one split is the output, one tile consumer)
 
@@ -326,7 +327,7 @@ class DecodeSmem:
                out_dtype=out_dtype, queries_as_n=bool(config.queries_as_n),
                values_in_registers=bool(getattr(config, "values_in_registers", False)) and not interpret,
                values_as_stored=bool(config.values_as_stored),
-               paired_terms=bool(getattr(config, "paired_terms", False)))
+               paired_terms=bool(config.paired_terms))
     if smem.ring_spec().splits_rows and not interpret:
       smem = dataclasses.replace(smem, tile_aliases=True)
     if config.persistent and dataclasses.replace(smem, q_buffers=2).fits:   # never at the cost of a stage
@@ -659,11 +660,6 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
     raise ValueError(f"values_as_stored=True reads one-byte V as stored for the queries_as_n consumer: it needs "
                      f"queries_as_n=True, an fp8 or int8 cache and values_in_registers=False, got "
                      f"{config.queries_as_n=} {jnp.dtype(dtype).name}")
-  fp8_as_stored = config.values_as_stored and jnp.dtype(dtype) in MLA_ONE_BYTE_DTYPES   # the fp8 dtypes
-  if getattr(config, "f32_term_sums", False) and not fp8_as_stored:
-    raise ValueError(f"f32_term_sums=True sums the fp8 terms of V read as stored in f32 (int8's are): it needs "
-                     f"values_as_stored=True and an fp8 cache, got {config.values_as_stored=} "
-                     f"{jnp.dtype(dtype).name}")
   if config.queries_as_n:
     tokens_last = one_byte and quantized.get("v_tokens_last") and not converter(config)
     if not (config.kv_groups == 1 and config.tile_consumers == 1 and tokens_last and rows <= AS_N_COLUMNS):
@@ -687,18 +683,23 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
         f"{smem.dtype.name} cache, over the {SMEM_CAPACITY_BYTES} available; use fewer stages")
 
 
+# The one-byte default's persistent programs (its ring streaming on across work items) measured 9-10% faster at 8
+# and 4 waves of items (B128 / B64, H100), level at 2 (B32): docs/decisions.md#mosaic-values-as-stored.
+PERSISTENT_WAVES = 3
 DEFAULT = MosaicGPUConfig(block_kv=64, num_stages=4, split_plan="per_sequence", kv_groups=1, pipeline_qk=False,
                           persistent=False, tile_consumers=1, sequence_order="given", queries_as_n=False,
-                          values_as_stored=False)
+                          values_as_stored=False, paired_terms=False)
 
 
-def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig | None = None) -> MosaicGPUConfig:
+def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig | None = None,
+                     num_sms: int | None = None) -> MosaicGPUConfig:
   """The tile and the deepest ring that fits a cache of `dtype`, around the fields `given` fixes. A one-byte
   cache doubles the stages (as many bytes in flight) and, where the rows fit one warpgroup, takes two
   consumers: widening the tiles, not HBM, bounds it (docs/decisions.md#mosaic-one-byte-two-consumers). The
   queries as N (asked for, or `_takes_queries_as_n`) take 128-token tiles where the pages allow them
   (docs/decisions.md#mosaic-queries-as-n), and on a dense cache 256-token tiles with V read as stored where two
-  stages fit (docs/decisions.md#mosaic-values-as-stored)."""
+  stages fit (docs/decisions.md#mosaic-values-as-stored), persistent where the batch's items make
+  PERSISTENT_WAVES waves or more."""
   given = MosaicGPUConfig() if given is None else given
   rows = problem.num_queries * problem.group_size
   one_byte = jnp.dtype(dtype).itemsize == 1
@@ -718,8 +719,15 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig
     fits_page = problem.page_size is None or problem.page_size % AS_N_BLOCK_KV == 0 or small_pages
     as_n = dataclasses.replace(start, queries_as_n=True, block_kv=AS_N_BLOCK_KV if fits_page else start.block_kv)
     if _reads_values_as_stored(given, problem=problem, dtype=dtype):
-      as_stored = deepest(given.over(dataclasses.replace(as_n, block_kv=AS_STORED_BLOCK_KV, values_as_stored=True)))
+      int8 = jnp.dtype(dtype) == jnp.int8   # Q's and P's terms paired: 5-7% faster for int8, 5% slower for fp8
+      as_stored = deepest(given.over(dataclasses.replace(as_n, block_kv=AS_STORED_BLOCK_KV, values_as_stored=True,
+                                                         paired_terms=int8)))
       if fits(as_stored):
+        waves = problem.batch * problem.num_kv_heads / (num_sms or runtime.num_sms())
+        if (waves >= PERSISTENT_WAVES and given.persistent is None and as_stored.kv_groups == 1
+                and given.split_plan in (None, "per_sequence")):
+          persistent = dataclasses.replace(as_stored, persistent=True)
+          return persistent if fits(persistent) else as_stored
         return as_stored
     as_n = deepest(given.over(as_n))
     # Taken by the heuristic alone: the other consumers where it does not fit (D256), and over pages (where only V
@@ -791,7 +799,7 @@ def resolve_config(problem, config: MosaicGPUConfig | None, *, dtype: Any = "bfl
   resolved = resolved or MosaicGPUConfig()
   if tokens_last:
     check_tokens_last_fields(resolved, problem.page_size)
-  resolved = resolved.over(heuristic_config(problem, dtype=dtype, given=resolved))
+  resolved = resolved.over(heuristic_config(problem, dtype=dtype, given=resolved, num_sms=num_sms))
   _, row_blocks = row_blocking(problem.num_queries * problem.group_size)
   return plan.fill_num_splits(problem, resolved, row_blocks=row_blocks, num_sms=num_sms,
                               splits_per_program=resolved.kv_groups, walked=True)

@@ -143,7 +143,6 @@ class _Static:
   stream_k: bool = False  # the persistent programs walk the plan's equal shares of the tiles (`work`)
   walk_vectors: int = 0   # stream-K: the walk's vectors passed in (4, a plan made ahead), or 0: planned inside
   explicit_barriers: bool = False   # no automatic barriers around SMEM stores: the kernel syncs where needed
-  f32_term_sums: bool = False   # fp8 as stored: the terms' and the tiles' products summed in f32, not in wgmma
   trace: mgpu_trace.KernelTrace | None = None   # a timeline of the call from inside (a diagnostic)
 
   @property
@@ -580,8 +579,7 @@ def _build(st: _Static, interpret: Any):
        + "_pair" * st.smem.paired_terms),
       (st.smem.tile_consumers == 2, "_tc2"), (st.tile_math.name, f"_{st.tile_math.name}"),
       (st.balanced, "_balanced"), (st.stream_k, "_streamk" if st.walk_vectors else "_streamk_kwalk"),
-      (st.ordered, "_ordered"), (st.explicit_barriers, "_eb"), (st.f32_term_sums, "_f32sums"),
-      (st.options.has_window_start, "_wstart")]
+      (st.ordered, "_ordered"), (st.explicit_barriers, "_eb"), (st.options.has_window_start, "_wstart")]
   name += "".join(part for applies, part in suffixes if applies)
   if st.persistent:
     grid, grid_names = (st.num_programs,), ("program",)
@@ -665,8 +663,7 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
       tiling=kv_tiling, smem=smem, batch=B, num_kv_heads=Hkv, pipeline_qk=config.pipeline_qk,
       tile_math=tile_math, q_dtype=jnp.dtype(q.dtype), k_scale=k_kind, v_scale=v_kind,
       balanced=plan.balanced, ordered=plan.ordered, stream_k=plan.stream_k,
-      explicit_barriers=mgpu_config.explicit_barriers(config),
-      f32_term_sums=bool(getattr(config, "f32_term_sums", False)), trace=mgpu_trace.active())
+      explicit_barriers=mgpu_config.explicit_barriers(config), trace=mgpu_trace.active())
   if plan.stream_k:
     st = dataclasses.replace(st, num_programs=plan.walk.num_programs, walk_vectors=len(plan.walk.arrays()))
   elif config.persistent:

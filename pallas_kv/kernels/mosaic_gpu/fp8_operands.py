@@ -344,9 +344,11 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
   # terms (Q's two in one block of 2n rows): one wgmma, each term's S^T in its own n columns too.
   int8 = tiles.q_terms.dtype == jnp.int8
   paired = st.smem.paired_terms
-  # f32 sums (int8, paired, or asked for): each term's products in its own columns, each tile's P V from zero, all
-  # summed in f32; else both fp8 terms and all tiles summed inside one wgmma accumulator.
-  f32_sums = int8 or paired or st.f32_term_sums
+  as_stored = st.smem.values_as_stored   # V read by wgmma as stored, P^T as two one-byte terms
+  # Summed in f32 (int8, and fp8 with V as stored): each term's products in their own columns, each tile's P V from
+  # zero. Hopper's fp8 wgmma keeps fewer bits than f32 as it accumulates: the terms and the tiles summed in one
+  # accumulator measured 3.4x the error, and no faster (docs/decisions.md#mosaic-values-as-stored).
+  f32_sums = int8 or as_stored
   s_type = plgpu.ACC((bkv, 2 * n) if f32_sums else (bkv, n), jnp.int32 if int8 else jnp.float32)
 
   def issue_qk(s_ref, k_slot):
@@ -394,8 +396,6 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
                                   group=st.group, window=st.options.window, start=start)
       s = jnp.where(ok, s, -jnp.inf)   # also drops NaN scores (and V scales) of keys past the length
     return s, inverse
-
-  as_stored = st.smem.values_as_stored   # V read by wgmma as stored, P^T as two one-byte terms
 
   def p_term(term: int, run: int):
     """P^T's one-byte term over run `run` of V's slot as P [16, run_tokens] (as_stored): its own block, or paired
@@ -474,17 +474,13 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
       return r_ref[...]
 
     def mma(acc_ref):
-      if as_stored:   # both terms into one accumulator (fp8: the same units), one wgmma a term and run
-        for term in range(2):
-          for j, values in enumerate(value_runs(chunks[0])):
-            plgpu.wgmma(acc_ref, values, p_term(term, j).transpose((1, 0)))
-      elif not in_registers:
+      if not in_registers:
         plgpu.wgmma(acc_ref, tiles.v_wide, tiles.p_t)
       else:
         for r, values in zip(range(0, d, ROWS), chunks):
           plgpu.wgmma(acc_ref.at[pl.ds(r, ROWS)], values, tiles.p_t)
 
-    if as_stored and f32_sums:   # the terms combined in f32
+    if as_stored:   # the terms combined in f32
       r = pl.run_scoped(term_products, plgpu.ACC((d, 2 * n), jnp.int32 if int8 else jnp.float32))
       low = r[:, n:].astype(jnp.float32) * (1.0 / INT8_MAX) if int8 else r[:, n:]
       acc = acc + r[:, :n].astype(jnp.float32) + low
