@@ -683,9 +683,7 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
         f"{smem.dtype.name} cache, over the {SMEM_CAPACITY_BYTES} available; use fewer stages")
 
 
-# The one-byte default's persistent programs (its ring streaming on across work items) measured 9-10% faster at 8
-# and 4 waves of items (B128 / B64, H100), level at 2 (B32): docs/decisions.md#mosaic-values-as-stored.
-PERSISTENT_WAVES = 3
+PERSISTENT_WAVES = 3   # V as stored persistent: 9-10% faster at 4 and 8 waves of items, level at 2 (H100)
 DEFAULT = MosaicGPUConfig(block_kv=64, num_stages=4, split_plan="per_sequence", kv_groups=1, pipeline_qk=False,
                           persistent=False, tile_consumers=1, sequence_order="given", queries_as_n=False,
                           values_as_stored=False, paired_terms=False)
@@ -698,8 +696,7 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig
   consumers: widening the tiles, not HBM, bounds it (docs/decisions.md#mosaic-one-byte-two-consumers). The
   queries as N (asked for, or `_takes_queries_as_n`) take 128-token tiles where the pages allow them
   (docs/decisions.md#mosaic-queries-as-n), and on a dense cache 256-token tiles with V read as stored where two
-  stages fit (docs/decisions.md#mosaic-values-as-stored), persistent where the batch's items make
-  PERSISTENT_WAVES waves or more."""
+  stages fit (docs/decisions.md#mosaic-values-as-stored), persistent over PERSISTENT_WAVES waves of items."""
   given = MosaicGPUConfig() if given is None else given
   rows = problem.num_queries * problem.group_size
   one_byte = jnp.dtype(dtype).itemsize == 1
@@ -719,16 +716,13 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig
     fits_page = problem.page_size is None or problem.page_size % AS_N_BLOCK_KV == 0 or small_pages
     as_n = dataclasses.replace(start, queries_as_n=True, block_kv=AS_N_BLOCK_KV if fits_page else start.block_kv)
     if _reads_values_as_stored(given, problem=problem, dtype=dtype):
-      int8 = jnp.dtype(dtype) == jnp.int8   # Q's and P's terms paired: 5-7% faster for int8, 5% slower for fp8
-      as_stored = deepest(given.over(dataclasses.replace(as_n, block_kv=AS_STORED_BLOCK_KV, values_as_stored=True,
-                                                         paired_terms=int8)))
+      as_stored = deepest(given.over(dataclasses.replace(   # int8's terms paired: 5-7% faster (fp8: 5% slower)
+          as_n, block_kv=AS_STORED_BLOCK_KV, values_as_stored=True, paired_terms=jnp.dtype(dtype) == jnp.int8)))
       if fits(as_stored):
-        waves = problem.batch * problem.num_kv_heads / (num_sms or runtime.num_sms())
-        if (waves >= PERSISTENT_WAVES and given.persistent is None and as_stored.kv_groups == 1
-                and given.split_plan in (None, "per_sequence")):
-          persistent = dataclasses.replace(as_stored, persistent=True)
-          return persistent if fits(persistent) else as_stored
-        return as_stored
+        many_waves = problem.batch * problem.num_kv_heads >= PERSISTENT_WAVES * (num_sms or runtime.num_sms())
+        persistent = (many_waves and given.persistent is None and given.split_plan in (None, "per_sequence")
+                      and as_stored.kv_groups == 1 and dataclasses.replace(as_stored, persistent=True))
+        return persistent if persistent and fits(persistent) else as_stored
     as_n = deepest(given.over(as_n))
     # Taken by the heuristic alone: the other consumers where it does not fit (D256), and over pages (where only V
     # as stored was measured ahead of them).
