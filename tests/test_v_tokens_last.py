@@ -649,6 +649,21 @@ def test_mosaic_gpu_queries_as_n_takes_every_attention_option_interpret(kv_dtype
   assert_lse_matches(lse, ref_lse, case.q.dtype)
 
 
+def test_fp8_probability_terms_keep_eight_bits():
+  # P FP8_MAX in f16 as two e4m3 terms (V as stored over fp8): hi + lo within 2^-8 of it (2^-9 absolute below e4m3's
+  # normal range); hi alone is e4m3's 4 bits, so the low term carries the rest.
+  from pallas_kv.kernels.mosaic_gpu import fp8_operands
+  rng = np.random.default_rng(11)
+  p = np.concatenate([rng.uniform(0, 1, 4096), 10.0 ** rng.uniform(-8, 0, 4096), [0.0, 1.0]]).astype(np.float32)
+  wide = jnp.asarray(p * fp8_operands.FP8_MAX, jnp.float16)
+  hi, lo = fp8_operands.split_fp8(wide)
+  assert hi.dtype == lo.dtype == jnp.float8_e4m3fn
+  wide, hi, lo = (np.asarray(x, np.float64) for x in (wide, hi, lo))
+  error = np.abs(hi + lo - wide)
+  assert np.all(error <= np.maximum(wide * 2.0 ** -8, 2.0 ** -9)), error.max()
+  assert np.abs(hi - wide).max() > 2.0 ** -5 * 448 / 2   # hi alone misses by e4m3's half step at the top
+
+
 def test_int8_query_terms_keep_fifteen_bits():
   # Q over an int8 cache as two int8 terms: q = factor (hi + lo / 254) within factor / 508, each term in int8's
   # range; a row of zeros stays zeros (factor 1, not 0 / 0).

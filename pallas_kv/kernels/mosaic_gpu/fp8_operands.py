@@ -135,6 +135,25 @@ def probability_terms(p, *, int8: bool):
   return hi, wide - hi.astype(jnp.float32)
 
 
+def stored_probability_terms(p, *, int8: bool):
+  """P f32 [keys, 16] (WGMMA layout) as its two one-byte terms in the WGMMA_TRANSPOSED layout, which P^T's K-major
+  store takes (`probability_terms`' units). fp8 rounds P FP8_MAX to f16 and splits it after the transpose: an e4m3
+  array in the WGMMA layout costs an SMEM round trip to pack (stmatrix, ldmatrix and barriers). f16's 11 bits hold
+  the two terms' ~8, and lo = wide - hi is exact in f16."""
+  transposed = lambda x: plgpu.layout_cast(x.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED)
+  if int8:
+    return [transposed(x).astype(jnp.int8) for x in probability_terms(p, int8=True)]
+  return list(split_fp8(transposed(p * FP8_MAX)))
+
+
+def split_fp8(wide):
+  """f16 values in [0, FP8_MAX] as two e4m3 terms: hi, wide rounded to e4m3, and lo, the rest (wide - hi, exact in
+  f16 as both lie within a factor of two), rounded to e4m3: hi + lo within 2^-8 of wide, or 2^-9 below e4m3's
+  normal range."""
+  hi = wide.astype(FP8_OPERAND)
+  return hi, (wide - hi.astype(jnp.float16)).astype(FP8_OPERAND)
+
+
 def _loads_only_step(tiles):
   """A measurement probe's tile step (`TileMath.loads_only`): each ring's slot waited for and freed, no math, so that
   a kernel-only timing is the load path's own (results wrong by design)."""
@@ -448,11 +467,9 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
       terms = jnp.where(p > 0, terms, 0.0) if masked else terms   # 1 / a scale past the length may be NaN
     if as_stored:   # P^T as two one-byte terms, each stored as P [16, run] a run of V (f16 takes the transpose)
       run = tiles.p_t.shape[-1]
-      for term, x in enumerate(probability_terms(p, int8=int8)):
-        for j in range(bkv // run):
-          x_run = x if run == bkv else x[j * run:(j + 1) * run]
-          x_run = plgpu.layout_cast(x_run.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED)
-          p_term(term, j).transpose((1, 0))[...] = x_run.astype(tiles.p_t.dtype)
+      for j in range(bkv // run):
+        for term, x in enumerate(stored_probability_terms(p if run == bkv else p[j * run:(j + 1) * run], int8=int8)):
+          p_term(term, j).transpose((1, 0))[...] = x
     else:
       tiles.p_t[...] = p.astype(tiles.p_t.dtype)
     return acc * per_query(alpha, acc.shape), m_new, l_part * per_query(alpha, z.shape) + terms
