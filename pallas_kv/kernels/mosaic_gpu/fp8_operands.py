@@ -138,8 +138,8 @@ def probability_terms(p, *, int8: bool):
 def stored_probability_terms(p, *, int8: bool):
   """P f32 [keys, 16] (WGMMA layout) as its two one-byte terms in the WGMMA_TRANSPOSED layout, which P^T's K-major
   store takes (`probability_terms`' units). fp8 rounds P FP8_MAX to f16 and splits it after the transpose: an e4m3
-  array in the WGMMA layout costs an SMEM round trip to pack (stmatrix, ldmatrix and barriers). f16's 11 bits hold
-  the two terms' ~8, and lo = wide - hi is exact in f16."""
+  array in the WGMMA layout costs shuffles to pack, and its widening back for the low term conversions (lowered:
+  a third of the tile loop's shuffles). f16's 11 bits hold the two terms' ~8, and lo = wide - hi is exact in f16."""
   transposed = lambda x: plgpu.layout_cast(x.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED)
   if int8:
     return [transposed(x).astype(jnp.int8) for x in probability_terms(p, int8=True)]
