@@ -79,7 +79,9 @@ VARIANTS += [(f"mosaic_gpu {kind} {name}", "mosaic_gpu", kind,
                                   ("asn256 v8 persist pair", MosaicGPUVariantConfig(
                                       queries_as_n=True, block_kv=256, values_as_stored=True, persistent=True,
                                       paired_terms=True)),
-                                  ("asn128 sk", M(queries_as_n=True, block_kv=128, split_plan="stream_k")))
+                                  ("asn128 sk", M(queries_as_n=True, block_kv=128, split_plan="stream_k")),
+                                  ("asn256 v8 sk", M(queries_as_n=True, block_kv=256, values_as_stored=True,
+                                                     split_plan="stream_k")))
              for kind in ("token", "none")]
 # Kernel-only rows (`decode_partials` on the op's config and plan, no merge; results not checked): "kernel" with its
 # math, "loads" the `loads_only` probe (each slot waited for and freed, no math): what the load path alone takes.
