@@ -74,11 +74,10 @@ VARIANTS += [(f"mosaic_gpu {kind} {name}", "mosaic_gpu", kind,
                                                                        values_as_stored=True)),
                                   ("asn256 v8 persist", M(queries_as_n=True, block_kv=256, values_as_stored=True,
                                                           persistent=True)),
-                                  ("asn256 v8 pair", MosaicGPUVariantConfig(
-                                      queries_as_n=True, block_kv=256, values_as_stored=True, paired_terms=True)),
-                                  ("asn256 v8 persist pair", MosaicGPUVariantConfig(
-                                      queries_as_n=True, block_kv=256, values_as_stored=True, persistent=True,
-                                      paired_terms=True)),
+                                  ("asn256 v8 pair", M(queries_as_n=True, block_kv=256, values_as_stored=True,
+                                                       paired_terms=True)),
+                                  ("asn256 v8 persist pair", M(queries_as_n=True, block_kv=256, values_as_stored=True,
+                                                               persistent=True, paired_terms=True)),
                                   ("asn128 sk", M(queries_as_n=True, block_kv=128, split_plan="stream_k")),
                                   ("asn256 v8 sk", M(queries_as_n=True, block_kv=256, values_as_stored=True,
                                                      split_plan="stream_k")))

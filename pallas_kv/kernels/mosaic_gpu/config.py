@@ -719,13 +719,14 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig
       as_stored = deepest(given.over(dataclasses.replace(   # int8's terms paired: 5-7% faster (fp8: 5% slower)
           as_n, block_kv=AS_STORED_BLOCK_KV, values_as_stored=True, paired_terms=jnp.dtype(dtype) == jnp.int8)))
       if fits(as_stored):
-        many_waves = problem.batch * problem.num_kv_heads >= PERSISTENT_WAVES * (num_sms or runtime.num_sms())
-        persistent = (many_waves and given.persistent is None and given.split_plan in (None, "per_sequence")
-                      and as_stored.kv_groups == 1 and dataclasses.replace(as_stored, persistent=True))
-        return persistent if persistent and fits(persistent) else as_stored
+        waves = problem.batch * problem.num_kv_heads / (num_sms or runtime.num_sms())
+        free = given.persistent is None and given.split_plan in (None, "per_sequence") and as_stored.kv_groups == 1
+        if free and waves >= PERSISTENT_WAVES:
+          persistent = dataclasses.replace(as_stored, persistent=True)
+          return persistent if fits(persistent) else as_stored
+        return as_stored
     as_n = deepest(given.over(as_n))
-    # Taken by the heuristic alone: the other consumers where it does not fit (D256), and over pages (where only V
-    # as stored was measured ahead of them).
+    # Taken by the heuristic alone: other consumers where it does not fit (D256), and over pages (V as stored led).
     if (fits(as_n) and problem.page_size is None) or not taken:
       return as_n
   if one_byte and given.kv_groups is None and rows <= ROWS_PER_WG and not _needs_one_group(given):

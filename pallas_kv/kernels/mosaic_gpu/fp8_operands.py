@@ -359,14 +359,13 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
   query_factors = (plgpu.load(tiles.q_factors.at[pl.ds(0, n)], layout=cols)
                    * online_softmax.logit_factor(st.options.scale, st.options.softcap))
 
-  # int8: each term's S^T in its own n columns, exact in s32, combined in scaled (the terms' units differ). Paired
-  # terms (Q's two in one block of 2n rows): one wgmma, each term's S^T in its own n columns too.
+  # Summed in f32 (int8, and fp8 with V as stored): each term's S^T in its own n columns (int8 exact in s32),
+  # combined in `scaled`, and each tile's P V from zero, added to O in f32. Paired terms (Q's two in one block of 2n
+  # rows): one wgmma, the same columns. Hopper's fp8 wgmma keeps fewer bits than f32 as it accumulates: fp8's terms
+  # and tiles in one accumulator measured 3.4x the error, and no faster (docs/decisions.md#mosaic-values-as-stored).
   int8 = tiles.q_terms.dtype == jnp.int8
   paired = st.smem.paired_terms
   as_stored = st.smem.values_as_stored   # V read by wgmma as stored, P^T as two one-byte terms
-  # Summed in f32 (int8, and fp8 with V as stored): each term's products in their own columns, each tile's P V from
-  # zero. Hopper's fp8 wgmma keeps fewer bits than f32 as it accumulates: the terms and the tiles summed in one
-  # accumulator measured 3.4x the error, and no faster (docs/decisions.md#mosaic-values-as-stored).
   f32_sums = int8 or as_stored
   s_type = plgpu.ACC((bkv, 2 * n) if f32_sums else (bkv, n), jnp.int32 if int8 else jnp.float32)
 
