@@ -1050,6 +1050,9 @@ def test_mosaic_one_byte_tool_checks_and_times_its_rows_here():
   rows = mosaic_one_byte.rows(1, 128, 64, jnp.dtype(jnp.float8_e4m3fn), cpu=True, only=["mosaic_gpu token asn"],
                               page_size=64)
   assert rows[0]["page_size"] == 64 and rows[0]["err"] < 1e-2 and rows[0]["us"] > 0, rows
+  # The kernel's call alone on inputs prepared outside the timing, scales laid out by head.
+  rows = mosaic_one_byte.rows(1, 256, 64, jnp.dtype(jnp.float8_e4m3fn), cpu=True, only=["bare loads byhead asn256 v8"])
+  assert rows[0]["kernel_only"] == "bare loads" and rows[0]["us"] > 0 and "error" not in rows[0], rows
 
 
 def test_mosaic_one_byte_tool_pages_hold_the_dense_cache():

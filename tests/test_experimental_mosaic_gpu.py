@@ -228,3 +228,58 @@ def test_gpu_explicit_barriers_match_reference_and_rerun_bit_identical(kv_dtype,
   assert_matches_reference(first, case.reference()[0][:, 0], case.q.dtype)
   for _ in range(3):
     np.testing.assert_array_equal(np.asarray(_tokens_last_call(case, config, False)), np.asarray(first))
+
+
+# ---------------------------------------------------------------- scales by head
+
+@pytest.mark.parametrize("seed,kv_dtype", [(50, E4M3), (51, INT8)], ids=["e4m3", "int8"])
+def test_scales_by_head_match_reference_interpret(seed, kv_dtype):
+  # 4 kv heads (a multiple of 4, read as [bkv, 4] boxes unless the variant lays the scales out by head), the
+  # one-byte default's tiles (queries as N, 256 tokens, V as stored), a masked last tile and a short sequence.
+  case = make_quant_case(seed, kv_dtype=kv_dtype, k_kind="token", v_kind="token", batch=2, seq_len=512,
+                         num_heads=8, num_kv_heads=4, lengths=[300, 77])
+  fields = dict(queries_as_n=True, block_kv=256, values_as_stored=True, num_splits=2)
+  config = MosaicGPUVariantConfig(scales_by_head=True, **fields)
+  smem = functools.partial(mgpu_config.DecodeSmem.for_call, rows=2, head_dim=64, dtype=kv_dtype, page_size=None,
+                           k_scale_kind="token", v_scale_kind="token", num_kv_heads=4, v_tokens_last=True,
+                           q_dtype=jnp.bfloat16)
+  assert smem(complete(MosaicGPUVariantConfig, **fields)).scales_by_head is False
+  assert smem(complete(MosaicGPUVariantConfig, scales_by_head=True, **fields)).scales_by_head is True
+  out = _tokens_last_call(case, config, True)
+  assert_matches_reference(out, case.reference()[0][:, 0], case.q.dtype)
+
+
+def test_kernel_call_inputs_give_the_partials():
+  # `kernel_call`'s kernel on its prepared inputs (what a bare kernel timing runs) is `decode_partials`.
+  from pallas_kv import SplitPlan
+  from pallas_kv.config import AttentionOptions
+  from pallas_kv.kernels import frame
+  from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
+  case = make_quant_case(52, kv_dtype=E4M3, k_kind="token", v_kind="token", batch=2, seq_len=256, num_heads=8,
+                         num_kv_heads=4, lengths=[256, 100])
+  config = complete(MosaicGPUVariantConfig, queries_as_n=True, block_kv=256, values_as_stored=True,
+                    scales_by_head=True)
+  kwargs = dict(num_queries=1, options=AttentionOptions(scale=0.125), config=config, k_scale=case.k_scale,
+                v_scale=case.k_scale, plan=SplitPlan(kind="per_sequence", num_splits=1, block_kv=256),
+                v_tokens_last=True, interpret=True)
+  rows, v = frame.pack_queries(case.q, 4), jnp.transpose(case.v, (0, 2, 3, 1))
+  kernel, inputs, finish = mgpu_decode.kernel_call(rows, case.k, v, case.lengths, **kwargs)
+  assert inputs[-1].shape == (2, 4, 256)   # the scales laid out by head before the kernel
+  with pkv.interpret():
+    bare = finish(*kernel(*inputs))
+    whole = mgpu_decode.decode_partials(rows, case.k, v, case.lengths, **kwargs)
+  for a, b in zip(bare, whole):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("kv_dtype", [E4M3, INT8], ids=["e4m3", "int8"])
+def test_scales_by_head_lower_for_cuda(kv_dtype):
+  # B32 T4096 heads 32/8 D128 on the one-byte default's tiles: each tile's scales one run of 256 a copy.
+  q = jax.ShapeDtypeStruct((32, 32, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((32, 4096, 8, 128), kv_dtype)
+  v = jax.ShapeDtypeStruct((32, 8, 128, 4096), kv_dtype)
+  lengths = jax.ShapeDtypeStruct((32,), jnp.int32)
+  scales = jax.ShapeDtypeStruct((32, 4096, 8), jnp.float32)
+  config = MosaicGPUVariantConfig(queries_as_n=True, block_kv=256, values_as_stored=True, scales_by_head=True)
+  fn = functools.partial(pkv.decode_attention, v_tokens_last=True, impl="mosaic_gpu", config=config)
+  lower_for_cuda(lambda q, k, v, n, s: fn(q, k, v, n, k_scale=s, v_scale=s), q, k, v, lengths, scales)

@@ -215,12 +215,12 @@ def test_per_token_scales_of_one_kv_head_on_pages_of_16_are_padded_to_group_rows
   case = make_quant_case(9, kv_dtype=INT8, k_kind="token", v_kind="token", batch=1, seq_len=128, num_heads=4,
                          num_kv_heads=1, page_size=16, lengths=[100])
   check_case(case, complete())
-  assert mgpu_config.token_scale_width(1, 16) == 4 and mgpu_config.token_scale_width(1, 32) == 1
-  assert mgpu_config.token_scale_reason(16, 1) and not mgpu_config.token_scale_reason(8, 4)
+  assert tiling.token_scale_width(1, 16) == 4 and tiling.token_scale_width(1, 32) == 1
+  assert tiling.token_scale_reason(16, 1) and not tiling.token_scale_reason(8, 4)
   with pytest.raises(ValueError, match="run of 16 tokens a copy, under TMA's 128-byte SMEM alignment"):
     mgpu_config.DecodeSmem(head_dim=64, dtype=INT8, block_kv=64, num_stages=2, copies_per_tile=4,
                            token_scales=("k",), scale_width=1)
-  assert not mgpu_config.token_scale_reason(8, tiling.SCALE_ROW) and not mgpu_config.token_scale_reason(None, 1)
+  assert not tiling.token_scale_reason(8, tiling.SCALE_ROW) and not tiling.token_scale_reason(None, 1)
 
 
 def test_quantized_eight_kv_heads_pick_their_scale_group_interpret():

@@ -470,8 +470,8 @@ def test_loads_only_probe_leaves_the_fp8_consumers_no_math(monkeypatch, config):
   k = jax.ShapeDtypeStruct((2, 1024, 8, 128), jnp.float8_e4m3fn)
   v = jax.ShapeDtypeStruct((2, 8, 128, 1024), jnp.float8_e4m3fn)
   lengths, scales = jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((2, 1024, 8), jnp.float32)
-  texts = {probe: mosaic_text_for_cuda(monkeypatch, mosaic_one_byte.kernel_only(config, probe), q, k, v, lengths,
-                                       scales) for probe in ("kernel", "loads")}
+  texts = {probe: mosaic_text_for_cuda(monkeypatch, mosaic_one_byte.kernel_only(config, probe, ())[0], q, k, v,
+                                       lengths, scales) for probe in ("kernel", "loads")}
   assert "probe_loads_only" in texts["loads"] and "probe_loads_only" not in texts["kernel"]
   for op in ("wgmma.mma_async", "ex2.approx"):
     assert op in texts["kernel"] and op not in texts["loads"], op
@@ -664,19 +664,84 @@ def test_fp8_probability_terms_keep_eight_bits():
   assert np.abs(hi - wide).max() > 2.0 ** -5 * 448 / 2   # hi alone misses by e4m3's half step at the top
 
 
-def test_int8_query_terms_keep_fifteen_bits():
-  # Q over an int8 cache as two int8 terms: q = factor (hi + lo / 254) within factor / 508, each term in int8's
-  # range; a row of zeros stays zeros (factor 1, not 0 / 0).
+@pytest.mark.parametrize("kv_dtype, page_size", [("float8_e4m3fn", None), ("int8", None), ("int8", 64)])
+def test_mosaic_gpu_one_byte_default_is_the_calls_only_launch(kv_dtype, page_size):
+  # B32 T4096 heads 32/8 (one split): the queries-as-N consumer makes Q's one-byte terms itself from q's bf16 rows,
+  # so the lowered call holds the kernel and no XLA op that computes (an amax, a convert, a barrier) before it.
+  B, T = 32, 4096
+  q, lengths = jax.ShapeDtypeStruct((B, 32, 128), jnp.bfloat16), jax.ShapeDtypeStruct((B,), jnp.int32)
+  if page_size is None:
+    args = (q, jax.ShapeDtypeStruct((B, T, 8, 128), kv_dtype), jax.ShapeDtypeStruct((B, 8, 128, T), kv_dtype),
+            lengths, jax.ShapeDtypeStruct((B, T, 8), jnp.float32))
+    fn = lambda q, k, v, n, s: pkv.decode_attention(q, k, v, n, k_scale=s, v_scale=s, v_tokens_last=True,
+                                                    impl="mosaic_gpu")
+  else:
+    P = B * T // page_size
+    args = (q, jax.ShapeDtypeStruct((P, page_size, 8, 128), kv_dtype),
+            jax.ShapeDtypeStruct((P, 8, 128, page_size), kv_dtype),
+            jax.ShapeDtypeStruct((B, T // page_size), jnp.int32), lengths,
+            jax.ShapeDtypeStruct((P, page_size, 8), jnp.float32))
+    fn = lambda q, k, v, t, n, s: pkv.paged_decode_attention(q, k, v, t, n, k_scale=s, v_scale=s,
+                                                             v_tokens_last=True, impl="mosaic_gpu")
+  module = lower_for_cuda(fn, *args).mlir_module()
+  assert "_asn_v8" in module and module.count("stablehlo.custom_call") == 1
+  for op in ("stablehlo.reduce", "stablehlo.convert", "stablehlo.optimization_barrier", "stablehlo.multiply"):
+    assert op not in module, op
+
+
+def _split_in_kernel(q, dtype, *, paired: bool, k_head_scale=None):
+  """`fp8_operands.split_queries` in a one-warpgroup kernel (GPU interpret mode): q [64, D] 16-bit -> (Q's terms
+  [2, 64, D] or paired [1, 64, D] of dtype, the rows' factors [64])."""
+  from pallas_kv.kernels.mosaic_gpu import fp8_operands, tiling
+  d = q.shape[1]
+  terms_shape = (1 if paired else 2, 64, d)
+
+  def body(q_ref, terms_out, factors_out, rows, terms, factors, barrier):
+    plgpu.copy_gmem_to_smem(q_ref, rows, barrier)
+    plgpu.barrier_wait(barrier)
+    fp8_operands.split_queries(rows, terms, factors, paired=paired, k_head_scale=k_head_scale)
+    plgpu.copy_smem_to_gmem(terms, terms_out)
+    plgpu.copy_smem_to_gmem(factors, factors_out)
+    plgpu.wait_smem_to_gmem(0)
+
+  smem = lambda shape, dt: plgpu.SMEM(shape, dt, transforms=tiling.smem_transforms(dt, d))
+  kernel = plgpu.kernel(
+      body, out_type=(jax.ShapeDtypeStruct(terms_shape, dtype), jax.ShapeDtypeStruct((64,), jnp.float32)),
+      scratch_types=dict(rows=smem((64, d), q.dtype), terms=smem(terms_shape, dtype),
+                         factors=plgpu.SMEM((64,), jnp.float32), barrier=plgpu.Barrier()),
+      interpret=plgpu.InterpretGPUParams())
+  terms, factors = kernel(q)
+  return np.asarray(terms, np.float32), np.asarray(factors)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
+def test_query_terms_made_in_the_kernel_keep_their_bits(dtype):
+  # Q's two one-byte terms, made by the queries-as-N consumer from q's bf16 rows: int8 q = factor (hi + lo / 254)
+  # within factor / 508 (~15 bits), each term in int8's range; e4m3 hi + lo within 2^-8 of the row's max (hi alone
+  # misses by e4m3's 4 bits). A row of zeros stays zeros (factor finite, not 0 / 0); a head's k_scale scales the
+  # factors; paired, rows 16-31 hold their own rows' low terms.
   from pallas_kv.kernels.mosaic_gpu import fp8_operands
-  q = np.random.default_rng(3).standard_normal((2, 5, 64)).astype(np.float32) * np.float32(30.0)
-  q[1, 2] = 0.0
-  terms, factor = fp8_operands.split_int8(jnp.asarray(q))
-  assert terms.dtype == jnp.int8 and terms.shape == (2, 2, 5, 64)
-  hi, lo = (np.asarray(terms[:, t], np.float32) for t in range(2))
-  rebuilt = np.asarray(factor)[..., None] * (hi + lo / fp8_operands.INT8_LOW_SCALE)
-  assert np.all(np.abs(rebuilt - q) <= np.asarray(factor)[..., None] / (2 * fp8_operands.INT8_LOW_SCALE) * 1.001)
-  assert np.abs(hi).max() == 127 and np.abs(lo).max() <= 127 and np.abs(lo).max() > 64
-  assert np.all(rebuilt[1, 2] == 0) and np.isfinite(np.asarray(factor)).all()
+  int8 = dtype == jnp.int8
+  q = np.random.default_rng(3).standard_normal((64, 128)).astype(np.float32) * np.float32(30.0)
+  q[5] = 0.0
+  q = jnp.asarray(q, jnp.bfloat16)
+  (hi, lo), factor = _split_in_kernel(q, dtype, paired=False)
+  q = np.asarray(q, np.float32)
+  amax = np.abs(q).max(axis=1)
+  rebuilt = factor[:, None] * (hi + lo / (fp8_operands.INT8_LOW_SCALE if int8 else 1.0))
+  if int8:
+    assert np.all(np.abs(rebuilt - q) <= factor[:, None] / (2 * fp8_operands.INT8_LOW_SCALE) * 1.001)
+    assert np.abs(hi).max() == 127 and np.abs(lo).max() <= 127 and np.abs(lo).max() > 64
+  else:
+    assert np.all(np.abs(rebuilt - q) <= amax[:, None] * 2.0 ** -8)
+    assert np.abs(factor[:, None] * hi - q).max() > 2.0 ** -6 * amax.max()
+  np.testing.assert_allclose(factor[amax > 0], amax[amax > 0] / (127.0 if int8 else fp8_operands.FP8_MAX),
+                             rtol=1e-6)
+  assert np.all(rebuilt[5] == 0) and np.isfinite(factor).all()
+  (paired,), scaled = _split_in_kernel(jnp.asarray(q, jnp.bfloat16), dtype, paired=True, k_head_scale=2.0)
+  np.testing.assert_array_equal(paired[:16], hi[:16])
+  np.testing.assert_array_equal(paired[16:32], lo[16:32])
+  np.testing.assert_allclose(scaled, 2.0 * factor, rtol=1e-6)
 
 
 def test_mosaic_gpu_queries_as_n_reads_per_token_scales_as_stored(monkeypatch):

@@ -84,12 +84,17 @@ VARIANTS += [(f"mosaic_gpu {kind} {name}", "mosaic_gpu", kind,
              for kind in ("token", "none")]
 # Kernel-only rows (`decode_partials` on the op's config and plan, no merge; results not checked): "kernel" with its
 # math, "loads" the `loads_only` probe (each slot waited for and freed, no math): what the load path alone takes.
+# "bare" and "bare loads": the kernel's custom call alone, its inputs (Q's terms and factors, scales laid out)
+# prepared outside the timed function (`decode.kernel_call`); scale kind "byhead": per-token scales laid out
+# [B, Hkv, T] there, one run a copy (`experimental.MosaicGPUVariantConfig.scales_by_head`), as a cache storing its
+# scales by head would hold them.
+_ASN256_V8 = MosaicGPUVariantConfig(queries_as_n=True, block_kv=256, values_as_stored=True)
 KERNEL_ROWS = [(f"{probe} {kind} {name}", kind, config, probe)
                for probe in ("kernel", "loads") for kind in ("token", "none")
-               for name, config in (("asn128", M(queries_as_n=True, block_kv=128)),
-                                    ("asn256 v8", MosaicGPUVariantConfig(queries_as_n=True, block_kv=256,
-                                                                         values_as_stored=True)),
+               for name, config in (("asn128", M(queries_as_n=True, block_kv=128)), ("asn256 v8", _ASN256_V8),
                                     ("groups2", M(kv_groups=2, queries_as_n=False)))]
+KERNEL_ROWS += [(f"{probe} {kind} asn256 v8", kind, dataclasses.replace(_ASN256_V8, scales_by_head=kind == "byhead"),
+                 probe) for probe in ("bare", "bare loads") for kind in ("token", "byhead", "none")]
 ROW_NAMES = frozenset(v[0] for v in VARIANTS) | frozenset(r[0] for r in KERNEL_ROWS)   # what --only may name
 
 
@@ -123,21 +128,24 @@ def paged(x: dict[str, Any], page_size: int, seed: int = 0) -> dict[str, Any]:
               scales=dict(x["scales"], token=placed(token)))
 
 
-def kernel_only(config, probe: str):
-  """The Mosaic GPU kernel alone on the op's complete config and plan (partials, no merge); probe "loads": with the
-  `loads_only` probe's tile math."""
-  tile_math = kernel_variants.PROBES["loads_only"] if probe == "loads" else mgpu_decode.TileMath()
+def kernel_only(config, probe: str, args):
+  """(the Mosaic GPU kernel alone on the op's complete config and plan (partials, no merge), its arguments) on the
+  op's args; probe "loads": with the `loads_only` probe's tile math; "bare ...": the kernel's call alone on inputs
+  prepared here."""
+  tile_math = kernel_variants.PROBES["loads_only"] if probe.endswith("loads") else mgpu_decode.TileMath()
 
-  def fn(q, k, v, lengths, scale):
+  def call(q, k, v, lengths, scale, *, partials=mgpu_decode.decode_partials):
     problem = validation.validate_dense(q, k, v, lengths, True)
     options = AttentionOptions(scale=q.shape[-1] ** -0.5)
     full = mgpu_backend.resolve_config("decode", problem, config, dtype=k.dtype)
     plan = mgpu_backend.plan_splits("decode", problem, options, full, lengths)
-    return mgpu_decode.decode_partials(frame.pack_queries(q[:, None], problem.num_kv_heads), k, v, lengths,
-                                       num_queries=1, options=options, config=full, plan=plan, k_scale=scale,
-                                       v_scale=scale, tile_math=tile_math, interpret=mgpu_backend.interpret_params(),
-                                       v_tokens_last=True)
-  return jax.jit(fn)
+    return partials(frame.pack_queries(q[:, None], problem.num_kv_heads), k, v, lengths, num_queries=1,
+                    options=options, config=full, plan=plan, k_scale=scale, v_scale=scale, tile_math=tile_math,
+                    interpret=mgpu_backend.interpret_params(), v_tokens_last=True)
+  if not probe.startswith("bare"):
+    return jax.jit(call), args
+  kernel, inputs, _ = call(*args, partials=mgpu_decode.kernel_call)
+  return jax.jit(kernel), tuple(jax.block_until_ready(inputs))
 
 
 def rows(batch: int, seq_len: int, head_dim: int, kv_dtype, *, cpu: bool, only=None, page_size: int | None = None,
@@ -170,7 +178,7 @@ def rows(batch: int, seq_len: int, head_dim: int, kv_dtype, *, cpu: bool, only=N
   for name, impl, kind, config, probe in todo:
     if name not in only:
       continue
-    args = (x["q"], *cache, x["scales"][kind])
+    args = (x["q"], *cache, x["scales"]["token" if kind == "byhead" else kind])
     row = dict(name=name, impl=impl, scale=kind, config=None if config is None else config.given(),
                batch=batch, seq_len=seq_len, page_size=page_size, kv_dtype=jnp.dtype(kv_dtype).name,
                q_dtype=jnp.dtype(q_dtype).name,
@@ -181,7 +189,7 @@ def rows(batch: int, seq_len: int, head_dim: int, kv_dtype, *, cpu: bool, only=N
           fn = op(impl, config)
           row["err"] = cases.relative_error(fn(*args), refs[kind])
         else:
-          fn = kernel_only(config, probe)
+          fn, args = kernel_only(config, probe, args)
           jax.block_until_ready(fn(*args))
         t = timing.time_jax(fn, [args], warmup=0 if cpu else 2, iters=1 if cpu else 20, repeats=1 if cpu else 5)
       row["us"] = t.median_s * 1e6

@@ -29,13 +29,20 @@ class MosaicGPUVariantConfig(MosaicGPUConfig):
   T4096; benchmarks/RESULTS.md, thirty-second set): not shipped; no converter.
   values_in_registers: with queries_as_n, the V tile widened to f16 in registers, wgmma's A operand of O^T = V^T P^T,
   instead of stored to SMEM and read from there (not in interpret mode, which runs no register operand).
-  (values_as_stored, V read as stored, and paired_terms are shipped: fields of MosaicGPUConfig.)"""
+  (values_as_stored, V read as stored, and paired_terms are shipped: fields of MosaicGPUConfig.)
+  scales_by_head: per-token scales laid out [B, Hkv, T] before the call for any kv head count (as for 2, 3, 5...
+  heads), so that a tile's scales of a head are one contiguous run a copy instead of a [bkv, 4] box of 16-byte
+  rows: what a cache storing its scales by head would give the kernel (`decode.kernel_call` lays them out outside
+  the kernel, so that a kernel-only timing leaves the transposes out). Measured no faster: fp8 B32 T4096 109.9 µs
+  against 108.4 as stored, B1 T32768 33.4 against 31.9 (H100, kernel alone; benchmarks/RESULTS.md, thirty-ninth
+  set)."""
   convert_warpgroup: bool = False
   explicit_barriers: bool = False
   values_in_registers: bool = False
+  scales_by_head: bool = False
 
   BOOL_FIELDS: ClassVar[tuple[str, ...]] = MosaicGPUConfig.BOOL_FIELDS + ("convert_warpgroup", "explicit_barriers",
-                                                                          "values_in_registers")
+                                                                          "values_in_registers", "scales_by_head")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -70,8 +70,10 @@ def run(op: str, q, k, v, lengths, block_tables, *, problem, options, config, sp
                                        v_scale=v_scale, interpret=interpret_params(), window_start=window_start,
                                        v_tokens_last=problem.v_tokens_last, out_dtype=out_dtype)
 
+  # The queries as N make Q's one-byte terms from q's 16-bit rows in the kernel (`fp8_operands.split_queries`):
+  # no cast before it.
   return frame.run(partials, q, k, lengths, block_tables, problem=problem, sinks=sinks, return_lse=return_lse,
-                   k_scale=k_scale, v_scale=v_scale, merge=fused_merge())
+                   k_scale=k_scale, v_scale=v_scale, merge=fused_merge(), cast_rows=not config.queries_as_n)
 
 
 def _run_mla(q, kv_pages, lengths, block_tables, *, problem, options, config, split_plan, return_lse: bool,

@@ -153,29 +153,6 @@ def mla_reason(qk_dim: int, v_dim: int, kv_dtype) -> str | None:
   return None
 
 
-def token_scale_width(num_kv_heads: int, page_size: int | None) -> int:
-  """float32 scales per token in a per-token scale slot: SCALE_ROW, each token's 4-head group (a 16-byte TMA row),
-  or 1, one head's run of tokens. Group rows are read as stored over a multiple of 4 kv heads. Otherwise a head's
-  run: as stored for one kv head, laid out by head ([B, Hkv, T], `DecodeSmem.scales_by_head`) before the call
-  for 2, 3, 5...; except over pages whose run of single scales is under TMA's 128-byte SMEM alignment (pages of
-  8 or 16): there the heads are padded to a multiple of 4 before the call and read as group rows."""
-  single_run = pipeline.TMA_SMEM_ALIGNMENT // 4   # tokens of single scales per 128 bytes
-  if num_kv_heads % tiling.SCALE_ROW == 0 or (page_size is not None and page_size % single_run):
-    return tiling.SCALE_ROW
-  return 1
-
-
-def token_scale_reason(page_size: int | None, width: int) -> str | None:
-  """Why a kernel cannot copy per-token scales (`width` float32 a token) of pages of page_size tokens, or None.
-  A tile's scales land one page's run a copy, and TMA writes SMEM from 128-byte boundaries: a run of 16 single
-  scales (64 bytes) raised a misaligned address on the H200 (RESULTS.md, twenty-sixth set)."""
-  run = pipeline.TMA_SMEM_ALIGNMENT // (4 * width)   # tokens per 128 bytes of scales
-  if page_size is not None and page_size % run:
-    return (f"per-token scales of {width} float32 a token on pages of {page_size} tokens: TMA copies them a page "
-            f"at a time into 128-byte aligned SMEM (pages of a multiple of {run} tokens)")
-  return None
-
-
 def quantized_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str | None, problem) -> str | None:
   """Why the kernel cannot serve a one-byte cache call with these `frame.scale_kind`s, or None."""
   kv_dtype = jnp.dtype(kv_dtype)
@@ -210,7 +187,7 @@ def quantized_call_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str 
       return f"k_scale / v_scale need a one-byte cache, got {kv_dtype.name}"
     return None
   if "token" in (k_scale_kind, v_scale_kind):
-    return token_scale_reason(page_size, token_scale_width(num_kv_heads, page_size))
+    return tiling.token_scale_reason(page_size, tiling.token_scale_width(num_kv_heads, page_size))
   return None
 
 
@@ -220,7 +197,8 @@ class DecodeSmem:
 
   q_smem       [q_buffers, row_wgs, 64, D] q_dtype, swizzled    packed queries (wgmma A); fp8 operands:
                [q_buffers, row_wgs, 2, 64, D] e4m3, Q's two terms, and q_factors [q_buffers, row_wgs, 64] f32, their
-               rows' factors. Persistent, where they fit: two buffers, the next item's rows copied while this
+               rows' factors; the queries as N: made by the consumer from q_rows [q_buffers, row_wgs, 64, D] q_dtype
+               (`splits_queries`). Persistent, where they fit: two buffers, the next item's rows copied while this
                one streams
   union        streaming | (out [num_wgs, 64, D] out_dtype, lse [num_wgs, 64] f32) after the loop; separate_out
                (persistent): side by side, as the rings stream on during the stores
@@ -253,7 +231,7 @@ class DecodeSmem:
   q_dtype: Any = None       # None: dtype, or bf16 for a one-byte cache
   token_scales: tuple[str, ...] = ()   # roles ("k", "v") with per-token scales
   scale_width: int = tiling.SCALE_ROW
-  scales_by_head: bool = False   # per-token scales laid out [B, Hkv, T] before the call (`token_scale_width`)
+  scales_by_head: bool = False   # per-token scales laid out [B, Hkv, T] before the call (`tiling`)
   pipeline_qk: bool = False
   converter: bool = False
   tile_aliases: bool = False
@@ -292,7 +270,7 @@ class DecodeSmem:
     if self.v_tokens_last and self.converter:
       raise ValueError("v_tokens_last has no converter warpgroup")
     run = self.block_kv // self.copies_per_tile   # tokens a copy
-    for role in self.token_scales:   # a head's run of scales a copy: whole 128-byte SMEM runs (token_scale_width)
+    for role in self.token_scales:   # a head's run of scales a copy: whole 128-byte SMEM runs
       if (self.scales_tokens_last(role) or self.scale_width == 1) and run * 4 % pipeline.TMA_SMEM_ALIGNMENT:
         raise ValueError(f"{role}'s per-token scales come a head's run of {run} tokens a copy, under TMA's "
                          f"{pipeline.TMA_SMEM_ALIGNMENT}-byte SMEM alignment")
@@ -316,12 +294,13 @@ class DecodeSmem:
     mode: P staged in SMEM, no tile aliases), its partials stored as out_dtype."""
     row_wgs, _ = row_blocking(rows)
     token_scales = tuple(role for role, kind in (("k", k_scale_kind), ("v", v_scale_kind)) if kind == "token")
-    scale_width = token_scale_width(num_kv_heads, page_size)
+    scale_width = tiling.token_scale_width(num_kv_heads, page_size)
     smem = cls(head_dim=head_dim, dtype=dtype, block_kv=config.block_kv, num_stages=config.num_stages,
                row_wgs=row_wgs, kv_groups=config.kv_groups,
                copies_per_tile=copies_per_tile(config.block_kv, page_size), stage_p=interpret,
                separate_out=config.persistent, q_dtype=q_dtype, token_scales=token_scales,
-               scale_width=scale_width, scales_by_head=bool(token_scales) and num_kv_heads > 1 and scale_width == 1,
+               scale_width=scale_width, scales_by_head=bool(token_scales) and num_kv_heads > 1 and (
+                   scale_width == 1 or bool(getattr(config, "scales_by_head", False))),
                pipeline_qk=config.pipeline_qk, converter=converter(config), v_tokens_last=v_tokens_last,
                tile_consumers=config.tile_consumers or 1, stream_k=config.split_plan == "stream_k",
                out_dtype=out_dtype, queries_as_n=bool(config.queries_as_n),
@@ -345,6 +324,19 @@ class DecodeSmem:
     if not self.v_tokens_last or self.converter:
       return False
     return self.dtype in FP8_DTYPES or (self.queries_as_n and self.dtype == INT8_DTYPE)
+
+  @property
+  def splits_queries(self) -> bool:
+    """Whether the consumer makes Q's one-byte terms and factors from q's rows (`fp8_operands.split_queries`): the
+    queries as N, so that no XLA op runs before the kernel."""
+    return self.queries_as_n and self.one_byte_operands
+
+  @property
+  def q_copies(self) -> int:
+    """TMA copies an item's q takes: q's rows (twice: paired terms), or Q's two terms and their factors."""
+    if self.splits_queries:
+      return 2 if self.paired_terms else 1
+    return 3 if self.one_byte_operands else 1
 
   @property
   def operand_dtype(self):
@@ -477,8 +469,7 @@ class DecodeSmem:
         q_smem=plgpu.SMEM(self._q_shape, self._q_smem_dtype,
                           transforms=tiling.smem_transforms(self._q_smem_dtype, self.head_dim)),
         **buffers,
-        q_barrier=plgpu.Barrier(num_arrivals=3 if self.one_byte_operands else 1,   # Q's two terms, the factors
-                                num_barriers=self.q_buffers * self.row_wgs),
+        q_barrier=plgpu.Barrier(num_arrivals=self.q_copies, num_barriers=self.q_buffers * self.row_wgs),
         consumers_done=plgpu.Barrier(num_arrivals=self.num_wgs),
         **barriers)
     if self.tile_consumers == 2:
@@ -491,6 +482,9 @@ class DecodeSmem:
       scratch["p_smem"] = plgpu.SMEM(self._p_shape, self.q_dtype)
     if self.one_byte_operands:
       scratch["q_factors"] = plgpu.SMEM((self.q_buffers, self.row_wgs, ROWS_PER_WG), jnp.float32)
+    if self.splits_queries:
+      scratch["q_rows"] = plgpu.SMEM(self._q_shape[:2] + self._q_shape[-2:], self.q_dtype,
+                                     transforms=tiling.smem_transforms(self.q_dtype, self.head_dim))
     if self.queries_as_n and self.one_byte_operands:   # P^T and V widened, both swizzled as P^T's rows (AS_N_SWIZZLE)
       transforms = tiling.smem_transforms(jnp.float16, self.block_kv, max_swizzle=AS_N_SWIZZLE)
       if self.values_as_stored:   # P as two one-byte terms [16, bkv] (wgmma's K-major B), swizzled as V's slot:
@@ -548,6 +542,7 @@ class DecodeSmem:
     outputs = (align(self.num_wgs * ROWS_PER_WG * self.head_dim * self.out_dtype.itemsize)
                + self.num_wgs * ROWS_PER_WG * 4)
     q = math.prod(self._q_shape) * self._q_smem_dtype.itemsize
+    q += align(math.prod(self._q_shape[:2] + self._q_shape[-2:]) * self.q_dtype.itemsize) if self.splits_queries else 0
     barriers = (sum(spec.barrier_bytes for spec in specs)
                 + (self.q_buffers * self.row_wgs + 1 + 2 * (self.tile_consumers == 2)) * pipeline.BARRIER_BYTES)
     p = math.prod(self._p_shape) * self.q_dtype.itemsize if self.stage_p else 0
@@ -775,8 +770,7 @@ def _deepest_ring(config: MosaicGPUConfig, *, problem, rows: int, dtype: Any, st
   if stages_given:
     return config
   step = config.kv_groups if config.kv_groups > 1 else 2 if config.tile_consumers == 2 else 1
-  # Each group's ring gets an equal share of the stages.
-  config = dataclasses.replace(config, num_stages=max(step, config.num_stages // step * step))
+  config = dataclasses.replace(config, num_stages=max(step, config.num_stages // step * step))   # equal shares
   while config.num_stages > max(2, step) and not fits_smem(
       config, rows=rows, head_dim=problem.head_dim, dtype=dtype, page_size=problem.page_size, **quantized):
     config = dataclasses.replace(config, num_stages=config.num_stages - step)

@@ -186,7 +186,7 @@ def _kernel(q_ref,
             lengths_ref,
             *refs, st: _Static, **scratch):
   refs = list(refs)
-  q_factors_ref = refs.pop(0) if st.smem.one_byte_operands else None
+  q_factors_ref = refs.pop(0) if st.smem.one_byte_operands and not st.smem.splits_queries else None
   starts_ref = refs.pop(0) if st.options.has_window_start else None
   sequences = work.Sequences(lengths_ref, starts_ref, refs.pop(0) if st.ordered else None)
   tiles_per_split = refs.pop(0)[0] if st.balanced else None
@@ -291,7 +291,8 @@ def _kernel(q_ref,
     @pl.when(wg == w)
     def _consumer():
       plgpu.set_max_registers(_consumer_registers(st.smem.num_wgs, bool(converted)), action="increase")
-      queries = _Queries(q_smem, scratch.get("q_factors"), scratch["q_barrier"], q_ref, q_factors_ref, rw=rw, st=st)
+      queries = _Queries(q_smem, scratch.get("q_factors"), scratch["q_barrier"], q_ref, q_factors_ref, rw=rw, st=st,
+                         rows=scratch.get("q_rows"))
       p_smem = scratch["p_smem"].at[w] if st.smem.stage_p else None
       partner = None
       if st.smem.tile_consumers == 2:
@@ -305,7 +306,7 @@ def _kernel(q_ref,
         k_head_scale = k_scale_ref[item.head] if st.k_scale == "head" else None
         v_head_scale = v_scale_ref[item.head] if st.v_scale == "head" else None
         with region("wait_q"):
-          q_tile = queries.wait(item)
+          q_tile = queries.wait(item, k_head_scale)
         fp8_where = dict(length=item.length, row0=row0, t0=t0, t1=t1, a=a, c=c, step0=steps_before, st=st,
                          start=item.start, interpret=st.smem.stage_p)
         fp8_rings = (rings[g]["k"], rings[g]["v"], rings[g].get("ks"), rings[g].get("vs"))
@@ -343,9 +344,10 @@ class _Queries:
   factors: Any        # [buffers, row_wgs, 64] f32, or None
   barriers: Any       # [buffers * row_wgs]
   q_ref: Any
-  factors_ref: Any
+  factors_ref: Any    # Q's factors as made before the kernel, or None
   rw: int
   st: _Static
+  rows: Any = None    # [buffers, row_wgs, 64, D] q_dtype: q's rows, of which the consumer makes Q's terms, or None
 
   def _buffer(self, item: Item):
     return 0 if self.st.smem.q_buffers == 1 else lax.rem(item.index, 2)
@@ -359,6 +361,10 @@ class _Queries:
       n = min(ROWS_PER_WG, split_plan.round_up(st.rows - self.rw * ROWS_PER_WG, _Q_ROW_MULTIPLE))
     rows, first = pl.ds(row_block * st.rows_per_program + self.rw * ROWS_PER_WG, n), pl.ds(0, n)
     barrier = self.barriers.at[buffer * st.row_wgs + self.rw]
+    if self.rows is not None:   # q's rows; paired terms: again 16 rows on, whose terms become the low ones
+      for at in range(0, st.smem.q_copies * fp8_operands.QUERY_COLUMNS, fp8_operands.QUERY_COLUMNS):
+        plgpu.copy_gmem_to_smem(self.q_ref.at[b, head, rows], self.rows.at[buffer, self.rw, pl.ds(at, n)], barrier)
+      return
     if self.factors is None:
       plgpu.copy_gmem_to_smem(self.q_ref.at[b, head, rows], self.smem.at[buffer, self.rw, first], barrier)
       return
@@ -378,10 +384,15 @@ class _Queries:
     b, head, row_block, any_next = item.following
     pl.when(any_next)(lambda: self._copy(b, head, row_block, 1 - buffer))
 
-  def wait(self, item: Item):
-    """The item's q tile [(2,) 64, D], once landed."""
+  def wait(self, item: Item, k_head_scale=None):
+    """The item's q tile [(2,) 64, D], once landed (and, from q's rows, split into Q's terms here; their factors
+    times k_head_scale, given)."""
     buffer = self._buffer(item)
     plgpu.barrier_wait(self.barriers.at[buffer * self.st.row_wgs + self.rw])
+    if self.rows is not None:
+      fp8_operands.split_queries(self.rows.at[buffer, self.rw], self.smem.at[buffer, self.rw],
+                                 self.factors.at[buffer, self.rw], k_head_scale=k_head_scale,
+                                 paired=self.st.smem.paired_terms)
     return self.smem.at[buffer, self.rw]
 
   def factors_of(self, item: Item):
@@ -601,11 +612,20 @@ def _build(st: _Static, interpret: Any):
   )
 
 
-def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
-                    config: MosaicGPUConfig, plan: split_plan.SplitPlan, k_scale=None, v_scale=None,
-                    num_programs: int | None = None, tile_math: TileMath = TileMath(), interpret: Any = False,
-                    window_start=None, v_tokens_last: bool = False, out_dtype: Any = jnp.float32):
-  """Split-K partials of decode attention over a contiguous or paged KV cache.
+def decode_partials(q, k, v, lengths, block_tables=None, **kwargs):
+  """Split-K partials of decode attention over a contiguous or paged KV cache: the kernel of `kernel_call`
+  on its inputs, (out, lse) as that describes."""
+  kernel, args, finish = kernel_call(q, k, v, lengths, block_tables, **kwargs)
+  return finish(*kernel(*args))
+
+
+def kernel_call(q, k, v, lengths, block_tables=None, *, num_queries: int, options: AttentionOptions,
+                config: MosaicGPUConfig, plan: split_plan.SplitPlan, k_scale=None, v_scale=None,
+                num_programs: int | None = None, tile_math: TileMath = TileMath(), interpret: Any = False,
+                window_start=None, v_tokens_last: bool = False, out_dtype: Any = jnp.float32):
+  """(kernel, its inputs, finish) of split-K decode attention: finish(*kernel(*inputs)) are the partials. The
+  inputs are the call's arrays as the kernel reads them (Q's one-byte terms, scales laid out by head where the
+  kernel reads them so), so that a timing of the kernel alone can leave their preparation out.
 
   q: [B, Hkv, R, D] bf16 / fp16, R = S * G packed rows (S = num_queries): row r = s * G + g is new token
     s of q head kv_head * G + g, at p = lengths[b] - S + s; it sees keys t < lengths[b], t <= p and,
@@ -615,7 +635,7 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
     page_size] (`config.tokens_last_reason`).
   k_scale, v_scale: None, [Hkv] f32, or per token with the cache's leading dims ([B, T, Hkv] /
     [P, page_size, Hkv]; other than a multiple of 4 kv heads are laid out by head or padded here,
-    `config.token_scale_width`): logits use k_scale_t * k_t, the output v_scale_t * v_t.
+    `tiling.token_scale_width`): logits use k_scale_t * k_t, the output v_scale_t * v_t.
   window_start: int32 [B], given exactly when options.has_window_start: keys before it are invisible.
   options: scale, softcap, window; config: a complete `MosaicGPUConfig`; plan: its `SplitPlan` (batch slot i takes
     sequence plan.order[i] when given);
@@ -626,8 +646,8 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
     q's 16-bit dtype, so that no cast follows the kernel.
   Inside `trace.tracing(...)` the kernel also writes its timeline from inside (a diagnostic; GPU only).
 
-  Returns (out [B, Hkv, num_splits, R, D] out_dtype, each split's normalised output; lse [B, Hkv, num_splits, R]
-  f32, natural log, -inf with out 0 where the split saw no key).
+  The partials: (out [B, Hkv, num_splits, R, D] out_dtype, each split's normalised output; lse [B, Hkv, num_splits,
+  R] f32, natural log, -inf with out 0 where the split saw no key).
   """
   frame.check_packed_args(q, k, v, lengths, block_tables, num_queries=num_queries, k_scale=k_scale,
                           v_scale=v_scale, v_tokens_last=v_tokens_last)
@@ -682,8 +702,8 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
                      f"{options.has_window_start=} and window_start {'None' if window_start is None else 'given'}")
   if R > _Q_ROW_MULTIPLE and R % _Q_ROW_MULTIPLE:   # a swizzled TMA box needs q's rows below or a multiple of 8
     q = jnp.pad(q, ((0, 0), (0, 0), (0, split_plan.round_up(R, _Q_ROW_MULTIPLE) - R), (0, 0)))
-  if smem.one_byte_operands:   # Q as two one-byte terms and their rows' factors (a head's k_scale folded in)
-    q, q_factors = fp8_operands.split_rows(q, k_scale if k_kind == "head" else None, dtype=smem.operand_dtype)
+  if smem.one_byte_operands and not smem.splits_queries:   # Q's one-byte terms and factors (k_scale of a head in)
+    q, q_factors = fp8_operands.split_rows(q, k_scale if k_kind == "head" else None)
     rows = q.shape[-2]   # [B, Hkv, R] factors: R of 3 or 7 (groups of 3, 7) has no 16-byte stride
     q_factors = jnp.pad(q_factors, ((0, 0), (0, 0), (0, split_plan.round_up(rows, _F32_PER_TMA_ROW) - rows)))
     args = [q, k, v, lengths, q_factors]
@@ -701,7 +721,6 @@ def decode_partials(q, k, v, lengths, block_tables=None, *, num_queries: int, op
       scale = jnp.pad(scale, ((0, 0), (0, 0), (0, split_plan.round_up(Hkv, tiling.SCALE_ROW) - Hkv)))
     if kind is not None:
       args.append(scale)
-  out, lse = _build(st, interpret)(*args)
-  if out_rows != R:
-    out = out[:, :, :, :R]
-  return out, lse[..., :R]
+  def finish(out, lse):
+    return (out if out_rows == R else out[:, :, :, :R]), lse[..., :R]
+  return _build(st, interpret), args, finish

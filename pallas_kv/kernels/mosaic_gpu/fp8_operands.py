@@ -15,7 +15,8 @@ so that the softmax works on 16 columns rather than 64 rows, and O^T = V^T P^T o
 an int8 cache as stored: Q as two int8 terms (hi + lo / 254, each row scaled to 127: ~15 bits), S^T of each term
 exact in s32 (s8 wgmma), combined in f32. V from pages smaller than a tile arrives a page's run at a time, widened
 and joined in registers. With values_as_stored (the default over dense caches) V is not widened: P^T goes to
-wgmma as two one-byte terms (`probability_terms`).
+wgmma as two one-byte terms (`probability_terms`). The consumer makes Q's terms itself from q's 16-bit rows
+(`split_queries`), so that the kernel is the call's only launch.
 """
 
 from __future__ import annotations
@@ -42,13 +43,12 @@ _MIN_VALUE_SCALE = 1e-30
 ROWS = mgpu_config.ROWS_PER_WG   # wgmma M: a consumer's packed query rows
 
 
-def split_rows(q, k_head_scale=None, dtype=mgpu_config.FP8_OPERAND_DTYPE):
-  """q [B, Hkv, R, D] as two terms [B, Hkv, 2, R, D] of dtype (e4m3: `mla_tiles.split_query`; int8:
-  `split_int8`) and each row's factor [B, Hkv, R] f32 (times the head's k_scale if given), by which S's rows are
-  multiplied."""
+def split_rows(q, k_head_scale=None):
+  """q [B, Hkv, R, D] as two e4m3 terms [B, Hkv, 2, R, D] (`mla_tiles.split_query`) and each row's factor
+  [B, Hkv, R] f32 (times the head's k_scale if given), by which S's rows are multiplied: the keys as S's columns
+  (the queries as N make them in the kernel, `split_queries`)."""
   b, hkv, r, d = q.shape
-  split = split_int8 if jnp.dtype(dtype) == jnp.int8 else lambda x: mla_tiles.split_query(x, 1.0)
-  terms, factors = split(q.reshape(b * hkv, r, d))
+  terms, factors = mla_tiles.split_query(q.reshape(b * hkv, r, d), 1.0)
   terms, factors = terms.reshape(b, hkv, 2, r, d), factors.reshape(b, hkv, r)
   if k_head_scale is not None:
     factors = factors * k_head_scale.astype(jnp.float32)[None, :, None]
@@ -61,16 +61,33 @@ INT8_MAX = 127
 INT8_LOW_SCALE = 2 * INT8_MAX
 
 
-def split_int8(q):
-  """q [N, R, D] as two int8 terms [N, 2, R, D] (hi, lo) and each row's factor [N, R] f32, q's row max over 127:
-  q = factor (hi + lo / INT8_LOW_SCALE) to within factor / (2 INT8_LOW_SCALE)."""
-  q = q.astype(jnp.float32)
-  amax = jnp.max(jnp.abs(q), axis=-1)
-  factor = jnp.where(amax > 0, amax, 1.0) / INT8_MAX
-  units = q / factor[..., None]
-  hi = jnp.round(units)
-  lo = jnp.round((units - hi) * INT8_LOW_SCALE)
-  return jnp.stack([hi, lo], axis=1).astype(jnp.int8), factor
+def split_queries(rows_ref, terms_ref, factors_ref, *, k_head_scale=None, paired: bool = False):
+  """Q's two one-byte terms (terms_ref [2, 64, D], or paired [1, 64, D]) and each row's factor (factors_ref [64] f32,
+  times k_head_scale if given) from q's rows (rows_ref [64, D] 16-bit, landed), fenced for wgmma: e4m3 as
+  `split_rows` makes them outside a kernel; int8 q = factor (hi + lo / INT8_LOW_SCALE), factor the row's max over
+  127. No XLA op (~2 µs each on the chain) then runs before the kernel. Paired, rows 16-31 hold rows 0-15 again,
+  and theirs become the low terms. Rows past q's are whatever SMEM held: their scores are their own."""
+  int8 = terms_ref.dtype == jnp.int8
+  q = plgpu.load(rows_ref, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+  per_row = lambda x: lax.broadcast_in_dim(x, q.shape, [0])
+  amax = jnp.max(jnp.abs(q), axis=1)
+  factor = jnp.where(amax > 0, amax, 1.0) * (1.0 / (INT8_MAX if int8 else FP8_MAX))
+  units = q * per_row(1.0 / factor)
+  if int8:   # rounded to nearest (half away from 0): |lo| <= INT8_LOW_SCALE / 2
+    nearest = lambda x: jnp.where(x >= 0, x + 0.5, x - 0.5).astype(jnp.int32).astype(jnp.float32)
+    hi = nearest(units)
+    lo = nearest((units - hi) * INT8_LOW_SCALE)
+  else:
+    hi = units.astype(FP8_OPERAND).astype(jnp.float32)
+    lo = units - hi
+  if paired:
+    low_rows = plgpu.broadcasted_iota(jnp.int32, q.shape, 0, layout=plgpu.Layout.WGMMA) >= QUERY_COLUMNS
+    terms_ref.at[0][...] = jnp.where(low_rows, lo, hi).astype(terms_ref.dtype)
+  else:
+    terms_ref.at[0][...] = hi.astype(terms_ref.dtype)
+    terms_ref.at[1][...] = lo.astype(terms_ref.dtype)
+  factors_ref[...] = factor if k_head_scale is None else factor * k_head_scale
+  plgpu.commit_smem()
 
 
 @dataclasses.dataclass(frozen=True)

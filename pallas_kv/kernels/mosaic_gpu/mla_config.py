@@ -87,7 +87,7 @@ def gathers_scales(page_size: int) -> bool:
   """Whether per-token scales on pages of page_size tokens are gathered by sequence before the call, [P, page_size]
   -> [B, T] through the block table (~1% of an fp8 latent pool's bytes): a page's run of scales is under TMA's
   128-byte SMEM alignment (pages of 16: 64 bytes, a misaligned address on the H200), a tile's run is not."""
-  return mgpu_config.token_scale_reason(page_size, 1) is not None
+  return tiling.token_scale_reason(page_size, 1) is not None
 
 
 @dataclasses.dataclass(frozen=True)

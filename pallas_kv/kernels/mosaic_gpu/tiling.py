@@ -11,7 +11,7 @@ A paged tile is one TMA copy per run of tokens that one page holds (gcd(page_siz
 fewer than 8 rows lands one swizzle column tile at a time (`pipeline.RingSpec.splits_rows`). Per-token scales come
 with the same copies: TMA rows are 16 bytes, so a scale tile holds the 4-head group of the program's head (one kv
 head: contiguous scales; other counts are laid out by head or padded to 4-head rows before the call,
-`config.token_scale_width`).
+`token_scale_width`).
 """
 
 from __future__ import annotations
@@ -25,11 +25,36 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kv.kernels.mosaic_gpu import pipeline
+
 SCALE_ROW = 4   # float32 scales per 16-byte TMA row
 # Each thread holds the SCALE_ROW scales of its WGMMA rows, so one column is a WGMMA row vector.
 _SCALE_ROWS_LAYOUT = plgpu.Layout.TILED(
     mgpu_fa.Tiling(((64, SCALE_ROW), (16, SCALE_ROW), (8, SCALE_ROW))), warp_dims=(-6,),
     lane_dims=(-2, mgpu_fa.Replicated(4)), vector_dim=-1)
+
+
+def token_scale_width(num_kv_heads: int, page_size: int | None) -> int:
+  """float32 scales per token in a per-token scale slot: SCALE_ROW, each token's 4-head group (a 16-byte TMA row),
+  or 1, one head's run of tokens. Group rows are read as stored over a multiple of 4 kv heads. Otherwise a head's
+  run: as stored for one kv head, laid out by head ([B, Hkv, T], `DecodeSmem.scales_by_head`) before the call
+  for 2, 3, 5...; except over pages whose run of single scales is under TMA's 128-byte SMEM alignment (pages of
+  8 or 16): there the heads are padded to a multiple of 4 before the call and read as group rows."""
+  single_run = pipeline.TMA_SMEM_ALIGNMENT // 4   # tokens of single scales per 128 bytes
+  if num_kv_heads % SCALE_ROW == 0 or (page_size is not None and page_size % single_run):
+    return SCALE_ROW
+  return 1
+
+
+def token_scale_reason(page_size: int | None, width: int) -> str | None:
+  """Why a kernel cannot copy per-token scales (`width` float32 a token) of pages of page_size tokens, or None.
+  A tile's scales land one page's run a copy, and TMA writes SMEM from 128-byte boundaries: a run of 16 single
+  scales (64 bytes) raised a misaligned address on the H200 (RESULTS.md, twenty-sixth set)."""
+  run = pipeline.TMA_SMEM_ALIGNMENT // (4 * width)   # tokens per 128 bytes of scales
+  if page_size is not None and page_size % run:
+    return (f"per-token scales of {width} float32 a token on pages of {page_size} tokens: TMA copies them a page "
+            f"at a time into 128-byte aligned SMEM (pages of a multiple of {run} tokens)")
+  return None
 
 
 def load_token_scales(slot, *, head):
