@@ -33,7 +33,7 @@ declare -A PARTS=(
                      tools.mosaic_one_byte:asn_fp8 tools.mosaic_one_byte:asn_vreg tools.mosaic_one_byte:asn_b1_fp8
                      tools.mosaic_one_byte:asn_int8 decode:asn_sweep_fp8 decode:asn_sweep_int8
                      tools.mosaic_one_byte:asn_loads tools.mosaic_one_byte:asn_persistent
-                     tools.mosaic_one_byte:asn_paired"
+                     tools.mosaic_one_byte:asn_paired tools.mosaic_one_byte:asn_load_depth"
   [tune]="tune:tune"                      # Mosaic GPU entries of the tuned file
   [tune_triton]="tune:tune_triton"
   [tune_both]="tune:tune_both tune:tune_both_models"   # both backends, one run, full + ragged
