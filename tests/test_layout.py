@@ -19,8 +19,9 @@ LAYERS = [
     # the Mosaic GPU kernels' named regions and their on-device trace (a diagnostic, importing nothing here)
     {"xla", "batching", "varlen", "shared_prefix", "kernels.plan", "kernels.frame", "kernels.mosaic_gpu.trace"},
     # the Mosaic GPU GQA kernel's work items (which tiles each program streams, the stream-K walk's segments)
-    {"kernels.mosaic_gpu.pipeline", "kernels.mosaic_gpu.tiling", "kernels.mosaic_gpu.work",
-     "kernels.triton.stream_k_plan"},
+    {"kernels.mosaic_gpu.pipeline", "kernels.mosaic_gpu.work", "kernels.triton.stream_k_plan"},
+    # the KV tiles and the per-token scales' copies, shaped by the ring's TMA alignment
+    {"kernels.mosaic_gpu.tiling"},
     {"kernels.mosaic_gpu.config", "kernels.triton.config"},
     # sizes the MLA kernel from the backend config's SMEM capacity; the Triton kernel body's pieces
     {"kernels.mosaic_gpu.mla_config", "kernels.triton.tiles"},

@@ -550,6 +550,25 @@ def test_mosaic_gpu_heuristic_pairs_int8_terms_and_streams_many_waves(dtype, bat
                            v_tokens_last=True)
 
 
+@pytest.mark.parametrize("head_dim, batch, stages, q_buffers", [(64, 32, 5, 1), (128, 512, 2, 2)])
+def test_mosaic_gpu_query_rows_take_no_smem_of_their_own(head_dim, batch, stages, q_buffers):
+  # The queries-as-N consumer makes Q's one-byte terms from q's 16-bit rows, which land in the terms' own bytes (a
+  # union): the heuristic's ring keeps its stages at D 64, and persistent programs their two q buffers at B512 (a
+  # buffer of the rows' own took one of each).
+  from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
+  T = 2048
+  S = jax.ShapeDtypeStruct
+  problem = pkv.validation.validate_dense(S((batch, 32, head_dim), jnp.bfloat16),
+                                          S((batch, T, 8, head_dim), jnp.float8_e4m3fn),
+                                          S((batch, 8, head_dim, T), jnp.float8_e4m3fn), S((batch,), jnp.int32), True)
+  config = mgpu_config.resolve_config(problem, None, dtype=jnp.dtype(jnp.float8_e4m3fn), num_sms=132)
+  smem = mgpu_config.DecodeSmem.for_call(config, rows=4, head_dim=head_dim, dtype=jnp.float8_e4m3fn, page_size=None,
+                                         q_dtype=jnp.bfloat16, k_scale_kind="token", v_scale_kind="token",
+                                         num_kv_heads=8, v_tokens_last=True)
+  assert smem.splits_queries and config.block_kv == 256
+  assert (config.num_stages, smem.q_buffers) == (stages, q_buffers)
+
+
 @pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "int8"])
 def test_mosaic_gpu_one_byte_head_dim_256_takes_a_consumer_that_fits(kv_dtype):
   # At head_dim 256 no ring of the queries as N fits SMEM (two stages of 128-token tiles and the widened V): the

@@ -197,9 +197,9 @@ class DecodeSmem:
 
   q_smem       [q_buffers, row_wgs, 64, D] q_dtype, swizzled    packed queries (wgmma A); fp8 operands:
                [q_buffers, row_wgs, 2, 64, D] e4m3, Q's two terms, and q_factors [q_buffers, row_wgs, 64] f32, their
-               rows' factors; the queries as N: made by the consumer from q_rows [q_buffers, row_wgs, 64, D] q_dtype
-               (`splits_queries`). Persistent, where they fit: two buffers, the next item's rows copied while this
-               one streams
+               rows' factors; the queries as N: made by the consumer from q's rows [q_buffers, row_wgs, 64, D]
+               q_dtype landed in the same bytes (a union; `splits_queries`). Persistent, where they fit: two
+               buffers, the next item's rows copied while this one streams
   union        streaming | (out [num_wgs, 64, D] out_dtype, lse [num_wgs, 64] f32) after the loop; separate_out
                (persistent): side by side, as the rings stream on during the stores
    streaming   g{g}_k, g{g}_v [stages / kv_groups, bkv, D] dtype   rings of KV group g (v_tokens_last: V's
@@ -465,9 +465,13 @@ class DecodeSmem:
       buffers = dict(streaming=plgpu.RefUnion(streaming, *tiles) if tiles else streaming, out_stage=out_stage)
     else:
       buffers = dict(union=plgpu.RefUnion(streaming, out_stage, *tiles))
+    q_smem = plgpu.SMEM(self._q_shape, self._q_smem_dtype,
+                        transforms=tiling.smem_transforms(self._q_smem_dtype, self.head_dim))
+    if self.splits_queries:   # q's rows land where their terms then go: (terms, rows)
+      q_smem = plgpu.RefUnion(q_smem, plgpu.SMEM(self._q_rows_shape, self.q_dtype,
+                                                 transforms=tiling.smem_transforms(self.q_dtype, self.head_dim)))
     scratch = dict(
-        q_smem=plgpu.SMEM(self._q_shape, self._q_smem_dtype,
-                          transforms=tiling.smem_transforms(self._q_smem_dtype, self.head_dim)),
+        q_smem=q_smem,
         **buffers,
         q_barrier=plgpu.Barrier(num_arrivals=self.q_copies, num_barriers=self.q_buffers * self.row_wgs),
         consumers_done=plgpu.Barrier(num_arrivals=self.num_wgs),
@@ -482,9 +486,6 @@ class DecodeSmem:
       scratch["p_smem"] = plgpu.SMEM(self._p_shape, self.q_dtype)
     if self.one_byte_operands:
       scratch["q_factors"] = plgpu.SMEM((self.q_buffers, self.row_wgs, ROWS_PER_WG), jnp.float32)
-    if self.splits_queries:
-      scratch["q_rows"] = plgpu.SMEM(self._q_shape[:2] + self._q_shape[-2:], self.q_dtype,
-                                     transforms=tiling.smem_transforms(self.q_dtype, self.head_dim))
     if self.queries_as_n and self.one_byte_operands:   # P^T and V widened, both swizzled as P^T's rows (AS_N_SWIZZLE)
       transforms = tiling.smem_transforms(jnp.float16, self.block_kv, max_swizzle=AS_N_SWIZZLE)
       if self.values_as_stored:   # P as two one-byte terms [16, bkv] (wgmma's K-major B), swizzled as V's slot:
@@ -529,6 +530,10 @@ class DecodeSmem:
     return (self.q_buffers, self.row_wgs, *terms, ROWS_PER_WG, self.head_dim)
 
   @property
+  def _q_rows_shape(self) -> tuple[int, ...]:
+    return (self.q_buffers, self.row_wgs, ROWS_PER_WG, self.head_dim)
+
+  @property
   def _q_smem_dtype(self):
     return self.operand_dtype if self.one_byte_operands else self.q_dtype
 
@@ -542,7 +547,8 @@ class DecodeSmem:
     outputs = (align(self.num_wgs * ROWS_PER_WG * self.head_dim * self.out_dtype.itemsize)
                + self.num_wgs * ROWS_PER_WG * 4)
     q = math.prod(self._q_shape) * self._q_smem_dtype.itemsize
-    q += align(math.prod(self._q_shape[:2] + self._q_shape[-2:]) * self.q_dtype.itemsize) if self.splits_queries else 0
+    if self.splits_queries:
+      q = max(q, math.prod(self._q_rows_shape) * self.q_dtype.itemsize)
     barriers = (sum(spec.barrier_bytes for spec in specs)
                 + (self.q_buffers * self.row_wgs + 1 + 2 * (self.tile_consumers == 2)) * pipeline.BARRIER_BYTES)
     p = math.prod(self._p_shape) * self.q_dtype.itemsize if self.stage_p else 0

@@ -197,7 +197,7 @@ def _kernel(q_ref,
   k_scale_ref = refs.pop(0) if st.k_scale else None
   v_scale_ref = refs.pop(0) if st.v_scale else None
   out_ref, lse_ref = refs
-  q_smem = scratch["q_smem"]
+  q_smem, q_rows = scratch["q_smem"] if st.smem.splits_queries else (scratch["q_smem"], None)
   streaming, (out_smem, lse_smem), tiles = st.smem.buffers(scratch)
   rings = []
   for g in range(st.kv_groups):
@@ -292,7 +292,7 @@ def _kernel(q_ref,
     def _consumer():
       plgpu.set_max_registers(_consumer_registers(st.smem.num_wgs, bool(converted)), action="increase")
       queries = _Queries(q_smem, scratch.get("q_factors"), scratch["q_barrier"], q_ref, q_factors_ref, rw=rw, st=st,
-                         rows=scratch.get("q_rows"))
+                         rows=q_rows)
       p_smem = scratch["p_smem"].at[w] if st.smem.stage_p else None
       partner = None
       if st.smem.tile_consumers == 2:
@@ -347,7 +347,7 @@ class _Queries:
   factors_ref: Any    # Q's factors as made before the kernel, or None
   rw: int
   st: _Static
-  rows: Any = None    # [buffers, row_wgs, 64, D] q_dtype: q's rows, of which the consumer makes Q's terms, or None
+  rows: Any = None    # [buffers, row_wgs, 64, D] q_dtype: q's rows, made into Q's terms in their bytes, or None
 
   def _buffer(self, item: Item):
     return 0 if self.st.smem.q_buffers == 1 else lax.rem(item.index, 2)

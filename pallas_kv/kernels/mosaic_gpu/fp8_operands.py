@@ -66,9 +66,11 @@ def split_queries(rows_ref, terms_ref, factors_ref, *, k_head_scale=None, paired
   times k_head_scale if given) from q's rows (rows_ref [64, D] 16-bit, landed), fenced for wgmma: e4m3 as
   `split_rows` makes them outside a kernel; int8 q = factor (hi + lo / INT8_LOW_SCALE), factor the row's max over
   127. No XLA op (~2 µs each on the chain) then runs before the kernel. Paired, rows 16-31 hold rows 0-15 again,
-  and theirs become the low terms. Rows past q's are whatever SMEM held: their scores are their own."""
+  and theirs become the low terms. Rows past q's are whatever SMEM held: their scores are their own. The terms may
+  take the rows' bytes (a union): every warp has read the rows before any stores."""
   int8 = terms_ref.dtype == jnp.int8
   q = plgpu.load(rows_ref, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+  plgpu.commit_smem()   # a warpgroup barrier: the rows read, in every warp
   per_row = lambda x: lax.broadcast_in_dim(x, q.shape, [0])
   amax = jnp.max(jnp.abs(q), axis=1)
   factor = jnp.where(amax > 0, amax, 1.0) * (1.0 / (INT8_MAX if int8 else FP8_MAX))
