@@ -1,7 +1,7 @@
 """The Mosaic GPU GQA kernel's experimental variants (`pallas_kv.experimental.MosaicGPUVariantConfig`):
-the converter warpgroup, which widens one-byte K / V tiles for the consumers (FA3's fp8 path), and explicit
-barriers (no automatic warpgroup barrier around each SMEM store). Numerics in GPU interpret mode, race
-detection, their checks, CUDA lowering and the GPU run."""
+the converter warpgroup, which widens one-byte K / V tiles for the consumers (FA3's fp8 path), explicit
+barriers (no automatic warpgroup barrier around each SMEM store) and per-token scales laid out by head. Numerics
+in GPU interpret mode, race detection, their checks, CUDA lowering and the GPU run."""
 
 import dataclasses
 import functools

@@ -84,8 +84,8 @@ VARIANTS += [(f"mosaic_gpu {kind} {name}", "mosaic_gpu", kind,
              for kind in ("token", "none")]
 # Kernel-only rows (`decode_partials` on the op's config and plan, no merge; results not checked): "kernel" with its
 # math, "loads" the `loads_only` probe (each slot waited for and freed, no math): what the load path alone takes.
-# "bare" and "bare loads": the kernel's custom call alone, its inputs (Q's terms and factors, scales laid out)
-# prepared outside the timed function (`decode.kernel_call`); scale kind "byhead": per-token scales laid out
+# "bare" and "bare loads": the kernel's custom call alone, its inputs (scales laid out where the kernel reads them
+# so) prepared outside the timed function (`decode.kernel_call`); scale kind "byhead": per-token scales laid out
 # [B, Hkv, T] there, one run a copy (`experimental.MosaicGPUVariantConfig.scales_by_head`), as a cache storing its
 # scales by head would hold them.
 _ASN256_V8 = MosaicGPUVariantConfig(queries_as_n=True, block_kv=256, values_as_stored=True)

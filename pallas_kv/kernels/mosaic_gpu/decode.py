@@ -624,8 +624,8 @@ def kernel_call(q, k, v, lengths, block_tables=None, *, num_queries: int, option
                 num_programs: int | None = None, tile_math: TileMath = TileMath(), interpret: Any = False,
                 window_start=None, v_tokens_last: bool = False, out_dtype: Any = jnp.float32):
   """(kernel, its inputs, finish) of split-K decode attention: finish(*kernel(*inputs)) are the partials. The
-  inputs are the call's arrays as the kernel reads them (Q's one-byte terms, scales laid out by head where the
-  kernel reads them so), so that a timing of the kernel alone can leave their preparation out.
+  inputs are the call's arrays as the kernel reads them (Q's one-byte terms where the kernel does not make them,
+  scales laid out by head where it reads them so), so that a timing of the kernel alone leaves their making out.
 
   q: [B, Hkv, R, D] bf16 / fp16, R = S * G packed rows (S = num_queries): row r = s * G + g is new token
     s of q head kv_head * G + g, at p = lengths[b] - S + s; it sees keys t < lengths[b], t <= p and,
