@@ -34,8 +34,8 @@ declare -A PARTS=(
                      tools.mosaic_one_byte:asn_int8 decode:asn_sweep_fp8 decode:asn_sweep_int8
                      tools.mosaic_one_byte:asn_loads tools.mosaic_one_byte:asn_persistent
                      tools.mosaic_one_byte:asn_paired tools.mosaic_one_byte:asn_load_depth"
-  [tune]="tune:tune"                      # Mosaic GPU entries of the tuned file
-  [tune_triton]="tune:tune_triton"
+  [tune]="tune:tune" [tune_triton]="tune:tune_triton"   # Mosaic GPU's entries of the tuned file; Triton's
+  [tune_one_byte]="tune:tune_both_fp8 tune:tune_both_int8"   # both backends over one-byte caches, one run
   [tune_both]="tune:tune_both tune:tune_both_models"   # both backends, one run, full + ragged
   [scaling]="scaling:scaling8k scaling:scaling32k"   # several GPUs
 )

@@ -134,7 +134,7 @@ def _suite_parts() -> dict[str, list[tuple[str, str]]]:
   """The script's table: part -> [(routine, run name)]."""
   import re  # pylint: disable=g-import-not-at-top
   with open(SUITE_SCRIPT) as f:
-    table = re.findall(r'^\s*\[(\w+)\]="([^"]+)"', f.read(), re.MULTILINE)
+    table = re.findall(r'\[(\w+)\]="([^"]+)"', f.read())   # one or more entries a line
   return {part: [tuple(entry.split(":")) for entry in runs.split()] for part, runs in table}
 
 

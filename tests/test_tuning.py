@@ -88,6 +88,18 @@ def test_tuner_times_a_one_byte_cache_as_created(tmp_path):
   assert entry["rel_err"] < 1e-2 and entry["config"].block_kv == 128
 
 
+def test_tuner_takes_mosaic_gpus_one_byte_default():
+  """The config a one-byte call runs on Mosaic GPU (the queries as N, which needs V tokens last and per-token
+  scales) is a candidate the tuner keeps: were it checked as a bf16 call, every such candidate would be dropped
+  unseen, and `auto` would have no Mosaic GPU entry to compare with Triton's."""
+  from benchmarks import tune
+  for dtype in ("int8", "float8_e4m3fn"):
+    problem = validation.Problem(**{**_problem(32, 4096).__dict__, "v_tokens_last": True,
+                                    "cache_dtype": jnp.dtype(dtype)})
+    config = tune.make_config("mosaic_gpu", problem, tune.TUNED, dtype)
+    assert config == mgpu_config.resolve_config(problem, None, dtype=jnp.dtype(dtype)) and config.queries_as_n
+
+
 def test_tuner_retimes_what_each_backend_runs_in_one_run(tmp_path):
   """--backend=mosaic_gpu,triton --space=tuned: each shape timed on both backends back to back, one candidate
   each, the config a call with no config resolves to; both entries share the shape's key (what `auto` compares)."""
