@@ -1065,9 +1065,10 @@ def test_mosaic_one_byte_tool_pages_hold_the_dense_cache():
   assert p["block_tables"].shape == (2, 4) and sorted(np.ravel(p["block_tables"])) == list(range(8))
   assert (np.ravel(p["block_tables"]) != np.arange(8)).any()   # shuffled
   for kind in ("token", "head"):
-    scales = dict(k_scale=x["scales"][kind], v_scale=x["scales"][kind])
+    assert x["scales"][kind][0] is not x["scales"][kind][1]   # K's and V's scales: two arrays
+    scales = dict(zip(("k_scale", "v_scale"), x["scales"][kind]))
     dense = pkv.decode_attention(x["q"], x["k"], x["v"], x["lengths"], impl="xla", v_tokens_last=True, **scales)
-    scales = dict(k_scale=p["scales"][kind], v_scale=p["scales"][kind])
+    scales = dict(zip(("k_scale", "v_scale"), p["scales"][kind]))
     pages = pkv.paged_decode_attention(x["q"], p["k"], p["v"], p["block_tables"], x["lengths"], impl="xla",
                                        v_tokens_last=True, **scales)
     np.testing.assert_allclose(np.asarray(pages, np.float32), np.asarray(dense, np.float32), rtol=2e-3, atol=2e-3)

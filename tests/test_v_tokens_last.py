@@ -471,7 +471,7 @@ def test_loads_only_probe_leaves_the_fp8_consumers_no_math(monkeypatch, config):
   v = jax.ShapeDtypeStruct((2, 8, 128, 1024), jnp.float8_e4m3fn)
   lengths, scales = jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((2, 1024, 8), jnp.float32)
   texts = {probe: mosaic_text_for_cuda(monkeypatch, mosaic_one_byte.kernel_only(config, probe, ())[0], q, k, v,
-                                       lengths, scales) for probe in ("kernel", "loads")}
+                                       lengths, scales, scales) for probe in ("kernel", "loads")}
   assert "probe_loads_only" in texts["loads"] and "probe_loads_only" not in texts["kernel"]
   for op in ("wgmma.mma_async", "ex2.approx"):
     assert op in texts["kernel"] and op not in texts["loads"], op

@@ -165,7 +165,8 @@ def op_case(variant: str, batch: int, seq_len: int, kv_dtype: str, s: kernel_var
   else:
     x = mosaic_one_byte.inputs(batch, seq_len, s.head_dim, jnp.dtype(kv_dtype))
     args = (x["q"], x["k"], x["v"], x["lengths"])
-    keywords = dict(k_scale=x["scales"]["token"], v_scale=x["scales"]["token"], v_tokens_last=True)
+    k_scale, v_scale = x["scales"]["token"]
+    keywords = dict(k_scale=k_scale, v_scale=v_scale, v_tokens_last=True)
     problem = validation.validate_dense(*args, v_tokens_last=True)
     partial = pkv.MosaicGPUConfig(**{k: v for k, v in fields.items() if k not in ("splits_factor", "plan_ahead")})
     config = mgpu_config.resolve_config(problem, partial, dtype=args[1].dtype)

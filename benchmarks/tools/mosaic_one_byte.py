@@ -99,7 +99,8 @@ ROW_NAMES = frozenset(v[0] for v in VARIANTS) | frozenset(r[0] for r in KERNEL_R
 
 
 def inputs(batch: int, seq_len: int, head_dim: int, kv_dtype, seed: int = 0, q_dtype=jnp.float16) -> dict[str, Any]:
-  """q [B, 32, D] q_dtype, k [B, T, 8, D] and v [B, 8, D, T] (tokens last) one-byte, full lengths, scales."""
+  """q [B, 32, D] q_dtype, k [B, T, 8, D] and v [B, 8, D, T] (tokens last) one-byte, full lengths, and per scale
+  kind K's and V's scales (two arrays, as a cache holds them: one array for both would serve V's from L2)."""
   rng = np.random.default_rng(seed)
   one_byte = lambda shape: jnp.asarray(np.clip(rng.standard_normal(shape) * 40, -127, 127) if kv_dtype == jnp.int8
                                        else rng.standard_normal(shape) * 8, kv_dtype)
@@ -107,7 +108,8 @@ def inputs(batch: int, seq_len: int, head_dim: int, kv_dtype, seed: int = 0, q_d
   return dict(q=jnp.asarray(rng.standard_normal((batch, 32, head_dim)), q_dtype),
               k=one_byte((batch, seq_len, 8, head_dim)), v=one_byte((batch, 8, head_dim, seq_len)),
               lengths=jnp.full((batch,), seq_len, jnp.int32),
-              scales=dict(token=scales((batch, seq_len, 8)), head=scales((8,)), none=None))
+              scales=dict(token=(scales((batch, seq_len, 8)), scales((batch, seq_len, 8))),
+                          head=(scales((8,)), scales((8,))), none=(None, None)))
 
 
 def paged(x: dict[str, Any], page_size: int, seed: int = 0) -> dict[str, Any]:
@@ -121,11 +123,11 @@ def paged(x: dict[str, Any], page_size: int, seed: int = 0) -> dict[str, Any]:
     return blocks.at[order].set(blocks)
 
   v = x["v"].reshape(batch, heads, head_dim, per_seq, page_size).transpose(0, 3, 1, 2, 4)
-  token = x["scales"]["token"].reshape(batch * per_seq, page_size, heads)
+  token = tuple(placed(s.reshape(batch * per_seq, page_size, heads)) for s in x["scales"]["token"])
   return dict(x, k=placed(x["k"].reshape(batch * per_seq, page_size, heads, head_dim)),
               v=placed(v.reshape(batch * per_seq, heads, head_dim, page_size)),
               block_tables=jnp.asarray(order.reshape(batch, per_seq), jnp.int32),
-              scales=dict(x["scales"], token=placed(token)))
+              scales=dict(x["scales"], token=token))
 
 
 def kernel_only(config, probe: str, args):
@@ -134,13 +136,13 @@ def kernel_only(config, probe: str, args):
   prepared here."""
   tile_math = kernel_variants.PROBES["loads_only"] if probe.endswith("loads") else mgpu_decode.TileMath()
 
-  def call(q, k, v, lengths, scale, *, partials=mgpu_decode.decode_partials):
+  def call(q, k, v, lengths, k_scale, v_scale, *, partials=mgpu_decode.decode_partials):
     problem = validation.validate_dense(q, k, v, lengths, True)
     options = AttentionOptions(scale=q.shape[-1] ** -0.5)
     full = mgpu_backend.resolve_config("decode", problem, config, dtype=k.dtype)
     plan = mgpu_backend.plan_splits("decode", problem, options, full, lengths)
     return partials(frame.pack_queries(q[:, None], problem.num_kv_heads), k, v, lengths, num_queries=1,
-                    options=options, config=full, plan=plan, k_scale=scale, v_scale=scale, tile_math=tile_math,
+                    options=options, config=full, plan=plan, k_scale=k_scale, v_scale=v_scale, tile_math=tile_math,
                     interpret=mgpu_backend.interpret_params(), v_tokens_last=True)
   if not probe.startswith("bare"):
     return jax.jit(call), args
@@ -167,18 +169,18 @@ def rows(batch: int, seq_len: int, head_dim: int, kv_dtype, *, cpu: bool, only=N
     x = paged(x, page_size)
     cache, attention = (x["k"], x["v"], x["block_tables"], x["lengths"]), pkv.paged_decode_attention
 
-  def op(impl, config=None):   # (q, *cache, scale) -> the attention over that cache
-    def call(q, *cache_and_scale):
-      *kv, scale = cache_and_scale
-      return attention(q, *kv, k_scale=scale, v_scale=scale, impl=impl, config=config, v_tokens_last=True)
+  def op(impl, config=None):   # (q, *cache, k_scale, v_scale) -> the attention over that cache
+    def call(q, *cache_and_scales):
+      *kv, k_scale, v_scale = cache_and_scales
+      return attention(q, *kv, k_scale=k_scale, v_scale=v_scale, impl=impl, config=config, v_tokens_last=True)
     return jax.jit(call)
 
-  refs = {kind: op("xla")(x["q"], *cache, scale) for kind, scale in x["scales"].items()}
+  refs = {kind: op("xla")(x["q"], *cache, *scales) for kind, scales in x["scales"].items()}
   results = []
   for name, impl, kind, config, probe in todo:
     if name not in only:
       continue
-    args = (x["q"], *cache, x["scales"]["token" if kind == "byhead" else kind])
+    args = (x["q"], *cache, *x["scales"]["token" if kind == "byhead" else kind])
     row = dict(name=name, impl=impl, scale=kind, config=None if config is None else config.given(),
                batch=batch, seq_len=seq_len, page_size=page_size, kv_dtype=jnp.dtype(kv_dtype).name,
                q_dtype=jnp.dtype(q_dtype).name,
