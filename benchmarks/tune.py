@@ -115,11 +115,10 @@ TUNED = "tuned"
 PLANS = "plans"
 
 
-def make_config(backend: str, problem, fields: dict | str, dtype, q_dtype="bfloat16") -> KernelConfig | None:
+def make_config(backend: str, problem, fields: dict | str, dtype) -> KernelConfig | None:
   """The complete config (the backend's type) that a candidate's fields resolve to, with its split
-  count scaled by split_scale, or None if it is invalid for this problem (a cache of `dtype`, queries of
-  q_dtype); `TUNED`: the config a call with no config runs (`over=TUNED` among the fields: that config with the
-  other fields replaced).
+  count scaled by split_scale, or None if it is invalid for this problem; `TUNED`: the config a call
+  with no config runs (`over=TUNED` among the fields: that config with the other fields replaced).
 
   The backend fills what the candidate leaves out (`resolve_config`: its heuristic, around the
   given fields). Triton candidates take per-sequence splits unless they name a plan: the tuner
@@ -143,8 +142,8 @@ def make_config(backend: str, problem, fields: dict | str, dtype, q_dtype="bfloa
     if backend == "mosaic_gpu":   # checked as the call checks it: a one-byte cache's layout and scales too
       quantized = {}
       if jnp.dtype(dtype).itemsize == 1:   # the benchmarks' one-byte caches carry per-token scales (`cases`)
-        quantized = dict(q_dtype=q_dtype, k_scale_kind="token", v_scale_kind="token",
-                         num_kv_heads=problem.num_kv_heads, v_tokens_last=problem.v_tokens_last)
+        quantized = dict(k_scale_kind="token", v_scale_kind="token", num_kv_heads=problem.num_kv_heads,
+                         v_tokens_last=problem.v_tokens_last)
       mosaic_gpu_config.check_config(config, rows=problem.num_queries * problem.group_size,
                                      head_dim=problem.head_dim, dtype=dtype, page_size=problem.page_size,
                                      num_splits=config.num_splits, **quantized)
@@ -214,7 +213,7 @@ def tune_case(case: cases.Case, sweep: cases.Sweep, backend: str, candidates: It
   op = functools.partial(op, v_tokens_last=True) if tokens_last else op
   seen, results = set(), []
   for fields in candidates:
-    config = make_config(backend, problem, fields, cache_dtype, q_dtype=case.dtype)
+    config = make_config(backend, problem, fields, cache_dtype)
     if config is None or config in seen:
       continue
     seen.add(config)
