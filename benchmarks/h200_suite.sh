@@ -20,8 +20,7 @@ declare -A PARTS=(
                  decode:shapes_page1 decode:shapes_s4_padded decode:shapes_s4_varlen"   # MQA, page 1, varlen
   [shared]="shared_prefix:shared_prefix shared_prefix:shared_prefix_mla serving:smollm2_samples
             serving:smollm2_system_prompt"   # forked prompts, a cached system prompt
-  [vmap]="vmap:vmap"
-  [step]="step:step"
+  [vmap]="vmap:vmap" [step]="step:step"
   [trace]="tools.kernel_trace:trace_stream_k tools.kernel_trace:trace_fp8"   # warpgroups' time in the kernel
   [mosaic_levers]="tools.kernel_variants:mosaic_tile_consumers tools.kernel_variants:mosaic_ragged_order
                    decode:rows_ragged_longest_first tools.kernel_variants:mosaic_stream_k_parts"   # beside rows_ragged
@@ -36,6 +35,7 @@ declare -A PARTS=(
                      tools.mosaic_one_byte:asn_paired tools.mosaic_one_byte:asn_load_depth"
   [tune]="tune:tune" [tune_triton]="tune:tune_triton"   # Mosaic GPU's entries of the tuned file; Triton's
   [tune_one_byte]="tune:tune_both_fp8 tune:tune_both_int8"   # both backends over one-byte caches, one run
+  [plans_one_byte]="tune:plans_both_fp8 tune:plans_both_int8"   # their plans, too (SUITE_FLAGS: --cases)
   [tune_both]="tune:tune_both tune:tune_both_models"   # both backends, one run, full + ragged
   [scaling]="scaling:scaling8k scaling:scaling32k"   # several GPUs
 )

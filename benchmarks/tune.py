@@ -17,7 +17,8 @@ complete config that won. Winners are merged into
 times should come from one run: `--backend=mosaic_gpu,triton` tunes each shape on both, back to back, and
 `--space=tuned` re-times only the config each backend runs now (`resolve_config` with no config given), and
 `--space=plans` that config, that config with the sequences longest first, and the stream-K walk (Mosaic GPU: also
-that config's persistent programs, longest first). Candidates
+that config's persistent programs, longest first; over one-byte caches, the walk on the default's tiles and the
+default on 128-token tiles instead). Candidates
 are scored on full and ragged lengths (`--score_ragged`, on by default): serving batches are ragged.
 """
 
@@ -78,11 +79,17 @@ def candidate_space(backend: str, space: str, *, one_byte: bool = False) -> list
   if space == TUNED:
     return [TUNED]
   if space == PLANS:   # the config a call runs now, that with the sequences longest first, and the stream-K walk
-    plans = [TUNED, dict(over=TUNED, sequence_order="longest_first"),
-             dict(split_plan="stream_k", pipeline_qk=True) if backend == "mosaic_gpu" else dict(split_plan="stream_k")]
-    if backend == "mosaic_gpu":   # persistent programs longest first: its best ragged B128 (thirtieth set)
-      plans.append(dict(over=TUNED, pipeline_qk=True, persistent=True, sequence_order="longest_first"))
-    return plans
+    plans = [TUNED, dict(over=TUNED, sequence_order="longest_first")]
+    if backend == "triton":
+      return plans + [dict(split_plan="stream_k")]
+    if one_byte:   # the default's V as stored, walked by stream-K; and on 128-token tiles (a ragged row's last
+      # tile half the waste), 4 stages
+      return plans + [dict(split_plan="stream_k", persistent=True, queries_as_n=True, values_as_stored=True,
+                           block_kv=256),
+                      dict(over=TUNED, block_kv=128, num_stages=4)]
+    # persistent programs longest first: its best ragged B128 (thirtieth set)
+    return plans + [dict(split_plan="stream_k", pipeline_qk=True),
+                    dict(over=TUNED, pipeline_qk=True, persistent=True, sequence_order="longest_first")]
   if backend == "triton" and space == "fast" and one_byte:   # 12 candidates, for v stored tokens last
     # 128-token tiles won at every batch and 256-token ones came within 2% at B128 (RESULTS.md, seventh set).
     tiles = [dict(block_kv=128, num_stages=n) for n in (2, 3, 4)] + [dict(block_kv=256, num_stages=2)]
