@@ -106,6 +106,9 @@ def _mosaic(**fields):
     (jnp.float8_e4m3fn, "token", None, 2, dict(queries_as_n=True, values_as_stored=True, paired_terms=True)),
     (jnp.int8, "token", 64, None, dict(queries_as_n=True, values_as_stored=True, paired_terms=True, block_kv=256,
                                        num_stages=2)),
+    # the one-byte default's tiles walked by stream-K (the tuner's one-byte plans)
+    (jnp.int8, "token", None, None, dict(queries_as_n=True, values_as_stored=True, paired_terms=True, block_kv=256,
+                                         num_stages=2, split_plan="stream_k", persistent=True, num_splits=2)),
     pytest.param(jnp.int8, "token", 128, None, dict(pipeline_qk=True, num_splits=1), marks=pytest.mark.slow),
     pytest.param(jnp.float16, None, 64, None, dict(pipeline_qk=True), marks=pytest.mark.slow),
     pytest.param(jnp.float8_e5m2, "token", None, 3, dict(persistent=True), marks=pytest.mark.slow),
@@ -121,6 +124,7 @@ def _mosaic(**fields):
         "int8-head-page32-queries-as-n-pqk", "e4m3-token-page64-s2-bkv256-values-as-stored",
         "int8-token-page128-bkv256-values-as-stored", "int8-token-page64-s2-bkv256-values-as-stored-persistent",
         "e4m3-token-dense-s2-paired-terms", "int8-token-page64-bkv256-paired-terms",
+        "int8-token-dense-bkv256-paired-terms-stream-k",
         "int8-token-page128-pqk",
         "fp16-page64-pqk", "e5m2-token-dense-s3-persistent", "int8-token-page64-tile-consumers2"])
 def test_mosaic_gpu_matches_v_like_k_interpret(kv_dtype, scale_kind, page_size, num_queries, fields):
@@ -241,6 +245,8 @@ MOSAIC_LOWERINGS = [
     ("float8_e4m3fn", "token", 16, {}, 128), ("int8", "token", 32, {}, 128),   # V widened a page at a time
     ("float8_e4m3fn", "token", 64, dict(queries_as_n=True, values_as_stored=True, block_kv=256), 128),   # as stored
     ("int8", "token", 64, dict(queries_as_n=True, values_as_stored=True, block_kv=256), 128),   # a page at a time
+    ("int8", "token", None, dict(queries_as_n=True, values_as_stored=True, block_kv=256, split_plan="stream_k",
+                                 persistent=True), 128),   # the default's tiles walked by stream-K
     slow("float8_e4m3fn", "head", 128, dict(queries_as_n=True, block_kv=128), 128),
     slow("float8_e4m3fn", "token", None, dict(queries_as_n=True, split_plan="stream_k"), 128),
     slow("bfloat16", None, None, dict(block_kv=128), 128),
@@ -254,7 +260,7 @@ MOSAIC_LOWERINGS = [
                               "e4m3-token-groups3", "e4m3-token-pqk", "e4m3-token-queries-as-n",
                               "e4m3-token-bkv128-pqk-queries-as-n", "int8-token-bkv128-queries-as-n",
                               "e4m3-token-page16", "int8-token-page32", "e4m3-token-page64-bkv256-as-stored",
-                              "int8-token-page64-bkv256-as-stored",
+                              "int8-token-page64-bkv256-as-stored", "int8-token-bkv256-as-stored-stream-k",
                               "e4m3-head-page128-bkv128-queries-as-n", "e4m3-token-stream-k-queries-as-n",
                               "bf16-bkv128", "int8-token-d256-one-group", "fp16-page64-pqk-d64",
                               "e5m2-head-page128-bkv128-persistent"])
