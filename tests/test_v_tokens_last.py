@@ -299,6 +299,24 @@ def test_mosaic_gpu_lowered_tile_loops_hold_no_extra_syncs_or_divides(monkeypatc
   assert counts["head"]["divf"] <= 4, counts   # two consumers' two rows: 1 / l and the V scales' c
 
 
+def test_mosaic_gpu_int8_probability_terms_are_transposed_once(monkeypatch):
+  # B32 T4096 heads 32/8 D128, V as stored: P's two int8 terms are split after one f16 transpose, as fp8's are, so
+  # int8's tile loops hold no more shuffles than fp8's (each term transposed on its own held 1.6x fp8's).
+  from harness import mosaic_text_for_cuda, tile_loop_counts
+  q = jax.ShapeDtypeStruct((32, 32, 128), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((32,), jnp.int32)
+  scales = jax.ShapeDtypeStruct((32, 4096, 8), jnp.float32)
+  fn = lambda q, k, v, n, ks, vs: pkv.decode_attention(q, k, v, n, k_scale=ks, v_scale=vs, v_tokens_last=True,
+                                                       impl="mosaic_gpu")
+  shuffles = {}
+  for dtype in (jnp.int8, jnp.float8_e4m3fn):
+    k = jax.ShapeDtypeStruct((32, 4096, 8, 128), dtype)
+    v = jax.ShapeDtypeStruct((32, 8, 128, 4096), dtype)
+    text = mosaic_text_for_cuda(monkeypatch, fn, q, k, v, lengths, scales, scales)
+    shuffles[jnp.dtype(dtype).name] = tile_loop_counts(text, ("shfl",))["shfl"]
+  assert 0 < shuffles["int8"] <= shuffles["float8_e4m3fn"], shuffles
+
+
 def test_xla_gives_the_same_values_and_gradients():
   case = make_case(5, batch=2, seq_len=32, num_heads=4, num_kv_heads=2, head_dim=32, dtype=jnp.float32)
   f = lambda v, last: pkv.decode_attention(case.q, case.k, v, case.lengths, impl="xla", v_tokens_last=last).sum()
