@@ -8,6 +8,7 @@ import sys
 import types
 
 import jax
+import numpy as np
 import pytest
 
 import pallas_kv as pkv
@@ -148,6 +149,17 @@ def test_the_tool_summarizes_anywhere_and_traces_only_on_a_gpu(tmp_path):
   assert refused.returncode != 0 and "needs a GPU" in refused.stderr + refused.stdout
   ragged_one_byte = run("--ragged", "--kv_dtype=int8")
   assert ragged_one_byte.returncode != 0 and "a bfloat16 cache only" in ragged_one_byte.stderr + ragged_one_byte.stdout
+  too_long = run("--length=5000", "--shapes=1x4096", "--kv_dtype=int8")
+  assert too_long.returncode != 0 and "--length=5000" in too_long.stderr + too_long.stdout
+
+
+def test_a_short_sequence_is_traced_under_its_shape_s_config():
+  s = kernel_trace.settings()
+  full, _, _, args = kernel_trace.op_case("baseline", 2, 1024, "int8", s, jax.random.key(0))
+  short, _, _, short_args = kernel_trace.op_case("baseline", 2, 1024, "int8", s, jax.random.key(0), length=300)
+  assert short == full and [int(n) for n in short_args[3]] == [300, 300] and [int(n) for n in args[3]] == [1024] * 2
+  same = lambda a, b: np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  assert all(same(a, b) for a, b in zip(args[:3], short_args[:3]))
 
 
 @pytest.mark.gpu   # the profiler's own trace, then the op's: tells a profiler that writes nothing from the op's tracing

@@ -6,9 +6,9 @@ with the SM clock.
   python -m benchmarks tools.kernel_trace --summarize=DIR      # any machine: the table of traces written before
 
 Each (variant of `kernel_variants.VARIANTS`, shape BxT) runs the op (`decode_attention`, impl mosaic_gpu; heads
-32/8, D 128; a bf16 cache at full lengths or `--ragged`, or `--kv_dtype` one-byte) once untraced, then once
+32/8, D 128; a bf16 cache at full lengths, `--ragged` or `--length`, or `--kv_dtype` one-byte) once untraced, then once
 traced: its GQA kernel's trace (Perfetto JSON, ui.perfetto.dev; the merge launch is not in it) and what it needs
-to be read (`meta.json`) land in --out/VARIANT_BxT_DTYPE/ (default: beside --json, its name without .json
+to be read (`meta.json`) land in --out/VARIANT_BxT[_LN]_DTYPE/ (default: beside --json, its name without .json
 and `_traces`); --json gets the table's rows. The table: per warpgroup role (consumer N,
 producer), the mean over programs of the span (first entry to last exit, thousands of SM cycles: ~2 per µs at
 the H100's and H200's boost clock), the share of it inside each region (a region inside one of its own name
@@ -154,9 +154,11 @@ def trace_visits(smem: mgpu_config.DecodeSmem, wanted: int) -> int:
   return int(visits)
 
 
-def op_case(variant: str, batch: int, seq_len: int, kv_dtype: str, s: kernel_variants.Settings, key):
+def op_case(variant: str, batch: int, seq_len: int, kv_dtype: str, s: kernel_variants.Settings, key,
+            length: int | None = None):
   """(complete config, its `DecodeSmem`, the op under that config, its arguments) of a variant at a dense shape:
-  bf16, or a one-byte cache stored as the library stores it (V tokens last, per-token scales)."""
+  bf16, or a one-byte cache stored as the library stores it (V tokens last, per-token scales); length: every
+  sequence's (the config is still the shape's, as a call's is)."""
   fields = dict(kernel_variants.VARIANTS[variant][0])
   rows = s.num_heads // s.num_kv_heads
   if jnp.dtype(kv_dtype) == jnp.bfloat16:
@@ -174,6 +176,8 @@ def op_case(variant: str, batch: int, seq_len: int, kv_dtype: str, s: kernel_var
                      num_kv_heads=s.num_kv_heads, v_tokens_last=True)
   smem = mgpu_config.DecodeSmem.for_call(config, rows=rows, head_dim=s.head_dim, dtype=args[1].dtype, page_size=None,
                                          **quantized)
+  if length is not None:
+    args = (*args[:3], jnp.full_like(args[3], length), *args[4:])
   op = functools.partial(pkv.decode_attention, impl="mosaic_gpu", config=config, **keywords)
   return config, smem, op, args
 
@@ -185,19 +189,21 @@ def settings(ragged: bool = False) -> kernel_variants.Settings:
 
 
 def trace_run(variant: str, batch: int, seq_len: int, kv_dtype: str, s: kernel_variants.Settings, out: str,
-              wanted_visits: int, key) -> dict[str, Any]:
-  """Runs the op of one (variant, shape, cache dtype) untraced, then traced (a fresh jit inside
-  `trace.tracing`) into out/VARIANT_BxT_DTYPE/; returns its meta.json."""
-  config, smem, op, args = op_case(variant, batch, seq_len, kv_dtype, s, key)
+              wanted_visits: int, key, length: int | None = None) -> dict[str, Any]:
+  """Runs the op of one (variant, shape, cache dtype; every sequence `length` long, if given) untraced, then
+  traced (a fresh jit inside `trace.tracing`) into out/VARIANT_BxT[_LN]_DTYPE/; returns its meta.json."""
+  config, smem, op, args = op_case(variant, batch, seq_len, kv_dtype, s, key, length)
   visits = trace_visits(smem, wanted_visits)
-  name = f"{variant}_{batch}x{seq_len}_{jnp.dtype(kv_dtype).name}".replace("+", "_")
+  at = "" if length is None else f"_L{length}"
+  name = f"{variant}_{batch}x{seq_len}{at}_{jnp.dtype(kv_dtype).name}".replace("+", "_")
   directory = os.path.join(out, name)
   os.makedirs(directory, exist_ok=True)
   jax.block_until_ready(jax.jit(op)(*args))   # compiled, and the data's first touch done
   with kernel_trace.tracing(KernelTrace(directory, visits)):
     jax.block_until_ready(jax.jit(op)(*args))
   jax.effects_barrier()   # the trace is written by a host callback after the kernel
-  meta = {"variant": variant, "shape": kernel_variants.shape_name(batch, seq_len, None),
+  shape = kernel_variants.shape_name(batch, seq_len, None) + ("" if length is None else f" L{length}")
+  meta = {"variant": variant, "shape": shape,
           "kv_dtype": jnp.dtype(kv_dtype).name, "warpgroups": smem.num_threads, "consumers": smem.num_wgs,
           "visits": visits, "config": dataclasses.asdict(config), "device": str(jax.devices()[0].device_kind)}
   with open(os.path.join(directory, "meta.json"), "w") as f:
@@ -209,6 +215,8 @@ def define_flags() -> None:
   flags.DEFINE_list("variants", ["pqk+persistent", "sk+pqk"], f"Of {', '.join(kernel_variants.VARIANTS)}.")
   flags.DEFINE_list("shapes", ["32x4096"], "BxT shapes (dense).")
   flags.DEFINE_boolean("ragged", False, "Lengths uniform in [1, T] instead of full (bfloat16 only).")
+  flags.DEFINE_integer("length", None, "Every sequence this long (1 <= length <= each shape's T) in a cache of the "
+                       "shape's T, under the shape's config: a short sequence's fixed costs. Not with --ragged.")
   flags.DEFINE_enum("kv_dtype", "bfloat16", ["bfloat16", "int8", "float8_e4m3fn"],
                     "The cache: one-byte ones with V tokens last and per-token scales, as the library stores them.")
   flags.DEFINE_integer("visits", 1024, "Region visits recorded per warpgroup, at most (SMEM bounds it).")
@@ -224,7 +232,11 @@ def main(argv: Sequence[str]) -> int:
     print(format_table(read_traces(FLAGS.summarize)))
     return 0
   if FLAGS.ragged and FLAGS.kv_dtype != "bfloat16":
-    raise app.UsageError("--ragged: a bfloat16 cache only (one-byte caches are traced at full lengths)")
+    raise app.UsageError("--ragged: a bfloat16 cache only (one-byte caches: full lengths or --length)")
+  shapes = [kernel_variants.parse_shape(shape) for shape in FLAGS.shapes]
+  if FLAGS.length is not None and (FLAGS.ragged or not all(1 <= FLAGS.length <= t for _, t, _ in shapes)):
+    raise app.UsageError(f"--length={FLAGS.length}: every sequence's length, at least 1 and at most each shape's T "
+                         f"({', '.join(FLAGS.shapes)}), and not with --ragged")
   if jax.default_backend() != "gpu":
     raise app.UsageError("needs a GPU (the profiler runs in the compiled kernel); --summarize reads traces anywhere")
   unknown = set(FLAGS.variants) - set(kernel_variants.VARIANTS)
@@ -239,7 +251,8 @@ def main(argv: Sequence[str]) -> int:
       raise app.UsageError(f"--shapes: {shape}: dense shapes only")
     for variant in FLAGS.variants:
       try:
-        meta = trace_run(variant, batch, seq_len, FLAGS.kv_dtype, s, out, FLAGS.visits, jax.random.key(0))
+        meta = trace_run(variant, batch, seq_len, FLAGS.kv_dtype, s, out, FLAGS.visits, jax.random.key(0),
+                         FLAGS.length)
         print(f"{variant} {shape}: traced, {meta['visits']} visits per warpgroup", flush=True)
       except Exception as e:  # pylint: disable=broad-except
         failed += 1
