@@ -278,21 +278,26 @@ def test_mosaic_gpu_tokens_last_lowers_for_cuda(monkeypatch, kv_dtype, scale_kin
   assert "_vlast" in module
 
 
-def test_mosaic_gpu_lowered_tile_loops_hold_no_extra_syncs_or_divides(monkeypatch):
-  # B32 T4096 heads 32/8 D128, fp8 tokens last, the shipped kernel lowered for CUDA: per-token scales cost the
-  # tile loops no warpgroup barrier or proxy fence beyond a head scale's (their slots are freed after P's commit),
-  # and each item's output is normalised by one divide a row, not one an element.
-  from harness import mosaic_text_for_cuda, tile_loop_counts
+def _b32_kernel_text(monkeypatch, kv_dtype, scale_shape) -> str:
+  """The shipped Mosaic GPU kernel at B32 T4096 heads 32/8 D128, V tokens last, lowered for CUDA, as text."""
+  from harness import mosaic_text_for_cuda
   q = jax.ShapeDtypeStruct((32, 32, 128), jnp.bfloat16)
-  k = jax.ShapeDtypeStruct((32, 4096, 8, 128), jnp.float8_e4m3fn)
-  v = jax.ShapeDtypeStruct((32, 8, 128, 4096), jnp.float8_e4m3fn)
+  k = jax.ShapeDtypeStruct((32, 4096, 8, 128), kv_dtype)
+  v = jax.ShapeDtypeStruct((32, 8, 128, 4096), kv_dtype)
   lengths = jax.ShapeDtypeStruct((32,), jnp.int32)
+  scales = jax.ShapeDtypeStruct(scale_shape, jnp.float32)
+  fn = lambda q, k, v, n, ks, vs: pkv.decode_attention(q, k, v, n, k_scale=ks, v_scale=vs, v_tokens_last=True,
+                                                       impl="mosaic_gpu")
+  return mosaic_text_for_cuda(monkeypatch, fn, q, k, v, lengths, scales, scales)
+
+
+def test_mosaic_gpu_lowered_tile_loops_hold_no_extra_syncs_or_divides(monkeypatch):
+  # fp8: per-token scales cost the tile loops no warpgroup barrier or proxy fence beyond a head scale's (their slots
+  # are freed after P's commit), and each item's output is normalised by one divide a row, not one an element.
+  from harness import tile_loop_counts
   counts = {}
   for kind, shape in (("token", (32, 4096, 8)), ("head", (8,))):
-    scales = jax.ShapeDtypeStruct(shape, jnp.float32)
-    fn = lambda q, k, v, n, ks, vs: pkv.decode_attention(q, k, v, n, k_scale=ks, v_scale=vs, v_tokens_last=True,
-                                                         impl="mosaic_gpu")
-    text = mosaic_text_for_cuda(monkeypatch, fn, q, k, v, lengths, scales, scales)
+    text = _b32_kernel_text(monkeypatch, jnp.float8_e4m3fn, shape)
     counts[kind] = tile_loop_counts(text, ("bar.sync", "fence.proxy")) | {"divf": text.count("arith.divf")}
   assert counts["token"]["bar.sync"] == counts["head"]["bar.sync"] > 0, counts
   assert counts["token"]["fence.proxy"] == counts["head"]["fence.proxy"] > 0, counts
@@ -300,20 +305,12 @@ def test_mosaic_gpu_lowered_tile_loops_hold_no_extra_syncs_or_divides(monkeypatc
 
 
 def test_mosaic_gpu_int8_probability_terms_are_transposed_once(monkeypatch):
-  # B32 T4096 heads 32/8 D128, V as stored: P's two int8 terms are split after one f16 transpose, as fp8's are, so
-  # int8's tile loops hold no more shuffles than fp8's (each term transposed on its own held 1.6x fp8's).
-  from harness import mosaic_text_for_cuda, tile_loop_counts
-  q = jax.ShapeDtypeStruct((32, 32, 128), jnp.bfloat16)
-  lengths = jax.ShapeDtypeStruct((32,), jnp.int32)
-  scales = jax.ShapeDtypeStruct((32, 4096, 8), jnp.float32)
-  fn = lambda q, k, v, n, ks, vs: pkv.decode_attention(q, k, v, n, k_scale=ks, v_scale=vs, v_tokens_last=True,
-                                                       impl="mosaic_gpu")
-  shuffles = {}
-  for dtype in (jnp.int8, jnp.float8_e4m3fn):
-    k = jax.ShapeDtypeStruct((32, 4096, 8, 128), dtype)
-    v = jax.ShapeDtypeStruct((32, 8, 128, 4096), dtype)
-    text = mosaic_text_for_cuda(monkeypatch, fn, q, k, v, lengths, scales, scales)
-    shuffles[jnp.dtype(dtype).name] = tile_loop_counts(text, ("shfl",))["shfl"]
+  # V as stored: P's two int8 terms are split after one f16 transpose, as fp8's are, so int8's tile loops hold no
+  # more shuffles than fp8's (each term transposed on its own held 1.6x fp8's).
+  from harness import tile_loop_counts
+  shuffles = {jnp.dtype(dtype).name: tile_loop_counts(_b32_kernel_text(monkeypatch, dtype, (32, 4096, 8)),
+                                                      ("shfl",))["shfl"]
+              for dtype in (jnp.int8, jnp.float8_e4m3fn)}
   assert 0 < shuffles["int8"] <= shuffles["float8_e4m3fn"], shuffles
 
 

@@ -245,8 +245,7 @@ def main(argv: Sequence[str]) -> int:
   s = settings(ragged=FLAGS.ragged)
   out = FLAGS.out or (FLAGS.json.removesuffix(".json") + "_traces" if FLAGS.json else "bench_out/kernel_trace")
   failed = 0
-  for shape in FLAGS.shapes:
-    batch, seq_len, page_size = kernel_variants.parse_shape(shape)
+  for shape, (batch, seq_len, page_size) in zip(FLAGS.shapes, shapes):
     if page_size is not None:
       raise app.UsageError(f"--shapes: {shape}: dense shapes only")
     for variant in FLAGS.variants:
