@@ -1,6 +1,7 @@
 """The Mosaic GPU kernel's timeline from inside (`kernels/mosaic_gpu/trace.py`, `benchmarks.tools.kernel_trace`):
 the kernel lowers with the profiler on and without any trace of it off; the summary reads a trace right."""
 
+import functools
 import json
 import os
 import subprocess
@@ -8,6 +9,7 @@ import sys
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -120,6 +122,7 @@ def test_the_summary_splits_each_role_s_span_into_its_regions(tmp_path):
   assert c["first_wait_tile_kcycles"] == pytest.approx((2 + 4) / 2)
   assert p["wait_free_share"] == pytest.approx(2 / 8) and p["item_share"] == pytest.approx(1.0)
   assert c["truncated"] == 0
+  assert np.isnan(c["first_tile_kcycles"])   # no program took two tiles
   # Read back from a folder as the GPU run leaves it; a run that wrote no trace says so.
   for name, trace in (("v_1x1", {"traceEvents": events}), ("w_1x1", None)):
     folder = tmp_path / name
@@ -127,10 +130,36 @@ def test_the_summary_splits_each_role_s_span_into_its_regions(tmp_path):
     (folder / "meta.json").write_text(json.dumps({**meta, "variant": name[0]}))
     if trace:
       (folder / "kernel-1-trace.json").write_text(json.dumps(trace))
+    if trace:   # an older call's trace beside it: the newest (the last call of a chain) is read
+      (folder / "kernel-0-trace.json").write_text(json.dumps({"traceEvents": _events(1, [("item", 0, 99)])}))
   rows = kernel_trace.read_traces(str(tmp_path))
   assert [r.get("status") for r in rows] == [None, None, "no trace written"]
   table = kernel_trace.format_table(rows)
   assert "consumer 0" in table and "no trace written" in table and " 15.0 " in table
+
+
+def test_a_first_tile_is_timed_against_the_later_ones():
+  # Tiles start (qk entries) at 0, 9, 11, 13 in one program and 0, 5 in another: first tiles 9 and 5, later 2.
+  first = [("item", 0, 20), ("qk", 0, 1), ("qk", 9, 10), ("qk", 11, 12), ("qk", 13, 14)]
+  second = [("item", 0, 20), ("qk", 0, 1), ("qk", 5, 6)]
+  meta = {"variant": "v", "shape": "B1 T1", "warpgroups": 1, "consumers": 1, "visits": 100}
+  [row] = kernel_trace.summarize({"traceEvents": _events(1, first) + _events(2, second)}, meta)
+  assert row["first_tile_kcycles"] == pytest.approx(7.0) and row["later_tile_kcycles"] == pytest.approx(2.0)
+  assert " 7.00  2.00 " in kernel_trace.format_table([row])
+
+
+def test_chained_calls_run_in_order_each_on_the_last_output():
+  seen = []
+
+  def op(q, k, *, scale):
+    seen.append(q.shape)
+    return (q + k) * scale
+
+  run = kernel_trace.chained(op, 3)
+  q, k = jnp.ones((2, 4), jnp.bfloat16), jnp.full((2, 4), 2.0, jnp.float32)
+  out = jax.jit(functools.partial(run, scale=0.5))(q, k)
+  assert out.dtype == jnp.bfloat16 and len(seen) == 3
+  assert np.allclose(np.asarray(out, np.float32), (((1 + 2) * 0.5 + 2) * 0.5 + 2) * 0.5)
 
 
 def test_the_tool_summarizes_anywhere_and_traces_only_on_a_gpu(tmp_path):

@@ -6,13 +6,15 @@ with the SM clock.
   python -m benchmarks tools.kernel_trace --summarize=DIR      # any machine: the table of traces written before
 
 Each (variant of `kernel_variants.VARIANTS`, shape BxT) runs the op (`decode_attention`, impl mosaic_gpu; heads
-32/8, D 128; a bf16 cache at full lengths, `--ragged` or `--length`, or `--kv_dtype` one-byte) once untraced, then once
-traced: its GQA kernel's trace (Perfetto JSON, ui.perfetto.dev; the merge launch is not in it) and what it needs
+32/8, D 128; a bf16 cache at full lengths, `--ragged` or `--length`, or `--kv_dtype` one-byte) once untraced, then
+traced (`--calls` calls in a chain: the profiler records a kernel's first launch, cold, and the chain's last call is
+warm): its GQA kernel's trace (Perfetto JSON, ui.perfetto.dev; the merge launch is not in it) and what it needs
 to be read (`meta.json`) land in --out/VARIANT_BxT[_LN]_DTYPE/ (default: beside --json, its name without .json
 and `_traces`); --json gets the table's rows. The table: per warpgroup role (consumer N,
 producer), the mean over programs of the span (first entry to last exit, thousands of SM cycles: ~2 per µs at
 the H100's and H200's boost clock), the share of it inside each region (a region inside one of its own name
-counted once), the items a program took and its first tile's wait (the ring's fill). `truncated`: a program's
+counted once), the items a program took, its first tile's wait (the ring's fill), and its first tile's time against
+a later tile's (from one `qk` entry to the next: a start-up cost). `truncated`: a program's
 warpgroup visited regions past --visits (SMEM left over by the kernel bounds it); its later visits are missing.
 """
 
@@ -56,8 +58,9 @@ def role(warpgroup: int, consumers: int) -> str:
 def program_summary(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
   """One warpgroup's events ({"name", "ph": "B" / "E", "ts"}, in order; ts in µs as the trace writes it, i.e.
   thousands of SM cycles after the program's start): its span, time in each region (outermost visits of a
-  name), visits per region and the first visit's time (all in thousands of cycles)."""
+  name), visits per region, the first visit's time and each `qk` visit's start (all in thousands of cycles)."""
   stack: list[tuple[str, float]] = []
+  tile_starts = [event["ts"] for event in events if event["name"] == "qk" and event["ph"] == "B"]
   inside: dict[str, float] = collections.defaultdict(float)
   visits: dict[str, int] = collections.defaultdict(int)
   first: dict[str, float] = {}
@@ -72,7 +75,19 @@ def program_summary(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
     visits[name] += 1
     first.setdefault(name, event["ts"] - start)
   span = events[-1]["ts"] - events[0]["ts"] if events else 0.0
-  return {"span": span, "inside": dict(inside), "visits": dict(visits), "first": first, "events": len(events)}
+  return {"span": span, "inside": dict(inside), "visits": dict(visits), "first": first, "events": len(events),
+          "tile_starts": tile_starts}
+
+
+def tile_times(programs: Sequence[dict[str, Any]]) -> tuple[float, float]:
+  """(the first tile's time, a later tile's) in thousands of cycles, means over the programs of two or more
+  tiles: from one tile's `qk` entry to the next's. A first tile far above the later ones is a start-up cost
+  (a cold call's code and data, or the ring's fill); NaN where no program took two tiles."""
+  gaps = [np.diff(p["tile_starts"]) for p in programs if len(p["tile_starts"]) >= 2]
+  if not gaps:
+    return float("nan"), float("nan")
+  later = [g[1:].mean() for g in gaps if len(g) > 1]
+  return float(np.mean([g[0] for g in gaps])), float(np.mean(later)) if later else float("nan")
 
 
 def summarize(trace: dict[str, Any], meta: dict[str, Any]) -> list[dict[str, Any]]:
@@ -93,6 +108,7 @@ def summarize(trace: dict[str, Any], meta: dict[str, Any]) -> list[dict[str, Any
            "items": float(np.mean([p["visits"].get("item", 0) for p in programs])),
            "first_wait_tile_kcycles": float(np.mean([p["first"].get("wait_tile", 0.0) for p in programs])),
            "truncated": sum(p["events"] >= 2 * (meta["visits"] - 1) for p in programs)}
+    row["first_tile_kcycles"], row["later_tile_kcycles"] = tile_times(programs)
     for region in REGIONS:
       share = [p["inside"].get(region, 0.0) / p["span"] for p in programs if p["span"] > 0]
       row[f"{region}_share"] = float(np.mean(share)) if share else 0.0
@@ -101,16 +117,18 @@ def summarize(trace: dict[str, Any], meta: dict[str, Any]) -> list[dict[str, Any
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-  header = ["variant", "shape", "role", "programs", "span", "items", "1st wait"] + list(REGIONS) + ["truncated"]
+  header = (["variant", "shape", "role", "programs", "span", "items", "1st wait", "1st tile", "tile"] + list(REGIONS)
+            + ["truncated"])
   lines = ["  ".join(header)]
   for r in rows:
     if "role" not in r:
       lines.append(f"{r['variant']}  {r['shape']}  {r['status']}")
       continue
     cells = [r["variant"], r["shape"], r["role"], str(r["programs"]), f"{r['span_kcycles']:.1f}", f"{r['items']:.2f}",
-             f"{r['first_wait_tile_kcycles']:.2f}"] + [f"{100 * r[f'{x}_share']:.1f}%" for x in REGIONS]
+             f"{r['first_wait_tile_kcycles']:.2f}", f"{r['first_tile_kcycles']:.2f}",
+             f"{r['later_tile_kcycles']:.2f}"] + [f"{100 * r[f'{x}_share']:.1f}%" for x in REGIONS]
     lines.append("  ".join(cells + [str(r["truncated"])]))
-  return "\n".join(lines) + "\n(span and 1st wait: thousands of SM cycles; region columns: share of the span)"
+  return "\n".join(lines) + "\n(span, 1st wait, 1st tile and tile: thousands of SM cycles; region columns: share of the span)"
 
 
 def read_traces(directory: str) -> list[dict[str, Any]]:
@@ -123,7 +141,7 @@ def read_traces(directory: str) -> list[dict[str, Any]]:
     if not traces:
       rows.append({"variant": meta["variant"], "shape": meta["shape"], "status": "no trace written"})
       continue
-    with open(traces[0]) as f:
+    with open(traces[-1]) as f:   # the last call's (names: the kernel's, then the time it was lowered)
       rows += summarize(json.load(f), meta)
   return rows
 
@@ -188,24 +206,39 @@ def settings(ragged: bool = False) -> kernel_variants.Settings:
                                   repeats=1, rotate_bytes=0.0, budget_s=0.0, ragged=ragged)
 
 
+def chained(op, calls: int):
+  """op(q, *rest) called `calls` times in one function, each call's queries the previous call's output: the calls
+  run in order, and each after the first finds the kernel's code, and as much of the cache as L2 kept, as a loop
+  of calls does. Each call is its own kernel to the profiler, whose trace file is named when it is lowered."""
+  def run(q, *rest, **keywords):
+    for _ in range(calls):
+      q = op(q, *rest, **keywords).astype(q.dtype)
+    return q
+  return run
+
+
 def trace_run(variant: str, batch: int, seq_len: int, kv_dtype: str, s: kernel_variants.Settings, out: str,
-              wanted_visits: int, key, length: int | None = None) -> dict[str, Any]:
+              wanted_visits: int, key, length: int | None = None, calls: int = 1) -> dict[str, Any]:
   """Runs the op of one (variant, shape, cache dtype; every sequence `length` long, if given) untraced, then
-  traced (a fresh jit inside `trace.tracing`) into out/VARIANT_BxT[_LN]_DTYPE/; returns its meta.json."""
+  traced (a fresh jit inside `trace.tracing`; `calls` calls in a chain, `chained`) into out/VARIANT_BxT[_LN]_DTYPE/
+  (_cN after the shape where calls > 1); returns its meta.json. The profiler records a kernel's first launch only:
+  with calls > 1 the table reads the last call's trace (code and data warm, as in a loop of calls)."""
   config, smem, op, args = op_case(variant, batch, seq_len, kv_dtype, s, key, length)
   visits = trace_visits(smem, wanted_visits)
-  at = "" if length is None else f"_L{length}"
+  at = ("" if length is None else f"_L{length}") + ("" if calls == 1 else f"_c{calls}")
   name = f"{variant}_{batch}x{seq_len}{at}_{jnp.dtype(kv_dtype).name}".replace("+", "_")
   directory = os.path.join(out, name)
   os.makedirs(directory, exist_ok=True)
   jax.block_until_ready(jax.jit(op)(*args))   # compiled, and the data's first touch done
   with kernel_trace.tracing(KernelTrace(directory, visits)):
-    jax.block_until_ready(jax.jit(op)(*args))
+    jax.block_until_ready(jax.jit(chained(op, calls))(*args))
   jax.effects_barrier()   # the trace is written by a host callback after the kernel
-  shape = kernel_variants.shape_name(batch, seq_len, None) + ("" if length is None else f" L{length}")
+  shape = (kernel_variants.shape_name(batch, seq_len, None) + ("" if length is None else f" L{length}")
+           + ("" if calls == 1 else f" call {calls}"))
   meta = {"variant": variant, "shape": shape,
           "kv_dtype": jnp.dtype(kv_dtype).name, "warpgroups": smem.num_threads, "consumers": smem.num_wgs,
-          "visits": visits, "config": dataclasses.asdict(config), "device": str(jax.devices()[0].device_kind)}
+          "visits": visits, "calls": calls, "config": dataclasses.asdict(config),
+          "device": str(jax.devices()[0].device_kind)}
   with open(os.path.join(directory, "meta.json"), "w") as f:
     json.dump(meta, f, indent=1)
   return meta
@@ -217,19 +250,27 @@ def define_flags() -> None:
   flags.DEFINE_boolean("ragged", False, "Lengths uniform in [1, T] instead of full (bfloat16 only).")
   flags.DEFINE_integer("length", None, "Every sequence this long (1 <= length <= each shape's T) in a cache of the "
                        "shape's T, under the shape's config: a short sequence's fixed costs. Not with --ragged.")
+  flags.DEFINE_integer("calls", 1, "Calls of the op in one chain (`chained`); the table reads the last one's "
+                       "trace: 2 or more for a warm call's timeline (the profiler records a kernel's first launch).",
+                       lower_bound=1)
   flags.DEFINE_enum("kv_dtype", "bfloat16", ["bfloat16", "int8", "float8_e4m3fn"],
                     "The cache: one-byte ones with V tokens last and per-token scales, as the library stores them.")
   flags.DEFINE_integer("visits", 1024, "Region visits recorded per warpgroup, at most (SMEM bounds it).")
   flags.DEFINE_string("out", None, "Folder of the traces (default: beside --json, else bench_out/kernel_trace).")
   flags.DEFINE_string("json", None, "Where the table's rows go as JSON.")
-  flags.DEFINE_string("summarize", None, "Only print the table of the traces already under this folder.")
+  flags.DEFINE_string("summarize", None, "Only print the table of the traces already under this folder (and write "
+                      "its rows to --json).")
 
 
 def main(argv: Sequence[str]) -> int:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   if FLAGS.summarize:
-    print(format_table(read_traces(FLAGS.summarize)))
+    rows = read_traces(FLAGS.summarize)
+    if FLAGS.json:
+      with open(FLAGS.json, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(format_table(rows))
     return 0
   if FLAGS.ragged and FLAGS.kv_dtype != "bfloat16":
     raise app.UsageError("--ragged: a bfloat16 cache only (one-byte caches: full lengths or --length)")
@@ -251,7 +292,7 @@ def main(argv: Sequence[str]) -> int:
     for variant in FLAGS.variants:
       try:
         meta = trace_run(variant, batch, seq_len, FLAGS.kv_dtype, s, out, FLAGS.visits, jax.random.key(0),
-                         FLAGS.length)
+                         FLAGS.length, FLAGS.calls)
         print(f"{variant} {shape}: traced, {meta['visits']} visits per warpgroup", flush=True)
       except Exception as e:  # pylint: disable=broad-except
         failed += 1
