@@ -151,7 +151,8 @@ class MosaicGPUConfig(KernelConfig):
     one product a K tile and one a V run, where terms of 16 columns take two, each reading the one-byte tile from
     SMEM as its A operand. The default takes it for int8 (measured 5-7% faster), not fp8 (5% slower).
   persistent: one program per SM looping over the work items, its ring streaming across them. The default takes it
-    for V read as stored where the work items make three waves or more (measured 9-10% faster at four and eight).
+    for V read as stored where the work items make three waves or more (measured 9-10% faster at four and eight),
+    and so does a tuned entry of V read as stored served at another size (`for_another_size`).
   tile_consumers: 1, or 2 consumer warpgroups that take turns on the tiles of each work item (even ring
     steps and odd), each with its own softmax state, merged in the kernel: two tiles' math in flight per
     program (needs <= 64 packed rows, kv_groups=1 and an even num_stages, >= 4 with pipeline_qk).
@@ -194,6 +195,15 @@ class MosaicGPUConfig(KernelConfig):
         raise ValueError(f"split_plan='stream_k' is walked by persistent programs in batch order, a sequence cut "
                          f"into at most num_splits >= 2 pieces: needs persistent True, kv_groups 1 and "
                          f"sequence_order 'given' (or None), got {wrong or dict(num_splits=self.num_splits)}")
+
+  def for_another_size(self) -> "MosaicGPUConfig":
+    """As `KernelConfig.for_another_size`; with V read as stored, whether programs persist is left to the default's
+    rule too (persistent from three waves of work items: `heuristic_config`), unless the stream-K walk needs them.
+    A B64 entry served at B128 measured 1.25x Triton's time non-persistent, where the default's was 1.05x."""
+    refit = super().for_another_size()
+    if self.values_as_stored and self.split_plan != "stream_k":
+      refit = dataclasses.replace(refit, persistent=None)
+    return refit
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -73,6 +73,40 @@ def test_entries_are_keyed_by_v_layout(tmp_path, monkeypatch):
     tuned.clear_cache()
 
 
+def test_an_entry_for_v_as_stored_leaves_persistence_to_the_waves_at_other_sizes(tmp_path, monkeypatch):
+  """Served at another size, a V-as-stored entry keeps its tile and ring, not its split count or persistence (the
+  default's rule: persistent from three waves of work items); a stream-K entry stays persistent, and a bf16 entry
+  keeps what it was tuned with."""
+  monkeypatch.setenv(tuned.TUNED_DIR_ENV_VAR, str(tmp_path))
+  last = lambda b, t: validation.Problem(**{**_problem(b, t).__dict__, "v_tokens_last": True})
+  as_stored = dict(block_kv=256, num_stages=2, num_splits=1, kv_groups=1, pipeline_qk=False, queries_as_n=True,
+                   values_as_stored=True, paired_terms=True, tile_consumers=1, sequence_order="given")
+  entries = {"int8": pkv.MosaicGPUConfig(**as_stored, split_plan="per_sequence", persistent=False),
+             "float8_e4m3fn": pkv.MosaicGPUConfig(**{**as_stored, "num_splits": 3}, split_plan="stream_k",
+                                                  persistent=True)}
+  bf16 = pkv.MosaicGPUConfig(block_kv=64, num_stages=4, num_splits=1, split_plan="per_sequence", kv_groups=1,
+                             pipeline_qk=True, persistent=True, tile_consumers=1, sequence_order="given")
+  tuned.write(tmp_path / f"{tuned.device_slug(DEVICE)}.json", DEVICE,
+              [dict(backend="mosaic_gpu", key=tuned.shape_key("decode", last(32, 4096), d), config=c)
+               for d, c in entries.items()]
+              + [dict(backend="mosaic_gpu", key=tuned.shape_key("decode", _problem(32, 4096), "bfloat16"),
+                      config=bf16)])
+  tuned.clear_cache()
+  resolve = lambda problem, dtype: mgpu_config.resolve_config(problem, None, dtype=jnp.dtype(dtype), num_sms=132,
+                                                              device_kind=DEVICE)
+  try:
+    assert resolve(last(32, 4096), "int8") == entries["int8"]   # where it was tuned: as tuned
+    far = resolve(last(128, 4096), "int8")   # 1024 items on 132 SMs: ~8 waves
+    assert far.persistent and far.block_kv == 256 and far.values_as_stored, far
+    assert not resolve(last(16, 4096), "int8").persistent   # 128 items: one wave
+    walked = resolve(last(128, 4096), "float8_e4m3fn")
+    assert walked.split_plan == "stream_k" and walked.persistent, walked
+    assert resolve(_problem(128, 4096), "bfloat16").persistent   # bf16: as tuned
+    assert resolve(_problem(16, 4096), "bfloat16").persistent
+  finally:
+    tuned.clear_cache()
+
+
 def test_tuner_times_a_one_byte_cache_as_created(tmp_path):
   """An int8 case is tuned with v tokens last (`cache.default_v_tokens_last`) over the one-byte space, and its
   entry is keyed by that layout."""
