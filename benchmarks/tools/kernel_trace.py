@@ -128,7 +128,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
              f"{r['first_wait_tile_kcycles']:.2f}", f"{r['first_tile_kcycles']:.2f}",
              f"{r['later_tile_kcycles']:.2f}"] + [f"{100 * r[f'{x}_share']:.1f}%" for x in REGIONS]
     lines.append("  ".join(cells + [str(r["truncated"])]))
-  return "\n".join(lines) + "\n(span, 1st wait, 1st tile and tile: thousands of SM cycles; region columns: share of the span)"
+  return "\n".join(lines) + ("\n(span, 1st wait, 1st tile and tile: thousands of SM cycles; region columns: share of "
+                             "the span)")
 
 
 def read_traces(directory: str) -> list[dict[str, Any]]:
