@@ -75,6 +75,7 @@ class Sweep:
   window: int | None = None
   sinks: bool = False  # random per-head sink logits
   kv_dtype: str | None = None  # the cache's dtype if not `dtype`: int8 / fp8 with per-token scales
+  length: int | None = None  # every sequence this long in each case's capacity (a short sequence's fixed costs)
 
   def __post_init__(self):
     if self.op not in OPS:
@@ -114,6 +115,10 @@ class Sweep:
                              or self.sinks):
       raise ValueError(f"op='mla' takes no softcap, window or sinks; got "
                        f"{self.softcap=}, {self.window=}, {self.sinks=}")
+    if self.length is not None and (self.ragged or not all(self.num_queries <= self.length <= t
+                                                           for _, t in self.cases)):
+      raise ValueError(f"length={self.length}: every sequence's length, at least num_queries={self.num_queries} and "
+                       f"at most each case's seq_len ({[t for _, t in self.cases]}), and not with ragged")
 
 
 def default_is_cpu() -> bool:
@@ -166,6 +171,7 @@ class Case:
   window: int | None = None
   sinks: bool = False
   kv_dtype: str | None = None  # None: `dtype`
+  length: int | None = None  # every sequence this long (<= seq_len); None: seq_len, or ragged
 
   @classmethod
   def from_sweep(cls, sweep: Sweep, batch: int, seq_len: int) -> Case:
@@ -178,7 +184,7 @@ class Case:
         num_queries=sweep.num_queries, page_size=sweep.page_size,
         shuffle_pages=sweep.shuffle_pages, dtype=sweep.dtype, ragged=sweep.ragged,
         softcap=sweep.softcap, window=sweep.window, sinks=sweep.sinks,
-        kv_dtype=None if sweep.kv_dtype in (None, sweep.dtype) else sweep.kv_dtype)
+        kv_dtype=None if sweep.kv_dtype in (None, sweep.dtype) else sweep.kv_dtype, length=sweep.length)
 
   @classmethod
   def from_row(cls, row: dict) -> Case:
@@ -267,9 +273,9 @@ class Case:
 
 
 def make_lengths(case: Case, key: jax.Array) -> jax.Array:
-  """int32 [B]: all at seq_len, or (ragged) uniform in [num_queries, seq_len]."""
+  """int32 [B]: all at seq_len (or case.length), or (ragged) uniform in [num_queries, seq_len]."""
   if not case.ragged:
-    return jnp.full((case.batch,), case.seq_len, jnp.int32)
+    return jnp.full((case.batch,), case.seq_len if case.length is None else case.length, jnp.int32)
   return jax.random.randint(key, (case.batch,), case.num_queries, case.seq_len + 1,
                             dtype=jnp.int32)
 
@@ -400,7 +406,7 @@ def relative_error(out, ref) -> float:
 
 def op_spec(case: Case) -> peers.OpSpec:
   return peers.OpSpec(op=case.op, num_queries=case.num_queries,
-                      full_lengths=not case.ragged,
+                      full_lengths=not case.ragged and case.length in (None, case.seq_len),
                       v_head_dim=case.v_head_dim if case.op == "mla" else None,
                       softcap=case.softcap, window=case.window, sinks=case.sinks,
                       kv_scales=case.quantized)

@@ -124,7 +124,7 @@ def output_paths(flag_values: flags.FlagValues = FLAGS) -> OutputPaths:
 # Sweep fields that are flags of the same name, taken as given or at their flag default...
 SWEEP_FLAGS = ("num_queries", "shuffle_pages", "dtype", "ragged", "seed", "check", "strict",
                "peak_tbps", "peak_tflops", "mla_qk_dim", "mla_v_dim", "softcap", "window", "sinks",
-               "kv_dtype")
+               "kv_dtype", "length")
 # ...and those whose flags default to None: then `cases.default_sweep` decides per platform.
 SWEEP_PLATFORM_FLAGS = ("num_heads", "num_kv_heads", "head_dim", "page_size", "rotate_bytes")
 
@@ -153,6 +153,8 @@ def define_sweep_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                     "Cache dtype if not --dtype; int8 / fp8 caches hold per-token float32 scales "
                     "(peers report n/a). Decode and paged.", **into)
   flags.DEFINE_boolean("ragged", False, "Random lengths in [num_queries, seq_len].", **into)
+  flags.DEFINE_integer("length", None, "Every sequence this long in caches of each case's seq_len (the capacity, "
+                       "which sizes the configs): a short sequence's fixed costs. Not with --ragged.", **into)
   flags.DEFINE_integer("seed", 0, "Random seed of inputs and lengths.", **into)
   define_timing_flags({"warmup": "CPU 1, GPU 5", "iters": "CPU 3, GPU 20",
                        "repeats": "CPU 3, GPU 10"}, flag_values)

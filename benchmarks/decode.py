@@ -8,6 +8,11 @@ Usage (from the repository root):
       --impl=auto,xla_einsum,jax_pallas_paged
   python -m benchmarks decode --op=mla --num_heads=128 --batch=64,128 --seq_len=4096,8192
   python -m benchmarks decode --flagfile=configs/gemma2_9b.flags --csv=/tmp/g.csv --plot=/tmp/g.png
+  python -m benchmarks decode --impl=triton,mosaic_gpu --cases=1x32768 --length=2048   # a short sequence
+
+`--length=N`: every sequence N long in caches of each case's seq_len, which sizes the configs (split counts, the
+tuned entry) as a serving cache's capacity does: a short sequence's fixed costs. Input sets rotate over the
+capacity, as for `--ragged`; peers that need full lengths read n/a.
 
 Kernel config flags. Each builds a PARTIAL kernel config that holds only the fields the flags fix,
 one per kernel (`pallas_kv.TritonConfig`, `MosaicGPUConfig`, `MosaicMLAConfig` for op=mla), and

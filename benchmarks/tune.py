@@ -294,7 +294,10 @@ def main(argv):
     with pkv.interpret():
       run(sweep, FLAGS.backend, "smoke", out)
     return
-  run(cli.sweep_from_flags(), FLAGS.backend, FLAGS.space, out, score_ragged=FLAGS.score_ragged)
+  sweep = cli.sweep_from_flags()
+  if sweep.length is not None:   # an entry is keyed by its capacity: timed at full lengths (and ragged ones)
+    raise app.UsageError(f"--length={sweep.length}: the tuner times full and ragged lengths, not one length")
+  run(sweep, FLAGS.backend, FLAGS.space, out, score_ragged=FLAGS.score_ragged)
 
 
 if __name__ == "__main__":

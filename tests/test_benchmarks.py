@@ -59,6 +59,19 @@ def test_decode_benchmark_rows_are_timed_and_checked(op):
     assert f"{row['host_us']:.2f}" in line
 
 
+def test_one_short_length_in_a_long_cache_counts_its_keys_and_refuses_what_it_cannot_be():
+  out = io.StringIO()
+  rows = decode_bench.run(op="decode", cases=((2, 128),), impls=("xla",), num_heads=4, num_kv_heads=2, head_dim=64,
+                          length=40, warmup=0, iters=1, repeats=1, host_loop=False, out=out)
+  assert rows[0]["total_keys"] == 2 * 40 and rows[0]["length"] == 40 and rows[0]["rel_err"] < 1e-2
+  assert rows[0]["kv_bytes"] == 2 * 40 * 2 * 2 * 64 * 2   # sequences x keys x kv heads x (K, V) x D x bf16
+  assert "lengths=each 40 (80 keys)" in out.getvalue()
+  assert not cases.op_spec(cases.Case.from_row(rows[0])).full_lengths   # peers that need full lengths say n/a
+  for bad in (dict(length=129), dict(length=40, ragged=True), dict(length=0)):
+    with pytest.raises(ValueError, match="length="):
+      cases.Sweep(cases=((2, 128),), **bad)
+
+
 def test_host_loop_can_be_turned_off():
   out = io.StringIO()
   rows = decode_bench.run(op="decode", cases=((1, 32),), impls=("xla",), num_heads=2, num_kv_heads=1, head_dim=64,
