@@ -17,8 +17,8 @@ complete config that won. Winners are merged into
 times should come from one run: `--backend=mosaic_gpu,triton` tunes each shape on both, back to back, and
 `--space=tuned` re-times only the config each backend runs now (`resolve_config` with no config given), and
 `--space=plans` that config, that config with the sequences longest first, and the stream-K walk (Mosaic GPU: also
-that config's persistent programs, longest first; over one-byte caches, the walk on the default's tiles and the
-default on 128-token tiles instead). Candidates
+that config's persistent programs, longest first; over one-byte caches, the walk on the default's tiles, the
+default on 128-token tiles, persistent, and with twice its splits instead). Candidates
 are scored on full and ragged lengths (`--score_ragged`, on by default): serving batches are ragged.
 """
 
@@ -83,10 +83,12 @@ def candidate_space(backend: str, space: str, *, one_byte: bool = False) -> list
     if backend == "triton":
       return plans + [dict(split_plan="stream_k")]
     if one_byte:   # the default's V as stored, walked by stream-K; and on 128-token tiles (a ragged row's last
-      # tile half the waste), 4 stages
+      # tile half the waste), 4 stages; persistent programs (an entry tuned before int8's P split moved was not);
+      # twice the splits (a ragged row's longest sequences shared by more programs, as Triton's B8 entry has)
       return plans + [dict(split_plan="stream_k", persistent=True, queries_as_n=True, values_as_stored=True,
                            block_kv=256),
-                      dict(over=TUNED, block_kv=128, num_stages=4)]
+                      dict(over=TUNED, block_kv=128, num_stages=4), dict(over=TUNED, persistent=True),
+                      dict(over=TUNED, split_scale=2)]
     # persistent programs longest first: its best ragged B128 (thirtieth set)
     return plans + [dict(split_plan="stream_k", pipeline_qk=True),
                     dict(over=TUNED, pipeline_qk=True, persistent=True, sequence_order="longest_first")]
@@ -141,8 +143,9 @@ def make_config(backend: str, problem, fields: dict | str, dtype) -> KernelConfi
   names = {f.name for f in dataclasses.fields(config_type)}
   fields = {k: v for k, v in fields.items() if k in names}  # fields this backend's kernel does not take
   try:
-    if over_tuned:   # the config a call runs now, these fields replaced
-      config = dataclasses.replace(module.resolve_config(problem, None, dtype=dtype), **fields)
+    if over_tuned:   # the config a call runs now, these fields replaced, its split count scaled
+      now = module.resolve_config(problem, None, dtype=dtype)
+      config = dataclasses.replace(now, **fields, num_splits=max(1, int(round(now.num_splits * scale))))
     else:
       resolved = module.resolve_config(problem, config_type(**fields), dtype=dtype)
       config = dataclasses.replace(resolved, num_splits=max(1, int(round(resolved.num_splits * scale))))

@@ -175,7 +175,8 @@ def test_plans_space_is_the_current_config_longest_first_and_the_walk():
 def test_one_byte_plans_space_keeps_the_one_byte_kernel():
   """--space=plans over a one-byte cache on Mosaic GPU: each candidate is a config of the kernel one-byte calls run
   (the queries as N, V read as stored; int8's terms paired as its default pairs them), per sequence, longest first,
-  walked by stream-K and on 128-token tiles; none is dropped, and none falls back to the 16-bit cache's walk."""
+  walked by stream-K, on 128-token tiles, persistent and with twice the splits; none is dropped, and none falls back
+  to the 16-bit cache's walk."""
   from benchmarks import tune
   for dtype in ("int8", "float8_e4m3fn"):
     for batch, seq_len in ((1, 32768), (32, 4096)):
@@ -188,8 +189,11 @@ def test_one_byte_plans_space_keeps_the_one_byte_kernel():
       assert all(c.queries_as_n and c.values_as_stored and c.paired_terms == current.paired_terms for c in configs)
       plans = [(c.split_plan, c.persistent, c.sequence_order, c.block_kv) for c in configs[1:]]
       assert plans == [("per_sequence", False, "longest_first", 256), ("stream_k", True, "given", 256),
-                       ("per_sequence", False, "given", 128)], (dtype, batch, plans)
+                       ("per_sequence", False, "given", 128), ("per_sequence", True, "given", 256),
+                       ("per_sequence", False, "given", 256)], (dtype, batch, plans)
       assert configs[2].num_splits >= 2 and configs[3].num_stages == 4
+      assert configs[4] == dataclasses.replace(current, persistent=True)
+      assert configs[5] == dataclasses.replace(current, num_splits=2 * current.num_splits)
 
 
 def _keeps(resolved, config) -> bool:
