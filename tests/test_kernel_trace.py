@@ -132,8 +132,13 @@ def test_the_summary_splits_each_role_s_span_into_its_regions(tmp_path):
       (folder / "kernel-1-trace.json").write_text(json.dumps(trace))
     if trace:   # an older call's trace beside it: the newest (the last call of a chain) is read
       (folder / "kernel-0-trace.json").write_text(json.dumps({"traceEvents": _events(1, [("item", 0, 99)])}))
+  chained = tmp_path / "x_1x1"   # two chained calls asked for, one trace written: not read as the warm one
+  chained.mkdir()
+  (chained / "meta.json").write_text(json.dumps({**meta, "variant": "x", "calls": 2}))
+  (chained / "kernel-1-trace.json").write_text(json.dumps({"traceEvents": events}))
   rows = kernel_trace.read_traces(str(tmp_path))
-  assert [r.get("status") for r in rows] == [None, None, "no trace written"]
+  assert [r.get("status") for r in rows] == [None, None, "no trace written", "1 traces for 2 chained calls: not "
+                                             "summarized"]
   table = kernel_trace.format_table(rows)
   assert "consumer 0" in table and "no trace written" in table and " 15.0 " in table
 
