@@ -39,10 +39,15 @@ _OPTION_FIELDS = ("softcap", "window", "sinks")
 
 
 def case_label(row: dict) -> str:
-  label = f"B{row['batch']} T{row['seq_len']} {row['num_heads']}/{row['num_kv_heads']}"
+  label = f"B{row['batch']} T{row['seq_len']}{_length_label(row)} {row['num_heads']}/{row['num_kv_heads']}"
   if row.get("page_size") and row["op"] == "paged":
     label += f" page{row['page_size']}"
   return label
+
+
+def _length_label(row: dict) -> str:
+  """" L{length}" for a row whose sequences are shorter than the capacity (`--length`), else ""."""
+  return f" L{row['length']}" if row.get("length") not in (None, row["seq_len"]) else ""
 
 
 def table(rows: list[dict]) -> str:
@@ -95,7 +100,8 @@ def family(row: dict) -> str:
     heads = f"heads {row['num_heads']}/{row['num_kv_heads']}, head_dim {row['head_dim']}"
   parts = [{"decode": "dense", "paged": "paged", "mla": "MLA"}[row["op"]], heads, row["dtype"],
            f"{row['num_queries']} new token{'s' if row['num_queries'] > 1 else ''}",
-           "ragged lengths" if row.get("ragged") else "full lengths"]
+           "ragged lengths" if row.get("ragged") else f"each {row['length']} long" if _length_label(row)
+           else "full lengths"]
   if row["op"] != "decode":
     parts.append(f"page {row['page_size']}" + (" shuffled" if row.get("shuffle_pages") else ""))
   if row.get("softcap") is not None:
@@ -329,7 +335,7 @@ def _decode_tables(items: list[tuple[str, dict]]) -> list[str]:
     families.setdefault(family(row), []).append((column, row))
   for name, group in families.items():
     columns = list(dict.fromkeys(c for c, _ in group))
-    cases = _pivot(group, lambda r: f"B{r['batch']} T{r['seq_len']}")
+    cases = _pivot(group, lambda r: f"B{r['batch']} T{r['seq_len']}{_length_label(r)}")
     cell = lambda r: f"{r['time_us']:.1f} ({r['tbps']:.2f})"
     body = [[case] + [_bold_fastest(cells, cell).get(c, "–") for c in columns] for case, cells in cases.items()]
     lines += [f"{name[0].upper()}{name[1:]}. µs per call (TB/s of KV read):", ""]

@@ -455,6 +455,19 @@ def test_report_renders_a_section_from_json_rows(tmp_path, capsys):
   assert "in a Python loop" not in text  # rows without host-loop times: no such table
 
 
+def test_report_names_a_short_length_apart_from_the_full_one(tmp_path, capsys):
+  rows = _fake_rows()
+  short = [{**row, "length": 512} for row in rows]
+  path = tmp_path / "rows.json"
+  path.write_text(json.dumps(rows + short))
+  report.main([str(path)])
+  text = capsys.readouterr().out
+  assert "| B1 T1024 32/8 |" in text and "| B1 T1024 L512 32/8 |" in text
+  report.main(["--command=x", str(path)])
+  text = capsys.readouterr().out
+  assert "1 new token, full lengths" in text and "1 new token, each 512 long" in text
+
+
 def test_report_adds_the_host_loop_table_where_rows_have_it(tmp_path, capsys):
   rows = _fake_rows()
   for row in rows:
