@@ -199,7 +199,7 @@ class MosaicGPUConfig(KernelConfig):
   def for_another_size(self) -> "MosaicGPUConfig":
     """As `KernelConfig.for_another_size`; with V read as stored, whether programs persist is left to the default's
     rule too (persistent from three waves of work items: `heuristic_config`), unless the stream-K walk needs them.
-    A B64 entry served at B128 measured 1.25x Triton's time non-persistent, where the default's was 1.05x."""
+    (docs/decisions.md#tuned-entry-at-another-size)"""
     refit = super().for_another_size()
     if self.values_as_stored and self.split_plan != "stream_k":
       refit = dataclasses.replace(refit, persistent=None)
