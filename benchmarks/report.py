@@ -45,8 +45,7 @@ def case_label(row: dict) -> str:
   return label
 
 
-def _length_label(row: dict) -> str:
-  """" L{length}" for a row whose sequences are shorter than the capacity (`--length`), else ""."""
+def _length_label(row: dict) -> str:   # " L{length}" where the sequences are shorter than the capacity (--length)
   return f" L{row['length']}" if row.get("length") not in (None, row["seq_len"]) else ""
 
 
@@ -61,10 +60,7 @@ def table(rows: list[dict]) -> str:
     cases.setdefault(case_label(row), {})[row["impl"]] = row
   lines = ["| shape | " + " | ".join(impls) + " |", "|---" * (len(impls) + 1) + "|"]
   for label, by_impl in cases.items():
-    cells = []
-    for impl in impls:
-      row = by_impl.get(impl)
-      cells.append("–" if row is None else f"{row['tbps']:.2f} ({row['time_us']:.0f})")
+    cells = ["–" if (r := by_impl.get(impl)) is None else f"{r['tbps']:.2f} ({r['time_us']:.0f})" for impl in impls]
     lines.append(f"| {label} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
@@ -86,9 +82,7 @@ def gpu_name(device: str) -> str:
   platform, _, kind = device.partition(":")
   kind = kind or platform
   match = re.fullmatch(r"(.*) x(\d+)", kind)
-  if not match:
-    return kind
-  name, count = match.group(1), int(match.group(2))
+  name, count = (match.group(1), int(match.group(2))) if match else (kind, 1)
   return name if count == 1 else f"{count}x {name}"
 
 
