@@ -171,7 +171,7 @@ class Case:
   window: int | None = None
   sinks: bool = False
   kv_dtype: str | None = None  # None: `dtype`
-  length: int | None = None  # every sequence this long (<= seq_len); None: seq_len, or ragged
+  length: int | None = None  # every sequence this long (< seq_len); None: seq_len, or ragged
 
   @classmethod
   def from_sweep(cls, sweep: Sweep, batch: int, seq_len: int) -> Case:
@@ -184,7 +184,8 @@ class Case:
         num_queries=sweep.num_queries, page_size=sweep.page_size,
         shuffle_pages=sweep.shuffle_pages, dtype=sweep.dtype, ragged=sweep.ragged,
         softcap=sweep.softcap, window=sweep.window, sinks=sweep.sinks,
-        kv_dtype=None if sweep.kv_dtype in (None, sweep.dtype) else sweep.kv_dtype, length=sweep.length)
+        kv_dtype=None if sweep.kv_dtype in (None, sweep.dtype) else sweep.kv_dtype,
+        length=None if sweep.length == seq_len else sweep.length)
 
   @classmethod
   def from_row(cls, row: dict) -> Case:
@@ -406,7 +407,7 @@ def relative_error(out, ref) -> float:
 
 def op_spec(case: Case) -> peers.OpSpec:
   return peers.OpSpec(op=case.op, num_queries=case.num_queries,
-                      full_lengths=not case.ragged and case.length in (None, case.seq_len),
+                      full_lengths=not case.ragged and case.length is None,
                       v_head_dim=case.v_head_dim if case.op == "mla" else None,
                       softcap=case.softcap, window=case.window, sinks=case.sinks,
                       kv_scales=case.quantized)

@@ -231,7 +231,7 @@ CASE_HEADER = (f"{'impl':<17}{'time us':>10}{'host us':>10}{'TB/s':>8}{'TFLOP/s'
 
 def format_table(info: dict, rows: Sequence[dict]) -> str:
   """One case of benchmarks.decode: a title line with the case, then a line per impl."""
-  full = "full" if info.get("length") in (None, info["seq_len"]) else f"each {info['length']}"
+  full = "full" if info.get("length") is None else f"each {info['length']}"
   lengths = ("ragged" if info["ragged"] else full) + f" ({info['total_keys']} keys"
   if info["attended_keys"] != info["total_keys"]:
     lengths += f", {info['attended_keys']} in the window"

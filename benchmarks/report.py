@@ -46,7 +46,7 @@ def case_label(row: dict) -> str:
 
 
 def _length_label(row: dict) -> str:   # " L{length}" where the sequences are shorter than the capacity (--length)
-  return f" L{row['length']}" if row.get("length") not in (None, row["seq_len"]) else ""
+  return "" if row.get("length") is None else f" L{row['length']}"
 
 
 def table(rows: list[dict]) -> str:

@@ -143,12 +143,11 @@ def make_config(backend: str, problem, fields: dict | str, dtype) -> KernelConfi
   names = {f.name for f in dataclasses.fields(config_type)}
   fields = {k: v for k, v in fields.items() if k in names}  # fields this backend's kernel does not take
   try:
-    if over_tuned:   # the config a call runs now, these fields replaced, its split count scaled
-      now = module.resolve_config(problem, None, dtype=dtype)
-      config = dataclasses.replace(now, **fields, num_splits=max(1, int(round(now.num_splits * scale))))
+    if over_tuned:   # the config a call runs now, these fields replaced
+      config = dataclasses.replace(module.resolve_config(problem, None, dtype=dtype), **fields)
     else:
-      resolved = module.resolve_config(problem, config_type(**fields), dtype=dtype)
-      config = dataclasses.replace(resolved, num_splits=max(1, int(round(resolved.num_splits * scale))))
+      config = module.resolve_config(problem, config_type(**fields), dtype=dtype)
+    config = dataclasses.replace(config, num_splits=max(1, int(round(config.num_splits * scale))))
     if backend == "mosaic_gpu":   # checked as the call checks it: a one-byte cache's layout and scales too
       quantized = {}
       if jnp.dtype(dtype).itemsize == 1:   # the benchmarks' one-byte caches carry per-token scales (`cases`)
