@@ -826,7 +826,7 @@ def test_kernel_variants_load_path_rows_run_in_interpret_mode(monkeypatch):
   with pallas_kv.interpret():
     rows = kv.run(s, kv.SMOKE_SHAPES[:1], kv.SMOKE_PROBE_SHAPES, None, load_path=True)
   names = [r["variant"] for r in rows]
-  assert names == ["kernel", "kernel+xla_merge", "plan", *(f"probe:{p}" for p in kv.PROBES),
+  assert names == ["kernel", *(f"kernel+{m}" for m in kv.MERGES), "plan", *(f"probe:{p}" for p in kv.PROBES),
                    *(f"loads:{n}" for n in kv.LOAD_PATH)]
   assert all(r["status"] == "ran" for r in rows), [(r["variant"], r.get("reason")) for r in rows]
   assert rows[-1]["config"]["num_stages"] == list(kv.LOAD_PATH.values())[-1]["num_stages"]

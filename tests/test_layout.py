@@ -34,8 +34,9 @@ LAYERS = [
     # the GQA kernel's one-byte tile feeds (widening into a consumer's tile or the converter's ring)
     {"kernels.mosaic_gpu.tile_feeds"},
     {"kernels.mosaic_gpu.decode", "kernels.mosaic_gpu.mla", "kernels.triton.decode"},
-    # the merge launches: the Triton one takes the Triton decode module's compiler params
-    {"kernels.triton.merge"},
+    # the merge launches: the Triton one takes the Triton decode module's compiler params; Mosaic GPU's (where
+    # Pallas Triton is gone) the online softmax's row helpers
+    {"kernels.triton.merge", "kernels.mosaic_gpu.merge"},
     {"kernels.mosaic_gpu.backend", "kernels.triton.backend"},
     {"api"},
     {"experimental.mla_schedules"},   # the MLA kernel's experimental consumers, which the variant config names

@@ -16,8 +16,8 @@ input sets rotated to overflow L2):
                the baseline kernel, `probe:*` leave out one consumer stage (results wrong by
                design, not checked). kernel vs baseline at B=1 = the combine's share. `plan` is
                the plan made ahead alone (XLA; for stream-K the walk's sums, which a call's own plan
-               leaves to its programs). `kernel+xla_merge` adds the XLA merge (`frame.merge_splits`),
-               the op's merge where Pallas Triton is gone.
+               leaves to its programs). `kernel+triton_merge`, `kernel+mosaic_merge` and `kernel+xla_merge`
+               add a merge launch: the op's (Triton's), where Pallas Triton is gone (Mosaic GPU's), XLA's.
 `--shapes=16x32768,8x8192p16` runs other shapes, `--ragged` with lengths uniform in [1, T].
 `--probe_shapes='B32 T4096,B64 T2048'` moves the kernel-only rows to other shapes, `--probe_variant=pqk+persistent`
 gives them that variant's config (the tuned one at B >= 8) instead of the heuristic's.
@@ -223,12 +223,25 @@ def _op_fn(config, paged: bool, plan_ahead: bool = False):
   return jax.jit(lambda *args: op(*args, plan=pkv.plan_splits(op.func, *args, **op.keywords)))
 
 
+def _triton_merge(out, lse, *, rows: int, out_dtype):
+  from pallas_kv.kernels.triton import merge   # pylint: disable=g-import-not-at-top
+  return merge.merge_partials(out, lse, rows=rows, out_dtype=out_dtype, return_lse=False)
+
+
+# The split merges a kernel-only row can add (the op takes the first that imports: `backend.fused_merge`).
+MERGES = {
+    "triton_merge": _triton_merge,
+    "mosaic_merge": lambda out, lse, *, rows, out_dtype: mgpu_backend.mosaic_merge(
+        out, lse, None, rows=rows, out_dtype=out_dtype, return_lse=False),
+    "xla_merge": lambda out, lse, *, rows, out_dtype: frame.merge_splits(out[:, :, :, :rows], lse[..., :rows]),
+}
+
+
 def kernel_fn(config, problem, paged: bool, probe: str | None):
   """The kernel alone on the op's arguments, with the op's plan (`backend.plan_splits`): partials, no
   merge (a probe of PROBES: results wrong; "plan": the arrays of the plan made ahead, which for stream-K are the
-  XLA walk a call's own plan leaves to its kernel; "xla_merge": the kernel and the XLA merge, `frame.merge_splits`,
-  which the op runs where Pallas Triton's merge kernel cannot be imported)."""
-  tile_math = mgpu_decode.TileMath() if probe in (None, "plan", "xla_merge") else PROBES[probe]
+  XLA walk a call's own plan leaves to its kernel; MERGES: the kernel and that merge)."""
+  tile_math = mgpu_decode.TileMath() if probe is None or probe == "plan" or probe in MERGES else PROBES[probe]
   options = AttentionOptions(scale=problem.head_dim ** -0.5)
 
   def fn(q, k, v, *rest):
@@ -241,7 +254,9 @@ def kernel_fn(config, problem, paged: bool, probe: str | None):
     partials = mgpu_decode.decode_partials(rows, k, v, lengths, block_tables, num_queries=1, options=options,
                                            config=config, plan=plan, tile_math=tile_math,
                                            interpret=mgpu_backend.interpret_params())
-    return frame.merge_splits(*partials) if probe == "xla_merge" else partials
+    if probe not in MERGES or partials[0].shape[2] == 1:
+      return partials
+    return MERGES[probe](*partials, rows=rows.shape[2], out_dtype=q.dtype)
 
   return jax.jit(fn)
 
@@ -278,7 +293,7 @@ def run_shape(s: Settings, batch: int, seq_len: int, page_size: int | None, key,
     # Kernel-only rows go before baseline_again so that it still closes the shape.
     last = [todo.pop()] if todo and todo[-1][0] == "baseline_again" else []
     fields = dict(s.probe_fields)
-    todo += [("kernel", None, fields), ("kernel+xla_merge", "xla_merge", fields), ("plan", "plan", fields)]
+    todo += [("kernel", None, fields)] + [(f"kernel+{m}", m, fields) for m in MERGES] + [("plan", "plan", fields)]
     todo += [(f"probe:{p}", p, fields) for p in PROBES] + last
     if load_path:
       todo += [(f"loads:{n}", "loads_only", f) for n, f in LOAD_PATH.items()]

@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kv import online_softmax
+from pallas_kv.kernels.mosaic_gpu import merge as mgpu_merge
 
 ROWS = 64                         # rows per program: the WGMMA register layout's
 MIN_COLUMNS, MAX_COLUMNS = 8, 64  # a column block: 16 to 128 bytes of each 16-bit row
@@ -74,31 +74,12 @@ def _kernel(out_ref,      # [BH * splits, stored_rows, Dv] 16-bit GMEM: the part
   plgpu.copy_gmem_to_smem(out_ref.at[splits_of_bh, rows, cols], parts_smem, loaded)
   plgpu.barrier_wait(loaded)
 
-  vector = plgpu.Layout.WGMMA.reduce(1)
-
-  def lse_of(s):
-    return plgpu.load(lse_smem.at[s], layout=vector)
-
-  top = lax.fori_loop(0, splits, lambda s, m: jnp.maximum(m, lse_of(s)),
-                      plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), vector))
-  shift = jnp.where(top > -jnp.inf, top, 0.0)
-
-  def add_split(s, carry):
-    acc, norm = carry
-    lse = lse_of(s)
-    weight = jnp.exp(lse - shift)                    # 0 for a split with no key
-    part = plgpu.load(parts_smem.at[s], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-    has_keys = online_softmax.per_row(lse, part.shape) > -jnp.inf
-    part = jnp.where(has_keys, part, 0.0)            # never read: unwritten memory may hold NaN
-    return acc + part * online_softmax.per_row(weight, part.shape), norm + weight
-
-  start = (plgpu.layout_cast(jnp.zeros((ROWS, columns), jnp.float32), plgpu.Layout.WGMMA),
-           plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), vector))
-  acc, norm = lax.fori_loop(0, splits, add_split, start)
-  has_keys = norm > 0
-  out_smem[...] = (acc / online_softmax.per_row(jnp.where(has_keys, norm, 1.0), acc.shape)).astype(out_smem.dtype)
+  lse_of = lambda s: plgpu.load(lse_smem.at[s], layout=plgpu.Layout.WGMMA.reduce(1))
+  part_of = lambda s: plgpu.load(parts_smem.at[s], layout=plgpu.Layout.WGMMA)
+  merged, merged_lse = mgpu_merge.merged_rows(lse_of, part_of, splits=splits, columns=columns)
+  out_smem[...] = merged.astype(out_smem.dtype)
   if write_lse:
-    lse_out_smem[...] = jnp.where(has_keys, jnp.log(jnp.where(has_keys, norm, 1.0)) + shift, -jnp.inf)
+    lse_out_smem[...] = merged_lse
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(out_smem, merged_ref.at[bh, rows, cols])
   if write_lse:

@@ -13,6 +13,7 @@ from pallas_kv.kernels import frame
 from pallas_kv.kernels import plan
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
+from pallas_kv.kernels.mosaic_gpu import merge as mgpu_merge
 from pallas_kv.kernels.mosaic_gpu import mla as mgpu_mla
 from pallas_kv.kernels.mosaic_gpu import mla_config
 
@@ -26,13 +27,25 @@ def interpret_params():
 
 
 def fused_merge():
-  """The Triton merge kernel (one launch), or None to merge in XLA without the Triton folder
-  (docs/decisions.md#fused-merge)."""
+  """The split merge of the ops, one launch: Triton's where Pallas Triton imports (measured: docs/decisions.md#fused-
+  merge), else Mosaic GPU's (`mosaic_merge`)."""
   try:
     from pallas_kv.kernels.triton import merge   # pylint: disable=g-import-not-at-top
   except ImportError:
-    return None
+    return mosaic_merge
   return functools.partial(merge.merge_partials, interpret=runtime.interpret_enabled())
+
+
+def mosaic_merge(out, lse, sinks, *, rows: int, out_dtype, return_lse: bool):
+  """The Mosaic GPU merge launch (`kernels/mosaic_gpu/merge.py`) where it takes the partials, else XLA's
+  (`frame.merge_splits`): the contract of `frame.run`'s merge."""
+  reason = mgpu_merge.unsupported_reason(out.shape, lse.shape, out.dtype, rows=rows, has_sinks=sinks is not None,
+                                         return_lse=return_lse)
+  if reason is None:
+    return mgpu_merge.merge_partials(out, lse, out_dtype=out_dtype, return_lse=return_lse, rows=rows,
+                                     interpret=interpret_params())
+  merged, merged_lse = frame.merge_splits(out[:, :, :, :rows], lse[:, :, :, :rows], sinks)
+  return merged.astype(out_dtype), merged_lse if return_lse else None
 
 
 def resolve_config(op: str, problem, config, *, dtype):
