@@ -1,7 +1,7 @@
 """The Mosaic GPU split merge (`kernels/mosaic_gpu/merge.py`), the ops' merge where Pallas Triton is gone: equal to
 `frame.merge_splits` in GPU interpret mode (splits with no key whose partials hold NaN, a row with no key in any
-split, LSEs padded past R, two row blocks, 16-bit partials), what it refuses and how the ops then merge, how it
-blocks columns, its CUDA lowering, and on a GPU after the kernel's own partials."""
+split, LSEs padded past R, two row blocks, 16-bit partials, sinks), what it refuses and how the ops then merge,
+how it blocks columns, its CUDA lowering, and on a GPU after the kernel's own partials."""
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +27,8 @@ def _partials(seed, *, batch, heads, splits, rows, dv, lse_rows=None, dtype=jnp.
   return jnp.asarray(out, dtype), jnp.asarray(lse)
 
 
-def _check(got, got_lse, out, lse, rows, *, atol):
-  want, want_lse = frame.merge_splits(out.astype(jnp.float32), lse[..., :rows])
+def _check(got, got_lse, out, lse, rows, *, atol, sinks=None):
+  want, want_lse = frame.merge_splits(out.astype(jnp.float32), lse[..., :rows], sinks)
   no_keys = np.isneginf(np.asarray(want_lse))
   want = np.where(no_keys[..., None], 0.0, np.asarray(want))   # merge_splits passes a lone split through as is
   got = np.asarray(got, np.float32)
@@ -39,20 +39,26 @@ def _check(got, got_lse, out, lse, rows, *, atol):
     np.testing.assert_allclose(np.asarray(got_lse)[~no_keys], np.asarray(want_lse)[~no_keys], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("batch,heads,splits,rows,lse_rows,dv,dtype,return_lse", [
-    (1, 8, 16, 4, 4, 128, jnp.float32, True),      # B1 Llama heads: 16 splits of 4 rows
-    (3, 2, 5, 7, 8, 64, jnp.float32, False),       # group 7: LSEs padded to 8 (no merged LSE of 7 rows)
-    (2, 1, 3, 128, 128, 32, jnp.bfloat16, True),   # two row blocks of 64, 16-bit partials
-], ids=["b1-splits16", "rows7-lse8", "rowblocks2-bf16"])
+def _sinks(seed, heads, rows):
+  return jnp.asarray(2 * np.random.default_rng(seed).standard_normal((heads, rows)), jnp.float32)
+
+
+@pytest.mark.parametrize("batch,heads,splits,rows,lse_rows,dv,dtype,return_lse,sinks", [
+    (1, 8, 16, 4, 4, 128, jnp.float32, True, False),      # B1 Llama heads: 16 splits of 4 rows
+    (3, 2, 5, 7, 8, 64, jnp.float32, False, False),       # group 7: LSEs padded to 8 (no merged LSE of 7 rows)
+    (2, 1, 3, 128, 128, 32, jnp.bfloat16, True, False),   # two row blocks of 64, 16-bit partials
+    (3, 2, 4, 8, 8, 64, jnp.float32, True, True),         # sinks per kv head and row
+], ids=["b1-splits16", "rows7-lse8", "rowblocks2-bf16", "sinks"])
 def test_mosaic_merge_equals_merge_splits(mosaic_interpret, batch, heads, splits, rows, lse_rows, dv, dtype,
-                                          return_lse):
+                                          return_lse, sinks):
   out, lse = _partials(batch + splits, batch=batch, heads=heads, splits=splits, rows=rows, dv=dv,
                        lse_rows=lse_rows, dtype=dtype)
-  got, got_lse = merge.merge_partials(out, lse, out_dtype=jnp.bfloat16, return_lse=return_lse,
+  sinks = _sinks(rows, heads, rows) if sinks else None
+  got, got_lse = merge.merge_partials(out, lse, sinks, out_dtype=jnp.bfloat16, return_lse=return_lse,
                                       interpret=mosaic_interpret)
   assert got.shape == (batch, heads, rows, dv) and got.dtype == jnp.bfloat16
   assert (got_lse is not None) == return_lse
-  _check(got, got_lse, out, lse, rows, atol=2e-2)
+  _check(got, got_lse, out, lse, rows, atol=2e-2, sinks=sinks)
 
 
 def test_mosaic_merge_refuses_what_it_cannot_merge():
@@ -60,22 +66,26 @@ def test_mosaic_merge_refuses_what_it_cannot_merge():
       shape, (*shape[:3], lse_rows), dtype, **{"rows": shape[3], "has_sinks": False, **kw})
   assert reason((1, 8, 16, 4, 128), 4) is None
   assert reason((1, 8, 16, 7, 128), 8, return_lse=False) is None
-  assert "sinks" in reason((1, 8, 16, 4, 128), 4, has_sinks=True)
-  assert "not a whole TMA row" in reason((1, 8, 16, 7, 128), 8)
+  assert reason((1, 8, 16, 4, 128), 4, has_sinks=True) is None
+  assert "sinks of 7 rows: not a whole TMA row" in reason((1, 8, 16, 7, 128), 8, has_sinks=True, return_lse=False)
+  assert "LSE of 7 rows: not a whole TMA row" in reason((1, 8, 16, 7, 128), 8)
   assert "takes 8" in reason((1, 8, 16, 7, 128), 7, return_lse=False)
   assert "whole blocks of 64" in reason((1, 1, 2, 96, 128), 96)
   assert "not float32 or a 16-bit" in reason((1, 8, 16, 4, 128), 4, jnp.int8)
   assert "do not fit SMEM" in reason((1, 8, 1024, 4, 128), 4)
-  out, lse = _partials(0, batch=1, heads=1, splits=2, rows=4, dv=64)
-  with pytest.raises(NotImplementedError, match="mosaic_gpu merge: sinks"):
-    merge.merge_partials(out, lse, jnp.zeros((1, 4)), out_dtype=jnp.bfloat16)
+  out, lse = _partials(0, batch=1, heads=1, splits=2, rows=7, lse_rows=8, dv=64)
+  with pytest.raises(NotImplementedError, match="mosaic_gpu merge: a merged LSE of 7 rows"):
+    merge.merge_partials(out, lse, out_dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"sinks must be \[Hkv, R\]=\(1, 4\)"):
+    merge.merge_partials(out[:, :, :, :4], lse[..., :4], jnp.zeros((2, 4)), out_dtype=jnp.bfloat16)
 
 
 def test_the_ops_merge_in_xla_what_the_mosaic_merge_refuses():
-  # Sinks: not the Mosaic GPU merge's; the ops' merge without Pallas Triton hands them to XLA.
-  out, lse = _partials(1, batch=2, heads=2, splits=3, rows=4, dv=64)
-  sinks = jnp.asarray(np.random.default_rng(2).standard_normal((2, 4)), jnp.float32)
-  got, got_lse = backend.mosaic_merge(out, lse, sinks, rows=4, out_dtype=jnp.float32, return_lse=True)
+  # Sinks of 7 rows (no whole TMA row): not the Mosaic GPU merge's; the ops' merge without Pallas Triton hands them
+  # to XLA.
+  out, lse = _partials(1, batch=2, heads=2, splits=3, rows=7, dv=64)
+  sinks = _sinks(2, 2, 7)
+  got, got_lse = backend.mosaic_merge(out, lse, sinks, rows=7, out_dtype=jnp.float32, return_lse=True)
   want, want_lse = frame.merge_splits(out, lse, sinks)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   np.testing.assert_array_equal(np.asarray(got_lse), np.asarray(want_lse))
@@ -97,12 +107,14 @@ def test_mosaic_merge_lowers_for_cuda(batch, splits, rows, lse_rows):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch,splits,rows,lse_rows", [(1, 16, 4, 4), (8, 5, 7, 8), (2, 3, 128, 128)])
-def test_gpu_mosaic_merge_equals_merge_splits(batch, splits, rows, lse_rows):
+@pytest.mark.parametrize("batch,splits,rows,lse_rows,sinks", [(1, 16, 4, 4, False), (8, 5, 7, 8, False),
+                                                              (2, 3, 128, 128, False), (3, 6, 8, 8, True)])
+def test_gpu_mosaic_merge_equals_merge_splits(batch, splits, rows, lse_rows, sinks):
   out, lse = _partials(splits, batch=batch, heads=8, splits=splits, rows=rows, dv=128, lse_rows=lse_rows)
-  got, got_lse = jax.jit(lambda o, l: merge.merge_partials(o, l, out_dtype=jnp.float32, rows=rows,
-                                                           return_lse=rows % 4 == 0))(out, lse)
-  _check(got, got_lse, out, lse, rows, atol=1e-5)
+  sinks = _sinks(rows, 8, rows) if sinks else None
+  got, got_lse = jax.jit(lambda o, l, s: merge.merge_partials(o, l, s, out_dtype=jnp.float32, rows=rows,
+                                                              return_lse=rows % 4 == 0))(out, lse, sinks)
+  _check(got, got_lse, out, lse, rows, atol=1e-5, sinks=sinks)
 
 
 def _op_merged_by_mosaic(monkeypatch, seed, **shape):

@@ -42,8 +42,6 @@ def unsupported_reason(out_shape, lse_shape, partial_dtype, *, rows: int, has_si
                        return_lse: bool = True) -> str | None:
   """Why `merge_partials` cannot merge these partials (the caller then merges otherwise), or None."""
   _, _, splits, stored_rows, dv = out_shape
-  if has_sinks:
-    return "sinks join the denominator: not merged here"
   if jnp.dtype(partial_dtype) not in PARTIAL_DTYPES:
     return f"partials in {jnp.dtype(partial_dtype)}, not float32 or a 16-bit dtype"
   if len(lse_shape) != 4 or tuple(lse_shape[:3]) != tuple(out_shape[:3]):
@@ -54,8 +52,9 @@ def unsupported_reason(out_shape, lse_shape, partial_dtype, *, rows: int, has_si
     return f"{rows} rows: past {ROWS}, whole blocks of {ROWS} only"
   if _block_rows(rows)[1] > lse_shape[3]:
     return f"{lse_shape[3]} LSE rows stored: a TMA copy of {rows} takes {_block_rows(rows)[1]}"
-  if return_lse and rows % _F32_PER_TMA_ROW:
-    return f"a merged LSE of {rows} rows: not a whole TMA row of {_F32_PER_TMA_ROW}"
+  if (return_lse or has_sinks) and rows % _F32_PER_TMA_ROW:
+    what = "a merged LSE" if return_lse else "sinks"
+    return f"{what} of {rows} rows: not a whole TMA row of {_F32_PER_TMA_ROW}"
   if dv % 8:
     return f"value dim {dv} is not a multiple of 8"
   if splits * ROWS * _min_columns(partial_dtype) * jnp.dtype(partial_dtype).itemsize > SMEM_BYTES:
@@ -78,10 +77,11 @@ def column_block(blocks: int, splits: int, dv: int, dtype) -> int:
   return columns
 
 
-def merged_rows(lse_of, part_of, *, splits: int, columns: int):
-  """(merged rows [64, columns] f32, their LSEs [64]) of landed splits, in the WGMMA layout: lse_of(s) [64] (its
-  rows' vector), part_of(s) [64, columns]. A split with lse -inf weighs 0 and its part (maybe NaN) is not used; a
-  row with no key in any split merges to zeros and LSE -inf."""
+def merged_rows(lse_of, part_of, *, splits: int, columns: int, sink=None):
+  """(merged rows [64, columns] f32, their LSEs [64] over the real keys) of landed splits, in the WGMMA layout:
+  lse_of(s) [64] (its rows' vector), part_of(s) [64, columns], sink: None or the rows' sink logits [64], which join
+  the denominator. A split with lse -inf weighs 0 and its part (maybe NaN) is not used; a row with no key in any
+  split merges to zeros and LSE -inf."""
   vector = plgpu.Layout.WGMMA.reduce(1)
   top = lax.fori_loop(0, splits, lambda s, m: jnp.maximum(m, lse_of(s)),
                       plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), vector))
@@ -99,17 +99,20 @@ def merged_rows(lse_of, part_of, *, splits: int, columns: int):
            plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), vector))
   acc, norm = lax.fori_loop(0, splits, add_split, start)
   has_keys = norm > 0
-  merged = acc / online_softmax.per_row(jnp.where(has_keys, norm, 1.0), acc.shape)
+  # A sink far above every split's LSE overflows exp to inf: the row's output is then 0, as it nearly is.
+  denom = norm if sink is None else norm + jnp.exp(sink - shift)
+  merged = acc / online_softmax.per_row(jnp.where(has_keys, denom, 1.0), acc.shape)
   return merged, jnp.where(has_keys, jnp.log(jnp.where(has_keys, norm, 1.0)) + shift, -jnp.inf)
 
 
-def _kernel(out_ref,      # [B * Hkv, splits, stored rows, Dv] GMEM: the partials
-            lse_ref,      # [B * Hkv, splits, stored LSE rows] f32 GMEM
-            merged_ref,   # [B * Hkv, R, Dv] out dtype GMEM
-            *refs, splits: int, rows: int, columns: int, write_lse: bool):
+def _kernel(*refs, splits: int, rows: int, columns: int, has_sinks: bool, write_lse: bool):
   refs = list(refs)
+  out_ref = refs.pop(0)                                  # [B * Hkv, splits, stored rows, Dv] GMEM: the partials
+  lse_ref = refs.pop(0)                                  # [B * Hkv, splits, stored LSE rows] f32 GMEM
+  sinks_ref = refs.pop(0) if has_sinks else None         # [Hkv, R] f32 GMEM
+  merged_ref = refs.pop(0)                               # [B * Hkv, R, Dv] out dtype GMEM
   merged_lse_ref = refs.pop(0) if write_lse else None   # [B * Hkv, R] f32 GMEM
-  parts_smem, lse_smem, out_smem, lse_out_smem, loaded = refs
+  parts_smem, lse_smem, sinks_smem, out_smem, lse_out_smem, loaded = refs
   pair, row_block, column = lax.axis_index("pairs"), lax.axis_index("rows"), lax.axis_index("columns")
   n_rows, n_lse = _block_rows(rows)
   first = row_block * ROWS
@@ -120,11 +123,16 @@ def _kernel(out_ref,      # [B * Hkv, splits, stored rows, Dv] GMEM: the partial
                             loaded)
     plgpu.copy_gmem_to_smem(lse_ref.at[pair, s, pl.ds(first, n_lse)], lse_smem.at[s, pl.ds(0, n_lse)], loaded)
   lax.fori_loop(0, splits, fetch, None)
+  if has_sinks:   # the kv head's sinks of these rows
+    plgpu.copy_gmem_to_smem(sinks_ref.at[pair % sinks_ref.shape[0], pl.ds(first, n_lse)],
+                            sinks_smem.at[pl.ds(0, n_lse)], loaded)
   plgpu.barrier_wait(loaded)
 
-  lse_of = lambda s: plgpu.load(lse_smem.at[s], layout=plgpu.Layout.WGMMA.reduce(1))
+  vector = plgpu.Layout.WGMMA.reduce(1)
+  lse_of = lambda s: plgpu.load(lse_smem.at[s], layout=vector)
   part_of = lambda s: plgpu.load(parts_smem.at[s], layout=plgpu.Layout.WGMMA)
-  merged, merged_lse = merged_rows(lse_of, part_of, splits=splits, columns=columns)
+  sink = plgpu.load(sinks_smem, layout=vector) if has_sinks else None
+  merged, merged_lse = merged_rows(lse_of, part_of, splits=splits, columns=columns, sink=sink)
   out_smem[...] = merged.astype(out_smem.dtype)
   if write_lse:
     lse_out_smem[...] = merged_lse
@@ -145,7 +153,7 @@ def merge_partials(out, lse, sinks=None, *, out_dtype, return_lse: bool = True, 
   Args:
     out: [B, Hkv, splits, >= R, Dv] float32 or 16-bit partials (where a split saw no key, any values).
     lse: [B, Hkv, splits, >= R] float32 (-inf where a split saw no key), its rows padded to 4 or as out's.
-    sinks: must be None.
+    sinks: None, or [Hkv, R] float32 sink logits, which join each row's denominator.
     out_dtype: the dtype of the merged output.
     return_lse: also return the merged LSE.
     rows: R, the rows to merge (default: all out's).
@@ -162,22 +170,28 @@ def merge_partials(out, lse, sinks=None, *, out_dtype, return_lse: bool = True, 
                               return_lse=return_lse)
   if reason:
     raise NotImplementedError(f"mosaic_gpu merge: {reason}")
+  if sinks is not None and sinks.shape != (hkv, rows):
+    raise ValueError(f"sinks must be [Hkv, R]=({hkv}, {rows}), got {sinks.shape=}")
   row_blocks = -(-rows // ROWS)
   columns = column_block(B * hkv * row_blocks, splits, dv, out.dtype)
   out_type = [jax.ShapeDtypeStruct((B * hkv, rows, dv), out_dtype)]
   if return_lse:
     out_type.append(jax.ShapeDtypeStruct((B * hkv, rows), jnp.float32))
   call = plgpu.kernel(
-      functools.partial(_kernel, splits=splits, rows=rows, columns=columns, write_lse=return_lse),
+      functools.partial(_kernel, splits=splits, rows=rows, columns=columns, has_sinks=sinks is not None,
+                        write_lse=return_lse),
       out_type=out_type,
       scratch_types=[plgpu.SMEM((splits, ROWS, columns), out.dtype), plgpu.SMEM((splits, ROWS), jnp.float32),
-                     plgpu.SMEM((ROWS, columns), out_dtype), plgpu.SMEM((ROWS,), jnp.float32),
-                     plgpu.Barrier(num_arrivals=2 * splits)],
+                     plgpu.SMEM((ROWS,), jnp.float32), plgpu.SMEM((ROWS, columns), out_dtype),
+                     plgpu.SMEM((ROWS,), jnp.float32), plgpu.Barrier(num_arrivals=2 * splits + (sinks is not None))],
       grid=(B * hkv, row_blocks, dv // columns),
       grid_names=("pairs", "rows", "columns"),
       interpret=interpret or None,
       kernel_name=f"pallas_kv_mosaic_merge_sp{splits}_r{rows}_d{dv}_c{columns}",
   )
-  results = call(out.reshape(B * hkv, splits, stored_rows, dv), lse.reshape(B * hkv, splits, lse.shape[3]))
+  args = [out.reshape(B * hkv, splits, stored_rows, dv), lse.reshape(B * hkv, splits, lse.shape[3])]
+  if sinks is not None:
+    args.append(sinks.astype(jnp.float32))
+  results = call(*args)
   merged = results[0].reshape(B, hkv, rows, dv)
   return merged, results[1].reshape(B, hkv, rows) if return_lse else None
