@@ -91,6 +91,15 @@ def test_the_ops_merge_in_xla_what_the_mosaic_merge_refuses():
   np.testing.assert_array_equal(np.asarray(got_lse), np.asarray(want_lse))
 
 
+def test_the_ops_merge_takes_sinks_to_the_mosaic_merge(interpret_mode):
+  out, lse = _partials(4, batch=2, heads=2, splits=3, rows=4, dv=64)
+  sinks = _sinks(4, 2, 4)
+  got, got_lse = backend.mosaic_merge(out, lse, sinks, rows=4, out_dtype=jnp.float32, return_lse=True)
+  _check(got, got_lse, out, lse, 4, atol=1e-5, sinks=sinks)
+  unsunk, _ = backend.mosaic_merge(out, lse, None, rows=4, out_dtype=jnp.float32, return_lse=True)
+  assert np.abs(np.asarray(unsunk) - np.asarray(got)).max() > 1e-3   # the sinks moved the output
+
+
 def test_mosaic_merge_blocks_columns_to_fill_the_gpu():
   # B1 (8 pairs of 4 rows): 32-byte rows for 128 programs; B16 wide rows; many splits narrow ones to fit SMEM.
   assert merge.column_block(8, 16, 128, jnp.float32) == 8
@@ -117,20 +126,23 @@ def test_gpu_mosaic_merge_equals_merge_splits(batch, splits, rows, lse_rows, sin
   _check(got, got_lse, out, lse, rows, atol=1e-5, sinks=sinks)
 
 
-def _op_merged_by_mosaic(monkeypatch, seed, **shape):
+def _op_merged_by_mosaic(monkeypatch, seed, *, with_sinks=False, **shape):
   """The Mosaic GPU op over a random case, its splits merged as without Pallas Triton, against the reference."""
   import pallas_kv as pkv
   from harness import check_against_reference, make_case
   monkeypatch.setattr(backend, "fused_merge", lambda: backend.mosaic_merge)
   case = make_case(seed, dtype=jnp.bfloat16, **shape)
+  options = dict(sinks=_sinks(seed, 1, shape["num_heads"])[0]) if with_sinks else {}
   config = pkv.MosaicGPUConfig(block_kv=64, num_stages=2, num_splits=4)
   out_lse = pkv.decode_attention(case.q, case.k, case.v, case.lengths, impl="mosaic_gpu", config=config,
-                                 return_lse=True)
-  check_against_reference(case, out_lse)
+                                 return_lse=True, **options)
+  check_against_reference(case, out_lse, **options)
 
 
-def test_the_op_merged_by_mosaic_gpu_matches_the_reference(monkeypatch, interpret_mode):
-  _op_merged_by_mosaic(monkeypatch, 3, batch=3, seq_len=512, num_heads=8, num_kv_heads=2, head_dim=64)
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_the_op_merged_by_mosaic_gpu_matches_the_reference(monkeypatch, interpret_mode, with_sinks):
+  _op_merged_by_mosaic(monkeypatch, 3, batch=3, seq_len=512, num_heads=8, num_kv_heads=2, head_dim=64,
+                       with_sinks=with_sinks)
 
 
 @pytest.mark.gpu

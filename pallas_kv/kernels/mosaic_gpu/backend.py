@@ -42,7 +42,7 @@ def mosaic_merge(out, lse, sinks, *, rows: int, out_dtype, return_lse: bool):
   reason = mgpu_merge.unsupported_reason(out.shape, lse.shape, out.dtype, rows=rows, has_sinks=sinks is not None,
                                          return_lse=return_lse)
   if reason is None:
-    return mgpu_merge.merge_partials(out, lse, out_dtype=out_dtype, return_lse=return_lse, rows=rows,
+    return mgpu_merge.merge_partials(out, lse, sinks, out_dtype=out_dtype, return_lse=return_lse, rows=rows,
                                      interpret=interpret_params())
   merged, merged_lse = frame.merge_splits(out[:, :, :, :rows], lse[:, :, :, :rows], sinks)
   return merged.astype(out_dtype), merged_lse if return_lse else None

@@ -1,13 +1,12 @@
-"""The GQA kernel's split merge as one Mosaic GPU launch: `frame.merge_splits` of partials [B, Hkv, splits, R, Dv]
-with no Pallas Triton (whose merge launch the Mosaic GPU ops use where it imports; without either, XLA merges in
-several launches: docs/decisions.md#fused-merge).
+"""The split merge as one Mosaic GPU launch: `frame.merge_splits` of the Mosaic GPU kernels' partials [B, Hkv,
+splits, R, Dv] (GQA's, MLA's as one kv head) with no Pallas Triton, whose merge launch the ops use where it imports
+(without either, XLA merges in several launches: docs/decisions.md#fused-merge).
 
 A program merges one (sequence, kv head)'s block of up to 64 rows and a block of columns: every split's [rows,
-columns] box and LSEs land by TMA in SMEM, then the splits are added one after another in the WGMMA register layout
-(64 rows: a program of R = 4 rows computes 60 it never stores, which costs less than the copies it would take to
-stack several heads' rows), each weighted by exp(lse - the rows' max).
-
-"""
+columns] box and LSEs (and the head's sinks) land by TMA in SMEM, then the splits are added one after another in the
+WGMMA register layout, each weighted by exp(lse - the rows' max). That layout spans 64 rows: a program of R = 4 rows
+computes 60 it never stores, where stacking several heads' rows in one tile would take a copy a head and split (a 3-d
+box seen as 2-d is a ref reshape, which GPU interpret mode does not take)."""
 
 from __future__ import annotations
 
