@@ -107,11 +107,14 @@ def test_mosaic_merge_blocks_columns_to_fill_the_gpu():
   assert merge.column_block(128, 64, 128, jnp.float32) == 8   # 64 splits x 64 rows x 64 f32 would be 1 MiB
 
 
-@pytest.mark.parametrize("batch,splits,rows,lse_rows", [(1, 16, 4, 4), (8, 4, 7, 8), (1, 64, 128, 128)])
-def test_mosaic_merge_lowers_for_cuda(batch, splits, rows, lse_rows):
-  exported = lower_for_cuda(lambda o, l: merge.merge_partials(o, l, out_dtype=jnp.bfloat16, return_lse=False),
-                            jax.ShapeDtypeStruct((batch, 8, splits, rows, 128), jnp.float32),
-                            jax.ShapeDtypeStruct((batch, 8, splits, lse_rows), jnp.float32))
+@pytest.mark.parametrize("batch,splits,rows,lse_rows,sinks", [(1, 16, 4, 4, False), (8, 4, 7, 8, False),
+                                                              (1, 64, 128, 128, False), (2, 4, 8, 8, True)])
+def test_mosaic_merge_lowers_for_cuda(batch, splits, rows, lse_rows, sinks):
+  SDS = jax.ShapeDtypeStruct
+  args = [SDS((batch, 8, splits, rows, 128), jnp.float32), SDS((batch, 8, splits, lse_rows), jnp.float32)]
+  args += [SDS((8, rows), jnp.float32)] if sinks else []
+  exported = lower_for_cuda(lambda o, l, *s: merge.merge_partials(o, l, *s, out_dtype=jnp.bfloat16, return_lse=False),
+                            *args)
   assert "pallas_kv_mosaic_merge_sp" in exported.mlir_module()
 
 
