@@ -815,6 +815,22 @@ def test_ptxas_summary_compiles_a_ptx_here(tmp_path):
   assert "EXIT" in sass and ptxas_summary.spills_by_role(sass) == {}
 
 
+def test_kernel_variants_merge_rows_merge_the_kernels_partials(interpret_mode):
+  # Each kernel-only merge row (Triton's launch, Mosaic GPU's, XLA's) on the same two-split partials: one result.
+  from benchmarks.tools import kernel_variants as kv
+  s = kv.Settings(smoke=True, num_heads=4, num_kv_heads=1, head_dim=64, warmup=0, iters=1, repeats=1,
+                  rotate_bytes=0.0, budget_s=600.0)
+  args = cases.make_inputs(kv._case(s, 2, 256, None), jax.random.PRNGKey(0), jnp.asarray([256, 100], jnp.int32))
+  problem = kv._problem(args, False)
+  config = kv._config(dict(block_kv=64, num_stages=2, num_splits=2), args, False)
+  assert config.num_splits == 2
+  merged = {m: np.asarray(jnp.asarray(kv.kernel_fn(config, problem, False, m)(*args)[0], jnp.float32))
+            for m in kv.MERGES}
+  assert merged["xla_merge"].shape == (2, 1, 4, 64)
+  for m in ("triton_merge", "mosaic_merge"):
+    np.testing.assert_allclose(merged[m], merged["xla_merge"], atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.slow   # a whole-program smoke run; make test-slow
 def test_kernel_variants_load_path_rows_run_in_interpret_mode(monkeypatch):
   import pallas_kv

@@ -49,6 +49,7 @@ from benchmarks import cases
 from benchmarks import cli
 from benchmarks import output
 from benchmarks import timing
+from pallas_kv import runtime
 from pallas_kv import validation
 from pallas_kv.config import AttentionOptions
 from pallas_kv.kernels import frame
@@ -225,7 +226,8 @@ def _op_fn(config, paged: bool, plan_ahead: bool = False):
 
 def _triton_merge(out, lse, *, rows: int, out_dtype):
   from pallas_kv.kernels.triton import merge   # pylint: disable=g-import-not-at-top
-  return merge.merge_partials(out, lse, rows=rows, out_dtype=out_dtype, return_lse=False)
+  return merge.merge_partials(out, lse, rows=rows, out_dtype=out_dtype, return_lse=False,
+                              interpret=runtime.interpret_enabled())
 
 
 # The split merges a kernel-only row can add (the op takes the first that imports: `backend.fused_merge`).
