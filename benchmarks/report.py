@@ -94,7 +94,7 @@ def family(row: dict) -> str:
     heads = f"heads {row['num_heads']}/{row['num_kv_heads']}, head_dim {row['head_dim']}"
   parts = [{"decode": "dense", "paged": "paged", "mla": "MLA"}[row["op"]], heads, row["dtype"],
            f"{row['num_queries']} new token{'s' if row['num_queries'] > 1 else ''}",
-           "ragged lengths" if row.get("ragged") else f"each {row['length']} long" if _length_label(row)
+           "ragged lengths" if row.get("ragged") else f"each {row['length']} long" if row.get("length") is not None
            else "full lengths"]
   if row["op"] != "decode":
     parts.append(f"page {row['page_size']}" + (" shuffled" if row.get("shuffle_pages") else ""))

@@ -235,7 +235,7 @@ MERGES = {
     "triton_merge": _triton_merge,
     "mosaic_merge": lambda out, lse, *, rows, out_dtype: mgpu_backend.mosaic_merge(
         out, lse, None, rows=rows, out_dtype=out_dtype, return_lse=False),
-    "xla_merge": lambda out, lse, *, rows, out_dtype: frame.merge_splits(out[:, :, :, :rows], lse[..., :rows]),
+    "xla_merge": lambda out, lse, *, rows, out_dtype: frame.merge_splits(out, lse, rows=rows),
 }
 
 

@@ -67,14 +67,17 @@ def _merged_pair(a, b):
   return weight, share_a * mean_a + share_b * mean_b, log_add(keys_a, keys_b)
 
 
-def merge_splits(out, lse, sinks=None):
+def merge_splits(out, lse, sinks=None, rows: int | None = None):
   """Merges split-K partials: out [B, Hkv, splits, R, Dv] float32 or 16-bit, each split's normalised output
   (ignored where the split saw no key, but one split without sinks is returned as is); lse [B, Hkv, splits, R]
-  float32, -inf where empty; sinks: optional [Hkv, R] float32. Returns (out [B, Hkv, R, Dv] float32,
-  lse [B, Hkv, R] float32 over the real keys, -inf where none).
+  float32, -inf where empty; sinks: optional [Hkv, R] float32; rows: R where a kernel padded its partials past it
+  (default: all). Returns (out [B, Hkv, R, Dv] float32, lse [B, Hkv, R] float32 over the real keys, -inf where
+  none).
 
   One variadic reduction over the splits (in XLA one launch, where a max, a sum and a contraction were several):
   each split weighs exp(lse); a sink joins as a split with no output and no keys that weighs exp(sink)."""
+  if rows is not None:   # drop rows a kernel padded
+    out, lse = out[:, :, :, :rows], lse[:, :, :, :rows]
   if out.shape[2] == 1 and sinks is None:
     return out[:, :, 0], lse[:, :, 0]
   lse = lse.astype(jnp.float32)
@@ -187,8 +190,7 @@ def run(partials: Callable, q, k, lengths, block_tables, *, problem, sinks, retu
     if merge is not None and out.shape[2] > 1:
       out, lse = merge(out, lse, row_sinks, rows=num_rows, out_dtype=q.dtype, return_lse=return_lse)
     else:
-      out, lse = out[:, :, :, :num_rows], lse[:, :, :, :num_rows]  # drop rows a kernel padded
-      out, lse = merge_splits(out, lse, row_sinks)
+      out, lse = merge_splits(out, lse, row_sinks, rows=num_rows)
   out = unpack_rows(out, problem.num_queries)
   if not return_lse:
     return out[:, 0] if single else out

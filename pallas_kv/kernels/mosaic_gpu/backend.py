@@ -44,7 +44,7 @@ def mosaic_merge(out, lse, sinks, *, rows: int, out_dtype, return_lse: bool):
   if reason is None:
     return mgpu_merge.merge_partials(out, lse, sinks, out_dtype=out_dtype, return_lse=return_lse, rows=rows,
                                      interpret=interpret_params())
-  merged, merged_lse = frame.merge_splits(out[:, :, :, :rows], lse[:, :, :, :rows], sinks)
+  merged, merged_lse = frame.merge_splits(out, lse, sinks, rows=rows)
   return merged.astype(out_dtype), merged_lse if return_lse else None
 
 

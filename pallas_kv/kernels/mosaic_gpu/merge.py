@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kv import online_softmax
+from pallas_kv.kernels import plan
 
 ROWS = 64                                # the WGMMA register layout's rows: a program's row block
 MIN_ROW_BYTES, MAX_ROW_BYTES = 32, 256   # each split's row of a column block, read by TMA
@@ -28,13 +29,9 @@ PARTIAL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 _F32_PER_TMA_ROW = 4                     # a TMA box's row is a multiple of 16 bytes
 
 
-def _round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
-
-
 def _block_rows(rows: int) -> tuple[int, int]:
   """(partial rows, LSE rows) a program copies: all R (LSEs padded to 16 bytes) within one block, else 64."""
-  return (rows, _round_up(rows, _F32_PER_TMA_ROW)) if rows <= ROWS else (ROWS, ROWS)
+  return (rows, plan.round_up(rows, _F32_PER_TMA_ROW)) if rows <= ROWS else (ROWS, ROWS)
 
 
 def unsupported_reason(out_shape, lse_shape, partial_dtype, *, rows: int, has_sinks: bool,
