@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The H200 suite: bash benchmarks/h200_suite.sh PART|NAME ... (repository root; a part fits a ~10-minute command). A
-# run ROUTINE:NAME is `python3 -m benchmarks ROUTINE --flagfile=configs/suite/NAME.flags` (what it measures) writing
-# NAME.json, NAME.log (tune: the tuned file) to $OUT or bench_out/; SUITE_FLAGS win over it; SMOLLM2_GGUF: the GGUF.
+# The H200 suite: bash benchmarks/h200_suite.sh PART|NAME ... (repository root). A run ROUTINE:NAME is `python3 -m
+# benchmarks ROUTINE --flagfile=configs/suite/NAME.flags`, into $OUT or bench_out/ NAME.json and NAME.log (tune: the
+# tuned file). SUITE_FLAGS win over the flagfile; SMOLLM2_GGUF: the GGUF; SUITE_BUDGET: the command's wall seconds.
 set -uo pipefail
 declare -A PARTS=(
   [gqa]="decode:gqa"                      # the GQA sweep, every impl
@@ -20,7 +20,7 @@ declare -A PARTS=(
                  decode:shapes_page1 decode:shapes_s4_padded decode:shapes_s4_varlen"   # MQA, page 1, varlen
   [shared]="shared_prefix:shared_prefix shared_prefix:shared_prefix_mla serving:smollm2_samples
             serving:smollm2_system_prompt"   # forked prompts, a cached system prompt
-  [vmap]="vmap:vmap" [step]="step:step"
+  [vmap]="vmap:vmap" [step]="step:step" [merges]="tools.kernel_variants:merges"   # merges: each priced, kernel alone
   [trace]="tools.kernel_trace:trace_stream_k tools.kernel_trace:trace_fp8"   # warpgroups' time in the kernel
   [mosaic_levers]="tools.kernel_variants:mosaic_tile_consumers tools.kernel_variants:mosaic_ragged_order
                    decode:rows_ragged_longest_first tools.kernel_variants:mosaic_stream_k_parts"   # beside rows_ragged
@@ -39,22 +39,22 @@ declare -A PARTS=(
   [tune_both]="tune:tune_both tune:tune_both_models"   # both backends, one run, full + ragged
   [scaling]="scaling:scaling8k scaling:scaling32k"   # several GPUs
 )
-out="${OUT:-bench_out}" status=0; mkdir -p "$out"
+out="${OUT:-bench_out}" status=0 budget=$((SECONDS + ${SUITE_BUDGET:-86400})); mkdir -p "$out"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
-quiet() { grep -v -e '^[IW][0-9]' -e 'Warning'; }
 run() {   # ROUTINE NAME
-  local routine=$1 name=$2 args=(--flagfile="configs/suite/$2.flags")
+  local routine=$1 name=$2 args=(--flagfile="configs/suite/$2.flags") left=$((budget - SECONDS))
+  ((left > 0)) || { echo "skipped $name: SUITE_BUDGET spent"; status=1; return; }
   [[ $routine == tune ]] || args+=(--json="$out/$name.json")
   [[ $routine == serving || $routine == tools.smollm2_transformers ]] &&
     args+=(--gguf="${SMOLLM2_GGUF:?set SMOLLM2_GGUF to the GGUF file}")
   # shellcheck disable=SC2086  # SUITE_FLAGS: words
-  python3 -m benchmarks "$routine" "${args[@]}" ${SUITE_FLAGS:-} 2>&1 | quiet | tee "$out/$name.log" || status=1
+  timeout "$left" python3 -m benchmarks "$routine" "${args[@]}" ${SUITE_FLAGS:-} 2>&1 |
+    grep -v -e '^[IW][0-9]' -e 'Warning' | tee "$out/$name.log" || status=1
   [[ $routine != tune ]] || cp pallas_kv/tuned/*.json "$out/"
 }
 for arg in "$@"; do
   runs=${PARTS[$arg]:-$(printf '%s\n' ${PARTS[@]} | grep -m1 ":$arg\$")}
-  [[ -n $runs ]] || { echo "unknown part or run: $arg; parts:" $(printf '%s\n' "${!PARTS[@]}" | sort)
-                      status=2; continue; }
+  [[ -n $runs ]] || { echo "unknown part: $arg; parts:" $(printf '%s\n' "${!PARTS[@]}" | sort); status=2; continue; }
   for entry in $runs; do run "${entry%%:*}" "${entry#*:}"; done
 done
 exit $status

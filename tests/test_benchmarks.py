@@ -246,10 +246,15 @@ def test_suite_runs_each_part_through_the_driver(tmp_path):
       "--cases=8x8192",
       "python3 -m benchmarks tune --flagfile=configs/suite/tune.flags --cases=8x8192",   # tune writes the tuned file
   ]
-  assert lines[5].startswith("unknown part or run: nosuch; parts: gqa host_loop mla mla_fp8 models")
+  assert lines[5].startswith("unknown part: nosuch; parts: gqa host_loop merges mla mla_fp8 models")
   assert (out / "gqa.log").read_text() == lines[0] + "\n"
   assert {p.name for p in out.glob("*.json")} == {os.path.basename(p) for p in glob.glob(
       os.path.join(REPO, "pallas_kv", "tuned", "*.json"))}   # tune's output: the tuned file, copied
+  # A spent SUITE_BUDGET skips the runs left, and says so; each run is given what is left of it.
+  spent = subprocess.run(["bash", SUITE_SCRIPT, "merges", "vmap"], env=dict(env, SUITE_BUDGET="0"),
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+  assert (spent.returncode, spent.stdout.splitlines()) == (
+      1, ["skipped merges: SUITE_BUDGET spent", "skipped vmap: SUITE_BUDGET spent"])
 
 
 # Parses a routine's suite flagfiles with its own flags (a flagfile with a flag the routine lacks,
