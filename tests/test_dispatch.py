@@ -43,6 +43,22 @@ def test_ops_trace_no_effect_outside_checked(impl):
     assert _effects(paged, case.q, case.k_pages, case.v_pages, case.block_tables, case.lengths)
 
 
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_one_byte_caches_trace_no_effect_outside_checked(impl, kv_dtype):
+  # The one-byte default: per-token scales, V stored tokens last (each backend's one-byte kernel, not the bf16 one).
+  rng = np.random.default_rng(1)
+  q = jnp.asarray(rng.standard_normal((2, 8, 64)), jnp.bfloat16)
+  k = jnp.asarray(rng.integers(-100, 100, (2, 256, 2, 64)), jnp.int8).astype(kv_dtype)
+  v = jnp.asarray(rng.integers(-100, 100, (2, 2, 64, 256)), jnp.int8).astype(kv_dtype)
+  scales = jnp.asarray(rng.uniform(0.01, 0.02, (2, 256, 2)), jnp.float32)
+  lengths = jnp.asarray([256, 77], jnp.int32)
+  fn = lambda q, k, v, s, n: pkv.decode_attention(q, k, v, n, k_scale=s, v_scale=s, v_tokens_last=True, impl=impl)
+  assert not _effects(fn, q, k, v, scales, lengths)
+  with pkv.checked():
+    assert _effects(fn, q, k, v, scales, lengths)
+
+
 @pytest.mark.parametrize("impl", ["xla", "mosaic_gpu"])
 def test_mla_traces_no_effect_outside_checked(impl):
   rng = np.random.default_rng(0)
