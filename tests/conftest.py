@@ -1,6 +1,10 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
+import jax
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -12,6 +16,17 @@ from pallas_kv import runtime  # noqa: E402
 # a following call can hold the CPU client's threads and deadlock (docs/reliability.md, "Interpret mode"). Tests
 # enter interpret mode after the CPU client started, too late for the switch to turn it off itself.
 assert runtime.synchronous_cpu_dispatch(), "a JAX computation ran before the conftest"
+
+# An interpreted Mosaic GPU kernel compiles the program of each simulated warpgroup afresh for every
+# grid point of every call (jax's thread map lowers and compiles each time); jax's persistent cache
+# turns all but the first of those compiles into reads: about a third off each interpreted call
+# (docs/reliability.md). A fresh directory per test process, unless the environment names one.
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+  _compilation_cache = tempfile.mkdtemp(prefix="pallas_kv_test_jax_cache_")
+  atexit.register(shutil.rmtree, _compilation_cache, ignore_errors=True)
+  jax.config.update("jax_compilation_cache_dir", _compilation_cache)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def pytest_collection_modifyitems(config, items):
