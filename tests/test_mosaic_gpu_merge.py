@@ -44,7 +44,7 @@ def _sinks(seed, heads, rows):
 
 
 @pytest.mark.parametrize("batch,heads,splits,rows,lse_rows,dv,dtype,return_lse,sinks", [
-    (1, 8, 16, 4, 4, 128, jnp.float32, True, False),      # B1 Llama heads: 16 splits of 4 rows
+    (1, 2, 16, 4, 4, 128, jnp.float32, True, False),      # B1: 16 splits of 4 rows (a Llama head group)
     (3, 2, 5, 7, 8, 64, jnp.float32, False, False),       # group 7: LSEs padded to 8 (no merged LSE of 7 rows)
     (2, 1, 3, 128, 128, 32, jnp.bfloat16, True, False),   # two row blocks of 64, 16-bit partials
     (3, 2, 4, 8, 8, 64, jnp.float32, True, True),         # sinks per kv head and row

@@ -78,25 +78,30 @@ def _mosaic(**fields):
   return dataclasses.replace(MOSAIC, **fields)
 
 
+SLOW = pytest.mark.slow   # a case whose axes other cases cover (make test-slow runs it)
+
+
 @pytest.mark.parametrize("kv_dtype, scale_kind, page_size, num_queries, fields", [
     (jnp.bfloat16, None, None, 2, {}),
     (jnp.int8, "token", None, None, {}),
     (jnp.float8_e4m3fn, "head", 64, None, dict(kv_groups=2)),
     (jnp.float8_e4m3fn, "token", None, None, dict(kv_groups=3, num_stages=3, num_splits=3)),
-    (jnp.float8_e4m3fn, "token", None, None, dict(kv_groups=2, num_stages=4, pipeline_qk=True)),
-    (jnp.float8_e4m3fn, "token", None, 2, dict(queries_as_n=True)),
+    pytest.param(jnp.float8_e4m3fn, "token", None, None, dict(kv_groups=2, num_stages=4, pipeline_qk=True), marks=SLOW),
+    pytest.param(jnp.float8_e4m3fn, "token", None, 2, dict(queries_as_n=True), marks=SLOW),
     (jnp.float8_e5m2, "head", 64, None, dict(queries_as_n=True, num_stages=3)),
-    (jnp.float8_e4m3fn, "token", None, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True)),
+    pytest.param(jnp.float8_e4m3fn, "token", None, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True),
+                 marks=SLOW),
     (jnp.float8_e4m3fn, "token", None, None, dict(queries_as_n=True, split_plan="stream_k", persistent=True)),
     (jnp.int8, "token", None, 2, dict(queries_as_n=True)),
     (jnp.int8, "head", 64, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True)),
-    (jnp.float8_e4m3fn, "token", None, 2, dict(queries_as_n=True, values_as_stored=True)),
+    pytest.param(jnp.float8_e4m3fn, "token", None, 2, dict(queries_as_n=True, values_as_stored=True), marks=SLOW),
     (jnp.float8_e5m2, "head", 64, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True, values_as_stored=True)),
     (jnp.float8_e4m3fn, "token", None, None, dict(queries_as_n=True, values_as_stored=True, block_kv=256,
                                                   num_stages=2)),
     (jnp.float8_e4m3fn, "token", 16, 2, dict(queries_as_n=True, block_kv=128, num_stages=2)),
     (jnp.int8, "token", None, 2, dict(queries_as_n=True, values_as_stored=True)),
-    (jnp.int8, "head", 64, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True, values_as_stored=True)),
+    pytest.param(jnp.int8, "head", 64, None,
+                 dict(queries_as_n=True, num_stages=3, pipeline_qk=True, values_as_stored=True), marks=SLOW),
     (jnp.int8, "head", 32, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True)),
     # V as stored a page at a time: a 256-token tile of four (two) page runs, one wgmma each
     (jnp.float8_e4m3fn, "token", 64, 2, dict(queries_as_n=True, values_as_stored=True, block_kv=256, num_stages=2)),

@@ -178,17 +178,18 @@ def trace_visits(smem: mgpu_config.DecodeSmem, wanted: int) -> int:
 
 
 def op_case(variant: str, batch: int, seq_len: int, kv_dtype: str, s: kernel_variants.Settings, key,
-            length: int | None = None):
+            length: int | None = None, abstract: bool = False):
   """(complete config, its `DecodeSmem`, the op under that config, its arguments) of a variant at a dense shape:
   bf16, or a one-byte cache stored as the library stores it (V tokens last, per-token scales); length: every
-  sequence's (the config is still the shape's, as a call's is)."""
+  sequence's (the config is still the shape's, as a call's is); abstract: one-byte arguments as ShapeDtypeStructs
+  (enough to lower the op)."""
   fields = dict(kernel_variants.VARIANTS[variant][0])
   rows = s.num_heads // s.num_kv_heads
   if jnp.dtype(kv_dtype) == jnp.bfloat16:
     config, _, args = kernel_variants.dense_kernel_case(s, fields, batch, seq_len, key)
     keywords, quantized = {}, {}
   else:
-    x = mosaic_one_byte.inputs(batch, seq_len, s.head_dim, jnp.dtype(kv_dtype))
+    x = mosaic_one_byte.inputs(batch, seq_len, s.head_dim, jnp.dtype(kv_dtype), abstract=abstract)
     args = (x["q"], x["k"], x["v"], x["lengths"])
     k_scale, v_scale = x["scales"]["token"]
     keywords = dict(k_scale=k_scale, v_scale=v_scale, v_tokens_last=True)

@@ -98,16 +98,22 @@ KERNEL_ROWS += [(f"{probe} {kind} asn256 v8", kind, dataclasses.replace(_ASN256_
 ROW_NAMES = frozenset(v[0] for v in VARIANTS) | frozenset(r[0] for r in KERNEL_ROWS)   # what --only may name
 
 
-def inputs(batch: int, seq_len: int, head_dim: int, kv_dtype, seed: int = 0, q_dtype=jnp.float16) -> dict[str, Any]:
+def inputs(batch: int, seq_len: int, head_dim: int, kv_dtype, seed: int = 0, q_dtype=jnp.float16,
+           abstract: bool = False) -> dict[str, Any]:
   """q [B, 32, D] q_dtype, k [B, T, 8, D] and v [B, 8, D, T] (tokens last) one-byte, full lengths, and per scale
-  kind K's and V's scales (two arrays, as a cache holds them: one array for both would serve V's from L2)."""
+  kind K's and V's scales (two arrays, as a cache holds them: one array for both would serve V's from L2).
+  abstract: ShapeDtypeStructs in the arrays' place, for a lowering (no values drawn)."""
   rng = np.random.default_rng(seed)
-  one_byte = lambda shape: jnp.asarray(np.clip(rng.standard_normal(shape) * 40, -127, 127) if kv_dtype == jnp.int8
-                                       else rng.standard_normal(shape) * 8, kv_dtype)
-  scales = lambda shape: jnp.asarray(rng.uniform(0.005, 0.02, shape), jnp.float32)
-  return dict(q=jnp.asarray(rng.standard_normal((batch, 32, head_dim)), q_dtype),
+
+  def array(shape, dtype, draw):
+    return jax.ShapeDtypeStruct(shape, dtype) if abstract else jnp.asarray(draw(shape), dtype)
+
+  one_byte = lambda shape: array(shape, kv_dtype, lambda s: np.clip(rng.standard_normal(s) * 40, -127, 127)
+                                 if kv_dtype == jnp.int8 else rng.standard_normal(s) * 8)
+  scales = lambda shape: array(shape, jnp.float32, lambda s: rng.uniform(0.005, 0.02, s))
+  return dict(q=array((batch, 32, head_dim), q_dtype, rng.standard_normal),
               k=one_byte((batch, seq_len, 8, head_dim)), v=one_byte((batch, 8, head_dim, seq_len)),
-              lengths=jnp.full((batch,), seq_len, jnp.int32),
+              lengths=array((batch,), jnp.int32, lambda s: np.full(s, seq_len)),
               scales=dict(token=(scales((batch, seq_len, 8)), scales((batch, seq_len, 8))),
                           head=(scales((8,)), scales((8,))), none=(None, None)))
 
