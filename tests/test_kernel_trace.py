@@ -58,14 +58,8 @@ def test_a_one_byte_op_is_traced_in_the_smem_its_kernel_leaves(monkeypatch, vari
   assert smem.one_byte_operands and (config.persistent if variant == "persistent" else smem.queries_as_n)
   visits = kernel_trace.trace_visits(smem, wanted=10**6)
   assert smem.nbytes + KernelTrace("folder", visits).smem_bytes(smem.num_threads) <= mgpu_config.SMEM_CAPACITY_BYTES
-  # Shapes only (drawing B32 T4096's values took most of this test), so the scales are arguments, not constants.
-  keywords = {k: v for k, v in op.keywords.items() if k not in ("k_scale", "v_scale")}
-
-  def scaled_op(q, k, v, lengths, k_scale, v_scale):
-    return op.func(q, k, v, lengths, k_scale=k_scale, v_scale=v_scale, **keywords)
-
-  with mgpu_trace.tracing(KernelTrace("unused", visits=visits)):
-    text = _mosaic_text(monkeypatch, scaled_op, *args, op.keywords["k_scale"], op.keywords["v_scale"])
+  with mgpu_trace.tracing(KernelTrace("unused", visits=visits)):   # shapes only: B32 T4096's values take seconds
+    text = _mosaic_text(monkeypatch, op, *args)
   assert text.count(CLOCK_READ) >= 2 * 6
 
 

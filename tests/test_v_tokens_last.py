@@ -78,7 +78,7 @@ def _mosaic(**fields):
   return dataclasses.replace(MOSAIC, **fields)
 
 
-SLOW = pytest.mark.slow   # a case whose axes other cases cover (make test-slow runs it)
+slow = lambda *values: pytest.param(*values, marks=pytest.mark.slow)   # a case only make test-slow runs
 
 
 @pytest.mark.parametrize("kv_dtype, scale_kind, page_size, num_queries, fields", [
@@ -86,22 +86,20 @@ SLOW = pytest.mark.slow   # a case whose axes other cases cover (make test-slow 
     (jnp.int8, "token", None, None, {}),
     (jnp.float8_e4m3fn, "head", 64, None, dict(kv_groups=2)),
     (jnp.float8_e4m3fn, "token", None, None, dict(kv_groups=3, num_stages=3, num_splits=3)),
-    pytest.param(jnp.float8_e4m3fn, "token", None, None, dict(kv_groups=2, num_stages=4, pipeline_qk=True), marks=SLOW),
-    pytest.param(jnp.float8_e4m3fn, "token", None, 2, dict(queries_as_n=True), marks=SLOW),
+    slow(jnp.float8_e4m3fn, "token", None, None, dict(kv_groups=2, num_stages=4, pipeline_qk=True)),
+    slow(jnp.float8_e4m3fn, "token", None, 2, dict(queries_as_n=True)),
     (jnp.float8_e5m2, "head", 64, None, dict(queries_as_n=True, num_stages=3)),
-    pytest.param(jnp.float8_e4m3fn, "token", None, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True),
-                 marks=SLOW),
+    slow(jnp.float8_e4m3fn, "token", None, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True)),
     (jnp.float8_e4m3fn, "token", None, None, dict(queries_as_n=True, split_plan="stream_k", persistent=True)),
     (jnp.int8, "token", None, 2, dict(queries_as_n=True)),
     (jnp.int8, "head", 64, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True)),
-    pytest.param(jnp.float8_e4m3fn, "token", None, 2, dict(queries_as_n=True, values_as_stored=True), marks=SLOW),
+    slow(jnp.float8_e4m3fn, "token", None, 2, dict(queries_as_n=True, values_as_stored=True)),
     (jnp.float8_e5m2, "head", 64, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True, values_as_stored=True)),
     (jnp.float8_e4m3fn, "token", None, None, dict(queries_as_n=True, values_as_stored=True, block_kv=256,
                                                   num_stages=2)),
     (jnp.float8_e4m3fn, "token", 16, 2, dict(queries_as_n=True, block_kv=128, num_stages=2)),
     (jnp.int8, "token", None, 2, dict(queries_as_n=True, values_as_stored=True)),
-    pytest.param(jnp.int8, "head", 64, None,
-                 dict(queries_as_n=True, num_stages=3, pipeline_qk=True, values_as_stored=True), marks=SLOW),
+    slow(jnp.int8, "head", 64, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True, values_as_stored=True)),
     (jnp.int8, "head", 32, None, dict(queries_as_n=True, num_stages=3, pipeline_qk=True)),
     # V as stored a page at a time: a 256-token tile of four (two) page runs, one wgmma each
     (jnp.float8_e4m3fn, "token", 64, 2, dict(queries_as_n=True, values_as_stored=True, block_kv=256, num_stages=2)),
@@ -238,7 +236,6 @@ def test_mosaic_gpu_value_pages_race_detection_finds_none(kv_dtype, page_size, f
 # B=32 T=4096 heads 32/8 D=128 unless noted: the heuristic's configs (one-byte: two KV groups, 8 stages) and the
 # options that change the V tiles' readers, lowered for CUDA (layout inference included) with the SMEM the fit
 # counts checked against what Mosaic GPU lays out.
-slow = lambda *values: pytest.param(*values, marks=pytest.mark.slow)
 MOSAIC_LOWERINGS = [
     ("bfloat16", None, None, {}, 128), ("int8", "token", None, {}, 128), ("float8_e4m3fn", "token", 64, {}, 128),
     ("int8", "head", 128, dict(pipeline_qk=True, persistent=True), 128), ("float8_e4m3fn", "token", None,

@@ -180,29 +180,31 @@ def trace_visits(smem: mgpu_config.DecodeSmem, wanted: int) -> int:
 def op_case(variant: str, batch: int, seq_len: int, kv_dtype: str, s: kernel_variants.Settings, key,
             length: int | None = None, abstract: bool = False):
   """(complete config, its `DecodeSmem`, the op under that config, its arguments) of a variant at a dense shape:
-  bf16, or a one-byte cache stored as the library stores it (V tokens last, per-token scales); length: every
-  sequence's (the config is still the shape's, as a call's is); abstract: one-byte arguments as ShapeDtypeStructs
-  (enough to lower the op)."""
+  bf16, or a one-byte cache stored as the library stores it (V tokens last, per-token scales: the op's last two
+  arguments); length: every sequence's (the config is still the shape's, as a call's is); abstract: one-byte
+  arguments as ShapeDtypeStructs (enough to lower the op)."""
   fields = dict(kernel_variants.VARIANTS[variant][0])
   rows = s.num_heads // s.num_kv_heads
   if jnp.dtype(kv_dtype) == jnp.bfloat16:
     config, _, args = kernel_variants.dense_kernel_case(s, fields, batch, seq_len, key)
-    keywords, quantized = {}, {}
+    op = functools.partial(pkv.decode_attention, impl="mosaic_gpu", config=config)
+    quantized = {}
   else:
     x = mosaic_one_byte.inputs(batch, seq_len, s.head_dim, jnp.dtype(kv_dtype), abstract=abstract)
-    args = (x["q"], x["k"], x["v"], x["lengths"])
-    k_scale, v_scale = x["scales"]["token"]
-    keywords = dict(k_scale=k_scale, v_scale=v_scale, v_tokens_last=True)
-    problem = validation.validate_dense(*args, v_tokens_last=True)
+    args = (x["q"], x["k"], x["v"], x["lengths"], *x["scales"]["token"])
+    problem = validation.validate_dense(*args[:4], v_tokens_last=True)
     partial = pkv.MosaicGPUConfig(**{k: v for k, v in fields.items() if k not in ("splits_factor", "plan_ahead")})
     config = mgpu_config.resolve_config(problem, partial, dtype=args[1].dtype)
     quantized = dict(q_dtype=args[0].dtype, k_scale_kind="token", v_scale_kind="token",
                      num_kv_heads=s.num_kv_heads, v_tokens_last=True)
+
+    def op(q, k, v, lengths, k_scale, v_scale):
+      return pkv.decode_attention(q, k, v, lengths, k_scale=k_scale, v_scale=v_scale, v_tokens_last=True,
+                                  impl="mosaic_gpu", config=config)
   smem = mgpu_config.DecodeSmem.for_call(config, rows=rows, head_dim=s.head_dim, dtype=args[1].dtype, page_size=None,
                                          **quantized)
   if length is not None:
     args = (*args[:3], jnp.full_like(args[3], length), *args[4:])
-  op = functools.partial(pkv.decode_attention, impl="mosaic_gpu", config=config, **keywords)
   return config, smem, op, args
 
 
