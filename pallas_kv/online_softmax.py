@@ -70,12 +70,13 @@ def softmax_step(s, acc, m_i, l_i):
   return acc * per_row(alpha, acc.shape), m_new, l_new, p
 
 
-def times_key_scales(p, key_scales, *, masked: bool = True):
-  """P [rows, bkv] times each key's scale (key_scales [bkv], None: P as it is). In a masked tile a masked key's p
-  is 0 and stays 0 whatever scale lies past the length (inf or NaN there); an unmasked tile needs no select."""
+def times_key_scales(p, key_scales, *, masked: bool = True, keys_axis: int = 1):
+  """P [rows, bkv] (keys_axis 0: P^T [bkv, rows]) times each key's scale (key_scales [bkv], None: P as it is). In a
+  masked tile a masked key's p is 0 and stays 0 whatever scale lies past the length (inf or NaN there); an unmasked
+  tile needs no select."""
   if key_scales is None:
     return p
-  scaled = p * lax.broadcast_in_dim(key_scales, p.shape, [1])
+  scaled = p * lax.broadcast_in_dim(key_scales, p.shape, [keys_axis])
   return jnp.where(p > 0, scaled, 0.0) if masked else scaled
 
 

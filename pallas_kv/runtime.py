@@ -7,6 +7,7 @@ emits its GPU kernel, so `jax.export(..., platforms=["cuda"])` lowers it on a CP
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 from jax._src import config as jax_config  # config states are how jit keys on a switch
@@ -20,6 +21,9 @@ from jax.interpreters import mlir
 INTERPRET_ENV_VAR = "PALLAS_KV_INTERPRET"
 # Heuristics assume an H100/H200 when no GPU is present (e.g. lowering on a CPU machine).
 DEFAULT_NUM_SMS = 132
+# The CPU client's threads in interpret mode: more than an interpreted kernel has warpgroups, each of which may
+# hold one while it waits at a barrier.
+INTERPRET_CPU_THREADS = 8
 
 
 def synchronous_cpu_dispatch() -> bool:
@@ -27,13 +31,16 @@ def synchronous_cpu_dispatch() -> bool:
 
   Interpreted kernels run JAX computations inside host callbacks: with asynchronous dispatch a call
   dispatched while one still runs can take the CPU client's threads and deadlock. The CPU client
-  reads the flag once, when it starts (the first JAX computation), so a later change is void.
+  reads the flag once, when it starts (the first JAX computation), so a later change is void. Before
+  that start it also sizes the client's threads for interpret mode (`PJRT_NPROC`, unless set).
   """
-  if not jax.config.read("jax_cpu_enable_async_dispatch"):
-    return True
   if xla_bridge.backends_are_initialized():
-    return False
+    return not jax.config.read("jax_cpu_enable_async_dispatch")
   jax.config.update("jax_cpu_enable_async_dispatch", False)
+  # Each simulated warpgroup of an interpreted Mosaic GPU kernel may wait at a barrier inside a host callback,
+  # holding one of the CPU client's threads (as many as the machine has cores) until another warpgroup's callback
+  # runs: on 2 cores a waiting producer and consumer left none for the third warpgroup, which never ran.
+  os.environ.setdefault("PJRT_NPROC", str(max(INTERPRET_CPU_THREADS, os.cpu_count() or 1)))
   return True
 
 

@@ -63,12 +63,15 @@ def _config(num_splits, **fields):
 
 # ---------------------------------------------------------------- interpret mode (CPU)
 
+# Up to 32 packed rows take wgmma's N (`mla_config.ONE_BYTE_ROWS_AS_N_MAX`): all but the 72-row case.
 @pytest.mark.parametrize("page_size,num_queries,num_heads,num_splits,scales,dtype", [
     (32, 2, 4, 2, "token", FP8),
     (64, None, 8, 1, 0.05, FP8),
     (32, 3, 24, 2, "token", FP8),
     (64, None, 4, 3, None, jnp.float8_e5m2),
-], ids=["page32-s2-token-splits2", "page64-s1-scalar", "page32-s3-rowblocks2-token", "page64-e5m2-unscaled-splits3"])
+    (16, 2, 16, 2, "token", FP8),
+], ids=["page32-s2-token-splits2", "page64-s1-scalar", "page32-s3-rowblocks2-token", "page64-e5m2-unscaled-splits3",
+        "page16-s2-h16-n32-token-splits2"])
 def test_fp8_mla_interpret(interpret_mode, page_size, num_queries, num_heads, num_splits, scales, dtype):
   # A ragged length (not a multiple of a tile) and one of zero; 3 x 24 heads = 72 rows take two row blocks.
   case = _case(page_size + num_heads, batch=2, seq_len=256, num_heads=num_heads, num_queries=num_queries,
@@ -103,11 +106,13 @@ def test_fp8_mla_garbage_past_lengths_never_reaches_an_output(interpret_mode):
   _check(case, out)
 
 
-@pytest.mark.parametrize("codegen", [mla_config.Codegen(), mla_config.Codegen(explicit_barriers=True)],
-                         ids=["shipped", "explicit-barriers"])
+@pytest.mark.parametrize("codegen", [mla_config.Codegen(), mla_config.Codegen(explicit_barriers=True),
+                                     mla_config.Codegen(one_byte_rows_as_n=False)],
+                         ids=["shipped", "explicit-barriers", "rows-as-m"])
 def test_fp8_mla_race_detection_finds_none(codegen):
   # The partner widens the scorer's value columns for each tile (values_ready / values_free) while the scorer
-  # scores it: 5 tiles through a 2-slot ring, pages of 32, a masked last tile, per-token scales.
+  # scores it: 5 tiles through a 2-slot ring, pages of 32, a masked last tile, per-token scales; 4 rows, as wgmma's
+  # N unless the codegen pads them to M = 64.
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from pallas_kv.kernels.mosaic_gpu import mla as mgpu_mla
@@ -216,7 +221,9 @@ def test_fp8_mla_lowers_for_cuda(shape):
   call = lambda q, pages, tables, lengths, kv_scale=None: pkv.mla_decode_attention(
       q, pages, tables, lengths, v_head_dim=V, return_lse=True, impl=IMPL, kv_scale=kv_scale)
   module = lower_for_cuda(call, *args).mlir_module()
-  name = f"_regp_{jnp.dtype(shape['dtype']).name}"
+  rows = shape["num_heads"] * shape["num_queries"]   # 16 heads: the rows as wgmma's N, padded to 16
+  as_n = f"_n{-(-rows // 16) * 16}" if rows <= mla_config.ONE_BYTE_ROWS_AS_N_MAX else ""
+  name = f"_regp{as_n}_{jnp.dtype(shape['dtype']).name}"
   assert "custom_call @mosaic_gpu" in module and name in module
   assert ("_ks" in module) == (scales == "token")
 
@@ -295,7 +302,8 @@ def test_gpu_mla_explicit_barriers_match_reference_and_rerun_bit_identical(scale
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,seq_len,num_heads,num_queries,page_size,scales", [
     (1, 32768, 128, None, 64, "token"), (16, 4096, 128, 2, 64, 0.05), (64, 4096, 128, None, 32, "token"),
-    (8, 8192, 16, 4, 128, "token"), (8, 4096, 128, None, 16, "token")])   # the last: scales gathered by sequence
+    (8, 8192, 16, 4, 128, "token"), (8, 4096, 128, None, 16, "token"),   # the last: scales gathered by sequence
+    (64, 4096, 16, None, 64, "token"), (8, 4096, 16, 2, 16, 0.05)])   # 16 / 32 rows as wgmma's N
 def test_gpu_fp8_mla_matches_reference(batch, seq_len, num_heads, num_queries, page_size, scales):
   from pallas_kv import runtime
   if not runtime.is_hopper_or_newer():

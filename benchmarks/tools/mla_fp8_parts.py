@@ -7,8 +7,10 @@ Impls: `bf16`, `fp8` (the shipped kernel: Q as two fp8 terms), `fp8_q1` (one ter
 MMA work), `fp8_scalar` (one scale for the pool: no scale ring, S and P unscaled in the kernel), and probes
 whose results are wrong by design (unchecked): `bf16_no_qk`, `fp8_no_qk` (Q K^T left out), `fp8_no_widen` (the
 partner hands the value tiles over without widening them), `bf16_eb` and `fp8_eb` (compiled without the automatic
-barriers around SMEM stores). Each checked impl's relative error is given against
-bf16_einsum over the bf16 pool and over the fp8 pool widened exactly.
+barriers around SMEM stores). Up to 32 packed rows (16 heads) `fp8` takes them as wgmma's N; `fp8_rows_as_m` pads
+them to M = 64 as before (`Codegen.one_byte_rows_as_n=False`), `fp8_st3` is `fp8` on a 3-stage ring (which only
+rows as N leave SMEM for). Each checked impl's relative error is given against bf16_einsum over the bf16 pool and
+over the fp8 pool widened exactly.
 """
 
 from __future__ import annotations
@@ -33,7 +35,12 @@ from benchmarks import timing
 # without the automatic barriers around SMEM stores (`mla_config.Codegen.explicit_barriers`)
 IMPLS = {"bf16": ("bf16", 2, ()), "fp8": ("token", 2, ()), "fp8_q1": ("token", 1, ()),
          "fp8_scalar": ("scalar", 2, ()), "bf16_no_qk": ("bf16", 2, ("qk",)), "fp8_no_qk": ("token", 2, ("qk",)),
-         "fp8_no_widen": ("token", 2, ("widen",)), "bf16_eb": ("bf16", 2, ()), "fp8_eb": ("token", 2, ())}
+         "fp8_no_widen": ("token", 2, ("widen",)), "bf16_eb": ("bf16", 2, ()), "fp8_eb": ("token", 2, ()),
+         "fp8_rows_as_m": ("token", 2, ()), "fp8_st3": ("token", 2, ())}
+# impl: its Codegen fields and config fields beside the 2-stage default
+CODEGEN = {"bf16_eb": dict(explicit_barriers=True), "fp8_eb": dict(explicit_barriers=True),
+           "fp8_rows_as_m": dict(one_byte_rows_as_n=False)}
+CONFIG = {"fp8_st3": dict(num_stages=3)}
 
 
 def probe_math(skip: tuple[str, ...]):
@@ -61,8 +68,8 @@ def launch(row: bench.Row, impl: str):
   """The jitted kernel launch of impl on (q, pages, tables, lengths[, kv_scale]): out [B, (S,) Hq, Dv]."""
   from pallas_kv.kernels.mosaic_gpu import backend, mla as mgpu_mla, mla_config   # pylint: disable=g-import-not-at-top
   pool, terms, skip = IMPLS[impl]
-  codegen = mla_config.Codegen(explicit_barriers=impl.endswith("_eb"))
-  config, plan = bench.kernel_config({}, 1)
+  codegen = mla_config.Codegen(**CODEGEN.get(impl, {}))
+  config, plan = bench.kernel_config(CONFIG.get(impl, {}), 1)
   math = probe_math(skip)
 
   def run(q, pages, tables, lengths, kv_scale=None):

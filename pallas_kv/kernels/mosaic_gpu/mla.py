@@ -12,7 +12,9 @@ schedules run their own consumers on a `Program`.
 An fp8 cache (`MlaSmem.quantized`) keeps the schedule and changes what a tile costs: Q K^T runs on fp8 wgmma
 with Q as two fp8 terms (`split_query`), and the partner widens the value columns into two 16-bit tiles
 (`widen_values`), the scorer's half while the scorer runs Q K^T and the softmax (`partner_one_byte_tiles`).
-Per-token scales multiply S's columns and fold into P.
+Per-token scales multiply S's columns and fold into P. Up to 32 packed rows take wgmma's N there (`MlaSmem.rows_as_n`:
+S^T = K Q^T, the softmax down S^T's columns, O^T = V^T P^T over the widened tiles read transposed), so that 16
+heads do a quarter of the padded rows' products; the schedule is the same.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class Program:
     """Copies q rows (source; default: the row block's) into SMEM and waits for them; over a one-byte cache,
     both fp8 terms and the rows' factors."""
     if self.st.smem.quantized:
-      rows = pl.ds(self.row0, ROWS)
+      rows = pl.ds(self.row0, self.st.smem.q_rows)
       for term in range(self.st.smem.q_terms):   # one copy per term: TMA strides up to 5 dims
         plgpu.copy_gmem_to_smem(self.q_ref.at[self.b, term, rows], self.q_block.at[term], self.q_barrier)
       plgpu.copy_gmem_to_smem(self.row_factor_ref.at[self.b, rows],
@@ -93,7 +95,16 @@ class Program:
     plgpu.barrier_wait(self.q_barrier)
 
   def row_factor(self):
-    return plgpu.load(self.row_smem.at[self.st.smem.row_factor_row], layout=plgpu.Layout.WGMMA.reduce(1))
+    return plgpu.load(self.row_smem.at[self.st.smem.row_factor_row], layout=self.row_vector_layout)
+
+  @property
+  def rows_axis(self) -> int:
+    """The q rows' axis of S and of the accumulators: 1 with rows as N (S^T [bkv, N], O^T [Dv/2, N])."""
+    return 1 if self.st.rows_as_n else 0
+
+  @property
+  def row_vector_layout(self):
+    return plgpu.Layout.WGMMA.reduce(1 - self.rows_axis)
 
   def valid_rows(self, tile, masked: bool):
     return self.length - tile * self.st.tiling.block_kv if masked else None
@@ -125,12 +136,18 @@ def score_tiles(program: Program, scores: Scores):
 
 
 def publish_and_add_pv(p: Program, acc, p16, alpha, values, tile):
-  """The scorer's acc + P V over values [bkv, Dv/2], handing P and alpha to the partner meanwhile."""
+  """The scorer's acc + P V over values [bkv, Dv/2], handing P and alpha to the partner meanwhile (rows as N:
+  acc^T + V^T P^T, after the hand-over: P^T is wgmma's B, read from SMEM)."""
   publish = functools.partial(p.shared.publish, p16, alpha, wait_free=tile > p.t0)
-  if p.st.interpret:   # interpret mode reads P from SMEM
+  if p.st.interpret or p.st.rows_as_n:   # interpret mode reads P from SMEM
     publish()
-    return add_pv(acc, [(p.shared.p, values)], p.st)
+    return add_pv(acc, [value_product(p, p.shared.p, values)], p.st)
   return add_pv(acc, [(p16, values)], p.st, meanwhile=publish)   # the hand-over while the tensor cores run P V
+
+
+def value_product(p: Program, probabilities, values):
+  """P V's wgmma operands (A, B) of P [64, bkv] and values [bkv, Dv/2]; rows as N, V^T and P^T [bkv, N]."""
+  return (values.transpose((1, 0)), probabilities) if p.st.rows_as_n else (probabilities, values)
 
 
 def unmasked_then_masked(p: Program, step, carry):
@@ -172,7 +189,7 @@ def scorer_and_partner(program: Program, score, partner):
     def _():
       plgpu.barrier_wait(p.p_free)   # the partner's last P V: observe every phase of the barrier
 
-    out, lse = online_softmax.finalize(acc, m_i, l_i, reciprocal=True)
+    out, lse = online_softmax.finalize(acc, m_i, l_i, reciprocal=True, rows_axis=p.rows_axis)
     p.row_smem[1] = l_i
     p.output.meet_and_store(0, out, lse)
 
@@ -193,7 +210,8 @@ def shipped_consumers(program: Program):
 def score_one_byte_tiles(program: Program, scores: Scores):
   """`score_tiles` over an fp8 cache: Q K^T from the fp8 slot; P V on the value columns the partner widened."""
   p, st = program, program.st
-  s_type = plgpu.ACC((ROWS, st.tiling.block_kv), jnp.float32)
+  axis = p.rows_axis
+  s_type = plgpu.ACC((st.tiling.block_kv, st.rows_as_n) if st.rows_as_n else (ROWS, st.tiling.block_kv), jnp.float32)
   row_factor = p.row_factor()
 
   def step(tile, carry, *, masked: bool):
@@ -208,14 +226,14 @@ def score_one_byte_tiles(program: Program, scores: Scores):
     s = pl.run_scoped(qk, s_type)
     p.ring.release(i)
     key_scales = None
-    if p.scale_ring is not None:
-      key_scales = plgpu.load(p.scale_ring.wait(i), layout=plgpu.Layout.WGMMA.reduce(0))
-    alpha, m_new, l_new, prob = st.tile_math.softmax(scaled_scores(s, key_scales), m_i, l_i, tile=tile,
-                                                     length=p.length, row0=p.row0, masked=masked, st=st,
+    if p.scale_ring is not None:   # a vector over the keys: S's columns (rows as N: S^T's rows)
+      key_scales = plgpu.load(p.scale_ring.wait(i), layout=plgpu.Layout.WGMMA.reduce(axis))
+    alpha, m_new, l_new, prob = st.tile_math.softmax(scaled_scores(s, key_scales, keys_axis=1 - axis), m_i, l_i,
+                                                     tile=tile, length=p.length, row0=p.row0, masked=masked, st=st,
                                                      row_factor=row_factor)
     # P V reads the unscaled widened values: each key's scale goes into P.
-    p16 = online_softmax.times_key_scales(prob, key_scales, masked=masked).astype(st.smem.dtype)
-    acc = acc * online_softmax.per_row(alpha, acc.shape)
+    p16 = online_softmax.times_key_scales(prob, key_scales, masked=masked, keys_axis=1 - axis).astype(st.smem.dtype)
+    acc = acc * online_softmax.per_row(alpha, acc.shape, axis)
     plgpu.barrier_wait(p.values_ready)
     acc = publish_and_add_pv(p, acc, p16, alpha, p.widened[SCORER], tile)
     # The key scales were read (into P) before the hand-over's commit: no fence of their own.
@@ -223,7 +241,12 @@ def score_one_byte_tiles(program: Program, scores: Scores):
     plgpu.barrier_arrive(p.values_free)   # after P V's wgmma: its result is read above
     return acc, m_new, l_new
 
-  return unmasked_then_masked(p, step, start_state((ROWS, st.half_v)))
+  return unmasked_then_masked(p, step, start_state(accumulator_shape(p), rows_axis=axis))
+
+
+def accumulator_shape(p: Program) -> tuple[int, int]:
+  """A consumer's share of O: [64, Dv/2], or O^T [Dv/2, N] with rows as N."""
+  return (p.st.half_v, p.st.rows_as_n) if p.st.rows_as_n else (ROWS, p.st.half_v)
 
 
 def partner_one_byte_tiles(program: Program):
@@ -247,11 +270,12 @@ def partner_one_byte_tiles(program: Program):
     st.tile_math.widen(slot, p.widened, PARTNER, st, valid_rows)
     p.ring.release(i, read_by_registers=True)
     alpha = p.shared.receive()
-    acc = add_pv(acc * online_softmax.per_row(alpha, acc.shape), [(p.shared.p, p.widened[PARTNER])], st)
+    acc = add_pv(acc * online_softmax.per_row(alpha, acc.shape, p.rows_axis),
+                 [value_product(p, p.shared.p, p.widened[PARTNER])], st)
     p.shared.hand_back()
     return acc
 
-  acc = unmasked_then_masked(p, step, plgpu.layout_cast(jnp.zeros((ROWS, st.half_v), jnp.float32),
+  acc = unmasked_then_masked(p, step, plgpu.layout_cast(jnp.zeros(accumulator_shape(p), jnp.float32),
                                                         plgpu.Layout.WGMMA))
 
   @pl.when(p.t1 > p.t0)
@@ -323,9 +347,10 @@ def _kernel(q_ref,
     if scale_ring is not None:
       scale_ring.drain(t1 - t0)
 
-  program = Program(wg=wg, q_ref=q_ref, q_block=q_block, q_barrier=q_barrier, ring=ring,
-                    shared=SharedP(p_smem, row_smem, p_ready, p_free), p_smem=p_smem, row_smem=row_smem,
-                    p_ready=p_ready, p_free=p_free, max_ready=max_ready, output=output, b=b, t0=t0, t1=t1, c=c,
+  shared = SharedP(p_smem, row_smem, p_ready, p_free, vector_layout=plgpu.Layout.WGMMA.reduce(0 if st.rows_as_n else 1))
+  program = Program(wg=wg, q_ref=q_ref, q_block=q_block, q_barrier=q_barrier, ring=ring, shared=shared, p_smem=p_smem,
+                    row_smem=row_smem, p_ready=p_ready, p_free=p_free, max_ready=max_ready, output=output, b=b, t0=t0,
+                    t1=t1, c=c,
                     length=length, row0=row0, st=st, row_factor_ref=row_factor_ref, widened=widened,
                     values_ready=values_ready, values_free=values_free, scale_ring=scale_ring)
   consumers = shipped_consumers if st.schedule is None else st.schedule.consumers
@@ -406,7 +431,7 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
   page_size = kv_pages.shape[1]
   token_scales = kv_scale is not None and jnp.ndim(kv_scale) >= 2   # [P, page_size(, 1)]
   check_config(config, qk_dim=D, v_dim=v_head_dim, dtype=q.dtype, page_size=page_size, rows=R,
-               kv_dtype=kv_pages.dtype)
+               kv_dtype=kv_pages.dtype, one_byte_rows_as_n=codegen.one_byte_rows_as_n)
   if plan.stream_k:
     raise ValueError("the MLA kernel takes the per-sequence or balanced plan, not stream-K")
   if codegen.explicit_barriers and variant_schedule(config) is not None:
@@ -416,7 +441,8 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
   kv_tiling = tiling.KVTiling(config.block_kv, D, kv_pages.dtype, page_size=page_size,
                               num_pages=kv_pages.shape[0], max_pages=block_tables.shape[1])
   smem = MlaSmem.for_call(config, qk_dim=D, v_dim=v_head_dim, dtype=q.dtype, page_size=page_size, rows=R,
-                          kv_dtype=kv_pages.dtype, token_scales=token_scales, query_terms=query_terms)
+                          kv_dtype=kv_pages.dtype, token_scales=token_scales, query_terms=query_terms,
+                          one_byte_rows_as_n=codegen.one_byte_rows_as_n)
   num_row_blocks = 1 if smem.rows_as_n else row_blocks(R)
   rows_padded = smem.rows_as_n or num_row_blocks * ROWS
   out_rows = R if num_row_blocks == 1 else rows_padded

@@ -28,6 +28,9 @@ REDUCTION_SCRATCH_BYTES = 0
 ROWS_AS_N_MULTIPLE = 16
 ROWS_AS_N_MAX = 64
 ROWS_AS_N_SCRATCH_BYTES = {16: 4096, 32: 4096, 48: 1024, 64: 1024}
+# Over a one-byte cache the math, not the bytes, bounds a tile of rows padded to M = 64 (16 heads: 4x the products
+# the rows need); up to 32 rows take wgmma's N instead (docs/decisions.md#mla-fp8-rows-as-n).
+ONE_BYTE_ROWS_AS_N_MAX = 32
 
 # 64K registers / 384 threads, rounded down to 8: setmaxnreg moves registers within this pool.
 LAUNCH_REGISTERS = 168
@@ -64,16 +67,19 @@ class Codegen:
   explicit_barriers: Mosaic GPU's automatic warpgroup barriers around every SMEM store off
     (`CompilerParams.unsafe_no_auto_barriers`); the shipped schedule syncs where its stores need it: P's hand-over
     loses four a tile, an fp8 cache's widening sixteen. A candidate, not yet measured on a GPU.
+  one_byte_rows_as_n: over a one-byte cache, up to ONE_BYTE_ROWS_AS_N_MAX packed rows as wgmma's N (S^T = K Q^T,
+    O^T = V^T P^T); False pads them to M = 64 as a 16-bit cache's are (`_rowsm`: the comparison).
   """
   registers: RegisterSplit = RegisterSplit()
   q_per_tile: bool = True
   slots_per_tile: bool = False
   explicit_barriers: bool = False
+  one_byte_rows_as_n: bool = True
 
   @property
   def name(self) -> str:
     return (f"{self.registers.name}{'' if self.q_per_tile else '_heldq'}{'_spt' if self.slots_per_tile else ''}"
-            f"{'_eb' if self.explicit_barriers else ''}")
+            f"{'_eb' if self.explicit_barriers else ''}{'' if self.one_byte_rows_as_n else '_rowsm'}")
 
 
 def variant_schedule(config):
@@ -108,6 +114,8 @@ class MlaSmem:
   barriers values_ready, values_free                    the scorer's half handed over
   scales   ring [num_stages, bkv] f32                   per-token scales, when the call has them (a page's run a
                                                         copy; gathered by sequence, one copy a tile)
+  With rows as N (a one-byte cache's few rows, or the experimental schedule), q, P^T and the row vectors hold N
+  rows, not 64, and the 16-bit operands take the swizzle of P^T's rows.
   """
   qk_dim: int
   v_dim: int
@@ -269,17 +277,22 @@ class MlaSmem:
 
   @classmethod
   def for_call(cls, config: MosaicMLAConfig, *, qk_dim: int, v_dim: int, dtype: Any, page_size: int,
-               rows: int = ROWS, kv_dtype: Any = None, token_scales: bool = False, query_terms: int = 2) -> "MlaSmem":
+               rows: int = ROWS, kv_dtype: Any = None, token_scales: bool = False, query_terms: int = 2,
+               one_byte_rows_as_n: bool = True) -> "MlaSmem":
     """Outputs and partials are staged in q's dtype (the cache's, or bf16 over a one-byte cache); rows: packed q
-    rows (rows as N). A one-byte dtype is taken as the cache's (kv_dtype), with fp16 math (`frame.compute_dtype`)."""
+    rows (rows as N). A one-byte dtype is taken as the cache's (kv_dtype), with fp16 math (`frame.compute_dtype`).
+    one_byte_rows_as_n: `Codegen.one_byte_rows_as_n`."""
     schedule = variant_schedule(config)
     if jnp.dtype(dtype).itemsize == 1:
       kv_dtype, dtype = dtype, frame.compute_dtype(dtype)
+    layout = {} if schedule is None else schedule.smem_layout(rows)
+    if (schedule is None and one_byte_rows_as_n and kv_dtype is not None and jnp.dtype(kv_dtype).itemsize == 1
+        and rows <= ONE_BYTE_ROWS_AS_N_MAX):
+      layout = dict(rows_as_n=plan.round_up(rows, ROWS_AS_N_MULTIPLE))
     return cls(qk_dim=qk_dim, v_dim=v_dim, dtype=dtype, out_dtype=dtype, kv_dtype=kv_dtype, token_scales=token_scales,
                gathered_scales=token_scales and gathers_scales(page_size), query_terms=query_terms,
                block_kv=config.block_kv, num_stages=config.num_stages,
-               copies_per_tile=mgpu_config.copies_per_tile(config.block_kv, page_size),
-               **({} if schedule is None else schedule.smem_layout(rows)))
+               copies_per_tile=mgpu_config.copies_per_tile(config.block_kv, page_size), **layout)
 
 
 def row_blocks(rows: int) -> int:
@@ -287,7 +300,7 @@ def row_blocks(rows: int) -> int:
 
 
 def check_config(config: MosaicMLAConfig, *, qk_dim: int, v_dim: int, dtype: Any, page_size: int,
-                 rows: int = ROWS, kv_dtype: Any = None) -> None:
+                 rows: int = ROWS, kv_dtype: Any = None, one_byte_rows_as_n: bool = True) -> None:
   if not isinstance(config, MosaicMLAConfig) or not config.complete:
     raise ValueError(f"the MLA kernel takes a complete MosaicMLAConfig (resolve_config), got {config!r}")
   schedule = variant_schedule(config)
@@ -301,7 +314,8 @@ def check_config(config: MosaicMLAConfig, *, qk_dim: int, v_dim: int, dtype: Any
   if reason:
     raise NotImplementedError(f"mosaic_gpu: {reason}")
   smem = MlaSmem.for_call(config, qk_dim=qk_dim, v_dim=v_dim, dtype=dtype, page_size=page_size, rows=rows,
-                          kv_dtype=kv_dtype, token_scales=kv_dtype is not None and jnp.dtype(kv_dtype).itemsize == 1)
+                          kv_dtype=kv_dtype, token_scales=kv_dtype is not None and jnp.dtype(kv_dtype).itemsize == 1,
+                          one_byte_rows_as_n=one_byte_rows_as_n)
   if not smem.fits:
     raise ValueError(f"num_stages={config.num_stages} of {config.block_kv} x {qk_dim} tiles needs {smem.nbytes} "
                      f"bytes of SMEM, over the {mgpu_config.SMEM_CAPACITY_BYTES} available; use fewer stages")
@@ -313,7 +327,7 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16") -> MosaicMLAConfig:
   while True:
     deeper = dataclasses.replace(config, num_stages=config.num_stages + 1)
     smem = MlaSmem.for_call(deeper, qk_dim=problem.head_dim, v_dim=problem.v_head_dim, dtype=dtype,
-                            page_size=problem.page_size)
+                            page_size=problem.page_size, rows=problem.num_queries * problem.num_heads)
     if deeper.num_stages > 4 or not smem.fits:
       return config
     config = deeper

@@ -65,11 +65,12 @@ class ProgramOutput:
     wrote, added up); lse_of_max (log2 units) makes the lse from them."""
     self.meet()
     if row_sums:
-      l = sum(plgpu.load(part, layout=plgpu.Layout.WGMMA.reduce(1)) for part in row_sums)
+      rows_axis = 1 if self.rows_as_n else 0   # out^T [Dv/2, N] with rows as N
+      l = sum(plgpu.load(part, layout=plgpu.Layout.WGMMA.reduce(1 - rows_axis)) for part in row_sums)
       if lse_of_max is not None:
-        out, lse = online_softmax.finalize(out, lse_of_max, l, reciprocal=True)
-      else:
-        out = out * online_softmax.per_row(1.0 / jnp.where(l > 0, l, 1.0), out.shape)   # one divide a row
+        out, lse = online_softmax.finalize(out, lse_of_max, l, reciprocal=True, rows_axis=rows_axis)
+      else:   # one divide a row
+        out = out * online_softmax.per_row(1.0 / jnp.where(l > 0, l, 1.0), out.shape, rows_axis)
     self.store(half, out, lse)
 
   def store_no_keys(self):

@@ -163,7 +163,11 @@ class Scores:
   def start(self, s_ref, tile, slot):
     if self.st.smem.quantized:   # two fp8 terms of Q against the fp8 keys; keys past the length are masked
       for term in range(self.st.smem.q_terms):
-        self.st.tile_math.qk(s_ref, self.q_term(term), slot.transpose((1, 0)))
+        q = self.q_term(term)
+        if self.st.rows_as_n:   # S^T = K Q^T: both K-major, as fp8 wgmma needs
+          self.st.tile_math.qk(s_ref, slot, q.transpose((1, 0)))
+        else:
+          self.st.tile_math.qk(s_ref, q, slot.transpose((1, 0)))
       return
     self.zero_past(tile, [(slot, self.st.smem.v_dim)])
     self.st.tile_math.qk(s_ref, self.q_smem, slot.transpose((1, 0)))
@@ -222,9 +226,9 @@ def widen_values(slot, widened, w: int, st: Static, valid_rows=None):
   plgpu.commit_smem()
 
 
-def scaled_scores(s, key_scales=None):
-  """Raw fp8 scores s [64, bkv] f32 times each key's scale ([bkv], WGMMA columns; given). Each row's factor goes
-  into the softmax's scale (`TileMath.softmax`)."""
+def scaled_scores(s, key_scales=None, *, keys_axis: int = 1):
+  """Raw fp8 scores s [64, bkv] f32 (rows as N: S^T [bkv, N], keys_axis 0) times each key's scale ([bkv], a
+  vector over keys_axis; given). Each row's factor goes into the softmax's scale (`TileMath.softmax`)."""
   if key_scales is not None:
-    s = s * lax.broadcast_in_dim(key_scales, s.shape, [1])
+    s = s * lax.broadcast_in_dim(key_scales, s.shape, [keys_axis])
   return s
