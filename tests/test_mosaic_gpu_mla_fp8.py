@@ -107,8 +107,9 @@ def test_fp8_mla_garbage_past_lengths_never_reaches_an_output(interpret_mode):
 
 
 @pytest.mark.parametrize("codegen", [mla_config.Codegen(), mla_config.Codegen(explicit_barriers=True),
-                                     mla_config.Codegen(one_byte_rows_as_n=False)],
-                         ids=["shipped", "explicit-barriers", "rows-as-m"])
+                                     mla_config.Codegen(one_byte_rows_as_n=False),
+                                     mla_config.Codegen(widen_own_values=True)],
+                         ids=["shipped", "explicit-barriers", "rows-as-m", "own-values"])
 def test_fp8_mla_race_detection_finds_none(codegen):
   # The partner widens the scorer's value columns for each tile (values_ready / values_free) while the scorer
   # scores it: 5 tiles through a 2-slot ring, pages of 32, a masked last tile, per-token scales; 4 rows, as wgmma's
@@ -243,6 +244,18 @@ def _kernel_launch(dtype, codegen, *, batch=64, seq_len=4096, num_heads=128, pag
       q, kv, lengths, tables, num_queries=1, v_head_dim=V, scale=0.1, config=_config(1), plan=plan,
       kv_scale=kv_scale, codegen=codegen)[0]
   return fn, args
+
+
+@pytest.mark.parametrize("codegen", [mla_config.Codegen(), mla_config.Codegen(one_byte_rows_as_n=False),
+                                     mla_config.Codegen(widen_own_values=True)],
+                         ids=["rows-as-n", "rows-as-m", "own-values"])
+def test_fp8_mla_16_heads_lower_for_cuda_each_way(codegen):
+  # The kernels `tools.mla_fp8_parts` compares at 16 heads B64 T8192, lowered with layout inference; the name
+  # says which form each took.
+  fn, args = _kernel_launch(FP8, codegen, seq_len=8192, num_heads=16)
+  module = lower_for_cuda(fn, *args).mlir_module()
+  assert ("_regp_n16_" in module) == codegen.one_byte_rows_as_n
+  assert ("_ownv" in module) == codegen.widen_own_values
 
 
 @pytest.mark.parametrize("dtype", [FP8, jnp.bfloat16], ids=["fp8", "bf16"])

@@ -9,7 +9,7 @@ whose results are wrong by design (unchecked): `bf16_no_qk`, `fp8_no_qk` (Q K^T 
 partner hands the value tiles over without widening them), `bf16_eb` and `fp8_eb` (compiled without the automatic
 barriers around SMEM stores). Up to 32 packed rows (16 heads) `fp8` takes them as wgmma's N; `fp8_rows_as_m` pads
 them to M = 64 as before (`Codegen.one_byte_rows_as_n=False`), `fp8_st3` is `fp8` on a 3-stage ring (which only
-rows as N leave SMEM for). Each checked impl's relative error is given against bf16_einsum over the bf16 pool and
+rows as N leave SMEM for), `fp8_own` has each consumer widen its own value columns (`Codegen.widen_own_values`). Each checked impl's relative error is given against bf16_einsum over the bf16 pool and
 over the fp8 pool widened exactly.
 """
 
@@ -36,10 +36,10 @@ from benchmarks import timing
 IMPLS = {"bf16": ("bf16", 2, ()), "fp8": ("token", 2, ()), "fp8_q1": ("token", 1, ()),
          "fp8_scalar": ("scalar", 2, ()), "bf16_no_qk": ("bf16", 2, ("qk",)), "fp8_no_qk": ("token", 2, ("qk",)),
          "fp8_no_widen": ("token", 2, ("widen",)), "bf16_eb": ("bf16", 2, ()), "fp8_eb": ("token", 2, ()),
-         "fp8_rows_as_m": ("token", 2, ()), "fp8_st3": ("token", 2, ())}
+         "fp8_rows_as_m": ("token", 2, ()), "fp8_st3": ("token", 2, ()), "fp8_own": ("token", 2, ())}
 # impl: its Codegen fields and config fields beside the 2-stage default
 CODEGEN = {"bf16_eb": dict(explicit_barriers=True), "fp8_eb": dict(explicit_barriers=True),
-           "fp8_rows_as_m": dict(one_byte_rows_as_n=False)}
+           "fp8_rows_as_m": dict(one_byte_rows_as_n=False), "fp8_own": dict(widen_own_values=True)}
 CONFIG = {"fp8_st3": dict(num_stages=3)}
 
 

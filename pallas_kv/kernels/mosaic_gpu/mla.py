@@ -208,8 +208,10 @@ def shipped_consumers(program: Program):
 
 
 def score_one_byte_tiles(program: Program, scores: Scores):
-  """`score_tiles` over an fp8 cache: Q K^T from the fp8 slot; P V on the value columns the partner widened."""
+  """`score_tiles` over an fp8 cache: Q K^T from the fp8 slot; P V on the value columns the partner widened (or,
+  `Codegen.widen_own_values`, the scorer did while its Q K^T ran)."""
   p, st = program, program.st
+  own = st.codegen.widen_own_values
   axis = p.rows_axis
   s_type = plgpu.ACC((st.tiling.block_kv, st.rows_as_n) if st.rows_as_n else (ROWS, st.tiling.block_kv), jnp.float32)
   row_factor = p.row_factor()
@@ -221,6 +223,8 @@ def score_one_byte_tiles(program: Program, scores: Scores):
 
     def qk(s_ref):
       scores.start(s_ref, tile, slot)
+      if own:   # fenced by its commit: the slot is released plainly below
+        st.tile_math.widen(slot, p.widened, SCORER, st, p.valid_rows(tile, masked))
       return s_ref[...]
 
     s = pl.run_scoped(qk, s_type)
@@ -234,11 +238,13 @@ def score_one_byte_tiles(program: Program, scores: Scores):
     # P V reads the unscaled widened values: each key's scale goes into P.
     p16 = online_softmax.times_key_scales(prob, key_scales, masked=masked, keys_axis=1 - axis).astype(st.smem.dtype)
     acc = acc * online_softmax.per_row(alpha, acc.shape, axis)
-    plgpu.barrier_wait(p.values_ready)
+    if not own:
+      plgpu.barrier_wait(p.values_ready)
     acc = publish_and_add_pv(p, acc, p16, alpha, p.widened[SCORER], tile)
     # The key scales were read (into P) before the hand-over's commit: no fence of their own.
     pipeline.release_after_commit((p.scale_ring,), i)
-    plgpu.barrier_arrive(p.values_free)   # after P V's wgmma: its result is read above
+    if not own:
+      plgpu.barrier_arrive(p.values_free)   # after P V's wgmma: its result is read above
     return acc, m_new, l_new
 
   return unmasked_then_masked(p, step, start_state(accumulator_shape(p), rows_axis=axis))
@@ -252,21 +258,23 @@ def accumulator_shape(p: Program) -> tuple[int, int]:
 def partner_one_byte_tiles(program: Program):
   """`partner_tiles` over an fp8 cache. The partner widens both halves of the value columns: the scorer's first,
   once the scorer's last P V is done with them (values_free), handed over by values_ready while the scorer runs
-  Q K^T and the softmax; then its own. The scorer's tile then costs what a 16-bit tile costs."""
+  Q K^T and the softmax; then its own. The scorer's tile then costs what a 16-bit tile costs. With
+  `Codegen.widen_own_values`, its own alone."""
   p, st = program, program.st
+  own = st.codegen.widen_own_values
 
   def step(tile, acc, *, masked: bool):
     i = tile - p.t0
     slot, valid_rows = p.ring.wait(i), p.valid_rows(tile, masked)
+    if not own:
+      @pl.when(tile > p.t0)
+      def _():
+        plgpu.barrier_wait(p.values_free)
 
-    @pl.when(tile > p.t0)
-    def _():
-      plgpu.barrier_wait(p.values_free)
-
-    st.tile_math.widen(slot, p.widened, SCORER, st, valid_rows)
-    plgpu.barrier_arrive(p.values_ready)
-    if st.codegen.explicit_barriers:   # every warp's last P V over its own half (wgmma's B: all rows) is done
-      plgpu.commit_smem()
+      st.tile_math.widen(slot, p.widened, SCORER, st, valid_rows)
+      plgpu.barrier_arrive(p.values_ready)
+      if st.codegen.explicit_barriers:   # every warp's last P V over its own half (wgmma's B: all rows) is done
+        plgpu.commit_smem()
     st.tile_math.widen(slot, p.widened, PARTNER, st, valid_rows)
     p.ring.release(i, read_by_registers=True)
     alpha = p.shared.receive()
@@ -278,9 +286,10 @@ def partner_one_byte_tiles(program: Program):
   acc = unmasked_then_masked(p, step, plgpu.layout_cast(jnp.zeros(accumulator_shape(p), jnp.float32),
                                                         plgpu.Layout.WGMMA))
 
-  @pl.when(p.t1 > p.t0)
-  def _():
-    plgpu.barrier_wait(p.values_free)   # the scorer's last P V: observe every phase of the barrier
+  if not own:
+    @pl.when(p.t1 > p.t0)
+    def _():
+      plgpu.barrier_wait(p.values_free)   # the scorer's last P V: observe every phase of the barrier
 
   return acc
 

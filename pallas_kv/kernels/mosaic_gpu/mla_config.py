@@ -69,17 +69,22 @@ class Codegen:
     loses four a tile, an fp8 cache's widening sixteen. A candidate, not yet measured on a GPU.
   one_byte_rows_as_n: over a one-byte cache, up to ONE_BYTE_ROWS_AS_N_MAX packed rows as wgmma's N (S^T = K Q^T,
     O^T = V^T P^T); False pads them to M = 64 as a 16-bit cache's are (`_rowsm`: the comparison).
+  widen_own_values: over a one-byte cache each consumer widens its own value columns, the scorer while its Q K^T
+    runs, and no widened tile is handed over; default, the partner widens both halves, so that an MMA-bound
+    scorer's tile costs what a 16-bit one does. A candidate where the scorer has time to spare (rows as N).
   """
   registers: RegisterSplit = RegisterSplit()
   q_per_tile: bool = True
   slots_per_tile: bool = False
   explicit_barriers: bool = False
   one_byte_rows_as_n: bool = True
+  widen_own_values: bool = False
 
   @property
   def name(self) -> str:
     return (f"{self.registers.name}{'' if self.q_per_tile else '_heldq'}{'_spt' if self.slots_per_tile else ''}"
-            f"{'_eb' if self.explicit_barriers else ''}{'' if self.one_byte_rows_as_n else '_rowsm'}")
+            f"{'_eb' if self.explicit_barriers else ''}{'' if self.one_byte_rows_as_n else '_rowsm'}"
+            f"{'_ownv' if self.widen_own_values else ''}")
 
 
 def variant_schedule(config):
