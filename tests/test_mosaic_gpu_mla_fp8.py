@@ -204,6 +204,7 @@ LOWERING = [
     dict(batch=8, seq_len=4096, num_heads=32, page_size=16, scales="scalar"),
     dict(batch=8, seq_len=4096, page_size=16),   # per-token scales gathered by sequence
     dict(batch=4, seq_len=1024, dtype=jnp.float8_e5m2, scales=None),
+    dict(batch=8, seq_len=4096, num_heads=16, num_queries=2, page_size=32),   # 32 rows as wgmma's N
 ]
 
 
