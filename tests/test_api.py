@@ -185,7 +185,7 @@ def test_interpret_switches():
 # Reports, as JSON, the switches a fresh process sees: at import, then as `steps` (comma-separated)
 # say: "start" runs a JAX computation (the CPU client starts), "enter" enters `pkv.interpret()`.
 _SWITCHES_PROBE = """
-import json, sys
+import json, os, sys
 import jax, jax.numpy as jnp
 import pallas_kv as pkv
 from pallas_kv import runtime
@@ -201,12 +201,14 @@ for step in filter(None, sys.argv[1].split(",")):
       facts["entered"] = runtime.interpret_enabled()
     facts["async_after_enter"] = async_dispatch()
     facts["synchronous"] = runtime.synchronous_cpu_dispatch()
+facts["cpu_threads"] = os.environ.get("PJRT_NPROC")
 print(json.dumps(facts))
 """
 
 
 def _probe_switches(steps: str, env_value: str | None = None) -> dict:
-  env = {k: v for k, v in os.environ.items() if k not in (runtime.INTERPRET_ENV_VAR, "JAX_CPU_ENABLE_ASYNC_DISPATCH")}
+  env = {k: v for k, v in os.environ.items()
+         if k not in (runtime.INTERPRET_ENV_VAR, "JAX_CPU_ENABLE_ASYNC_DISPATCH", "PJRT_NPROC")}
   if env_value is not None:
     env[runtime.INTERPRET_ENV_VAR] = env_value
   result = subprocess.run([sys.executable, "-c", _SWITCHES_PROBE, steps], env=env, cwd=REPO, capture_output=True,
@@ -218,17 +220,21 @@ def _probe_switches(steps: str, env_value: str | None = None) -> dict:
 @pytest.mark.parametrize("value", ["1", "true", "TRUE"])
 def test_interpret_env_var_turns_interpret_mode_and_synchronous_dispatch_on(value):
   facts = _probe_switches("", value)
-  assert facts == {"interpret": True, "async": False, "interpret_off": False}
+  threads = str(max(runtime.INTERPRET_CPU_THREADS, os.cpu_count()))
+  assert facts == {"interpret": True, "async": False, "interpret_off": False, "cpu_threads": threads}
 
 
 def test_interpret_context_turns_synchronous_dispatch_on_while_it_still_can():
-  assert _probe_switches("", "0") == {"interpret": False, "async": True, "interpret_off": False}
+  assert _probe_switches("", "0") == {"interpret": False, "async": True, "interpret_off": False, "cpu_threads": None}
   facts = _probe_switches("enter")   # before the CPU client starts: asynchronous dispatch goes off
   assert facts["entered"] is True and facts["async"] is True and facts["async_after_enter"] is False
   assert facts["synchronous"] is True
+  # ... and the client gets a thread for each interpreted warpgroup that may wait at a barrier at once.
+  assert int(facts["cpu_threads"]) >= runtime.INTERPRET_CPU_THREADS
   # After the CPU client started the flag can no longer take effect: it stays, and says so.
   facts = _probe_switches("start,enter")
   assert facts["entered"] is True and facts["async_after_enter"] is True and facts["synchronous"] is False
+  assert facts["cpu_threads"] is None
 
 
 def test_jit_retraces_when_interpret_mode_changes():

@@ -139,7 +139,7 @@ def publish_and_add_pv(p: Program, acc, p16, alpha, values, tile):
   """The scorer's acc + P V over values [bkv, Dv/2], handing P and alpha to the partner meanwhile (rows as N:
   acc^T + V^T P^T, after the hand-over: P^T is wgmma's B, read from SMEM)."""
   publish = functools.partial(p.shared.publish, p16, alpha, wait_free=tile > p.t0)
-  if p.st.interpret or p.st.rows_as_n:   # interpret mode reads P from SMEM
+  if p.st.interpret or p.st.rows_as_n:   # interpret mode reads P from SMEM; P^T, as wgmma's B, must be there
     publish()
     return add_pv(acc, [value_product(p, p.shared.p, values)], p.st)
   return add_pv(acc, [(p16, values)], p.st, meanwhile=publish)   # the hand-over while the tensor cores run P V
@@ -359,8 +359,7 @@ def _kernel(q_ref,
   shared = SharedP(p_smem, row_smem, p_ready, p_free, vector_layout=plgpu.Layout.WGMMA.reduce(0 if st.rows_as_n else 1))
   program = Program(wg=wg, q_ref=q_ref, q_block=q_block, q_barrier=q_barrier, ring=ring, shared=shared, p_smem=p_smem,
                     row_smem=row_smem, p_ready=p_ready, p_free=p_free, max_ready=max_ready, output=output, b=b, t0=t0,
-                    t1=t1, c=c,
-                    length=length, row0=row0, st=st, row_factor_ref=row_factor_ref, widened=widened,
+                    t1=t1, c=c, length=length, row0=row0, st=st, row_factor_ref=row_factor_ref, widened=widened,
                     values_ready=values_ready, values_free=values_free, scale_ring=scale_ring)
   consumers = shipped_consumers if st.schedule is None else st.schedule.consumers
   if st.num_splits == 1:   # the output itself: written whatever the length
