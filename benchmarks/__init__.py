@@ -7,6 +7,11 @@ diagnostics, the serving routine's peer engine and the scaling routine's sharded
 
 import importlib
 
+try:   # before a routine starts JAX's CPU client: interpreted kernels need its threads (docs/reliability.md)
+  from pallas_kv import runtime as _runtime   # noqa: F401  (reserve_interpret_threads, at import)
+except ImportError:   # pallas_kv's rows then read n/a (peers.import_pallas_kv)
+  pass
+
 # Modules that moved, under their former names for importers not yet updated (tests/test_smollm2.py,
 # tests/test_mosaic_gpu.py, tests/test_scaling.py): `from benchmarks import smollm2` still works.
 _MOVED = {"smollm2": "benchmarks.serving", "kernel_variants": "benchmarks.tools.kernel_variants",

@@ -31,17 +31,29 @@ def synchronous_cpu_dispatch() -> bool:
 
   Interpreted kernels run JAX computations inside host callbacks: with asynchronous dispatch a call
   dispatched while one still runs can take the CPU client's threads and deadlock. The CPU client
-  reads the flag once, when it starts (the first JAX computation), so a later change is void. Before
-  that start it also sizes the client's threads for interpret mode (`PJRT_NPROC`, unless set).
+  reads the flag once, when it starts (the first JAX computation), so a later change is void.
   """
   if xla_bridge.backends_are_initialized():
     return not jax.config.read("jax_cpu_enable_async_dispatch")
   jax.config.update("jax_cpu_enable_async_dispatch", False)
-  # Each simulated warpgroup of an interpreted Mosaic GPU kernel may wait at a barrier inside a host callback,
-  # holding one of the CPU client's threads (as many as the machine has cores) until another warpgroup's callback
-  # runs: on 2 cores a waiting producer and consumer left none for the third warpgroup, which never ran.
+  return True
+
+
+def reserve_interpret_threads() -> bool:
+  """Gives JAX's CPU client at least INTERPRET_CPU_THREADS threads (`PJRT_NPROC`, unless the environment sets it) if
+  it has not started; True if it had not. Run when pallas_kv is imported.
+
+  Each simulated warpgroup of an interpreted Mosaic GPU kernel waits at its barriers inside a host callback, holding
+  one of the client's threads (by default as many as the machine has cores) until another warpgroup's callback
+  runs: on 2 cores a waiting producer and consumer left none for the third warpgroup, and the kernel hung.
+  """
+  if xla_bridge.backends_are_initialized():
+    return False
   os.environ.setdefault("PJRT_NPROC", str(max(INTERPRET_CPU_THREADS, os.cpu_count() or 1)))
   return True
+
+
+reserve_interpret_threads()
 
 
 def _on_interpret_set(enabled) -> None:
