@@ -241,7 +241,7 @@ def test_interpret_context_turns_synchronous_dispatch_on_while_it_still_can():
   assert facts["entered"] is True and facts["async_after_enter"] is True and facts["synchronous"] is False
 
 
-def test_importing_pallas_kv_first_sizes_the_cpu_clients_threads_for_interpret_mode():   # (_CPU_THREADS)
+def test_importing_pallas_kv_first_sizes_the_cpu_clients_threads_for_interpret_mode():
   assert _probe_switches("")["cpu_threads"] == _CPU_THREADS
   assert _probe_switches("", cpu_threads="3")["cpu_threads"] == "3"
 

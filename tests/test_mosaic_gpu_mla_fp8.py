@@ -112,8 +112,8 @@ def test_fp8_mla_garbage_past_lengths_never_reaches_an_output(interpret_mode):
                          ids=["shipped", "explicit-barriers", "rows-as-m", "own-values"])
 def test_fp8_mla_race_detection_finds_none(codegen):
   # The partner widens the scorer's value columns for each tile (values_ready / values_free) while the scorer
-  # scores it: 5 tiles through a 2-slot ring, pages of 32, a masked last tile, per-token scales; 4 rows, as wgmma's
-  # N unless the codegen pads them to M = 64.
+  # scores it (own-values: each widens its own): 5 tiles through a 2-slot ring, pages of 32, a masked last tile,
+  # per-token scales; 4 rows, as wgmma's N unless the codegen pads them to M = 64.
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks   # no public accessor in jax 0.11
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from pallas_kv.kernels.mosaic_gpu import mla as mgpu_mla

@@ -9,8 +9,9 @@ whose results are wrong by design (unchecked): `bf16_no_qk`, `fp8_no_qk` (Q K^T 
 partner hands the value tiles over without widening them), `bf16_eb` and `fp8_eb` (compiled without the automatic
 barriers around SMEM stores). Up to 32 packed rows (16 heads) `fp8` takes them as wgmma's N; `fp8_rows_as_m` pads
 them to M = 64 as before (`Codegen.one_byte_rows_as_n=False`), `fp8_st3` is `fp8` on a 3-stage ring (which only
-rows as N leave SMEM for), `fp8_own` has each consumer widen its own value columns (`Codegen.widen_own_values`). Each checked impl's relative error is given against bf16_einsum over the bf16 pool and
-over the fp8 pool widened exactly.
+rows as N leave SMEM for), `fp8_own` has each consumer widen its own value columns (`Codegen.widen_own_values`).
+Each checked impl's relative error is given against bf16_einsum over the bf16 pool and over the fp8 pool widened
+exactly.
 """
 
 from __future__ import annotations
