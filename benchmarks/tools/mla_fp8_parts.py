@@ -108,8 +108,12 @@ def run_row(row: bench.Row, impls, *, cpu: bool) -> list[dict[str, Any]]:
     sets = pool_sets[pool]
     fn = launch(row, impl)
     result = dict(row=row.name, impl=impl, probe=bool(skip))
-    if not skip:
+    try:
       out = fn(*sets[0])
+    except ValueError as e:   # a config this row's SMEM does not fit (fp8_st3 at rows padded to 64)
+      print(f"{row.name} {impl}: n/a ({e})", flush=True)
+      continue
+    if not skip:
       result.update(err_vs_bf16_pool=cases.relative_error(out, refs["bf16"]),
                     err_vs_widened=cases.relative_error(out, refs[pool]) if pool != "bf16" else None)
     t = timing.time_jax(fn, sets, warmup=0 if cpu else 3, iters=1 if cpu else 10, repeats=1 if cpu else 5)
