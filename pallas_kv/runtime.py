@@ -33,8 +33,10 @@ def synchronous_cpu_dispatch() -> bool:
   dispatched while one still runs can take the CPU client's threads and deadlock. The CPU client
   reads the flag once, when it starts (the first JAX computation), so a later change is void.
   """
+  if not jax.config.read("jax_cpu_enable_async_dispatch"):
+    return True
   if xla_bridge.backends_are_initialized():
-    return not jax.config.read("jax_cpu_enable_async_dispatch")
+    return False
   jax.config.update("jax_cpu_enable_async_dispatch", False)
   return True
 

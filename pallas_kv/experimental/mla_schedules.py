@@ -24,7 +24,8 @@ from pallas_kv import online_softmax
 from pallas_kv.kernels import plan
 from pallas_kv.kernels.mosaic_gpu import pipeline
 from pallas_kv.kernels.mosaic_gpu import tiling
-from pallas_kv.kernels.mosaic_gpu.mla import PARTNER, SCORER, Program, partner_tiles, scorer_and_partner
+from pallas_kv.kernels.mosaic_gpu.mla import PARTNER, SCORER, Program, accumulator_shape, partner_tiles
+from pallas_kv.kernels.mosaic_gpu.mla import scorer_and_partner
 from pallas_kv.kernels.mosaic_gpu.mla_config import BLOCK_KV, ROWS, ROWS_AS_N_MAX, ROWS_AS_N_MULTIPLE, VALUE_WGS
 from pallas_kv.kernels.mosaic_gpu.mla_tiles import Scores, Static, TileMath, add_pv, start_state
 
@@ -201,7 +202,6 @@ def _partner_tiles(program: Program):
   rows as N (O^T = alpha O^T + V^T P^T)."""
   p, st, ring = program, program.st, program.ring
   rows_axis = 1 if st.rows_as_n else 0
-  shape = (st.half_v, st.rows_as_n) if st.rows_as_n else (ROWS, st.half_v)
   part = 1 if st.smem.ring_halves else None
   first_column = 0 if st.smem.ring_halves else st.half_v
 
@@ -216,7 +216,8 @@ def _partner_tiles(program: Program):
     ring.release(i, part=part)
     return acc
 
-  return lax.fori_loop(p.t0, p.t1, step, plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA))
+  return lax.fori_loop(p.t0, p.t1, step, plgpu.layout_cast(jnp.zeros(accumulator_shape(p), jnp.float32),
+                                                           plgpu.Layout.WGMMA))
 
 
 def _both_score(program: Program, loop, sums_row: int):
@@ -473,9 +474,7 @@ def _score_tiles_as_n(program: Program, scores: Scores):
 
 def _rows_as_n_consumers(program: Program):
   """The scorer and partner with rows as N: each stores its half of O^T into out [B, splits, Dv, N]."""
-  p = dataclasses.replace(program, shared=dataclasses.replace(program.shared,
-                                                              vector_layout=plgpu.Layout.WGMMA.reduce(0)))
-  st = p.st
+  p, st = program, program.st   # the kernel gives rows as N their column-vector hand-over (SharedP)
 
   @pl.when(p.wg == SCORER)
   def _scorer():
