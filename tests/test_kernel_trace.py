@@ -102,10 +102,10 @@ def test_a_trace_needs_a_folder_and_room():
     kernel_trace.trace_visits(no_room, wanted=40)
 
 
-def _events(tid, spans):
-  """Perfetto events of one warpgroup: spans (name, start, end) in thousands of cycles, properly nested."""
+def _events(tid, spans, sm=1):
+  """Perfetto events of one warpgroup on SM `sm`: spans (name, start, end) in thousands of cycles, properly nested."""
   marks = [(start, 1, "B", name) for name, start, end in spans] + [(end, 0, "E", name) for name, start, end in spans]
-  return [{"name": name, "ph": ph, "ts": ts, "pid": 1, "tid": tid} for ts, _, ph, name in sorted(marks)]
+  return [{"name": name, "ph": ph, "ts": ts, "pid": sm, "tid": tid} for ts, _, ph, name in sorted(marks)]
 
 
 def test_the_summary_splits_each_role_s_span_into_its_regions(tmp_path):
@@ -155,6 +155,23 @@ def test_a_first_tile_is_timed_against_the_later_ones():
   assert " 7.00  2.00 " in kernel_trace.format_table([row])
 
 
+def test_a_first_tile_is_timed_apart_on_an_sm_s_first_program_and_by_region():
+  # SM 1 runs a program from 0 (first tile 9, its softmax 6 of it) and one from 20 (first tile 3, a later one 2);
+  # SM 2 one from 0 (first tile 8). A region entered before a tile and left inside it is not the tile's.
+  sm1_first = [("item", 0, 19), ("wait_q", 0, 0.5), ("qk", 0, 1), ("softmax", 1, 7), ("qk", 9, 10)]
+  sm1_later = [("item", 20, 40), ("qk", 20, 21), ("qk", 23, 24), ("qk", 25, 26)]
+  sm2_first = [("item", 0, 19), ("qk", 0, 1), ("qk", 8, 9)]
+  events = _events(1, sm1_first, sm=1) + _events(2, sm1_later, sm=1) + _events(3, sm2_first, sm=2)
+  meta = {"variant": "v", "shape": "B1 T1", "warpgroups": 1, "consumers": 1, "visits": 100}
+  [row] = kernel_trace.summarize({"traceEvents": events}, meta)
+  assert row["first_tile_sm_first_kcycles"] == pytest.approx((9 + 8) / 2)
+  assert row["first_tile_sm_later_kcycles"] == pytest.approx(3.0)
+  assert row["first_tile_softmax_kcycles"] == pytest.approx(6 / 3) and row["first_tile_qk_kcycles"] == 1.0
+  assert row["later_tile_qk_kcycles"] == 1.0 and row["later_tile_softmax_kcycles"] == 0.0
+  assert " 8.50  3.00 " in kernel_trace.format_table([row])
+  assert kernel_trace.regions_within(_events(1, [("item", 0, 9), ("qk", 1, 2)]), 0.5, 9) == {"qk": 1}
+
+
 def test_chained_calls_run_in_order_each_on_the_last_output():
   seen = []
 
@@ -167,6 +184,12 @@ def test_chained_calls_run_in_order_each_on_the_last_output():
   out = jax.jit(functools.partial(run, scale=0.5))(q, k)
   assert out.dtype == jnp.bfloat16 and len(seen) == 3
   assert np.allclose(np.asarray(out, np.float32), (((1 + 2) * 0.5 + 2) * 0.5 + 2) * 0.5)
+  # Another kernel between the calls (an XLA add on the queries), none before the first.
+  between = kernel_trace.chained(op, 2, between="xla_add")
+  out = jax.jit(functools.partial(between, scale=0.5))(jnp.ones((2, 4), jnp.float32), k)
+  assert np.allclose(np.asarray(out), ((1 + 2) * 0.5 + 1e-3 + 2) * 0.5)
+  with pytest.raises(ValueError, match="between='matmul'"):
+    kernel_trace.chained(op, 2, between="matmul")
 
 
 def test_the_tool_summarizes_anywhere_and_traces_only_on_a_gpu(tmp_path):
@@ -187,6 +210,8 @@ def test_the_tool_summarizes_anywhere_and_traces_only_on_a_gpu(tmp_path):
   assert ragged_one_byte.returncode != 0 and "a bfloat16 cache only" in ragged_one_byte.stderr + ragged_one_byte.stdout
   too_long = run("--length=5000", "--shapes=1x4096", "--kv_dtype=int8")
   assert too_long.returncode != 0 and "--length=5000" in too_long.stderr + too_long.stdout
+  nothing_between = run("--between_calls=xla_add", "--calls=1")
+  assert nothing_between.returncode != 0 and "give --calls >= 2" in nothing_between.stderr + nothing_between.stdout
 
 
 def test_a_short_sequence_is_traced_under_its_shape_s_config():

@@ -8,14 +8,17 @@ with the SM clock.
 Each (variant of `kernel_variants.VARIANTS`, shape BxT) runs the op (`decode_attention`, impl mosaic_gpu; heads
 32/8, D 128; a bf16 cache at full lengths, `--ragged` or `--length`, or `--kv_dtype` one-byte) once untraced, then
 traced (`--calls` calls in a chain: the profiler records a kernel's first launch, cold, and the chain's last call is
-warm): its GQA kernel's trace (Perfetto JSON, ui.perfetto.dev; the merge launch is not in it) and what it needs
-to be read (`meta.json`) land in --out/VARIANT_BxT[_LN]_DTYPE/ (default: beside --json, its name without .json
-and `_traces`); --json gets the table's rows. The table: per warpgroup role (consumer N,
-producer), the mean over programs of the span (first entry to last exit, thousands of SM cycles: ~2 per µs at
-the H100's and H200's boost clock), the share of it inside each region (a region inside one of its own name
-counted once), the items a program took, its first tile's wait (the ring's fill), and its first tile's time against
-a later tile's (from one `qk` entry to the next: a start-up cost). `truncated`: a program's
-warpgroup visited regions past --visits (SMEM left over by the kernel bounds it); its later visits are missing.
+warm; `--between_calls=xla_add` puts another kernel between the calls, as a model does): its GQA kernel's trace
+(Perfetto JSON, ui.perfetto.dev; the merge launch is not in it) and what it needs to be read (`meta.json`) land
+in --out/VARIANT_BxT[_LN]_DTYPE/ (default: beside --json, its name without .json and `_traces`); --json gets the
+table's rows. The table: per warpgroup role (consumer N, producer), the mean over programs of the span (first
+entry to last exit, thousands of SM cycles: ~2 per µs at the H100's and H200's boost clock), the share of it inside
+each region (a region inside one of its own name counted once), the items a program took, its first tile's wait
+(the ring's fill), and its first tile's time against a later tile's (from one `qk` entry to the next: a start-up
+cost), that first tile on programs that ran first on their SM and on those that ran after another there (a cold
+code fetch is the first's alone); the JSON rows add each region's time inside a first tile and a later one.
+`truncated`: a program's warpgroup visited regions past --visits (SMEM left over by the kernel bounds it); its
+later visits are missing.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from pallas_kv.kernels.mosaic_gpu.trace import KernelTrace
 FLAGS = flags.FLAGS
 REGIONS = ("item", "wait_free", "wait_tile", "wait_q", "write_out", "qk", "softmax", "pv", "widen")
 SMEM_MARGIN_BYTES = 2048   # left free beside the kernel's own SMEM and the trace's buffer
+BETWEEN_CALLS = ("none", "xla_add")   # what runs between chained calls (`chained`)
 
 
 def role(warpgroup: int, consumers: int) -> str:
@@ -55,10 +59,34 @@ def role(warpgroup: int, consumers: int) -> str:
   return "producer" if warpgroup == consumers else "converter"
 
 
+TILE_REGIONS = ("qk", "wait_tile", "widen", "softmax", "pv")   # timed inside a first tile and a later one
+
+
+def regions_within(events: Sequence[dict[str, Any]], lo: float, hi: float) -> dict[str, float]:
+  """Time in each region (outermost visits of its name) between lo and hi, of regions entered and left there."""
+  stack: list[tuple[str, float]] = []
+  inside: dict[str, float] = collections.defaultdict(float)
+  for event in events:
+    if not lo <= event["ts"] <= hi:
+      continue
+    if event["ph"] == "B":
+      stack.append((event["name"], event["ts"]))
+      continue
+    opened = [k for k, (name, _) in enumerate(stack) if name == event["name"]]
+    if not opened:   # entered before lo
+      continue
+    name, start = stack.pop(opened[-1])
+    if not any(open_name == name for open_name, _ in stack):
+      inside[name] += event["ts"] - start
+  return dict(inside)
+
+
 def program_summary(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
-  """One warpgroup's events ({"name", "ph": "B" / "E", "ts"}, in order; ts in µs as the trace writes it, i.e.
-  thousands of SM cycles after the program's start): its span, time in each region (outermost visits of a
-  name), visits per region, the first visit's time and each `qk` visit's start (all in thousands of cycles)."""
+  """One warpgroup's events ({"name", "ph": "B" / "E", "ts", "pid"}, in order; ts in µs as the trace writes it, i.e.
+  thousands of SM cycles after the program's start; pid names the SM): its span, time in each region (outermost
+  visits of a name), visits per region, the first visit's time, each `qk` visit's start (all in thousands of
+  cycles), its start and SM, and the regions' time inside its first tile and inside its later tiles (a tile: from
+  one `qk` entry to the next)."""
   stack: list[tuple[str, float]] = []
   tile_starts = [event["ts"] for event in events if event["name"] == "qk" and event["ph"] == "B"]
   inside: dict[str, float] = collections.defaultdict(float)
@@ -75,8 +103,12 @@ def program_summary(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
     visits[name] += 1
     first.setdefault(name, event["ts"] - start)
   span = events[-1]["ts"] - events[0]["ts"] if events else 0.0
+  first_tile = regions_within(events, *tile_starts[:2]) if len(tile_starts) >= 2 else {}
+  later_tiles = regions_within(events, tile_starts[1], tile_starts[-1]) if len(tile_starts) >= 3 else {}
   return {"span": span, "inside": dict(inside), "visits": dict(visits), "first": first, "events": len(events),
-          "tile_starts": tile_starts}
+          "tile_starts": tile_starts, "start": events[0]["ts"] if events else 0.0,
+          "sm": events[0].get("pid") if events else None, "first_tile_regions": first_tile,
+          "later_tile_regions": {k: v / (len(tile_starts) - 2) for k, v in later_tiles.items()}}
 
 
 def tile_times(programs: Sequence[dict[str, Any]]) -> tuple[float, float]:
@@ -88,6 +120,20 @@ def tile_times(programs: Sequence[dict[str, Any]]) -> tuple[float, float]:
     return float("nan"), float("nan")
   later = [g[1:].mean() for g in gaps if len(g) > 1]
   return float(np.mean([g[0] for g in gaps])), float(np.mean(later)) if later else float("nan")
+
+
+def first_on_their_sm(programs: Sequence[dict[str, Any]]) -> list[bool]:
+  """Per program: whether it started first of the programs on its SM (the launch's first wave; a later program on
+  the SM finds the kernel's code in that SM's caches)."""
+  earliest: dict[Any, float] = {}
+  for p in programs:
+    earliest[p["sm"]] = min(earliest.get(p["sm"], float("inf")), p["start"])
+  return [p["start"] == earliest[p["sm"]] for p in programs]
+
+
+def _mean_or_nan(values) -> float:
+  values = list(values)
+  return float(np.mean(values)) if values else float("nan")
 
 
 def summarize(trace: dict[str, Any], meta: dict[str, Any]) -> list[dict[str, Any]]:
@@ -109,6 +155,16 @@ def summarize(trace: dict[str, Any], meta: dict[str, Any]) -> list[dict[str, Any
            "first_wait_tile_kcycles": float(np.mean([p["first"].get("wait_tile", 0.0) for p in programs])),
            "truncated": sum(p["events"] >= 2 * (meta["visits"] - 1) for p in programs)}
     row["first_tile_kcycles"], row["later_tile_kcycles"] = tile_times(programs)
+    # A first tile slow only on an SM's first program is the kernel's code fetched cold (`tile_times`).
+    firsts = first_on_their_sm(programs)
+    for label, wanted in (("sm_first", True), ("sm_later", False)):
+      row[f"first_tile_{label}_kcycles"] = _mean_or_nan(
+          p["tile_starts"][1] - p["tile_starts"][0] for p, f in zip(programs, firsts)
+          if f == wanted and len(p["tile_starts"]) >= 2)
+    for region in TILE_REGIONS:
+      for when in ("first", "later"):
+        row[f"{when}_tile_{region}_kcycles"] = _mean_or_nan(
+            p[f"{when}_tile_regions"].get(region, 0.0) for p in programs if p[f"{when}_tile_regions"])
     for region in REGIONS:
       share = [p["inside"].get(region, 0.0) / p["span"] for p in programs if p["span"] > 0]
       row[f"{region}_share"] = float(np.mean(share)) if share else 0.0
@@ -117,7 +173,8 @@ def summarize(trace: dict[str, Any], meta: dict[str, Any]) -> list[dict[str, Any
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-  header = (["variant", "shape", "role", "programs", "span", "items", "1st wait", "1st tile", "tile"] + list(REGIONS)
+  header = (["variant", "shape", "role", "programs", "span", "items", "1st wait", "1st tile", "tile", "1st@SM",
+             "1st@SM+"] + list(REGIONS)
             + ["truncated"])
   lines = ["  ".join(header)]
   for r in rows:
@@ -126,10 +183,13 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
       continue
     cells = [r["variant"], r["shape"], r["role"], str(r["programs"]), f"{r['span_kcycles']:.1f}", f"{r['items']:.2f}",
              f"{r['first_wait_tile_kcycles']:.2f}", f"{r['first_tile_kcycles']:.2f}",
-             f"{r['later_tile_kcycles']:.2f}"] + [f"{100 * r[f'{x}_share']:.1f}%" for x in REGIONS]
+             f"{r['later_tile_kcycles']:.2f}", f"{r.get('first_tile_sm_first_kcycles', np.nan):.2f}",
+             f"{r.get('first_tile_sm_later_kcycles', np.nan):.2f}"]
+    cells += [f"{100 * r[f'{x}_share']:.1f}%" for x in REGIONS]
     lines.append("  ".join(cells + [str(r["truncated"])]))
-  return "\n".join(lines) + ("\n(span, 1st wait, 1st tile and tile: thousands of SM cycles; region columns: share of "
-                             "the span)")
+  return "\n".join(lines) + ("\n(span, 1st wait, 1st tile and tile: thousands of SM cycles; 1st@SM / 1st@SM+: the "
+                             "first tile of a program that ran first on its SM / after another there; region "
+                             "columns: share of the span)")
 
 
 def read_traces(directory: str) -> list[dict[str, Any]]:
@@ -214,38 +274,47 @@ def settings(ragged: bool = False) -> kernel_variants.Settings:
                                   repeats=1, rotate_bytes=0.0, budget_s=0.0, ragged=ragged)
 
 
-def chained(op, calls: int):
+def chained(op, calls: int, between: str = "none"):
   """op(q, *rest) called `calls` times in one function, each call's queries the previous call's output: the calls
   run in order, and each after the first finds the kernel's code, and as much of the cache as L2 kept, as a loop
-  of calls does. Each call is its own kernel to the profiler, whose trace file is named when it is lowered."""
+  of calls does. between="xla_add": an XLA elementwise kernel on the queries between calls, as a model's other
+  kernels run between its attention calls (whether another kernel leaves the SMs' code caches cold). Each call is
+  its own kernel to the profiler, whose trace file is named when it is lowered."""
+  if between not in BETWEEN_CALLS:
+    raise ValueError(f"between={between!r}: one of {BETWEEN_CALLS}")
+
   def run(q, *rest, **keywords):
-    for _ in range(calls):
+    for call in range(calls):
+      if call and between == "xla_add":
+        q = q + jnp.asarray(1e-3, q.dtype)
       q = op(q, *rest, **keywords).astype(q.dtype)
     return q
   return run
 
 
 def trace_run(variant: str, batch: int, seq_len: int, kv_dtype: str, s: kernel_variants.Settings, out: str,
-              wanted_visits: int, key, length: int | None = None, calls: int = 1) -> dict[str, Any]:
+              wanted_visits: int, key, length: int | None = None, calls: int = 1,
+              between: str = "none") -> dict[str, Any]:
   """Runs the op of one (variant, shape, cache dtype; every sequence `length` long, if given) untraced, then
   traced (a fresh jit inside `trace.tracing`; `calls` calls in a chain, `chained`) into out/VARIANT_BxT[_LN]_DTYPE/
   (_cN after the shape where calls > 1); returns its meta.json. The profiler records a kernel's first launch only:
   with calls > 1 the table reads the last call's trace (code and data warm, as in a loop of calls)."""
   config, smem, op, args = op_case(variant, batch, seq_len, kv_dtype, s, key, length)
   visits = trace_visits(smem, wanted_visits)
-  at = ("" if length is None else f"_L{length}") + ("" if calls == 1 else f"_c{calls}")
+  at = (("" if length is None else f"_L{length}") + ("" if calls == 1 else f"_c{calls}")
+        + ("" if between == "none" else f"_{between}"))
   name = f"{variant}_{batch}x{seq_len}{at}_{jnp.dtype(kv_dtype).name}".replace("+", "_")
   directory = os.path.join(out, name)
   os.makedirs(directory, exist_ok=True)
   jax.block_until_ready(jax.jit(op)(*args))   # compiled, and the data's first touch done
   with kernel_trace.tracing(KernelTrace(directory, visits)):
-    jax.block_until_ready(jax.jit(chained(op, calls))(*args))
+    jax.block_until_ready(jax.jit(chained(op, calls, between))(*args))
   jax.effects_barrier()   # the trace is written by a host callback after the kernel
   shape = (kernel_variants.shape_name(batch, seq_len, None) + ("" if length is None else f" L{length}")
-           + ("" if calls == 1 else f" call {calls}"))
+           + ("" if calls == 1 else f" call {calls}") + ("" if between == "none" else f" after {between}"))
   meta = {"variant": variant, "shape": shape,
           "kv_dtype": jnp.dtype(kv_dtype).name, "warpgroups": smem.num_threads, "consumers": smem.num_wgs,
-          "visits": visits, "calls": calls, "config": dataclasses.asdict(config),
+          "visits": visits, "calls": calls, "between_calls": between, "config": dataclasses.asdict(config),
           "device": str(jax.devices()[0].device_kind)}
   with open(os.path.join(directory, "meta.json"), "w") as f:
     json.dump(meta, f, indent=1)
@@ -261,6 +330,8 @@ def define_flags() -> None:
   flags.DEFINE_integer("calls", 1, "Calls of the op in one chain (`chained`); the table reads the last one's "
                        "trace: 2 or more for a warm call's timeline (the profiler records a kernel's first launch).",
                        lower_bound=1)
+  flags.DEFINE_enum("between_calls", "none", list(BETWEEN_CALLS), "What runs between chained calls: xla_add, an "
+                    "XLA elementwise kernel on the queries (as a model's other kernels), with --calls >= 2.")
   flags.DEFINE_enum("kv_dtype", "bfloat16", ["bfloat16", "int8", "float8_e4m3fn"],
                     "The cache: one-byte ones with V tokens last and per-token scales, as the library stores them.")
   flags.DEFINE_integer("visits", 1024, "Region visits recorded per warpgroup, at most (SMEM bounds it).")
@@ -286,6 +357,8 @@ def main(argv: Sequence[str]) -> int:
   if FLAGS.length is not None and (FLAGS.ragged or not all(1 <= FLAGS.length <= t for _, t, _ in shapes)):
     raise app.UsageError(f"--length={FLAGS.length}: every sequence's length, at least 1 and at most each shape's T "
                          f"({', '.join(FLAGS.shapes)}), and not with --ragged")
+  if FLAGS.between_calls != "none" and FLAGS.calls < 2:
+    raise app.UsageError(f"--between_calls={FLAGS.between_calls}: runs between chained calls; give --calls >= 2")
   if jax.default_backend() != "gpu":
     raise app.UsageError("needs a GPU (the profiler runs in the compiled kernel); --summarize reads traces anywhere")
   unknown = set(FLAGS.variants) - set(kernel_variants.VARIANTS)
@@ -300,7 +373,7 @@ def main(argv: Sequence[str]) -> int:
     for variant in FLAGS.variants:
       try:
         meta = trace_run(variant, batch, seq_len, FLAGS.kv_dtype, s, out, FLAGS.visits, jax.random.key(0),
-                         FLAGS.length, FLAGS.calls)
+                         FLAGS.length, FLAGS.calls, FLAGS.between_calls)
         print(f"{variant} {shape}: traced, {meta['visits']} visits per warpgroup", flush=True)
       except Exception as e:  # pylint: disable=broad-except
         failed += 1

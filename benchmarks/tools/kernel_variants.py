@@ -71,7 +71,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...] | None]] = {
     "kv_groups2": ({"kv_groups": 2}, ("B1 T32768", "B8 T8192", "B8 T8192 p16")),
     "kv_groups3": ({"kv_groups": 3}, ("B1 T32768", "B8 T8192", "B8 T8192 p16")),
     "queries_as_n128": ({"queries_as_n": True, "block_kv": 128}, ()),   # fp8 only: traced (`kernel_trace`), not here
-    "splits8": ({"num_splits": 8}, ()),     # traced only: a sequence's first-tile cost against its split count
+    "splits1": ({"num_splits": 1}, ()),     # traced only: a sequence's first-tile cost against its split count
+    "splits8": ({"num_splits": 8}, ()),
     "splits32": ({"num_splits": 32}, ()),
     "tile_consumers2": ({"tile_consumers": 2}, None),
     "tc2+pqk+persistent": ({"tile_consumers": 2, "pipeline_qk": True, "persistent": True}, None),
