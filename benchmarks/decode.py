@@ -95,7 +95,10 @@ The note column says "chain" when the difference was too noisy (tiny CPU cases)
 and the plain chain time, an upper bound, is shown instead. The chain hides host
 dispatch, which a user's Python loop of jitted calls pays on every call: the host us
 column (`host_us`) times such a loop (`timing.HOST_LOOP_TIMERS`), wall clock per call;
-`--nohost_loop` skips it. Exit status 1 if a pallas_kv impl raised something other than
+`--nohost_loop` skips it. Between two calls of a chain or loop nothing else runs (a merge launch of split
+shapes aside), so each call finds the GPU's caches holding the op's own code; `--between_calls=xla_add` runs an
+XLA elementwise kernel on the queries before each call, as a model's other kernels do, and a first row times that
+kernel alone (subtract it). Exit status 1 if a pallas_kv impl raised something other than
 NotImplementedError or failed the numerics check (peers never fail the run); a kernel impl
 on a CPU outside interpret mode (PALLAS_KV_INTERPRET=1) reads n/a.
 
@@ -148,8 +151,11 @@ class KernelFlags:
   triton_num_stages: int | None = None
   v_tokens_last: bool | None = None   # None: `pallas_kv.cache.default_v_tokens_last` of the case's cache
   varlen: bool = False
+  between_calls: str = "none"   # "xla_add": an XLA kernel on the queries before each call (`with_kernel_before`)
 
   def __post_init__(self):
+    if self.between_calls not in BETWEEN_CALLS:
+      raise ValueError(f"--between_calls={self.between_calls}: one of {', '.join(BETWEEN_CALLS)}")
     if self.stream_k_programs_per_sm is not None and self.split_plan != "stream_k":
       raise ValueError(f"--stream_k_programs_per_sm={self.stream_k_programs_per_sm} needs --split_plan=stream_k")
     for op in ("decode", "mla"):   # every config these flags build, so that a bad one fails before a run
@@ -214,6 +220,10 @@ class KernelFlags:
     config = configs.get(backend)
     return self._runner(impl, spec, tokens_last, kw if config is None else dict(kw, config=config)), config
 
+  def timed(self, runner: peers.Runner) -> peers.Runner:
+    """The runner as timed: with an XLA kernel before each call under --between_calls."""
+    return runner if self.between_calls == "none" else with_kernel_before(runner)
+
   def tokens_last(self, case: cases.Case) -> bool:
     """Whether ours read the case's v stored tokens last."""
     if case.op == "mla":
@@ -229,6 +239,37 @@ class KernelFlags:
     if not tokens_last:
       return runner
     return dataclasses.replace(runner, prepare=cases.with_v_tokens_last)
+
+
+BETWEEN_CALLS = ("none", "xla_add")
+BETWEEN_ROW = "xla_add alone"   # the impl name of the row that times the kernel put between calls
+
+
+def _add_to_queries(q):
+  if not (isinstance(q, jax.Array) and jnp.issubdtype(q.dtype, jnp.floating)):
+    raise NotImplementedError("--between_calls: an impl whose first argument is the queries")
+  return q + jnp.asarray(1e-3, q.dtype)
+
+
+def with_kernel_before(runner: peers.Runner) -> peers.Runner:
+  """The runner with an XLA elementwise kernel on the queries before each call, as a model runs other kernels
+  between its attention calls: the GPU's caches then hold that kernel's code, not the op's, when each call
+  starts. The op's time in that setting: this runner's time less the `BETWEEN_ROW` row's (the add alone)."""
+  if runner.timer != "jax":
+    raise NotImplementedError(f"--between_calls: JAX impls only (this one is timed by {runner.timer!r})")
+  return dataclasses.replace(runner, fn=lambda q, *rest: runner.fn(_add_to_queries(q), *rest))
+
+
+def _between_row(sweep: cases.Sweep, input_sets: Sequence[tuple], host_loop: bool) -> dict[str, Any]:
+  """The row of the kernel `with_kernel_before` adds, timed alone as the impls are."""
+  fn = lambda q, *rest: _add_to_queries(q)
+  t = timing.TIMERS["jax"](fn, input_sets, warmup=sweep.warmup, iters=sweep.iters, repeats=sweep.repeats)
+  row = {"impl": BETWEEN_ROW, "ours": False, "status": "ok", **output.timing_fields(t),
+         **dict.fromkeys(("tbps", "tflops", "roofline_pct"), float("nan"))}   # no KV read
+  if host_loop:
+    row.update(output.host_loop_fields(timing.HOST_LOOP_TIMERS["jax"](
+        fn, input_sets, warmup=sweep.warmup, iters=sweep.iters, repeats=sweep.repeats)))
+  return row
 
 
 def _varlen_runner(impl: str, spec: peers.OpSpec, kw: dict) -> peers.Runner:
@@ -279,6 +320,7 @@ def run_impl(impl: str, case: cases.Case, sweep: cases.Sweep, input_sets: Sequen
       row["auto_choice"] = peers.auto_choice()
     if ref is not None:
       row["rel_err"] = cases.relative_error(runner.to_numpy(first), ref)
+    runner = kernel.timed(runner)
     t = timing.TIMERS[runner.timer](runner.fn, prepared, warmup=sweep.warmup,
                                     iters=sweep.iters, repeats=sweep.repeats)
     if host_loop:
@@ -324,6 +366,8 @@ def run_case(case: cases.Case, sweep: cases.Sweep, key: jax.Array, host_loop: bo
           "attended_keys": attended_keys, "num_sets": num_sets,
           "reference": ref_source}
   rows = []
+  if kernel.between_calls != "none":
+    rows.append({**info, **_between_row(sweep, input_sets, host_loop)})
   for impl in sweep.impls:
     row = run_impl(impl, case, sweep, input_sets, ref, costs, host_loop, kernel)
     rows.append({**info, **row})
@@ -402,6 +446,9 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                        lower_bound=1, **into)
   flags.DEFINE_boolean("varlen", False, "pallas_kv impls: q in the varlen form [B * S, Hq, D] with cu_seqlens_q "
                        "(S tokens a sequence), to set beside the same run without it.", **into)
+  flags.DEFINE_enum("between_calls", "none", list(BETWEEN_CALLS), "xla_add: every timed call runs after an XLA "
+                    "elementwise kernel on its queries, as a model's other kernels run between its attention calls "
+                    "(the GPU's caches then hold their code); a row times that kernel alone, to subtract.", **into)
   flags.adopt_module_key_flags(cli, flag_values)
 
 

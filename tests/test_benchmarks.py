@@ -72,6 +72,27 @@ def test_one_short_length_in_a_long_cache_counts_its_keys_and_refuses_what_it_ca
       cases.Sweep(cases=((2, 128),), **bad)
 
 
+def test_calls_can_run_after_another_kernel_whose_own_row_comes_first():
+  out = io.StringIO()
+  rows = decode_bench.run(op="decode", cases=((2, 128),), impls=("xla",), num_heads=4, num_kv_heads=2, head_dim=64,
+                          warmup=0, iters=1, repeats=1, out=out,
+                          kernel=decode_bench.KernelFlags(between_calls="xla_add"))
+  assert [r["impl"] for r in rows] == [decode_bench.BETWEEN_ROW, "xla"]
+  assert all(r["status"] == "ok" and r["time_us"] > 0 and r["host_us"] > 0 for r in rows), rows
+  assert rows[1]["check_ok"] and "xla_add alone" in out.getvalue()
+  # The wrapped call runs on the queries plus the add's 1e-3; an impl whose queries are not first is refused.
+  seen = []
+  runner = decode_bench.with_kernel_before(peers.Runner(fn=lambda q, k: seen.append((q, k)) or q))
+  runner.fn(jnp.ones((2,), jnp.float32), 5)
+  assert np.allclose(np.asarray(seen[0][0]), 1.001) and seen[0][1] == 5
+  with pytest.raises(NotImplementedError, match="queries"):
+    runner.fn(jnp.ones((2,), jnp.int32), 5)
+  with pytest.raises(NotImplementedError, match="JAX impls only"):
+    decode_bench.with_kernel_before(peers.Runner(fn=lambda q: q, timer="torch"))
+  with pytest.raises(ValueError, match="between_calls=matmul"):
+    decode_bench.KernelFlags(between_calls="matmul")
+
+
 def test_host_loop_can_be_turned_off():
   out = io.StringIO()
   rows = decode_bench.run(op="decode", cases=((1, 32),), impls=("xla",), num_heads=2, num_kv_heads=1, head_dim=64,
