@@ -230,10 +230,10 @@ def mosaic_text_for_cuda(monkeypatch, fn, *args, host_callbacks: bool = False) -
   return texts[0]
 
 
-def tile_loop_counts(text: str, ops) -> dict[str, int]:
-  """How often each of `ops` (substrings) occurs inside the loops of a lowered Mosaic GPU kernel's text
-  (`mosaic_text_for_cuda`) that issue a wgmma: its tile loops."""
-  lines, counts, open_loops, depth = text.splitlines(), dict.fromkeys(ops, 0), [], 0
+def tile_loops(text: str) -> list[list[str]]:
+  """The lines of each outermost loop of a lowered Mosaic GPU kernel's text (`mosaic_text_for_cuda`) that issues a
+  wgmma: its tile loops."""
+  lines, loops, open_loops, depth = text.splitlines(), [], [], 0
   for i, line in enumerate(lines):
     if " = scf.for " in line:
       open_loops.append((i, depth))
@@ -241,9 +241,14 @@ def tile_loop_counts(text: str, ops) -> dict[str, int]:
     while open_loops and depth <= open_loops[-1][1] and i > open_loops[-1][0]:
       body = lines[open_loops.pop()[0]:i + 1]
       if not open_loops and any("wgmma" in l for l in body):   # outermost loops only: no line counted twice
-        for op in ops:
-          counts[op] += sum(op in l for l in body)
-  return counts
+        loops.append(body)
+  return loops
+
+
+def tile_loop_counts(text: str, ops) -> dict[str, int]:
+  """How often each of `ops` (substrings) occurs inside a lowered kernel's tile loops (`tile_loops`)."""
+  loops = tile_loops(text)
+  return {op: sum(op in line for body in loops for line in body) for op in ops}
 
 
 def gpu_available() -> bool:

@@ -280,7 +280,7 @@ def test_mosaic_gpu_tokens_last_lowers_for_cuda(monkeypatch, kv_dtype, scale_kin
   assert "_vlast" in module
 
 
-def _b32_kernel_text(monkeypatch, kv_dtype, scale_shape) -> str:
+def _b32_kernel_text(monkeypatch, kv_dtype, scale_shape, **options) -> str:
   """The shipped Mosaic GPU kernel at B32 T4096 heads 32/8 D128, V tokens last, lowered for CUDA, as text."""
   from harness import mosaic_text_for_cuda
   q = jax.ShapeDtypeStruct((32, 32, 128), jnp.bfloat16)
@@ -289,8 +289,18 @@ def _b32_kernel_text(monkeypatch, kv_dtype, scale_shape) -> str:
   lengths = jax.ShapeDtypeStruct((32,), jnp.int32)
   scales = jax.ShapeDtypeStruct(scale_shape, jnp.float32)
   fn = lambda q, k, v, n, ks, vs: pkv.decode_attention(q, k, v, n, k_scale=ks, v_scale=vs, v_tokens_last=True,
-                                                       impl="mosaic_gpu")
+                                                       impl="mosaic_gpu", **options)
   return mosaic_text_for_cuda(monkeypatch, fn, q, k, v, lengths, scales, scales)
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn])
+def test_mosaic_gpu_masks_a_range_s_first_tiles_only_under_a_window(monkeypatch, kv_dtype):
+  # A loop for the tiles before the unmasked ones is code a call without a window (or window start) never runs:
+  # none is emitted. Two tile loops (unmasked, then the masked last tiles), three under a window.
+  from harness import tile_loops
+  plain = tile_loops(_b32_kernel_text(monkeypatch, kv_dtype, (32, 4096, 8)))
+  windowed = tile_loops(_b32_kernel_text(monkeypatch, kv_dtype, (32, 4096, 8), window=1000))
+  assert (len(plain), len(windowed)) == (2, 3)
 
 
 def test_mosaic_gpu_lowered_tile_loops_hold_no_extra_syncs_or_divides(monkeypatch):

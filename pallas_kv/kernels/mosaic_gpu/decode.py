@@ -500,7 +500,8 @@ def _consume(q_tile, k_tiles, v_tiles, p_smem, length, row0, t0, t1, a, c, step0
 
     carry = (acc, m_i, l_i, s0)
 
-  carry = lax.fori_loop(mine(t0), mine(a), functools.partial(step, masked=True), carry)
+  if split_plan.masks_leading_tiles(window=st.options.window, start=start):
+    carry = lax.fori_loop(mine(t0), mine(a), functools.partial(step, masked=True), carry)
   carry = lax.fori_loop(mine(a), mine(c), functools.partial(step, masked=False), carry)
   carry = lax.fori_loop(mine(c), mine(t1), functools.partial(step, masked=True), carry)
   return carry[:3]

@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kv import online_softmax
+from pallas_kv.kernels import plan
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import mla_tiles
 from pallas_kv.kernels.mosaic_gpu import pipeline
@@ -75,8 +76,8 @@ def split_queries(rows_ref, terms_ref, factors_ref, *, k_head_scale=None, paired
   amax = jnp.max(jnp.abs(q), axis=1)
   factor = jnp.where(amax > 0, amax, 1.0) * (1.0 / (INT8_MAX if int8 else FP8_MAX))
   units = q * per_row(1.0 / factor)
-  if int8:   # rounded to nearest (half away from 0): |lo| <= INT8_LOW_SCALE / 2
-    nearest = lambda x: jnp.where(x >= 0, x + 0.5, x - 0.5).astype(jnp.int32).astype(jnp.float32)
+  if int8:   # rounded to nearest (ties to even: one instruction): |lo| <= INT8_LOW_SCALE / 2
+    nearest = lambda x: lax.round(x, lax.RoundingMethod.TO_NEAREST_EVEN)
     hi = nearest(units)
     lo = nearest((units - hi) * INT8_LOW_SCALE)
   else:
@@ -190,8 +191,9 @@ def _loads_only_step(tiles):
   return step
 
 
-def run_tiles(carry, step, pipelined, *, tiles, issue_qk, s_type, st, t0, t1, a, c, step0):
-  """The carry after tiles [t0, t1), [a, c) unmasked: step(tile, i, carry, masked) scores ring step i itself.
+def run_tiles(carry, step, pipelined, *, tiles, issue_qk, s_type, st, t0, t1, a, c, step0, start=None):
+  """The carry after tiles [t0, t1), [a, c) unmasked (tiles before a only under a window or a window `start`):
+  step(tile, i, carry, masked) scores ring step i itself.
   With st.pipeline_qk, pipelined(tile, i, s_raw, carry, masked) takes this tile's raw scores from the carry while the
   next tile's Q K^T (issue_qk into a scoped s_type accumulator) runs during its softmax, FA3's overlap in one
   warpgroup. K slot i is held until the step ends, so that the last step re-scores its own slot rather than branch
@@ -229,7 +231,8 @@ def run_tiles(carry, step, pipelined, *, tiles, issue_qk, s_type, st, t0, t1, a,
       return s_ref[...]
 
     carry, tile_step = (*carry, pl.run_scoped(score_first, s_type)), pipelined_step
-  carry = lax.fori_loop(t0, a, lambda t, x: tile_step(t, x, masked=True), carry)
+  if plan.masks_leading_tiles(window=st.options.window, start=start):
+    carry = lax.fori_loop(t0, a, lambda t, x: tile_step(t, x, masked=True), carry)
   carry = lax.fori_loop(a, c, lambda t, x: tile_step(t, x, masked=False), carry)
   carry = lax.fori_loop(c, t1, lambda t, x: tile_step(t, x, masked=True), carry)
   return carry[:-1] if pipeline_qk else carry
@@ -329,7 +332,8 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
   acc, m_i, l_i, c_i = run_tiles(
       (acc, m_i, l_i, c_i), lambda tile, i, carry, masked: tile_step_math(scores(i), i, tile, carry, masked),
       lambda tile, i, s_raw, carry, masked: tile_step_math(scaled(s_raw, i), i, tile, carry, masked),
-      tiles=tiles, issue_qk=issue_qk, s_type=s_type, st=st, t0=t0, t1=t1, a=a, c=c, step0=step0)
+      tiles=tiles, issue_qk=issue_qk, s_type=s_type, st=st, t0=t0, t1=t1, a=a, c=c, step0=step0,
+      start=start)
   if tiles.v_scales is not None:   # the shift's units: lse = (m + log2 c) ln 2 + ln(l / c); acc / l as it is
     m_i = m_i + jnp.log2(c_i)
   return acc * (1 / FP8_MAX), m_i, l_i
@@ -539,7 +543,8 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
   acc, m_i, l_part = run_tiles(
       (acc, m_i, l_part), lambda tile, i, carry, masked: tile_math(scores(i, tile, masked), i, tile, carry, masked),
       lambda tile, i, s_raw, carry, masked: tile_math(scaled(s_raw, i, tile, masked), i, tile, carry, masked),
-      tiles=tiles, issue_qk=issue_qk, s_type=s_type, st=st, t0=t0, t1=t1, a=a, c=c, step0=step0)
+      tiles=tiles, issue_qk=issue_qk, s_type=s_type, st=st, t0=t0, t1=t1, a=a, c=c, step0=step0,
+      start=start)
   if as_stored:   # P's terms were in units of 1 / FP8_MAX or 1 / INT8_MAX (`stored_probability_terms`)
     acc = acc * (1.0 / (INT8_MAX if int8 else FP8_MAX))
   return acc, m_i, l_part.sum(axis=0)
