@@ -168,6 +168,9 @@ def test_a_first_tile_is_timed_apart_on_an_sm_s_first_program_and_by_region():
   assert row["first_tile_sm_later_kcycles"] == pytest.approx(3.0)
   assert row["first_tile_softmax_kcycles"] == pytest.approx(6 / 3) and row["first_tile_qk_kcycles"] == 1.0
   assert row["later_tile_qk_kcycles"] == 1.0 and row["later_tile_softmax_kcycles"] == 0.0
+  assert row["item_to_first_tile_kcycles"] == 0.0   # each program's first item enters with its first tile
+  lead = [("item", 0, 9), ("wait_q", 0, 2), ("qk", 3, 4), ("qk", 6, 7)]
+  assert kernel_trace.program_summary(_events(1, lead))["lead"] == 3
   assert " 8.50  3.00 " in kernel_trace.format_table([row])
   assert kernel_trace.regions_within(_events(1, [("item", 0, 9), ("qk", 1, 2)]), 0.5, 9) == {"qk": 1}
 

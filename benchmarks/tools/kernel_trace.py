@@ -85,8 +85,9 @@ def program_summary(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
   """One warpgroup's events ({"name", "ph": "B" / "E", "ts", "pid"}, in order; ts in µs as the trace writes it, i.e.
   thousands of SM cycles after the program's start; pid names the SM): its span, time in each region (outermost
   visits of a name), visits per region, the first visit's time, each `qk` visit's start (all in thousands of
-  cycles), its start and SM, and the regions' time inside its first tile and inside its later tiles (a tile: from
-  one `qk` entry to the next)."""
+  cycles), its start and SM, the time from its first item's entry to its first tile's (`lead`: Q's rows and the
+  item's set-up), and the regions' time inside its first tile and inside its later tiles (a tile: from one `qk`
+  entry to the next)."""
   stack: list[tuple[str, float]] = []
   tile_starts = [event["ts"] for event in events if event["name"] == "qk" and event["ph"] == "B"]
   inside: dict[str, float] = collections.defaultdict(float)
@@ -103,11 +104,13 @@ def program_summary(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
     visits[name] += 1
     first.setdefault(name, event["ts"] - start)
   span = events[-1]["ts"] - events[0]["ts"] if events else 0.0
+  item_starts = [event["ts"] for event in events if event["name"] == "item" and event["ph"] == "B"]
   first_tile = regions_within(events, *tile_starts[:2]) if len(tile_starts) >= 2 else {}
   later_tiles = regions_within(events, tile_starts[1], tile_starts[-1]) if len(tile_starts) >= 3 else {}
   return {"span": span, "inside": dict(inside), "visits": dict(visits), "first": first, "events": len(events),
           "tile_starts": tile_starts, "start": events[0]["ts"] if events else 0.0,
           "sm": events[0].get("pid") if events else None, "first_tile_regions": first_tile,
+          "lead": tile_starts[0] - item_starts[0] if tile_starts and item_starts else None,
           "later_tile_regions": {k: v / (len(tile_starts) - 2) for k, v in later_tiles.items()}}
 
 
@@ -161,6 +164,7 @@ def summarize(trace: dict[str, Any], meta: dict[str, Any]) -> list[dict[str, Any
       row[f"first_tile_{label}_kcycles"] = _mean_or_nan(
           p["tile_starts"][1] - p["tile_starts"][0] for p, f in zip(programs, firsts)
           if f == wanted and len(p["tile_starts"]) >= 2)
+    row["item_to_first_tile_kcycles"] = _mean_or_nan(p["lead"] for p in programs if p["lead"] is not None)
     for region in TILE_REGIONS:
       for when in ("first", "later"):
         row[f"{when}_tile_{region}_kcycles"] = _mean_or_nan(
