@@ -5,6 +5,9 @@ cache, garbage (NaN pages and scales) past the lengths, the terms' precision, wh
 lowering at DeepSeek-V3 shapes, and real shapes on a GPU."""
 
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -257,6 +260,32 @@ def test_fp8_mla_16_heads_lower_for_cuda_each_way(codegen):
   module = lower_for_cuda(fn, *args).mlir_module()
   assert ("_regp_n16_" in module) == codegen.one_byte_rows_as_n
   assert ("_ownv" in module) == codegen.widen_own_values
+
+
+@pytest.mark.parametrize("dtype,num_heads", [(FP8, 16), (FP8, 128), (jnp.bfloat16, 128)],
+                         ids=["fp8-16-heads", "fp8-128-heads", "bf16-128-heads"])
+def test_mla_kernel_lowers_with_its_trace(monkeypatch, dtype, num_heads):
+  # `tools.mla_fp8_parts --trace_dir`: inside `trace.tracing`, the kernel records each warpgroup's regions (two
+  # clock reads a region: the scorer's qk, softmax, pv, wait_p_free; the partner's wait_p, pv and, fp8, widen and
+  # wait_values; the ring's waits), in the SMEM its config leaves (128 heads: 128 visits a warpgroup, bf16 32).
+  from pallas_kv.kernels.mosaic_gpu import trace as mgpu_trace
+  fn, args = _kernel_launch(dtype, mla_config.Codegen(), num_heads=num_heads)
+  plain = mosaic_text_for_cuda(monkeypatch, fn, *args, host_callbacks=True)
+  visits = 256 if num_heads == 16 else 128 if jnp.dtype(dtype).itemsize == 1 else 32
+  with mgpu_trace.tracing(mgpu_trace.KernelTrace("unused", visits=visits)):
+    traced = mosaic_text_for_cuda(monkeypatch, fn, *args, host_callbacks=True)
+  assert "%clock" not in plain
+  regions = 9 if jnp.dtype(dtype).itemsize == 1 else 7
+  assert traced.count("%clock") >= 2 * regions, traced.count("%clock")
+
+
+def test_the_parts_tool_traces_only_on_a_gpu(tmp_path):
+  if jax.default_backend() == "gpu":
+    pytest.skip("this checks the CPU's refusal to trace")
+  run = subprocess.run([sys.executable, "-m", "benchmarks", "tools.mla_fp8_parts", f"--trace_dir={tmp_path}"],
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True, text=True,
+                       timeout=300)
+  assert run.returncode != 0 and "on a GPU" in run.stderr + run.stdout
 
 
 @pytest.mark.parametrize("dtype", [FP8, jnp.bfloat16], ids=["fp8", "bf16"])

@@ -47,7 +47,8 @@ from pallas_kv.kernels.mosaic_gpu import trace as kernel_trace
 from pallas_kv.kernels.mosaic_gpu.trace import KernelTrace
 
 FLAGS = flags.FLAGS
-REGIONS = ("item", "wait_free", "wait_tile", "wait_q", "write_out", "qk", "softmax", "pv", "widen")
+REGIONS = ("item", "wait_free", "wait_tile", "wait_q", "write_out", "qk", "softmax", "pv", "widen",
+           "wait_values", "wait_p", "wait_p_free")   # the last three: the MLA kernel's hand-overs
 SMEM_MARGIN_BYTES = 2048   # left free beside the kernel's own SMEM and the trace's buffer
 BETWEEN_CALLS = ("none", "xla_add")   # what runs between chained calls (`chained`)
 

@@ -11,13 +11,15 @@ barriers around SMEM stores). Up to 32 packed rows (16 heads) `fp8` takes them a
 them to M = 64 as before (`Codegen.one_byte_rows_as_n=False`), `fp8_st3` is `fp8` on a 3-stage ring (which only
 rows as N leave SMEM for), `fp8_own` has each consumer widen its own value columns (`Codegen.widen_own_values`).
 Each checked impl's relative error is given against bf16_einsum over the bf16 pool and over the fp8 pool widened
-exactly.
+exactly. With --trace_dir (GPU), each impl is also traced from inside (`tools.kernel_trace`'s table: the scorer
+as consumer 0, the partner as consumer 1, the producer), two chained calls, the second's timeline read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Any
 
 from absl import app
@@ -86,7 +88,8 @@ def launch(row: bench.Row, impl: str):
   return jax.jit(run)
 
 
-def run_row(row: bench.Row, impls, *, cpu: bool) -> list[dict[str, Any]]:
+def run_row(row: bench.Row, impls, *, cpu: bool, trace_dir: str | None = None, visits: int = 256
+            ) -> list[dict[str, Any]]:
   case = row.case()
   lengths = cases.make_lengths(case, jax.random.key(0))
   bf16_sets = cases.make_input_sets(case, jax.random.key(1), lengths, 1 if cpu else 3)
@@ -120,7 +123,34 @@ def run_row(row: bench.Row, impls, *, cpu: bool) -> list[dict[str, Any]]:
     result["us"] = t.median_s * 1e6
     print(result, flush=True)
     results.append(result)
+    if trace_dir:
+      trace_impl(row, impl, sets[0], trace_dir, visits)
   return results
+
+
+def trace_impl(row: bench.Row, impl: str, args, trace_dir: str, visits: int) -> None:
+  """impl's kernel traced from inside into trace_dir/IMPL_ROW/ (`tools.kernel_trace`'s layout and meta.json): two
+  calls in a chain, each on the last one's output, so that the second runs warm."""
+  from benchmarks.tools import kernel_trace   # pylint: disable=g-import-not-at-top
+  from pallas_kv.kernels.mosaic_gpu import trace   # pylint: disable=g-import-not-at-top
+  directory = os.path.join(trace_dir, f"{impl}_{row.name}")
+  os.makedirs(directory, exist_ok=True)
+  while True:   # fewer visits where the trace's buffer does not fit the SMEM the kernel leaves
+    try:
+      with trace.tracing(trace.KernelTrace(directory, visits)):
+        jax.block_until_ready(jax.jit(kernel_trace.chained(launch(row, impl), 2))(*args))
+      break
+    except Exception as e:  # pylint: disable=broad-except
+      if "shared memory" in str(e) and visits >= 32:
+        visits //= 2
+        continue
+      print(f"{row.name} {impl}: not traced ({type(e).__name__}: {str(e).strip()[:200]})", flush=True)
+      return
+  jax.effects_barrier()   # the trace is written by a host callback after the kernel
+  meta = {"variant": impl, "shape": f"{row.name} call 2", "warpgroups": 3, "consumers": 2, "visits": visits,
+          "calls": 2, "device": str(jax.devices()[0].device_kind)}
+  with open(os.path.join(directory, "meta.json"), "w") as f:
+    json.dump(meta, f, indent=1)
 
 
 def quantize(pages, kind: str):
@@ -137,6 +167,10 @@ def define_flags() -> None:
   flags.DEFINE_list("impl", ["bf16", "fp8", "fp8_q1", "fp8_scalar", "bf16_no_qk", "fp8_no_qk", "fp8_no_widen"],
                     "impls")
   flags.DEFINE_string("json", None, "write the rows here")
+  flags.DEFINE_string("trace_dir", None, "GPU: also trace each impl's kernel from inside into this folder and print "
+                      "`tools.kernel_trace`'s table of it")
+  flags.DEFINE_integer("visits", 256, "--trace_dir: region visits recorded per warpgroup (16 bytes of SMEM each)",
+                       lower_bound=16)
 
 
 def main(argv) -> None:
@@ -147,8 +181,11 @@ def main(argv) -> None:
   unknown = [i for i in fv.impl if i not in IMPLS]
   if unknown:
     raise app.UsageError(f"--impl: unknown {unknown}; choose from {','.join(IMPLS)}")
+  if fv.trace_dir and cpu:
+    raise app.UsageError("--trace_dir: the profiler runs in the compiled kernel, on a GPU")
   with pkv.interpret(cpu):   # on a CPU the kernels run in GPU interpret mode
-    results = [r for name in names for r in run_row(bench.ALL_ROWS[name], fv.impl, cpu=cpu)]
+    results = [r for name in names
+               for r in run_row(bench.ALL_ROWS[name], fv.impl, cpu=cpu, trace_dir=fv.trace_dir, visits=fv.visits)]
   for r in results:
     errors = "probe (unchecked)" if r["probe"] else (
         f"err vs bf16 pool {r['err_vs_bf16_pool']:.2e}"
@@ -157,6 +194,12 @@ def main(argv) -> None:
   if fv.json:
     with open(fv.json, "w") as f:
       json.dump(results, f, indent=1)
+  if fv.trace_dir:
+    from benchmarks.tools import kernel_trace   # pylint: disable=g-import-not-at-top
+    rows = kernel_trace.read_traces(fv.trace_dir)
+    with open(os.path.join(fv.trace_dir, "summary.json"), "w") as f:
+      json.dump(rows, f, indent=1)
+    print(kernel_trace.format_table(rows), flush=True)
 
 
 if __name__ == "__main__":

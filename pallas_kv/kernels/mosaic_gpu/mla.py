@@ -37,6 +37,8 @@ from pallas_kv.kernels.plan import SplitPlan
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import pipeline
 from pallas_kv.kernels.mosaic_gpu import tiling
+from pallas_kv.kernels.mosaic_gpu import trace as mgpu_trace
+from pallas_kv.kernels.mosaic_gpu.trace import region
 from pallas_kv.kernels.mosaic_gpu.mla_config import ROWS, VALUE_WGS, Codegen, MlaSmem, check_config, row_blocks
 from pallas_kv.kernels.mosaic_gpu.mla_config import variant_schedule
 from pallas_kv.kernels.mosaic_gpu.mla_output import ProgramOutput
@@ -123,11 +125,13 @@ def score_tiles(program: Program, scores: Scores):
       scores.start(s_ref, tile, st.tile_math.read_slot(p.ring, i))
       return s_ref[...]
 
-    s = pl.run_scoped(qk, s_type)
+    with region("qk"):
+      s = pl.run_scoped(qk, s_type)
     values = p.ring.slot(i).at[:, pl.ds(0, st.half_v)]
-    alpha, m_new, l_new, prob = st.tile_math.softmax(s, m_i, l_i, tile=tile, length=p.length, row0=p.row0,
-                                                     masked=masked, st=st)
-    p16, acc = prob.astype(st.smem.dtype), acc * online_softmax.per_row(alpha, acc.shape)
+    with region("softmax"):
+      alpha, m_new, l_new, prob = st.tile_math.softmax(s, m_i, l_i, tile=tile, length=p.length, row0=p.row0,
+                                                       masked=masked, st=st)
+      p16, acc = prob.astype(st.smem.dtype), acc * online_softmax.per_row(alpha, acc.shape)
     acc = publish_and_add_pv(p, acc, p16, alpha, values, tile)
     st.tile_math.release_slot(p.ring, i)
     return acc, m_new, l_new
@@ -224,22 +228,27 @@ def score_one_byte_tiles(program: Program, scores: Scores):
     def qk(s_ref):
       scores.start(s_ref, tile, slot)
       if own:   # fenced by its commit: the slot is released plainly below
-        st.tile_math.widen(slot, p.widened, SCORER, st, p.valid_rows(tile, masked))
+        with region("widen"):
+          st.tile_math.widen(slot, p.widened, SCORER, st, p.valid_rows(tile, masked))
       return s_ref[...]
 
-    s = pl.run_scoped(qk, s_type)
+    with region("qk"):
+      s = pl.run_scoped(qk, s_type)
     p.ring.release(i)
     key_scales = None
     if p.scale_ring is not None:   # a vector over the keys: S's columns (rows as N: S^T's rows)
       key_scales = plgpu.load(p.scale_ring.wait(i), layout=plgpu.Layout.WGMMA.reduce(axis))
-    alpha, m_new, l_new, prob = st.tile_math.softmax(scaled_scores(s, key_scales, keys_axis=1 - axis), m_i, l_i,
-                                                     tile=tile, length=p.length, row0=p.row0, masked=masked, st=st,
-                                                     row_factor=row_factor)
-    # P V reads the unscaled widened values: each key's scale goes into P.
-    p16 = online_softmax.times_key_scales(prob, key_scales, masked=masked, keys_axis=1 - axis).astype(st.smem.dtype)
-    acc = acc * online_softmax.per_row(alpha, acc.shape, axis)
+    with region("softmax"):
+      alpha, m_new, l_new, prob = st.tile_math.softmax(scaled_scores(s, key_scales, keys_axis=1 - axis), m_i, l_i,
+                                                       tile=tile, length=p.length, row0=p.row0, masked=masked,
+                                                       st=st, row_factor=row_factor)
+      # P V reads the unscaled widened values: each key's scale goes into P.
+      p16 = online_softmax.times_key_scales(prob, key_scales, masked=masked,
+                                            keys_axis=1 - axis).astype(st.smem.dtype)
+      acc = acc * online_softmax.per_row(alpha, acc.shape, axis)
     if not own:
-      plgpu.barrier_wait(p.values_ready)
+      with region("wait_values"):
+        plgpu.barrier_wait(p.values_ready)
     acc = publish_and_add_pv(p, acc, p16, alpha, p.widened[SCORER], tile)
     # The key scales were read (into P) before the hand-over's commit: no fence of their own.
     pipeline.release_after_commit((p.scale_ring,), i)
@@ -269,13 +278,16 @@ def partner_one_byte_tiles(program: Program):
     if not own:
       @pl.when(tile > p.t0)
       def _():
-        plgpu.barrier_wait(p.values_free)
+        with region("wait_values"):
+          plgpu.barrier_wait(p.values_free)
 
-      st.tile_math.widen(slot, p.widened, SCORER, st, valid_rows)
+      with region("widen"):
+        st.tile_math.widen(slot, p.widened, SCORER, st, valid_rows)
       plgpu.barrier_arrive(p.values_ready)
       if st.codegen.explicit_barriers:   # every warp's last P V over its own half (wgmma's B: all rows) is done
         plgpu.commit_smem()
-    st.tile_math.widen(slot, p.widened, PARTNER, st, valid_rows)
+    with region("widen"):
+      st.tile_math.widen(slot, p.widened, PARTNER, st, valid_rows)
     p.ring.release(i, read_by_registers=True)
     alpha = p.shared.receive()
     acc = add_pv(acc * online_softmax.per_row(alpha, acc.shape, p.rows_axis),
@@ -396,7 +408,8 @@ def _build(st: Static, interpret: Any):
       num_threads=VALUE_WGS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=st.smem.reduction_scratch_bytes,
-                                           unsafe_no_auto_barriers=st.codegen.explicit_barriers),
+                                           unsafe_no_auto_barriers=st.codegen.explicit_barriers,
+                                           **(st.trace.compiler_params() if st.trace else {})),
       interpret=interpret,
       kernel_name=name,
   )
@@ -420,7 +433,8 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
     `TileMath`; codegen: `Codegen`; interpret: False or a plgpu.InterpretGPUParams.
 
   Returns (out [B, splits, R, v_head_dim] in q's dtype, each split's normalised output, unwritten for
-  an empty split; lse [B, splits, R] f32, natural log, -inf where a split saw no key).
+  an empty split; lse [B, splits, R] f32, natural log, -inf where a split saw no key). Inside
+  `trace.tracing(...)` the kernel also writes its timeline from inside (a diagnostic; GPU only).
   """
   if q.ndim != 3 or kv_pages.ndim != 3 or q.shape[2] != kv_pages.shape[2]:
     raise ValueError(f"q [B, R, Dqk] and kv_pages [P, page_size, Dqk] must share Dqk: {q.shape=} {kv_pages.shape=}")
@@ -458,7 +472,8 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
               lse_rows=split_plan.round_up(smem.rows_as_n or out_rows, LSE_ROW_MULTIPLE),
               num_row_blocks=num_row_blocks, num_splits=plan.num_splits, batch=B, scale=float(scale),
               tiling=kv_tiling, smem=smem, interpret=bool(interpret), balanced=plan.balanced, ordered=plan.ordered,
-              rows_as_n=smem.rows_as_n, schedule=variant_schedule(config), tile_math=tile_math, codegen=codegen)
+              rows_as_n=smem.rows_as_n, schedule=variant_schedule(config), tile_math=tile_math, codegen=codegen,
+              trace=mgpu_trace.active())
   if rows_padded != R:
     q = jnp.pad(q, ((0, 0), (0, rows_padded - R), (0, 0)))
   kv = kv_pages.reshape(*kv_pages.shape[:2], 1, D)   # KVTiling's [P, page_size, Hkv, D]

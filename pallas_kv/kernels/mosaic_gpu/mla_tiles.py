@@ -16,6 +16,7 @@ from pallas_kv import online_softmax
 from pallas_kv.kernels.mosaic_gpu import pipeline
 from pallas_kv.kernels.mosaic_gpu import tiling
 from pallas_kv.kernels.mosaic_gpu.mla_config import Codegen, MlaSmem
+from pallas_kv.kernels.mosaic_gpu.trace import region
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,7 @@ class Static:
   schedule: Any = None  # an experimental consumer schedule (mla_config.variant_schedule); None: the shipped one
   tile_math: TileMath = TileMath()
   codegen: Codegen = Codegen()
+  trace: Any = None     # a trace.KernelTrace: the call's timeline from inside (a diagnostic), or None
 
   @property
   def half_v(self) -> int:
@@ -107,14 +109,16 @@ class SharedP:
   def publish(self, p16, alpha, *, wait_free):
     @pl.when(wait_free)
     def _():
-      plgpu.barrier_wait(self.free)
+      with region("wait_p_free"):
+        plgpu.barrier_wait(self.free)
     self.p[...] = p16
     self.rows[0] = alpha
     plgpu.commit_smem()   # generic-proxy stores, read next by wgmma (the async proxy)
     plgpu.barrier_arrive(self.ready)
 
   def receive(self):
-    plgpu.barrier_wait(self.ready)
+    with region("wait_p"):
+      plgpu.barrier_wait(self.ready)
     return plgpu.load(self.rows.at[0], layout=self.vector_layout)
 
   def hand_back(self):
@@ -129,12 +133,13 @@ def add_pv(acc, parts, st: Static, meanwhile=None):
     if meanwhile is not None:
       meanwhile()
 
-  if st.interpret:
-    def staged(acc_ref):
-      mma(acc_ref)
-      return acc_ref[...]
-    return acc + pl.run_scoped(staged, plgpu.ACC(acc.shape, jnp.float32))
-  return pl.run_state(mma)(plgpu.ACC.init(acc))
+  with region("pv"):   # the products' issue and wait
+    if st.interpret:
+      def staged(acc_ref):
+        mma(acc_ref)
+        return acc_ref[...]
+      return acc + pl.run_scoped(staged, plgpu.ACC(acc.shape, jnp.float32))
+    return pl.run_state(mma)(plgpu.ACC.init(acc))
 
 
 def start_state(acc_shape, rows_axis: int = 0):
