@@ -121,7 +121,7 @@ def unmasked_tiles(length, t0, t1, *, block_kv: int, num_queries: int, window: i
 
 def masks_leading_tiles(*, window: int | None, start) -> bool:
   """Whether a range's first tiles can be masked (`unmasked_tiles`' a > t0): only under a window or a window start.
-  Without, a kernel emits no loop for them (code that never runs, and that an SM's instruction fetch would read
+  Without, the kernels emit no loop for them (code that never runs, and that an SM's instruction fetch would read
   past)."""
   return window is not None or start is not None
 

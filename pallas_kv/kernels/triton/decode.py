@@ -93,7 +93,9 @@ def _attend(r: Refs, *, head, row0, length, tiles, seq: tuple, st: Static, start
   step = lambda masked: lambda tile, carry: tile_step(r, q, tile, carry, head_scales=head_scales, row0=row0,
                                                        length=length, seq=seq, masked=masked, st=st,
                                                        start=start)
-  carry = lax.fori_loop(t0, a, step(True), initial_carry(st))
+  carry = initial_carry(st)
+  if split_plan.masks_leading_tiles(window=st.options.window, start=start):
+    carry = lax.fori_loop(t0, a, step(True), carry)
   carry = lax.fori_loop(a, c, step(False), carry)
   carry = lax.fori_loop(c, t1, step(True), carry)
   return finalize(*carry)
