@@ -6,7 +6,10 @@ Regions of the GQA kernel: `item` (a work item, producer and consumers), `wait_f
 ring slot), `wait_tile` (a consumer waiting for a tile to land), `wait_q` and `write_out` (a consumer waiting for
 its q rows, and storing its output at an item's end), and a tile's `qk` (without `pipeline_qk`: issued and
 awaited), `softmax` and `pv` (its wgmma's wait included); the queries-as-N consumer's `widen` (V's slot widened, or
-zeroed past a length when read as stored). A region's time includes the regions inside it (a `wait_tile` in `qk`)."""
+zeroed past a length when read as stored). A region's time includes the regions inside it (a `wait_tile` in `qk`).
+The MLA kernel's: the ring's `wait_free` and `wait_tile`, the scorer's `qk`, `softmax` and `pv` (`wait_p_free`
+inside it: P's slot not yet handed back), the partner's `widen`, `wait_p` (P not yet handed over) and `pv`, and
+`wait_values` (the scorer waiting for its widened values, the partner for their buffer's release)."""
 
 from __future__ import annotations
 
@@ -58,12 +61,12 @@ def _check_fields(value):
 _ACTIVE = jax_config.string_or_object_state(
     name="pallas_kv_kernel_trace", default=None, validator=_check_fields, include_in_jit_key=True,
     include_in_trace_context=True,
-    help="pallas_kv's Mosaic GPU GQA kernels record their timelines: a KernelTrace's fields as JSON.")
+    help="pallas_kv's Mosaic GPU GQA and MLA kernels record their timelines: a KernelTrace's fields as JSON.")
 
 
 def tracing(trace: KernelTrace):
-  """Within this context, the Mosaic GPU GQA kernels that jit traces record their timelines into trace.directory
-  (one file per kernel, written after its first call)."""
+  """Within this context, the Mosaic GPU GQA and MLA kernels that jit traces record their timelines into
+  trace.directory (one file per kernel, written after its first call)."""
   if not isinstance(trace, KernelTrace):
     raise TypeError(f"tracing takes a KernelTrace, got {type(trace).__name__}")
   return _ACTIVE(json.dumps(dataclasses.astuple(trace)))
