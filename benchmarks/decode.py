@@ -262,14 +262,18 @@ def with_kernel_before(runner: peers.Runner) -> peers.Runner:
 
 def _between_row(sweep: cases.Sweep, input_sets: Sequence[tuple], host_loop: bool) -> dict[str, Any]:
   """The row of the kernel `with_kernel_before` adds, timed alone as the impls are."""
-  fn = lambda q, *rest: _add_to_queries(q)
-  t = timing.TIMERS["jax"](fn, input_sets, warmup=sweep.warmup, iters=sweep.iters, repeats=sweep.repeats)
-  row = {"impl": BETWEEN_ROW, "ours": False, "status": "ok", **output.timing_fields(t),
-         **dict.fromkeys(("tbps", "tflops", "roofline_pct"), float("nan"))}   # no KV read
-  if host_loop:
-    row.update(output.host_loop_fields(timing.HOST_LOOP_TIMERS["jax"](
-        fn, input_sets, warmup=sweep.warmup, iters=sweep.iters, repeats=sweep.repeats)))
-  return row
+  t, host = _timed(peers.Runner(fn=lambda q, *rest: _add_to_queries(q)), input_sets, sweep, host_loop)
+  return {"impl": BETWEEN_ROW, "ours": False, "status": "ok", **output.timing_fields(t), **host,
+          **dict.fromkeys(("tbps", "tflops", "roofline_pct"), float("nan"))}   # no KV read
+
+
+def _timed(runner: peers.Runner, prepared: Sequence[tuple], sweep: cases.Sweep, host_loop: bool):
+  """(runner's timing by its timer, its host loop's row fields or {})."""
+  count = dict(warmup=sweep.warmup, iters=sweep.iters, repeats=sweep.repeats)
+  t = timing.TIMERS[runner.timer](runner.fn, prepared, **count)
+  if not host_loop:
+    return t, {}
+  return t, output.host_loop_fields(timing.HOST_LOOP_TIMERS[runner.timer](runner.fn, prepared, **count))
 
 
 def _varlen_runner(impl: str, spec: peers.OpSpec, kw: dict) -> peers.Runner:
@@ -320,12 +324,8 @@ def run_impl(impl: str, case: cases.Case, sweep: cases.Sweep, input_sets: Sequen
       row["auto_choice"] = peers.auto_choice()
     if ref is not None:
       row["rel_err"] = cases.relative_error(runner.to_numpy(first), ref)
-    runner = kernel.timed(runner)
-    t = timing.TIMERS[runner.timer](runner.fn, prepared, warmup=sweep.warmup,
-                                    iters=sweep.iters, repeats=sweep.repeats)
-    if host_loop:
-      row.update(output.host_loop_fields(timing.HOST_LOOP_TIMERS[runner.timer](
-          runner.fn, prepared, warmup=sweep.warmup, iters=sweep.iters, repeats=sweep.repeats)))
+    t, host = _timed(kernel.timed(runner), prepared, sweep, host_loop)
+    row.update(host)
   except Exception as e:  # pylint: disable=broad-except
     if sweep.strict:
       raise

@@ -63,10 +63,10 @@ def role(warpgroup: int, consumers: int) -> str:
 TILE_REGIONS = ("qk", "wait_tile", "widen", "softmax", "pv")   # timed inside a first tile and a later one
 
 
-def regions_within(events: Sequence[dict[str, Any]], lo: float, hi: float) -> dict[str, float]:
-  """Time in each region (outermost visits of its name) between lo and hi, of regions entered and left there."""
+def outermost_visits(events: Sequence[dict[str, Any]], lo: float = -np.inf, hi: float = np.inf):
+  """(name, entry, exit) of each region visit entered and left within [lo, hi], in order of exit, but for a visit
+  inside one of its own name (a region's time counted once)."""
   stack: list[tuple[str, float]] = []
-  inside: dict[str, float] = collections.defaultdict(float)
   for event in events:
     if not lo <= event["ts"] <= hi:
       continue
@@ -78,7 +78,14 @@ def regions_within(events: Sequence[dict[str, Any]], lo: float, hi: float) -> di
       continue
     name, start = stack.pop(opened[-1])
     if not any(open_name == name for open_name, _ in stack):
-      inside[name] += event["ts"] - start
+      yield name, start, event["ts"]
+
+
+def regions_within(events: Sequence[dict[str, Any]], lo: float, hi: float) -> dict[str, float]:
+  """Time in each region (outermost visits of its name) between lo and hi, of regions entered and left there."""
+  inside: dict[str, float] = collections.defaultdict(float)
+  for name, start, end in outermost_visits(events, lo, hi):
+    inside[name] += end - start
   return dict(inside)
 
 
@@ -89,21 +96,14 @@ def program_summary(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
   cycles), its start and SM, the time from its first item's entry to its first tile's (`lead`: Q's rows and the
   item's set-up), and the regions' time inside its first tile and inside its later tiles (a tile: from one `qk`
   entry to the next)."""
-  stack: list[tuple[str, float]] = []
   tile_starts = [event["ts"] for event in events if event["name"] == "qk" and event["ph"] == "B"]
   inside: dict[str, float] = collections.defaultdict(float)
   visits: dict[str, int] = collections.defaultdict(int)
   first: dict[str, float] = {}
-  for event in events:
-    if event["ph"] == "B":
-      stack.append((event["name"], event["ts"]))
-      continue
-    name, start = stack.pop()
-    if any(open_name == name for open_name, _ in stack):
-      continue
-    inside[name] += event["ts"] - start
+  for name, start, end in outermost_visits(events):
+    inside[name] += end - start
     visits[name] += 1
-    first.setdefault(name, event["ts"] - start)
+    first.setdefault(name, end - start)
   span = events[-1]["ts"] - events[0]["ts"] if events else 0.0
   item_starts = [event["ts"] for event in events if event["name"] == "item" and event["ph"] == "B"]
   first_tile = regions_within(events, *tile_starts[:2]) if len(tile_starts) >= 2 else {}
