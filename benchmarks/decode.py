@@ -39,6 +39,9 @@ lists its fields in `config`.
   --convert_warpgroup      one-byte caches on mosaic_gpu: `pallas_kv.experimental.
                            MosaicGPUVariantConfig(convert_warpgroup=True)` (the backend then takes
                            one KV group and the stages that fit); 16-bit caches take no config
+  --one_tile_loop          mosaic_gpu: `MosaicGPUVariantConfig(one_tile_loop=True)`, every tile
+                           through the masked step (the heuristic's other fields; to compare with
+                           the default's, give both runs `--sequence_order=given`)
   --triton_block_kv=N, --triton_num_stages=N    TritonConfig(block_kv=N) / (num_stages=N)
 
   python -m benchmarks decode --impl=triton --cases=1x32768,8x8192 --merge_in_kernel
@@ -147,6 +150,7 @@ class KernelFlags:
   stream_k_programs_per_sm: int | None = None
   sequence_order: str | None = None
   convert_warpgroup: bool = False
+  one_tile_loop: bool = False
   triton_block_kv: int | None = None
   triton_num_stages: int | None = None
   v_tokens_last: bool | None = None   # None: `pallas_kv.cache.default_v_tokens_last` of the case's cache
@@ -159,7 +163,7 @@ class KernelFlags:
     if self.stream_k_programs_per_sm is not None and self.split_plan != "stream_k":
       raise ValueError(f"--stream_k_programs_per_sm={self.stream_k_programs_per_sm} needs --split_plan=stream_k")
     for op in ("decode", "mla"):   # every config these flags build, so that a bad one fails before a run
-      for backend, config_type in config_types(op, one_byte=True).items():
+      for backend, config_type in config_types(op, variant=True).items():
         self._config(config_type, self._fields(backend, op, one_byte=True))
 
   def _fields(self, backend: str, op: str, *, one_byte: bool, num_splits: int | None = None) -> dict[str, Any]:
@@ -169,7 +173,8 @@ class KernelFlags:
       fields.update(merge_in_kernel=self.merge_in_kernel or None, block_kv=self.triton_block_kv,
                     num_stages=self.triton_num_stages, num_splits=num_splits)
     elif op != "mla":
-      fields.update(convert_warpgroup=(self.convert_warpgroup and one_byte) or None)
+      fields.update(convert_warpgroup=(self.convert_warpgroup and one_byte) or None,
+                    one_tile_loop=self.one_tile_loop or None)
     return fields
 
   @staticmethod
@@ -186,7 +191,8 @@ class KernelFlags:
     """Backend name -> the partial config its rows of `case` take (a backend absent takes none)."""
     num_splits = self.stream_k_splits(case)
     configs = {}
-    for backend, config_type in config_types(case.op, one_byte=self.convert_warpgroup and case.quantized).items():
+    variant = (self.convert_warpgroup and case.quantized) or self.one_tile_loop
+    for backend, config_type in config_types(case.op, variant=variant).items():
       fields = self._fields(backend, case.op, one_byte=case.quantized, num_splits=num_splits)
       config = self._config(config_type, fields)
       if config is not None:
@@ -295,13 +301,13 @@ def _varlen_runner(impl: str, spec: peers.OpSpec, kw: dict) -> peers.Runner:
                       to_numpy=lambda out: np.asarray(jnp.asarray(padded(out), jnp.float32)))
 
 
-def config_types(op: str, *, one_byte: bool = False) -> dict[str, type[KernelConfig]]:
-  """Backend name -> the config type of its kernel for `op` (a one-byte cache on Mosaic GPU: the
-  experimental variant, which --convert_warpgroup needs)."""
+def config_types(op: str, *, variant: bool = False) -> dict[str, type[KernelConfig]]:
+  """Backend name -> the config type of its kernel for `op` (variant: Mosaic GPU's experimental variant,
+  which --convert_warpgroup and --one_tile_loop need)."""
   if op == "mla":
     return {"mosaic_gpu": pkv.MosaicMLAConfig}
   return {"triton": pkv.TritonConfig,
-          "mosaic_gpu": experimental.MosaicGPUVariantConfig if one_byte else pkv.MosaicGPUConfig}
+          "mosaic_gpu": experimental.MosaicGPUVariantConfig if variant else pkv.MosaicGPUConfig}
 
 
 
@@ -429,6 +435,9 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                        "many per SM (default: the backend's count, 2 or 3 paged).", lower_bound=1, **into)
   flags.DEFINE_boolean("convert_warpgroup", False, "mosaic_gpu, one-byte caches: pallas_kv.experimental."
                        "MosaicGPUVariantConfig(convert_warpgroup=True); the backend fills the other fields.", **into)
+  flags.DEFINE_boolean("one_tile_loop", False, "mosaic_gpu: pallas_kv.experimental.MosaicGPUVariantConfig("
+                       "one_tile_loop=True), every tile through the masked step; the heuristic fills the other "
+                       "fields.", **into)
   flags.DEFINE_enum("sequence_order", None, list(pkv.TritonConfig.CHOICES["sequence_order"]),
                     "pallas_kv impls: the order in which programs take the sequences (sequence_order=ORDER); the "
                     "backend fills the other fields.", **into)

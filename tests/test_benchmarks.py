@@ -970,6 +970,11 @@ def test_decode_benchmark_kernel_flags_build_partial_configs():
   assert converted.convert_warpgroup and converted.kv_groups == 1 and not converted.persistent
   assert mgpu_config.fits_smem(converted, rows=4, head_dim=128, dtype="int8", k_scale_kind="token",
                                v_scale_kind="token")
+  # --one_tile_loop: Mosaic GPU's GQA kernel on any cache, as the experimental variant.
+  for on in (case, int8):
+    assert decode_bench.KernelFlags(one_tile_loop=True, sequence_order="given").configs(on)["mosaic_gpu"] == (
+        experimental.MosaicGPUVariantConfig(one_tile_loop=True, sequence_order="given"))
+  assert resolved(one_tile_loop=True)["mosaic_gpu"].one_tile_loop
   # MLA takes the plan and order fields; flags no config takes are refused before a run.
   mla = cases.Case.from_sweep(cases.Sweep(op="mla", num_heads=16, page_size=64), 4, 4096)
   assert decode_bench.KernelFlags(split_plan="balanced", sequence_order="long_short", merge_in_kernel=True,

@@ -283,3 +283,68 @@ def test_scales_by_head_lower_for_cuda(kv_dtype):
   config = MosaicGPUVariantConfig(queries_as_n=True, block_kv=256, values_as_stored=True, scales_by_head=True)
   fn = functools.partial(pkv.decode_attention, v_tokens_last=True, impl="mosaic_gpu", config=config)
   lower_for_cuda(lambda q, k, v, n, s: fn(q, k, v, n, k_scale=s, v_scale=s), q, k, v, lengths, scales)
+
+
+# ---------------------------------------------------------------- one tile loop
+
+@pytest.mark.parametrize("seed,kv_dtype,fields", [
+    (60, INT8, dict(queries_as_n=True, block_kv=256, values_as_stored=True, paired_terms=True, num_splits=2)),
+    (61, E4M3, dict(queries_as_n=True, block_kv=64, num_splits=2)),
+    (62, INT8, dict(queries_as_n=False, kv_groups=1, pipeline_qk=True, num_splits=2)),
+], ids=["int8-as-stored-paired", "e4m3-widened-as-n", "int8-keys-as-columns-pqk"])
+def test_one_tile_loop_matches_reference_interpret(seed, kv_dtype, fields):
+  # Every tile through the masked step: unmasked tiles, a masked last one, a sequence shorter than a tile, an
+  # empty one.
+  case = make_quant_case(seed, kv_dtype=kv_dtype, k_kind="token", v_kind="token", batch=4, seq_len=768,
+                         num_heads=8, num_kv_heads=4, lengths=[700, 77, 0, 768])
+  out = _tokens_last_call(case, MosaicGPUVariantConfig(one_tile_loop=True, **fields), True)
+  assert_matches_reference(out, case.reference()[0][:, 0], case.q.dtype)
+  np.testing.assert_array_equal(np.asarray(out[2], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("pipeline_qk", [False, True], ids=["plain", "pqk"])
+def test_one_tile_loop_16_bit_matches_reference_interpret(pipeline_qk):
+  key = jax.random.split(jax.random.key(63), 3)
+  q = jax.random.normal(key[0], (3, 8, 64), jnp.bfloat16)
+  k, v = (jax.random.normal(kk, (3, 320, 2, 64), jnp.bfloat16) for kk in key[1:])
+  lengths = jnp.array([300, 64, 17], jnp.int32)
+  config = MosaicGPUVariantConfig(one_tile_loop=True, block_kv=64, num_splits=2, pipeline_qk=pipeline_qk)
+  with pkv.interpret():
+    out = pkv.decode_attention(q, k, v, lengths, impl="mosaic_gpu", config=config)
+  assert_matches_reference(out, pkv.decode_attention(q, k, v, lengths, impl="xla"), q.dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", [INT8, E4M3, jnp.bfloat16], ids=["int8", "e4m3", "bf16"])
+def test_one_tile_loop_lowers_one_tile_loop(monkeypatch, kv_dtype):
+  # B1 T32768 heads 32/8 D128, the default config with the variant (one-byte: V tokens last, per-token scales):
+  # one loop issues the tile's wgmma (the default two: the unmasked tiles, then the masked last ones), and the
+  # kernel is smaller by most of one.
+  from harness import tile_loops
+  one_byte = kv_dtype != jnp.bfloat16
+  q = jax.ShapeDtypeStruct((1, 32, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 32768, 8, 128), kv_dtype)
+  v = jax.ShapeDtypeStruct((1, 8, 128, 32768) if one_byte else k.shape, kv_dtype)
+  lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+  scales = jax.ShapeDtypeStruct((1, 32768, 8), jnp.float32)
+  texts = {}
+  for name, config in (("default", None), ("one", MosaicGPUVariantConfig(one_tile_loop=True))):
+    fn = functools.partial(pkv.decode_attention, impl="mosaic_gpu", config=config)
+    if one_byte:
+      texts[name] = mosaic_text_for_cuda(
+          monkeypatch, lambda q, k, v, n, s: fn(q, k, v, n, k_scale=s, v_scale=s, v_tokens_last=True),
+          q, k, v, lengths, scales)
+    else:
+      texts[name] = mosaic_text_for_cuda(monkeypatch, fn, q, k, v, lengths)
+  loops = {name: tile_loops(text) for name, text in texts.items()}
+  assert (len(loops["default"]), len(loops["one"])) == (2, 1)
+  shorter = len(texts["default"].splitlines()) - len(texts["one"].splitlines())
+  assert shorter > 0.6 * len(loops["default"][0]), (shorter, [len(body) for body in loops["default"]])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [INT8, E4M3], ids=["int8", "e4m3"])
+def test_gpu_one_tile_loop_matches_reference(kv_dtype):
+  case = make_quant_case(64, kv_dtype=kv_dtype, k_kind="token", v_kind="token", batch=8, seq_len=2048,
+                         num_heads=32, num_kv_heads=8, head_dim=128, lengths=[2048, 1000, 0, 77, 2047, 1, 640, 1500])
+  out = _tokens_last_call(case, MosaicGPUVariantConfig(one_tile_loop=True), False)
+  assert_matches_reference(out, case.reference()[0][:, 0], case.q.dtype)

@@ -258,7 +258,8 @@ def op_case(variant: str, batch: int, seq_len: int, kv_dtype: str, s: kernel_var
     x = mosaic_one_byte.inputs(batch, seq_len, s.head_dim, jnp.dtype(kv_dtype), abstract=abstract)
     args = (x["q"], x["k"], x["v"], x["lengths"], *x["scales"]["token"])
     problem = validation.validate_dense(*args[:4], v_tokens_last=True)
-    partial = pkv.MosaicGPUConfig(**{k: v for k, v in fields.items() if k not in ("splits_factor", "plan_ahead")})
+    partial = kernel_variants.partial_config({k: v for k, v in fields.items()
+                                              if k not in ("splits_factor", "plan_ahead")})
     config = mgpu_config.resolve_config(problem, partial, dtype=args[1].dtype)
     quantized = dict(q_dtype=args[0].dtype, k_scale_kind="token", v_scale_kind="token",
                      num_kv_heads=s.num_kv_heads, v_tokens_last=True)

@@ -49,6 +49,7 @@ from benchmarks import cases
 from benchmarks import cli
 from benchmarks import output
 from benchmarks import timing
+from pallas_kv import experimental
 from pallas_kv import runtime
 from pallas_kv import validation
 from pallas_kv.config import AttentionOptions
@@ -74,6 +75,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...] | None]] = {
     "splits1": ({"num_splits": 1}, ()),     # traced only: a sequence's first-tile cost against its split count
     "splits8": ({"num_splits": 8}, ()),
     "splits32": ({"num_splits": 32}, ()),
+    # Every tile through the masked step, one tile loop's code (`experimental.MosaicGPUVariantConfig`): traced only.
+    "one_loop": ({"one_tile_loop": True}, ()),
     "tile_consumers2": ({"tile_consumers": 2}, None),
     "tc2+pqk+persistent": ({"tile_consumers": 2, "pipeline_qk": True, "persistent": True}, None),
     "pqk+persistent+lf": ({"pipeline_qk": True, "persistent": True, "sequence_order": "longest_first"}, None),
@@ -195,13 +198,20 @@ def _problem(args: tuple, paged: bool):
   return validation.validate_paged(*args) if paged else validation.validate_dense(*args)
 
 
+def partial_config(fields: dict[str, Any]) -> pkv.MosaicGPUConfig:
+  """A variant's config fields as a partial config: `experimental.MosaicGPUVariantConfig` where one of them is
+  an experimental variant's."""
+  shipped = {field.name for field in dataclasses.fields(pkv.MosaicGPUConfig)}
+  return (pkv.MosaicGPUConfig if set(fields) <= shipped else experimental.MosaicGPUVariantConfig)(**fields)
+
+
 def _config(fields: dict[str, Any], args: tuple, paged: bool) -> pkv.MosaicGPUConfig:
   """The complete config of a variant: its fields over the backend's choice (`resolve_config`),
   the split count the heuristic's times splits_factor (a multiple of the KV groups)."""
   fields = dict(fields)
   factor = fields.pop("splits_factor", 1)
   fields.pop("plan_ahead", None)
-  config = mgpu_config.resolve_config(_problem(args, paged), pkv.MosaicGPUConfig(**fields), dtype=args[1].dtype)
+  config = mgpu_config.resolve_config(_problem(args, paged), partial_config(fields), dtype=args[1].dtype)
   splits = config.num_splits * factor
   groups = config.kv_groups
   splits = max(groups, split_plan.round_up(splits, groups))

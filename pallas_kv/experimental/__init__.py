@@ -35,14 +35,20 @@ class MosaicGPUVariantConfig(MosaicGPUConfig):
   rows: what a cache storing its scales by head would give the kernel (`decode.kernel_call` lays them out outside
   the kernel, so that a kernel-only timing leaves the transposes out). Measured no faster: fp8 B32 T4096 109.9 µs
   against 108.4 as stored, B1 T32768 33.4 against 31.9 (H100, kernel alone; benchmarks/RESULTS.md, thirty-ninth
-  set)."""
+  set).
+  one_tile_loop: every tile of a range through the masked step, one tile loop in place of two (the unmasked tiles,
+  then the masked last ones): a program's code is fetched once for its tiles, at the mask's math a tile
+  (`plan.tile_loops`). A test of whether an SM's first pass over the kernel's code is what a program's first tile
+  costs after another kernel ran (benchmarks/NOTES.md); not yet measured."""
   convert_warpgroup: bool = False
   explicit_barriers: bool = False
   values_in_registers: bool = False
   scales_by_head: bool = False
+  one_tile_loop: bool = False
 
   BOOL_FIELDS: ClassVar[tuple[str, ...]] = MosaicGPUConfig.BOOL_FIELDS + ("convert_warpgroup", "explicit_barriers",
-                                                                          "values_in_registers", "scales_by_head")
+                                                                          "values_in_registers", "scales_by_head",
+                                                                          "one_tile_loop")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -124,6 +125,16 @@ def masks_leading_tiles(*, window: int | None, start) -> bool:
   Without, the kernels emit no loop for them (code that never runs, and that an SM's instruction fetch would read
   past)."""
   return window is not None or start is not None
+
+
+def tile_loops(t0, t1, a, c, *, window: int | None, start, one_loop: bool = False) -> list[tuple[Any, Any, bool]]:
+  """The loops a kernel runs over tiles [t0, t1) with [a, c) unmasked, as (first, end, masked): the leading masked
+  tiles (only where `masks_leading_tiles`), the unmasked ones, the trailing masked ones. one_loop: all of them
+  through the masked step, one loop's code (a masked step is right on any tile; it adds the mask's math a tile)."""
+  if one_loop:
+    return [(t0, t1, True)]
+  leading = [(t0, a, True)] if masks_leading_tiles(window=window, start=start) else []
+  return leading + [(a, c, False), (c, t1, True)]
 
 
 def active_splits(length, *, block_kv: int, num_queries: int, num_splits: int, window: int | None,

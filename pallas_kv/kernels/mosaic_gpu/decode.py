@@ -143,6 +143,7 @@ class _Static:
   stream_k: bool = False  # the persistent programs walk the plan's equal shares of the tiles (`work`)
   walk_vectors: int = 0   # stream-K: the walk's vectors passed in (4, a plan made ahead), or 0: planned inside
   explicit_barriers: bool = False   # no automatic barriers around SMEM stores: the kernel syncs where needed
+  one_tile_loop: bool = False   # every tile through the masked step (`plan.tile_loops`)
   trace: mgpu_trace.KernelTrace | None = None   # a timeline of the call from inside (a diagnostic)
 
   @property
@@ -500,10 +501,9 @@ def _consume(q_tile, k_tiles, v_tiles, p_smem, length, row0, t0, t1, a, c, step0
 
     carry = (acc, m_i, l_i, s0)
 
-  if split_plan.masks_leading_tiles(window=st.options.window, start=start):
-    carry = lax.fori_loop(mine(t0), mine(a), functools.partial(step, masked=True), carry)
-  carry = lax.fori_loop(mine(a), mine(c), functools.partial(step, masked=False), carry)
-  carry = lax.fori_loop(mine(c), mine(t1), functools.partial(step, masked=True), carry)
+  for lo, hi, masked in split_plan.tile_loops(t0, t1, a, c, window=st.options.window, start=start,
+                                                  one_loop=st.one_tile_loop):
+    carry = lax.fori_loop(mine(lo), mine(hi), functools.partial(step, masked=masked), carry)
   return carry[:3]
 
 
@@ -591,7 +591,8 @@ def _build(st: _Static, interpret: Any):
        + "_pair" * st.smem.paired_terms),
       (st.smem.tile_consumers == 2, "_tc2"), (st.tile_math.name, f"_{st.tile_math.name}"),
       (st.balanced, "_balanced"), (st.stream_k, "_streamk" if st.walk_vectors else "_streamk_kwalk"),
-      (st.ordered, "_ordered"), (st.explicit_barriers, "_eb"), (st.options.has_window_start, "_wstart")]
+      (st.ordered, "_ordered"), (st.explicit_barriers, "_eb"), (st.one_tile_loop, "_1loop"),
+      (st.options.has_window_start, "_wstart")]
   name += "".join(part for applies, part in suffixes if applies)
   if st.persistent:
     grid, grid_names = (st.num_programs,), ("program",)
@@ -684,7 +685,9 @@ def kernel_call(q, k, v, lengths, block_tables=None, *, num_queries: int, option
       tiling=kv_tiling, smem=smem, batch=B, num_kv_heads=Hkv, pipeline_qk=config.pipeline_qk,
       tile_math=tile_math, q_dtype=jnp.dtype(q.dtype), k_scale=k_kind, v_scale=v_kind,
       balanced=plan.balanced, ordered=plan.ordered, stream_k=plan.stream_k,
-      explicit_barriers=mgpu_config.explicit_barriers(config), trace=mgpu_trace.active())
+      explicit_barriers=mgpu_config.explicit_barriers(config),
+      one_tile_loop=bool(getattr(config, "one_tile_loop", False)),   # `experimental.MosaicGPUVariantConfig`
+      trace=mgpu_trace.active())
   if plan.stream_k:
     st = dataclasses.replace(st, num_programs=plan.walk.num_programs, walk_vectors=len(plan.walk.arrays()))
   elif config.persistent:

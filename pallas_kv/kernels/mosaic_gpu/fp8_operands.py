@@ -22,6 +22,7 @@ wgmma as two one-byte terms (`stored_probability_terms`). The consumer makes Q's
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax.numpy as jnp
@@ -231,10 +232,9 @@ def run_tiles(carry, step, pipelined, *, tiles, issue_qk, s_type, st, t0, t1, a,
       return s_ref[...]
 
     carry, tile_step = (*carry, pl.run_scoped(score_first, s_type)), pipelined_step
-  if plan.masks_leading_tiles(window=st.options.window, start=start):
-    carry = lax.fori_loop(t0, a, lambda t, x: tile_step(t, x, masked=True), carry)
-  carry = lax.fori_loop(a, c, lambda t, x: tile_step(t, x, masked=False), carry)
-  carry = lax.fori_loop(c, t1, lambda t, x: tile_step(t, x, masked=True), carry)
+  for lo, hi, masked in plan.tile_loops(t0, t1, a, c, window=st.options.window, start=start,
+                                            one_loop=st.one_tile_loop):
+    carry = lax.fori_loop(lo, hi, functools.partial(tile_step, masked=masked), carry)
   return carry[:-1] if pipeline_qk else carry
 
 

@@ -94,10 +94,8 @@ def _attend(r: Refs, *, head, row0, length, tiles, seq: tuple, st: Static, start
                                                        length=length, seq=seq, masked=masked, st=st,
                                                        start=start)
   carry = initial_carry(st)
-  if split_plan.masks_leading_tiles(window=st.options.window, start=start):
-    carry = lax.fori_loop(t0, a, step(True), carry)
-  carry = lax.fori_loop(a, c, step(False), carry)
-  carry = lax.fori_loop(c, t1, step(True), carry)
+  for lo, hi, masked in split_plan.tile_loops(t0, t1, a, c, window=st.options.window, start=start):
+    carry = lax.fori_loop(lo, hi, step(masked), carry)
   return finalize(*carry)
 
 
