@@ -1126,6 +1126,13 @@ def test_mosaic_one_byte_tool_checks_and_times_its_rows_here():
   # The kernel's call alone on inputs prepared outside the timing, scales laid out by head.
   rows = mosaic_one_byte.rows(1, 256, 64, jnp.dtype(jnp.float8_e4m3fn), cpu=True, only=["bare loads byhead asn256 v8"])
   assert rows[0]["kernel_only"] == "bare loads" and rows[0]["us"] > 0 and "error" not in rows[0], rows
+  # Each timed call after an XLA kernel on its queries, that kernel timed alone in a first row.
+  rows = mosaic_one_byte.rows(1, 128, 64, jnp.dtype(jnp.int8), cpu=True, only=["mosaic_gpu token asn128 v8"],
+                              between_calls="xla_add")
+  assert [r["name"] for r in rows] == ["xla_add alone", "mosaic_gpu token asn128 v8"]
+  assert rows[1]["between_calls"] == "xla_add" and rows[1]["err"] < 1e-2 and rows[0]["us"] > 0, rows
+  with pytest.raises(ValueError, match="between_calls"):
+    mosaic_one_byte.rows(1, 128, 64, jnp.dtype(jnp.int8), cpu=True, between_calls="matmul")
 
 
 def test_mosaic_one_byte_tool_pages_hold_the_dense_cache():

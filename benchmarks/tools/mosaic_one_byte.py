@@ -31,6 +31,7 @@ from pallas_kv.kernels import frame
 from pallas_kv.kernels.mosaic_gpu import backend as mgpu_backend
 from pallas_kv.kernels.mosaic_gpu import decode as mgpu_decode
 from benchmarks import cases
+from benchmarks import decode as decode_bench
 from benchmarks import output
 from benchmarks import timing
 from benchmarks.tools import kernel_variants
@@ -72,6 +73,10 @@ VARIANTS += [(f"mosaic_gpu {kind} {name}", "mosaic_gpu", kind,
                                                                     values_as_stored=True)),
                                   ("asn256 v8", MosaicGPUVariantConfig(queries_as_n=True, block_kv=256,
                                                                        values_as_stored=True)),
+                                  ("asn v8 pair", M(queries_as_n=True, block_kv=64, values_as_stored=True,
+                                                    paired_terms=True)),
+                                  ("asn128 v8 pair", M(queries_as_n=True, block_kv=128, values_as_stored=True,
+                                                       paired_terms=True)),
                                   ("asn256 v8 persist", M(queries_as_n=True, block_kv=256, values_as_stored=True,
                                                           persistent=True)),
                                   ("asn256 v8 pair", M(queries_as_n=True, block_kv=256, values_as_stored=True,
@@ -157,9 +162,14 @@ def kernel_only(config, probe: str, args):
 
 
 def rows(batch: int, seq_len: int, head_dim: int, kv_dtype, *, cpu: bool, only=None, page_size: int | None = None,
-         on_row: Callable[[list[dict[str, Any]]], None] | None = None, q_dtype=jnp.float16) -> list[dict[str, Any]]:
+         on_row: Callable[[list[dict[str, Any]]], None] | None = None, q_dtype=jnp.float16,
+         between_calls: str = "none") -> list[dict[str, Any]]:
   """The rows named in `only` (default: every op row on a GPU); page_size: over a paged cache (op rows only);
-  on_row(rows so far) after each row, so that a command stopped at its time limit keeps what it measured."""
+  on_row(rows so far) after each row, so that a command stopped at its time limit keeps what it measured;
+  between_calls "xla_add": each timed call after an XLA kernel on its first argument (`decode.with_kernel_before`),
+  and a first row timing that kernel alone."""
+  if between_calls not in decode_bench.BETWEEN_CALLS:
+    raise ValueError(f"between_calls={between_calls!r}: one of {decode_bench.BETWEEN_CALLS}")
   only = only or ([v[0] for v in VARIANTS] if not cpu else ["triton token", "mosaic_gpu token"])
   todo = [(name, impl, kind, config, None) for name, impl, kind, config in VARIANTS]
   todo += [(name, "mosaic_gpu", kind, config, probe) for name, kind, config, probe in KERNEL_ROWS]
@@ -183,6 +193,17 @@ def rows(batch: int, seq_len: int, head_dim: int, kv_dtype, *, cpu: bool, only=N
 
   refs = {kind: op("xla")(x["q"], *cache, *scales) for kind, scales in x["scales"].items()}
   results = []
+
+  def time_row(fn, args):
+    settings = dict(warmup=0, iters=1, repeats=1) if cpu else dict(warmup=2, iters=20, repeats=5)
+    if between_calls != "none":
+      fn = jax.jit(lambda first, *rest, fn=fn: fn(first + jnp.asarray(1e-3, first.dtype), *rest))
+    return timing.time_jax(fn, [args], **settings).median_s * 1e6
+
+  if between_calls != "none":
+    alone = time_row(lambda first, *rest: first, (x["q"],))
+    print(f"{decode_bench.BETWEEN_ROW:32s} {alone:8.1f} us  (subtract from the rows below)", flush=True)
+    results.append(dict(name=decode_bench.BETWEEN_ROW, batch=batch, seq_len=seq_len, us=alone))
   for name, impl, kind, config, probe in todo:
     if name not in only:
       continue
@@ -199,8 +220,8 @@ def rows(batch: int, seq_len: int, head_dim: int, kv_dtype, *, cpu: bool, only=N
         else:
           fn, args = kernel_only(config, probe, args)
           jax.block_until_ready(fn(*args))
-        t = timing.time_jax(fn, [args], warmup=0 if cpu else 2, iters=1 if cpu else 20, repeats=1 if cpu else 5)
-      row["us"] = t.median_s * 1e6
+        row["us"] = time_row(fn, args)
+      row["between_calls"] = between_calls
     except Exception as e:   # a config that does not fit says so in its row
       row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     err = f"  err {row['err']:.1e}" if "err" in row else "  (kernel only)"
@@ -218,6 +239,8 @@ def define_flags() -> None:
   flags.DEFINE_list("only", None, "variant names to run; default all on a GPU, the two per-token defaults on a CPU")
   flags.DEFINE_integer("page_size", None, "run the op rows over a paged cache of these pages (shuffled)")
   flags.DEFINE_enum("q_dtype", "float16", ["float16", "bfloat16"], "the queries' dtype")
+  flags.DEFINE_enum("between_calls", "none", list(decode_bench.BETWEEN_CALLS), "xla_add: each timed call after an "
+                    "XLA kernel on its queries, as in a model (the decode benchmark's flag), and a row timing it.")
 
 
 def main(argv):
@@ -226,7 +249,8 @@ def main(argv):
   fv = flags.FLAGS
   batch, seq_len = (int(n) for n in (fv.shape or ("2x256" if cpu else "32x4096")).split("x"))
   rows(batch, seq_len, 64 if cpu else 128, jnp.dtype(fv.kv_dtype), cpu=cpu, only=fv.only, page_size=fv.page_size,
-       on_row=(lambda so_far: output.write_json(so_far, fv.json)) if fv.json else None, q_dtype=jnp.dtype(fv.q_dtype))
+       on_row=(lambda so_far: output.write_json(so_far, fv.json)) if fv.json else None, q_dtype=jnp.dtype(fv.q_dtype),
+       between_calls=fv.between_calls)
 
 
 if __name__ == "__main__":
