@@ -128,7 +128,7 @@ def masks_leading_tiles(*, window: int | None, start) -> bool:
 
 
 def tile_loops(t0, t1, a, c, *, window: int | None, start, one_loop: bool = False) -> list[tuple[Any, Any, bool]]:
-  """The loops a kernel runs over tiles [t0, t1) with [a, c) unmasked, as (first, end, masked): the leading masked
+  """The loops a kernel runs over tiles [t0, t1) with [a, c) unmasked, as (lo, hi, masked): the leading masked
   tiles (only where `masks_leading_tiles`), the unmasked ones, the trailing masked ones. one_loop: all of them
   through the masked step, one loop's code (a masked step is right on any tile; it adds the mask's math a tile)."""
   if one_loop:

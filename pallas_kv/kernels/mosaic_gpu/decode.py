@@ -502,7 +502,7 @@ def _consume(q_tile, k_tiles, v_tiles, p_smem, length, row0, t0, t1, a, c, step0
     carry = (acc, m_i, l_i, s0)
 
   for lo, hi, masked in split_plan.tile_loops(t0, t1, a, c, window=st.options.window, start=start,
-                                                  one_loop=st.one_tile_loop):
+                                              one_loop=st.one_tile_loop):
     carry = lax.fori_loop(mine(lo), mine(hi), functools.partial(step, masked=masked), carry)
   return carry[:3]
 

@@ -233,7 +233,7 @@ def run_tiles(carry, step, pipelined, *, tiles, issue_qk, s_type, st, t0, t1, a,
 
     carry, tile_step = (*carry, pl.run_scoped(score_first, s_type)), pipelined_step
   for lo, hi, masked in plan.tile_loops(t0, t1, a, c, window=st.options.window, start=start,
-                                            one_loop=st.one_tile_loop):
+                                        one_loop=st.one_tile_loop):
     carry = lax.fori_loop(lo, hi, functools.partial(tile_step, masked=masked), carry)
   return carry[:-1] if pipeline_qk else carry
 
