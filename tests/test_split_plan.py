@@ -123,6 +123,22 @@ def test_every_visible_tile_is_in_exactly_one_split(seed, block_kv, num_queries,
   assert per_split >= -(-total // chunks)
 
 
+@pytest.mark.parametrize("window,start,one_loop", [(None, None, False), (300, None, False), (None, 5, False),
+                                                    (300, 5, True)])
+def test_tile_loops_run_each_tile_once_masked_where_it_must_be(window, start, one_loop):
+  # The loops a kernel runs over a split's tiles: every tile once, in order, and masked outside [a, c); a leading
+  # masked loop only where a window or a window start can mask a range's first tiles.
+  for t0, t1, a, c in ((0, 9, 0, 8), (2, 9, 4, 9), (3, 3, 3, 3), (0, 4, 1, 1)):
+    if window is None and start is None and a > t0:
+      continue   # not a range a call without either makes
+    loops = plan.tile_loops(t0, t1, a, c, window=window, start=start, one_loop=one_loop)
+    tiles = [(tile, masked) for lo, hi, masked in loops for tile in range(lo, hi)]
+    assert [tile for tile, _ in tiles] == list(range(t0, t1))
+    assert all(masked for tile, masked in tiles if not a <= tile < c)
+    expected = 1 if one_loop else 2 + plan.masks_leading_tiles(window=window, start=start)
+    assert len(loops) == expected, loops
+
+
 def test_a_long_sequence_among_short_ones_takes_more_splits():
   lengths = jnp.asarray([8192, 64, 64, 64, 100, 0, 64, 64], jnp.int32)
   kw = dict(block_kv=64, num_queries=1, window=None)
