@@ -251,7 +251,8 @@ BETWEEN_CALLS = ("none", "xla_add")
 BETWEEN_ROW = "xla_add alone"   # the impl name of the row that times the kernel put between calls
 
 
-def _add_to_queries(q):
+def between_kernel(q):
+  """The XLA kernel `--between_calls=xla_add` runs before a call: an elementwise add on its queries."""
   if not (isinstance(q, jax.Array) and jnp.issubdtype(q.dtype, jnp.floating)):
     raise NotImplementedError("--between_calls: an impl whose first argument is the queries")
   return q + jnp.asarray(1e-3, q.dtype)
@@ -263,12 +264,12 @@ def with_kernel_before(runner: peers.Runner) -> peers.Runner:
   starts. The op's time in that setting: this runner's time less the `BETWEEN_ROW` row's (the add alone)."""
   if runner.timer != "jax":
     raise NotImplementedError(f"--between_calls: JAX impls only (this one is timed by {runner.timer!r})")
-  return dataclasses.replace(runner, fn=lambda q, *rest: runner.fn(_add_to_queries(q), *rest))
+  return dataclasses.replace(runner, fn=lambda q, *rest: runner.fn(between_kernel(q), *rest))
 
 
 def _between_row(sweep: cases.Sweep, input_sets: Sequence[tuple], host_loop: bool) -> dict[str, Any]:
   """The row of the kernel `with_kernel_before` adds, timed alone as the impls are."""
-  t, host = _timed(peers.Runner(fn=lambda q, *rest: _add_to_queries(q)), input_sets, sweep, host_loop)
+  t, host = _timed(peers.Runner(fn=lambda q, *rest: between_kernel(q)), input_sets, sweep, host_loop)
   return {"impl": BETWEEN_ROW, "ours": False, "status": "ok", **output.timing_fields(t), **host,
           **dict.fromkeys(("tbps", "tflops", "roofline_pct"), float("nan"))}   # no KV read
 

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kv as pkv
+from benchmarks import decode as decode_bench
 from benchmarks.tools import kernel_variants
 from benchmarks.tools import mosaic_one_byte
 from pallas_kv import validation
@@ -50,7 +51,7 @@ FLAGS = flags.FLAGS
 REGIONS = ("item", "wait_free", "wait_tile", "wait_q", "write_out", "qk", "softmax", "pv", "widen",
            "wait_values", "wait_p", "wait_p_free")   # the last three: the MLA kernel's hand-overs
 SMEM_MARGIN_BYTES = 2048   # left free beside the kernel's own SMEM and the trace's buffer
-BETWEEN_CALLS = ("none", "xla_add")   # what runs between chained calls (`chained`)
+BETWEEN_CALLS = decode_bench.BETWEEN_CALLS   # what runs between chained calls (`chained`)
 
 
 def role(warpgroup: int, consumers: int) -> str:
@@ -292,7 +293,7 @@ def chained(op, calls: int, between: str = "none"):
   def run(q, *rest, **keywords):
     for call in range(calls):
       if call and between == "xla_add":
-        q = q + jnp.asarray(1e-3, q.dtype)
+        q = decode_bench.between_kernel(q)
       q = op(q, *rest, **keywords).astype(q.dtype)
     return q
   return run

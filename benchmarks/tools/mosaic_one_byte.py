@@ -197,7 +197,7 @@ def rows(batch: int, seq_len: int, head_dim: int, kv_dtype, *, cpu: bool, only=N
   def time_row(fn, args):
     settings = dict(warmup=0, iters=1, repeats=1) if cpu else dict(warmup=2, iters=20, repeats=5)
     if between_calls != "none":
-      fn = jax.jit(lambda first, *rest, fn=fn: fn(first + jnp.asarray(1e-3, first.dtype), *rest))
+      fn = jax.jit(lambda first, *rest, fn=fn: fn(decode_bench.between_kernel(first), *rest))
     return timing.time_jax(fn, [args], **settings).median_s * 1e6
 
   if between_calls != "none":
