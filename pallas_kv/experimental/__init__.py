@@ -38,8 +38,9 @@ class MosaicGPUVariantConfig(MosaicGPUConfig):
   set).
   one_tile_loop: every tile of a range through the masked step, one tile loop in place of two (the unmasked tiles,
   then the masked last ones): a program's code is fetched once for its tiles, at the mask's math a tile
-  (`plan.tile_loops`). A test of whether an SM's first pass over the kernel's code is what a program's first tile
-  costs after another kernel ran (benchmarks/NOTES.md); not yet measured."""
+  (`plan.tile_loops`). Built to test whether a ragged batch's masked last tiles pay a first pass over code of their
+  own; not measured: another kernel between calls measured no first-pass cost (benchmarks/RESULTS.md, forty-sixth
+  set)."""
   convert_warpgroup: bool = False
   explicit_barriers: bool = False
   values_in_registers: bool = False
