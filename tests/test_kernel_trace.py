@@ -235,3 +235,18 @@ def test_gpu_traces_are_written(tmp_path):
   assert rows and all("status" not in row for row in rows), rows
   consumer = next(row for row in rows if row["role"].startswith("consumer"))
   assert consumer["items"] >= 1 and consumer["span_kcycles"] > 0, consumer
+
+
+def test_record_trace_runs_the_function_traced_and_writes_its_meta(tmp_path):
+  # What `read_traces` reads beside a trace: the caller's meta with the visits and the device added (no Mosaic GPU
+  # kernel here, so no trace file: the function still runs once, inside `tracing`).
+  seen = []
+
+  def fn(x):
+    seen.append(mgpu_trace.active())   # at trace time, inside the context
+    return x + 1
+
+  meta = kernel_trace.record_trace(str(tmp_path / "t"), 64, fn, (jnp.ones(3),), {"variant": "v", "calls": 2})
+  assert seen and seen[0] == mgpu_trace.KernelTrace(str(tmp_path / "t"), 64)
+  with open(tmp_path / "t" / "meta.json") as f:
+    assert json.load(f) == meta == {"variant": "v", "calls": 2, "visits": 64, "device": jax.devices()[0].device_kind}

@@ -311,18 +311,23 @@ def trace_run(variant: str, batch: int, seq_len: int, kv_dtype: str, s: kernel_v
   at = (("" if length is None else f"_L{length}") + ("" if calls == 1 else f"_c{calls}")
         + ("" if between == "none" else f"_{between}"))
   name = f"{variant}_{batch}x{seq_len}{at}_{jnp.dtype(kv_dtype).name}".replace("+", "_")
-  directory = os.path.join(out, name)
-  os.makedirs(directory, exist_ok=True)
   jax.block_until_ready(jax.jit(op)(*args))   # compiled, and the data's first touch done
-  with kernel_trace.tracing(KernelTrace(directory, visits)):
-    jax.block_until_ready(jax.jit(chained(op, calls, between))(*args))
-  jax.effects_barrier()   # the trace is written by a host callback after the kernel
   shape = (kernel_variants.shape_name(batch, seq_len, None) + ("" if length is None else f" L{length}")
            + ("" if calls == 1 else f" call {calls}") + ("" if between == "none" else f" after {between}"))
   meta = {"variant": variant, "shape": shape,
           "kv_dtype": jnp.dtype(kv_dtype).name, "warpgroups": smem.num_threads, "consumers": smem.num_wgs,
-          "visits": visits, "calls": calls, "between_calls": between, "config": dataclasses.asdict(config),
-          "device": str(jax.devices()[0].device_kind)}
+          "calls": calls, "between_calls": between, "config": dataclasses.asdict(config)}
+  return record_trace(os.path.join(out, name), visits, chained(op, calls, between), args, meta)
+
+
+def record_trace(directory: str, visits: int, fn, args, meta: dict[str, Any]) -> dict[str, Any]:
+  """fn(*args) jitted and run inside `trace.tracing` into directory, with its meta.json (meta, the visits and the
+  device added; what `read_traces` reads beside the trace); returns that meta."""
+  os.makedirs(directory, exist_ok=True)
+  with kernel_trace.tracing(KernelTrace(directory, visits)):
+    jax.block_until_ready(jax.jit(fn)(*args))
+  jax.effects_barrier()   # the trace is written by a host callback after the kernel
+  meta = {**meta, "visits": visits, "device": str(jax.devices()[0].device_kind)}
   with open(os.path.join(directory, "meta.json"), "w") as f:
     json.dump(meta, f, indent=1)
   return meta

@@ -132,25 +132,18 @@ def trace_impl(row: bench.Row, impl: str, args, trace_dir: str, visits: int) -> 
   """impl's kernel traced from inside into trace_dir/IMPL_ROW/ (`tools.kernel_trace`'s layout and meta.json): two
   calls in a chain, each on the last one's output, so that the second runs warm."""
   from benchmarks.tools import kernel_trace   # pylint: disable=g-import-not-at-top
-  from pallas_kv.kernels.mosaic_gpu import trace   # pylint: disable=g-import-not-at-top
-  directory = os.path.join(trace_dir, f"{impl}_{row.name}")
-  os.makedirs(directory, exist_ok=True)
+  meta = {"variant": impl, "shape": f"{row.name} call 2", "warpgroups": 3, "consumers": 2, "calls": 2}
   while True:   # fewer visits where the trace's buffer does not fit the SMEM the kernel leaves
     try:
-      with trace.tracing(trace.KernelTrace(directory, visits)):
-        jax.block_until_ready(jax.jit(kernel_trace.chained(launch(row, impl), 2))(*args))
-      break
+      kernel_trace.record_trace(os.path.join(trace_dir, f"{impl}_{row.name}"), visits,
+                                kernel_trace.chained(launch(row, impl), 2), args, meta)
+      return
     except Exception as e:  # pylint: disable=broad-except
       if "shared memory" in str(e) and visits >= 32:
         visits //= 2
         continue
       print(f"{row.name} {impl}: not traced ({type(e).__name__}: {str(e).strip()[:200]})", flush=True)
       return
-  jax.effects_barrier()   # the trace is written by a host callback after the kernel
-  meta = {"variant": impl, "shape": f"{row.name} call 2", "warpgroups": 3, "consumers": 2, "visits": visits,
-          "calls": 2, "device": str(jax.devices()[0].device_kind)}
-  with open(os.path.join(directory, "meta.json"), "w") as f:
-    json.dump(meta, f, indent=1)
 
 
 def quantize(pages, kind: str):
