@@ -288,6 +288,28 @@ def test_the_parts_tool_traces_only_on_a_gpu(tmp_path):
   assert run.returncode != 0 and "on a GPU" in run.stderr + run.stdout
 
 
+@pytest.mark.parametrize("impl", ["bf16", "fp8"])
+def test_the_parts_tools_traced_chain_feeds_each_call_the_last_ones_output(impl):
+  # `--trace_dir` chains two launches, each call's queries the last one's output: an MLA output has v_dim
+  # columns and its queries qk_dim, so a step writes the output over q's first v_dim columns (a chain of the bare
+  # launch failed to trace on the GPU: "must share Dqk"). Shapes only, at the 16-head GPU row.
+  from benchmarks import mla as mla_bench
+  from benchmarks.tools import kernel_trace, mla_fp8_parts
+  row = next(r for r in mla_bench.GPU_ROWS if r.name == "h16_b64_t8192")
+  pages = row.batch * row.seq_len // mla_bench.PAGE_SIZE
+  pool = FP8 if impl == "fp8" else jnp.bfloat16
+  args = [jax.ShapeDtypeStruct((row.batch, row.num_queries, row.num_heads, row.qk_dim), jnp.bfloat16),
+          jax.ShapeDtypeStruct((pages, mla_bench.PAGE_SIZE, row.qk_dim), pool),
+          jax.ShapeDtypeStruct((row.batch, row.seq_len // mla_bench.PAGE_SIZE), jnp.int32),
+          jax.ShapeDtypeStruct((row.batch,), jnp.int32)]
+  if impl == "fp8":
+    args.append(jax.ShapeDtypeStruct((pages, mla_bench.PAGE_SIZE), jnp.float32))
+  with pytest.raises(ValueError, match="share Dqk"):
+    jax.eval_shape(kernel_trace.chained(mla_fp8_parts.launch(row, impl), 2), *args)
+  out = jax.eval_shape(kernel_trace.chained(mla_fp8_parts.chain_step(row, impl), 2), *args)
+  assert (out.shape, out.dtype) == (args[0].shape, args[0].dtype)
+
+
 @pytest.mark.parametrize("dtype", [FP8, jnp.bfloat16], ids=["fp8", "bf16"])
 def test_mla_explicit_barriers_lower_with_fewer_warpgroup_barriers(monkeypatch, dtype):
   # Codegen(explicit_barriers=True): no automatic barrier around each SMEM store (P's hand-over, the fp8 widening)

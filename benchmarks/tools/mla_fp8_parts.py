@@ -88,6 +88,16 @@ def launch(row: bench.Row, impl: str):
   return jax.jit(run)
 
 
+def chain_step(row: bench.Row, impl: str):
+  """impl's launch as a step of `kernel_trace.chained`: q in, q out, its first v_dim columns the launch's output
+  (an MLA output has v_dim columns, its queries qk_dim), so that each call of a chain reads the last one's."""
+  op = launch(row, impl)
+
+  def step(q, *rest):
+    return q.at[..., :row.v_dim].set(op(q, *rest).astype(q.dtype))
+  return step
+
+
 def run_row(row: bench.Row, impls, *, cpu: bool, trace_dir: str | None = None, visits: int = 256
             ) -> list[dict[str, Any]]:
   case = row.case()
@@ -136,7 +146,7 @@ def trace_impl(row: bench.Row, impl: str, args, trace_dir: str, visits: int) -> 
   while True:   # fewer visits where the trace's buffer does not fit the SMEM the kernel leaves
     try:
       kernel_trace.record_trace(os.path.join(trace_dir, f"{impl}_{row.name}"), visits,
-                                kernel_trace.chained(launch(row, impl), 2), args, meta)
+                                kernel_trace.chained(chain_step(row, impl), 2), args, meta)
       return
     except Exception as e:  # pylint: disable=broad-except
       if "shared memory" in str(e) and visits >= 32:
