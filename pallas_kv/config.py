@@ -138,10 +138,11 @@ class MosaicGPUConfig(KernelConfig):
   kv_groups: 1, or 2 or 3 consumer warpgroups per program that each stream one split's tiles from
     their own ring (needs <= 64 packed rows, and num_splits and num_stages multiples of kv_groups).
   pipeline_qk: issue tile i+1's Q K^T before tile i's softmax (FA3's intra-warpgroup overlap).
-  queries_as_n: an fp8 or int8 cache with V stored tokens last: the packed rows (<= 16) as wgmma's N,
-    S^T = K Q^T, so that the softmax covers 16 query columns instead of 64 rows, most of them padding (one
-    consumer a program: kv_groups 1, tile_consumers 1); int8 is read as stored (Q as two int8 terms, s8 wgmma).
-    It runs 128-token tiles where the pages allow; the default takes it for dense one-byte caches that allow it.
+  queries_as_n: the packed rows (<= 16) as wgmma's N, S^T = K Q^T, so that the products and the softmax cover 16
+    query columns instead of 64 rows, most of them padding (one consumer a program: kv_groups 1, tile_consumers 1).
+    A 16-bit cache (V either layout), or an fp8 or int8 one with V stored tokens last, int8 read as stored (Q as two
+    int8 terms, s8 wgmma). One-byte caches run 128-token tiles where the pages allow; the default takes it for dense
+    one-byte caches that allow it.
   values_as_stored: with queries_as_n, wgmma reads the V tile as stored, no widened copy: P^T goes as two one-byte
     terms (fp8: two e4m3 terms, P with bf16's error instead of f16's; int8: two int8 terms on s8 wgmma, P within
     1 / 127^2). The SMEM a widened V tile took holds 256-token tiles instead: the default takes both where two

@@ -33,6 +33,8 @@ LAYERS = [
     {"kernels.triton.stream_k", "kernels.mosaic_gpu.fp8_operands"},
     # the GQA kernel's one-byte tile feeds (widening into a consumer's tile or the converter's ring)
     {"kernels.mosaic_gpu.tile_feeds"},
+    # the GQA kernel's 16-bit consumer with the queries as wgmma N (V's slots through the tile feeds)
+    {"kernels.mosaic_gpu.queries_as_n"},
     {"kernels.mosaic_gpu.decode", "kernels.mosaic_gpu.mla", "kernels.triton.decode"},
     # the merge launches: the Triton one takes the Triton decode module's compiler params; Mosaic GPU's (where
     # Pallas Triton is gone) the online softmax's row helpers

@@ -451,6 +451,53 @@ def test_head_dims_interpret(interpret_mode, head_dim, page_size):
   check_against_reference(case, _paged_or_dense(poison_unread_slots(case), _config()))
 
 
+# The queries as wgmma N over a 16-bit cache (`queries_as_n.py`): garbage past each length (V NaN must not reach P V
+# through the zeroed keys), 2 new tokens of 4 heads a kv head (8 packed rows of N's 16), head dims whose slots take
+# swizzles of 128 and 64 bytes (P's must match), one split and two, pages of 16 (copies of several pages a tile),
+# pipeline_qk, the persistent grid, stream-K, softcap and a window.
+@pytest.mark.parametrize("head_dim,page_size,fields,options", [
+    (64, None, dict(block_kv=64), {}),
+    (128, 16, dict(block_kv=64, num_splits=2, pipeline_qk=True), {}),
+    pytest.param(32, None, dict(block_kv=128, num_splits=2), dict(softcap=20.0), marks=pytest.mark.slow),
+    pytest.param(64, None, dict(block_kv=64, num_splits=2, persistent=True, pipeline_qk=True), dict(window=70),
+                 marks=pytest.mark.slow),
+    pytest.param(64, 16, dict(block_kv=64, num_splits=3, split_plan="stream_k", persistent=True, pipeline_qk=True),
+                 {},
+                 marks=pytest.mark.slow),
+], ids=["d64-dense", "d128-page16-s2-pqk", "d32-bkv128-softcap", "d64-persistent-window", "d64-page16-stream-k"])
+def test_queries_as_n_over_a_16bit_cache_interpret(interpret_mode, head_dim, page_size, fields, options):
+  case = make_case(head_dim, batch=2, seq_len=320, num_heads=8, num_kv_heads=2, head_dim=head_dim, num_queries=2,
+                   dtype=jnp.bfloat16, page_size=page_size, lengths=[300, 75])
+  config = _config(queries_as_n=True, num_stages=3, **fields)
+  out = _paged_or_dense(poison_unread_slots(case), config, **options)
+  assert np.isfinite(np.asarray(out[0], np.float32)).all()
+  check_against_reference(case, out, **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size,fields", [
+    (None, dict(block_kv=64)), (None, dict(block_kv=128, pipeline_qk=True)),
+    (16, dict(pipeline_qk=True, persistent=True)), (None, dict(split_plan="stream_k", persistent=True, pipeline_qk=True))],
+    ids=["dense", "bkv128-pqk", "page16-pqk-persistent", "stream-k"])
+def test_gpu_queries_as_n_over_a_16bit_cache(page_size, fields):
+  from pallas_kv import runtime
+  if not runtime.is_hopper_or_newer():
+    pytest.skip("needs a Hopper GPU (compute capability 9.0+)")
+  case = make_case(11, batch=4, seq_len=2048, num_heads=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16,
+                   page_size=page_size, lengths=[2048, 1000, 77, 1])
+  out = _paged_or_dense(poison_unread_slots(case), pkv.MosaicGPUConfig(queries_as_n=True, **fields))
+  check_against_reference(case, out)
+
+
+def test_queries_as_n_16bit_needs_few_rows_and_one_consumer():
+  problem = dict(rows=16, head_dim=128, dtype=jnp.bfloat16, page_size=None, num_splits=1)
+  mgpu_config.check_config(_config(queries_as_n=True), **problem)   # 16 packed rows: N's 16 columns
+  with pytest.raises(ValueError, match="queries_as_n=True needs .* <= 16 packed rows"):
+    mgpu_config.check_config(_config(queries_as_n=True), **{**problem, "rows": 17})
+  with pytest.raises(ValueError, match="one consumer"):
+    mgpu_config.check_config(_config(queries_as_n=True, tile_consumers=2, num_stages=4), **problem)
+
+
 @pytest.mark.slow
 def test_one_byte_head_dim_interpret(interpret_mode):
   # int8 rows of 96 bytes (a 32-byte swizzle) widened into bf16 tiles of 96 columns, per-token K scales.

@@ -83,6 +83,7 @@ slow = lambda *values: pytest.param(*values, marks=pytest.mark.slow)   # a case 
 
 @pytest.mark.parametrize("kv_dtype, scale_kind, page_size, num_queries, fields", [
     (jnp.bfloat16, None, None, 2, {}),
+    (jnp.bfloat16, None, 64, 2, dict(queries_as_n=True, pipeline_qk=True)),   # V^T as stored: wgmma's A as is
     (jnp.int8, "token", None, None, {}),
     (jnp.float8_e4m3fn, "head", 64, None, dict(kv_groups=2)),
     (jnp.float8_e4m3fn, "token", None, None, dict(kv_groups=3, num_stages=3, num_splits=3)),
@@ -117,7 +118,7 @@ slow = lambda *values: pytest.param(*values, marks=pytest.mark.slow)   # a case 
     pytest.param(jnp.float8_e5m2, "token", None, 3, dict(persistent=True), marks=pytest.mark.slow),
     pytest.param(jnp.int8, "token", 64, None, dict(tile_consumers=2, num_stages=4, pipeline_qk=True, persistent=True),
                  marks=pytest.mark.slow),
-], ids=["bf16-dense-s2", "int8-token-dense", "e4m3-head-page64-groups2", "e4m3-token-dense-groups3",
+], ids=["bf16-dense-s2", "bf16-page64-s2-queries-as-n-pqk", "int8-token-dense", "e4m3-head-page64-groups2", "e4m3-token-dense-groups3",
         "e4m3-token-dense-groups2-pqk", "e4m3-token-dense-s2-queries-as-n", "e5m2-head-page64-queries-as-n",
         "e4m3-token-dense-queries-as-n-pqk", "e4m3-token-dense-queries-as-n-stream-k",
         "int8-token-dense-s2-queries-as-n", "int8-head-page64-queries-as-n-pqk",
@@ -446,7 +447,8 @@ def test_queries_as_n_widens_every_row_block_of_a_value_tile_interpret(kv_dtype,
 
 
 def test_queries_as_n_is_checked():
-  # The queries as wgmma N: an fp8 or int8 cache with V tokens last, <= 16 packed rows, one consumer a program.
+  # The queries as wgmma N: a 16-bit cache, or an fp8 or int8 one with V tokens last; <= 16 packed rows, one consumer a
+  # program.
   from pallas_kv import experimental
   fp8 = make_case(7, batch=2, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=64, dtype=jnp.float16,
                   kv_dtype=jnp.float8_e4m3fn)
@@ -461,7 +463,7 @@ def test_queries_as_n_is_checked():
              r"queries_as_n=True needs .* <= 16 packed rows.*rows=2 config.kv_groups=2"),
             (fp8, False, as_n, r"v_tokens_last=False"),
             (wide, True, dataclasses.replace(as_n, kv_groups=1), r"rows=17"),
-            (bf16, True, dataclasses.replace(as_n, kv_groups=1), r"got bfloat16"),
+            (bf16, True, dataclasses.replace(as_n, tile_consumers=2, num_stages=4), r"config.tile_consumers=2"),
             (fp8, True, experimental.MosaicGPUVariantConfig(values_in_registers=True, queries_as_n=False),
              "needs queries_as_n=True"),
             (bf16, True, experimental.MosaicGPUVariantConfig(values_as_stored=True, queries_as_n=True),

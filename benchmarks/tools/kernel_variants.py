@@ -93,6 +93,12 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...] | None]] = {
     # streams, is what an item boundary costs (q's load, the first score, the partial's store).
     "pqk+persistent+splits_x2": ({"pipeline_qk": True, "persistent": True, "splits_factor": 2},
                                  ("B32 T4096", "B64 T2048", "B128 T4096")),
+    # The queries as wgmma N over a 16-bit cache (<= 16 packed rows): 16 query columns instead of 64 padded rows.
+    "asn": ({"queries_as_n": True}, None),
+    "asn+pqk": ({"queries_as_n": True, "pipeline_qk": True}, None),
+    "asn128+pqk": ({"queries_as_n": True, "block_kv": 128, "pipeline_qk": True}, None),
+    "asn+pqk+persistent": ({"queries_as_n": True, "pipeline_qk": True, "persistent": True}, None),
+    "asn+sk+pqk": ({"queries_as_n": True, "split_plan": "stream_k", "pipeline_qk": True}, None),
     "baseline_again": ({}, None),
 }
 PROBE_SHAPES = ("B128 T4096", "B1 T32768")
@@ -150,7 +156,8 @@ SMOKE_PROBE_SHAPES = ("B1 T128",)
 SMOKE_PAGED_VARIANTS = ("baseline", "pqk+persistent")
 # Same code paths as others; stream-K's heuristic walk at B1 has 63 programs, slow to interpret (tests cover it).
 SMOKE_SKIPPED_VARIANTS = ("splits_x2", "baseline_again", "stream_k", "sk+pqk", "sk+tc2+pqk", "sk+pqk+ahead",
-                          "pqk+persistent+splits_x2", "queries_as_n128")
+                          "pqk+persistent+splits_x2", "queries_as_n128", "asn", "asn128+pqk", "asn+pqk+persistent",
+                          "asn+sk+pqk")
 # --warmup, --iters, --repeats on a GPU unless given (--smoke runs each call once, untimed).
 GPU_TIMING = {"warmup": 2, "iters": 20, "repeats": 5}
 # The fields of a timing.Timing that rows carry.

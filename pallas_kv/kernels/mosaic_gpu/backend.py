@@ -18,7 +18,13 @@ from pallas_kv.kernels.mosaic_gpu import mla as mgpu_mla
 from pallas_kv.kernels.mosaic_gpu import mla_config
 
 NAME = mgpu_config.NAME
-unsupported_reason = mgpu_config.unsupported_reason
+
+
+def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
+  """Why this backend cannot serve the call, or None if it can."""
+  if op == "mla":
+    return mla_config.unsupported_reason(problem, dtypes)
+  return mgpu_config.unsupported_reason(op, problem, options, dtypes)
 
 
 def interpret_params():

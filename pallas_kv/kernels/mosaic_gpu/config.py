@@ -107,9 +107,7 @@ def tokens_last_reason(head_dim: int, page_size: int | None, *, dtype: Any = Non
 
 
 def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
-  """Why this backend cannot serve the call, or None if it can."""
-  if op == "mla":
-    return mla_reason(problem.head_dim, problem.v_head_dim, dtypes[1]) or page_size_reason(problem.page_size)
+  """Why the GQA kernel cannot serve the call, or None if it can (MLA: `mla_config.unsupported_reason`)."""
   reason = frame.unsupported_reason(op, problem, options, dtypes, backend="Mosaic GPU")
   if reason is None:
     reason = head_dim_reason(problem.head_dim, dtypes[1])
@@ -123,11 +121,7 @@ def unsupported_reason(op: str, problem, options, dtypes) -> str | None:
   return reason
 
 
-# MLA: Dv splits over two consumers in 64-column swizzle tiles; Q and two 64-token stages must fit SMEM.
-MLA_MAX_QK_DIM = 576
-MLA_V_DIM_MULTIPLE = 128
-MLA_ONE_BYTE_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-FP8_DTYPES = MLA_ONE_BYTE_DTYPES
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 FP8_OPERAND_DTYPE = jnp.float8_e4m3fn   # Q's and P's terms on fp8 wgmma
 INT8_DTYPE = jnp.dtype(jnp.int8)
 # queries_as_n: the packed rows as wgmma N, padded to 16 columns; wgmma takes one swizzle for both operands, so the
@@ -139,18 +133,6 @@ AS_STORED_BLOCK_KV = 256   # ... with V read as stored (no widened V tile): 0-14
 # Pages of V tokens last smaller than a tile, copied a page at a time: [D, page_size] one-byte runs of 16 or 32
 # bytes a row (TMA's least is 16), widened by the queries-as-N consumer.
 SMALL_VALUE_PAGES = (16, 32)
-
-
-def mla_reason(qk_dim: int, v_dim: int, kv_dtype) -> str | None:
-  """Why the MLA kernel cannot serve a latent cache of Dqk = qk_dim, Dv = v_dim, or None."""
-  kv_dtype = jnp.dtype(kv_dtype)
-  if kv_dtype not in frame.KV_DTYPES + MLA_ONE_BYTE_DTYPES:
-    return (f"MLA needs a bfloat16, float16 or fp8 (e4m3 / e5m2: fp8 wgmma) cache on Mosaic GPU, got "
-            f"{kv_dtype.name}")
-  if v_dim % MLA_V_DIM_MULTIPLE or qk_dim % 64 or not v_dim <= qk_dim <= MLA_MAX_QK_DIM:
-    return (f"MLA needs v_head_dim a multiple of {MLA_V_DIM_MULTIPLE} and Dqk a multiple of 64 with "
-            f"v_head_dim <= Dqk <= {MLA_MAX_QK_DIM} on Mosaic GPU, got Dqk {qk_dim}, v_head_dim {v_dim}")
-  return None
 
 
 def quantized_reason(kv_dtype, k_scale_kind: str | None, v_scale_kind: str | None, problem) -> str | None:
@@ -501,6 +483,10 @@ class DecodeSmem:
       scratch["v_wide"] = tuple(None if self.values_in_registers or self.values_as_stored else
                                 plgpu.SMEM((self.head_dim, self.block_kv), jnp.float16, transforms=transforms)
                                 for _ in range(self.num_wgs))
+    elif self.queries_as_n:   # 16-bit: P [16, bkv] in q's dtype, swizzled as the V slot it meets in wgmma
+      swizzle = tiling.smem_transforms(self.dtype, self.tile_shape("v")[1])[-1].swizzle
+      scratch["p_t"] = (plgpu.SMEM((AS_N_COLUMNS, self.block_kv), self.q_dtype, transforms=tiling.smem_transforms(
+          self.q_dtype, self.block_kv, max_swizzle=swizzle)),) * self.num_wgs
     elif self.one_byte_operands:   # (fp8: an int8 cache takes these operands with the queries as N only)
       # Separate refs: a statically indexed tile does not lower inside wgmma's run_state.
       scratch["p_terms"] = tuple(
@@ -560,6 +546,8 @@ class DecodeSmem:
       p_t = align(self.block_kv * AS_N_COLUMNS * 2)   # f16 P^T, or P's two e4m3 terms: as many bytes
       v_wide = 0 if self.values_in_registers or self.values_as_stored else align(self.head_dim * self.block_kv * 2)
       p = factors + self.num_wgs * (p_t + v_wide)
+    elif self.queries_as_n:
+      p += self.num_wgs * align(self.block_kv * AS_N_COLUMNS * self.q_dtype.itemsize)
     streaming = rings + dequantized
     streaming = streaming + align(outputs) if self.separate_out else max(streaming, outputs)
     return (align(q) + align(streaming) + align(p) + fill
@@ -662,12 +650,12 @@ def check_config(config: MosaicGPUConfig, *, rows: int, head_dim: int, dtype: An
                      f"queries_as_n=True, an fp8 or int8 cache and values_in_registers=False, got "
                      f"{config.queries_as_n=} {jnp.dtype(dtype).name}")
   if config.queries_as_n:
-    tokens_last = one_byte and quantized.get("v_tokens_last") and not converter(config)
+    tokens_last = (not one_byte or quantized.get("v_tokens_last")) and not converter(config)
     if not (config.kv_groups == 1 and config.tile_consumers == 1 and tokens_last and rows <= AS_N_COLUMNS):
-      raise ValueError(f"queries_as_n=True needs an fp8 or int8 cache with v_tokens_last, <= {AS_N_COLUMNS} packed "
-                       f"rows and one consumer (kv_groups 1, tile_consumers 1), got {jnp.dtype(dtype).name} "
-                       f"v_tokens_last={bool(quantized.get('v_tokens_last'))} {rows=} {config.kv_groups=} "
-                       f"{config.tile_consumers=}")
+      raise ValueError(f"queries_as_n=True needs a 16-bit cache or an fp8 or int8 one with v_tokens_last, <= "
+                       f"{AS_N_COLUMNS} packed rows and one consumer (kv_groups 1, tile_consumers 1), got "
+                       f"{jnp.dtype(dtype).name} v_tokens_last={bool(quantized.get('v_tokens_last'))} {rows=} "
+                       f"{config.kv_groups=} {config.tile_consumers=}")
   if config.pipeline_qk and config.num_stages < 2 * config.kv_groups:   # a K slot held while the next lands
     raise ValueError(f"pipeline_qk=True needs num_stages >= 2 a KV group, got {config.num_stages=} for "
                      f"{config.kv_groups=}")
@@ -715,7 +703,8 @@ def heuristic_config(problem, *, dtype: Any = "bfloat16", given: MosaicGPUConfig
   if given.queries_as_n or small_pages or taken:
     # A tokens-last V tile comes from one page, or a page at a time from pages smaller than a tile.
     fits_page = problem.page_size is None or problem.page_size % AS_N_BLOCK_KV == 0 or small_pages
-    as_n = dataclasses.replace(start, queries_as_n=True, block_kv=AS_N_BLOCK_KV if fits_page else start.block_kv)
+    as_n = dataclasses.replace(start, queries_as_n=True,
+                               block_kv=AS_N_BLOCK_KV if fits_page and one_byte else start.block_kv)
     if _reads_values_as_stored(given, problem=problem, dtype=dtype):
       as_stored = deepest(given.over(dataclasses.replace(   # int8's terms paired: 5-7% faster (fp8: 5% slower)
           as_n, block_kv=AS_STORED_BLOCK_KV, values_as_stored=True, paired_terms=jnp.dtype(dtype) == jnp.int8)))

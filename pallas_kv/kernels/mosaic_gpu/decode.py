@@ -30,6 +30,7 @@ from pallas_kv.kernels import plan as split_plan
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import fp8_operands
 from pallas_kv.kernels.mosaic_gpu import pipeline
+from pallas_kv.kernels.mosaic_gpu import queries_as_n
 from pallas_kv.kernels.mosaic_gpu import tile_feeds
 from pallas_kv.kernels.mosaic_gpu import tiling
 from pallas_kv.kernels.mosaic_gpu import work
@@ -311,7 +312,10 @@ def _kernel(q_ref,
         fp8_where = dict(length=item.length, row0=row0, t0=t0, t1=t1, a=a, c=c, step0=steps_before, st=st,
                          start=item.start, interpret=st.smem.stage_p)
         fp8_rings = (rings[g]["k"], rings[g]["v"], rings[g].get("ks"), rings[g].get("vs"))
-        if st.smem.queries_as_n:
+        if st.smem.queries_as_n and not st.quantized:
+          tiles = queries_as_n.Tiles(q_tile, rings[g]["k"], rings[g]["v"], scratch["p_t"][w], st.smem.v_tokens_last)
+          carry = queries_as_n.consume(tiles, **fp8_where)
+        elif st.smem.queries_as_n:
           tiles = fp8_operands.AsNTiles(q_tile, queries.factors_of(item), *fp8_rings, scratch["p_t"][w],
                                         scratch["v_wide"][w], item.head)
           carry = fp8_operands.consume_as_n(tiles, **fp8_where)

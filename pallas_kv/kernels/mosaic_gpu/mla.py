@@ -35,6 +35,7 @@ from pallas_kv.kernels import frame
 from pallas_kv.kernels import plan as split_plan
 from pallas_kv.kernels.plan import SplitPlan
 from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
+from pallas_kv.kernels.mosaic_gpu import mla_config
 from pallas_kv.kernels.mosaic_gpu import pipeline
 from pallas_kv.kernels.mosaic_gpu import tiling
 from pallas_kv.kernels.mosaic_gpu import trace as mgpu_trace
@@ -447,7 +448,7 @@ def mla_partials(q, kv_pages, lengths, block_tables, *, num_queries: int, v_head
   B, R, D = q.shape
   if R % num_queries:
     raise ValueError(f"{num_queries=} must divide the packed rows {R=}")
-  reason = mgpu_config.mla_reason(D, v_head_dim, kv_pages.dtype)
+  reason = mla_config.mla_reason(D, v_head_dim, kv_pages.dtype)
   if reason:
     raise NotImplementedError(f"mosaic_gpu: {reason}")
   page_size = kv_pages.shape[1]

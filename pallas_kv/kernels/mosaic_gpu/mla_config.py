@@ -17,6 +17,29 @@ from pallas_kv.kernels.mosaic_gpu import config as mgpu_config
 from pallas_kv.kernels.mosaic_gpu import pipeline
 from pallas_kv.kernels.mosaic_gpu import tiling
 
+# Dv splits over two consumers in 64-column swizzle tiles; Q and two 64-token stages must fit SMEM.
+MLA_MAX_QK_DIM = 576
+MLA_V_DIM_MULTIPLE = 128
+MLA_ONE_BYTE_DTYPES = mgpu_config.FP8_DTYPES
+
+
+def mla_reason(qk_dim: int, v_dim: int, kv_dtype) -> str | None:
+  """Why the MLA kernel cannot serve a latent cache of Dqk = qk_dim, Dv = v_dim, or None."""
+  kv_dtype = jnp.dtype(kv_dtype)
+  if kv_dtype not in frame.KV_DTYPES + MLA_ONE_BYTE_DTYPES:
+    return (f"MLA needs a bfloat16, float16 or fp8 (e4m3 / e5m2: fp8 wgmma) cache on Mosaic GPU, got "
+            f"{kv_dtype.name}")
+  if v_dim % MLA_V_DIM_MULTIPLE or qk_dim % 64 or not v_dim <= qk_dim <= MLA_MAX_QK_DIM:
+    return (f"MLA needs v_head_dim a multiple of {MLA_V_DIM_MULTIPLE} and Dqk a multiple of 64 with "
+            f"v_head_dim <= Dqk <= {MLA_MAX_QK_DIM} on Mosaic GPU, got Dqk {qk_dim}, v_head_dim {v_dim}")
+  return None
+
+
+def unsupported_reason(problem, dtypes) -> str | None:
+  """Why the MLA kernel cannot serve the call, or None if it can."""
+  return (mla_reason(problem.head_dim, problem.v_head_dim, dtypes[1])
+          or mgpu_config.page_size_reason(problem.page_size))
+
 ROWS = mgpu_config.ROWS_PER_WG
 VALUE_WGS = 2                      # consumers, each owning Dv / 2 value columns
 BLOCK_KV = 64
