@@ -339,6 +339,27 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
   return acc * (1 / FP8_MAX), m_i, l_i
 
 
+def raw_scores(k_ring: pipeline.Ring, i, issue_qk, s_type):
+  """S^T of K's ring step i, its slot freed: issue_qk(s_ref, k_slot) into a scoped s_type accumulator."""
+  @region("qk")
+  def qk(s_ref):
+    issue_qk(s_ref, k_ring.wait(i))
+    return s_ref[...]
+
+  s = pl.run_scoped(qk, s_type)
+  k_ring.release(i)
+  return s
+
+
+def masked_keys(s, *, tile, length, row0, st, start=None):
+  """S^T [bkv, 16] (keys as rows, queries as columns) with -inf where a query does not see the key."""
+  keys = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+  rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA) + row0
+  ok = online_softmax.visible(rows, keys, tile_start=tile * st.tiling.block_kv, length=length,
+                              num_queries=st.num_queries, group=st.group, window=st.options.window, start=start)
+  return jnp.where(ok, s, -jnp.inf)
+
+
 # Queries as wgmma N (`queries_as_n`): a GQA group of <= 16 packed rows fills N = 16, not M = 64, so the softmax's
 # per-score work covers 16 columns of S^T [bkv, 16] instead of 64 rows of S, three quarters of them padding.
 QUERY_COLUMNS = mgpu_config.AS_N_COLUMNS
@@ -405,14 +426,7 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
       plgpu.wgmma(target, k_slot, tiles.q_terms.at[term, pl.ds(0, n)].transpose((1, 0)))
 
   def scores(i, tile, masked: bool):
-    @region("qk")
-    def qk(s_ref):
-      issue_qk(s_ref, tiles.k_ring.wait(i))
-      return s_ref[...]
-
-    s = pl.run_scoped(qk, s_type)
-    tiles.k_ring.release(i)
-    return scaled(s, i, tile, masked)
+    return scaled(raw_scores(tiles.k_ring, i, issue_qk, s_type), i, tile, masked)
 
   def key_scales(ring, i):
     """Step i's per-token scales of this head as a vector over the keys (S^T's rows), from the slot as stored."""
@@ -433,12 +447,8 @@ def consume_as_n(tiles: AsNTiles, *, length, row0, t0, t1, a, c, step0, st, star
     if tiles.v_scales is not None:
       value_scales = jnp.maximum(key_scales(tiles.v_scales, i), _VALUE_SCALE_FLOOR)
       s, inverse = s + per_token(jnp.log2(value_scales), s.shape), 1.0 / value_scales
-    if masked:
-      keys = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-      rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA) + row0
-      ok = online_softmax.visible(rows, keys, tile_start=tile * bkv, length=length, num_queries=st.num_queries,
-                                  group=st.group, window=st.options.window, start=start)
-      s = jnp.where(ok, s, -jnp.inf)   # also drops NaN scores (and V scales) of keys past the length
+    if masked:   # also drops NaN scores (and V scales) of keys past the length
+      s = masked_keys(s, tile=tile, length=length, row0=row0, st=st, start=start)
     return s, inverse
 
   def p_term(term: int, run: int):

@@ -59,23 +59,10 @@ def consume(tiles: Tiles, *, length, row0, t0, t1, a, c, step0, st, start=None, 
   def logits(s, tile, masked: bool):
     """Raw S^T [bkv, 16] as log2-unit logits, -inf where a query does not see the key (masked tiles)."""
     s = online_softmax.log2_logits_prescaled(s * factor, softcap=st.options.softcap)
-    if masked:
-      keys = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-      rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA) + row0
-      ok = online_softmax.visible(rows, keys, tile_start=tile * bkv, length=length, num_queries=st.num_queries,
-                                  group=st.group, window=st.options.window, start=start)
-      s = jnp.where(ok, s, -jnp.inf)
-    return s
+    return fp8_operands.masked_keys(s, tile=tile, length=length, row0=row0, st=st, start=start) if masked else s
 
   def scores(i, tile, masked: bool):
-    @region("qk")
-    def qk(s_ref):
-      issue_qk(s_ref, tiles.k_ring.wait(i))
-      return s_ref[...]
-
-    s = pl.run_scoped(qk, s_type)
-    tiles.k_ring.release(i)
-    return logits(s, tile, masked)
+    return logits(fp8_operands.raw_scores(tiles.k_ring, i, issue_qk, s_type), tile, masked)
 
   @region("softmax")
   def softmax(z, acc, m_i, l_part):
