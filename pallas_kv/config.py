@@ -142,7 +142,8 @@ class MosaicGPUConfig(KernelConfig):
     query columns instead of 64 rows, most of them padding (one consumer a program: kv_groups 1, tile_consumers 1).
     A 16-bit cache (V either layout), or an fp8 or int8 one with V stored tokens last, int8 read as stored (Q as two
     int8 terms, s8 wgmma). One-byte caches run 128-token tiles where the pages allow; the default takes it for dense
-    one-byte caches that allow it.
+    one-byte caches that allow it. Over a 16-bit cache it is opt-in (measured level with the padded rows where
+    pipeline_qk is on: docs/decisions.md#mosaic-16-bit-queries-as-n).
   values_as_stored: with queries_as_n, wgmma reads the V tile as stored, no widened copy: P^T goes as two one-byte
     terms (fp8: two e4m3 terms, P with bf16's error instead of f16's; int8: two int8 terms on s8 wgmma, P within
     1 / 127^2). The SMEM a widened V tile took holds 256-token tiles instead: the default takes both where two
