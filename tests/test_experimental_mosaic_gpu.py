@@ -348,26 +348,3 @@ def test_gpu_one_tile_loop_matches_reference(kv_dtype):
                          num_heads=32, num_kv_heads=8, head_dim=128, lengths=[2048, 1000, 0, 77, 2047, 1, 640, 1500])
   out = _tokens_last_call(case, MosaicGPUVariantConfig(one_tile_loop=True), False)
   assert_matches_reference(out, case.reference()[0][:, 0], case.q.dtype)
-
-
-def test_walk_from_smem_matches_the_walk_from_gmem_interpret():
-  # A stream-K walk the kernel plans, its lengths copied into SMEM first: bit-identical to the walk reading GMEM
-  # (empty sequences, one longer than a share), lowered for CUDA at B128; refused where the copy cannot be made.
-  key = jax.random.split(jax.random.key(64), 3)
-  q = jax.random.normal(key[0], (4, 8, 64), jnp.bfloat16)
-  k, v = (jax.random.normal(kk, (4, 320, 2, 64), jnp.bfloat16) for kk in key[1:])
-  lengths = jnp.array([300, 0, 17, 256], jnp.int32)
-  fields = dict(block_kv=64, split_plan="stream_k", persistent=True, pipeline_qk=True, num_splits=3)
-  with pkv.interpret():
-    outs = [pkv.decode_attention(q, k, v, lengths, impl="mosaic_gpu", return_lse=True,
-                                 config=MosaicGPUVariantConfig(walk_from_smem=smem, **fields)) for smem in (False, True)]
-    with pytest.raises(ValueError, match="walk_from_smem=True .* a batch a multiple of 4, got B=3"):
-      pkv.decode_attention(q[:3], k[:3], v[:3], lengths[:3], impl="mosaic_gpu",
-                           config=MosaicGPUVariantConfig(walk_from_smem=True, **fields))
-  for got, want in zip(outs[1], outs[0]):
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-  assert_matches_reference(outs[1][0], pkv.decode_attention(q, k, v, lengths, impl="xla"), q.dtype)
-  big = jax.ShapeDtypeStruct((128, 4096, 8, 128), jnp.bfloat16)
-  lower_for_cuda(functools.partial(pkv.decode_attention, impl="mosaic_gpu",
-                                   config=MosaicGPUVariantConfig(walk_from_smem=True, **fields)),
-                 jax.ShapeDtypeStruct((128, 32, 128), jnp.bfloat16), big, big, jax.ShapeDtypeStruct((128,), jnp.int32))

@@ -564,9 +564,11 @@ def test_mosaic_stream_k_resolves_to_persistent_programs(batch, pieces):
   made = plan.make_plan(jnp.full((batch,), 4000, jnp.int32), problem=problem, config=config, window=None,
                         row_blocks=1, num_sms=132, walked=True)
   assert made.walk.num_programs == min(132, batch * 8 * (pieces - 1))
-  # A call's own plan leaves the walk to its programs: no vector, so no launch before the kernel. A plan made
-  # ahead for several calls (`plan_splits`) computes the walk's vectors once, in XLA.
-  assert made.walk.in_kernel and made.kernel_inputs() == ()
+  # A call's own plan leaves the walk to its programs up to MAX_KERNEL_WALK_BATCH: no vector, so no launch before
+  # the kernel. A plan made ahead for several calls (`plan_splits`), or a larger batch, computes the walk's vectors
+  # once, in XLA.
+  in_kernel = batch <= plan.MAX_KERNEL_WALK_BATCH
+  assert made.walk.in_kernel == in_kernel and len(made.kernel_inputs()) == (0 if in_kernel else 4)
   ahead = plan.make_plan(jnp.full((batch,), 4000, jnp.int32), problem=problem, config=config, window=None,
                          row_blocks=1, num_sms=132, walked=True, ahead=True)
   assert ahead.walk.num_programs == made.walk.num_programs and len(ahead.kernel_inputs()) == 4

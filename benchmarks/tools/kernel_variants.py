@@ -88,8 +88,6 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...] | None]] = {
     # sk+pqk with its walk made ahead in XLA inside the timed step (`pallas_kv.plan_splits`), as before the kernel
     # planned its own walk: two launches before the kernel.
     "sk+pqk+ahead": ({"split_plan": "stream_k", "pipeline_qk": True, "plan_ahead": True}, None),
-    # sk+pqk with the lengths its programs walk copied into SMEM first (`experimental.MosaicGPUVariantConfig`)
-    "sk+pqk+smem_walk": ({"split_plan": "stream_k", "pipeline_qk": True, "walk_from_smem": True}, None),
     "splits_x2": ({"splits_factor": 2}, ("B1 T32768", "B8 T8192")),
     # Twice the work items at the same bytes: the time it adds over pqk+persistent, per extra item a program
     # streams, is what an item boundary costs (q's load, the first score, the partial's store).
@@ -159,7 +157,7 @@ SMOKE_PAGED_VARIANTS = ("baseline", "pqk+persistent")
 # Same code paths as others; stream-K's heuristic walk at B1 has 63 programs, slow to interpret (tests cover it).
 SMOKE_SKIPPED_VARIANTS = ("splits_x2", "baseline_again", "stream_k", "sk+pqk", "sk+tc2+pqk", "sk+pqk+ahead",
                           "pqk+persistent+splits_x2", "queries_as_n128", "asn", "asn128+pqk", "asn+pqk+persistent",
-                          "asn+sk+pqk", "sk+pqk+smem_walk")
+                          "asn+sk+pqk")
 # --warmup, --iters, --repeats on a GPU unless given (--smoke runs each call once, untimed).
 GPU_TIMING = {"warmup": 2, "iters": 20, "repeats": 5}
 # The fields of a timing.Timing that rows carry.

@@ -40,20 +40,16 @@ class MosaicGPUVariantConfig(MosaicGPUConfig):
   then the masked last ones): a program's code is fetched once for its tiles, at the mask's math a tile
   (`plan.tile_loops`). Built to test whether a ragged batch's masked last tiles pay a first pass over code of their
   own; not measured: another kernel between calls measured no first-pass cost (benchmarks/RESULTS.md, forty-sixth
-  set).
-  walk_from_smem: a stream-K call that plans for itself (no walk vectors) copies the B lengths into SMEM with one
-  TMA copy before its programs compute their shares (`plan.kernel_walk`), which then read SMEM instead of issuing B
-  scalar GMEM loads each; needs B a multiple of 4 (a copy of whole 16 bytes)."""
+  set)."""
   convert_warpgroup: bool = False
   explicit_barriers: bool = False
   values_in_registers: bool = False
   scales_by_head: bool = False
   one_tile_loop: bool = False
-  walk_from_smem: bool = False
 
   BOOL_FIELDS: ClassVar[tuple[str, ...]] = MosaicGPUConfig.BOOL_FIELDS + ("convert_warpgroup", "explicit_barriers",
                                                                           "values_in_registers", "scales_by_head",
-                                                                          "one_tile_loop", "walk_from_smem")
+                                                                          "one_tile_loop")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

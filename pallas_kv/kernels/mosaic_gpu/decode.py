@@ -145,7 +145,6 @@ class _Static:
   walk_vectors: int = 0   # stream-K: the walk's vectors passed in (4, a plan made ahead), or 0: planned inside
   explicit_barriers: bool = False   # no automatic barriers around SMEM stores: the kernel syncs where needed
   one_tile_loop: bool = False   # every tile through the masked step (`plan.tile_loops`)
-  walk_from_smem: bool = False   # the in-kernel stream-K walk reads the lengths copied into SMEM
   trace: mgpu_trace.KernelTrace | None = None   # a timeline of the call from inside (a diagnostic)
 
   @property
@@ -191,12 +190,6 @@ def _kernel(q_ref,
   refs = list(refs)
   q_factors_ref = refs.pop(0) if st.smem.one_byte_operands and not st.smem.splits_queries else None
   starts_ref = refs.pop(0) if st.options.has_window_start else None
-  if st.walk_from_smem:   # every warpgroup's walk and segments read the lengths from SMEM, one copy for all
-    @pl.when(lax.axis_index("wg") == 0)
-    def _():
-      plgpu.copy_gmem_to_smem(lengths_ref, scratch["walk_lengths"], scratch["walk_barrier"])
-    plgpu.barrier_wait(scratch["walk_barrier"])
-    lengths_ref = scratch["walk_lengths"]
   sequences = work.Sequences(lengths_ref, starts_ref, refs.pop(0) if st.ordered else None)
   tiles_per_split = refs.pop(0)[0] if st.balanced else None
   walk = work.WalkRefs(*(refs.pop(0) for _ in range(st.walk_vectors))) if st.stream_k else None
@@ -590,8 +583,6 @@ def _build(st: _Static, interpret: Any):
       jax.ShapeDtypeStruct((st.batch, st.num_kv_heads, st.num_splits, st.lse_rows), jnp.float32),
   )
   scratch = st.smem.scratch_types()
-  if st.walk_from_smem:
-    scratch.update(walk_lengths=plgpu.SMEM((st.batch,), jnp.int32), walk_barrier=plgpu.Barrier(num_arrivals=1))
   kind = "paged" if st.tiling.paged else "dense"
   name = (f"pallas_kv_decode_{kind}_r{st.rows}_d{D}_bkv{st.tiling.block_kv}"
           f"_st{st.smem.num_stages}_sp{st.num_splits}_g{st.kv_groups}")
@@ -605,7 +596,6 @@ def _build(st: _Static, interpret: Any):
       (st.smem.tile_consumers == 2, "_tc2"), (st.tile_math.name, f"_{st.tile_math.name}"),
       (st.balanced, "_balanced"), (st.stream_k, "_streamk" if st.walk_vectors else "_streamk_kwalk"),
       (st.ordered, "_ordered"), (st.explicit_barriers, "_eb"), (st.one_tile_loop, "_1loop"),
-      (st.walk_from_smem, "_swalk"),
       (st.options.has_window_start, "_wstart")]
   name += "".join(part for applies, part in suffixes if applies)
   if st.persistent:
@@ -704,11 +694,6 @@ def kernel_call(q, k, v, lengths, block_tables=None, *, num_queries: int, option
       trace=mgpu_trace.active())
   if plan.stream_k:
     st = dataclasses.replace(st, num_programs=plan.walk.num_programs, walk_vectors=len(plan.walk.arrays()))
-  if getattr(config, "walk_from_smem", False):   # `experimental.MosaicGPUVariantConfig`
-    if not plan.stream_k or st.walk_vectors or B % 4:
-      raise ValueError(f"walk_from_smem=True copies the lengths of a stream-K walk the kernel plans into SMEM: it "
-                       f"needs a stream-K plan without walk vectors and a batch a multiple of 4, got {B=}")
-    st = dataclasses.replace(st, walk_from_smem=True)
   elif config.persistent:
     if num_programs is None:
       num_programs = runtime.num_sms()
