@@ -40,6 +40,7 @@ def unsupported_reason(problem, dtypes) -> str | None:
   return (mla_reason(problem.head_dim, problem.v_head_dim, dtypes[1])
           or mgpu_config.page_size_reason(problem.page_size))
 
+
 ROWS = mgpu_config.ROWS_PER_WG
 VALUE_WGS = 2                      # consumers, each owning Dv / 2 value columns
 BLOCK_KV = 64

@@ -1,8 +1,9 @@
 """The GQA consumer over a 16-bit cache with the queries as wgmma's N (`queries_as_n`, <= 16 packed rows).
 
 A GQA group of a few packed rows padded to wgmma's M = 64 does four to sixteen times the products and the softmax
-it needs, and one consumer's serial chain per tile (Q K^T, softmax, P V) then bounds a program rather than HBM
-(docs/decisions.md#mosaic-16-bit-queries-as-n). Turned around, the rows fill N = 16:
+it needs, on one consumer's serial chain per tile (Q K^T, softmax, P V), which can bound a program rather than HBM.
+Turned around, the rows fill N = 16 (measured level with the padded rows where pipeline_qk overlaps the chain:
+docs/decisions.md#mosaic-16-bit-queries-as-n):
   S^T = K Q^T   K's slot [bkv, D] as A, q's first 16 rows [16, D] read transposed as B (both K-major);
   softmax       down S^T's 16 columns; the keys are M, so the running max crosses warps (one reduction a tile) and
                 the row sums are kept per score, summed once at the end (as `fp8_operands.consume_as_n` does);
@@ -104,4 +105,3 @@ def consume(tiles: Tiles, *, length, row0, t0, t1, a, c, step0, st, start=None, 
       lambda tile, i, s_raw, carry, masked: tile_math(logits(s_raw, tile, masked), i, tile, carry, masked),
       tiles=tiles, issue_qk=issue_qk, s_type=s_type, st=st, t0=t0, t1=t1, a=a, c=c, step0=step0, start=start)
   return acc, m_i, l_part.sum(axis=0)
-
