@@ -462,8 +462,7 @@ def test_head_dims_interpret(interpret_mode, head_dim, page_size):
     pytest.param(64, None, dict(block_kv=64, num_splits=2, persistent=True, pipeline_qk=True), dict(window=70),
                  marks=pytest.mark.slow),
     pytest.param(64, 16, dict(block_kv=64, num_splits=3, split_plan="stream_k", persistent=True, pipeline_qk=True),
-                 {},
-                 marks=pytest.mark.slow),
+                 {}, marks=pytest.mark.slow),
 ], ids=["d64-dense", "d128-page16-s2-pqk", "d32-bkv128-softcap", "d64-persistent-window", "d64-page16-stream-k"])
 def test_queries_as_n_over_a_16bit_cache_interpret(interpret_mode, head_dim, page_size, fields, options):
   case = make_case(head_dim, batch=2, seq_len=320, num_heads=8, num_kv_heads=2, head_dim=head_dim, num_queries=2,
@@ -477,7 +476,8 @@ def test_queries_as_n_over_a_16bit_cache_interpret(interpret_mode, head_dim, pag
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size,fields", [
     (None, dict(block_kv=64)), (None, dict(block_kv=128, pipeline_qk=True)),
-    (16, dict(pipeline_qk=True, persistent=True)), (None, dict(split_plan="stream_k", persistent=True, pipeline_qk=True))],
+    (16, dict(pipeline_qk=True, persistent=True)),
+    (None, dict(split_plan="stream_k", persistent=True, pipeline_qk=True))],
     ids=["dense", "bkv128-pqk", "page16-pqk-persistent", "stream-k"])
 def test_gpu_queries_as_n_over_a_16bit_cache(page_size, fields):
   from pallas_kv import runtime

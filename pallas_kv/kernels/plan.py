@@ -229,7 +229,8 @@ def fill_num_splits(problem, config, *, row_blocks: int, programs_per_sm: int = 
 # A call that plans for itself lets each persistent program derive its own share from the lengths (`kernel_walk`,
 # unrolled over the batch) up to this batch; larger batches, and plans made ahead, walk vectors computed in XLA.
 # The unrolled walk is on every warpgroup's path before its first tile: 4.6 µs faster than the XLA walk's two
-# launches at B8 and B32 (H100), 10 µs slower at B64 and 35-57 slower at B128, ragged (docs/decisions.md#stream-k-walk).
+# launches at B8 and B32 (H100), 10 µs slower at B64 and 35-57 slower at B128, ragged
+# (docs/decisions.md#stream-k-walk).
 MAX_KERNEL_WALK_BATCH = 32
 
 
