@@ -1,7 +1,8 @@
 """The Mosaic GPU GQA kernel's experimental variants (`pallas_kv.experimental.MosaicGPUVariantConfig`):
 the converter warpgroup, which widens one-byte K / V tiles for the consumers (FA3's fp8 path), explicit
-barriers (no automatic warpgroup barrier around each SMEM store) and per-token scales laid out by head. Numerics
-in GPU interpret mode, race detection, their checks, CUDA lowering and the GPU run."""
+barriers (no automatic warpgroup barrier around each SMEM store), per-token scales laid out by head, one tile loop
+and the stream-K walk as a loop. Numerics in GPU interpret mode, race detection, their checks, CUDA lowering and the
+GPU run."""
 
 import dataclasses
 import functools
@@ -348,3 +349,75 @@ def test_gpu_one_tile_loop_matches_reference(kv_dtype):
                          num_heads=32, num_kv_heads=8, head_dim=128, lengths=[2048, 1000, 0, 77, 2047, 1, 640, 1500])
   out = _tokens_last_call(case, MosaicGPUVariantConfig(one_tile_loop=True), False)
   assert_matches_reference(out, case.reference()[0][:, 0], case.q.dtype)
+
+
+# ---------------------------------------------------------------- the stream-K walk as a loop
+
+def _stream_k(**fields) -> MosaicGPUVariantConfig:
+  return MosaicGPUVariantConfig(split_plan="stream_k", block_kv=64, num_stages=2, num_splits=3, **fields)
+
+
+@pytest.mark.parametrize("walk_unroll", [1, 2], ids=["loop", "loop-by-2"])
+def test_walk_as_a_loop_matches_the_xla_walk_interpret(walk_unroll):
+  # Sequences cut into pieces, an empty one and one shorter than a tile, over two kv heads: the programs' own
+  # loops find the segments the XLA walk's vectors give, so the partials are the same bits.
+  key = jax.random.split(jax.random.key(70), 3)
+  q = jax.random.normal(key[0], (6, 4, 64), jnp.bfloat16)
+  k, v = (jax.random.normal(kk, (6, 256, 2, 64), jnp.bfloat16) for kk in key[1:])
+  lengths = jnp.array([250, 30, 0, 256, 5, 130], jnp.int32)
+  looped = _stream_k(walk_unroll=walk_unroll)
+  with pkv.interpret():
+    plan = pkv.plan_splits(pkv.decode_attention, q, k, v, lengths, impl="mosaic_gpu", config=looped)
+    out, lse = pkv.decode_attention(q, k, v, lengths, impl="mosaic_gpu", config=looped, return_lse=True)
+    ahead = pkv.decode_attention(q, k, v, lengths, impl="mosaic_gpu", config=_stream_k(), return_lse=True,
+                                 plan=pkv.plan_splits(pkv.decode_attention, q, k, v, lengths, impl="mosaic_gpu",
+                                                      config=_stream_k()))
+  assert plan.walk is not None and not plan.walk.in_kernel   # a plan made ahead still makes vectors
+  assert_matches_reference(out, pkv.decode_attention(q, k, v, lengths, impl="xla"), q.dtype)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ahead[0], np.float32))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(ahead[1]))
+
+
+def test_walk_unroll_is_checked_and_planned_in_the_kernel_at_any_batch():
+  with pytest.raises(ValueError, match="walk_unroll=-1 must be an int >= 0"):
+    _stream_k(walk_unroll=-1)
+  with pytest.raises(ValueError, match="walk_unroll=4 is the stream-K walk's; needs split_plan='stream_k'"):
+    MosaicGPUVariantConfig(walk_unroll=4, split_plan="per_sequence")
+  from pallas_kv.kernels import plan as split_plan
+  problem = dataclasses.make_dataclass("P", ["batch", "num_kv_heads", "num_queries", "capacity"])(128, 8, 1, 4096)
+  lengths = jnp.full((128,), 4096, jnp.int32)
+  for config, unroll in ((_stream_k(walk_unroll=8), 8), (_stream_k(), None)):
+    made = split_plan.make_plan(lengths, problem=problem, config=config, window=None, row_blocks=1, num_sms=132,
+                                walked=True)
+    # Past MAX_KERNEL_WALK_BATCH the shipped walk is XLA's vectors; the loop is the kernel's own at any batch.
+    assert made.walk.in_kernel == (unroll is not None) and made.walk.unroll == (unroll or 0)
+
+
+def test_walk_as_a_loop_lowers_to_less_code(monkeypatch):
+  # B128 T4096 heads 32/8 D128: the straight-line walk of 128 sequences against the loops unrolled by 4. Both
+  # lower for CUDA.
+  q = jax.ShapeDtypeStruct((128, 32, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((128, 4096, 8, 128), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((128,), jnp.int32)
+  sizes = {}
+  for unroll in (128, 4):
+    config = MosaicGPUVariantConfig(split_plan="stream_k", pipeline_qk=True, walk_unroll=unroll)
+    fn = functools.partial(pkv.decode_attention, impl="mosaic_gpu", config=config)
+    text = mosaic_text_for_cuda(monkeypatch, fn, q, k, k, lengths)
+    assert f"_streamk_kwalk{unroll}" in text
+    sizes[unroll] = len(text.splitlines())
+  # Each straight-line pass holds a load and ~5 ops a sequence, on every warpgroup's path.
+  print(sizes)
+  assert sizes[128] - sizes[4] > 2 * 124 * 5, sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("walk_unroll", [1, 8], ids=["loop", "loop-by-8"])
+def test_gpu_walk_as_a_loop_matches_reference(walk_unroll):
+  key = jax.random.split(jax.random.key(71), 4)
+  q = jax.random.normal(key[0], (64, 32, 128), jnp.bfloat16)
+  k, v = (jax.random.normal(kk, (64, 2048, 8, 128), jnp.bfloat16) for kk in key[1:3])
+  lengths = jax.random.randint(key[3], (64,), 0, 2049).at[:3].set(jnp.array([0, 1, 2048]))
+  config = MosaicGPUVariantConfig(split_plan="stream_k", pipeline_qk=True, walk_unroll=walk_unroll)
+  out = jax.jit(functools.partial(pkv.decode_attention, impl="mosaic_gpu", config=config))(q, k, v, lengths)
+  assert_matches_reference(out, pkv.decode_attention(q, k, v, lengths, impl="xla"), q.dtype)

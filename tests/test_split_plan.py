@@ -27,14 +27,17 @@ CONFIG_TYPE = {"triton": pkv.TritonConfig, "mosaic_gpu": pkv.MosaicGPUConfig}
 
 # ---------------------------------------------------------------- the plan itself
 
-def _walk_segments(lengths, *, block_kv, num_queries, window, head_blocks, num_programs, max_pieces, ahead):
+def _walk_segments(lengths, *, block_kv, num_queries, window, head_blocks, num_programs, max_pieces, ahead,
+                   unroll=0):
   """Every program's segments as the Mosaic GPU kernel finds them (`work.for_each_item`'s walk, run outside a
   kernel): (program, head block, sequence, t0, t1, slot, fill_from), and the plan's share. ahead: the walk's
-  vectors made in XLA (`plan.stream_k_walk`), else each program's share planned from the lengths."""
+  vectors made in XLA (`plan.stream_k_walk`), else each program's share planned from the lengths, its loops
+  unrolled `unroll` steps (0: the batch's, straight-line code)."""
   from pallas_kv.kernels.mosaic_gpu import work
   st = types.SimpleNamespace(batch=len(lengths), capacity=1 << 20, num_queries=num_queries, num_row_blocks=1,
                              num_kv_heads=head_blocks, num_programs=num_programs, num_splits=max_pieces,
-                             tiling=types.SimpleNamespace(block_kv=block_kv), options=types.SimpleNamespace(window=window))
+                             walk_unroll=unroll or len(lengths), tiling=types.SimpleNamespace(block_kv=block_kv),
+                             options=types.SimpleNamespace(window=window))
   sequences = work.Sequences(jnp.asarray(lengths, jnp.int32))
   refs = work.WalkRefs()
   if ahead:
@@ -53,12 +56,13 @@ def _walk_segments(lengths, *, block_kv, num_queries, window, head_blocks, num_p
   return segments, int(share.size)
 
 
-@pytest.mark.parametrize("ahead", [True, False], ids=["xla-walk", "kernel-walk"])
+@pytest.mark.parametrize("ahead,unroll", [(True, 0), (False, 0), (False, 1), (False, 3)],
+                         ids=["xla-walk", "kernel-walk", "kernel-loop", "kernel-loop-by-3"])
 @pytest.mark.parametrize("seed,batch,head_blocks,num_programs,max_pieces,window", [
     (0, 7, 3, 10, 2, None), (1, 5, 2, 24, 3, None), (2, 1, 1, 6, 4, None), (3, 9, 2, 132, 5, 300),
     (4, 6, 1, 4, 2, None)])
 def test_stream_k_walk_covers_each_tile_once_in_capped_pieces(seed, batch, head_blocks, num_programs, max_pieces,
-                                                              window, ahead):
+                                                              window, ahead, unroll):
   # What the kernel relies on: every visible tile of every (head block, sequence) lies in exactly one segment,
   # a sequence's pieces take slots 0, 1, ... below max_pieces in program order, the segment that ends it (and
   # only that one) names its piece count as fill_from, and every sequence, empty ones included, is visited.
@@ -70,7 +74,7 @@ def test_stream_k_walk_covers_each_tile_once_in_capped_pieces(seed, batch, head_
     lengths[:] = 0   # nothing to stream: the last program writes every empty sequence
   segments, share = _walk_segments(lengths, block_kv=block_kv, num_queries=num_queries, window=window,
                                    head_blocks=head_blocks, num_programs=num_programs, max_pieces=max_pieces,
-                                   ahead=ahead)
+                                   ahead=ahead, unroll=unroll)
   per_program = {}
   for h in range(head_blocks):
     for b, length in enumerate(lengths):

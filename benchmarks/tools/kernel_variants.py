@@ -88,6 +88,11 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...] | None]] = {
     # sk+pqk with its walk made ahead in XLA inside the timed step (`pallas_kv.plan_splits`), as before the kernel
     # planned its own walk: two launches before the kernel.
     "sk+pqk+ahead": ({"split_plan": "stream_k", "pipeline_qk": True, "plan_ahead": True}, None),
+    # sk+pqk with the programs' own walk as two loops over the batch at any batch, unrolled 1 / 8 / B steps
+    # (`experimental.MosaicGPUVariantConfig.walk_unroll`; B: the shipped straight-line walk, which B > 32 leaves).
+    "sk+pqk+loop1": ({"split_plan": "stream_k", "pipeline_qk": True, "walk_unroll": 1}, None),
+    "sk+pqk+loop8": ({"split_plan": "stream_k", "pipeline_qk": True, "walk_unroll": 8}, None),
+    "sk+pqk+straight": ({"split_plan": "stream_k", "pipeline_qk": True, "walk_unroll": 1 << 16}, None),
     "splits_x2": ({"splits_factor": 2}, ("B1 T32768", "B8 T8192")),
     # Twice the work items at the same bytes: the time it adds over pqk+persistent, per extra item a program
     # streams, is what an item boundary costs (q's load, the first score, the partial's store).
@@ -156,6 +161,7 @@ SMOKE_PROBE_SHAPES = ("B1 T128",)
 SMOKE_PAGED_VARIANTS = ("baseline", "pqk+persistent")
 # Same code paths as others; stream-K's heuristic walk at B1 has 63 programs, slow to interpret (tests cover it).
 SMOKE_SKIPPED_VARIANTS = ("splits_x2", "baseline_again", "stream_k", "sk+pqk", "sk+tc2+pqk", "sk+pqk+ahead",
+                          "sk+pqk+loop1", "sk+pqk+loop8", "sk+pqk+straight",
                           "pqk+persistent+splits_x2", "queries_as_n128", "asn", "asn128+pqk", "asn+pqk+persistent",
                           "asn+sk+pqk")
 # --warmup, --iters, --repeats on a GPU unless given (--smoke runs each call once, untimed).

@@ -40,16 +40,29 @@ class MosaicGPUVariantConfig(MosaicGPUConfig):
   then the masked last ones): a program's code is fetched once for its tiles, at the mask's math a tile
   (`plan.tile_loops`). Built to test whether a ragged batch's masked last tiles pay a first pass over code of their
   own; not measured: another kernel between calls measured no first-pass cost (benchmarks/RESULTS.md, forty-sixth
-  set)."""
+  set).
+  walk_unroll: split_plan='stream_k' planned by the call: each program's walk (`plan.kernel_walk`) as two loops over
+  the batch, each unrolled this many steps (the largest factor of B up to it), at any batch, where the shipped walk
+  is straight-line code up to B = 32 and vectors made in XLA above (docs/decisions.md#stream-k-walk: the unrolled
+  walk's code cost 10-57 µs at B64 / B128). 0: the shipped choice. Not yet measured on a GPU."""
   convert_warpgroup: bool = False
   explicit_barriers: bool = False
   values_in_registers: bool = False
   scales_by_head: bool = False
   one_tile_loop: bool = False
+  walk_unroll: int = 0
 
   BOOL_FIELDS: ClassVar[tuple[str, ...]] = MosaicGPUConfig.BOOL_FIELDS + ("convert_warpgroup", "explicit_barriers",
                                                                           "values_in_registers", "scales_by_head",
                                                                           "one_tile_loop")
+
+  def __post_init__(self):
+    super().__post_init__()
+    if not isinstance(self.walk_unroll, int) or self.walk_unroll < 0:
+      raise ValueError(f"{self.walk_unroll=} must be an int >= 0 (0: the shipped walk)")
+    if self.walk_unroll and self.split_plan != "stream_k":
+      raise ValueError(f"walk_unroll={self.walk_unroll} is the stream-K walk's; needs split_plan='stream_k', "
+                       f"got {self.split_plan!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

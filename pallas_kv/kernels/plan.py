@@ -230,7 +230,8 @@ def fill_num_splits(problem, config, *, row_blocks: int, programs_per_sm: int = 
 # unrolled over the batch) up to this batch; larger batches, and plans made ahead, walk vectors computed in XLA.
 # The unrolled walk is on every warpgroup's path before its first tile: 4.6 µs faster than the XLA walk's two
 # launches at B8 and B32 (H100), 10 µs slower at B64 and 35-57 slower at B128, ragged
-# (docs/decisions.md#stream-k-walk).
+# (docs/decisions.md#stream-k-walk). The walk as a loop (`experimental.MosaicGPUVariantConfig.walk_unroll`) is
+# the candidate for larger batches.
 MAX_KERNEL_WALK_BATCH = 32
 
 
@@ -249,6 +250,7 @@ class StreamKWalk:
   visits (those its share meets, and the empty ones that start in it; the kernel extends the last program's
   end over the empty ones at the end)."""
   num_programs: int = dataclasses.field(metadata=dict(static=True))
+  unroll: int = dataclasses.field(default=0, metadata=dict(static=True))   # the kernel's walk's (`kernel_walk`)
   offsets: jax.Array | None = None
   longest: jax.Array | None = None
   first: jax.Array | None = None
@@ -286,45 +288,47 @@ def share_bounds(program, share, total):
   return lo, jnp.minimum(lo + share, total)
 
 
-def kernel_walk(tiles, program, *, head_blocks: int, num_programs: int, max_pieces: int):
-  """One program's stream-K walk from each sequence's visible tile count (a list of B int32 scalars, unrolled:
-  inside a kernel, no prefix sum but adds). Returns (lo, hi, first, end, first_offset, share, per_head_block):
-  its share [lo, hi) of the tiles, the flat sequences [first, end) it visits, where flat sequence `first`
-  starts in its head block (offsets[first % B]), the share's size and N.
+def kernel_walk(tiles_of, batch: int, program, *, head_blocks: int, num_programs: int, max_pieces: int,
+                unroll: int):
+  """One program's stream-K walk from each sequence's visible tile count (tiles_of(b): an int32 scalar, a load
+  inside a kernel), in two loops over the batch (no prefix sum, but adds), each unrolled by the largest factor of
+  B up to `unroll` (B or more: straight-line code). Returns (lo, hi, first, end, first_offset, share, per_head_block):
+  its share [lo, hi) of the tiles, the flat sequences [first, end) it visits, where flat sequence `first` starts
+  in its head block (offsets[first % B]), the share's size and N.
 
   A sequence is visited by the programs whose shares meet it; an empty one by exactly one. The flat sequences
   starting before x = h * N + r (0 <= r < N) are counted as h * B + #{b: offsets[b] < r}: consecutive programs'
   ranges meet (end of p = that count at hi, first of p + 1 = that count at its lo, less one where a sequence
   straddles lo), so every sequence lies in one range or, straddling a bound, in both ranges beside it."""
-  batch = len(tiles)
-  offsets = [jnp.int32(0)]
-  longest = jnp.int32(0)
-  for count in tiles:
-    offsets.append(offsets[-1] + count)
-    longest = jnp.maximum(longest, count)
-  per_head_block = offsets[batch]
+  steps = max(d for d in range(1, min(max(unroll, 1), batch) + 1) if batch % d == 0)
+
+  def totals(b, carry):   # N (the running sum's end) and the longest sequence's tiles
+    running, longest = carry
+    count = tiles_of(b)
+    return running + count, jnp.maximum(longest, count)
+
+  zero = jnp.int32(0)
+  per_head_block, longest = lax.fori_loop(0, batch, totals, (zero, zero), unroll=steps)
   share = walk_share(per_head_block, longest, head_blocks=head_blocks, num_programs=num_programs,
                      max_pieces=max_pieces)
   lo, hi = share_bounds(program, share, head_blocks * per_head_block)
   nonzero = jnp.maximum(per_head_block, 1)   # N = 0: every bound is 0, h = r = 0
+  h_lo, h_hi = lax.div(lo, nonzero), lax.div(hi, nonzero)
+  r_lo, r_hi = lo - h_lo * per_head_block, hi - h_hi * per_head_block
 
-  def starting_before(x):
-    """(h * B + #{b: offsets[b] < r}, r, and per b whether offsets[b] < r) for x = h * N + r."""
-    h = lax.div(x, nonzero)
-    r = x - h * per_head_block
-    below = [offset < r for offset in offsets[:batch]]
-    return h * batch + sum(flag.astype(jnp.int32) for flag in below), r, below
+  def counts(b, carry):
+    """Sequences starting before r_lo and r_hi, and the last of those before r_lo: its start and end."""
+    offset, below_lo, below_hi, last_start, next_start = carry
+    following = offset + tiles_of(b)
+    starts_below = offset < r_lo
+    return (following, below_lo + starts_below.astype(jnp.int32), below_hi + (offset < r_hi).astype(jnp.int32),
+            jnp.where(starts_below, offset, last_start), jnp.where(starts_below, following, next_start))
 
-  count_lo, r_lo, below_lo = starting_before(lo)
-  end = starting_before(hi)[0]
-  # offsets[c] and offsets[c - 1] for c = #{b: offsets[b] < r_lo} (0 when c = 0): sequence c - 1 straddles lo
-  # when it ends past it.
-  last_start, next_start = jnp.int32(0), jnp.int32(0)
-  for b, flag in enumerate(below_lo):
-    last_start = jnp.where(flag, offsets[b], last_start)
-    next_start = jnp.where(flag, offsets[b + 1], next_start)
+  _, below_lo, below_hi, last_start, next_start = lax.fori_loop(0, batch, counts, (zero,) * 5, unroll=steps)
+  # The last sequence starting before r_lo straddles lo when it ends past it.
   straddles = next_start > r_lo
-  first = count_lo - straddles.astype(jnp.int32)
+  first = h_lo * batch + below_lo - straddles.astype(jnp.int32)
+  end = h_hi * batch + below_hi
   return lo, hi, first, end, jnp.where(straddles, last_start, next_start), share, per_head_block
 
 
@@ -431,9 +435,12 @@ def make_plan(lengths, *, problem, config, window: int | None, row_blocks: int, 
     head_blocks = problem.num_kv_heads * row_blocks
     programs = walk_programs(batch=problem.batch, head_blocks=head_blocks, max_pieces=config.num_splits,
                              num_sms=num_sms or runtime.num_sms(), programs_per_sm=programs_per_sm)
-    if not ahead and problem.batch <= MAX_KERNEL_WALK_BATCH:
+    # An experimental config's walk_unroll: the kernel's walk as a loop at any batch.
+    loop_unroll = getattr(config, "walk_unroll", 0)
+    if not ahead and (problem.batch <= MAX_KERNEL_WALK_BATCH or loop_unroll):
+      unroll = min(loop_unroll or problem.batch, problem.batch)
       return SplitPlan(kind="stream_k", num_splits=config.num_splits, block_kv=config.block_kv,
-                       walk=StreamKWalk(num_programs=programs))
+                       walk=StreamKWalk(num_programs=programs, unroll=unroll))
   if config.split_plan != "balanced" and order_of is None and not walk:
     return SplitPlan(kind=config.split_plan, num_splits=config.num_splits, block_kv=config.block_kv)
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, problem.capacity)

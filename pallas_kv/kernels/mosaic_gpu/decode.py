@@ -143,6 +143,7 @@ class _Static:
   ordered: bool = False   # the batch slots take the sequences of the plan's order
   stream_k: bool = False  # the persistent programs walk the plan's equal shares of the tiles (`work`)
   walk_vectors: int = 0   # stream-K: the walk's vectors passed in (4, a plan made ahead), or 0: planned inside
+  walk_unroll: int = 0    # stream-K planned inside: its loops' unroll (`plan.kernel_walk`; B: straight-line code)
   explicit_barriers: bool = False   # no automatic barriers around SMEM stores: the kernel syncs where needed
   one_tile_loop: bool = False   # every tile through the masked step (`plan.tile_loops`)
   trace: mgpu_trace.KernelTrace | None = None   # a timeline of the call from inside (a diagnostic)
@@ -594,7 +595,7 @@ def _build(st: _Static, interpret: Any):
       (st.smem.queries_as_n, "_asn" + "_vreg" * st.smem.values_in_registers + "_v8" * st.smem.values_as_stored
        + "_pair" * st.smem.paired_terms),
       (st.smem.tile_consumers == 2, "_tc2"), (st.tile_math.name, f"_{st.tile_math.name}"),
-      (st.balanced, "_balanced"), (st.stream_k, "_streamk" if st.walk_vectors else "_streamk_kwalk"),
+      (st.balanced, "_balanced"), (st.stream_k, "_streamk" if st.walk_vectors else f"_streamk_kwalk{st.walk_unroll}"),
       (st.ordered, "_ordered"), (st.explicit_barriers, "_eb"), (st.one_tile_loop, "_1loop"),
       (st.options.has_window_start, "_wstart")]
   name += "".join(part for applies, part in suffixes if applies)
@@ -693,7 +694,8 @@ def kernel_call(q, k, v, lengths, block_tables=None, *, num_queries: int, option
       one_tile_loop=bool(getattr(config, "one_tile_loop", False)),   # `experimental.MosaicGPUVariantConfig`
       trace=mgpu_trace.active())
   if plan.stream_k:
-    st = dataclasses.replace(st, num_programs=plan.walk.num_programs, walk_vectors=len(plan.walk.arrays()))
+    st = dataclasses.replace(st, num_programs=plan.walk.num_programs, walk_vectors=len(plan.walk.arrays()),
+                             walk_unroll=plan.walk.unroll)
   elif config.persistent:
     if num_programs is None:
       num_programs = runtime.num_sms()

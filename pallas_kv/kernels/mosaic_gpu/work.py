@@ -63,9 +63,9 @@ class WalkRefs:
     head_blocks = st.num_kv_heads * st.num_row_blocks
     flat_sequences = head_blocks * st.batch
     if self.offsets is None:
-      tiles = [_sequence_tiles(*sequences.bounds(b, st), st) for b in range(st.batch)]
       lo, hi, first, end, first_offset, share, per_head_block = split_plan.kernel_walk(
-          tiles, program, head_blocks=head_blocks, num_programs=st.num_programs, max_pieces=st.num_splits)
+          lambda b: _sequence_tiles(*sequences.bounds(b, st), st), st.batch, program, head_blocks=head_blocks,
+          num_programs=st.num_programs, max_pieces=st.num_splits, unroll=st.walk_unroll)
     else:
       per_head_block = self.offsets[st.batch]
       share = split_plan.walk_share(per_head_block, self.longest[0], head_blocks=head_blocks,
