@@ -36,7 +36,7 @@ declare -A PARTS=(
   [tune]="tune:tune" [tune_triton]="tune:tune_triton"   # Mosaic GPU's entries of the tuned file; Triton's
   [tune_one_byte]="tune:tune_both_fp8 tune:tune_both_int8"   # both backends over one-byte caches, one run
   [plans_one_byte]="tune:plans_both_fp8 tune:plans_both_int8"   # their plans, too (SUITE_FLAGS: --cases)
-  [tune_both]="tune:tune_both tune:tune_both_models" [plans_rows]="tune:plans_both_rows"   # both backends, full + ragged
+  [tune_both]="tune:tune_both tune:tune_both_models" [plans_rows]="tune:plans_both_rows tools.kernel_variants:walk_loop"
   [scaling]="scaling:scaling8k scaling:scaling32k"   # several GPUs
 )
 out="${OUT:-bench_out}" status=0 budget=$((SECONDS + ${SUITE_BUDGET:-86400})); mkdir -p "$out"
