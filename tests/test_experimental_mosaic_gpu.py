@@ -406,9 +406,9 @@ def test_walk_as_a_loop_lowers_to_less_code(monkeypatch):
     text = mosaic_text_for_cuda(monkeypatch, fn, q, k, k, lengths)
     assert f"_streamk_kwalk{unroll}" in text
     sizes[unroll] = len(text.splitlines())
-  # Each straight-line pass holds a load and ~5 ops a sequence, on every warpgroup's path.
-  print(sizes)
-  assert sizes[128] - sizes[4] > 2 * 124 * 5, sizes
+  # The straight-line walk is over a third of that kernel (two passes of a load and ~20 ops a sequence, on every
+  # warpgroup's path: 18.4 thousand lines against 11.7 with the loops).
+  assert sizes[4] < 0.7 * sizes[128], sizes
 
 
 @pytest.mark.gpu
