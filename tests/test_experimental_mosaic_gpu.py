@@ -369,9 +369,7 @@ def test_walk_as_a_loop_matches_the_xla_walk_interpret(walk_unroll):
   with pkv.interpret():
     plan = pkv.plan_splits(pkv.decode_attention, q, k, v, lengths, impl="mosaic_gpu", config=looped)
     out, lse = pkv.decode_attention(q, k, v, lengths, impl="mosaic_gpu", config=looped, return_lse=True)
-    ahead = pkv.decode_attention(q, k, v, lengths, impl="mosaic_gpu", config=_stream_k(), return_lse=True,
-                                 plan=pkv.plan_splits(pkv.decode_attention, q, k, v, lengths, impl="mosaic_gpu",
-                                                      config=_stream_k()))
+    ahead = pkv.decode_attention(q, k, v, lengths, impl="mosaic_gpu", config=looped, return_lse=True, plan=plan)
   assert plan.walk is not None and not plan.walk.in_kernel   # a plan made ahead still makes vectors
   assert_matches_reference(out, pkv.decode_attention(q, k, v, lengths, impl="xla"), q.dtype)
   np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ahead[0], np.float32))
