@@ -44,15 +44,21 @@ def _walk_segments(lengths, *, block_kv, num_queries, window, head_blocks, num_p
     refs = work.WalkRefs(*plan.stream_k_walk(jnp.asarray(lengths, jnp.int32), block_kv=block_kv,
                                              num_queries=num_queries, window=window, head_blocks=head_blocks,
                                              num_programs=num_programs, max_pieces=max_pieces).arrays())
+  share_of = jax.jit(lambda p: refs.program(p, sequences, st))   # jitted: one trace, not ops one by one
+
+  @jax.jit
+  def segment_of(flat, offset, p, share):
+    item, offset = work.segment_of(flat, offset, p, share, st, work._loads_of_flat(flat, sequences, st))
+    t0, t1, _, _ = item.ranges[0]
+    return (item.head, item.b, t0, t1, item.splits[0], item.fill_from), offset
+
   segments = []
   for p in range(num_programs):
-    share = refs.program(jnp.int32(p), sequences, st)
+    share = share_of(jnp.int32(p))
     offset = share.first_offset
     for flat in range(int(share.first), int(share.end)):
-      item, offset = work.segment_of(jnp.int32(flat), offset, p, share, st,
-                                     work._loads_of_flat(jnp.int32(flat), sequences, st))
-      t0, t1, _, _ = item.ranges[0]
-      segments.append((p, int(item.head), int(item.b), int(t0), int(t1), int(item.splits[0]), int(item.fill_from)))
+      fields, offset = segment_of(jnp.int32(flat), offset, jnp.int32(p), share)
+      segments.append((p, *map(int, fields)))
   return segments, int(share.size)
 
 
