@@ -44,6 +44,16 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def fresh_mosaic_gpu_interpreter():
+  """jax's Mosaic GPU interpreter keeps one process-wide simulated memory; a kernel whose interpretation ended
+  without its clean-up leaves it behind, and the next kernel reuses its buffers by key whatever their shapes
+  (docs/reliability.md). Each test starts from none."""
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call   # the reset has no public name
+  interpret_pallas_call.reset_gpu_interpret_mode_state()
+  yield
+
+
 @pytest.fixture
 def mosaic_interpret():
   """The `interpret=` value that runs a Mosaic GPU kernel in interpret mode on the CPU."""
