@@ -296,6 +296,8 @@ for path in paths:
     assert set(flags.FLAGS.rows) <= set(module.ALL_ROWS), flags.FLAGS.rows
   if routine == "tools.mosaic_one_byte":
     assert set(flags.FLAGS.only or ()) <= module.ROW_NAMES, set(flags.FLAGS.only) - module.ROW_NAMES
+  if routine == "tools.kernel_variants":
+    module.check_flags()   # variants, probe variant and probe shapes among those it runs
   if routine in ("decode", "tune"):
     from benchmarks import cases, cli, timing
     sweep = cli.sweep_from_flags()

@@ -88,8 +88,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...] | None]] = {
     # sk+pqk with its walk made ahead in XLA inside the timed step (`pallas_kv.plan_splits`), as before the kernel
     # planned its own walk: two launches before the kernel.
     "sk+pqk+ahead": ({"split_plan": "stream_k", "pipeline_qk": True, "plan_ahead": True}, None),
-    # sk+pqk with the programs' own walk as two loops over the batch at any batch, unrolled 1 / 8 / B steps
-    # (`experimental.MosaicGPUVariantConfig.walk_unroll`; B: the shipped straight-line walk, which B > 32 leaves).
+    # sk+pqk with the programs' own walk, two loops over the batch, unrolled 1 / 8 (the shipped) / B steps
+    # (`experimental.MosaicGPUVariantConfig.walk_unroll`; B: straight-line code, the walk shipped up to B32 before).
     "sk+pqk+loop1": ({"split_plan": "stream_k", "pipeline_qk": True, "walk_unroll": 1}, None),
     "sk+pqk+loop8": ({"split_plan": "stream_k", "pipeline_qk": True, "walk_unroll": 8}, None),
     "sk+pqk+straight": ({"split_plan": "stream_k", "pipeline_qk": True, "walk_unroll": 1 << 16}, None),
@@ -434,24 +434,36 @@ def define_flags() -> None:
   flags.DEFINE_boolean("ragged", False, "Random lengths in [1, T] (the decode benchmark's --ragged) instead of "
                        "full ones; TB/s counts the keys read.")
   flags.DEFINE_list("probe_shapes", None, f"Shapes of the kernel-only rows (default {','.join(PROBE_SHAPES)}); "
-                    "names as in the table, e.g. 'B32 T4096'.")
+                    "names as in the table, e.g. 'B32 T4096'; 'none': no kernel-only rows.")
   flags.DEFINE_string("probe_variant", "baseline", "The variant (of VARIANTS) whose config fields the "
                       "kernel-only rows take, e.g. pqk+persistent, the tuned config at B >= 8.")
   flags.DEFINE_boolean("load_path", False, "Also time the loads-only probe under each "
                        f"ring shape of LOAD_PATH ({', '.join(LOAD_PATH)}) on the probe shapes.")
 
 
+def check_flags() -> tuple[tuple, tuple[str, ...]]:
+  """(GPU shapes, probe shapes) the flags select, or a UsageError naming the flag at fault (a GPU run's flags, also
+  checked by the tests: a flagfile's bad value fails on a CPU, not on the GPU machine)."""
+  if FLAGS.probe_variant not in VARIANTS:
+    raise app.UsageError(f"--probe_variant: {FLAGS.probe_variant!r} is not among the variants {list(VARIANTS)}")
+  unknown = set(FLAGS.variants or ()) - set(VARIANTS) - {"none"}
+  if unknown:
+    raise app.UsageError(f"--variants: unknown {sorted(unknown)}; choose from {list(VARIANTS)}")
+  shapes = tuple(parse_shape(x) for x in FLAGS.shapes) if FLAGS.shapes else GPU_SHAPES
+  probe_shapes = () if FLAGS.probe_shapes == ["none"] else tuple(FLAGS.probe_shapes or PROBE_SHAPES)
+  unknown = set(probe_shapes) - {shape_name(*x) for x in shapes}
+  if unknown and FLAGS.probe_shapes:
+    raise app.UsageError(f"--probe_shapes: unknown {sorted(unknown)}; choose from "
+                         f"{[shape_name(*x) for x in shapes]} or 'none'")
+  return shapes, probe_shapes
+
+
 def main(argv: Sequence[str]) -> int:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  if FLAGS.probe_variant not in VARIANTS:
-    raise app.UsageError(f"--probe_variant: {FLAGS.probe_variant!r} is not among the variants {list(VARIANTS)}")
+  shapes, probe_shapes = check_flags()
   probe_fields = tuple(VARIANTS[FLAGS.probe_variant][0].items())
-  probe_shapes = tuple(FLAGS.probe_shapes or PROBE_SHAPES)
   if FLAGS.variants:
-    unknown = set(FLAGS.variants) - set(VARIANTS) - {"none"}
-    if unknown:
-      raise app.UsageError(f"--variants: unknown {sorted(unknown)}; choose from {list(VARIANTS)}")
     for name in list(VARIANTS):
       if name not in FLAGS.variants:
         del VARIANTS[name]
@@ -469,11 +481,6 @@ def main(argv: Sequence[str]) -> int:
                  **{**GPU_TIMING, **cli.timing_flags().given()},
                  rotate_bytes=timing.DEFAULT_ROTATE_BYTES, budget_s=FLAGS.budget_s, probe_fields=probe_fields,
                  ragged=FLAGS.ragged)
-    shapes = tuple(parse_shape(x) for x in FLAGS.shapes) if FLAGS.shapes else GPU_SHAPES
-    unknown = set(probe_shapes) - {shape_name(*x) for x in shapes}
-    if unknown and FLAGS.probe_shapes:
-      raise app.UsageError(f"--probe_shapes: unknown {sorted(unknown)}; choose from "
-                           f"{[shape_name(*x) for x in shapes]}")
     if not VARIANTS:  # kernel-only rows: only the shapes that have them
       shapes = tuple(x for x in shapes if shape_name(*x) in probe_shapes)
     rows = run(s, shapes, probe_shapes, json_path, FLAGS.load_path)
