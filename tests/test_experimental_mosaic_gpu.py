@@ -384,11 +384,11 @@ def test_walk_unroll_is_checked_and_planned_in_the_kernel_at_any_batch():
   from pallas_kv.kernels import plan as split_plan
   problem = dataclasses.make_dataclass("P", ["batch", "num_kv_heads", "num_queries", "capacity"])(128, 8, 1, 4096)
   lengths = jnp.full((128,), 4096, jnp.int32)
-  for config, unroll in ((_stream_k(walk_unroll=8), 8), (_stream_k(), None)):
+  for config, unroll in ((_stream_k(walk_unroll=1), 1), (_stream_k(walk_unroll=500), 128),
+                         (_stream_k(), split_plan.KERNEL_WALK_UNROLL)):
     made = split_plan.make_plan(lengths, problem=problem, config=config, window=None, row_blocks=1, num_sms=132,
                                 walked=True)
-    # Past MAX_KERNEL_WALK_BATCH the shipped walk is XLA's vectors; the loop is the kernel's own at any batch.
-    assert made.walk.in_kernel == (unroll is not None) and made.walk.unroll == (unroll or 0)
+    assert made.walk.in_kernel and made.walk.unroll == unroll   # at most the batch's steps
 
 
 def test_walk_as_a_loop_lowers_to_less_code(monkeypatch):

@@ -574,26 +574,26 @@ def test_mosaic_stream_k_resolves_to_persistent_programs(batch, pieces):
   made = plan.make_plan(jnp.full((batch,), 4000, jnp.int32), problem=problem, config=config, window=None,
                         row_blocks=1, num_sms=132, walked=True)
   assert made.walk.num_programs == min(132, batch * 8 * (pieces - 1))
-  # A call's own plan leaves the walk to its programs up to MAX_KERNEL_WALK_BATCH: no vector, so no launch before
-  # the kernel. A plan made ahead for several calls (`plan_splits`), or a larger batch, computes the walk's vectors
+  # A call's own plan leaves the walk to its programs, its loops unrolled by up to KERNEL_WALK_UNROLL: no vector, so
+  # no launch before the kernel. A plan made ahead for several calls (`plan_splits`) computes the walk's vectors
   # once, in XLA.
-  in_kernel = batch <= plan.MAX_KERNEL_WALK_BATCH
-  assert made.walk.in_kernel == in_kernel and len(made.kernel_inputs()) == (0 if in_kernel else 4)
+  assert made.walk.in_kernel and made.kernel_inputs() == ()
+  assert made.walk.unroll == min(batch, plan.KERNEL_WALK_UNROLL)
   ahead = plan.make_plan(jnp.full((batch,), 4000, jnp.int32), problem=problem, config=config, window=None,
                          row_blocks=1, num_sms=132, walked=True, ahead=True)
   assert ahead.walk.num_programs == made.walk.num_programs and len(ahead.kernel_inputs()) == 4
 
 
-def test_a_batch_past_the_kernel_walk_limit_walks_vectors_made_in_xla():
-  # The programs' own planning is unrolled over the batch; past MAX_KERNEL_WALK_BATCH the call makes the vectors.
-  batch = plan.MAX_KERNEL_WALK_BATCH + 1
+def test_a_large_batch_walks_its_plan_in_the_kernel_unless_made_ahead():
+  # The programs' own walk is two loops over the batch at any batch (B128: 16 steps of 8); only a plan made ahead
+  # walks vectors.
+  batch = 128
   _, problem = sweeps.problem_args((32, 8), (batch, 1024), None)
   config = mgpu_config.resolve_config(problem, pkv.MosaicGPUConfig(split_plan="stream_k"), num_sms=132)
   lengths = jnp.full((batch,), 1000, jnp.int32)
   made = plan.make_plan(lengths, problem=problem, config=config, window=None, row_blocks=1, num_sms=132, walked=True)
-  assert not made.walk.in_kernel and len(made.kernel_inputs()) == 4
-  smaller = dataclasses.replace(problem, batch=plan.MAX_KERNEL_WALK_BATCH)
-  assert plan.make_plan(lengths[:-1], problem=smaller, config=config, window=None, row_blocks=1, num_sms=132,
-                        walked=True).walk.in_kernel
+  assert made.walk.in_kernel and made.walk.unroll == plan.KERNEL_WALK_UNROLL and made.kernel_inputs() == ()
+  assert not plan.make_plan(lengths, problem=problem, config=config, window=None, row_blocks=1, num_sms=132,
+                            walked=True, ahead=True).walk.in_kernel
   assert plan.make_plan(jnp.full((batch,), 4000, jnp.int32), problem=problem, config=config, window=None,
                         row_blocks=1, num_sms=132).walk is None   # Triton plans stream-K in its kernel

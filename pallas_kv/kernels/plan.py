@@ -226,13 +226,12 @@ def fill_num_splits(problem, config, *, row_blocks: int, programs_per_sm: int = 
   return dataclasses.replace(config, num_splits=splits * splits_per_program)
 
 
-# A call that plans for itself lets each persistent program derive its own share from the lengths (`kernel_walk`,
-# unrolled over the batch) up to this batch; larger batches, and plans made ahead, walk vectors computed in XLA.
-# The unrolled walk is on every warpgroup's path before its first tile: 4.6 µs faster than the XLA walk's two
-# launches at B8 and B32 (H100), 10 µs slower at B64 and 35-57 slower at B128, ragged
-# (docs/decisions.md#stream-k-walk). The walk as a loop (`experimental.MosaicGPUVariantConfig.walk_unroll`) is
-# the candidate for larger batches.
-MAX_KERNEL_WALK_BATCH = 32
+# A call that plans for itself lets each persistent program derive its own share from the lengths (`kernel_walk`):
+# two loops over the batch, unrolled by up to this many steps (a batch of at most that many: straight-line code).
+# Ragged, H100: the loops unrolled 8 took 386.0 / 322.5 / 102.2 µs at B128 / B64 / B32 against the XLA walk's
+# 396.8 / 334.2 / 104.0 (two launches before the kernel) and the straight-line walk's 426.1 / 401.3 / 101.7: the
+# straight walk's cost was its code (docs/decisions.md#stream-k-walk).
+KERNEL_WALK_UNROLL = 8
 
 
 @jax.tree_util.register_dataclass
@@ -242,7 +241,7 @@ class StreamKWalk:
   head block (head block h's copy of sequence b at h * N + offsets[b]) and cut into equal shares of `walk_share`
   tiles, one a program (`share_bounds`).
 
-  Made by the call itself (batch <= MAX_KERNEL_WALK_BATCH) it holds no vectors: each program computes its share
+  Made by the call itself it holds no vectors: each program computes its share
   from the lengths (`kernel_walk`), and nothing launches before the kernel. Made ahead (`pallas_kv.plan_splits`,
   shared by a model's layers) it holds the vectors of `stream_k_walk`, two reductions in XLA: offsets int32
   [B + 1], the running sum of the sequences' tiles, N = offsets[B]; longest int32 [B + 1], every entry the
@@ -435,10 +434,8 @@ def make_plan(lengths, *, problem, config, window: int | None, row_blocks: int, 
     head_blocks = problem.num_kv_heads * row_blocks
     programs = walk_programs(batch=problem.batch, head_blocks=head_blocks, max_pieces=config.num_splits,
                              num_sms=num_sms or runtime.num_sms(), programs_per_sm=programs_per_sm)
-    # An experimental config's walk_unroll: the kernel's walk as a loop at any batch.
-    loop_unroll = getattr(config, "walk_unroll", 0)
-    if not ahead and (problem.batch <= MAX_KERNEL_WALK_BATCH or loop_unroll):
-      unroll = min(loop_unroll or problem.batch, problem.batch)
+    if not ahead:   # an experimental config's walk_unroll: the loops unrolled otherwise
+      unroll = min(getattr(config, "walk_unroll", 0) or KERNEL_WALK_UNROLL, problem.batch)
       return SplitPlan(kind="stream_k", num_splits=config.num_splits, block_kv=config.block_kv,
                        walk=StreamKWalk(num_programs=programs, unroll=unroll))
   if config.split_plan != "balanced" and order_of is None and not walk:
