@@ -7,7 +7,7 @@ declare -A PARTS=(
   [gqa]="decode:gqa"                      # the GQA sweep, every impl
   [host_loop]="decode:gqa_host_loop"      # the chain timer beside a Python loop of calls
   [rows]="decode:rows_ragged decode:rows_full decode:rows_paged16_ragged decode:rows_paged16_full"
-  [paged]="decode:paged16 decode:paged64"
+  [paged]="decode:paged16 decode:paged64" [plans_paged]="tune:plans_both_paged16"   # plans: then rows_paged16_ragged
   [models]="decode:llama3_8b decode:qwen25_7b decode:gemma2_9b"
   [vlast]="decode:vlast_bfloat16_nov_tokens_last decode:vlast_int8_v_tokens_last
            decode:vlast_float8_e4m3fn_v_tokens_last"   # one-byte caches on triton, bf16 beside
