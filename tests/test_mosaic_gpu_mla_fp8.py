@@ -28,13 +28,13 @@ FP8 = jnp.float8_e4m3fn
 
 
 def _case(seed, *, batch, seq_len, num_heads, num_queries, page_size, lengths, scales, qk_dim=SMALL_QK,
-          dtype=FP8):
+          dtype=FP8, magnitude=3.0):
   """(q bf16, fp8 pages, tables, lengths, kv_scale, the pages widened exactly in f32). scales: "token" (one per
-  token, from each row's max), a number, or None (values stored as they are)."""
+  token, from each row's max), a number, or None (values stored as they are); magnitude: the values' spread."""
   rng = np.random.default_rng(seed)
   shape = (batch, num_heads, qk_dim) if num_queries is None else (batch, num_queries, num_heads, qk_dim)
   q = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-  kv = rng.standard_normal((batch, seq_len, qk_dim)) * 3.0
+  kv = rng.standard_normal((batch, seq_len, qk_dim)) * magnitude
   kv[..., :4] *= 20.0   # outlier channels, as latent caches have
   pages, tables, _ = paginate(jnp.asarray(kv, jnp.float32), page_size, rng)
   if scales == "token":
@@ -85,6 +85,23 @@ def test_fp8_mla_interpret(interpret_mode, page_size, num_queries, num_heads, nu
   _check(case, (out, lse), scale=0.11)
   np.testing.assert_array_equal(np.asarray(out[1], np.float32), 0.0)
   assert np.isneginf(np.asarray(lse[1])).all()
+
+
+@pytest.mark.parametrize("num_heads", [4, 72], ids=["rows-as-n", "rows-as-m"])
+def test_fp8_mla_small_values_keep_their_precision(interpret_mode, num_heads):
+  # Values ~1e-5 take per-token scales ~1e-7: P times a key's scale fell below f16's normal range, P V's operand
+  # (errors 1.5e-2 / 1.8e-2 before; 0.19 at 1e-6); P over the running max of the scales met keeps the error of
+  # values ~3 (~2e-3).
+  case = _case(9, batch=2, seq_len=256, num_heads=num_heads, num_queries=None, page_size=32, lengths=[219, 256],
+               scales="token", magnitude=1e-5)
+  q, pages, tables, lengths, kv_scale, widened = case
+  scale = 0.3 / 1e-5   # logits of the usual spread
+  out, lse = pkv.mla_decode_attention(q, pages, tables, lengths, v_head_dim=SMALL_V, scale=scale, return_lse=True,
+                                      impl=IMPL, config=_config(2), kv_scale=kv_scale)
+  _check(case, (out, lse), scale=scale)
+  ref = pkv.mla_decode_attention_reference(q.astype(jnp.float32), widened, tables, lengths, v_head_dim=SMALL_V,
+                                           scale=scale)
+  assert relative_error(out, ref) < 5e-3
 
 
 def test_fp8_mla_garbage_past_lengths_never_reaches_an_output(interpret_mode):

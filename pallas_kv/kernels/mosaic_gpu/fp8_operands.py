@@ -40,8 +40,6 @@ from pallas_kv.kernels.mosaic_gpu import tiling
 
 FP8_MAX = mla_tiles.FP8_MAX
 FP8_OPERAND = mgpu_config.FP8_OPERAND_DTYPE
-# The floor of a row's running value scale: a row that has seen no key keeps P = 0 and acc = 0, never 0 / 0.
-_MIN_VALUE_SCALE = 1e-30
 ROWS = mgpu_config.ROWS_PER_WG   # wgmma M: a consumer's packed query rows
 
 
@@ -327,8 +325,8 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
   acc = plgpu.layout_cast(jnp.zeros((ROWS, st.tiling.head_dim), jnp.float32), plgpu.Layout.WGMMA)
   m_i = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), wgmma_rows)
   l_i = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), wgmma_rows)
-  c_i = plgpu.layout_cast(jnp.full((ROWS,), 1.0 if tiles.v_scales is None else _MIN_VALUE_SCALE, jnp.float32),
-                          wgmma_rows)
+  floor = 1.0 if tiles.v_scales is None else mla_tiles.MIN_VALUE_SCALE   # a row's running V scale
+  c_i = plgpu.layout_cast(jnp.full((ROWS,), floor, jnp.float32), wgmma_rows)
   acc, m_i, l_i, c_i = run_tiles(
       (acc, m_i, l_i, c_i), lambda tile, i, carry, masked: tile_step_math(scores(i), i, tile, carry, masked),
       lambda tile, i, s_raw, carry, masked: tile_step_math(scaled(s_raw, i), i, tile, carry, masked),

@@ -44,7 +44,7 @@ from pallas_kv.kernels.mosaic_gpu.mla_config import ROWS, VALUE_WGS, Codegen, Ml
 from pallas_kv.kernels.mosaic_gpu.mla_config import variant_schedule
 from pallas_kv.kernels.mosaic_gpu.mla_output import ProgramOutput
 from pallas_kv.kernels.mosaic_gpu.mla_tiles import Scores, SharedP, Static, TileMath, add_pv, start_state, zero_row
-from pallas_kv.kernels.mosaic_gpu.mla_tiles import scaled_scores, split_query
+from pallas_kv.kernels.mosaic_gpu.mla_tiles import MIN_VALUE_SCALE, running_value_scale, scaled_scores, split_query
 
 SCORER, PARTNER, PRODUCER = 0, 1, 2
 LSE_ROW_MULTIPLE = 4   # TMA stores need 16-byte rows: the lse output is padded to 4 float32 rows
@@ -214,15 +214,17 @@ def shipped_consumers(program: Program):
 
 def score_one_byte_tiles(program: Program, scores: Scores):
   """`score_tiles` over an fp8 cache: Q K^T from the fp8 slot; P V on the value columns the partner widened (or,
-  `Codegen.widen_own_values`, the scorer did while its Q K^T ran)."""
+  `Codegen.widen_own_values`, the scorer did while its Q K^T ran). With a scale per token, P is divided by the
+  running max of the scales met (`running_value_scale`), l and both accumulators kept in its units."""
   p, st = program, program.st
   own = st.codegen.widen_own_values
   axis = p.rows_axis
   s_type = plgpu.ACC((st.tiling.block_kv, st.rows_as_n) if st.rows_as_n else (ROWS, st.tiling.block_kv), jnp.float32)
   row_factor = p.row_factor()
+  token_scales = p.scale_ring is not None
 
   def step(tile, carry, *, masked: bool):
-    acc, m_i, l_i = carry
+    acc, m_i, l_i, c_i = carry
     i = tile - p.t0
     slot = p.ring.wait(i)
 
@@ -236,14 +238,16 @@ def score_one_byte_tiles(program: Program, scores: Scores):
     with region("qk"):
       s = pl.run_scoped(qk, s_type)
     p.ring.release(i)
-    key_scales = None
-    if p.scale_ring is not None:   # a vector over the keys: S's columns (rows as N: S^T's rows)
+    key_scales, c_new, units = None, c_i, None
+    if token_scales:   # a vector over the keys: S's columns (rows as N: S^T's rows)
       key_scales = plgpu.load(p.scale_ring.wait(i), layout=plgpu.Layout.WGMMA.reduce(axis))
+      c_new = running_value_scale(c_i, key_scales, keys_axis=1 - axis, valid_keys=p.valid_rows(tile, masked))
+      units = (jnp.log2(c_i), jnp.log2(c_new))
     with region("softmax"):
       alpha, m_new, l_new, prob = st.tile_math.softmax(scaled_scores(s, key_scales, keys_axis=1 - axis), m_i, l_i,
                                                        tile=tile, length=p.length, row0=p.row0, masked=masked,
-                                                       st=st, row_factor=row_factor)
-      # P V reads the unscaled widened values: each key's scale goes into P.
+                                                       st=st, row_factor=row_factor, log2_units=units)
+      # P V reads the unscaled widened values: each key's scale goes into P (P / c: at most 1).
       p16 = online_softmax.times_key_scales(prob, key_scales, masked=masked,
                                             keys_axis=1 - axis).astype(st.smem.dtype)
       acc = acc * online_softmax.per_row(alpha, acc.shape, axis)
@@ -255,9 +259,15 @@ def score_one_byte_tiles(program: Program, scores: Scores):
     pipeline.release_after_commit((p.scale_ring,), i)
     if not own:
       plgpu.barrier_arrive(p.values_free)   # after P V's wgmma: its result is read above
-    return acc, m_new, l_new
+    return acc, m_new, l_new, c_new
 
-  return unmasked_then_masked(p, step, start_state(accumulator_shape(p), rows_axis=axis))
+  acc, m_i, l_i = start_state(accumulator_shape(p), rows_axis=axis)
+  floor = MIN_VALUE_SCALE if token_scales else 1.0
+  c_i = plgpu.layout_cast(jnp.full(m_i.shape, floor, jnp.float32), p.row_vector_layout)
+  acc, m_i, l_i, c_i = unmasked_then_masked(p, step, (acc, m_i, l_i, c_i))
+  if token_scales:   # lse = (m + log2 c) ln 2 + ln(l / c); acc / l as it is
+    m_i = m_i + jnp.log2(c_i)
+  return acc, m_i, l_i
 
 
 def accumulator_shape(p: Program) -> tuple[int, int]:

@@ -48,9 +48,11 @@ class TileMath:
   def pv(self, acc_ref, p_tile, v_tile):
     plgpu.wgmma(acc_ref, p_tile, v_tile)
 
-  def softmax(self, s, m_i, l_i, *, tile, length, row0, masked: bool, st: "Static", row_factor=None):
+  def softmax(self, s, m_i, l_i, *, tile, length, row0, masked: bool, st: "Static", row_factor=None,
+              log2_units=None):
     """(alpha, m, l, p f32) from raw scores s [64, bkv] f32 (rows as N: S^T [bkv, N]); row_factor: each row's
-    factor ([64], WGMMA rows: an fp8 Q's), folded into the softmax's scale, or None."""
+    factor ([64], WGMMA rows: an fp8 Q's), folded into the softmax's scale, or None; log2_units: p divided by a
+    running c (`online_softmax.rescale_step`), or None."""
     rows_axis = 1 if st.rows_as_n else 0
     if row_factor is None:
       s = online_softmax.log2_logits(s, scale=st.scale, softcap=None)
@@ -62,7 +64,7 @@ class TileMath:
       ok = online_softmax.visible(rows, cols, tile_start=tile * st.tiling.block_kv, length=length,
                                   num_queries=st.num_queries, group=st.group, window=None)
       s = jnp.where(ok, s, -jnp.inf)   # also drops NaN scores of keys past the length
-    return online_softmax.rescale_step(s, m_i, l_i, rows_axis=rows_axis)
+    return online_softmax.rescale_step(s, m_i, l_i, rows_axis=rows_axis, log2_units=log2_units)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +202,9 @@ def zero_row(row_smem, w: int, st: Static):
 # ---------------------------------------------------------------- one-byte caches
 
 FP8_MAX = 448.0      # float8_e4m3fn's largest value: each q row is scaled to it
+# The floor of a row's running value scale (`running_value_scale`): a row that has seen no key keeps P = 0 and
+# acc = 0, never 0 / 0.
+MIN_VALUE_SCALE = 1e-30
 WIDEN_CHUNK = 64     # value columns widened per step: one 128-byte swizzle row of the 16-bit tile
 
 
@@ -229,6 +234,19 @@ def widen_values(slot, widened, w: int, st: Static, valid_rows=None):
       values = tiling.rows_below(values, valid_rows, plgpu.Layout.WGMMA_8BIT)
     widened[w].at[:, pl.ds(start, WIDEN_CHUNK)][...] = values
   plgpu.commit_smem()
+
+
+def running_value_scale(c_i, key_scales, *, keys_axis: int, valid_keys=None):
+  """The running max c of the value scales met, after a tile's key_scales [bkv] (the same for every row: c_i [rows]
+  stays a splat): P times a key's scale over c stays within [0, 1], where f16 (P V's operand over a one-byte cache)
+  keeps its precision; P times the scale alone falls below f16's normal range (6.1e-5) for a cache of small values
+  (a scale of amax / 448). valid_keys: a masked tile's keys from it on are left out (their scales may be inf or
+  NaN). One reduction of the [bkv] vector, not one per row."""
+  scales = key_scales
+  if valid_keys is not None:
+    keys = plgpu.broadcasted_iota(jnp.int32, key_scales.shape, 0, layout=plgpu.Layout.WGMMA.reduce(1 - keys_axis))
+    scales = jnp.where(keys < valid_keys, scales, 0.0)
+  return jnp.maximum(c_i, scales.max())
 
 
 def scaled_scores(s, key_scales=None, *, keys_axis: int = 1):
