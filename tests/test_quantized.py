@@ -151,6 +151,27 @@ def test_kernel_options_with_a_quantized_cache(interpret_mode, impl):
   assert_matches_reference(out, ref, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("impl,kv_dtype,v_tokens_last,head_scales", [
+    ("triton", jnp.int8, False, False), ("triton", jnp.float8_e4m3fn, True, False), ("triton", jnp.int8, True, True),
+    ("mosaic_gpu", jnp.int8, True, False), ("mosaic_gpu", jnp.float8_e4m3fn, True, False)],
+    ids=["triton-int8", "triton-fp8-vlast", "triton-int8-vlast-head", "mosaic_gpu-int8-vlast", "mosaic_gpu-fp8-vlast"])
+def test_small_value_scales_keep_their_precision(interpret_mode, impl, kv_dtype, v_tokens_last, head_scales):
+  # V scales ~1e-8 (a cache of values ~1e-6). Before, Triton's error was 0.67-0.84 (P times the scale, its f16
+  # operand, fell below f16's normal range) and Mosaic GPU's queries as N 1.0-1.1 (scales floored at 2^-24); P
+  # over the running max of the scales met, and a floor of 2^-64, keep ~1.7e-3, as at scales ~0.01.
+  rng = np.random.default_rng(12)
+  case = _quantized_case(12, kv_dtype, lengths=(100, 37, 128))
+  shape = case.k.shape[2:3] if head_scales else case.k.shape[:3]
+  k_scale = jnp.asarray(rng.uniform(0.01, 0.05, shape), jnp.float32)
+  v_scale = jnp.asarray(rng.uniform(1e-8, 5e-8, shape), jnp.float32)
+  v = jnp.moveaxis(case.v, 1, 3) if v_tokens_last else case.v   # [B, Hkv, D, T]
+  out = pkv.decode_attention(case.q, case.k, v, case.lengths, k_scale=k_scale, v_scale=v_scale, impl=impl,
+                             v_tokens_last=v_tokens_last)
+  ref = pkv.decode_attention_reference(case.q.astype(jnp.float32), case.k, case.v, case.lengths, k_scale=k_scale,
+                                       v_scale=v_scale)
+  assert_matches_reference(out, ref, jnp.bfloat16, tolerance=5e-3)
+
+
 def test_float32_queries_run_the_kernel_in_bfloat16(interpret_mode):
   case = _quantized_case(6, jnp.int8, num_queries=None, lengths=(90, 128))
   q = case.q.astype(jnp.float32)

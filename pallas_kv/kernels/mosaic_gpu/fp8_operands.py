@@ -361,9 +361,11 @@ def masked_keys(s, *, tile, length, row0, st, start=None):
 # Queries as wgmma N (`queries_as_n`): a GQA group of <= 16 packed rows fills N = 16, not M = 64, so the softmax's
 # per-score work covers 16 columns of S^T [bkv, 16] instead of 64 rows of S, three quarters of them padding.
 QUERY_COLUMNS = mgpu_config.AS_N_COLUMNS
-# The floor of a V scale in the logits' shift (a key's scale may be 0: its V is then 0, its P still counts in l):
-# the row sums' terms, P^T over the scale, stay <= 2^24; a key floored adds 2^-24 V of its weight, not 0.
-_VALUE_SCALE_FLOOR = 2.0 ** -24
+# The floor of a V scale in the logits' shift (a key's scale may be 0: its V is then 0, its P still counts in l).
+# A row's shift m is the max of logit + log2(scale), so a row sum's term, P^T over the scale = exp2(logit - m),
+# stays <= 1 / floor = 2^64 (f32 holds 2^127). Scales under it would be floored, so the floor sits far below any
+# real cache's (2^-24 here made a cache of values ~1e-6, scales ~3e-8, decode wrongly: error 0.08 to 1.1).
+_VALUE_SCALE_FLOOR = 2.0 ** -64
 
 
 @dataclasses.dataclass(frozen=True)

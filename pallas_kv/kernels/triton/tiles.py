@@ -278,15 +278,21 @@ def zero_rows(st: Static) -> tuple:
   return tuple(jnp.zeros((st.block_rows, width), jnp.float32) for _, width in st.pieces)
 
 
+# The floor of the running V scale c (`tile_step`): a row that has seen no key keeps P = 0 and acc = 0.
+MIN_VALUE_SCALE = 1e-30
+
+
 def initial_carry(st: Static):
-  """(acc as pieces, m, l) before the first tile."""
+  """(acc as pieces, m, l, c) before the first tile; c: the running max of the V scales met (1 without)."""
   return (zero_rows(st), jnp.full((st.block_rows,), -jnp.inf, jnp.float32),
-          jnp.zeros((st.block_rows,), jnp.float32))
+          jnp.zeros((st.block_rows,), jnp.float32),
+          jnp.full((st.block_rows,), MIN_VALUE_SCALE if st.v_scale else 1.0, jnp.float32))
 
 
-def finalize(acc: tuple, m_i, l_i):
-  """`online_softmax.finalize` of an accumulator in pieces: (out pieces, lse)."""
-  outs = [online_softmax.finalize(piece, m_i, l_i) for piece in acc]
+def finalize(acc: tuple, m_i, l_i, c_i):
+  """`online_softmax.finalize` of an accumulator in pieces: (out pieces, lse). l and acc are in units of 1 / c:
+  lse = (m + log2 c) ln 2 + ln(l / c)."""
+  outs = [online_softmax.finalize(piece, m_i + jnp.log2(c_i), l_i) for piece in acc]
   return tuple(out for out, _ in outs), outs[0][1]
 
 
@@ -302,23 +308,25 @@ def window_start_of(r: Refs, b, st: Static):
 
 def tile_step(r: Refs, q, tile, carry, *, head_scales, row0, length, seq: tuple, masked: bool, st: Static,
               start=None):
-  """One KV tile folded into the carry (acc, m, l); with `masked`, invisible keys (before start too, given
-  one) and values past L are 0."""
+  """One KV tile folded into the carry (acc, m, l, c); with `masked`, invisible keys (before start too, given
+  one) and values past L are 0. A V scale goes into P, divided by c, the running max of the V scales met: P s / c
+  stays within [0, 1], where P V's f16 operand keeps its precision (P s alone falls below f16's normal range for a
+  cache of small values); l and acc are kept in units of 1 / c."""
   bkv, G = st.block_kv, st.group
-  acc, m_i, l_i = carry
+  acc, m_i, l_i, c_i = carry
 
-  def scaled(x, scale_ref, kind, head_scale):
+  def scales_of(scale_ref, kind, head_scale):
     if kind == "token":
-      scales = load_tile(scale_ref, r.block_tables, tile, length, st, masked=masked, seq=seq, window_start=start)
-      return x * _per_column(scales, x.shape)
-    if kind == "head":
-      return x * head_scale
-    return x
+      return load_tile(scale_ref, r.block_tables, tile, length, st, masked=masked, seq=seq, window_start=start)
+    return head_scale if kind == "head" else None
+
+  def scaled(x, scales, kind):
+    return x * _per_column(scales, x.shape) if kind == "token" else x if scales is None else x * scales
 
   k = load_tile(r.k, r.block_tables, tile, length, st, masked=masked, seq=seq)
   s = functools.reduce(operator.add, (dot(q_piece, widen(k_piece, st), trans_b=True)
                                       for q_piece, k_piece in zip(q, k, strict=True)))
-  s = scaled(s, r.k_scale, st.k_scale, head_scales[0])
+  s = scaled(s, scales_of(r.k_scale, st.k_scale, head_scales[0]), st.k_scale)
   s = online_softmax.log2_logits(s, scale=st.options.scale, softcap=st.options.softcap)
   if masked:
     rows = jnp.arange(st.block_rows, dtype=jnp.int32)[:, None] + row0
@@ -326,14 +334,22 @@ def tile_step(r: Refs, q, tile, carry, *, head_scales, row0, length, seq: tuple,
     ok = online_softmax.visible(rows, cols, tile_start=tile * bkv, length=length, num_queries=st.num_queries,
                                 group=G, window=st.options.window, start=start)
     s = jnp.where(ok, s, -jnp.inf)
-  alpha, m_new, l_new, p = online_softmax.rescale_step(s, m_i, l_i)
+  v_scales, c_new, units = scales_of(r.v_scale, st.v_scale, head_scales[1]), c_i, None
+  if v_scales is not None:
+    met = v_scales
+    if st.v_scale == "token":   # per row, as m; keys a row does not see count for nothing
+      met = _per_column(v_scales, s.shape)
+      met = (jnp.where(s > -jnp.inf, met, 0.0) if masked else met).max(axis=1)
+    c_new = jnp.maximum(c_i, met)
+    units = (jnp.log2(c_i), jnp.log2(c_new))
+  alpha, m_new, l_new, p = online_softmax.rescale_step(s, m_i, l_i, log2_units=units)
   acc = tuple(piece * online_softmax.per_row(alpha, piece.shape) for piece in acc)
-  p = scaled(p, r.v_scale, st.v_scale, head_scales[1])   # the sum keeps the unscaled p (l_new)
+  p = scaled(p, v_scales, st.v_scale)   # the sum keeps the unscaled p (l_new)
   v = load_tile(r.v, r.block_tables, tile, length, st, masked=masked, seq=seq, tokens_last=st.v_tokens_last,
                 window_start=start)
   p = p.astype(q[0].dtype)
   acc = tuple(a + dot(p, widen(v_piece, st), trans_b=st.v_tokens_last) for a, v_piece in zip(acc, v))
-  return acc, m_new, l_new
+  return acc, m_new, l_new, c_new
 
 
 def first_row(head_block, st: Static):
