@@ -13,6 +13,10 @@ from jax import lax
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+# Where a value scale goes into P, the kernels divide P by c, the running max of the scales a row has met, so that
+# P's 16-bit operand stays within [0, 1] (`rescale_step`'s log2_units); c starts at this floor, so that a row that
+# has seen no key keeps P = 0 and acc = 0, never 0 / 0.
+MIN_VALUE_SCALE = 1e-30
 
 
 def per_row(x, shape, rows_axis: int = 0):

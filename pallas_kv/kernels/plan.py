@@ -241,13 +241,12 @@ class StreamKWalk:
   head block (head block h's copy of sequence b at h * N + offsets[b]) and cut into equal shares of `walk_share`
   tiles, one a program (`share_bounds`).
 
-  Made by the call itself it holds no vectors: each program computes its share
-  from the lengths (`kernel_walk`), and nothing launches before the kernel. Made ahead (`pallas_kv.plan_splits`,
-  shared by a model's layers) it holds the vectors of `stream_k_walk`, two reductions in XLA: offsets int32
-  [B + 1], the running sum of the sequences' tiles, N = offsets[B]; longest int32 [B + 1], every entry the
-  longest sequence's tiles; first, end int32 [P]: the flat sequences h * B + b in [first, end) that program p
-  visits (those its share meets, and the empty ones that start in it; the kernel extends the last program's
-  end over the empty ones at the end)."""
+  Made by the call itself it holds no vectors: each program computes its share from the lengths (`kernel_walk`),
+  and nothing launches before the kernel. Made ahead (`pallas_kv.plan_splits`, shared by a model's layers) it
+  holds the vectors of `stream_k_walk`, two reductions in XLA: offsets int32 [B + 1], the running sum of the
+  sequences' tiles, N = offsets[B]; longest int32 [B + 1], every entry the longest sequence's tiles; first, end
+  int32 [P]: the flat sequences h * B + b in [first, end) that program p visits (those its share meets, and the
+  empty ones that start in it; the kernel extends the last program's end over the empty ones at the end)."""
   num_programs: int = dataclasses.field(metadata=dict(static=True))
   unroll: int = dataclasses.field(default=0, metadata=dict(static=True))   # the kernel's walk's (`kernel_walk`)
   offsets: jax.Array | None = None

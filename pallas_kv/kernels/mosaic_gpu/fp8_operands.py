@@ -325,7 +325,7 @@ def consume(tiles: Fp8Tiles, *, length, row0, t0, t1, a, c, step0, st, tile_math
   acc = plgpu.layout_cast(jnp.zeros((ROWS, st.tiling.head_dim), jnp.float32), plgpu.Layout.WGMMA)
   m_i = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), wgmma_rows)
   l_i = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), wgmma_rows)
-  floor = 1.0 if tiles.v_scales is None else mla_tiles.MIN_VALUE_SCALE   # a row's running V scale
+  floor = 1.0 if tiles.v_scales is None else online_softmax.MIN_VALUE_SCALE   # a row's running V scale
   c_i = plgpu.layout_cast(jnp.full((ROWS,), floor, jnp.float32), wgmma_rows)
   acc, m_i, l_i, c_i = run_tiles(
       (acc, m_i, l_i, c_i), lambda tile, i, carry, masked: tile_step_math(scores(i), i, tile, carry, masked),

@@ -44,7 +44,7 @@ from pallas_kv.kernels.mosaic_gpu.mla_config import ROWS, VALUE_WGS, Codegen, Ml
 from pallas_kv.kernels.mosaic_gpu.mla_config import variant_schedule
 from pallas_kv.kernels.mosaic_gpu.mla_output import ProgramOutput
 from pallas_kv.kernels.mosaic_gpu.mla_tiles import Scores, SharedP, Static, TileMath, add_pv, start_state, zero_row
-from pallas_kv.kernels.mosaic_gpu.mla_tiles import MIN_VALUE_SCALE, running_value_scale, scaled_scores, split_query
+from pallas_kv.kernels.mosaic_gpu.mla_tiles import running_value_scale, scaled_scores, split_query
 
 SCORER, PARTNER, PRODUCER = 0, 1, 2
 LSE_ROW_MULTIPLE = 4   # TMA stores need 16-byte rows: the lse output is padded to 4 float32 rows
@@ -262,7 +262,7 @@ def score_one_byte_tiles(program: Program, scores: Scores):
     return acc, m_new, l_new, c_new
 
   acc, m_i, l_i = start_state(accumulator_shape(p), rows_axis=axis)
-  floor = MIN_VALUE_SCALE if token_scales else 1.0
+  floor = online_softmax.MIN_VALUE_SCALE if token_scales else 1.0
   c_i = plgpu.layout_cast(jnp.full(m_i.shape, floor, jnp.float32), p.row_vector_layout)
   acc, m_i, l_i, c_i = unmasked_then_masked(p, step, (acc, m_i, l_i, c_i))
   if token_scales:   # lse = (m + log2 c) ln 2 + ln(l / c); acc / l as it is

@@ -202,9 +202,6 @@ def zero_row(row_smem, w: int, st: Static):
 # ---------------------------------------------------------------- one-byte caches
 
 FP8_MAX = 448.0      # float8_e4m3fn's largest value: each q row is scaled to it
-# The floor of a row's running value scale (`running_value_scale`): a row that has seen no key keeps P = 0 and
-# acc = 0, never 0 / 0.
-MIN_VALUE_SCALE = 1e-30
 WIDEN_CHUNK = 64     # value columns widened per step: one 128-byte swizzle row of the 16-bit tile
 
 

@@ -278,15 +278,11 @@ def zero_rows(st: Static) -> tuple:
   return tuple(jnp.zeros((st.block_rows, width), jnp.float32) for _, width in st.pieces)
 
 
-# The floor of the running V scale c (`tile_step`): a row that has seen no key keeps P = 0 and acc = 0.
-MIN_VALUE_SCALE = 1e-30
-
-
 def initial_carry(st: Static):
   """(acc as pieces, m, l, c) before the first tile; c: the running max of the V scales met (1 without)."""
   return (zero_rows(st), jnp.full((st.block_rows,), -jnp.inf, jnp.float32),
           jnp.zeros((st.block_rows,), jnp.float32),
-          jnp.full((st.block_rows,), MIN_VALUE_SCALE if st.v_scale else 1.0, jnp.float32))
+          jnp.full((st.block_rows,), online_softmax.MIN_VALUE_SCALE if st.v_scale else 1.0, jnp.float32))
 
 
 def finalize(acc: tuple, m_i, l_i, c_i):
@@ -321,7 +317,9 @@ def tile_step(r: Refs, q, tile, carry, *, head_scales, row0, length, seq: tuple,
     return head_scale if kind == "head" else None
 
   def scaled(x, scales, kind):
-    return x * _per_column(scales, x.shape) if kind == "token" else x if scales is None else x * scales
+    if kind == "token":
+      return x * _per_column(scales, x.shape)
+    return x if scales is None else x * scales
 
   k = load_tile(r.k, r.block_tables, tile, length, st, masked=masked, seq=seq)
   s = functools.reduce(operator.add, (dot(q_piece, widen(k_piece, st), trans_b=True)
