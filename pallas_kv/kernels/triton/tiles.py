@@ -335,9 +335,10 @@ def tile_step(r: Refs, q, tile, carry, *, head_scales, row0, length, seq: tuple,
   v_scales, c_new, units = scales_of(r.v_scale, st.v_scale, head_scales[1]), c_i, None
   if v_scales is not None:
     met = v_scales
-    if st.v_scale == "token":   # per row, as m; keys a row does not see count for nothing
-      met = _per_column(v_scales, s.shape)
-      met = (jnp.where(s > -jnp.inf, met, 0.0) if masked else met).max(axis=1)
+    if st.v_scale == "token" and masked:   # per row, as m; keys a row does not see count for nothing
+      met = jnp.where(s > -jnp.inf, _per_column(v_scales, s.shape), 0.0).max(axis=1)
+    elif st.v_scale == "token":   # every row sees every key: one reduction of the [bkv] scales
+      met = jnp.max(v_scales, axis=0, keepdims=True)
     c_new = jnp.maximum(c_i, met)
     units = (jnp.log2(c_i), jnp.log2(c_new))
   alpha, m_new, l_new, p = online_softmax.rescale_step(s, m_i, l_i, log2_units=units)
